@@ -1,0 +1,5 @@
+"""``python -m treeverify`` — same as the ``treeverify`` console script."""
+
+from treeverify.cli import main
+
+raise SystemExit(main())

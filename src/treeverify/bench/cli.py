@@ -1,0 +1,48 @@
+"""`treeverify bench kernel`: the tree-verify grid on the GPU (JSON, table, roofline PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmarks against the roofline")
+    sub = p.add_subparsers(dest="bench_cmd", required=True)
+    k = sub.add_parser("kernel", help="time tree attention over the 54-case grid (needs a GPU)")
+    k.add_argument("--backends", default="cuda", help="comma list of cuda,triton,torch")
+    k.add_argument("--page-size", type=int, default=16)
+    k.add_argument("--reps", type=int, default=10, help="launches captured per CUDA graph")
+    k.add_argument("--replays", type=int, default=20, help="graph replays timed (median)")
+    k.add_argument("--only", help="run only cases whose name contains this")
+    k.add_argument("--no-verify", action="store_true", help="skip the reference comparison")
+    k.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    k.add_argument("--plot", metavar="PNG", help="write a roofline plot")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("treeverify bench kernel: needs a CUDA GPU (none visible)", file=sys.stderr)
+        return 3
+    from treeverify.bench.kernel import plot_roofline, print_table, run_grid, write_json
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ("cuda", "triton", "torch")]
+    if bad:
+        print(f"--backends: unknown {bad}; choose from cuda, triton, torch", file=sys.stderr)
+        return 64
+    result = run_grid(backends, page_size=args.page_size, reps=args.reps, replays=args.replays,
+                      only=args.only, verify=not args.no_verify)  # fmt: skip
+    print_table(result)
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        plot_roofline(result, args.plot)
+    bad_err = [r for r in result["rows"] if r.get("rel_err", 0) > 5e-3 or "error" in r]
+    if bad_err:
+        print(f"{len(bad_err)} rows failed correctness or errored", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,239 @@
+"""`treeverify bench kernel`: the 54-case grid, timed by CUDA-graph replay, against the floor.
+
+For each case and backend: build inputs (random bf16 data, random trees, shuffled pages), check
+the output against the reference (rel err, NaN-poisoned output first), then time. The cuda
+backend is timed as it runs in production: a TreeAttentionPlan captured in a CUDA graph with
+`reps` launches, replayed; median over replays. The torch backend (the reference, eager) is
+timed with events. Efficiency = floor / measured time (shared/bench/cases.json's formula).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from treeverify.bench.cases import Case, case_bytes_flops, floor_seconds, load_grid, make_inputs
+from treeverify.kernels.reference import tree_attention_reference
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o, r = out.double(), ref.double()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def _plan_for(case: Case, inp: dict, page_size: int):
+    from treeverify.kernels.plan import TreeAttentionPlan
+
+    plan = TreeAttentionPlan(
+        num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim_qk=case.dqk, head_dim_v=case.dv,
+        mla=case.mla, page_size=page_size, max_batch=case.B, max_tree=case.N,
+        max_pages_per_request=inp["block_table"].shape[1], max_kv_len=case.L + case.N,
+        sm_scale=inp["sm_scale"], dtype=inp["q"].dtype, device=inp["q"].device,
+    )  # fmt: skip
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    return plan
+
+
+def time_cuda(case: Case, inp: dict, page_size: int, reps: int, replays: int) -> tuple:
+    """(median seconds per launch, output of the captured run, plan)."""
+    plan = _plan_for(case, inp, page_size)
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    out = torch.full((q.shape[0], case.hq, case.dv), float("nan"), dtype=q.dtype, device=q.device)
+    plan.run(q, k, v, out)  # warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            plan.run(q, k, v, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    result = out.clone()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times), result, plan
+
+
+def time_torch(inp: dict, replays: int) -> tuple[float, torch.Tensor]:
+    args = _ref_args(inp)
+    out = tree_attention_reference(*args, v_head_dim=inp["v_head_dim"], check_data=False)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        tree_attention_reference(*args, v_head_dim=inp["v_head_dim"], check_data=False)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times), out
+
+
+def _ref_args(inp: dict) -> tuple:
+    return (
+        inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["prefix_lens"],
+        inp["qo_indptr"], inp["tree_mask"], inp["sm_scale"],
+    )  # fmt: skip
+
+
+def run_grid(
+    backends: list[str],
+    *,
+    page_size: int = 16,
+    reps: int = 10,
+    replays: int = 20,
+    only: str | None = None,
+    verify: bool = True,
+    torch_max_flops: float = 2e12,
+) -> dict:
+    cases, ceilings = load_grid()
+    if only:
+        cases = [c for c in cases if only in c.name]
+    rows = []
+    for i, case in enumerate(cases):
+        inp = make_inputs(case, page_size=page_size, device="cuda", seed=1000 + i)
+        ref = None
+        if verify:
+            ref = tree_attention_reference(
+                *_ref_args(inp), v_head_dim=inp["v_head_dim"], check_data=False
+            )
+        floor = floor_seconds(case, ceilings)
+        kv_bytes, flops = case_bytes_flops(case)
+        for backend in backends:
+            row = {"case": case.name, "backend": backend, **case.__dict__,
+                   "floor_us": floor * 1e6}  # fmt: skip
+            try:
+                if backend == "cuda":
+                    secs, out, plan = time_cuda(case, inp, page_size, reps, replays)
+                    row["splits"] = plan.split_policy.max_splits
+                    row["chunk"] = plan.split_policy.chunk
+                elif backend == "torch":
+                    if flops > torch_max_flops:
+                        row["skipped"] = "reference too slow at this size"
+                        rows.append(row)
+                        continue
+                    secs, out = time_torch(inp, max(3, replays // 4))
+                else:
+                    raise ValueError(f"backend {backend!r} is not built yet")
+            except Exception as exc:  # a failing backend is a row, not a crash of the sweep
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                rows.append(row)
+                print(f"{case.name:<34} {backend:<6} ERROR {row['error']}", file=sys.stderr)
+                continue
+            row.update(
+                us=secs * 1e6,
+                tb_per_s=kv_bytes / secs / 1e12,
+                tflop_per_s=flops / secs / 1e12,
+                efficiency=floor / secs,
+            )
+            if ref is not None:
+                row["rel_err"] = _rel_err(out, ref)
+            rows.append(row)
+            print(f"{case.name:<34} {backend:<6} {row['us']:9.1f} us  eff {row['efficiency']:6.1%}"
+                  f"  err {row.get('rel_err', float('nan')):.1e}", flush=True)
+        del inp, ref
+        torch.cuda.empty_cache()
+    summary = {}
+    for backend in backends:
+        effs = [r["efficiency"] for r in rows if r["backend"] == backend and "efficiency" in r]
+        errs = [r["rel_err"] for r in rows if r["backend"] == backend and "rel_err" in r]
+        summary[backend] = {
+            "cases": len(effs),
+            "geomean_efficiency": math.exp(statistics.fmean(math.log(e) for e in effs))
+            if effs else None,
+            "min_efficiency": min(effs) if effs else None,
+            "max_efficiency": max(effs) if effs else None,
+            "max_rel_err": max(errs) if errs else None,
+        }
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "commit": _git_commit(),
+        "command": " ".join(sys.argv),
+        "page_size": page_size,
+        "reps_per_graph": reps,
+        "replays": replays,
+        "ceilings": ceilings,
+        "summary": summary,
+        "rows": rows,
+    }
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_table(result: dict) -> None:
+    backends = list(result["summary"])
+    print(f"\n{'case':<34} {'floor us':>9} " + " ".join(f"{b + ' us':>10} {'eff':>6}"
+                                                     for b in backends))
+    by_case: dict[str, dict] = {}
+    for r in result["rows"]:
+        by_case.setdefault(r["case"], {})[r["backend"]] = r
+    for name, per in by_case.items():
+        first = next(iter(per.values()))
+        cells = []
+        for b in backends:
+            r = per.get(b, {})
+            if "us" in r:
+                cells.append(f"{r['us']:>10.1f} {r['efficiency']:>6.1%}")
+            else:
+                cells.append(f"{'-':>10} {'-':>6}")
+        print(f"{name:<34} {first['floor_us']:>9.1f} " + " ".join(cells))
+    for b, s in result["summary"].items():
+        if s["geomean_efficiency"] is not None:
+            print(f"{b}: geomean {s['geomean_efficiency']:.1%} of floor over {s['cases']} cases, "
+                  f"min {s['min_efficiency']:.1%}, max {s['max_efficiency']:.1%}, "
+                  f"max rel err {s['max_rel_err']}")
+
+
+def plot_roofline(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = result["ceilings"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [2**i for i in range(3, 14)]
+    ax.plot(xs, [min(c["peak_flops"], x * c["bw_bytes_per_s"]) / 1e12 for x in xs], "k-",
+            label="roofline (H200 measured ceilings)")
+    markers = {"cuda": "o", "torch": "x", "triton": "s"}
+    for b in result["summary"]:
+        pts = [(r["tflop_per_s"] * 1e12 / (r["tb_per_s"] * 1e12), r["tflop_per_s"])
+               for r in result["rows"] if r["backend"] == b and "tflop_per_s" in r]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), marker=markers.get(b, "."), label=b)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / prefix KV byte)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"tree-verify attention, {result['gpu']}, {result['date'][:10]}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=1))

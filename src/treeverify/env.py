@@ -1,0 +1,57 @@
+"""The one place treeverify reads environment variables.
+
+Every variable the package honours is listed in ``VARIABLES`` (name -> what it does, default) and
+read here, at call time, so tests can set them with ``monkeypatch.setenv``.
+
+| variable                | default              | meaning                                        |
+| ----------------------- | -------------------- | ---------------------------------------------- |
+| ``TREEVERIFY_CACHE_DIR`` | ``~/.cache/treeverify`` | on-disk cache (compiled kernels and the like) |
+| ``TREEVERIFY_LOG_LEVEL`` | ``WARNING``          | level of the ``treeverify`` logger (name or int) |
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+VARIABLES: dict[str, str] = {
+    "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
+    "(default ~/.cache/treeverify).",
+    "TREEVERIFY_LOG_LEVEL": "Level of the 'treeverify' logger: DEBUG, INFO, WARNING (default), "
+    "ERROR, or a number.",
+}
+
+
+def cache_dir() -> Path:
+    """TREEVERIFY_CACHE_DIR, or ~/.cache/treeverify. Not created here."""
+    value = os.environ.get("TREEVERIFY_CACHE_DIR", "").strip()
+    if value:
+        return Path(value).expanduser()
+    return Path.home() / ".cache" / "treeverify"
+
+
+def log_level() -> int:
+    """TREEVERIFY_LOG_LEVEL as a logging level; WARNING when unset. Bad values raise ValueError."""
+    value = os.environ.get("TREEVERIFY_LOG_LEVEL", "").strip()
+    if not value:
+        return logging.WARNING
+    if value.lstrip("-").isdigit():
+        return int(value)
+    level = logging.getLevelName(value.upper())
+    if not isinstance(level, int):
+        raise ValueError(
+            f"TREEVERIFY_LOG_LEVEL: expected DEBUG, INFO, WARNING, ERROR, CRITICAL or a number, "
+            f"got {value!r}"
+        )
+    return level
+
+
+def configure_logging() -> None:
+    """Give the 'treeverify' logger a stderr handler at TREEVERIFY_LOG_LEVEL (idempotent)."""
+    logger = logging.getLogger("treeverify")
+    logger.setLevel(log_level())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)

@@ -1,0 +1,67 @@
+"""Eager (non-captured) CUDA tree attention: sizes read from the arguments, workspace per call."""
+
+from __future__ import annotations
+
+import torch
+
+from treeverify.kernels.cuda.launch import Params
+from treeverify.kernels.cuda.runner import Launcher, check_alignment
+
+_launchers: dict[tuple, Launcher] = {}
+
+
+def launcher_for(
+    q: torch.Tensor, k_cache: torch.Tensor, dv: int, mla: bool, batch: int, max_tree: int,
+    max_kv: int, total_q_cap: int,
+) -> Launcher:
+    """A Launcher for this exact bucket, reused across calls with the same sizes."""
+    key = (q.device, q.dtype, q.shape[1], k_cache.shape[-2], q.shape[2], dv, mla, batch,
+           max_tree, max_kv, total_q_cap)
+    if key not in _launchers:
+        _launchers[key] = Launcher(
+            device=q.device, dtype=q.dtype, hq=q.shape[1], hkv=k_cache.shape[-2],
+            dqk=q.shape[2], dv=dv, mla=mla, max_batch=batch, max_tree=max_tree, max_kv=max_kv,
+            total_q_cap=total_q_cap,
+        )
+    return _launchers[key]
+
+
+def tree_attention_cuda(
+    q: torch.Tensor,  # (total_q, Hq, Dqk)
+    k_cache: torch.Tensor,  # (num_pages, page_size, Hkv, Dqk)
+    v_cache: torch.Tensor | None,  # (num_pages, page_size, Hkv, Dv) or None (MLA)
+    block_table: torch.Tensor,  # (B, max_pages) int32
+    prefix_lens: torch.Tensor,  # (B,) int32
+    qo_indptr: torch.Tensor,  # (B+1,) int32
+    tree_mask: torch.Tensor,  # (total_q, W) int32
+    sm_scale: float,
+    *,
+    v_head_dim: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Arguments already validated by tree_attention(); this reads two sizes to the host."""
+    mla = v_cache is None
+    dv = v_head_dim if mla else v_cache.shape[-1]
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t is not None:
+            check_alignment(name, t)
+    batch = prefix_lens.shape[0]
+    tree = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)  # (B,)
+    max_tree = int(tree.max().item())
+    max_kv = int((prefix_lens.to(torch.int64) + tree).max().item())
+    total_q = q.shape[0]
+    if out is None:
+        out = torch.empty(total_q, q.shape[1], dv, dtype=q.dtype, device=q.device)
+    check_alignment("out", out)
+    launcher = launcher_for(q, k_cache, dv, mla, batch, max_tree, max_kv, total_q)
+    o_shape, lse_shape = launcher.workspace_shapes()
+    part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    params = launcher.fill(
+        Params(), q=q, k=k_cache, v=v_cache, out=out, part_o=part_o, part_lse=part_lse,
+        block_table=block_table.contiguous(), prefix_lens=prefix_lens.contiguous(),
+        kv_indptr=None, qo_indptr=qo_indptr.contiguous(), tree_mask=tree_mask.contiguous(),
+        sm_scale=sm_scale,
+    )
+    launcher.launch(params)
+    return out

@@ -1,0 +1,170 @@
+"""The launch sequence of the CUDA backend: split policy, parameter filling, fwd + merge.
+
+`Launcher` is built once per problem family and bucket (at plan time or once per eager call):
+it compiles/loads the variants, fixes the grid and the split policy, and owns nothing that
+changes per step. `Launcher.fill()` writes tensor addresses and strides into a ctypes struct,
+and `Launcher.launch()` issues the two kernels on the current stream: no allocation, no sync.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
+from treeverify.kernels.cuda.variants import FwdVariant, MergeVariant, fwd_variant
+
+MAX_SPLITS = 64
+MIN_CHUNK_TOKENS = 256  # a split shorter than this costs more in merge traffic than it saves
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    max_splits: int  # grid.y; requests use ceil((P+T)/chunk) <= max_splits of them
+    chunk: int  # KV tokens per split, a multiple of the KV tile
+
+
+def choose_splits(
+    *, batch: int, hkv: int, m_tiles: int, max_kv: int, bn: int, num_sms: int, ctas_per_sm: int
+) -> SplitPolicy:
+    """Enough CTAs to fill about one wave of the GPU, never splits shorter than MIN_CHUNK_TOKENS.
+
+    Decided on the host from the bucket's capacities only, so a captured grid stays valid for
+    every length in the bucket; shorter requests get fewer splits on the device.
+    """
+    base = max(1, batch * hkv * m_tiles)
+    wave = num_sms * ctas_per_sm
+    want = max(1, math.ceil(wave / base))
+    by_len = max(1, math.ceil(max_kv / MIN_CHUNK_TOKENS))
+    splits = max(1, min(want, by_len, MAX_SPLITS))
+    chunk = math.ceil(math.ceil(max_kv / splits) / bn) * bn
+    return SplitPolicy(splits, max(chunk, bn))
+
+
+class Launcher:
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        hq: int,
+        hkv: int,
+        dqk: int,
+        dv: int,
+        mla: bool,
+        max_batch: int,
+        max_tree: int,
+        max_kv: int,
+        total_q_cap: int,
+    ):
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"q: the cuda backend takes bf16 or fp16, got {dtype}")
+        self.device = torch.device(device)
+        self.dtype_name = "bf16" if dtype == torch.bfloat16 else "fp16"
+        self.arch = device_arch(self.device)
+        self.fwd: FwdVariant = fwd_variant(self.arch, dqk, dv, mla, self.dtype_name)
+        self.merge = MergeVariant(dv, self.dtype_name)
+        self.fwd_kernel = load(self.fwd, self.device)
+        self.merge_kernel = load(self.merge, self.device)
+        self.hq, self.hkv, self.dqk, self.dv, self.mla = hq, hkv, dqk, dv, mla
+        self.group = hq // hkv
+        self.max_batch, self.max_tree, self.total_q_cap = max_batch, max_tree, total_q_cap
+        self.m_tiles = math.ceil(max_tree * self.group / self.fwd.bm)
+        props = torch.cuda.get_device_properties(self.device)
+        ctas_per_sm = max(1, min(2, (227 * 1024) // max(self.fwd.smem_bytes, 1)))
+        self.splits = choose_splits(
+            batch=max_batch, hkv=hkv, m_tiles=self.m_tiles, max_kv=max_kv, bn=self.fwd.bn,
+            num_sms=props.multi_processor_count, ctas_per_sm=ctas_per_sm,
+        )
+        self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
+        self.merge_grid = (total_q_cap, hq, 1)
+
+    def workspace_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Partial O (fp32) and LSE shapes; empty when no request can be split."""
+        s = self.splits.max_splits
+        if s == 1:
+            return (0,), (0,)
+        return (s, self.total_q_cap, self.hq, self.dv), (s, self.total_q_cap, self.hq)
+
+    def fill(
+        self,
+        params: Params,
+        *,
+        q: torch.Tensor,  # (total_q, Hq, Dqk)
+        k: torch.Tensor,  # (pages, page_size, Hkv, Dqk) or (slots, Hkv, Dqk) with page_size 1
+        v: torch.Tensor | None,
+        out: torch.Tensor,  # (total_q, Hq, Dv)
+        part_o: torch.Tensor,
+        part_lse: torch.Tensor,
+        block_table: torch.Tensor,
+        prefix_lens: torch.Tensor | None,
+        kv_indptr: torch.Tensor | None,
+        qo_indptr: torch.Tensor,
+        tree_mask: torch.Tensor,
+        sm_scale: float,
+        k_ext: torch.Tensor | None = None,
+        v_ext: torch.Tensor | None = None,
+    ) -> Params:
+        """Write every address, stride and size into `params` (host only, no device work)."""
+        kp = _paged_strides(k)
+        vp = kp if v is None else _paged_strides(v)
+        params.q, params.k = q.data_ptr(), k.data_ptr()
+        params.v = k.data_ptr() if v is None else v.data_ptr()
+        params.out = out.data_ptr()
+        params.part_o = part_o.data_ptr() if part_o.numel() else 0
+        params.part_lse = part_lse.data_ptr() if part_lse.numel() else 0
+        params.block_table = block_table.data_ptr()
+        params.bt_i64 = int(block_table.dtype == torch.int64)
+        params.bt_stride = block_table.stride(0) if block_table.dim() == 2 else 0
+        params.prefix_lens = prefix_lens.data_ptr() if prefix_lens is not None else 0
+        params.kv_indptr = kv_indptr.data_ptr() if kv_indptr is not None else 0
+        params.qo_indptr = qo_indptr.data_ptr()
+        params.tree_mask = tree_mask.data_ptr()
+        params.k_ext = k_ext.data_ptr() if k_ext is not None else 0
+        params.v_ext = (v_ext if v_ext is not None else k_ext).data_ptr() if k_ext is not None else 0
+        params.q_stride_tok, params.q_stride_head = q.stride(0), q.stride(1)
+        params.k_stride_page, params.k_stride_slot, params.k_stride_head = kp
+        params.v_stride_page, params.v_stride_slot, params.v_stride_head = vp
+        params.o_stride_tok, params.o_stride_head = out.stride(0), out.stride(1)
+        if k_ext is not None:
+            params.kext_stride_tok, params.kext_stride_head = k_ext.stride(0), k_ext.stride(1)
+            ve = v_ext if v_ext is not None else k_ext
+            params.vext_stride_tok, params.vext_stride_head = ve.stride(0), ve.stride(1)
+        params.batch = self.max_batch
+        params.hq, params.hkv, params.group = self.hq, self.hkv, self.group
+        params.page_size = k.shape[1] if k.dim() == 4 else 1
+        params.mask_words = tree_mask.shape[1]
+        params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
+        params.total_q_cap = self.total_q_cap
+        params.scale_log2 = scale_log2(sm_scale)
+        return params
+
+    def launch(self, params: Params) -> None:
+        """Forward, then merge (the merge skips requests that were not split)."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.fwd_kernel.launch(self.grid, [params], stream)
+        if self.splits.max_splits > 1:
+            self.merge_kernel.launch(self.merge_grid, [params], stream)
+
+
+def _paged_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+    """(page, slot, head) element strides of a (pages, page_size, H, D) or (slots, H, D) pool."""
+    if cache.dim() == 4:
+        return cache.stride(0), cache.stride(1), cache.stride(2)
+    return cache.stride(0), 0, cache.stride(1)
+
+
+def check_alignment(name: str, t: torch.Tensor) -> None:
+    """cp.async moves 16-byte chunks: base and every row start must be 16-byte aligned."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the cuda backend needs a contiguous last dimension")
+    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        raise ValueError(
+            f"{name}: the cuda backend needs 16-byte aligned rows (base % 16 == 0, strides "
+            f"multiples of 8 elements), got strides {tuple(t.stride())}"
+        )
+
+
+

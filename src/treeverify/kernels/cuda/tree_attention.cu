@@ -1,0 +1,531 @@
+// Tree-verify attention, hand-written CUDA C++ (compiled at run time by NVRTC).
+//
+// Version log (geomean = % of the roofline floor over shared/bench/cases.json on one H200,
+// CUDA-graph replay, median; "-" = not measured yet; see docs/performance.md for the runs):
+//   v1  mma.sync m16n8k16 (portable sm_80+), rows = (tree node, q head) packed per KV head so
+//       one KV tile serves every head of its group and every node of the request; prefix split
+//       across CTAs (split-KV) with fp32 partial O + log2-LSE and a separate merge kernel; the
+//       split count is decided on the device from the plan's (max_splits, chunk), so the grid
+//       is fixed per bucket (capture-safe); cp.async multi-stage KV pipeline; the tail tiles
+//       (tree nodes) read the packed tree mask and skip columns past the tile's last node
+//       (topological order). MLA: one 576-wide latent row in shared memory serves QK (576)
+//       and PV (first 512 columns); warps split the 512 V columns in two and exchange P
+//       through shared memory.                                            geomean: see perf.
+//
+// Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
+// KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
+// Each warp owns 16 rows and DV/WN output columns; WN warps share the same rows.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace treeverify {
+
+#define TV_INF __int_as_float(0x7f800000)  // NVRTC has no <math.h> INFINITY
+
+// Kernel parameters, passed by value (one struct, filled by kernels/cuda/launch.py; the
+// field order and types there must match this struct exactly).
+struct TreeAttnParams {
+  const void* q;            // (total_q, Hq, Dqk)
+  const void* k;            // k cache base
+  const void* v;            // v cache base (GQA) / unused (MLA: V is k's first DV columns)
+  void* out;                // (total_q, Hq, Dv)
+  float* part_o;            // (max_splits, total_q_cap, Hq, Dv) fp32 partial outputs
+  float* part_lse;          // (max_splits, total_q_cap, Hq) log2-domain LSE of each split
+  const void* block_table;  // int32 or int64 page ids
+  const int* prefix_lens;   // (B,) or null when kv_indptr is given
+  const int* kv_indptr;     // (B+1,) SGLang prefix indptr into block_table, or null
+  const int* qo_indptr;     // (B+1,)
+  const unsigned* tree_mask;  // (total_q, mask_words)
+  const void* k_ext;        // SGLang: tree nodes' K (total_q, Hkv, Dqk), or null (in cache)
+  const void* v_ext;        // SGLang: tree nodes' V, or null
+  long long q_stride_tok, q_stride_head;
+  long long k_stride_page, k_stride_slot, k_stride_head;
+  long long v_stride_page, v_stride_slot, v_stride_head;
+  long long o_stride_tok, o_stride_head;
+  long long kext_stride_tok, kext_stride_head, vext_stride_tok, vext_stride_head;
+  long long bt_stride;      // row stride of block_table when kv_indptr is null
+  int bt_i64;               // 1: block_table holds int64 ids
+  int batch, hq, hkv, group, page_size, mask_words;
+  int max_splits, chunk, total_q_cap;
+  float scale_log2;         // sm_scale * log2(e)
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ float to_float(unsigned short bits) {
+  if constexpr (BF16) {
+    return __uint_as_float(static_cast<unsigned>(bits) << 16);
+  } else {
+    return __half2float(__ushort_as_half(bits));
+  }
+}
+
+__device__ __forceinline__ void pair_barrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads));
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Where request b's KV lives: prefix length, and the offset of its row in the page table.
+struct RequestKV {
+  int prefix, row_off;
+};
+__device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) {
+  RequestKV r;
+  if (p.kv_indptr != nullptr) {
+    r.row_off = p.kv_indptr[b];
+    r.prefix = p.kv_indptr[b + 1] - r.row_off;
+  } else {
+    r.prefix = p.prefix_lens[b];
+    r.row_off = static_cast<int>(b * p.bt_stride);
+  }
+  return r;
+}
+
+// Splits of request b: the plan fixes (max_splits, chunk); the count follows the length on
+// the device, so one captured grid serves every length of the bucket.
+__device__ __forceinline__ int num_splits(const TreeAttnParams& p, int kv_total) {
+  int n = (kv_total + p.chunk - 1) / p.chunk;
+  return max(1, min(p.max_splits, n));
+}
+
+template <int DQK, int DV, int BM, int BN, int WN, int STAGES, bool BF16, bool MLA>
+struct Cfg {
+  static constexpr int NW = (BM / 16) * WN;  // warps
+  static constexpr int NT = NW * 32;         // threads
+  static constexpr int SQ = DQK + 8;         // padded smem row (elements): conflict-free ldmatrix
+  static constexpr int SV = MLA ? SQ : DV + 8;
+  static constexpr int SP = BN + 8;
+  static constexpr int BNW = BN / WN;        // S columns per warp
+  static constexpr int DVW = DV / WN;        // O columns per warp
+  static constexpr int Q_ELEMS = BM * SQ;
+  static constexpr int K_ELEMS = BN * SQ;
+  static constexpr int V_ELEMS = MLA ? 0 : BN * SV;
+  static constexpr int P_ELEMS = WN > 1 ? BM * SP : 0;
+  static constexpr int SMEM_BYTES =
+      2 * (Q_ELEMS + STAGES * (K_ELEMS + V_ELEMS) + P_ELEMS) + 4 * 2 * WN * BM;
+  static_assert(BM % 16 == 0 && BN % (16 * WN) == 0 && DQK % 16 == 0 && DVW % 16 == 0, "tile");
+  static_assert(MLA ? DV <= DQK : DV == DQK, "GQA needs Dqk == Dv; MLA needs Dv <= Dqk");
+};
+
+template <int DQK, int DV, int BM, int BN, int WN, int STAGES, bool BF16, bool MLA>
+__global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
+    tree_attn_fwd(const __grid_constant__ TreeAttnParams p) {
+  using C = Cfg<DQK, DV, BM, BN, WN, STAGES, BF16, MLA>;
+  using T = unsigned short;  // raw 16-bit element
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + C::Q_ELEMS;                  // [STAGES][BN][SQ]
+  T* sV = sK + STAGES * C::K_ELEMS;         // [STAGES][BN][SV] (GQA only)
+  T* sP = sV + STAGES * C::V_ELEMS;         // [BM][SP] (WN > 1 only)
+  float* sMax = reinterpret_cast<float*>(sP + C::P_ELEMS);  // [WN][BM]
+  float* sSum = sMax + WN * BM;                                // [WN][BM]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WN, wn = warp % WN;
+  const int g = lane >> 2, tq = lane & 3;
+
+  const int bh = blockIdx.z, b = bh / p.hkv, kvh = bh % p.hkv;
+  const int qo0 = p.qo_indptr[b];
+  const int T_b = p.qo_indptr[b + 1] - qo0;
+  const RequestKV rk = request_kv(p, b);
+  const int P = rk.prefix, G = p.group;
+  const int rows = T_b * G;
+  const int m0 = blockIdx.x * BM;
+  if (m0 >= rows) return;
+  const int n_splits = num_splits(p, P + T_b);
+  const int split = blockIdx.y;
+  if (split >= n_splits) return;
+  // Topological order: rows of this tile see tree columns < node_hi only.
+  const int node_hi = min(T_b, (m0 + BM - 1) / G + 1);
+  const int kv_begin = split * p.chunk;
+  const int kv_stop = min(P + node_hi, kv_begin + p.chunk);
+  const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
+
+  const T* qg = static_cast<const T*>(p.q);
+  const T* kg = static_cast<const T*>(p.k);
+  const T* vg = static_cast<const T*>(p.v);
+
+  // ---- Q tile: BM packed rows -> smem (zero-filled past the last row).
+  constexpr int QCH = DQK / 8;
+  for (int idx = tid; idx < BM * QCH; idx += C::NT) {
+    const int r = idx / QCH, c = idx % QCH, row = m0 + r;
+    const bool ok = row < rows;
+    const int node = ok ? row / G : 0, head = kvh * G + (ok ? row % G : 0);
+    const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
+    cp_async16(sQ + r * C::SQ + c * 8, src, ok ? 16 : 0);
+  }
+
+  // ---- KV tile loader: token t of the request -> its K (and V) row address.
+  auto kv_row = [&](int t, const T*& kp, const T*& vp) {
+    if (t >= P && p.k_ext != nullptr) {
+      const long long e = qo0 + (t - P);
+      kp = static_cast<const T*>(p.k_ext) + e * p.kext_stride_tok + kvh * p.kext_stride_head;
+      vp = static_cast<const T*>(p.v_ext) + e * p.vext_stride_tok + kvh * p.vext_stride_head;
+      return;
+    }
+    const int pi = t / p.page_size, slot = t - pi * p.page_size;
+    const long long page =
+        p.bt_i64 ? static_cast<const long long*>(p.block_table)[rk.row_off + pi]
+                 : static_cast<long long>(static_cast<const int*>(p.block_table)[rk.row_off + pi]);
+    kp = kg + page * p.k_stride_page + slot * p.k_stride_slot + kvh * p.k_stride_head;
+    vp = vg + page * p.v_stride_page + slot * p.v_stride_slot + kvh * p.v_stride_head;
+  };
+  auto load_tile = [&](int stage, int t0) {
+    T* dk = sK + stage * C::K_ELEMS;
+    T* dv = sV + stage * C::V_ELEMS;
+    constexpr int KCH = DQK / 8;
+    for (int idx = tid; idx < BN * KCH; idx += C::NT) {
+      const int r = idx / KCH, c = idx % KCH, t = t0 + r;
+      const bool ok = t < kv_stop;
+      const T* kp = kg;
+      const T* vp = vg;
+      if (ok) kv_row(t, kp, vp);
+      cp_async16(dk + r * C::SQ + c * 8, ok ? kp + c * 8 : kg, ok ? 16 : 0);
+      if constexpr (!MLA) cp_async16(dv + r * C::SV + c * 8, ok ? vp + c * 8 : kg, ok ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) load_tile(s, kv_begin + s * BN);
+    cp_async_commit();
+  }
+
+  float o[C::DVW / 8][4];
+#pragma unroll
+  for (int i = 0; i < C::DVW / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-TV_INF, -TV_INF};
+  float l_run[2] = {0.f, 0.f};
+
+  constexpr bool Q_IN_REGS = DQK <= 128;
+  unsigned qf[Q_IN_REGS ? DQK / 16 : 1][4];
+
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int nxt = it + STAGES - 1;
+      if (nxt < n_tiles) load_tile(nxt % STAGES, kv_begin + nxt * BN);
+      cp_async_commit();
+    }
+    const int t0 = kv_begin + it * BN;
+    const T* cK = sK + (it % STAGES) * C::K_ELEMS;
+    const T* cV = MLA ? cK : sV + (it % STAGES) * C::V_ELEMS;
+
+    if constexpr (Q_IN_REGS) {
+      if (it == 0) {
+#pragma unroll
+        for (int kk = 0; kk < DQK / 16; ++kk)
+          ldsm_x4(qf[kk], sQ + (wm * 16 + (lane & 15)) * C::SQ + kk * 16 + (lane >> 4) * 8);
+      }
+    }
+
+    // ---- S = Q K^T for this warp's 16 rows x BNW columns.
+    float s[C::BNW / 8][4];
+#pragma unroll
+    for (int i = 0; i < C::BNW / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      unsigned a[4];
+      if constexpr (Q_IN_REGS) {
+        a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+      } else {
+        ldsm_x4(a, sQ + (wm * 16 + (lane & 15)) * C::SQ + kk * 16 + (lane >> 4) * 8);
+      }
+#pragma unroll
+      for (int nn = 0; nn < C::BNW / 16; ++nn) {
+        unsigned bf[4];
+        ldsm_x4(bf, cK + (wn * C::BNW + nn * 16 + (lane & 7) + (lane >> 4) * 8) * C::SQ +
+                        kk * 16 + ((lane >> 3) & 1) * 8);
+        mma16816<BF16>(s[2 * nn], a, bf[0], bf[1]);
+        mma16816<BF16>(s[2 * nn + 1], a, bf[2], bf[3]);
+      }
+    }
+
+    // ---- scale, mask (only tiles that reach the tree nodes or the end), row max.
+    const bool need_mask = (t0 + BN > P) || (t0 + BN > kv_stop);
+    float mx[2] = {-TV_INF, -TV_INF};
+#pragma unroll
+    for (int nt = 0; nt < C::BNW / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[nt][e] * p.scale_log2;
+        if (need_mask) {
+          const int col = t0 + wn * C::BNW + nt * 8 + 2 * tq + (e & 1);
+          const int row = m0 + wm * 16 + g + (e >> 1) * 8;
+          bool vis = col < kv_stop && row < rows;
+          if (vis && col >= P) {
+            const int j = col - P;
+            const unsigned w = p.tree_mask[(long long)(qo0 + row / G) * p.mask_words + (j >> 5)];
+            vis = (w >> (j & 31)) & 1u;
+          }
+          if (!vis) v = -TV_INF;
+        }
+        s[nt][e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    }
+    mx[0] = quad_max(mx[0]);
+    mx[1] = quad_max(mx[1]);
+    if constexpr (WN > 1) {
+      if (tq == 0) {
+        sMax[wn * BM + wm * 16 + g] = mx[0];
+        sMax[wn * BM + wm * 16 + g + 8] = mx[1];
+      }
+      pair_barrier(1 + wm, WN * 32);
+#pragma unroll
+      for (int w = 0; w < WN; ++w) {
+        mx[0] = fmaxf(mx[0], sMax[w * BM + wm * 16 + g]);
+        mx[1] = fmaxf(mx[1], sMax[w * BM + wm * 16 + g + 8]);
+      }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m_run[h], mx[h]);
+      m_use[h] = m_new == -TV_INF ? 0.f : m_new;
+      alpha[h] = exp2f(m_run[h] - m_use[h]);
+      m_run[h] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < C::BNW / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f(s[nt][e] - m_use[e >> 1]);
+        s[nt][e] = pe;
+        rs[e >> 1] += pe;
+      }
+    }
+    l_run[0] = l_run[0] * alpha[0] + rs[0];
+    l_run[1] = l_run[1] * alpha[1] + rs[1];
+#pragma unroll
+    for (int i = 0; i < C::DVW / 8; ++i) {
+      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
+      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+    }
+
+    // ---- O += P V.
+    if constexpr (WN == 1) {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        unsigned a[4];
+        a[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int nn = 0; nn < C::DVW / 16; ++nn) {
+          unsigned bf[4];
+          ldsm_x4_t(bf, cV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * C::SV +
+                            nn * 16 + (lane >> 4) * 8);
+          mma16816<BF16>(o[2 * nn], a, bf[0], bf[1]);
+          mma16816<BF16>(o[2 * nn + 1], a, bf[2], bf[3]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < C::BNW / 8; ++nt) {
+        const int c = wn * C::BNW + nt * 8 + 2 * tq;
+        *reinterpret_cast<unsigned*>(sP + (wm * 16 + g) * C::SP + c) =
+            pack2<BF16>(s[nt][0], s[nt][1]);
+        *reinterpret_cast<unsigned*>(sP + (wm * 16 + g + 8) * C::SP + c) =
+            pack2<BF16>(s[nt][2], s[nt][3]);
+      }
+      pair_barrier(1 + wm, WN * 32);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        unsigned a[4];
+        ldsm_x4(a, sP + (wm * 16 + (lane & 15)) * C::SP + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int nn = 0; nn < C::DVW / 16; ++nn) {
+          unsigned bf[4];
+          ldsm_x4_t(bf, cV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * C::SV +
+                            wn * C::DVW + nn * 16 + (lane >> 4) * 8);
+          mma16816<BF16>(o[2 * nn], a, bf[0], bf[1]);
+          mma16816<BF16>(o[2 * nn + 1], a, bf[2], bf[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- finish: full row sums, normalise, store final output or this split's partial.
+  float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
+  if constexpr (WN > 1) {
+    if (tq == 0) {
+      sSum[wn * BM + wm * 16 + g] = l_tot[0];
+      sSum[wn * BM + wm * 16 + g + 8] = l_tot[1];
+    }
+    pair_barrier(1 + wm, WN * 32);
+    l_tot[0] = l_tot[1] = 0.f;
+#pragma unroll
+    for (int w = 0; w < WN; ++w) {
+      l_tot[0] += sSum[w * BM + wm * 16 + g];
+      l_tot[1] += sSum[w * BM + wm * 16 + g + 8];
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = m0 + wm * 16 + g + h * 8;
+    if (row >= rows) continue;
+    const int tok = qo0 + row / G, head = kvh * G + row % G;
+    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
+    if (n_splits == 1) {
+      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+#pragma unroll
+      for (int nt = 0; nt < C::DVW / 8; ++nt) {
+        const int c = wn * C::DVW + nt * 8 + 2 * tq;
+        *reinterpret_cast<unsigned*>(og + c) =
+            pack2<BF16>(o[nt][2 * h] * inv, o[nt][2 * h + 1] * inv);
+      }
+    } else {
+      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
+      float* po = p.part_o + prow * DV;
+#pragma unroll
+      for (int nt = 0; nt < C::DVW / 8; ++nt) {
+        const int c = wn * C::DVW + nt * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(po + c) = make_float2(o[nt][2 * h] * inv, o[nt][2 * h + 1] * inv);
+      }
+      if (wn == 0 && tq == 0)
+        p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
+    }
+  }
+}
+
+// Merge the split partials of every row whose request was split: one CTA per (token, head),
+// DV/4 threads, each owning four output columns.
+template <int DV, bool BF16>
+__global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
+  const int tok = blockIdx.x, head = blockIdx.y;
+  if (tok >= p.qo_indptr[p.batch]) return;
+  int lo = 0, hi = p.batch - 1;  // request of this token: last b with qo_indptr[b] <= tok
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.qo_indptr[mid] <= tok) lo = mid; else hi = mid - 1;
+  }
+  const int b = lo;
+  const int T_b = p.qo_indptr[b + 1] - p.qo_indptr[b];
+  const int n = num_splits(p, request_kv(p, b).prefix + T_b);
+  if (n == 1) return;  // the main kernel wrote the final output
+  const long long stride = (long long)p.total_q_cap * p.hq;
+  const long long base = (long long)tok * p.hq + head;
+  float lmax = -TV_INF;
+  for (int s = 0; s < n; ++s) lmax = fmaxf(lmax, p.part_lse[s * stride + base]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+  const int c = threadIdx.x * 4;
+  for (int s = 0; s < n; ++s) {
+    const float lse = p.part_lse[s * stride + base];
+    if (lse == -TV_INF) continue;
+    const float w = exp2f(lse - lmax);
+    const float4 v = *reinterpret_cast<const float4*>(p.part_o + (s * stride + base) * DV + c);
+    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    wsum += w;
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  unsigned short* og = static_cast<unsigned short*>(p.out) + tok * p.o_stride_tok +
+                       head * p.o_stride_head + c;
+  uint2 packed;
+  packed.x = pack2<BF16>(acc.x * inv, acc.y * inv);
+  packed.y = pack2<BF16>(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(og) = packed;
+}
+
+#ifdef TV_SGLANG_MASK_KERNEL  // compiled only into its own module
+// SGLang's custom mask (bytes, per request row-major [N, prefix+N]; the prefix columns are all
+// visible in target verify, so only the last N are read) -> our packed tree mask
+// (total_q, mask_words).
+__global__ void sglang_mask_to_bits(const unsigned char* __restrict__ custom_mask,
+                                    const long long* __restrict__ mask_indptr,
+                                    const int* __restrict__ qo_indptr,
+                                    const int* __restrict__ kv_indptr, unsigned* __restrict__ bits,
+                                    int batch, int mask_words, int total_q_cap) {
+  const int tok = blockIdx.x;
+  if (tok >= total_q_cap) return;
+  const int total_q = qo_indptr[batch];
+  if (tok >= total_q) {
+    for (int w = threadIdx.x; w < mask_words; w += blockDim.x) bits[(long long)tok * mask_words + w] = 0u;
+    return;
+  }
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (qo_indptr[mid] <= tok) lo = mid; else hi = mid - 1;
+  }
+  const int b = lo, i = tok - qo_indptr[b];
+  const int N = qo_indptr[b + 1] - qo_indptr[b];
+  const int P = kv_indptr[b + 1] - kv_indptr[b];
+  const int row_len = P + N;  // the layout keeps prefix columns even when they are skipped
+  const unsigned char* row = custom_mask + mask_indptr[b] + (long long)i * row_len + (row_len - N);
+  for (int w = threadIdx.x; w < mask_words; w += blockDim.x) {
+    unsigned word = 0u;
+    for (int j = w * 32; j < min(N, w * 32 + 32); ++j) word |= (row[j] ? 1u : 0u) << (j & 31);
+    bits[(long long)tok * mask_words + w] = word;
+  }
+}
+#endif  // TV_SGLANG_MASK_KERNEL
+
+}  // namespace treeverify

@@ -1,0 +1,155 @@
+"""Which compiled instance of tree_attention.cu serves which problem, on which GPU arch.
+
+A variant is one template instantiation; its name encodes every template argument, so the name
+is also the JIT cache key's readable half. Selection is pure Python (no GPU needed), so
+`treeverify kernels build` and the tests can enumerate exactly what a GPU would run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Largest dynamic shared memory one block may opt into, per arch (bytes).
+SMEM_LIMIT = {
+    "sm_80": 166912,  # A100: 163 KB
+    "sm_86": 101376,  # 99 KB: RTX 30, A-series
+    "sm_89": 101376,  # Ada
+    "sm_90a": 232448,  # H100/H200: 227 KB
+    "sm_100a": 232448,  # B200
+    "sm_120": 101376,  # RTX PRO 6000 Blackwell / RTX 50
+}
+ALL_ARCHES = tuple(SMEM_LIMIT)
+GQA_HEAD_DIMS = (64, 128, 256)
+MLA_DIMS = (576, 512)
+DTYPES = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class FwdVariant:
+    """tree_attn_fwd<DQK, DV, BM, BN, WN, STAGES, BF16, MLA>."""
+
+    dqk: int
+    dv: int
+    bm: int  # packed (node, head) rows per CTA
+    bn: int  # KV tokens per tile
+    wn: int  # warps sharing the same 16 rows (split the S columns and the V columns)
+    stages: int  # cp.async pipeline depth
+    dtype: str  # "bf16" | "fp16"
+    mla: bool
+
+    @property
+    def name(self) -> str:
+        fam = "mla" if self.mla else "gqa"
+        return (
+            f"fwd_{fam}_d{self.dqk}v{self.dv}_m{self.bm}n{self.bn}w{self.wn}s{self.stages}"
+            f"_{self.dtype}"
+        )
+
+    @property
+    def expr(self) -> str:
+        bf16 = "true" if self.dtype == "bf16" else "false"
+        mla = "true" if self.mla else "false"
+        return (
+            f"treeverify::tree_attn_fwd<{self.dqk},{self.dv},{self.bm},{self.bn},{self.wn},"
+            f"{self.stages},{bf16},{mla}>"
+        )
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // 16) * self.wn * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory; must equal Cfg::SMEM_BYTES in tree_attention.cu."""
+        sq = self.dqk + 8
+        sv = sq if self.mla else self.dv + 8
+        q = self.bm * sq
+        k = self.bn * sq
+        v = 0 if self.mla else self.bn * sv
+        p = self.bm * (self.bn + 8) if self.wn > 1 else 0
+        return 2 * (q + self.stages * (k + v) + p) + 4 * 2 * self.wn * self.bm
+
+    defines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MergeVariant:
+    """tree_attn_merge<DV, BF16>: combines split partials (fp32 O + log2 LSE)."""
+
+    dv: int
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        return f"merge_v{self.dv}_{self.dtype}"
+
+    @property
+    def expr(self) -> str:
+        return f"treeverify::tree_attn_merge<{self.dv},{'true' if self.dtype == 'bf16' else 'false'}>"
+
+    @property
+    def threads(self) -> int:
+        return self.dv // 4
+
+    smem_bytes: int = 0
+    defines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MaskVariant:
+    """sglang_mask_to_bits: SGLang's byte mask -> our packed tree mask."""
+
+    name: str = "sglang_mask_to_bits"
+    expr: str = "treeverify::sglang_mask_to_bits"
+    threads: int = 64
+    smem_bytes: int = 0
+    defines: tuple[str, ...] = ("TV_SGLANG_MASK_KERNEL",)
+
+
+Variant = FwdVariant | MergeVariant | MaskVariant
+
+
+def fwd_variant(arch: str, dqk: int, dv: int, mla: bool, dtype: str) -> FwdVariant:
+    """The forward instance for a problem family on an arch (tiles sized to its shared memory)."""
+    if arch not in SMEM_LIMIT:
+        raise ValueError(f"arch: expected one of {', '.join(ALL_ARCHES)}, got {arch!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: the cuda backend takes bf16 or fp16, got {dtype!r}")
+    limit = SMEM_LIMIT[arch]
+    if mla:
+        if (dqk, dv) != MLA_DIMS:
+            raise ValueError(f"MLA head dims: expected Dqk=576, Dv=512, got Dqk={dqk}, Dv={dv}")
+        # 64 rows x 576 of Q plus 32-token latent tiles; V is a view of the same tile.
+        candidates = [
+            FwdVariant(576, 512, 64, 32, 2, 3, dtype, True),
+            FwdVariant(576, 512, 64, 32, 2, 2, dtype, True),
+            FwdVariant(576, 512, 16, 32, 2, 2, dtype, True),  # 99 KB parts
+        ]
+    else:
+        if dqk != dv or dqk not in GQA_HEAD_DIMS:
+            raise ValueError(
+                f"GQA head dims: the cuda backend takes Dqk == Dv in {GQA_HEAD_DIMS}, "
+                f"got Dqk={dqk}, Dv={dv}"
+            )
+        bn = 32 if dqk == 256 else 64
+        candidates = [
+            FwdVariant(dqk, dv, 64, bn, 1, 2, dtype, False),
+            FwdVariant(dqk, dv, 64, bn // 2, 1, 2, dtype, False),
+        ]
+    for v in candidates:
+        if v.smem_bytes <= limit:
+            return v
+    raise ValueError(f"no tree_attn_fwd tile fits {limit} B of shared memory on {arch}")
+
+
+def all_variants(arch: str) -> list[Variant]:
+    """Every instance `treeverify kernels build` compiles for one arch."""
+    out: list[Variant] = []
+    for dtype in DTYPES:
+        for d in GQA_HEAD_DIMS:
+            out.append(fwd_variant(arch, d, d, False, dtype))
+        out.append(fwd_variant(arch, *MLA_DIMS, True, dtype))
+        for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
+            out.append(MergeVariant(dv, dtype))
+    out.append(MaskVariant())
+    return out

@@ -1,0 +1,190 @@
+"""TreeAttentionPlan: capture-safe tree attention through plan() / run().
+
+The plan owns every buffer the kernels read or write, at fixed addresses, sized by the bucket's
+capacities: page table, prefix lengths, qo_indptr, tree mask, split-KV partial outputs and LSEs.
+`plan()` validates on the host and copies new metadata into those buffers (`copy_`); `run()`
+only launches (no allocation, no sync, no host-dependent grid), so one captured CUDA graph serves
+every step of its bucket after the metadata buffers are rewritten in place.
+
+    plan = TreeAttentionPlan(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, page_size=16,
+                             max_batch=8, max_tree=64, max_pages_per_request=520,
+                             max_kv_len=8256, sm_scale=128 ** -0.5)
+    plan.plan(block_table, prefix_lens, qo_indptr, tree_mask)    # host side, every step
+    plan.run(q, k_cache, v_cache, out)                           # inside the graph
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from treeverify.kernels.validate import validate_tree_attention_args
+
+
+class TreeAttentionPlan:
+    def __init__(
+        self,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_v: int | None = None,
+        mla: bool = False,
+        page_size: int,
+        max_batch: int,
+        max_tree: int,
+        max_pages_per_request: int,
+        max_kv_len: int | None = None,
+        max_total_q: int | None = None,
+        sm_scale: float,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cuda",
+        backend: str = "cuda",
+    ):
+        for name, value in (
+            ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+            ("head_dim_qk", head_dim_qk), ("page_size", page_size), ("max_batch", max_batch),
+            ("max_tree", max_tree), ("max_pages_per_request", max_pages_per_request),
+        ):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
+                f"got {num_qo_heads}"
+            )
+        if backend not in ("cuda", "torch"):
+            raise ValueError(f"backend: a plan runs 'cuda' or 'torch', got {backend!r}")
+        self.hq, self.hkv, self.dqk = num_qo_heads, num_kv_heads, head_dim_qk
+        self.dv = head_dim_v if head_dim_v is not None else head_dim_qk
+        self.mla, self.page_size, self.sm_scale = mla, page_size, float(sm_scale)
+        self.max_batch, self.max_tree = max_batch, max_tree
+        self.max_pages = max_pages_per_request
+        self.max_kv_len = max_kv_len if max_kv_len is not None else max_pages_per_request * page_size
+        self.max_total_q = max_total_q if max_total_q is not None else max_batch * max_tree
+        self.words = math.ceil(max_tree / 32)
+        self.dtype, self.device, self.backend = dtype, torch.device(device), backend
+        dev = self.device
+        # Metadata buffers at fixed addresses (captured graphs read these).
+        self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
+        self.prefix_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.qo_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
+        self.tree_mask = torch.zeros(self.max_total_q, self.words, dtype=torch.int32, device=dev)
+        self.batch = 0  # requests in the last plan() (host copy, for the torch backend)
+        self._launcher = None
+        if backend == "cuda":
+            from treeverify.kernels.cuda.launch import Params
+            from treeverify.kernels.cuda.runner import Launcher
+
+            self._launcher = Launcher(
+                device=dev, dtype=dtype, hq=self.hq, hkv=self.hkv, dqk=self.dqk, dv=self.dv,
+                mla=mla, max_batch=max_batch, max_tree=max_tree, max_kv=self.max_kv_len,
+                total_q_cap=self.max_total_q,
+            )  # compiles and loads the kernels now (warmup), never on a request
+            o_shape, lse_shape = self._launcher.workspace_shapes()
+            self.part_o = torch.empty(o_shape, dtype=torch.float32, device=dev)
+            self.part_lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
+            self._params = Params()
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device bytes this plan holds (metadata + split partials)."""
+        tensors = [self.block_table, self.prefix_lens, self.qo_indptr, self.tree_mask]
+        if self._launcher is not None:
+            tensors += [self.part_o, self.part_lse]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def split_policy(self):
+        return self._launcher.splits if self._launcher is not None else None
+
+    def plan(
+        self,
+        block_table: torch.Tensor,  # (B, pages) int32, B <= max_batch, pages <= max_pages
+        prefix_lens: torch.Tensor,  # (B,) int32
+        qo_indptr: torch.Tensor,  # (B+1,) int32
+        tree_mask: torch.Tensor,  # (total_q, W) int32, W <= ceil(max_tree / 32)
+    ) -> None:
+        """Check capacities on the host, then copy the metadata into the fixed buffers."""
+        batch = prefix_lens.shape[0] if isinstance(prefix_lens, torch.Tensor) else -1
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"prefix_lens: batch {batch} exceeds the plan's max_batch "
+                             f"{self.max_batch} (or is empty)")
+        if block_table.dim() != 2 or block_table.shape[1] > self.max_pages:
+            raise ValueError(f"block_table: expected (B, <= {self.max_pages}) pages, got "
+                             f"{tuple(block_table.shape)}")
+        if tree_mask.dim() != 2 or tree_mask.shape[1] > self.words:
+            raise ValueError(f"tree_mask: expected (total_q, <= {self.words}) words, got "
+                             f"{tuple(tree_mask.shape)}")
+        qo = qo_indptr.to("cpu", torch.int64)
+        pl = prefix_lens.to("cpu", torch.int64)
+        trees = qo[1:] - qo[:-1]
+        total_q = int(qo[-1])
+        if total_q > self.max_total_q:
+            raise ValueError(f"qo_indptr: total_q {total_q} exceeds max_total_q "
+                             f"{self.max_total_q}")
+        if batch and int(trees.max()) > self.max_tree:
+            raise ValueError(f"qo_indptr: a tree of {int(trees.max())} nodes exceeds max_tree "
+                             f"{self.max_tree}")
+        if batch and int((pl + trees).max()) > self.max_kv_len:
+            raise ValueError(f"prefix_lens: prefix + tree {int((pl + trees).max())} exceeds "
+                             f"max_kv_len {self.max_kv_len}")
+        self.batch = batch
+        self.block_table.zero_()
+        self.block_table[:batch, : block_table.shape[1]].copy_(block_table)
+        self.prefix_lens.zero_()
+        self.prefix_lens[:batch].copy_(prefix_lens)
+        self.qo_indptr.fill_(total_q)  # padding requests: empty trees
+        self.qo_indptr[: batch + 1].copy_(qo_indptr)
+        self.tree_mask.zero_()
+        self.tree_mask[:total_q, : tree_mask.shape[1]].copy_(tree_mask[:total_q])
+
+    def validate(self, q, k_cache, v_cache) -> None:
+        """Full data validation of the planned metadata against a cache (syncs: eager only)."""
+        b = self.batch
+        validate_tree_attention_args(
+            q, k_cache, v_cache, self.block_table[:b], self.prefix_lens[:b],
+            self.qo_indptr[: b + 1], self.tree_mask[: q.shape[0]], self.sm_scale,
+            v_head_dim=self.dv if self.mla else None, check_data=True,
+        )  # fmt: skip
+
+    def run(
+        self,
+        q: torch.Tensor,  # (max_total_q or total_q, Hq, Dqk)
+        k_cache: torch.Tensor,  # (num_pages, page_size, Hkv, Dqk)
+        v_cache: torch.Tensor | None,
+        out: torch.Tensor,  # (rows of q, Hq, Dv)
+    ) -> torch.Tensor:
+        """Launch only: reads the plan's buffers; safe inside torch.cuda.graph capture."""
+        if q.dim() != 3 or q.shape[1:] != (self.hq, self.dqk) or q.dtype != self.dtype:
+            raise ValueError(f"q: expected (rows, {self.hq}, {self.dqk}) {self.dtype}, got "
+                             f"{tuple(q.shape)} {q.dtype}")
+        if out.shape != (q.shape[0], self.hq, self.dv) or out.dtype != self.dtype:
+            raise ValueError(f"out: expected ({q.shape[0]}, {self.hq}, {self.dv}) {self.dtype}, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        if q.shape[0] > self.max_total_q:
+            raise ValueError(f"q: {q.shape[0]} rows exceed max_total_q {self.max_total_q}")
+        if self._launcher is None:
+            return self._run_torch(q, k_cache, v_cache, out)
+        launcher = self._launcher
+        launcher.fill(
+            self._params, q=q, k=k_cache, v=v_cache, out=out, part_o=self.part_o,
+            part_lse=self.part_lse, block_table=self.block_table, prefix_lens=self.prefix_lens,
+            kv_indptr=None, qo_indptr=self.qo_indptr, tree_mask=self.tree_mask,
+            sm_scale=self.sm_scale,
+        )  # fmt: skip
+        launcher.launch(self._params)
+        return out
+
+    def _run_torch(self, q, k_cache, v_cache, out) -> torch.Tensor:
+        from treeverify.kernels.reference import tree_attention_reference
+
+        b = self.batch
+        total = int(self.qo_indptr[b])
+        tree_attention_reference(
+            q[:total], k_cache, v_cache, self.block_table[:b], self.prefix_lens[:b],
+            self.qo_indptr[: b + 1], self.tree_mask[:total], self.sm_scale,
+            v_head_dim=self.dv if self.mla else None, out=out[:total], check_data=False,
+        )  # fmt: skip
+        return out

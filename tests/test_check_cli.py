@@ -1,0 +1,193 @@
+"""The command line: `treeverify check` end to end, its comparison, the subcommand registry, env."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from treeverify import check, cli, env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "treeverify", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=ROOT,
+    )
+
+
+def test_check_quick_subprocess(tmp_path):
+    report = tmp_path / "check.json"
+    proc = run_cli("check", "--quick", "--backend", "torch", "--json", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:2] == ["case", "backend"] and "rel err" in lines[0]
+    rows = [line for line in lines[2:] if line.rstrip().endswith(("ok", "FAIL"))]
+    assert len(rows) == 5 and all(row.rstrip().endswith("ok") for row in rows)
+    assert any("tree1025" in row for row in rows) and any("mla" in row for row in rows)
+    assert lines[-1] == "all 5 cases passed"
+    record = json.loads(report.read_text())
+    assert record["passed"] and record["backend"] == "torch" and len(record["cases"]) == 5
+    assert all(c["bad"] == 0 and c["returned_out"] for c in record["cases"])
+
+
+def test_version_and_help():
+    proc = run_cli("version")
+    assert proc.returncode == 0 and proc.stdout.startswith("treeverify ")
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "check" in proc.stdout and "version" in proc.stdout
+
+
+def test_no_command_prints_help():
+    assert cli.main([]) == 2
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def reference_and_inputs(dtype=torch.bfloat16):
+    inp = check.make_inputs(check.cases(True, "cpu")[0], dtype, "cpu", 3)
+    return inp, check.dense_float64(inp)
+
+
+def test_compare_accepts_correct_output():
+    _, ref = reference_and_inputs()
+    result = check.compare(ref.to(torch.bfloat16), ref, torch.bfloat16)
+    assert result.passed and result.bad == 0 and result.rel_err < 5e-3
+
+
+def test_compare_rejects_wrong_output():
+    _, ref = reference_and_inputs()
+    wrong = ref.clone()
+    wrong[3, 1] *= 1.05  # one (row, head) vector 5% off
+    result = check.compare(wrong.to(torch.bfloat16), ref, torch.bfloat16)
+    assert result.rel_err < 5e-3  # too small to show overall ...
+    assert result.row_err > 1e-2 and not result.passed  # ... caught per row
+
+
+def test_compare_rejects_unwritten_output():
+    _, ref = reference_and_inputs()
+    out = ref.to(torch.bfloat16)
+    out[-1, :, 7] = math.nan  # one column never written over the poison
+    result = check.compare(out, ref, torch.bfloat16)
+    assert result.bad == out.shape[1] and not result.passed
+
+
+def test_compare_rejects_a_wrong_tree():
+    """Attention where one deep node sees only the root and itself must fail the check."""
+    inp, ref = reference_and_inputs(torch.float32)
+    mask = inp["tree_mask"].clone()
+    depth = [sum(bin(w & 0xFFFFFFFF).count("1") for w in row) for row in mask.tolist()]
+    row = max(range(17, mask.shape[0]), key=lambda r: depth[r])  # request 2 starts at row 17
+    assert depth[row] >= 3
+    bits = np.zeros(64, dtype=bool)
+    bits[[0, row - 17]] = True  # the root and itself only
+    mask[row] = torch.from_numpy(np.packbits(bits, bitorder="little").view("<u4").view(np.int32))
+    wrong = check.dense_float64(dict(inp, tree_mask=mask)).float()
+    assert not check.compare(wrong, ref, torch.float32).passed
+
+
+def test_broken_backend_makes_check_exit_1(monkeypatch, capsys):
+    def broken(*args, out, **kwargs):
+        out.zero_()
+        return out
+
+    monkeypatch.setattr(check.api, "tree_attention", broken)
+    args = argparse.Namespace(
+        backend="torch", device="cpu", dtype="bf16", seed=0, quick=True, json=None
+    )
+    assert check.run(args) == 1
+    output = capsys.readouterr().out
+    assert "FAIL" in output and "5 of 5 cases FAILED" in output
+
+
+def test_unavailable_backends_exit_2(capsys):
+    args = argparse.Namespace(
+        backend="triton", device="cpu", dtype="bf16", seed=0, quick=True, json=None
+    )
+    assert check.run(args) == 2
+    assert "triton backend is not built yet" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert check.run(argparse.Namespace(**{**vars(args), "device": "cuda"})) == 2
+
+
+def test_cases_cover_the_grid():
+    full = check.cases(False, "cpu")
+    assert {c.page_size for c in full} == {1, 16, 64}
+    assert any(0 in c.prefix_lens for c in full)
+    assert max(max(c.tree_sizes) for c in full) == 1025
+    assert {c.mla for c in full} == {True, False}
+    assert any(c.hq == c.hkv for c in full) and any(c.hq > c.hkv > 1 for c in full)
+    assert len({c.name for c in full}) == len(full)
+
+
+# ---------------------------------------------------------------- subcommand registry
+
+
+def test_missing_command_module_is_left_out(monkeypatch):
+    monkeypatch.setattr(cli, "COMMANDS", [("ghost", "treeverify.no_such_module.cli")])
+    assert "ghost" not in cli.build_parser().format_help()
+
+
+def test_command_with_missing_dependency_says_so(monkeypatch, tmp_path, capsys):
+    (tmp_path / "tv_fake_cmd.py").write_text("import tv_dependency_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMANDS", [("fake", "tv_fake_cmd")])
+    assert "unavailable" in cli.build_parser().format_help()
+    assert cli.main(["fake"]) == 2
+    assert "tv_dependency_not_installed" in capsys.readouterr().err
+
+
+def test_registered_command_runs(monkeypatch, tmp_path, capsys):
+    (tmp_path / "tv_echo_cmd.py").write_text(
+        "def add_parser(sub):\n"
+        "    p = sub.add_parser('echo')\n"
+        "    p.add_argument('word')\n"
+        "    return p\n"
+        "def run(args):\n"
+        "    print(args.word)\n"
+        "    return 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMANDS", [("echo", "tv_echo_cmd")])
+    assert cli.main(["echo", "hi"]) == 3
+    assert capsys.readouterr().out == "hi\n"
+
+
+# ---------------------------------------------------------------- environment
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("TREEVERIFY_CACHE_DIR", raising=False)
+    assert env.cache_dir() == Path.home() / ".cache" / "treeverify"
+    monkeypatch.setenv("TREEVERIFY_CACHE_DIR", str(tmp_path))
+    assert env.cache_dir() == tmp_path
+
+
+def test_log_level(monkeypatch):
+    monkeypatch.delenv("TREEVERIFY_LOG_LEVEL", raising=False)
+    assert env.log_level() == logging.WARNING
+    monkeypatch.setenv("TREEVERIFY_LOG_LEVEL", "debug")
+    assert env.log_level() == logging.DEBUG
+    monkeypatch.setenv("TREEVERIFY_LOG_LEVEL", "15")
+    assert env.log_level() == 15
+    monkeypatch.setenv("TREEVERIFY_LOG_LEVEL", "chatty")
+    with pytest.raises(ValueError, match="TREEVERIFY_LOG_LEVEL"):
+        env.log_level()
+    assert set(env.VARIABLES) == {"TREEVERIFY_CACHE_DIR", "TREEVERIFY_LOG_LEVEL"}
