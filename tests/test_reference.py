@@ -28,7 +28,7 @@ def dense_tree_attention_naive(p, rows=None):
     page_size, hq, hkv = k_cache.shape[1], q.shape[1], k_cache.shape[2]
     out = torch.full((q.shape[0], hq, dv), math.nan, dtype=torch.float64)
     start = 0
-    for b, (plen, parents) in enumerate(zip(p["prefix"], p["parents"])):
+    for b, (plen, parents) in enumerate(zip(p["prefix"], p["parents"], strict=True)):
         t = len(parents)
         pos = torch.arange(plen + t)
         pages = p["block_table"][b].long()[pos // page_size]
@@ -57,7 +57,7 @@ def make_problem(seed, *, hq, hkv, dqk, dv, mla=False, page_size, prefix, trees,
     parents = [
         [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)] for t in trees
     ]
-    need = [-(-(plen + t) // page_size) for plen, t in zip(prefix, trees)]
+    need = [-(-(plen + t) // page_size) for plen, t in zip(prefix, trees, strict=True)]
     num_pages = sum(need) + 2
     perm = torch.randperm(num_pages, generator=gen)
     table = torch.full((len(trees), max(need) + 2), -1, dtype=torch.int32)
@@ -156,9 +156,7 @@ def test_random_shapes(seed):
 @pytest.mark.parametrize("family", ["gqa", "mla"])
 def test_tree_1025_nodes(family):
     heads = dict(FAMILIES[family], hq=2, hkv=1 if family == "mla" else 2)
-    p = make_problem(
-        7, page_size=16, prefix=(50, 0), trees=(1025, 3), dtype=torch.float32, **heads
-    )
+    p = make_problem(7, page_size=16, prefix=(50, 0), trees=(1025, 3), dtype=torch.float32, **heads)
     assert p["tree_mask"].shape == (1028, 33)
     out = run_ref(p, chunk_size=256)
     assert rel_err(out, dense_tree_attention_naive(p)) < TOL[torch.float32]

@@ -207,9 +207,7 @@ def test_eager_entry_validates():
     inp = inputs()
     inp["block_table"][2, 0] = 10_000
     with pytest.raises(ValueError, match="block_table"):
-        tree_attention(
-            *[inp[k] for k in ORDER], inp["sm_scale"], v_head_dim=None, backend="torch"
-        )
+        tree_attention(*[inp[k] for k in ORDER], inp["sm_scale"], v_head_dim=None, backend="torch")
 
 
 @settings(max_examples=60, deadline=None)

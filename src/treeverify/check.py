@@ -90,13 +90,13 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict:
     torch_gen = torch.Generator().manual_seed(seed)
     ps, sizes = case.page_size, case.tree_sizes
     words = -(-max(sizes) // 32)
-    need = [-(-(p + t) // ps) for p, t in zip(case.prefix_lens, sizes)]
+    need = [-(-(p + t) // ps) for p, t in zip(case.prefix_lens, sizes, strict=True)]
     num_pages = sum(need) + 3  # a few pages nobody uses
     order = gen.permutation(num_pages)  # pages handed out in shuffled order
     table = np.full((len(sizes), max(need) + 1), -1, dtype=np.int32)  # unused entries: -1
     used = np.zeros((num_pages, ps), dtype=bool)
     start = 0
-    for b, (p, t) in enumerate(zip(case.prefix_lens, sizes)):
+    for b, (p, t) in enumerate(zip(case.prefix_lens, sizes, strict=True)):
         table[b, : need[b]] = order[start : start + need[b]]
         start += need[b]
         pos = np.arange(p + t)
@@ -131,7 +131,7 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict:
 
 
 def dense_float64(inputs: dict) -> torch.Tensor:
-    """Independent ground truth: per request, the dense (T, P+T) mask and a plain float64 softmax."""
+    """Independent ground truth: per request a dense (T, P+T) mask and a plain float64 softmax."""
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     q, k_cache, v_cache = cpu["q"].double(), cpu["k_cache"].double(), cpu["v_cache"]
     dv = cpu["v_head_dim"] if v_cache is None else v_cache.shape[-1]
@@ -186,9 +186,7 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device: str, seed: in
     args = [inputs[k] for k in ("q", "k_cache", "v_cache", "block_table", "prefix_lens")]
     args += [inputs["qo_indptr"], inputs["tree_mask"], inputs["sm_scale"]]
     start = time.perf_counter()
-    returned = api.tree_attention(
-        *args, v_head_dim=inputs["v_head_dim"], out=out, backend=backend
-    )
+    returned = api.tree_attention(*args, v_head_dim=inputs["v_head_dim"], out=out, backend=backend)
     seconds = time.perf_counter() - start
     if backend == "torch":
         ref = dense_float64(inputs)
@@ -263,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(run_case(case, backend, dtype, device, args.seed * 1000 + i))
     print(_table(rows, backend, args.dtype))
     failed = sum(not r["passed"] for r in rows)
-    print(f"all {len(rows)} cases passed" if not failed else f"{failed} of {len(rows)} cases FAILED")
+    print(
+        f"all {len(rows)} cases passed" if not failed else f"{failed} of {len(rows)} cases FAILED"
+    )
     if args.json:
         record = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

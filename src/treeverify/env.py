@@ -3,10 +3,12 @@
 Every variable the package honours is listed in ``VARIABLES`` (name -> what it does, default) and
 read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 
-| variable                | default              | meaning                                        |
-| ----------------------- | -------------------- | ---------------------------------------------- |
-| ``TREEVERIFY_CACHE_DIR`` | ``~/.cache/treeverify`` | on-disk cache (compiled kernels and the like) |
-| ``TREEVERIFY_LOG_LEVEL`` | ``WARNING``          | level of the ``treeverify`` logger (name or int) |
+- ``TREEVERIFY_CACHE_DIR``: on-disk cache (compiled kernels and other build products);
+  default ``~/.cache/treeverify``.
+- ``TREEVERIFY_LOG_LEVEL``: level of the ``treeverify`` logger (DEBUG, INFO, WARNING, ERROR or a
+  number); default WARNING.
+- ``CUDA_HOME``: a CUDA toolkit to take headers from when compiling kernels, if set (the
+  pip-installed nvidia-* headers are used otherwise).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ VARIABLES: dict[str, str] = {
     "(default ~/.cache/treeverify).",
     "TREEVERIFY_LOG_LEVEL": "Level of the 'treeverify' logger: DEBUG, INFO, WARNING (default), "
     "ERROR, or a number.",
+    "CUDA_HOME": "A CUDA toolkit whose include/ the kernel compiler may use (optional).",
 }
 
 
@@ -45,6 +48,12 @@ def log_level() -> int:
             f"got {value!r}"
         )
     return level
+
+
+def cuda_home() -> Path | None:
+    """CUDA_HOME as a path, or None when unset or empty."""
+    value = os.environ.get("CUDA_HOME", "").strip()
+    return Path(value).expanduser() if value else None
 
 
 def configure_logging() -> None:

@@ -101,7 +101,7 @@ def make_inputs(
     max_pages = max(pages_per_req)
     num_pages = sum(pages_per_req) + 1
     perm = torch.randperm(num_pages, generator=gen)
-    block_table = torch.zeros(case.B, max_pages, dtype=torch.int32)
+    block_table = torch.zeros(len(prefix), max_pages, dtype=torch.int32)
     used = 0
     for b, n in enumerate(pages_per_req):
         block_table[b, :n] = perm[used : used + n].to(torch.int32)

@@ -87,9 +87,7 @@ def validate_tree_attention_args(
     )
     num_pages, page_size, hkv, kd = k_cache.shape
     if kd != dqk or num_pages == 0 or page_size == 0 or hkv == 0:
-        raise _fail(
-            "k_cache", f"non-empty shape (num_pages, page_size, Hkv, Dqk={dqk})", k_cache
-        )
+        raise _fail("k_cache", f"non-empty shape (num_pages, page_size, Hkv, Dqk={dqk})", k_cache)
     if hq % hkv:
         raise _fail("k_cache", f"Hkv dividing q's Hq={hq} (Hq % Hkv == 0)", k_cache)
 

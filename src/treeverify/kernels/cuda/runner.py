@@ -64,7 +64,9 @@ class Launcher:
         self.device = torch.device(device)
         self.dtype_name = "bf16" if dtype == torch.bfloat16 else "fp16"
         self.arch = device_arch(self.device)
-        self.fwd: FwdVariant = fwd_variant(self.arch, dqk, dv, mla, self.dtype_name)
+        self.fwd: FwdVariant = fwd_variant(
+            self.arch, dqk, dv, mla, self.dtype_name, rows=max_tree * (hq // hkv)
+        )
         self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)
         self.merge_kernel = load(self.merge, self.device)
@@ -73,7 +75,9 @@ class Launcher:
         self.max_batch, self.max_tree, self.total_q_cap = max_batch, max_tree, total_q_cap
         self.m_tiles = math.ceil(max_tree * self.group / self.fwd.bm)
         props = torch.cuda.get_device_properties(self.device)
-        ctas_per_sm = max(1, min(2, (227 * 1024) // max(self.fwd.smem_bytes, 1)))
+        by_smem = (228 * 1024) // (self.fwd.smem_bytes + 1024)  # 1 KB reserved per CTA
+        by_regs = 65536 // max(1, self.fwd_kernel.compiled.registers * self.fwd.threads)
+        ctas_per_sm = max(1, min(2, by_smem, by_regs))
         self.splits = choose_splits(
             batch=max_batch, hkv=hkv, m_tiles=self.m_tiles, max_kv=max_kv, bn=self.fwd.bn,
             num_sms=props.multi_processor_count, ctas_per_sm=ctas_per_sm,

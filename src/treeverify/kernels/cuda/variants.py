@@ -109,8 +109,14 @@ class MaskVariant:
 Variant = FwdVariant | MergeVariant | MaskVariant
 
 
-def fwd_variant(arch: str, dqk: int, dv: int, mla: bool, dtype: str) -> FwdVariant:
-    """The forward instance for a problem family on an arch (tiles sized to its shared memory)."""
+def fwd_variant(
+    arch: str, dqk: int, dv: int, mla: bool, dtype: str, rows: int = 64
+) -> FwdVariant:
+    """The forward instance for a problem family on an arch (tiles sized to its shared memory).
+
+    `rows` = tree nodes x query heads per KV head (the packed rows one KV tile can serve): GQA
+    takes 128-row CTAs (8 warps) when there are that many, halving KV tile loads per FLOP.
+    """
     if arch not in SMEM_LIMIT:
         raise ValueError(f"arch: expected one of {', '.join(ALL_ARCHES)}, got {arch!r}")
     if dtype not in DTYPES:
@@ -132,7 +138,8 @@ def fwd_variant(arch: str, dqk: int, dv: int, mla: bool, dtype: str) -> FwdVaria
                 f"got Dqk={dqk}, Dv={dv}"
             )
         bn = 32 if dqk == 256 else 64
-        candidates = [
+        candidates = [FwdVariant(dqk, dv, 128, bn, 1, 2, dtype, False)] if rows >= 128 else []
+        candidates += [
             FwdVariant(dqk, dv, 64, bn, 1, 2, dtype, False),
             FwdVariant(dqk, dv, 64, bn // 2, 1, 2, dtype, False),
         ]
@@ -147,7 +154,10 @@ def all_variants(arch: str) -> list[Variant]:
     out: list[Variant] = []
     for dtype in DTYPES:
         for d in GQA_HEAD_DIMS:
-            out.append(fwd_variant(arch, d, d, False, dtype))
+            for rows in (64, 128):
+                v = fwd_variant(arch, d, d, False, dtype, rows)
+                if v not in out:
+                    out.append(v)
         out.append(fwd_variant(arch, *MLA_DIMS, True, dtype))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
