@@ -18,8 +18,9 @@ for case, page, prefixes, trees in [
     (Case("gqa", 2, 1200, 40, 8, 2, 128, 128, False), 16, [1200, 0], [40, 3]),
     (Case("mla", 2, 700, 33, 8, 1, 576, 512, True), 1, [700, 5], [33, 20]),
 ]:
-    inp = make_inputs(case, page_size=page, device="cuda", seed=3, prefix_lens=prefixes,
-                      tree_sizes=trees)
+    inp = make_inputs(
+        case, page_size=page, device="cuda", seed=3, prefix_lens=prefixes, tree_sizes=trees
+    )
     out = _cuda(inp, out=_poisoned(inp, case.dv))
     err = _rel(out, _reference(inp))
     print(f"{case.model} page {page}: rel err {err:.2e}")

@@ -190,6 +190,7 @@ def test_log_level(monkeypatch):
     monkeypatch.setenv("TREEVERIFY_LOG_LEVEL", "chatty")
     with pytest.raises(ValueError, match="TREEVERIFY_LOG_LEVEL"):
         env.log_level()
+    assert cli.main(["version"]) == 2  # said once, without a traceback
 
 
 def test_cuda_home(monkeypatch, tmp_path):

@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    env.configure_logging()
+    try:
+        env.configure_logging()
+    except ValueError as exc:
+        print(f"treeverify: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:

@@ -146,8 +146,11 @@ def run_grid(
             if ref is not None:
                 row["rel_err"] = _rel_err(out, ref)
             rows.append(row)
-            print(f"{case.name:<34} {backend:<6} {row['us']:9.1f} us  eff {row['efficiency']:6.1%}"
-                  f"  err {row.get('rel_err', float('nan')):.1e}", flush=True)
+            print(
+                f"{case.name:<34} {backend:<6} {row['us']:9.1f} us  eff {row['efficiency']:6.1%}"
+                f"  err {row.get('rel_err', float('nan')):.1e}",
+                flush=True,
+            )
         del inp, ref
         torch.cuda.empty_cache()
     summary = {}
@@ -157,7 +160,8 @@ def run_grid(
         summary[backend] = {
             "cases": len(effs),
             "geomean_efficiency": math.exp(statistics.fmean(math.log(e) for e in effs))
-            if effs else None,
+            if effs
+            else None,
             "min_efficiency": min(effs) if effs else None,
             "max_efficiency": max(effs) if effs else None,
             "max_rel_err": max(errs) if errs else None,
@@ -186,8 +190,10 @@ def _git_commit() -> str:
 
 def print_table(result: dict) -> None:
     backends = list(result["summary"])
-    print(f"\n{'case':<34} {'floor us':>9} " + " ".join(f"{b + ' us':>10} {'eff':>6}"
-                                                     for b in backends))
+    print(
+        f"\n{'case':<34} {'floor us':>9} "
+        + " ".join(f"{b + ' us':>10} {'eff':>6}" for b in backends)
+    )
     by_case: dict[str, dict] = {}
     for r in result["rows"]:
         by_case.setdefault(r["case"], {})[r["backend"]] = r
@@ -203,9 +209,11 @@ def print_table(result: dict) -> None:
         print(f"{name:<34} {first['floor_us']:>9.1f} " + " ".join(cells))
     for b, s in result["summary"].items():
         if s["geomean_efficiency"] is not None:
-            print(f"{b}: geomean {s['geomean_efficiency']:.1%} of floor over {s['cases']} cases, "
-                  f"min {s['min_efficiency']:.1%}, max {s['max_efficiency']:.1%}, "
-                  f"max rel err {s['max_rel_err']}")
+            print(
+                f"{b}: geomean {s['geomean_efficiency']:.1%} of floor over {s['cases']} cases, "
+                f"min {s['min_efficiency']:.1%}, max {s['max_efficiency']:.1%}, "
+                f"max rel err {s['max_rel_err']}"
+            )
 
 
 def plot_roofline(result: dict, path: str | Path) -> None:
@@ -217,12 +225,19 @@ def plot_roofline(result: dict, path: str | Path) -> None:
     c = result["ceilings"]
     fig, ax = plt.subplots(figsize=(7, 5))
     xs = [2**i for i in range(3, 14)]
-    ax.plot(xs, [min(c["peak_flops"], x * c["bw_bytes_per_s"]) / 1e12 for x in xs], "k-",
-            label="roofline (H200 measured ceilings)")
+    ax.plot(
+        xs,
+        [min(c["peak_flops"], x * c["bw_bytes_per_s"]) / 1e12 for x in xs],
+        "k-",
+        label="roofline (H200 measured ceilings)",
+    )
     markers = {"cuda": "o", "torch": "x", "triton": "s"}
     for b in result["summary"]:
-        pts = [(r["tflop_per_s"] * 1e12 / (r["tb_per_s"] * 1e12), r["tflop_per_s"])
-               for r in result["rows"] if r["backend"] == b and "tflop_per_s" in r]
+        pts = [
+            (r["tflop_per_s"] * 1e12 / (r["tb_per_s"] * 1e12), r["tflop_per_s"])
+            for r in result["rows"]
+            if r["backend"] == b and "tflop_per_s" in r
+        ]
         if pts:
             ax.scatter(*zip(*pts, strict=True), marker=markers.get(b, "."), label=b)
     ax.set_xscale("log", base=2)

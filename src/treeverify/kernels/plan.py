@@ -61,7 +61,9 @@ class TreeAttentionPlan:
         self.mla, self.page_size, self.sm_scale = mla, page_size, float(sm_scale)
         self.max_batch, self.max_tree = max_batch, max_tree
         self.max_pages = max_pages_per_request
-        self.max_kv_len = max_kv_len if max_kv_len is not None else max_pages_per_request * page_size
+        self.max_kv_len = (
+            max_kv_len if max_kv_len is not None else max_pages_per_request * page_size
+        )
         self.max_total_q = max_total_q if max_total_q is not None else max_batch * max_tree
         self.words = math.ceil(max_tree / 32)
         self.dtype, self.device, self.backend = dtype, torch.device(device), backend
@@ -78,8 +80,16 @@ class TreeAttentionPlan:
             from treeverify.kernels.cuda.runner import Launcher
 
             self._launcher = Launcher(
-                device=dev, dtype=dtype, hq=self.hq, hkv=self.hkv, dqk=self.dqk, dv=self.dv,
-                mla=mla, max_batch=max_batch, max_tree=max_tree, max_kv=self.max_kv_len,
+                device=dev,
+                dtype=dtype,
+                hq=self.hq,
+                hkv=self.hkv,
+                dqk=self.dqk,
+                dv=self.dv,
+                mla=mla,
+                max_batch=max_batch,
+                max_tree=max_tree,
+                max_kv=self.max_kv_len,
                 total_q_cap=self.max_total_q,
             )  # compiles and loads the kernels now (warmup), never on a request
             o_shape, lse_shape = self._launcher.workspace_shapes()
@@ -109,27 +119,35 @@ class TreeAttentionPlan:
         """Check capacities on the host, then copy the metadata into the fixed buffers."""
         batch = prefix_lens.shape[0] if isinstance(prefix_lens, torch.Tensor) else -1
         if not 1 <= batch <= self.max_batch:
-            raise ValueError(f"prefix_lens: batch {batch} exceeds the plan's max_batch "
-                             f"{self.max_batch} (or is empty)")
+            raise ValueError(
+                f"prefix_lens: batch {batch} exceeds the plan's max_batch "
+                f"{self.max_batch} (or is empty)"
+            )
         if block_table.dim() != 2 or block_table.shape[1] > self.max_pages:
-            raise ValueError(f"block_table: expected (B, <= {self.max_pages}) pages, got "
-                             f"{tuple(block_table.shape)}")
+            raise ValueError(
+                f"block_table: expected (B, <= {self.max_pages}) pages, got "
+                f"{tuple(block_table.shape)}"
+            )
         if tree_mask.dim() != 2 or tree_mask.shape[1] > self.words:
-            raise ValueError(f"tree_mask: expected (total_q, <= {self.words}) words, got "
-                             f"{tuple(tree_mask.shape)}")
+            raise ValueError(
+                f"tree_mask: expected (total_q, <= {self.words}) words, got "
+                f"{tuple(tree_mask.shape)}"
+            )
         qo = qo_indptr.to("cpu", torch.int64)
         pl = prefix_lens.to("cpu", torch.int64)
         trees = qo[1:] - qo[:-1]
         total_q = int(qo[-1])
         if total_q > self.max_total_q:
-            raise ValueError(f"qo_indptr: total_q {total_q} exceeds max_total_q "
-                             f"{self.max_total_q}")
+            raise ValueError(f"qo_indptr: total_q {total_q} exceeds max_total_q {self.max_total_q}")
         if batch and int(trees.max()) > self.max_tree:
-            raise ValueError(f"qo_indptr: a tree of {int(trees.max())} nodes exceeds max_tree "
-                             f"{self.max_tree}")
+            raise ValueError(
+                f"qo_indptr: a tree of {int(trees.max())} nodes exceeds max_tree {self.max_tree}"
+            )
         if batch and int((pl + trees).max()) > self.max_kv_len:
-            raise ValueError(f"prefix_lens: prefix + tree {int((pl + trees).max())} exceeds "
-                             f"max_kv_len {self.max_kv_len}")
+            raise ValueError(
+                f"prefix_lens: prefix + tree {int((pl + trees).max())} exceeds "
+                f"max_kv_len {self.max_kv_len}"
+            )
         self.batch = batch
         self.block_table.zero_()
         self.block_table[:batch, : block_table.shape[1]].copy_(block_table)
@@ -158,11 +176,15 @@ class TreeAttentionPlan:
     ) -> torch.Tensor:
         """Launch only: reads the plan's buffers; safe inside torch.cuda.graph capture."""
         if q.dim() != 3 or q.shape[1:] != (self.hq, self.dqk) or q.dtype != self.dtype:
-            raise ValueError(f"q: expected (rows, {self.hq}, {self.dqk}) {self.dtype}, got "
-                             f"{tuple(q.shape)} {q.dtype}")
+            raise ValueError(
+                f"q: expected (rows, {self.hq}, {self.dqk}) {self.dtype}, got "
+                f"{tuple(q.shape)} {q.dtype}"
+            )
         if out.shape != (q.shape[0], self.hq, self.dv) or out.dtype != self.dtype:
-            raise ValueError(f"out: expected ({q.shape[0]}, {self.hq}, {self.dv}) {self.dtype}, "
-                             f"got {tuple(out.shape)} {out.dtype}")
+            raise ValueError(
+                f"out: expected ({q.shape[0]}, {self.hq}, {self.dv}) {self.dtype}, "
+                f"got {tuple(out.shape)} {out.dtype}"
+            )
         if q.shape[0] > self.max_total_q:
             raise ValueError(f"q: {q.shape[0]} rows exceed max_total_q {self.max_total_q}")
         if self._launcher is None:

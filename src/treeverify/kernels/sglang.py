@@ -84,11 +84,16 @@ def extend_attention_fwd(
         raise ValueError("custom_mask: required for tree verify (or set is_causal for a chain)")
     if custom_mask is not None and mask_indptr is None:
         raise ValueError("mask_indptr: required with custom_mask")
-    for name, t in (("q_extend", q_extend), ("k_extend", k_extend), ("o_extend", o_extend),
-                    ("k_buffer", k_buffer)):
+    for name, t in (
+        ("q_extend", q_extend),
+        ("k_extend", k_extend),
+        ("o_extend", o_extend),
+        ("k_buffer", k_buffer),
+    ):
         if t.dim() != 3:
-            raise ValueError(f"{name}: expected a 3-D tensor (tokens, heads, dim), got "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: expected a 3-D tensor (tokens, heads, dim), got {tuple(t.shape)}"
+            )
         check_alignment(name, t)
     if kv_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kv_indices: expected int32 or int64, got {kv_indices.dtype}")
@@ -100,9 +105,9 @@ def extend_attention_fwd(
     dv = o_extend.shape[2]
     hkv = k_buffer.shape[1]
     mla = dqk != dv
-    if mla:  # V is the first Dv columns of the latent row: read it from the K rows once
-        if v_buffer.data_ptr() != k_buffer.data_ptr():
-            raise ValueError("v_buffer: for MLA (Dqk != Dv) it must be a view of k_buffer")
+    # MLA: V is the first Dv columns of the latent row, read from the K rows once.
+    if mla and v_buffer.data_ptr() != k_buffer.data_ptr():
+        raise ValueError("v_buffer: for MLA (Dqk != Dv) it must be a view of k_buffer")
     scale = sm_scale if sm_scale is not None else dqk**-0.5
     # Split sizing from shapes only (capture-safe): the pool's index buffer bounds the prefix.
     est_kv = math.ceil(kv_indices.shape[0] / batch) + n

@@ -1,4 +1,4 @@
-"""`treeverify kernels build --arch LIST`: compile every CUDA variant without a GPU, print a table."""
+"""`treeverify kernels build --arch LIST`: compile every CUDA variant without a GPU; print a table."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("kernels", help="build and inspect the CUDA kernels")
     sub = p.add_subparsers(dest="kernels_cmd", required=True)
     b = sub.add_parser("build", help="compile every variant with NVRTC (no GPU needed)")
-    b.add_argument("--arch", default=",".join(ALL_ARCHES),
-                   help=f"comma-separated archs (default: {','.join(ALL_ARCHES)})")
+    b.add_argument(
+        "--arch",
+        default=",".join(ALL_ARCHES),
+        help=f"comma-separated archs (default: {','.join(ALL_ARCHES)})",
+    )
     b.add_argument("--no-cache", action="store_true", help="recompile even if cached")
     b.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     return p
@@ -31,8 +34,10 @@ def run(args: argparse.Namespace) -> int:
         return 64
     rows, failed = [], 0
     print(f"NVRTC {nvrtc_version()}")
-    print(f"{'variant':<40} {'arch':<8} {'regs':>5} {'spill B':>8} {'stack B':>8} "
-          f"{'smem B':>8} {'secs':>6}")
+    print(
+        f"{'variant':<40} {'arch':<8} {'regs':>5} {'spill B':>8} {'stack B':>8} "
+        f"{'smem B':>8} {'secs':>6}"
+    )
     for arch in arches:
         for v in all_variants(arch):
             t0 = time.perf_counter()
@@ -45,14 +50,24 @@ def run(args: argparse.Namespace) -> int:
                 continue
             secs = time.perf_counter() - t0
             over = " OVER SMEM LIMIT" if k.smem_bytes > SMEM_LIMIT[arch] else ""
-            print(f"{v.name:<40} {arch:<8} {k.registers:>5} {k.spill_bytes:>8} "
-                  f"{k.stack_bytes:>8} {k.smem_bytes:>8} {secs:>6.2f}"
-                  f"{' (cached)' if k.cached else ''}{over}")
+            print(
+                f"{v.name:<40} {arch:<8} {k.registers:>5} {k.spill_bytes:>8} "
+                f"{k.stack_bytes:>8} {k.smem_bytes:>8} {secs:>6.2f}"
+                f"{' (cached)' if k.cached else ''}{over}"
+            )
             failed += bool(over)
-            rows.append({"variant": v.name, "arch": arch, "registers": k.registers,
-                         "spill_bytes": k.spill_bytes, "stack_bytes": k.stack_bytes,
-                         "smem_bytes": k.smem_bytes, "seconds": round(secs, 3),
-                         "cached": k.cached})
+            rows.append(
+                {
+                    "variant": v.name,
+                    "arch": arch,
+                    "registers": k.registers,
+                    "spill_bytes": k.spill_bytes,
+                    "stack_bytes": k.stack_bytes,
+                    "smem_bytes": k.smem_bytes,
+                    "seconds": round(secs, 3),
+                    "cached": k.cached,
+                }
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"nvrtc": nvrtc_version(), "variants": rows}, f, indent=1)

@@ -11,16 +11,41 @@ _launchers: dict[tuple, Launcher] = {}
 
 
 def launcher_for(
-    q: torch.Tensor, k_cache: torch.Tensor, dv: int, mla: bool, batch: int, max_tree: int,
-    max_kv: int, total_q_cap: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    dv: int,
+    mla: bool,
+    batch: int,
+    max_tree: int,
+    max_kv: int,
+    total_q_cap: int,
 ) -> Launcher:
     """A Launcher for this exact bucket, reused across calls with the same sizes."""
-    key = (q.device, q.dtype, q.shape[1], k_cache.shape[-2], q.shape[2], dv, mla, batch,
-           max_tree, max_kv, total_q_cap)
+    key = (
+        q.device,
+        q.dtype,
+        q.shape[1],
+        k_cache.shape[-2],
+        q.shape[2],
+        dv,
+        mla,
+        batch,
+        max_tree,
+        max_kv,
+        total_q_cap,
+    )
     if key not in _launchers:
         _launchers[key] = Launcher(
-            device=q.device, dtype=q.dtype, hq=q.shape[1], hkv=k_cache.shape[-2],
-            dqk=q.shape[2], dv=dv, mla=mla, max_batch=batch, max_tree=max_tree, max_kv=max_kv,
+            device=q.device,
+            dtype=q.dtype,
+            hq=q.shape[1],
+            hkv=k_cache.shape[-2],
+            dqk=q.shape[2],
+            dv=dv,
+            mla=mla,
+            max_batch=batch,
+            max_tree=max_tree,
+            max_kv=max_kv,
             total_q_cap=total_q_cap,
         )
     return _launchers[key]
@@ -58,9 +83,18 @@ def tree_attention_cuda(
     part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     params = launcher.fill(
-        Params(), q=q, k=k_cache, v=v_cache, out=out, part_o=part_o, part_lse=part_lse,
-        block_table=block_table.contiguous(), prefix_lens=prefix_lens.contiguous(),
-        kv_indptr=None, qo_indptr=qo_indptr.contiguous(), tree_mask=tree_mask.contiguous(),
+        Params(),
+        q=q,
+        k=k_cache,
+        v=v_cache,
+        out=out,
+        part_o=part_o,
+        part_lse=part_lse,
+        block_table=block_table.contiguous(),
+        prefix_lens=prefix_lens.contiguous(),
+        kv_indptr=None,
+        qo_indptr=qo_indptr.contiguous(),
+        tree_mask=tree_mask.contiguous(),
         sm_scale=sm_scale,
     )
     launcher.launch(params)

@@ -84,8 +84,13 @@ def nvrtc_version() -> str:
 
 
 def _options(arch: str, variant: Variant) -> list[str]:
-    opts = [f"-arch={arch}", "-std=c++17", "--use_fast_math", "-default-device",
-            "--ptxas-options=-v"]
+    opts = [
+        f"-arch={arch}",
+        "-std=c++17",
+        "--use_fast_math",
+        "-default-device",
+        "--ptxas-options=-v",
+    ]
     opts += [f"-D{d}" for d in variant.defines]
     opts += [f"-I{d}" for d in include_dirs()]
     return opts

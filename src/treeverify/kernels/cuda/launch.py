@@ -115,13 +115,26 @@ class LoadedKernel:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(drv.cuFuncSetAttribute(self._fn, attr, compiled.smem_bytes), "smem attribute")
 
-    def launch(self, grid: tuple[int, int, int], args: list[ctypes._SimpleCData | ctypes.Structure],
-               stream: int) -> None:
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        args: list[ctypes._SimpleCData | ctypes.Structure],
+        stream: int,
+    ) -> None:
         drv = _drv()
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         res = drv.cuLaunchKernel(
-            self._fn, grid[0], grid[1], grid[2], self.threads, 1, 1,
-            self.compiled.smem_bytes, drv.CUstream(stream), ctypes.addressof(ptrs), 0,
+            self._fn,
+            grid[0],
+            grid[1],
+            grid[2],
+            self.threads,
+            1,
+            1,
+            self.compiled.smem_bytes,
+            drv.CUstream(stream),
+            ctypes.addressof(ptrs),
+            0,
         )
         _check(res, f"cuLaunchKernel({self.compiled.name}, grid={grid})")
 

@@ -36,7 +36,8 @@ def choose_splits(
     """
     base = max(1, batch * hkv * m_tiles)
     wave = num_sms * ctas_per_sm
-    want = max(1, math.ceil(wave / base))
+    # Fill one wave without spilling into a second: 144 CTAs on 132 slots take two full waves.
+    want = max(1, wave // base)
     by_len = max(1, math.ceil(max_kv / MIN_CHUNK_TOKENS))
     splits = max(1, min(want, by_len, MAX_SPLITS))
     chunk = math.ceil(math.ceil(max_kv / splits) / bn) * bn
@@ -79,8 +80,13 @@ class Launcher:
         by_regs = 65536 // max(1, self.fwd_kernel.compiled.registers * self.fwd.threads)
         ctas_per_sm = max(1, min(2, by_smem, by_regs))
         self.splits = choose_splits(
-            batch=max_batch, hkv=hkv, m_tiles=self.m_tiles, max_kv=max_kv, bn=self.fwd.bn,
-            num_sms=props.multi_processor_count, ctas_per_sm=ctas_per_sm,
+            batch=max_batch,
+            hkv=hkv,
+            m_tiles=self.m_tiles,
+            max_kv=max_kv,
+            bn=self.fwd.bn,
+            num_sms=props.multi_processor_count,
+            ctas_per_sm=ctas_per_sm,
         )
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq, 1)
@@ -127,7 +133,9 @@ class Launcher:
         params.qo_indptr = qo_indptr.data_ptr()
         params.tree_mask = tree_mask.data_ptr()
         params.k_ext = k_ext.data_ptr() if k_ext is not None else 0
-        params.v_ext = (v_ext if v_ext is not None else k_ext).data_ptr() if k_ext is not None else 0
+        params.v_ext = (
+            (v_ext if v_ext is not None else k_ext).data_ptr() if k_ext is not None else 0
+        )
         params.q_stride_tok, params.q_stride_head = q.stride(0), q.stride(1)
         params.k_stride_page, params.k_stride_slot, params.k_stride_head = kp
         params.v_stride_page, params.v_stride_slot, params.v_stride_head = vp
@@ -169,6 +177,3 @@ def check_alignment(name: str, t: torch.Tensor) -> None:
             f"{name}: the cuda backend needs 16-byte aligned rows (base % 16 == 0, strides "
             f"multiples of 8 elements), got strides {tuple(t.stride())}"
         )
-
-
-

@@ -144,10 +144,15 @@ __device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) 
 }
 
 // Splits of request b: the plan fixes (max_splits, chunk); the count follows the length on
-// the device, so one captured grid serves every length of the bucket.
+// the device, so one captured grid serves every length of the bucket. A request longer than
+// max_splits * chunk (the SGLang drop-in only estimates lengths) gets longer chunks instead of
+// losing its tail. The forward and the merge kernels both call these, so they always agree.
+__device__ __forceinline__ int split_chunk(const TreeAttnParams& p, int kv_total) {
+  return max(p.chunk, (kv_total + p.max_splits - 1) / p.max_splits);
+}
 __device__ __forceinline__ int num_splits(const TreeAttnParams& p, int kv_total) {
-  int n = (kv_total + p.chunk - 1) / p.chunk;
-  return max(1, min(p.max_splits, n));
+  const int c = split_chunk(p, kv_total);
+  return max(1, (kv_total + c - 1) / c);
 }
 
 template <int DQK, int DV, int BM, int BN, int WN, int STAGES, bool BF16, bool MLA>
@@ -199,8 +204,9 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
   if (split >= n_splits) return;
   // Topological order: rows of this tile see tree columns < node_hi only.
   const int node_hi = min(T_b, (m0 + BM - 1) / G + 1);
-  const int kv_begin = split * p.chunk;
-  const int kv_stop = min(P + node_hi, kv_begin + p.chunk);
+  const int chunk = split_chunk(p, P + T_b);
+  const int kv_begin = split * chunk;
+  const int kv_stop = min(P + node_hi, kv_begin + chunk);
   const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
 
   const T* qg = static_cast<const T*>(p.q);

@@ -85,7 +85,9 @@ class MergeVariant:
 
     @property
     def expr(self) -> str:
-        return f"treeverify::tree_attn_merge<{self.dv},{'true' if self.dtype == 'bf16' else 'false'}>"
+        return (
+            f"treeverify::tree_attn_merge<{self.dv},{'true' if self.dtype == 'bf16' else 'false'}>"
+        )
 
     @property
     def threads(self) -> int:
@@ -109,9 +111,7 @@ class MaskVariant:
 Variant = FwdVariant | MergeVariant | MaskVariant
 
 
-def fwd_variant(
-    arch: str, dqk: int, dv: int, mla: bool, dtype: str, rows: int = 64
-) -> FwdVariant:
+def fwd_variant(arch: str, dqk: int, dv: int, mla: bool, dtype: str, rows: int = 64) -> FwdVariant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
     `rows` = tree nodes x query heads per KV head (the packed rows one KV tile can serve): GQA

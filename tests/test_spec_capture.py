@@ -1,0 +1,118 @@
+"""Capture safety of treeverify.spec: no host syncs, and whole rounds replay in a CUDA graph."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import treeverify.spec as spec
+
+SPEC_DIR = Path(spec.__file__).resolve().parent
+# Modules that must run inside CUDA graphs (tree_oracle.py is the host test oracle).
+CAPTURE_SAFE = ["tree.py", "mask.py", "accept.py", "sglang_layout.py"]
+SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "multinomial", "synchronize"}
+SYNCING_CALLS = {("torch", "tensor"), ("torch", "nonzero"), ("torch", "unique"), ("torch", "multinomial")}
+
+
+@pytest.mark.parametrize("name", CAPTURE_SAFE)
+def test_no_host_sync_in_source(name: str) -> None:
+    tree = ast.parse((SPEC_DIR / name).read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in SYNCING_METHODS:
+            bad.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if (node.value.id, node.attr) in SYNCING_CALLS:
+                bad.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in {"int", "float", "bool"} and node.args:
+                arg = node.args[0]
+                if not isinstance(arg, ast.Constant):
+                    bad.append(f"line {node.lineno}: {node.func.id}(...) may read a tensor")
+    # int()/float() of Python values (shapes, ints) are fine; list them explicitly if added.
+    assert not bad, f"{name}: possible host syncs: {bad}"
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _round(logits, roots, budget, target_logits, temperature, gen):
+    tree = spec.build_tree(logits, budget, roots)
+    mask = spec.parents_to_tree_mask(tree.parents, max_depth=logits.shape[1])
+    pos = spec.tree_positions(tree.depths, torch.zeros_like(roots))
+    acc = spec.accept_sampled(
+        tree.tokens, tree.parents, target_logits, temperature, top_p=0.9, top_k=50, generator=gen,
+        max_depth=logits.shape[1],
+    )
+    greedy = spec.accept_greedy(tree.tokens, tree.parents, target_logits.argmax(-1), logits.shape[1])
+    return tree, mask, pos, acc, greedy
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_no_sync_under_cuda_debug_mode() -> None:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    bsz, n_depth, vocab, budget = 4, 15, 32000, 64
+    logits = torch.randn(bsz, n_depth, vocab, device=dev)
+    roots = torch.randint(0, vocab, (bsz,), device=dev)
+    target = torch.randn(bsz, budget + 1, 1000, device=dev)
+    temp = torch.full((bsz,), 0.8, device=dev)
+    _round(logits, roots, budget, target, temp, g)  # warm-up (lazy init may sync)
+    plen = torch.randint(0, 100, (bsz,), device=dev)
+    spec.to_sglang_verify(torch.full((bsz, budget + 1), -1, device=dev), plen, 100000)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tree, *_ = _round(logits, roots, budget, target, temp, g)
+        lay = spec.to_sglang_verify(tree.parents, plen, (budget + 1) * (100 + budget + 1) * bsz)
+        spec.from_sglang_verify(lay.custom_mask, lay.mask_indptr, plen, budget + 1)
+        spec.next_token_sibling_to_parents(lay.retrieve_next_token, lay.retrieve_next_sibling)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_matches_host_heap_and_graph_replay() -> None:
+    dev = torch.device("cuda")
+    bsz, n_depth, vocab, budget = 3, 8, 500, 48
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (bsz, n_depth, vocab), generator=gen).float().to(dev)
+    roots = torch.arange(bsz, device=dev)
+    tree = spec.build_tree(logits, budget, roots)
+    host = spec.build_tree_host(logits, budget, roots)
+    for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
+        assert torch.equal(getattr(tree, f), getattr(host, f)), f
+    # Capture one round in a graph, then replay with new inputs written in place.
+    target = torch.randn(bsz, budget + 1, 300, device=dev)
+    temp = torch.zeros(bsz, device=dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    static = (logits.clone(), roots.clone(), target.clone())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _round(*static[:2], budget, static[2], temp, g)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _round(*static[:2], budget, static[2], temp, g)
+    for seed in range(3):
+        gg = torch.Generator().manual_seed(100 + seed)
+        new_logits = torch.randint(0, 4, (bsz, n_depth, vocab), generator=gg).float().to(dev)
+        new_target = torch.randn(bsz, budget + 1, 300, generator=gg).to(dev)
+        static[0].copy_(new_logits)
+        static[2].copy_(new_target)
+        graph.replay()
+        want = _round(new_logits, roots, budget, new_target, temp, g)
+        tree_g, mask_g, pos_g, acc_g, greedy_g = out
+        tree_e, mask_e, pos_e, acc_e, greedy_e = want
+        for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
+            assert torch.equal(getattr(tree_g, f), getattr(tree_e, f)), f
+        assert torch.equal(mask_g, mask_e) and torch.equal(pos_g, pos_e)
+        for f in ("path", "length", "bonus", "last"):  # temperature 0: deterministic
+            assert torch.equal(getattr(acc_g, f), getattr(acc_e, f)), f
+            assert torch.equal(getattr(greedy_g, f), getattr(greedy_e, f)), f
