@@ -84,9 +84,12 @@ RANDOM = [
     "spec", RANDOM, ids=[f"{s[0]}-{s[1]}q-p{s[6]}-{i}" for i, s in enumerate(RANDOM)]
 )
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_ragged_cases(spec, seed):
+def test_random_ragged_cases(spec, seed, portable, monkeypatch):
+    """Both the arch's best kernels and the portable mma.sync ones (what sm_80/sm_120 run)."""
     from treeverify.bench.cases import Case, make_inputs
 
+    if portable:
+        monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
     kind, hq, hkv, dqk, dv, mla, page, prefixes, trees, dtype = spec
     case = Case(kind, len(prefixes), max(prefixes), max(trees), hq, hkv, dqk, dv, mla)
     inp = make_inputs(case, page_size=page, device="cuda", dtype=dtype, seed=seed * 101,

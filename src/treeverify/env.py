@@ -18,12 +18,19 @@ import os
 from pathlib import Path
 
 VARIABLES: dict[str, str] = {
+    "TREEVERIFY_CUDA_PORTABLE": "1: use the portable mma.sync CUDA kernels even on sm_90a (tests "
+    "and comparisons).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
     "(default ~/.cache/treeverify).",
     "TREEVERIFY_LOG_LEVEL": "Level of the 'treeverify' logger: DEBUG, INFO, WARNING (default), "
     "ERROR, or a number.",
     "CUDA_HOME": "A CUDA toolkit whose include/ the kernel compiler may use (optional).",
 }
+
+
+def cuda_portable() -> bool:
+    """TREEVERIFY_CUDA_PORTABLE=1: prefer the portable (mma.sync) CUDA kernels on every arch."""
+    return os.environ.get("TREEVERIFY_CUDA_PORTABLE", "").strip() in ("1", "true", "yes")
 
 
 def cache_dir() -> Path:

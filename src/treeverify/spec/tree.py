@@ -137,13 +137,16 @@ def _key(score: Tensor, lex: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid, key, torch.full_like(key, _INT64_MIN))
 
 
-def build_tree(draft_logits: Tensor, budget: int, root_tokens: Tensor) -> DraftTree:
+def build_tree(
+    draft_logits: Tensor, budget: int, root_tokens: Tensor, *, backend: str = "auto"
+) -> DraftTree:
     """Build the DDTree draft tree for each request on the logits' device.
 
     Args:
         draft_logits: ``(B, L, V)`` drafter logits for the ``L`` positions after the root.
         budget: number of draft nodes (the root is not counted), a Python int ``>= 1``.
         root_tokens: ``(B,)`` the root (bonus) token of each request.
+        backend: sibling-chain implementation (see ``build_tree_from_topk``).
 
     Returns:
         A ``DraftTree`` with ``budget + 1`` node slots, identical node for node to
@@ -153,13 +156,53 @@ def build_tree(draft_logits: Tensor, budget: int, root_tokens: Tensor) -> DraftT
         raise ValueError(f"budget must be >= 1, got {budget}")
     k = min(budget, draft_logits.shape[-1])
     lp, ids = draft_topk(draft_logits, k)
-    return build_tree_from_topk(lp, ids, budget, root_tokens)
+    return build_tree_from_topk(lp, ids, budget, root_tokens, backend=backend)
 
 
-def build_tree_from_topk(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor) -> DraftTree:
+def sibling_chain(prev_score: Tensor, a: Tensor, use_triton: bool = False) -> Tensor:
+    """Every candidate's heap value: ``prev_score (B, W)`` parents, ``a (B, K)`` the depth's
+    log-probs -> ``(B, W, K)`` with ``[:, :, 0] = parent + a[0]`` and
+    ``[:, :, r+1] = ([:, :, r] - a[r]) + a[r+1]``, exactly the heap's fp32 operations.
+
+    PyTorch: one vector step per rank (``K`` sequential device ops, no sync).  Triton (CUDA): the
+    same sequence in registers, one launch (see ``_chain_triton.py``); bit-identical.
+    """
+    if use_triton:
+        from ._chain_triton import sibling_chain_triton
+
+        return sibling_chain_triton(prev_score, a)
+    bsz, w = prev_score.shape
+    k = a.shape[1]
+    chain = torch.empty(k, bsz, w, dtype=torch.float32, device=prev_score.device)  # (K, B, W)
+    s = torch.add(prev_score, a[:, 0:1], out=chain[0])  # first child: parent + lp[d-1, 0]
+    for r in range(k - 1):
+        t = s - a[:, r : r + 1]  # (B, W)
+        s = torch.add(t, a[:, r + 1 : r + 2], out=chain[r + 1])  # next sibling
+    return chain.permute(1, 2, 0)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_tree_from_topk(
+    lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *, backend: str = "auto"
+) -> DraftTree:
     """``build_tree`` on precomputed tables: ``lp (B, L, K)`` fp32 sorted descending, ``<= 0``,
     finite; ``ids (B, L, K)`` the matching token ids.  Capture-safe: no host reads, static shapes.
+
+    ``backend`` picks the sibling-chain implementation: ``"torch"``, ``"triton"`` (CUDA only) or
+    ``"auto"`` (Triton on CUDA when it imports, else PyTorch).  Results are identical.
     """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    use_triton = backend == "triton" or (backend == "auto" and lp.is_cuda and _triton_available())
+    if use_triton and not lp.is_cuda:
+        raise ValueError("backend='triton' needs CUDA tensors")
     if lp.dim() != 3 or ids.shape != lp.shape:
         raise ValueError(f"lp and ids must both be (B, L, K), got {tuple(lp.shape)}, {ids.shape}")
     if budget < 1:
@@ -185,13 +228,8 @@ def build_tree_from_topk(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tens
             break
         w_prev = prev_score.shape[1]
         a = lp[:, d - 1, :k_d]  # (B, K_d)
-        # The heap's own fp32 operation sequence, one rank at a time, for every parent at once.
-        chain = torch.empty(k_d, bsz, w_prev, dtype=torch.float32, device=dev)  # (K_d, B, Wp)
-        s = torch.add(prev_score, a[:, 0:1], out=chain[0])  # first child: parent + lp[d-1, 0]
-        for r in range(k_d - 1):
-            t = s - a[:, r : r + 1]  # (B, Wp)
-            s = torch.add(t, a[:, r + 1 : r + 2], out=chain[r + 1])  # next sibling
-        cand_score = chain.permute(1, 2, 0).reshape(bsz, w_prev * k_d)  # (B, Wp*K_d), lex order
+        chain = sibling_chain(prev_score, a, use_triton)  # (B, Wp, K_d)
+        cand_score = chain.reshape(bsz, w_prev * k_d)  # (B, Wp*K_d), lexicographic order
         cand_valid = prev_valid.unsqueeze(-1).expand(bsz, w_prev, k_d).reshape(bsz, -1)
         lex = torch.arange(w_prev * k_d, device=dev).expand(bsz, -1)  # (B, Wp*K_d)
         key = _key(cand_score, lex, cand_valid)

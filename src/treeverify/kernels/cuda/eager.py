@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from treeverify import env
 from treeverify.kernels.cuda.launch import Params
 from treeverify.kernels.cuda.runner import Launcher, check_alignment
 
@@ -22,6 +23,7 @@ def launcher_for(
 ) -> Launcher:
     """A Launcher for this exact bucket, reused across calls with the same sizes."""
     key = (
+        env.cuda_portable(),
         q.device,
         q.dtype,
         q.shape[1],

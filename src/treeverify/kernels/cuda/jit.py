@@ -22,6 +22,7 @@ from treeverify import env
 from treeverify.kernels.cuda.variants import Variant
 
 SOURCE_PATH = Path(__file__).with_name("tree_attention.cu")
+KERNEL_DIR = SOURCE_PATH.parent
 _lock = threading.Lock()
 _memory_cache: dict[tuple[str, str], CompiledKernel] = {}
 
@@ -92,7 +93,7 @@ def _options(arch: str, variant: Variant) -> list[str]:
         "--ptxas-options=-v",
     ]
     opts += [f"-D{d}" for d in variant.defines]
-    opts += [f"-I{d}" for d in include_dirs()]
+    opts += [f"-I{d}" for d in (str(KERNEL_DIR), *include_dirs())]
     return opts
 
 
@@ -170,7 +171,9 @@ def compile_variant(variant: Variant, arch: str, *, use_cache: bool = True) -> C
             return _memory_cache[key_mem]
     source = SOURCE_PATH.read_text()
     opts = _options(arch, variant)
-    key = _cache_key(source, arch, variant, opts)
+    # The key covers every header next to the source, so editing one invalidates the cache.
+    headers = "".join(p.read_text() for p in sorted(KERNEL_DIR.glob("*.cuh")))
+    key = _cache_key(source + headers, arch, variant, opts)
     cache = env.cache_dir() / "cuda"
     stem = f"{variant.name}-{arch}-{key}"
     cubin_path, meta_path = cache / f"{stem}.cubin", cache / f"{stem}.json"

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify import env
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
-from treeverify.kernels.cuda.variants import FwdVariant, MergeVariant, fwd_variant
+from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
 
 MAX_SPLITS = 64
 MIN_CHUNK_TOKENS = 256  # a split shorter than this costs more in merge traffic than it saves
@@ -65,8 +66,14 @@ class Launcher:
         self.device = torch.device(device)
         self.dtype_name = "bf16" if dtype == torch.bfloat16 else "fp16"
         self.arch = device_arch(self.device)
-        self.fwd: FwdVariant = fwd_variant(
-            self.arch, dqk, dv, mla, self.dtype_name, rows=max_tree * (hq // hkv)
+        self.fwd = fwd_variant(
+            self.arch,
+            dqk,
+            dv,
+            mla,
+            self.dtype_name,
+            rows=max_tree * (hq // hkv),
+            portable=env.cuda_portable(),
         )
         self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)

@@ -535,3 +535,5 @@ __global__ void sglang_mask_to_bits(const unsigned char* __restrict__ custom_mas
 #endif  // TV_SGLANG_MASK_KERNEL
 
 }  // namespace treeverify
+
+#include "tree_attention_sm90.cuh"  // sm_90a wgmma kernels (instantiated only for sm_90a)

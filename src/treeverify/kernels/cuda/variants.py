@@ -73,6 +73,34 @@ class FwdVariant:
 
 
 @dataclass(frozen=True)
+class MlaSm90Variant:
+    """tree_attn_mla_sm90<BN, BF16>: the wgmma (sm_90a) MLA kernel, 64 rows, 2 warpgroups."""
+
+    bn: int
+    dtype: str
+    bm: int = 64
+    threads: int = 256
+    mla: bool = True
+    defines: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"fwd_mla_sm90_wgmma_m{self.bm}n{self.bn}_{self.dtype}"
+
+    @property
+    def expr(self) -> str:
+        bf16 = "true" if self.dtype == "bf16" else "false"
+        return f"treeverify::tree_attn_mla_sm90<{self.bn},{bf16}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        """Must equal MlaSm90Cfg::SMEM_BYTES in tree_attention_sm90.cuh."""
+        return (
+            1024 + self.bm * 576 * 2 + 2 * self.bn * 576 * 2 + self.bm * self.bn * 2 + 16 * self.bm
+        )
+
+
+@dataclass(frozen=True)
 class MergeVariant:
     """tree_attn_merge<DV, BF16>: combines split partials (fp32 O + log2 LSE)."""
 
@@ -108,10 +136,18 @@ class MaskVariant:
     defines: tuple[str, ...] = ("TV_SGLANG_MASK_KERNEL",)
 
 
-Variant = FwdVariant | MergeVariant | MaskVariant
+Variant = FwdVariant | MlaSm90Variant | MergeVariant | MaskVariant
 
 
-def fwd_variant(arch: str, dqk: int, dv: int, mla: bool, dtype: str, rows: int = 64) -> FwdVariant:
+def fwd_variant(
+    arch: str,
+    dqk: int,
+    dv: int,
+    mla: bool,
+    dtype: str,
+    rows: int = 64,
+    portable: bool = False,
+) -> FwdVariant | MlaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
     `rows` = tree nodes x query heads per KV head (the packed rows one KV tile can serve): GQA
@@ -125,6 +161,8 @@ def fwd_variant(arch: str, dqk: int, dv: int, mla: bool, dtype: str, rows: int =
     if mla:
         if (dqk, dv) != MLA_DIMS:
             raise ValueError(f"MLA head dims: expected Dqk=576, Dv=512, got Dqk={dqk}, Dv={dv}")
+        if arch == "sm_90a" and not portable:
+            return MlaSm90Variant(64, dtype)
         # 64 rows x 576 of Q plus 32-token latent tiles; V is a view of the same tile.
         candidates = [
             FwdVariant(576, 512, 64, 32, 2, 3, dtype, True),
@@ -158,7 +196,9 @@ def all_variants(arch: str) -> list[Variant]:
                 v = fwd_variant(arch, d, d, False, dtype, rows)
                 if v not in out:
                     out.append(v)
-        out.append(fwd_variant(arch, *MLA_DIMS, True, dtype))
+        out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, portable=True))
+        if arch == "sm_90a":
+            out.append(fwd_variant(arch, *MLA_DIMS, True, dtype))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
     out.append(MaskVariant())
