@@ -84,6 +84,7 @@ RANDOM = [
     "spec", RANDOM, ids=[f"{s[0]}-{s[1]}q-p{s[6]}-{i}" for i, s in enumerate(RANDOM)]
 )
 @pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
 def test_random_ragged_cases(spec, seed, portable, monkeypatch):
     """Both the arch's best kernels and the portable mma.sync ones (what sm_80/sm_120 run)."""
     from treeverify.bench.cases import Case, make_inputs

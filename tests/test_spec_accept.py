@@ -101,7 +101,8 @@ def test_temperature_zero_is_greedy(data, seed: int) -> None:
 # --- losslessness: committed tokens are target samples given the committed prefix -------------
 
 V = 5
-# Tree: 0 root; 1:'0', 2:'1', 3:'2' under the root; 4:'3', 5:'0' under 1; 6:'4' under 2; 7:'1' under 4
+# Tree (node:'token'): 0 root; 1:'0', 2:'1', 3:'2' under the root; 4:'3', 5:'0' under 1;
+# 6:'4' under 2; 7:'1' under 4
 TOKENS = [0, 0, 1, 2, 3, 0, 4, 1]
 PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4]
 PROBS = np.array(
@@ -165,6 +166,7 @@ def test_biased_sampler_fails_the_same_test() -> None:
     # Negative control 1: samples from a sharpened distribution (a wrong temperature).
     pvals = _lossless_pvalues(lambda lg: sample_per_node(lg * 1.5, 1.0, generator=g))
     assert min(pvals) < 1e-4, pvals
+
     # Negative control 2: one shared Gumbel draw for all nodes of a request (not independent).
     def shared_noise(lg: torch.Tensor) -> torch.Tensor:
         u = torch.rand(lg.shape[0], 1, lg.shape[2], generator=g)
@@ -175,7 +177,8 @@ def test_biased_sampler_fails_the_same_test() -> None:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"), [(0.7, None, None), (1.0, 3, None), (1.3, None, 0.6), (0.9, 4, 0.7)]
+    ("temperature", "top_k", "top_p"),
+    [(0.7, None, None), (1.0, 3, None), (1.3, None, 0.6), (0.9, 4, 0.7)],
 )
 def test_sample_filters(temperature: float, top_k, top_p) -> None:
     probs = np.array([0.35, 0.25, 0.2, 0.12, 0.08])
@@ -205,7 +208,11 @@ def test_per_request_parameters() -> None:
     logits = torch.tensor(np.log([0.4, 0.3, 0.2, 0.1]), dtype=torch.float32).expand(2, 3000, -1)
     g = torch.Generator().manual_seed(9)
     s = sample_per_node(
-        logits, torch.tensor([1.0, 1.0]), top_k=torch.tensor([1, 0]), top_p=torch.tensor([1.0, 1.0]), generator=g
+        logits,
+        torch.tensor([1.0, 1.0]),
+        top_k=torch.tensor([1, 0]),
+        top_p=torch.tensor([1.0, 1.0]),
+        generator=g,
     )
     assert (s[0] == 0).all()  # top_k = 1: always the argmax
     assert len(set(s[1].tolist())) == 4  # top_k = 0: off

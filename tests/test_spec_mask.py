@@ -75,7 +75,9 @@ def test_depths_and_positions(rows: list[list[int]]) -> None:
     start = torch.arange(len(rows), dtype=torch.int32) * 100 + 5
     pos = tree_positions(depths, start)
     assert pos.dtype == torch.int64
-    assert pos.tolist() == [[int(start[b]) + d for d in naive_depths(r)] for b, r in enumerate(rows)]
+    assert pos.tolist() == [
+        [int(start[b]) + d for d in naive_depths(r)] for b, r in enumerate(rows)
+    ]
 
 
 def test_bit31_and_multiword() -> None:

@@ -23,7 +23,9 @@ def batches(draw, padding: bool = True):
     rows = []
     for _ in range(bsz):
         n_real = draw(st.integers(1, n)) if padding else n
-        rows.append([-1] + [draw(st.integers(0, i - 1)) for i in range(1, n_real)] + [-1] * (n - n_real))
+        rows.append(
+            [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n_real)] + [-1] * (n - n_real)
+        )
     prefix = [draw(st.integers(0, 40)) for _ in range(bsz)]
     return rows, prefix
 
@@ -75,7 +77,10 @@ def test_layout_matches_naive_and_round_trips(data, extra: int) -> None:
     assert back.dtype == torch.int64 and back.tolist() == rows
     ours = sglang_mask_to_tree_mask(lay.custom_mask, lay.mask_indptr, plen, n)
     assert torch.equal(ours, parents_to_tree_mask(parents))
-    assert next_token_sibling_to_parents(lay.retrieve_next_token, lay.retrieve_next_sibling).tolist() == rows
+    assert (
+        next_token_sibling_to_parents(lay.retrieve_next_token, lay.retrieve_next_sibling).tolist()
+        == rows
+    )
 
 
 def test_bool_mask_and_bit31() -> None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,12 +65,18 @@ def test_matches_heap_random(seed: int) -> None:
         logits = make_logits(kind, (bsz, n_depth, vocab), g)
         roots = torch.randint(0, vocab, (bsz,), generator=g)
         msg = f"kind={kind} B={bsz} L={n_depth} V={vocab} budget={budget}"
-        assert_same_tree(build_tree(logits, budget, roots), build_tree_host(logits, budget, roots), msg)
+        assert_same_tree(
+            build_tree(logits, budget, roots), build_tree_host(logits, budget, roots), msg
+        )
 
 
 def test_matches_heap_large_vocab() -> None:
     g = torch.Generator().manual_seed(2)
-    for n_depth, vocab, budget, kind in [(15, 5000, 300, "normal"), (4, 3000, 257, "int3"), (1, 4096, 200, "int3")]:
+    for n_depth, vocab, budget, kind in [
+        (15, 5000, 300, "normal"),
+        (4, 3000, 257, "int3"),
+        (1, 4096, 200, "int3"),
+    ]:
         logits = make_logits(kind, (2, n_depth, vocab), g)
         roots = torch.tensor([7, 11])
         assert_same_tree(build_tree(logits, budget, roots), build_tree_host(logits, budget, roots))
@@ -77,7 +87,11 @@ def _tie_tables(mode: int, shape: tuple[int, int, int], g: torch.Generator) -> t
     if mode == 0:  # multiples of log 2: sums of different paths tie exactly
         vals = -torch.randint(0, 6, shape, generator=g).float() * math.log(2)
     elif mode == 1:  # few distinct values per depth, random scale
-        vals = -torch.randint(0, 4, shape, generator=g).float() * torch.rand(*shape[:2], 1, generator=g) * 3
+        vals = (
+            -torch.randint(0, 4, shape, generator=g).float()
+            * torch.rand(*shape[:2], 1, generator=g)
+            * 3
+        )
     elif mode == 2:  # tiny log-probs: adding them often does not change the sum at all
         vals = -torch.rand(shape, generator=g) * 1e-6
     elif mode == 3:  # zeros: children tie with their parents
@@ -192,3 +206,26 @@ def test_tree_properties(n_depth: int, vocab: int, budget: int, levels: int, see
             assert int(tree.tokens[b, i]) in ids[b, int(dep[i]) - 1].tolist()
         seen = {(int(par[i]), int(tree.tokens[b, i])) for i in range(1, n)}
         assert len(seen) == n - 1
+
+
+def test_triton_chain_in_interpreter() -> None:
+    """The Triton sibling-chain kernel, run by Triton's CPU interpreter (no GPU needed)."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from treeverify.spec.tree import sibling_chain\n"
+        "from treeverify.spec._chain_triton import sibling_chain_triton\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for w, k in [(1, 1), (3, 40), (130, 17), (257, 5)]:\n"
+        "    prev = -torch.rand(2, w, generator=g) * 50\n"
+        "    a = -torch.randint(0, 5, (2, k), generator=g).float() * 0.6931\n"
+        "    a = a.sort(-1, descending=True).values\n"
+        "    assert torch.equal(sibling_chain(prev, a), sibling_chain_triton(prev, a)), (w, k)\n"
+        "print('ok')\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": src}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -1,9 +1,14 @@
 # TEMPORARY device benchmark (deleted before hand-off).
-import sys, time, statistics, json
+import json
+import statistics
+import sys
+
 sys.path.insert(0, "src")
 import torch
+
 import treeverify.spec as spec
 from treeverify.spec.tree_oracle import build_tree_host_from_topk
+
 dev = torch.device("cuda")
 print(torch.__version__, torch.cuda.get_device_name())
 res = {}
@@ -11,30 +16,48 @@ res = {}
 g = torch.Generator().manual_seed(0)
 bad = 0
 for t in range(60):
-    B = 2; L = int(torch.randint(1, 16, (1,), generator=g)); V = int(torch.randint(2, 3000, (1,), generator=g))
+    B = 2
+    L = int(torch.randint(1, 16, (1,), generator=g))
+    V = int(torch.randint(2, 3000, (1,), generator=g))
     budget = int(torch.randint(1, 400, (1,), generator=g))
     kind = t % 3
-    x = torch.randint(0, 3, (B, L, V), generator=g).float() if kind == 0 else torch.randn(B, L, V, generator=g) * (3 if kind == 1 else 0.01)
+    x = (
+        torch.randint(0, 3, (B, L, V), generator=g).float()
+        if kind == 0
+        else torch.randn(B, L, V, generator=g) * (3 if kind == 1 else 0.01)
+    )
     x = x.to(dev)
     lp, ids = spec.draft_topk(x, min(budget, V))
     roots = torch.zeros(B, dtype=torch.long, device=dev)
     a = spec.build_tree_from_topk(lp, ids, budget, roots)
     b = build_tree_host_from_topk(lp, ids, budget, roots)
-    ok = all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "depths", "num_nodes", "scores"))
+    ok = all(
+        torch.equal(getattr(a, f), getattr(b, f))
+        for f in ("tokens", "parents", "depths", "num_nodes", "scores")
+    )
     bad += not ok
 print("gpu vs heap mismatches:", bad, "/ 60", flush=True)
 res["mismatch"] = bad
 
+
 def timeit(fn, n=5):
-    fn(); torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()
     ts = []
     for _ in range(n):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e))
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
     return statistics.median(ts)
 
+
 def graph_time(fn, n=10):
-    st = torch.cuda.Stream(); st.wait_stream(torch.cuda.current_stream())
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st):
         fn()
     torch.cuda.current_stream().wait_stream(st)
@@ -43,30 +66,68 @@ def graph_time(fn, n=10):
         fn()
     return timeit(gr.replay, n)
 
+
 L, V = 15, 151936
 for B in (1, 8, 32):
-    for budget in (64, 256, 1024):
+    for budget in (16, 64, 256, 1024):
         logits = torch.randn(B, L, V, device=dev)
         roots = torch.zeros(B, dtype=torch.long, device=dev)
         lp, ids = spec.draft_topk(logits, min(budget, V))
-        t_topk = timeit(lambda: spec.draft_topk(logits, min(budget, V)))
-        t_tree = timeit(lambda: spec.build_tree_from_topk(lp, ids, budget, roots), 3)
-        t_tree_g = graph_time(lambda: spec.build_tree_from_topk(lp, ids, budget, roots), 5)
+        t_topk = graph_time(lambda: spec.draft_topk(logits, min(budget, V)))
+        t_tree = timeit(
+            lambda: spec.build_tree_from_topk(lp, ids, budget, roots, backend="triton"), 3
+        )
+        t_tree_g = graph_time(
+            lambda: spec.build_tree_from_topk(lp, ids, budget, roots, backend="triton"), 5
+        )
+        t_tree_torch_g = (
+            graph_time(
+                lambda: spec.build_tree_from_topk(lp, ids, budget, roots, backend="torch"), 3
+            )
+            if budget <= 64
+            else float("nan")
+        )
         tree = spec.build_tree_from_topk(lp, ids, budget, roots)
         t_mask = graph_time(lambda: spec.parents_to_tree_mask(tree.parents, max_depth=L))
         post = torch.randint(0, 5, tree.tokens.shape, device=dev)
         t_acc = graph_time(lambda: spec.accept_greedy(tree.tokens, tree.parents, post, L))
         key = f"B{B}_n{budget}"
-        res[key] = dict(topk_ms=t_topk, tree_eager_ms=t_tree, tree_graph_ms=t_tree_g, mask_graph_ms=t_mask, accept_greedy_graph_ms=t_acc)
+        res[key] = dict(
+            topk_graph_ms=t_topk,
+            tree_triton_eager_ms=t_tree,
+            tree_triton_graph_ms=t_tree_g,
+            tree_torch_graph_ms=t_tree_torch_g,
+            mask_graph_ms=t_mask,
+            accept_greedy_graph_ms=t_acc,
+        )
         print(key, {k: round(v, 3) for k, v in res[key].items()}, flush=True)
+# profile of one graph-less call: top kernels
+logits = torch.randn(8, L, V, device=dev)
+roots = torch.zeros(8, dtype=torch.long, device=dev)
+lp, ids = spec.draft_topk(logits, 256)
+from torch.profiler import ProfilerActivity, profile
+
+spec.build_tree_from_topk(lp, ids, 256, roots)
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    spec.build_tree_from_topk(lp, ids, 256, roots)
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 for B, budget, Vt in ((1, 64, 151936), (8, 64, 32000), (1, 256, 32000)):
     target = torch.randn(B, budget + 1, Vt, device=dev)
-    tok = torch.randint(0, Vt, (B, budget + 1), device=dev); par = torch.full((B, budget + 1), -1, device=dev); par[:, 1:] = 0
+    tok = torch.randint(0, Vt, (B, budget + 1), device=dev)
+    par = torch.full((B, budget + 1), -1, device=dev)
+    par[:, 1:] = 0
     gen = torch.Generator(device=dev).manual_seed(0)
     t1 = timeit(lambda: spec.accept_sampled(tok, par, target, 0.8, generator=gen, max_depth=L))
-    t2 = timeit(lambda: spec.accept_sampled(tok, par, target, 0.8, top_p=0.9, top_k=50, generator=gen, max_depth=L))
+    t2 = timeit(
+        lambda: spec.accept_sampled(
+            tok, par, target, 0.8, top_p=0.9, top_k=50, generator=gen, max_depth=L
+        )
+    )
     res[f"sampled_B{B}_n{budget}_V{Vt}"] = dict(plain_ms=t1, topk_topp_ms=t2)
     print("sampled", B, budget, Vt, round(t1, 3), round(t2, 3), flush=True)
 import os
+
 out = os.environ.get("OUT", "/tmp")
 json.dump(res, open(f"{out}/spec_bench.json", "w"), indent=1)

@@ -83,7 +83,7 @@ def parents_to_tree_mask(parents: Tensor, max_depth: int | None = None) -> Tenso
 
 
 def depths_from_parents(parents: Tensor) -> Tensor:
-    """``(B, T)`` int64 depth of every node (root and padding 0), by pointer-jumping list ranking."""
+    """``(B, T)`` int64 depth of every node (root and padding: 0), by pointer-jumping ranking."""
     ptr = _jump_pointers(parents)
     t = parents.shape[1]
     idx = torch.arange(t, device=parents.device).expand_as(ptr)

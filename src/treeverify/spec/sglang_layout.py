@@ -78,7 +78,9 @@ def _first_child_next_sibling(parents: Tensor) -> tuple[Tensor, Tensor]:
     return first, nxt
 
 
-def to_sglang_verify(parents: Tensor, prefix_lens: Tensor, mask_capacity: int) -> SGLangVerifyLayout:
+def to_sglang_verify(
+    parents: Tensor, prefix_lens: Tensor, mask_capacity: int
+) -> SGLangVerifyLayout:
     """Build SGLang's verify layout from ``parents (B, N)`` and ``prefix_lens (B,)``.
 
     ``mask_capacity`` (Python int) is the flat mask's length; it must be at least
@@ -152,7 +154,9 @@ def from_sglang_verify(
     return cand.max(dim=-1).values
 
 
-def next_token_sibling_to_parents(retrieve_next_token: Tensor, retrieve_next_sibling: Tensor) -> Tensor:
+def next_token_sibling_to_parents(
+    retrieve_next_token: Tensor, retrieve_next_sibling: Tensor
+) -> Tensor:
     """``retrieve_next_token``/``retrieve_next_sibling (B, N)`` -> ``parents (B, N)`` int64.
 
     A first child's parent is the node pointing at it; a later sibling inherits the parent of the

@@ -235,7 +235,8 @@ def build_tree_from_topk(
         key = _key(cand_score, lex, cand_valid)
 
         w_d = min(budget - d + 1, w_prev * k_d)
-        top_key, top_idx = torch.topk(key, w_d, dim=1)  # (B, W_d), descending key
+        # The W_d largest keys, in no particular order (they are re-sorted by lex index below).
+        top_key, top_idx = torch.topk(key, w_d, dim=1, sorted=False)  # (B, W_d)
         sel_valid = top_key != _INT64_MIN
         # Back to lexicographic order (valid first, in candidate order; invalid slots last).
         order_key = torch.where(sel_valid, top_idx, torch.full_like(top_idx, w_prev * k_d))
@@ -324,4 +325,6 @@ def build_tree_from_topk(
         sel_valid, all_score.gather(1, sel), torch.full_like(all_score[:, :n_sel], float("-inf"))
     )
     num_nodes = 1 + sel_valid.sum(dim=1)
-    return DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, scores=scores)
+    return DraftTree(
+        tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, scores=scores
+    )

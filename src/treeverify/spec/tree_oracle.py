@@ -60,7 +60,9 @@ def build_tree_host_from_topk(
             scores[b, n] = logw
             if rank + 1 < k:
                 sib = np.float32(np.float32(logw - tab[depth - 1, rank]) + tab[depth - 1, rank + 1])
-                heapq.heappush(heap, (-float(sib), ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sib))
+                heapq.heappush(
+                    heap, (-float(sib), ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sib)
+                )
             if depth < n_depth:
                 child = np.float32(logw + tab[depth, 0])
                 heapq.heappush(heap, (-float(child), ranks + (0,), n, depth + 1, 0, child))

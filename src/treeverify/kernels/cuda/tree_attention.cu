@@ -155,6 +155,49 @@ __device__ __forceinline__ int num_splits(const TreeAttnParams& p, int kv_total)
   return max(1, (kv_total + c - 1) / c);
 }
 
+// Token -> cache row addresses, fetched a tile ahead. Looking the page id up costs a dependent
+// global load (hundreds of cycles); doing it inside the cp.async loop serialises one per chunk.
+// Instead thread i < BN loads the page of token i of a future tile into a register early
+// (fetch_page) and, once other work has hidden the latency, turns it into row pointers in
+// shared memory (publish_rows) that every thread's cp.async then reads.
+struct PageFetch {
+  long long page;  // -1: past the range, or a tree node read from the extend buffers
+  int t;
+};
+__device__ __forceinline__ PageFetch fetch_page(const TreeAttnParams& p, const RequestKV& rk,
+                                                int P, int t, int kv_stop) {
+  PageFetch f{-1, t};
+  if (t < kv_stop && !(t >= P && p.k_ext != nullptr)) {
+    const int pi = t / p.page_size;
+    f.page = p.bt_i64 ? static_cast<const long long*>(p.block_table)[rk.row_off + pi]
+                      : static_cast<long long>(
+                            static_cast<const int*>(p.block_table)[rk.row_off + pi]);
+  }
+  return f;
+}
+template <typename T>
+__device__ __forceinline__ void publish_rows(const TreeAttnParams& p, const PageFetch& f, int P,
+                                             int qo0, int kvh, int kv_stop, const T** k_row,
+                                             const T** v_row) {
+  const T* kp = nullptr;
+  const T* vp = nullptr;
+  if (f.t < kv_stop) {
+    if (f.page < 0) {  // tree node in SGLang's extend buffers
+      const long long e = qo0 + (f.t - P);
+      kp = static_cast<const T*>(p.k_ext) + e * p.kext_stride_tok + kvh * p.kext_stride_head;
+      vp = static_cast<const T*>(p.v_ext) + e * p.vext_stride_tok + kvh * p.vext_stride_head;
+    } else {
+      const int slot = f.t % p.page_size;
+      kp = static_cast<const T*>(p.k) + f.page * p.k_stride_page + slot * p.k_stride_slot +
+           kvh * p.k_stride_head;
+      vp = static_cast<const T*>(p.v) + f.page * p.v_stride_page + slot * p.v_stride_slot +
+           kvh * p.v_stride_head;
+    }
+  }
+  *k_row = kp;
+  if (v_row != nullptr) *v_row = vp;
+}
+
 template <int DQK, int DV, int BM, int BN, int WN, int STAGES, bool BF16, bool MLA>
 struct Cfg {
   static constexpr int NW = (BM / 16) * WN;  // warps
@@ -168,8 +211,10 @@ struct Cfg {
   static constexpr int K_ELEMS = BN * SQ;
   static constexpr int V_ELEMS = MLA ? 0 : BN * SV;
   static constexpr int P_ELEMS = WN > 1 ? BM * SP : 0;
+  static constexpr int PTR_BYTES = 8 * 2 * BN * (MLA ? 1 : 2);  // K (and V) rows, 2 tiles
   static constexpr int SMEM_BYTES =
-      2 * (Q_ELEMS + STAGES * (K_ELEMS + V_ELEMS) + P_ELEMS) + 4 * 2 * WN * BM;
+      2 * (Q_ELEMS + STAGES * (K_ELEMS + V_ELEMS) + P_ELEMS) + 4 * 2 * WN * BM + PTR_BYTES;
+  static_assert(NT >= BN, "one thread per token of a tile fetches its page");
   static_assert(BM % 16 == 0 && BN % (16 * WN) == 0 && DQK % 16 == 0 && DVW % 16 == 0, "tile");
   static_assert(MLA ? DV <= DQK : DV == DQK, "GQA needs Dqk == Dv; MLA needs Dv <= Dqk");
 };
@@ -186,6 +231,8 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
   T* sP = sV + STAGES * C::V_ELEMS;         // [BM][SP] (WN > 1 only)
   float* sMax = reinterpret_cast<float*>(sP + C::P_ELEMS);  // [WN][BM]
   float* sSum = sMax + WN * BM;                                // [WN][BM]
+  const T** sRowK = reinterpret_cast<const T**>(sSum + WN * BM);  // [2][BN]
+  const T** sRowV = sRowK + 2 * BN;                               // [2][BN] (GQA only)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -223,41 +270,37 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
     cp_async16(sQ + r * C::SQ + c * 8, src, ok ? 16 : 0);
   }
 
-  // ---- KV tile loader: token t of the request -> its K (and V) row address.
-  auto kv_row = [&](int t, const T*& kp, const T*& vp) {
-    if (t >= P && p.k_ext != nullptr) {
-      const long long e = qo0 + (t - P);
-      kp = static_cast<const T*>(p.k_ext) + e * p.kext_stride_tok + kvh * p.kext_stride_head;
-      vp = static_cast<const T*>(p.v_ext) + e * p.vext_stride_tok + kvh * p.vext_stride_head;
-      return;
-    }
-    const int pi = t / p.page_size, slot = t - pi * p.page_size;
-    const long long page =
-        p.bt_i64 ? static_cast<const long long*>(p.block_table)[rk.row_off + pi]
-                 : static_cast<long long>(static_cast<const int*>(p.block_table)[rk.row_off + pi]);
-    kp = kg + page * p.k_stride_page + slot * p.k_stride_slot + kvh * p.k_stride_head;
-    vp = vg + page * p.v_stride_page + slot * p.v_stride_slot + kvh * p.v_stride_head;
+  // ---- KV tiles: row pointers of tile j live in sRowK/V[j & 1] (see fetch_page).
+  auto publish = [&](int j, const PageFetch& f) {
+    if (tid < BN)
+      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRowK[(j & 1) * BN + tid],
+                      MLA ? nullptr : &sRowV[(j & 1) * BN + tid]);
   };
-  auto load_tile = [&](int stage, int t0) {
+  auto fetch = [&](int j) {
+    return tid < BN ? fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop)
+                    : PageFetch{-1, kv_stop};
+  };
+  auto load_tile = [&](int stage, int j) {
     T* dk = sK + stage * C::K_ELEMS;
     T* dv = sV + stage * C::V_ELEMS;
     constexpr int KCH = DQK / 8;
     for (int idx = tid; idx < BN * KCH; idx += C::NT) {
-      const int r = idx / KCH, c = idx % KCH, t = t0 + r;
-      const bool ok = t < kv_stop;
-      const T* kp = kg;
-      const T* vp = vg;
-      if (ok) kv_row(t, kp, vp);
-      cp_async16(dk + r * C::SQ + c * 8, ok ? kp + c * 8 : kg, ok ? 16 : 0);
-      if constexpr (!MLA) cp_async16(dv + r * C::SV + c * 8, ok ? vp + c * 8 : kg, ok ? 16 : 0);
+      const int r = idx / KCH, c = idx % KCH;
+      const T* kp = sRowK[(j & 1) * BN + r];
+      cp_async16(dk + r * C::SQ + c * 8, kp ? kp + c * 8 : kg, kp ? 16 : 0);
+      if constexpr (!MLA) {
+        const T* vp = sRowV[(j & 1) * BN + r];
+        cp_async16(dv + r * C::SV + c * 8, vp ? vp + c * 8 : kg, vp ? 16 : 0);
+      }
     }
   };
 
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) load_tile(s, kv_begin + s * BN);
-    cp_async_commit();
-  }
+  static_assert(STAGES == 2, "row pointers are double-buffered with the KV stages");
+  publish(0, fetch(0));
+  publish(1, fetch(1));
+  __syncthreads();
+  if (n_tiles > 0) load_tile(0, 0);
+  cp_async_commit();
 
   float o[C::DVW / 8][4];
 #pragma unroll
@@ -269,13 +312,11 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
   unsigned qf[Q_IN_REGS ? DQK / 16 : 1][4];
 
   for (int it = 0; it < n_tiles; ++it) {
-    cp_async_wait<STAGES - 2>();
+    cp_async_wait<0>();
     __syncthreads();
-    {
-      const int nxt = it + STAGES - 1;
-      if (nxt < n_tiles) load_tile(nxt % STAGES, kv_begin + nxt * BN);
-      cp_async_commit();
-    }
+    if (it + 1 < n_tiles) load_tile((it + 1) & 1, it + 1);
+    cp_async_commit();
+    const PageFetch ahead = fetch(it + 2);  // latency hidden behind this tile's MMAs
     const int t0 = kv_begin + it * BN;
     const T* cK = sK + (it % STAGES) * C::K_ELEMS;
     const T* cV = MLA ? cK : sV + (it % STAGES) * C::V_ELEMS;
@@ -415,6 +456,7 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
         }
       }
     }
+    publish(it + 2, ahead);  // tile it's pointers were consumed last iteration: slot is free
   }
   cp_async_wait<0>();
 

@@ -65,7 +65,8 @@ struct MlaSm90Cfg {
   static constexpr int Q_BYTES = BM * DQK * 2;
   static constexpr int KV_BYTES = BN * DQK * 2;
   static constexpr int P_BYTES = BM * BN * 2;
-  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES + 4 * 4 * BM;
+  // + row maxima [2][BM] (reused for row sums after the loop) + K row pointers [2][BN].
+  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES + 4 * 2 * BM + 16 * BN;
 };
 
 template <int BN, bool BF16>
@@ -82,7 +83,8 @@ __global__ void __launch_bounds__(256, 1)
   unsigned char* sKV = sQ + C::Q_BYTES;
   unsigned char* sP = sKV + 2 * C::KV_BYTES;
   float* sMax = reinterpret_cast<float*>(sP + C::P_BYTES);  // [2][BM]
-  float* sSum = sMax + 2 * BM;                                // [2][BM]
+  float* sSum = sMax;  // [2][BM], after the loop (the last sMax read precedes a barrier)
+  const T** sRow = reinterpret_cast<const T**>(sMax + 2 * BM);  // [2][BN]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wi = warp & 3;
@@ -115,28 +117,25 @@ __global__ void __launch_bounds__(256, 1)
     const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
     cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
   }
-  auto load_tile = [&](int stage, int t0) {
-    unsigned char* dst = sKV + stage * C::KV_BYTES;
-    for (int idx = tid; idx < BN * C::CH; idx += 256) {
-      const int r = idx / C::CH, c = idx % C::CH, t = t0 + r;
-      const T* src = kg;
-      if (t < kv_stop) {
-        if (t >= P && p.k_ext != nullptr) {
-          src = static_cast<const T*>(p.k_ext) + (long long)(qo0 + t - P) * p.kext_stride_tok +
-                kvh * p.kext_stride_head;
-        } else {
-          const int pi = t / p.page_size, slot = t - pi * p.page_size;
-          const long long page =
-              p.bt_i64 ? static_cast<const long long*>(p.block_table)[rk.row_off + pi]
-                       : static_cast<long long>(
-                             static_cast<const int*>(p.block_table)[rk.row_off + pi]);
-          src = kg + page * p.k_stride_page + slot * p.k_stride_slot + kvh * p.k_stride_head;
-        }
-      }
-      cp_async16(dst + sw_off<BN>(r, c), t < kv_stop ? src + c * 8 : kg, t < kv_stop ? 16 : 0);
+  // Row pointers of tile j live in sRow[j & 1]; see fetch_page in tree_attention.cu.
+  auto fetch_publish = [&](int j) {
+    if (tid < BN) {
+      const PageFetch f = fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop);
+      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRow[(j & 1) * BN + tid], nullptr);
     }
   };
-  if (n_tiles > 0) load_tile(0, kv_begin);
+  auto load_tile = [&](int stage, int j) {
+    unsigned char* dst = sKV + stage * C::KV_BYTES;
+    for (int idx = tid; idx < BN * C::CH; idx += 256) {
+      const int r = idx / C::CH, c = idx % C::CH;
+      const T* src = sRow[(j & 1) * BN + r];
+      cp_async16(dst + sw_off<BN>(r, c), src ? src + c * 8 : kg, src ? 16 : 0);
+    }
+  };
+  fetch_publish(0);
+  fetch_publish(1);
+  __syncthreads();
+  if (n_tiles > 0) load_tile(0, 0);
   cp_async_commit();
 
   float o[128];
@@ -151,7 +150,7 @@ __global__ void __launch_bounds__(256, 1)
     cp_async_wait<0>();
     fence_async_smem();
     __syncthreads();
-    if (it + 1 < n_tiles) load_tile((it + 1) & 1, kv_begin + (it + 1) * BN);
+    if (it + 1 < n_tiles) load_tile((it + 1) & 1, it + 1);
     cp_async_commit();
     const int t0 = kv_begin + it * BN;
     const unsigned kv_addr = smem_u32(sKV + (it & 1) * C::KV_BYTES);
@@ -168,6 +167,7 @@ __global__ void __launch_bounds__(256, 1)
       mma_s<BN, BF16>(s, da, db, kk > 0);
     }
     wg_commit();
+    fetch_publish(it + 2);  // the page-table load overlaps the asynchronous QK MMAs
     wg_wait0();
     pin(s);
 

@@ -67,7 +67,8 @@ class FwdVariant:
         k = self.bn * sq
         v = 0 if self.mla else self.bn * sv
         p = self.bm * (self.bn + 8) if self.wn > 1 else 0
-        return 2 * (q + self.stages * (k + v) + p) + 4 * 2 * self.wn * self.bm
+        ptrs = 8 * 2 * self.bn * (1 if self.mla else 2)
+        return 2 * (q + self.stages * (k + v) + p) + 4 * 2 * self.wn * self.bm + ptrs
 
     defines: tuple[str, ...] = ()
 
@@ -95,9 +96,8 @@ class MlaSm90Variant:
     @property
     def smem_bytes(self) -> int:
         """Must equal MlaSm90Cfg::SMEM_BYTES in tree_attention_sm90.cuh."""
-        return (
-            1024 + self.bm * 576 * 2 + 2 * self.bn * 576 * 2 + self.bm * self.bn * 2 + 16 * self.bm
-        )
+        q, kv, pt = self.bm * 576 * 2, self.bn * 576 * 2, self.bm * self.bn * 2
+        return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,6 @@ def fwd_variant(
             return MlaSm90Variant(64, dtype)
         # 64 rows x 576 of Q plus 32-token latent tiles; V is a view of the same tile.
         candidates = [
-            FwdVariant(576, 512, 64, 32, 2, 3, dtype, True),
             FwdVariant(576, 512, 64, 32, 2, 2, dtype, True),
             FwdVariant(576, 512, 16, 32, 2, 2, dtype, True),  # 99 KB parts
         ]

@@ -1,0 +1,257 @@
+"""Launching the Triton kernels: tile config, split policy, capture-safe launcher, eager entry.
+
+`TritonTreeAttention` is built once per problem family and bucket: it fixes the tile config, the
+split policy and both grids from capacities only. `launch()` issues the forward kernel (and the
+merge kernel when a request can be split) on the current stream: no allocation, no `.item()`,
+no data-dependent grid, so it can be captured in a CUDA graph and replayed after the metadata
+buffers were rewritten in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from treeverify.kernels.triton.splits import SplitPolicy, choose_splits
+from treeverify.kernels.triton.tree_attention import tree_attn_fwd, tree_attn_merge
+
+LOG2E = 1.4426950408889634
+DEFAULT_NUM_SMS = 132  # an H100/H200; used when the device is not a CUDA GPU (interpreter)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# TRITON_INTERPRET=1 at import made the kernels InterpretedFunctions instead of JITFunctions.
+INTERPRETED = not isinstance(tree_attn_fwd, triton.runtime.jit.JITFunction)
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    bm: int  # packed (node, head) rows per program
+    bn: int  # KV tokens per tile
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def choose_config(
+    *, hq: int, hkv: int, dqk: int, dv: int, mla: bool, max_tree: int, dtype: torch.dtype
+) -> TritonConfig:
+    """Tiles for a problem family (a guess for sm_90 until the lead's H200 sweep tunes it).
+
+    BM: the packed rows one KV tile serves, capped at 128 (GQA, Dv <= 128) or 64 (MLA: a 64x512
+    fp32 accumulator is already 128 registers/thread on 8 warps; Dv 256 likewise); never above
+    the next power of two of max_tree*G (tl.dot needs >= 16). BN: 64 tokens (GQA Dv <= 128),
+    32 (Dv 256, MLA: a 32x576 bf16 tile is 36 KB per stage). fp32 inputs halve the tiles (their
+    tiles are twice the bytes and the dots run IEEE fp32, not TF32).
+    """
+    rows = max_tree * (hq // hkv)
+    if mla or dv >= 256:
+        bm_max, bn, warps, stages = 64, 32, 8, 2
+    elif rows >= 128:
+        bm_max, bn, warps, stages = 128, 64, 8, 2
+    else:
+        bm_max, bn, warps, stages = 64, 64, 4, 3 if dv <= 64 else 2
+    if dtype == torch.float32:
+        bm_max, bn, stages = min(bm_max, 32), max(16, bn // 2), 1
+    bm = min(bm_max, max(16, _next_pow2(rows)))
+    if bm <= 32:
+        warps = 4
+    return TritonConfig(bm, bn, warps, stages)
+
+
+def _paged_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+    """(page, slot, head) element strides of a (pages, page_size, H, D) or (slots, H, D) pool."""
+    if cache.dim() == 4:
+        return cache.stride(0), cache.stride(1), cache.stride(2)
+    return cache.stride(0), 0, cache.stride(1)
+
+
+class TritonTreeAttention:
+    """Capture-safe Triton tree attention for one bucket of capacities."""
+
+    def __init__(
+        self,
+        hq: int,
+        hkv: int,
+        dqk: int,
+        dv: int,
+        mla: bool,
+        max_batch: int,
+        max_tree: int,
+        max_kv: int,
+        total_q_cap: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        *,
+        splits: SplitPolicy | None = None,  # e.g. the CUDA launcher's, to share one plan
+        config: TritonConfig | None = None,  # override the tile choice (tuning sweeps)
+        num_sms: int | None = None,
+    ):
+        if hq % hkv:
+            raise ValueError(f"hq: expected a multiple of hkv={hkv}, got {hq}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: the triton backend takes fp16, bf16 or fp32, got {dtype}")
+        dr = dqk - dv
+        if dv < 16 or dv & (dv - 1):
+            raise ValueError(f"dv: the triton backend needs a power of two >= 16, got {dv}")
+        if mla:
+            if dr < 16 or dr & (dr - 1):
+                raise ValueError(
+                    f"dqk: MLA needs dqk - dv to be a power of two >= 16 (576 - 512 = 64), "
+                    f"got dqk={dqk}, dv={dv}"
+                )
+        elif dr:
+            raise ValueError(f"dqk: GQA needs dqk == dv, got dqk={dqk}, dv={dv}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.hq, self.hkv, self.dqk, self.dv, self.dr, self.mla = hq, hkv, dqk, dv, dr, mla
+        self.group = hq // hkv
+        self.max_batch, self.max_tree, self.max_kv = max_batch, max_tree, max_kv
+        self.total_q_cap = total_q_cap
+        self.config = config or choose_config(
+            hq=hq, hkv=hkv, dqk=dqk, dv=dv, mla=mla, max_tree=max_tree, dtype=dtype
+        )
+        self.m_tiles = math.ceil(max_tree * self.group / self.config.bm)
+        if num_sms is None:
+            num_sms = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else DEFAULT_NUM_SMS
+            )
+        ctas_per_sm = 1 if (mla or self.config.bm >= 128 or dv >= 256) else 2
+        self.splits = splits or choose_splits(
+            batch=max_batch,
+            hkv=hkv,
+            m_tiles=self.m_tiles,
+            max_kv=max_kv,
+            bn=self.config.bn,
+            num_sms=num_sms,
+            ctas_per_sm=ctas_per_sm,
+        )
+        self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
+        self.merge_grid = (total_q_cap, hq)
+        self.log_b = max(1, max_batch.bit_length())
+        self.prec = "ieee" if dtype == torch.float32 else "tf32"
+        # The CPU interpreter's bf16 tl.dot multiplies raw uint16 bits and its casts truncate.
+        self.interp_bf16 = INTERPRETED and dtype == torch.bfloat16
+
+    def workspace_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """fp32 partial O and log2-LSE shapes (1 element each when no request can be split)."""
+        s = self.splits.max_splits
+        if s == 1:
+            return (1,), (1,)
+        return (s, self.total_q_cap, self.hq, self.dv), (s, self.total_q_cap, self.hq)
+
+    def launch(
+        self,
+        q: torch.Tensor,  # (rows <= total_q_cap, Hq, Dqk)
+        k_cache: torch.Tensor,  # (pages, page_size, Hkv, Dqk) or (slots, Hkv, Dqk)
+        v_cache: torch.Tensor | None,  # like k_cache with Dv, or None (MLA)
+        out: torch.Tensor,  # (rows, Hq, Dv)
+        block_table: torch.Tensor,  # (>= max_batch, pages) int32
+        prefix_lens: torch.Tensor,  # (>= max_batch,) int32, contiguous
+        qo_indptr: torch.Tensor,  # (max_batch + 1,) int32, contiguous
+        tree_mask: torch.Tensor,  # (>= total_q, W) int32
+        part_o: torch.Tensor,  # workspace_shapes()[0], fp32, contiguous
+        part_lse: torch.Tensor,  # workspace_shapes()[1], fp32, contiguous
+        sm_scale: float,
+    ) -> None:
+        """Launch only: every size and stride is host metadata; the grid is fixed."""
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+            if t is not None and t.stride(-1) != 1:
+                raise ValueError(f"{name}: the triton backend needs a contiguous last dimension")
+        if block_table.stride(-1) != 1 or tree_mask.stride(-1) != 1:
+            raise ValueError("block_table, tree_mask: need a contiguous last dimension")
+        cfg = self.config
+        kp = _paged_strides(k_cache)
+        vc = k_cache if v_cache is None else v_cache
+        vp = _paged_strides(vc)
+        page_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
+        scale_log2 = float(sm_scale) * LOG2E
+        ms, chunk = self.splits.max_splits, self.splits.chunk
+        tree_attn_fwd[self.grid](
+            q, k_cache, vc, out, part_o, part_lse, block_table, prefix_lens, qo_indptr,
+            tree_mask, q.stride(0), q.stride(1), *kp, *vp, out.stride(0), out.stride(1),
+            block_table.stride(0), tree_mask.stride(0), self.hq, self.hkv, ms, chunk,
+            self.total_q_cap, scale_log2,
+            G=self.group, PAGE_SIZE=page_size, DV=self.dv, DR=self.dr, V_FROM_K=v_cache is None,
+            BM=cfg.bm, BN=cfg.bn, PREC=self.prec, INTERP_BF16=self.interp_bf16, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if ms > 1:
+            tree_attn_merge[self.merge_grid](
+                out, part_o, part_lse, prefix_lens, qo_indptr, out.stride(0), out.stride(1),
+                self.max_batch, self.hq, ms, chunk, self.total_q_cap,
+                DV=self.dv, LOG_B=self.log_b, INTERP_BF16=self.interp_bf16, num_warps=4 if self.dv >= 256 else 2,
+            )  # fmt: skip
+
+
+_runners: OrderedDict[tuple, TritonTreeAttention] = OrderedDict()
+_MAX_RUNNERS = 64
+
+
+def runner_for(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    dv: int,
+    mla: bool,
+    batch: int,
+    max_tree: int,
+    max_kv: int,
+    total_q_cap: int,
+) -> TritonTreeAttention:
+    """A TritonTreeAttention for this exact bucket, reused across eager calls (small LRU)."""
+    key = (q.device, q.dtype, q.shape[1], k_cache.shape[-2], q.shape[2], dv, mla, batch,
+           max_tree, max_kv, total_q_cap)  # fmt: skip
+    runner = _runners.get(key)
+    if runner is None:
+        runner = TritonTreeAttention(
+            q.shape[1], k_cache.shape[-2], q.shape[2], dv, mla, batch, max_tree, max_kv,
+            total_q_cap, q.device, q.dtype,
+        )  # fmt: skip
+        _runners[key] = runner
+        if len(_runners) > _MAX_RUNNERS:
+            _runners.popitem(last=False)
+    else:
+        _runners.move_to_end(key)
+    return runner
+
+
+def tree_attention_triton(
+    q: torch.Tensor,  # (total_q, Hq, Dqk)
+    k_cache: torch.Tensor,  # (num_pages, page_size, Hkv, Dqk)
+    v_cache: torch.Tensor | None,  # (num_pages, page_size, Hkv, Dv) or None (MLA)
+    block_table: torch.Tensor,  # (B, max_pages) int32
+    prefix_lens: torch.Tensor,  # (B,) int32
+    qo_indptr: torch.Tensor,  # (B+1,) int32
+    tree_mask: torch.Tensor,  # (total_q, W) int32
+    sm_scale: float,
+    *,
+    v_head_dim: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager Triton tree attention. Arguments already validated by tree_attention(); this reads
+    the largest tree and the longest key range to the host and allocates the workspace."""
+    mla = v_cache is None
+    dv = v_head_dim if mla else v_cache.shape[-1]
+    batch = prefix_lens.shape[0]
+    tree = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
+    max_tree = int(tree.max().item())
+    max_kv = int((prefix_lens.to(torch.int64) + tree).max().item())
+    total_q = q.shape[0]
+    if out is None:
+        out = torch.empty(total_q, q.shape[1], dv, dtype=q.dtype, device=q.device)
+    runner = runner_for(q, k_cache, dv, mla, batch, max_tree, max_kv, total_q)
+    o_shape, lse_shape = runner.workspace_shapes()
+    part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    runner.launch(
+        q, k_cache, v_cache, out, block_table.contiguous(), prefix_lens.contiguous(),
+        qo_indptr.contiguous(), tree_mask.contiguous(), part_o, part_lse, sm_scale,
+    )  # fmt: skip
+    return out
