@@ -15,7 +15,7 @@ res = {}
 # correctness vs host heap on GPU tables
 g = torch.Generator().manual_seed(0)
 bad = 0
-for t in range(60):
+for t in range(30):
     B = 2
     L = int(torch.randint(1, 16, (1,), generator=g))
     V = int(torch.randint(2, 3000, (1,), generator=g))
@@ -36,7 +36,7 @@ for t in range(60):
         for f in ("tokens", "parents", "depths", "num_nodes", "scores")
     )
     bad += not ok
-print("gpu vs heap mismatches:", bad, "/ 60", flush=True)
+print("gpu vs heap mismatches:", bad, "/ 30", flush=True)
 res["mismatch"] = bad
 
 
@@ -104,29 +104,15 @@ for B in (1, 8, 32):
 # profile of one graph-less call: top kernels
 logits = torch.randn(8, L, V, device=dev)
 roots = torch.zeros(8, dtype=torch.long, device=dev)
-lp, ids = spec.draft_topk(logits, 256)
+lp, ids = spec.draft_topk(logits, 64)
 from torch.profiler import ProfilerActivity, profile
 
-spec.build_tree_from_topk(lp, ids, 256, roots)
+spec.build_tree_from_topk(lp, ids, 64, roots)
 torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    spec.build_tree_from_topk(lp, ids, 256, roots)
+    spec.build_tree_from_topk(lp, ids, 64, roots)
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-for B, budget, Vt in ((1, 64, 151936), (8, 64, 32000), (1, 256, 32000)):
-    target = torch.randn(B, budget + 1, Vt, device=dev)
-    tok = torch.randint(0, Vt, (B, budget + 1), device=dev)
-    par = torch.full((B, budget + 1), -1, device=dev)
-    par[:, 1:] = 0
-    gen = torch.Generator(device=dev).manual_seed(0)
-    t1 = timeit(lambda: spec.accept_sampled(tok, par, target, 0.8, generator=gen, max_depth=L))
-    t2 = timeit(
-        lambda: spec.accept_sampled(
-            tok, par, target, 0.8, top_p=0.9, top_k=50, generator=gen, max_depth=L
-        )
-    )
-    res[f"sampled_B{B}_n{budget}_V{Vt}"] = dict(plain_ms=t1, topk_topp_ms=t2)
-    print("sampled", B, budget, Vt, round(t1, 3), round(t2, 3), flush=True)
 import os
 
 out = os.environ.get("OUT", "/tmp")

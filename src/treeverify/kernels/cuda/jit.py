@@ -93,6 +93,8 @@ def _options(arch: str, variant: Variant) -> list[str]:
         "--ptxas-options=-v",
     ]
     opts += [f"-D{d}" for d in variant.defines]
+    if variant.smem_bytes:  # the kernel static_asserts its layout needs exactly this much
+        opts.append(f"-DTV_EXPECT_SMEM={variant.smem_bytes}")
     opts += [f"-I{d}" for d in (str(KERNEL_DIR), *include_dirs())]
     return opts
 

@@ -223,6 +223,9 @@ template <int DQK, int DV, int BM, int BN, int WN, int STAGES, bool BF16, bool M
 __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
     tree_attn_fwd(const __grid_constant__ TreeAttnParams p) {
   using C = Cfg<DQK, DV, BM, BN, WN, STAGES, BF16, MLA>;
+#ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
+  static_assert(C::SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
+#endif
   using T = unsigned short;  // raw 16-bit element
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);

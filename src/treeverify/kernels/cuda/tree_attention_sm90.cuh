@@ -73,6 +73,9 @@ template <int BN, bool BF16>
 __global__ void __launch_bounds__(256, 1)
     tree_attn_mla_sm90(const __grid_constant__ TreeAttnParams p) {
   using C = MlaSm90Cfg<BN>;
+#ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
+  static_assert(C::SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
+#endif
   constexpr int BM = C::BM, HALF = BN / 2;
   using T = unsigned short;
   extern __shared__ unsigned char smem_raw[];

@@ -197,7 +197,7 @@ def tree_attn_fwd(
     kv_begin = split * chunk_b
     kv_stop = tl.minimum(P + node_hi, kv_begin + chunk_b)
     # Tiles entirely below min(P, kv_stop) are prefix: no mask, no bounds.
-    n_full = tl.maximum(0, P - kv_begin) // BN
+    n_full = tl.maximum(0, tl.minimum(P, kv_stop) - kv_begin) // BN
     full_end = kv_begin + n_full * BN
 
     offs_m = m0 + tl.arange(0, BM)
