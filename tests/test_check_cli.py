@@ -198,4 +198,10 @@ def test_cuda_home(monkeypatch, tmp_path):
     assert env.cuda_home() is None
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     assert env.cuda_home() == tmp_path
-    assert set(env.VARIABLES) == {"TREEVERIFY_CACHE_DIR", "TREEVERIFY_LOG_LEVEL", "CUDA_HOME"}
+    assert set(env.VARIABLES) == {
+        "TREEVERIFY_CACHE_DIR",
+        "TREEVERIFY_LOG_LEVEL",
+        "CUDA_HOME",
+        "TREEVERIFY_CUDA_PORTABLE",
+        "TREEVERIFY_COMMIT",
+    }

@@ -12,7 +12,7 @@ import treeverify.spec as spec
 
 SPEC_DIR = Path(spec.__file__).resolve().parent
 # Modules that must run inside CUDA graphs (tree_oracle.py is the host test oracle).
-CAPTURE_SAFE = ["tree.py", "mask.py", "accept.py", "sglang_layout.py"]
+CAPTURE_SAFE = ["tree.py", "_chain_triton.py", "mask.py", "accept.py", "sglang_layout.py"]
 SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "multinomial", "synchronize"}
 SYNCING_CALLS = {
     ("torch", "tensor"),

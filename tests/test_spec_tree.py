@@ -209,8 +209,13 @@ def test_tree_properties(n_depth: int, vocab: int, budget: int, levels: int, see
 
 
 def test_triton_chain_in_interpreter() -> None:
-    """The Triton sibling-chain kernel, run by Triton's CPU interpreter (no GPU needed)."""
+    """The Triton sibling-chain kernel, run by Triton's CPU interpreter (no GPU needed).
+
+    Where CUDA exists the compiled kernel is tested instead (test_spec_capture.py); Triton 3.6's
+    interpreter also cannot run its ``range(1, K, 4)`` loop (3.9's can)."""
     pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the compiled kernel is tested in test_spec_capture.py")
     code = (
         "import torch\n"
         "from treeverify.spec.tree import sibling_chain\n"

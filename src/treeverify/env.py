@@ -9,6 +9,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   number); default WARNING.
 - ``CUDA_HOME``: a CUDA toolkit to take headers from when compiling kernels, if set (the
   pip-installed nvidia-* headers are used otherwise).
+- ``TREEVERIFY_CUDA_PORTABLE``: ``1`` runs the portable mma.sync CUDA kernels even where sm_90a
+  wgmma ones exist (tests, comparisons).
+- ``TREEVERIFY_COMMIT``: the commit written into benchmark JSON where the checkout has no .git
+  (the GPU machine's copy of the tree).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import os
 from pathlib import Path
 
 VARIABLES: dict[str, str] = {
+    "TREEVERIFY_COMMIT": "Commit recorded in benchmark JSON when the checkout has no .git "
+    "(the GPU machine's copy); scripts/gpu-check takes it as an argument.",
     "TREEVERIFY_CUDA_PORTABLE": "1: use the portable mma.sync CUDA kernels even on sm_90a (tests "
     "and comparisons).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
@@ -26,6 +32,11 @@ VARIABLES: dict[str, str] = {
     "ERROR, or a number.",
     "CUDA_HOME": "A CUDA toolkit whose include/ the kernel compiler may use (optional).",
 }
+
+
+def commit_override() -> str | None:
+    """TREEVERIFY_COMMIT: the commit to record in benchmark JSON where the tree has no .git."""
+    return os.environ.get("TREEVERIFY_COMMIT", "").strip() or None
 
 
 def cuda_portable() -> bool:

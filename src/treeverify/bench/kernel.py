@@ -181,6 +181,10 @@ def run_grid(
 
 
 def _git_commit() -> str:
+    from treeverify import env
+
+    if env.commit_override():
+        return env.commit_override()
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()  # fmt: skip

@@ -68,7 +68,7 @@ def include_dirs() -> list[str]:
                     dirs.append(str(p))
     except ImportError:
         pass
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+    for home in (env.cuda_home(), Path("/usr/local/cuda")):
         if home and (Path(home) / "include" / "cuda_bf16.h").exists():
             dirs.append(str(Path(home) / "include"))
     if not dirs:

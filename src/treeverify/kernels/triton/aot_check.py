@@ -49,11 +49,13 @@ def _compile(fn, signature, constexprs, aligned, arch, num_warps, num_stages):
 
 
 def _ptxas_usage(ptx: str, arch: int) -> str:
-    import triton.backends.nvidia as nv
+    from triton.backends.nvidia import compiler as nv
 
-    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(
-        os.path.dirname(nv.__file__), "bin", "ptxas"
-    )
+    try:  # the ptxas Triton itself uses for this arch (the API differs across 3.x)
+        ptxas = nv.get_ptxas(arch).path
+    except TypeError:
+        tool = nv.get_ptxas()
+        ptxas = getattr(tool, "path", tool)
     sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
@@ -72,7 +74,11 @@ def _ptxas_usage(ptx: str, arch: int) -> str:
     return f"regs={regs[-1] if regs else '?'} spill_stores={spill[-1] if spill else '?'}B"
 
 
-def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,)) -> list[str]:
+def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None) -> list[str]:
+    """One line per compiled kernel; `override` (dict of TritonConfig fields) replaces the
+    chosen tile config's fields, for sweeps."""
+    from dataclasses import replace
+
     from treeverify.kernels.triton.runner import choose_config
     from treeverify.kernels.triton.tree_attention import tree_attn_fwd, tree_attn_merge
 
@@ -84,6 +90,8 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,)) -> list[str]:
             ty = _TY[dtype]
             cfg = choose_config(hq=hq, hkv=hkv, dqk=dqk, dv=dv, mla=mla, max_tree=max_tree,
                                 dtype=dtype)  # fmt: skip
+            if override:
+                cfg = replace(cfg, **override)
             fwd_sig = {
                 "Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Out": f"*{ty}",
                 "PartO": "*fp32", "PartLse": "*fp32", "BlockTable": "*i32",
@@ -93,7 +101,7 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,)) -> list[str]:
             for n in tree_attn_fwd.arg_names:
                 fwd_sig.setdefault(n, "i32")
             consts = dict(G=hq // hkv, PAGE_SIZE=page, DV=dv, DR=dqk - dv, V_FROM_K=mla,
-                          BM=cfg.bm, BN=cfg.bn, PREC="ieee" if ty == "fp32" else "tf32",
+                          BM=cfg.bm, BN=cfg.bn, PREC="tf32x3" if ty == "fp32" else "tf32",
                           INTERP_BF16=False)  # fmt: skip
             aligned = [n for n, t in fwd_sig.items() if t.startswith("*")]
             aligned += ["stride_qt", "stride_qh", "stride_kp", "stride_kh", "stride_vp",
@@ -104,8 +112,10 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,)) -> list[str]:
             try:
                 k = _compile(tree_attn_fwd, fwd_sig, consts, aligned, arch, cfg.num_warps,
                              cfg.num_stages)  # fmt: skip
+                ptx = k.asm["ptx"]
+                mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
                 lines.append(
-                    f"fwd   {tag}: smem={k.metadata.shared}B {_ptxas_usage(k.asm['ptx'], arch)}"
+                    f"fwd   {tag}: smem={k.metadata.shared}B {_ptxas_usage(ptx, arch)} {mma}"
                 )
             except Exception as exc:  # report, keep going
                 lines.append(f"fwd   {tag}: FAILED {type(exc).__name__}: {exc}"[:2000])
@@ -127,12 +137,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--family", action="append", help="limit to these families")
-    ap.add_argument("--fp16", action="store_true", help="fp16 instead of bf16")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    for field in ("bm", "bn", "num_warps", "num_stages"):
+        ap.add_argument(f"--{field}", type=int, help="override the chosen config")
     args = ap.parse_args(argv)
+    override = {
+        f: getattr(args, f)
+        for f in ("bm", "bn", "num_warps", "num_stages")
+        if getattr(args, f) is not None
+    }
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter does not compile")
-    dtypes = (torch.float16,) if args.fp16 else (torch.bfloat16,)
-    lines = check(args.arch, args.family, dtypes)
+    dtypes = ({v: k for k, v in _TY.items()}[args.dtype],)
+    lines = check(args.arch, args.family, dtypes, override)
     print("\n".join(lines))
     return 1 if any("FAILED" in ln for ln in lines) else 0
 

@@ -41,27 +41,27 @@ def _next_pow2(x: int) -> int:
 def choose_config(
     *, hq: int, hkv: int, dqk: int, dv: int, mla: bool, max_tree: int, dtype: torch.dtype
 ) -> TritonConfig:
-    """Tiles for a problem family (a guess for sm_90 until the lead's H200 sweep tunes it).
-
-    BM: the packed rows one KV tile serves, capped at 128 (GQA, Dv <= 128) or 64 (MLA: a 64x512
-    fp32 accumulator is already 128 registers/thread on 8 warps; Dv 256 likewise); never above
-    the next power of two of max_tree*G (tl.dot needs >= 16). BN: 64 tokens (GQA Dv <= 128),
-    32 (Dv 256, MLA: a 32x576 bf16 tile is 36 KB per stage). fp32 inputs halve the tiles (their
-    tiles are twice the bytes and the dots run IEEE fp32, not TF32).
+    """Tiles for a problem family: compiled for sm_90 with triton 3.9 (aot_check.py), not yet
+    timed. BM = the packed rows one KV tile serves: 128 when a KV head has that many rows (GQA,
+    Dv <= 128), else 64 (MLA: the 64x512 fp32 accumulator alone is 128 registers/thread on 8
+    warps; Dv 256 likewise); never above the next power of two of max_tree*G (tl.dot needs
+    >= 16; below 64 rows Triton uses mma.sync, not wgmma). BN = 64 tokens for GQA Dv <= 128 at
+    BM 64, else 32 (no register spills at 8 warps). 3 stages: Triton pipelines the page-table
+    load one stage ahead of the K/V gathers (cp.async, 2 buffers). MLA spills ~240 B at
+    (64, 32, 8, 3); (64, 16, 8, 4) spills ~70 B: a sweep on the H200 should decide. fp32 inputs
+    (a correctness path, not a target) take 16-32 row tiles and 3xTF32 dots (~fp32 accuracy).
     """
     rows = max_tree * (hq // hkv)
     if mla or dv >= 256:
-        bm_max, bn, warps, stages = 64, 32, 8, 2
+        bm_max, bn = 64, 32
     elif rows >= 128:
-        bm_max, bn, warps, stages = 128, 64, 8, 2
+        bm_max, bn = 128, 32
     else:
-        bm_max, bn, warps, stages = 64, 64, 4, 3 if dv <= 64 else 2
-    if dtype == torch.float32:
-        bm_max, bn, stages = min(bm_max, 32), max(16, bn // 2), 1
+        bm_max, bn = 64, 64
     bm = min(bm_max, max(16, _next_pow2(rows)))
-    if bm <= 32:
-        warps = 4
-    return TritonConfig(bm, bn, warps, stages)
+    if dtype == torch.float32:  # a correctness path: small tiles, few spills
+        return TritonConfig(min(bm, 16 if (mla or dv >= 256) else 32), 16, 8, 2)
+    return TritonConfig(bm, bn, 8 if bm >= 64 else 4, 3)
 
 
 def _paged_strides(cache: torch.Tensor) -> tuple[int, int, int]:
@@ -123,7 +123,7 @@ class TritonTreeAttention:
                 if self.device.type == "cuda"
                 else DEFAULT_NUM_SMS
             )
-        ctas_per_sm = 1 if (mla or self.config.bm >= 128 or dv >= 256) else 2
+        ctas_per_sm = 1 if (mla or self.config.bm >= 128 or dv >= 256) else 2  # by smem/regs
         self.splits = splits or choose_splits(
             batch=max_batch,
             hkv=hkv,
@@ -136,7 +136,7 @@ class TritonTreeAttention:
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq)
         self.log_b = max(1, max_batch.bit_length())
-        self.prec = "ieee" if dtype == torch.float32 else "tf32"
+        self.prec = "tf32x3" if dtype == torch.float32 else "tf32"  # 16-bit: ignored
         # The CPU interpreter's bf16 tl.dot multiplies raw uint16 bits and its casts truncate.
         self.interp_bf16 = INTERPRETED and dtype == torch.bfloat16
 

@@ -1,0 +1,74 @@
+"""The CUDA backend without a GPU: every variant compiles (NVRTC) for every target arch, the
+launcher's shared-memory sizes agree with the kernels (they static_assert it), variant choice
+and the split policy follow their rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda extra (cuda-python + NVRTC)")
+
+from treeverify.kernels.cuda.runner import MIN_CHUNK_TOKENS, choose_splits  # noqa: E402
+from treeverify.kernels.cuda.variants import (  # noqa: E402
+    ALL_ARCHES,
+    SMEM_LIMIT,
+    MlaSm90Variant,
+    all_variants,
+    fwd_variant,
+)
+
+
+def test_kernels_build_every_arch_from_the_cli(tmp_path):
+    """`treeverify kernels build` for all six arches: exit 0, a row per variant, no spills."""
+    out = tmp_path / "build.json"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "treeverify", "kernels", "build", "--arch", ",".join(ALL_ARCHES),
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    rows = json.loads(out.read_text())["variants"]
+    assert len(rows) == sum(len(all_variants(a)) for a in ALL_ARCHES)
+    for row in rows:
+        assert "error" not in row, row
+        assert row["registers"] > 0 and row["spill_bytes"] == 0, row
+        assert row["smem_bytes"] <= SMEM_LIMIT[row["arch"]], row
+    assert "built, 0 failed" in proc.stdout
+
+
+def test_variant_choice():
+    assert isinstance(fwd_variant("sm_90a", 576, 512, True, "bf16"), MlaSm90Variant)
+    portable = fwd_variant("sm_90a", 576, 512, True, "bf16", portable=True)
+    assert not isinstance(portable, MlaSm90Variant) and portable.smem_bytes <= SMEM_LIMIT["sm_90a"]
+    small = fwd_variant("sm_120", 576, 512, True, "fp16")
+    assert small.smem_bytes <= SMEM_LIMIT["sm_120"]
+    assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256).bm == 128
+    assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64).bm == 64
+    with pytest.raises(ValueError, match="head dims"):
+        fwd_variant("sm_90a", 96, 96, False, "bf16")
+    with pytest.raises(ValueError, match="dtype"):
+        fwd_variant("sm_90a", 128, 128, False, "fp32")
+    with pytest.raises(ValueError, match="arch"):
+        fwd_variant("sm_70", 128, 128, False, "bf16")
+
+
+@pytest.mark.parametrize("batch,m_tiles,max_kv", [(1, 1, 32784), (1, 2, 1040), (32, 64, 32832),
+                                                  (8, 1, 100), (4, 4, 8256)])  # fmt: skip
+def test_split_policy_fills_one_wave_without_short_chunks(batch, m_tiles, max_kv):
+    pol = choose_splits(batch=batch, hkv=8, m_tiles=m_tiles, max_kv=max_kv, bn=64, num_sms=132,
+                        ctas_per_sm=2)  # fmt: skip
+    assert pol.max_splits >= 1 and pol.chunk % 64 == 0
+    assert pol.max_splits * pol.chunk >= max_kv  # every token is covered
+    base = batch * 8 * m_tiles
+    assert base * pol.max_splits <= max(base, 264)  # never a second, mostly empty wave
+    if pol.max_splits > 1:
+        assert pol.chunk >= MIN_CHUNK_TOKENS

@@ -1,0 +1,61 @@
+"""TreeAttentionPlan on the CPU (backend="torch"): plan/run equals the eager op, metadata can be
+rewritten by plan() between runs, and capacities are enforced with ValueErrors naming them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeverify.bench.cases import Case, make_inputs
+from treeverify.kernels import TreeAttentionPlan, tree_attention
+
+
+def _plan(case, page, **kw):
+    args = dict(num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim_qk=case.dqk,
+                head_dim_v=case.dv, mla=case.mla, page_size=page, max_batch=3, max_tree=40,
+                max_pages_per_request=64, max_kv_len=1000, sm_scale=0.1, dtype=torch.float32,
+                device="cpu", backend="torch")  # fmt: skip
+    args.update(kw)
+    return TreeAttentionPlan(**args)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_plan_run_equals_eager_across_replans(mla):
+    case = Case("t", 3, 500, 40, 4 if mla else 8, 1 if mla else 2, 576 if mla else 64,
+                512 if mla else 64, mla)  # fmt: skip
+    plan = _plan(case, 16)
+    for seed, (prefixes, trees) in enumerate([([500, 0, 37], [40, 1, 17]), ([9, 900], [3, 33])]):
+        inp = make_inputs(case, page_size=16, device="cpu", dtype=torch.float32, seed=seed,
+                          prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+        plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+        out = torch.full((inp["q"].shape[0], case.hq, case.dv), float("nan"))
+        plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
+        ref = tree_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"],
+                             inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"], 0.1,
+                             v_head_dim=inp["v_head_dim"], backend="torch")  # fmt: skip
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_capacities_raise_value_errors_naming_them():
+    case = Case("t", 2, 100, 16, 8, 2, 64, 64, False)
+    inp = make_inputs(case, page_size=16, device="cpu", dtype=torch.float32, seed=1)
+    plan = _plan(case, 16, max_tree=8)
+    with pytest.raises(ValueError, match="max_tree|max_total_q"):
+        plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    plan = _plan(case, 16, max_batch=1)
+    with pytest.raises(ValueError, match="max_batch"):
+        plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    plan = _plan(case, 16, max_kv_len=50)
+    with pytest.raises(ValueError, match="max_kv_len"):
+        plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    plan = _plan(case, 16, max_pages_per_request=2)
+    with pytest.raises(ValueError, match="block_table"):
+        plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    plan = _plan(case, 16)
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    with pytest.raises(ValueError, match="q:"):
+        plan.run(inp["q"].double(), inp["k_cache"], inp["v_cache"], inp["q"])
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        _plan(case, 16, num_qo_heads=7)
+    with pytest.raises(ValueError, match="backend"):
+        _plan(case, 16, backend="tpu")
