@@ -581,4 +581,5 @@ __global__ void sglang_mask_to_bits(const unsigned char* __restrict__ custom_mas
 
 }  // namespace treeverify
 
-#include "tree_attention_sm90.cuh"  // sm_90a wgmma kernels (instantiated only for sm_90a)
+#include "tree_attention_sm90.cuh"      // sm_90a wgmma MLA kernel (instantiated only for sm_90a)
+#include "tree_attention_gqa_sm90.cuh"  // sm_90a wgmma GQA kernel

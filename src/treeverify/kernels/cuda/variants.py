@@ -101,6 +101,40 @@ class MlaSm90Variant:
 
 
 @dataclass(frozen=True)
+class GqaSm90Variant:
+    """tree_attn_gqa_sm90<D, BN, NWG, BF16>: the wgmma (sm_90a) GQA kernel, 64 rows per warpgroup."""
+
+    d: int
+    nwg: int
+    dtype: str
+    bn: int = 64
+    mla: bool = False
+    defines: tuple[str, ...] = ()
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.nwg
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.nwg
+
+    @property
+    def name(self) -> str:
+        return f"fwd_gqa_sm90_wgmma_d{self.d}_m{self.bm}n{self.bn}_{self.dtype}"
+
+    @property
+    def expr(self) -> str:
+        bf16 = "true" if self.dtype == "bf16" else "false"
+        return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{bf16}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        """Must equal GqaSm90Cfg::SMEM_BYTES in tree_attention_gqa_sm90.cuh."""
+        return 1024 + self.bm * self.d * 2 + 4 * self.bn * self.d * 2 + 32 * self.bn
+
+
+@dataclass(frozen=True)
 class MergeVariant:
     """tree_attn_merge<DV, BF16>: combines split partials (fp32 O + log2 LSE)."""
 
@@ -136,7 +170,7 @@ class MaskVariant:
     defines: tuple[str, ...] = ("TV_SGLANG_MASK_KERNEL",)
 
 
-Variant = FwdVariant | MlaSm90Variant | MergeVariant | MaskVariant
+Variant = FwdVariant | MlaSm90Variant | GqaSm90Variant | MergeVariant | MaskVariant
 
 
 def fwd_variant(
@@ -147,7 +181,7 @@ def fwd_variant(
     dtype: str,
     rows: int = 64,
     portable: bool = False,
-) -> FwdVariant | MlaSm90Variant:
+) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
     `rows` = tree nodes x query heads per KV head (the packed rows one KV tile can serve): GQA
@@ -174,6 +208,8 @@ def fwd_variant(
                 f"GQA head dims: the cuda backend takes Dqk == Dv in {GQA_HEAD_DIMS}, "
                 f"got Dqk={dqk}, Dv={dv}"
             )
+        if arch == "sm_90a" and not portable and dqk in (64, 128):
+            return GqaSm90Variant(dqk, 2 if rows >= 128 else 1, dtype)
         bn = 32 if dqk == 256 else 64
         candidates = [FwdVariant(dqk, dv, 128, bn, 1, 2, dtype, False)] if rows >= 128 else []
         candidates += [
@@ -192,9 +228,10 @@ def all_variants(arch: str) -> list[Variant]:
     for dtype in DTYPES:
         for d in GQA_HEAD_DIMS:
             for rows in (64, 128):
-                v = fwd_variant(arch, d, d, False, dtype, rows)
-                if v not in out:
-                    out.append(v)
+                for portable in (True, False):
+                    v = fwd_variant(arch, d, d, False, dtype, rows, portable=portable)
+                    if v not in out:
+                        out.append(v)
         out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, portable=True))
         if arch == "sm_90a":
             out.append(fwd_variant(arch, *MLA_DIMS, True, dtype))

@@ -1,0 +1,236 @@
+// sm_90a (Hopper) GQA/MHA tree-verify kernel on warpgroup MMA, included by tree_attention.cu.
+// Same work decomposition, split rule and outputs as tree_attn_fwd; helpers from
+// tree_attention_sm90.cuh (descriptors, fences, swizzled offsets).
+//
+// One CTA = NWG warpgroups, each owning 64 packed (node, head) rows of one KV head, so a KV tile
+// in shared memory serves 64*NWG rows. Per tile each warpgroup computes S = Q K^T (64 x BN,
+// both operands from swizzled shared memory), the online softmax in registers, and O += P V
+// with P fed from registers (the accumulator layout is the A-fragment layout) and V read
+// N-major from the same swizzled layout K uses. No cross-warpgroup exchange is needed.
+
+namespace treeverify {
+
+template <int D, int BN, int NWG>
+struct GqaSm90Cfg {
+  static constexpr int BM = 64 * NWG, NT = 128 * NWG, CH = D / 8;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int T_BYTES = BN * D * 2;  // one K (or V) tile
+  // 1 KB alignment slack + Q + 2 stages of K and V + K/V row pointers [2][BN] each.
+  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 4 * T_BYTES + 32 * BN;
+  static_assert(BN == 64 && (D == 64 || D == 128), "tile shapes this kernel is written for");
+};
+
+template <int D, bool BF16>
+__device__ __forceinline__ void mma_qk64(float (&s)[32], unsigned long long a,
+                                         unsigned long long b, int acc) {
+  if constexpr (BF16) wgmma_m64n64k16_ss_bf16<0>(s, a, b, acc);
+  else wgmma_m64n64k16_ss_f16<0>(s, a, b, acc);
+}
+template <int D, bool BF16>
+__device__ __forceinline__ void mma_pv(float (&o)[D / 2], const unsigned (&a)[4],
+                                       unsigned long long b) {
+  if constexpr (D == 128) {
+    if constexpr (BF16) wgmma_m64n128k16_rs_bf16<1>(o, a, b, 1);
+    else wgmma_m64n128k16_rs_f16<1>(o, a, b, 1);
+  } else {
+    if constexpr (BF16) wgmma_m64n64k16_rs_bf16<1>(o, a, b, 1);
+    else wgmma_m64n64k16_rs_f16<1>(o, a, b, 1);
+  }
+}
+
+template <int D, int BN, int NWG, bool BF16>
+__global__ void __launch_bounds__(128 * NWG, 1)
+    tree_attn_gqa_sm90(const __grid_constant__ TreeAttnParams p) {
+  using C = GqaSm90Cfg<D, BN, NWG>;
+#ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
+  static_assert(C::SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
+#endif
+  constexpr int BM = C::BM, NT = C::NT;
+  using T = unsigned short;
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw_u32 = smem_u32(smem_raw);
+  unsigned char* base = smem_raw + (((raw_u32 + 1023u) & ~1023u) - raw_u32);
+  unsigned char* sQ = base;
+  unsigned char* sK = sQ + C::Q_BYTES;      // [2][BN x D]
+  unsigned char* sV = sK + 2 * C::T_BYTES;  // [2][BN x D]
+  const T** sRowK = reinterpret_cast<const T**>(sV + 2 * C::T_BYTES);  // [2][BN]
+  const T** sRowV = sRowK + 2 * BN;                                      // [2][BN]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wi = warp & 3;
+  const int g = lane >> 2, tq = lane & 3;
+
+  const int bh = blockIdx.z, b = bh / p.hkv, kvh = bh % p.hkv;
+  const int qo0 = p.qo_indptr[b];
+  const int T_b = p.qo_indptr[b + 1] - qo0;
+  const RequestKV rk = request_kv(p, b);
+  const int P = rk.prefix, G = p.group;
+  const int rows = T_b * G;
+  const int m0 = blockIdx.x * BM;
+  if (m0 >= rows) return;
+  const int n_splits = num_splits(p, P + T_b);
+  const int split = blockIdx.y;
+  if (split >= n_splits) return;
+  const int node_hi = min(T_b, (m0 + BM - 1) / G + 1);
+  const int chunk = split_chunk(p, P + T_b);
+  const int kv_begin = split * chunk;
+  const int kv_stop = min(P + node_hi, kv_begin + chunk);
+  const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
+
+  const T* qg = static_cast<const T*>(p.q);
+  const T* kg = static_cast<const T*>(p.k);
+  for (int idx = tid; idx < BM * C::CH; idx += NT) {
+    const int r = idx / C::CH, c = idx % C::CH, row = m0 + r;
+    const bool ok = row < rows;
+    const int node = ok ? row / G : 0, head = kvh * G + (ok ? row % G : 0);
+    const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
+    cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
+  }
+  auto fetch_publish = [&](int j) {
+    if (tid < BN) {
+      const PageFetch f = fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop);
+      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRowK[(j & 1) * BN + tid],
+                      &sRowV[(j & 1) * BN + tid]);
+    }
+  };
+  auto load_tile = [&](int stage, int j) {
+    unsigned char* dk = sK + stage * C::T_BYTES;
+    unsigned char* dv = sV + stage * C::T_BYTES;
+    for (int idx = tid; idx < BN * C::CH; idx += NT) {
+      const int r = idx / C::CH, c = idx % C::CH;
+      const T* kp = sRowK[(j & 1) * BN + r];
+      const T* vp = sRowV[(j & 1) * BN + r];
+      cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
+      cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
+    }
+  };
+  fetch_publish(0);
+  fetch_publish(1);
+  __syncthreads();
+  if (n_tiles > 0) load_tile(0, 0);
+  cp_async_commit();
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-TV_INF, -TV_INF};
+  float l_run[2] = {0.f, 0.f};
+  const unsigned q_addr = smem_u32(sQ) + wg * 64 * 128;  // this warpgroup's 64 rows
+
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_async_wait<0>();
+    fence_async_smem();
+    __syncthreads();
+    if (it + 1 < n_tiles) load_tile((it + 1) & 1, it + 1);
+    cp_async_commit();
+    const int t0 = kv_begin + it * BN;
+    const unsigned k_addr = smem_u32(sK + (it & 1) * C::T_BYTES);
+    const unsigned v_addr = smem_u32(sV + (it & 1) * C::T_BYTES);
+
+    float s[32];  // 64 rows x 64 tokens per warpgroup
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned long long da =
+          sw128_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
+      const unsigned long long db =
+          sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
+      mma_qk64<D, BF16>(s, da, db, kk > 0);
+    }
+    wg_commit();
+    fetch_publish(it + 2);  // the page-table load overlaps the asynchronous QK MMAs
+    wg_wait0();
+    pin(s);
+
+    const bool need_mask = (t0 + BN > P) || (t0 + BN > kv_stop);
+    float mx[2] = {-TV_INF, -TV_INF};
+    const int r0 = wg * 64 + 16 * wi + g;  // row within the CTA tile (and r0 + 8)
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[4 * j + e] * p.scale_log2;
+        if (need_mask) {
+          const int col = t0 + 8 * j + 2 * tq + (e & 1);
+          const int row = m0 + r0 + (e >> 1) * 8;
+          bool vis = col < kv_stop && row < rows;
+          if (vis && col >= P) {
+            const int jj = col - P;
+            const unsigned w =
+                p.tree_mask[(long long)(qo0 + row / G) * p.mask_words + (jj >> 5)];
+            vis = (w >> (jj & 31)) & 1u;
+          }
+          if (!vis) v = -TV_INF;
+        }
+        s[4 * j + e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = quad_max(mx[h]);
+      const float m_new = fmaxf(m_run[h], mx[h]);
+      m_use[h] = m_new == -TV_INF ? 0.f : m_new;
+      alpha[h] = exp2f(m_run[h] - m_use[h]);
+      m_run[h] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      s[i] = exp2f(s[i] - m_use[(i >> 1) & 1]);
+      rs[(i >> 1) & 1] += s[i];
+    }
+    l_run[0] = l_run[0] * alpha[0] + rs[0];
+    l_run[1] = l_run[1] * alpha[1] + rs[1];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      o[4 * j + 0] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      unsigned a[4];
+      a[0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+      a[1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+      a[2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+      a[3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+      const unsigned long long db = sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
+      mma_pv<D, BF16>(o, a, db);
+    }
+    wg_commit();
+    wg_wait0();
+    pin(o);
+  }
+  cp_async_wait<0>();
+
+  const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
+  const int r0 = wg * 64 + 16 * wi + g;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = m0 + r0 + h * 8;
+    if (row >= rows) continue;
+    const int tok = qo0 + row / G, head = kvh * G + row % G;
+    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
+    if (n_splits == 1) {
+      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
+            pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+    } else {
+      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
+      float* po = p.part_o + prow * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
+            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
+    }
+  }
+}
+
+}  // namespace treeverify
