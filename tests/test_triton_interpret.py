@@ -180,7 +180,10 @@ def test_forced_multi_split_runs_merge(family, page, dtype, policy):
     dt = DTYPES[dtype]
     prefixes, trees = [70, 0, 33], [40, 9, 2]
     inp = _problem(family, page, prefixes, trees, dt, seed=policy.chunk + page)
-    n = [num_splits(p + t, policy.max_splits, policy.chunk) for p, t in zip(prefixes, trees)]
+    n = [
+        num_splits(p + t, policy.max_splits, policy.chunk)
+        for p, t in zip(prefixes, trees, strict=True)
+    ]
     assert max(n) > 1 and min(n) == 1  # both the merge and the direct-write paths run
     runner = _launcher(inp, splits=policy)
     assert runner.grid[1] == policy.max_splits

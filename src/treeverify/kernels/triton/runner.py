@@ -180,14 +180,15 @@ class TritonTreeAttention:
             block_table.stride(0), tree_mask.stride(0), self.hq, self.hkv, ms, chunk,
             self.total_q_cap, scale_log2,
             G=self.group, PAGE_SIZE=page_size, DV=self.dv, DR=self.dr, V_FROM_K=v_cache is None,
-            BM=cfg.bm, BN=cfg.bn, PREC=self.prec, INTERP_BF16=self.interp_bf16, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            BM=cfg.bm, BN=cfg.bn, PREC=self.prec, INTERP_BF16=self.interp_bf16,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if ms > 1:
             tree_attn_merge[self.merge_grid](
                 out, part_o, part_lse, prefix_lens, qo_indptr, out.stride(0), out.stride(1),
                 self.max_batch, self.hq, ms, chunk, self.total_q_cap,
-                DV=self.dv, LOG_B=self.log_b, INTERP_BF16=self.interp_bf16, num_warps=4 if self.dv >= 256 else 2,
+                DV=self.dv, LOG_B=self.log_b, INTERP_BF16=self.interp_bf16,
+                num_warps=4 if self.dv >= 256 else 2,
             )  # fmt: skip
 
 
