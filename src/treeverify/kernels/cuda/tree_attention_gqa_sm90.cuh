@@ -10,13 +10,14 @@
 
 namespace treeverify {
 
-template <int D, int BN, int NWG>
+template <int D, int BN, int NWG, int STAGES>
 struct GqaSm90Cfg {
   static constexpr int BM = 64 * NWG, NT = 128 * NWG, CH = D / 8;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int T_BYTES = BN * D * 2;  // one K (or V) tile
-  // 1 KB alignment slack + Q + 2 stages of K and V + K/V row pointers [2][BN] each.
-  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 4 * T_BYTES + 32 * BN;
+  // 1 KB alignment slack + Q + STAGES of K and V + K/V row pointers [STAGES][BN] each.
+  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN;
+  static_assert(STAGES >= 2 && STAGES <= 4, "cp.async groups in flight");
   static_assert(BN == 64 && (D == 64 || D == 128), "tile shapes this kernel is written for");
 };
 
@@ -38,10 +39,10 @@ __device__ __forceinline__ void mma_pv(float (&o)[D / 2], const unsigned (&a)[4]
   }
 }
 
-template <int D, int BN, int NWG, bool BF16>
+template <int D, int BN, int NWG, int STAGES, bool BF16>
 __global__ void __launch_bounds__(128 * NWG, 1)
     tree_attn_gqa_sm90(const __grid_constant__ TreeAttnParams p) {
-  using C = GqaSm90Cfg<D, BN, NWG>;
+  using C = GqaSm90Cfg<D, BN, NWG, STAGES>;
 #ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
   static_assert(C::SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
 #endif
@@ -51,10 +52,10 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const unsigned raw_u32 = smem_u32(smem_raw);
   unsigned char* base = smem_raw + (((raw_u32 + 1023u) & ~1023u) - raw_u32);
   unsigned char* sQ = base;
-  unsigned char* sK = sQ + C::Q_BYTES;      // [2][BN x D]
-  unsigned char* sV = sK + 2 * C::T_BYTES;  // [2][BN x D]
-  const T** sRowK = reinterpret_cast<const T**>(sV + 2 * C::T_BYTES);  // [2][BN]
-  const T** sRowV = sRowK + 2 * BN;                                      // [2][BN]
+  unsigned char* sK = sQ + C::Q_BYTES;           // [STAGES][BN x D]
+  unsigned char* sV = sK + STAGES * C::T_BYTES;  // [STAGES][BN x D]
+  const T** sRowK = reinterpret_cast<const T**>(sV + STAGES * C::T_BYTES);  // [STAGES][BN]
+  const T** sRowV = sRowK + STAGES * BN;                                      // [STAGES][BN]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wi = warp & 3;
@@ -86,11 +87,12 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
     cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
   }
+  // Tile j's row pointers, K/V stage and cp.async group all use slot j % STAGES.
   auto fetch_publish = [&](int j) {
     if (tid < BN) {
       const PageFetch f = fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop);
-      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRowK[(j & 1) * BN + tid],
-                      &sRowV[(j & 1) * BN + tid]);
+      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRowK[(j % STAGES) * BN + tid],
+                      &sRowV[(j % STAGES) * BN + tid]);
     }
   };
   auto load_tile = [&](int stage, int j) {
@@ -98,17 +100,20 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     unsigned char* dv = sV + stage * C::T_BYTES;
     for (int idx = tid; idx < BN * C::CH; idx += NT) {
       const int r = idx / C::CH, c = idx % C::CH;
-      const T* kp = sRowK[(j & 1) * BN + r];
-      const T* vp = sRowV[(j & 1) * BN + r];
+      const T* kp = sRowK[(j % STAGES) * BN + r];
+      const T* vp = sRowV[(j % STAGES) * BN + r];
       cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
       cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
     }
   };
-  fetch_publish(0);
-  fetch_publish(1);
+#pragma unroll
+  for (int j = 0; j < STAGES; ++j) fetch_publish(j);
   __syncthreads();
-  if (n_tiles > 0) load_tile(0, 0);
-  cp_async_commit();
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {  // the first group also carries Q
+    if (j < n_tiles) load_tile(j, j);
+    cp_async_commit();
+  }
 
   float o[D / 2];
 #pragma unroll
@@ -118,14 +123,17 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const unsigned q_addr = smem_u32(sQ) + wg * 64 * 128;  // this warpgroup's 64 rows
 
   for (int it = 0; it < n_tiles; ++it) {
-    cp_async_wait<0>();
+    cp_async_wait<STAGES - 2>();  // tile it has landed; up to STAGES-2 younger ones in flight
     fence_async_smem();
     __syncthreads();
-    if (it + 1 < n_tiles) load_tile((it + 1) & 1, it + 1);
-    cp_async_commit();
+    {
+      const int nxt = it + STAGES - 1;  // its stage held tile it-1, consumed last iteration
+      if (nxt < n_tiles) load_tile(nxt % STAGES, nxt);
+      cp_async_commit();
+    }
     const int t0 = kv_begin + it * BN;
-    const unsigned k_addr = smem_u32(sK + (it & 1) * C::T_BYTES);
-    const unsigned v_addr = smem_u32(sV + (it & 1) * C::T_BYTES);
+    const unsigned k_addr = smem_u32(sK + (it % STAGES) * C::T_BYTES);
+    const unsigned v_addr = smem_u32(sV + (it % STAGES) * C::T_BYTES);
 
     float s[32];  // 64 rows x 64 tokens per warpgroup
     wg_fence();
@@ -138,7 +146,9 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       mma_qk64<D, BF16>(s, da, db, kk > 0);
     }
     wg_commit();
-    fetch_publish(it + 2);  // the page-table load overlaps the asynchronous QK MMAs
+    // Slot it % STAGES: tile it's pointers were read when its load was issued. The page-table
+    // load overlaps the asynchronous QK MMAs.
+    fetch_publish(it + STAGES);
     wg_wait0();
     pin(s);
 

@@ -108,6 +108,7 @@ class GqaSm90Variant:
     nwg: int
     dtype: str
     bn: int = 64
+    stages: int = 4
     mla: bool = False
     defines: tuple[str, ...] = ()
 
@@ -121,17 +122,18 @@ class GqaSm90Variant:
 
     @property
     def name(self) -> str:
-        return f"fwd_gqa_sm90_wgmma_d{self.d}_m{self.bm}n{self.bn}_{self.dtype}"
+        return f"fwd_gqa_sm90_wgmma_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
-        return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{bf16}>"
+        return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{self.stages},{bf16}>"
 
     @property
     def smem_bytes(self) -> int:
         """Must equal GqaSm90Cfg::SMEM_BYTES in tree_attention_gqa_sm90.cuh."""
-        return 1024 + self.bm * self.d * 2 + 4 * self.bn * self.d * 2 + 32 * self.bn
+        tile = self.bn * self.d * 2
+        return 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,11 @@ def fwd_variant(
                 f"got Dqk={dqk}, Dv={dv}"
             )
         if arch == "sm_90a" and not portable and dqk in (64, 128):
-            return GqaSm90Variant(dqk, 2 if rows >= 128 else 1, dtype)
+            # 128 rows: one CTA per SM anyway (registers), so 4 stages deep; 64 rows (the
+            # memory-bound small trees): 2 stages keep two CTAs per SM in flight instead.
+            if rows >= 128:
+                return GqaSm90Variant(dqk, 2, dtype, stages=4)
+            return GqaSm90Variant(dqk, 1, dtype, stages=2)
         bn = 32 if dqk == 256 else 64
         candidates = [FwdVariant(dqk, dv, 128, bn, 1, 2, dtype, False)] if rows >= 128 else []
         candidates += [
