@@ -1,16 +1,28 @@
 // Tree-verify attention, hand-written CUDA C++ (compiled at run time by NVRTC).
 //
-// Version log (geomean = % of the roofline floor over shared/bench/cases.json on one H200,
-// CUDA-graph replay, median; "-" = not measured yet; see docs/performance.md for the runs):
-//   v1  mma.sync m16n8k16 (portable sm_80+), rows = (tree node, q head) packed per KV head so
-//       one KV tile serves every head of its group and every node of the request; prefix split
-//       across CTAs (split-KV) with fp32 partial O + log2-LSE and a separate merge kernel; the
-//       split count is decided on the device from the plan's (max_splits, chunk), so the grid
-//       is fixed per bucket (capture-safe); cp.async multi-stage KV pipeline; the tail tiles
-//       (tree nodes) read the packed tree mask and skip columns past the tile's last node
-//       (topological order). MLA: one 576-wide latent row in shared memory serves QK (576)
-//       and PV (first 512 columns); warps split the 512 V columns in two and exchange P
-//       through shared memory.                                            geomean: see perf.
+// Version log. Geomean = % of the roofline floor over the 54 cases of shared/bench/cases.json
+// on one H200 (CUDA-graph replay, median); JSON per run in bench_results/, table in
+// docs/performance.md. GQA-16 / GQA-64 / MLA = geomeans of those case families.
+//   v1  (75ff216) mma.sync m16n8k16 (portable sm_80+). Rows = (tree node, q head) packed per KV
+//       head, so one KV tile serves every head of its group and every node of the request;
+//       prefix split across CTAs (split-KV) with fp32 partial O + log2-LSE and a merge kernel;
+//       split count decided on the device from the plan's (max_splits, chunk), grid fixed per
+//       bucket (capture-safe); cp.async double buffer; tail tiles read the packed tree mask and
+//       stop at the tile's last node (topological order). MLA: one 576-wide latent row in
+//       shared memory serves QK (576) and PV (first 512); warp pairs split V's columns and
+//       exchange P through shared memory.                        14.6% (GQA-16 27, MLA 11-14)
+//   v1b (93556bf) 128-row CTAs for GQA when a KV head has >= 128 rows.          15.0%
+//   v2  (7c9d072) sm_90a MLA kernel on wgmma (tree_attention_sm90.cuh): 2 warpgroups, latent
+//       tile stored once in 128B-swizzled 64-column blocks = K-major B of QK and N-major B of
+//       PV; split count that fills one wave without a second, mostly empty one.  20.9%
+//   v3  (494402a) page-table lookups moved out of the cp.async loop: thread i fetches the page
+//       of token i a tile ahead and publishes row pointers in shared memory (the dependent
+//       global load had serialised once per 16-byte chunk). Predicted ~2x on the MLA tiles,
+//       measured 1.9x (MLA-TP1 N64 21.5 -> 37.9%).                               31.3%
+//   v4  (bcb6357) sm_90a GQA kernel on wgmma (tree_attention_gqa_sm90.cuh): P from registers,
+//       V read N-major from the same swizzled layout as K.  GQA-16 40 -> 48%, GQA-64 22 -> 27%
+//                                                                                33.2%
+//   v5  (59a68cc) GQA wgmma: 4-stage cp.async pipeline for 128-row CTAs.         see perf doc
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
