@@ -286,19 +286,20 @@ def tree_attn_merge(
     n = tl.maximum(1, (kv_total + chunk_b - 1) // chunk_b)
     if (tok >= total_q) | (n == 1):
         return  # padding row, or the forward kernel wrote the final output
-    stride = total_q_cap.to(tl.int64) * hq
+    stride = total_q_cap * hq  # (scalar args equal to 1 arrive as constexprs: no .to() here)
     base = tok.to(tl.int64) * hq + head
     lmax = tl.full([], float("-inf"), dtype=tl.float32)
     for s in range(0, n):
-        lmax = tl.maximum(lmax, tl.load(PartLse + s * stride + base))
+        lmax = tl.maximum(lmax, tl.load(PartLse + base + s * stride))
     lmax = tl.where(lmax == float("-inf"), 0.0, lmax)
     offs_d = tl.arange(0, DV)
     acc = tl.zeros([DV], dtype=tl.float32)
     wsum = tl.zeros([], dtype=tl.float32)
     for s in range(0, n):
-        lse = tl.load(PartLse + s * stride + base)
+        row = base + s * stride  # int64: base is
+        lse = tl.load(PartLse + row)
         w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lmax))
-        part = tl.load(PartO + (s * stride + base) * DV + offs_d)
+        part = tl.load(PartO + row * DV + offs_d)
         acc += tl.where(w > 0.0, w * part, 0.0)
         wsum += w
     inv = tl.where(wsum > 0.0, 1.0 / tl.where(wsum > 0.0, wsum, 1.0), 0.0)
