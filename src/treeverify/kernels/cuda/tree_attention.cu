@@ -311,8 +311,11 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
   };
 
   static_assert(STAGES == 2, "row pointers are double-buffered with the KV stages");
-  publish(0, fetch(0));
-  publish(1, fetch(1));
+  {  // both lookups in flight before either is used: one latency, not two
+    const PageFetch f0 = fetch(0), f1 = fetch(1);
+    publish(0, f0);
+    publish(1, f1);
+  }
   __syncthreads();
   if (n_tiles > 0) load_tile(0, 0);
   cp_async_commit();

@@ -106,8 +106,14 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
     }
   };
+  if (tid < BN) {  // all lookups in flight before any is used: one latency, not STAGES
+    PageFetch f[STAGES];
 #pragma unroll
-  for (int j = 0; j < STAGES; ++j) fetch_publish(j);
+    for (int j = 0; j < STAGES; ++j) f[j] = fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop);
+#pragma unroll
+    for (int j = 0; j < STAGES; ++j)
+      publish_rows<T>(p, f[j], P, qo0, kvh, kv_stop, &sRowK[j * BN + tid], &sRowV[j * BN + tid]);
+  }
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {  // the first group also carries Q

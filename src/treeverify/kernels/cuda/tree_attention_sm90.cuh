@@ -121,11 +121,12 @@ __global__ void __launch_bounds__(256, 1)
     cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
   }
   // Row pointers of tile j live in sRow[j & 1]; see fetch_page in tree_attention.cu.
+  auto fetch = [&](int j) { return fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop); };
+  auto publish = [&](int j, const PageFetch& f) {
+    publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRow[(j & 1) * BN + tid], nullptr);
+  };
   auto fetch_publish = [&](int j) {
-    if (tid < BN) {
-      const PageFetch f = fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop);
-      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRow[(j & 1) * BN + tid], nullptr);
-    }
+    if (tid < BN) publish(j, fetch(j));
   };
   auto load_tile = [&](int stage, int j) {
     unsigned char* dst = sKV + stage * C::KV_BYTES;
@@ -135,8 +136,11 @@ __global__ void __launch_bounds__(256, 1)
       cp_async16(dst + sw_off<BN>(r, c), src ? src + c * 8 : kg, src ? 16 : 0);
     }
   };
-  fetch_publish(0);
-  fetch_publish(1);
+  if (tid < BN) {  // both lookups in flight before either is used: one latency, not two
+    const PageFetch f0 = fetch(0), f1 = fetch(1);
+    publish(0, f0);
+    publish(1, f1);
+  }
   __syncthreads();
   if (n_tiles > 0) load_tile(0, 0);
   cp_async_commit();
