@@ -296,7 +296,7 @@ def tree_attn_merge(
     acc = tl.zeros([DV], dtype=tl.float32)
     wsum = tl.zeros([], dtype=tl.float32)
     for s in range(0, n):
-        row = base + s * stride  # int64: base is
+        row = base + s * stride  # int64 (base is)
         lse = tl.load(PartLse + row)
         w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lmax))
         part = tl.load(PartO + row * DV + offs_d)
