@@ -20,7 +20,7 @@ def one(n: int, dtype: str, a_regs: bool) -> str:
         b, sc, tb = f"%{regs + 4}", f"%{regs + 5}", f"%{regs + 6}"
         tail = f"p, 1, 1, {tb}"
         ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)'
-        sig = f"const unsigned (&a)[4], unsigned long long desc_b"
+        sig = "const unsigned (&a)[4], unsigned long long desc_b"
     else:
         a, b, sc, tb = f"%{regs}", f"%{regs + 1}", f"%{regs + 2}", f"%{regs + 3}"
         tail = f"p, 1, 1, 0, {tb}"
@@ -31,7 +31,8 @@ def one(n: int, dtype: str, a_regs: bool) -> str:
 __device__ __forceinline__ void {name}(float (&d)[{regs}], {sig}, int scale_d) {{
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, {sc}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} {{{outs}}}, {a}, {b}, {tail};\\n}}\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
+      "{{{outs}}}, {a}, {b}, {tail};\\n}}\\n"
       : {outs_c}
       : {ins});
 }}

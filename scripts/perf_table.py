@@ -12,7 +12,8 @@ from collections import defaultdict
 
 
 def main(path: str) -> None:
-    d = json.load(open(path))
+    with open(path) as f:
+        d = json.load(f)
     backends = list(d["summary"])
     print(
         f"Run: {d['date']}, {d['gpu']}, commit {d['commit']}, page size {d['page_size']}, "

@@ -13,7 +13,6 @@ import torch
 
 sys.path.insert(0, "tests")
 from test_cuda_gpu import _cuda, _poisoned, _reference, _rel, _sglang_inputs  # noqa: E402
-
 from treeverify.bench.cases import Case, make_inputs  # noqa: E402
 from treeverify.kernels.sglang import extend_attention_fwd  # noqa: E402
 
