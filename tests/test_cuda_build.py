@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda extra (cuda-python + NVRTC)")
 
-from treeverify.kernels.cuda.runner import MIN_CHUNK_TOKENS, choose_splits  # noqa: E402
 from treeverify.kernels.cuda.variants import (  # noqa: E402
     ALL_ARCHES,
     SMEM_LIMIT,
@@ -22,6 +21,7 @@ from treeverify.kernels.cuda.variants import (  # noqa: E402
     all_variants,
     fwd_variant,
 )
+from treeverify.kernels.splits import MIN_CHUNK_TOKENS, choose_splits  # noqa: E402
 
 
 def test_kernels_build_every_arch_from_the_cli(tmp_path):

@@ -253,14 +253,6 @@ def test_unknown_backend_names_backend():
         tree_attention(*args(p), backend="flash")
 
 
-def test_triton_not_built_yet():
-    p = make_problem(
-        1, hq=2, hkv=1, dqk=16, dv=16, page_size=1, prefix=(2,), trees=(2,), dtype=torch.float32
-    )
-    with pytest.raises(ValueError, match="triton backend not built yet"):
-        tree_attention(*args(p), backend="triton")
-
-
 def test_cuda_backend_on_cpu_tensors_is_refused():
     p = make_problem(
         1, hq=2, hkv=1, dqk=16, dv=16, page_size=1, prefix=(2,), trees=(2,), dtype=torch.float16

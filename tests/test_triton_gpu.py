@@ -25,7 +25,7 @@ pytestmark = [
     ),
 ]
 
-TOL = {torch.bfloat16: 5e-3, torch.float16: 5e-3, torch.float32: 2e-5}
+TOL = {torch.bfloat16: 5e-3, torch.float16: 5e-3, torch.float32: 1e-4}  # fp32: 3xTF32 dots
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -248,12 +249,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     backend = api.resolve_backend(args.backend, torch.device(device), dtype)
-    if backend == "triton":
-        print("treeverify check: the triton backend is not built yet", file=sys.stderr)
-        return 2
-    if backend == "cuda":
+    if backend == "triton" and device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's own switch: run interpreted
+    if backend in ("cuda", "triton"):
         try:
-            api.cuda_backend()
+            api.cuda_backend() if backend == "cuda" else api.triton_backend()
         except RuntimeError as exc:
             print(f"treeverify check: {exc}", file=sys.stderr)
             return 2

@@ -30,22 +30,24 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
 
 
-def _plan_for(case: Case, inp: dict, page_size: int):
+def _plan_for(case: Case, inp: dict, page_size: int, backend: str = "cuda"):
     from treeverify.kernels.plan import TreeAttentionPlan
 
     plan = TreeAttentionPlan(
         num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim_qk=case.dqk, head_dim_v=case.dv,
         mla=case.mla, page_size=page_size, max_batch=case.B, max_tree=case.N,
         max_pages_per_request=inp["block_table"].shape[1], max_kv_len=case.L + case.N,
-        sm_scale=inp["sm_scale"], dtype=inp["q"].dtype, device=inp["q"].device,
+        sm_scale=inp["sm_scale"], dtype=inp["q"].dtype, device=inp["q"].device, backend=backend,
     )  # fmt: skip
     plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
     return plan
 
 
-def time_cuda(case: Case, inp: dict, page_size: int, reps: int, replays: int) -> tuple:
-    """(median seconds per launch, output of the captured run, plan)."""
-    plan = _plan_for(case, inp, page_size)
+def time_plan(
+    case: Case, inp: dict, page_size: int, reps: int, replays: int, backend: str = "cuda"
+) -> tuple:
+    """(median seconds per launch, output of the captured run, plan) for a cuda/triton plan."""
+    plan = _plan_for(case, inp, page_size, backend)
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
     out = torch.full((q.shape[0], case.hq, case.dv), float("nan"), dtype=q.dtype, device=q.device)
     plan.run(q, k, v, out)  # warm up outside capture
@@ -120,18 +122,18 @@ def run_grid(
             row = {"case": case.name, "backend": backend, **case.__dict__,
                    "floor_us": floor * 1e6}  # fmt: skip
             try:
-                if backend == "cuda":
-                    secs, out, plan = time_cuda(case, inp, page_size, reps, replays)
+                if backend in ("cuda", "triton"):
+                    secs, out, plan = time_plan(case, inp, page_size, reps, replays, backend)
                     row["splits"] = plan.split_policy.max_splits
                     row["chunk"] = plan.split_policy.chunk
+                    if backend == "triton":
+                        row["triton_config"] = plan._triton.config.__dict__
                 elif backend == "torch":
                     if flops > torch_max_flops:
                         row["skipped"] = "reference too slow at this size"
                         rows.append(row)
                         continue
                     secs, out = time_torch(inp, max(3, replays // 4))
-                else:
-                    raise ValueError(f"backend {backend!r} is not built yet")
             except Exception as exc:  # a failing backend is a row, not a crash of the sweep
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 rows.append(row)

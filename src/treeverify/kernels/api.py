@@ -1,7 +1,8 @@
 """tree_attention: the public eager entry point. Validates on the host, then dispatches.
 
 Backends: "torch" (the reference, any device and dtype), "cuda" (treeverify.kernels.cuda, fp16/bf16
-on an NVIDIA GPU), "triton" (not built yet), "auto" (cuda when it applies and imports, else torch).
+on an NVIDIA GPU), "triton" (treeverify.kernels.triton: fp16/bf16/fp32 on a GPU, or on the CPU
+under TRITON_INTERPRET=1), "auto" (cuda when it applies and imports, else torch).
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ def cuda_backend():
             f"backend='torch' runs everywhere."
         ) from exc
     return tree_attention_cuda
+
+
+def triton_backend():
+    """The triton backend's entry point; RuntimeError saying why when it cannot be imported."""
+    try:
+        from treeverify.kernels.triton import tree_attention_triton
+    except ImportError as exc:
+        raise RuntimeError(
+            f"tree_attention: the triton backend is unavailable: importing "
+            f"treeverify.kernels.triton failed ({type(exc).__name__}: {exc}). It needs "
+            f"triton >= 3.6 (pip install 'treeverify[triton]'); backend='torch' runs everywhere."
+        ) from exc
+    return tree_attention_triton
 
 
 def cuda_backend_available() -> bool:
@@ -88,4 +102,7 @@ def tree_attention(
             q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale,
             v_head_dim=v_head_dim, out=out,
         )  # fmt: skip
-    raise ValueError("backend: triton backend not built yet; use 'torch' or 'cuda'")
+    return triton_backend()(
+        q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale,
+        v_head_dim=v_head_dim, out=out,
+    )  # fmt: skip

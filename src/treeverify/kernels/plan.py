@@ -54,8 +54,8 @@ class TreeAttentionPlan:
                 f"num_qo_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
                 f"got {num_qo_heads}"
             )
-        if backend not in ("cuda", "torch"):
-            raise ValueError(f"backend: a plan runs 'cuda' or 'torch', got {backend!r}")
+        if backend not in ("cuda", "triton", "torch"):
+            raise ValueError(f"backend: a plan runs 'cuda', 'triton' or 'torch', got {backend!r}")
         self.hq, self.hkv, self.dqk = num_qo_heads, num_kv_heads, head_dim_qk
         self.dv = head_dim_v if head_dim_v is not None else head_dim_qk
         self.mla, self.page_size, self.sm_scale = mla, page_size, float(sm_scale)
@@ -75,6 +75,17 @@ class TreeAttentionPlan:
         self.tree_mask = torch.zeros(self.max_total_q, self.words, dtype=torch.int32, device=dev)
         self.batch = 0  # requests in the last plan() (host copy, for the torch backend)
         self._launcher = None
+        self._triton = None
+        if backend == "triton":
+            from treeverify.kernels.triton import TritonTreeAttention
+
+            self._triton = TritonTreeAttention(
+                self.hq, self.hkv, self.dqk, self.dv, mla, max_batch, max_tree, self.max_kv_len,
+                self.max_total_q, dev, dtype,
+            )  # fmt: skip
+            o_shape, lse_shape = self._triton.workspace_shapes()
+            self.part_o = torch.empty(o_shape, dtype=torch.float32, device=dev)
+            self.part_lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
         if backend == "cuda":
             from treeverify.kernels.cuda.launch import Params
             from treeverify.kernels.cuda.runner import Launcher
@@ -101,12 +112,14 @@ class TreeAttentionPlan:
     def workspace_bytes(self) -> int:
         """Device bytes this plan holds (metadata + split partials)."""
         tensors = [self.block_table, self.prefix_lens, self.qo_indptr, self.tree_mask]
-        if self._launcher is not None:
+        if self._launcher is not None or self._triton is not None:
             tensors += [self.part_o, self.part_lse]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def split_policy(self):
+        if self._triton is not None:
+            return self._triton.splits
         return self._launcher.splits if self._launcher is not None else None
 
     def plan(
@@ -187,6 +200,12 @@ class TreeAttentionPlan:
             )
         if q.shape[0] > self.max_total_q:
             raise ValueError(f"q: {q.shape[0]} rows exceed max_total_q {self.max_total_q}")
+        if self._triton is not None:
+            self._triton.launch(
+                q, k_cache, v_cache, out, self.block_table, self.prefix_lens, self.qo_indptr,
+                self.tree_mask, self.part_o, self.part_lse, self.sm_scale,
+            )  # fmt: skip
+            return out
         if self._launcher is None:
             return self._run_torch(q, k_cache, v_cache, out)
         launcher = self._launcher

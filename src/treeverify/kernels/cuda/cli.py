@@ -1,4 +1,4 @@
-"""`treeverify kernels build --arch LIST`: compile all CUDA variants without a GPU, print a table."""
+"""`treeverify kernels build --arch LIST`: compile all CUDA variants, no GPU needed; a table."""
 
 from __future__ import annotations
 

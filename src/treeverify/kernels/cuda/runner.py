@@ -9,40 +9,13 @@ and `Launcher.launch()` issues the two kernels on the current stream: no allocat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
-
-MAX_SPLITS = 64
-MIN_CHUNK_TOKENS = 256  # a split shorter than this costs more in merge traffic than it saves
-
-
-@dataclass(frozen=True)
-class SplitPolicy:
-    max_splits: int  # grid.y; requests use ceil((P+T)/chunk) <= max_splits of them
-    chunk: int  # KV tokens per split, a multiple of the KV tile
-
-
-def choose_splits(
-    *, batch: int, hkv: int, m_tiles: int, max_kv: int, bn: int, num_sms: int, ctas_per_sm: int
-) -> SplitPolicy:
-    """Enough CTAs to fill about one wave of the GPU, never splits shorter than MIN_CHUNK_TOKENS.
-
-    Decided on the host from the bucket's capacities only, so a captured grid stays valid for
-    every length in the bucket; shorter requests get fewer splits on the device.
-    """
-    base = max(1, batch * hkv * m_tiles)
-    wave = num_sms * ctas_per_sm
-    # Fill one wave without spilling into a second: 144 CTAs on 132 slots take two full waves.
-    want = max(1, wave // base)
-    by_len = max(1, math.ceil(max_kv / MIN_CHUNK_TOKENS))
-    splits = max(1, min(want, by_len, MAX_SPLITS))
-    chunk = math.ceil(math.ceil(max_kv / splits) / bn) * bn
-    return SplitPolicy(splits, max(chunk, bn))
+from treeverify.kernels.splits import choose_splits
 
 
 class Launcher:

@@ -102,7 +102,7 @@ class MlaSm90Variant:
 
 @dataclass(frozen=True)
 class GqaSm90Variant:
-    """tree_attn_gqa_sm90<D, BN, NWG, BF16>: the wgmma (sm_90a) GQA kernel, 64 rows per warpgroup."""
+    """tree_attn_gqa_sm90<D, BN, NWG, STAGES, BF16>: wgmma (sm_90a) GQA, 64 rows per warpgroup."""
 
     d: int
     nwg: int

@@ -2,19 +2,19 @@
 
 `tree_attention_triton` is the eager entry (called by `treeverify.kernels.tree_attention` after
 it validated the arguments); `TritonTreeAttention` is the capture-safe launcher a plan holds.
-Importing this package imports triton and decorates the kernels: to use the CPU interpreter, set
-TRITON_INTERPRET=1 before the first import. `splits` (the shared split policy) needs no triton.
+
+Names that need triton are loaded on first access, so `treeverify.kernels.splits` (the
+split policy shared with the CUDA backend) imports without triton; `from
+treeverify.kernels.triton import tree_attention_triton` raises ImportError where triton is
+missing. Loading the kernels decorates them: to use the CPU interpreter, set TRITON_INTERPRET=1
+before that first access.
 """
 
 from __future__ import annotations
 
-from treeverify.kernels.triton.runner import (
-    TritonConfig,
-    TritonTreeAttention,
-    choose_config,
-    tree_attention_triton,
-)
-from treeverify.kernels.triton.splits import SplitPolicy, choose_splits, num_splits
+from treeverify.kernels.splits import SplitPolicy, choose_splits, num_splits
+
+_LAZY = {"TritonConfig", "TritonTreeAttention", "choose_config", "tree_attention_triton"}
 
 __all__ = [
     "SplitPolicy",
@@ -25,3 +25,11 @@ __all__ = [
     "num_splits",
     "tree_attention_triton",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from treeverify.kernels.triton import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

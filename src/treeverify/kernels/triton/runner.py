@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from treeverify.kernels.triton.splits import SplitPolicy, choose_splits
+from treeverify.kernels.splits import SplitPolicy, choose_splits
 from treeverify.kernels.triton.tree_attention import tree_attn_fwd, tree_attn_merge
 
 LOG2E = 1.4426950408889634
@@ -108,6 +108,11 @@ class TritonTreeAttention:
         elif dr:
             raise ValueError(f"dqk: GQA needs dqk == dv, got dqk={dqk}, dv={dv}")
         self.device = torch.device(device)
+        if self.device.type != "cuda" and not INTERPRETED:
+            raise ValueError(
+                f"device: the triton backend runs on CUDA devices, got {self.device}; for the "
+                f"CPU interpreter set TRITON_INTERPRET=1 before treeverify.kernels.triton loads"
+            )
         self.dtype = dtype
         self.hq, self.hkv, self.dqk, self.dv, self.dr, self.mla = hq, hkv, dqk, dv, dr, mla
         self.group = hq // hkv

@@ -1,8 +1,8 @@
 """Split-KV policy shared by the CUDA and Triton backends (pure Python, no GPU, no triton).
 
-The rule here must stay identical to ``treeverify.kernels.cuda.runner.choose_splits`` (the CUDA
-backend still has its own copy; it should import this one later) and to the device-side rule in
-both kernels, so that the two backends can share one plan:
+One rule for both backends, mirrored by the device-side functions of both kernels
+(``split_chunk``/``num_splits`` in tree_attention.cu and the Triton kernels), so one plan's
+capacities mean the same grid whichever backend runs it:
 
     chunk_b    = max(chunk, ceil((P_b + T_b) / max_splits))
     n_splits_b = max(1, ceil((P_b + T_b) / chunk_b))
