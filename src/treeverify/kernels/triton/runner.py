@@ -41,27 +41,31 @@ def _next_pow2(x: int) -> int:
 def choose_config(
     *, hq: int, hkv: int, dqk: int, dv: int, mla: bool, max_tree: int, dtype: torch.dtype
 ) -> TritonConfig:
-    """Tiles for a problem family: compiled for sm_90 with triton 3.9 (aot_check.py), not yet
-    timed. BM = the packed rows one KV tile serves: 128 when a KV head has that many rows (GQA,
-    Dv <= 128), else 64 (MLA: the 64x512 fp32 accumulator alone is 128 registers/thread on 8
-    warps; Dv 256 likewise); never above the next power of two of max_tree*G (tl.dot needs
-    >= 16; below 64 rows Triton uses mma.sync, not wgmma). BN = 64 tokens for GQA Dv <= 128 at
-    BM 64, else 32 (no register spills at 8 warps). 3 stages: Triton pipelines the page-table
-    load one stage ahead of the K/V gathers (cp.async, 2 buffers). MLA spills ~240 B at
-    (64, 32, 8, 3); (64, 16, 8, 4) spills ~70 B: a sweep on the H200 should decide. fp32 inputs
-    (a correctness path, not a target) take 16-32 row tiles and 3xTF32 dots (~fp32 accuracy).
+    """Tiles per problem family, chosen by scripts/triton_sweep.py on the H200 (2026-11-29,
+    bench_results/2026-11-29-h200-triton-sweep.json; grid with these: triton-v2-grid.json):
+    - MLA (and Dv >= 256): 64 x 32, 8 warps, 2 stages. 64 rows because the 64 x 512 fp32
+      accumulator is already 128 registers/thread at 8 warps; 2 stages ran as fast as 3 and a
+      16-token tile 1.7x slower.
+    - GQA with >= 128 packed rows per KV head: 128 x 64, 8 warps, 3 stages (1.37x over 128 x 32).
+    - GQA with fewer rows (small trees, memory-bound): 64 x 64, 4 warps, 3 stages (1.55x over 8
+      warps: more CTAs per SM in flight).
+    BM never exceeds the next power of two of max_tree*G (tl.dot needs >= 16; below 64 rows
+    Triton uses mma.sync, not wgmma). fp32 inputs (a correctness path, not a target) take 16-32
+    row tiles and 3xTF32 dots (~fp32 accuracy).
     """
     rows = max_tree * (hq // hkv)
-    if mla or dv >= 256:
-        bm_max, bn = 64, 32
-    elif rows >= 128:
-        bm_max, bn = 128, 32
-    else:
-        bm_max, bn = 64, 64
-    bm = min(bm_max, max(16, _next_pow2(rows)))
     if dtype == torch.float32:  # a correctness path: small tiles, few spills
+        bm_max = 64 if (mla or dv >= 256) else 128
+        bm = min(bm_max, max(16, _next_pow2(rows)))
         return TritonConfig(min(bm, 16 if (mla or dv >= 256) else 32), 16, 8, 2)
-    return TritonConfig(bm, bn, 8 if bm >= 64 else 4, 3)
+    if mla or dv >= 256:
+        bm, bn, warps, stages = 64, 32, 8, 2
+    elif rows >= 128:
+        bm, bn, warps, stages = 128, 64, 8, 3
+    else:
+        bm, bn, warps, stages = 64, 64, 4, 3
+    bm = min(bm, max(16, _next_pow2(rows)))
+    return TritonConfig(bm, bn, warps if bm >= 64 else 4, stages)
 
 
 def _paged_strides(cache: torch.Tensor) -> tuple[int, int, int]:

@@ -13,7 +13,10 @@ CUDA-graph replay, median; see docs/performance.md for the runs):
       the output is written directly; several: fp32 partial O (normalised) + log2 LSE, merged
       by a second kernel. MLA: the 512 latent and the 64 rope columns of a K row are loaded as
       two tiles of the same rows, and the 512-column tile *is* V (each latent row read once).
-                                                              geomean: not measured yet.
+      Spill-free tiles from compiling for sm_90, not yet timed.     22.6% (a44145d)
+  v2  Tiles chosen by an H200 sweep (scripts/triton_sweep.py): MLA 64x32/8 warps/2 stages,
+      GQA 128x64/8/3 (>= 128 rows per KV head) and 64x64/4/3 (fewer). Predicted "a few points";
+      measured +2.6.                                                  25.2% (f3b280c + sweep)
 
 This module decorates its kernels at import: set TRITON_INTERPRET=1 *before* importing it to
 run them on the CPU interpreter.
