@@ -22,7 +22,10 @@
 //   v4  (bcb6357) sm_90a GQA kernel on wgmma (tree_attention_gqa_sm90.cuh): P from registers,
 //       V read N-major from the same swizzled layout as K.  GQA-16 40 -> 48%, GQA-64 22 -> 27%
 //                                                                                33.2%
-//   v5  (59a68cc) GQA wgmma: 4-stage cp.async pipeline for 128-row CTAs.         see perf doc
+//   v5  (59a68cc) GQA wgmma: 4-stage cp.async pipeline for 128-row CTAs. Predicted GQA-64
+//       22 -> ~40% if load-latency bound; measured +3 points: it is bound by the serial
+//       QK -> softmax -> PV chain of each warpgroup instead.                      33.5%
+//   v6  (a44145d) prologue issues all first page lookups before using any.   33.3% (noise)
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
