@@ -1,0 +1,55 @@
+"""Models: the Llama family (GQA) and DeepSeek-V3 / Kimi K2 (MLA + MoE), tiny built-ins, loader.
+
+    cfg, model, tok = load_model("tiny-llama")          # or "tiny-kimi", or a local HF directory
+    logits = model(input_ids, positions)                 # (T,), (T,) -> (T, vocab) fp32
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treeverify.models.config import (
+    DeepseekV3Config,
+    LlamaConfig,
+    RopeConfig,
+    config_from_hf_dict,
+)
+from treeverify.models.deepseek_v3 import DeepseekV3ForCausalLM
+from treeverify.models.layers import Attention, TorchAttention
+from treeverify.models.llama import LlamaForCausalLM
+from treeverify.models.tiny import TINY_MODELS, build_tiny
+from treeverify.models.tokenizer import ByteTokenizer, HFTokenizer
+
+__all__ = [
+    "Attention",
+    "ByteTokenizer",
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
+    "HFTokenizer",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "RopeConfig",
+    "TINY_MODELS",
+    "TorchAttention",
+    "config_from_hf_dict",
+    "load_model",
+]
+
+
+def load_model(
+    name_or_path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+):
+    """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`) or a local
+    Hugging Face directory (FileNotFoundError / ValueError naming what is missing)."""
+    if str(name_or_path) in TINY_MODELS:
+        cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)
+        return cfg, model.to(device), tok
+    from treeverify.models.loader import load_pretrained
+
+    return load_pretrained(name_or_path, dtype=dtype, device=device)

@@ -1,0 +1,169 @@
+"""DeepSeek-V3 / Kimi K2: MLA attention + MoE, over a flat batch of tokens with explicit positions.
+
+MLA per token (L = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_dim, Dv = v_head_dim):
+  q = q_b(norm(q_a(x))) (or q_proj(x))                   -> per head [q_nope (N) | q_pe (R)]
+  [c_kv (L) | k_pe (R)] = kv_a_proj_with_mqa(x);  c_kv = kv_a_layernorm(c_kv);  k_pe shared by heads
+  kv_b = W (H, N + Dv, L): per head k_nope = W_uk c_kv, v = W_uv c_kv
+Naive: K = [k_nope | k_pe], V = v per head.  Absorbed (decode/verify; what the kernels take):
+  q_lat = W_ukᵀ q_nope (L);  Q = [q_lat | q_pe] (L+R per head); one latent KV head
+  K row = [c_kv | k_pe] (L+R = 576 for V3/K2), V = K[:, :L] (512);  out = W_uv · attn_out_latent.
+  Q·K = q_nopeᵀ W_uk c_kv + q_pe·k_pe, identical scores, so both forms agree.
+sm_scale = 1/sqrt(N + R) · mscale(factor, mscale_all_dim)² under YaRN (config.sm_scale).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from treeverify.models.config import DeepseekV3Config
+from treeverify.models.layers import MLP, Attention, RMSNorm, Rope, TorchAttention, apply_rope
+from treeverify.models.moe import DeepseekMoE
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.cfg = cfg
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.nh = nh
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=False)
+
+    def forward(self, x, cos, sin, attention: Attention, absorbed: bool = True):
+        cfg, t, nh = self.cfg, x.shape[0], self.nh
+        n, r, lat, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, nh, n + r)  # (T, H, N+R)
+        q_nope, q_pe = q[..., :n], q[..., n:]
+        ckv, k_pe = self.kv_a_proj_with_mqa(x).split([lat, r], dim=-1)  # (T, L), (T, R)
+        ckv = self.kv_a_layernorm(ckv)
+        q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)  # (T, H, R)
+        k_pe = apply_rope(k_pe[:, None, :], cos, sin, cfg.rope_interleave)  # (T, 1, R)
+        w = self.kv_b_proj.weight.view(nh, n + dv, lat)  # (H, N+Dv, L)
+        if absorbed:
+            q_lat = torch.einsum("thn,hnl->thl", q_nope, w[:, :n])  # (T, H, L)
+            qa = torch.cat((q_lat, q_pe), dim=-1)  # (T, H, L+R)
+            ka = torch.cat((ckv[:, None, :], k_pe), dim=-1)  # (T, 1, L+R)
+            o_lat = attention(self.layer, qa, ka, None, cfg.sm_scale, v_head_dim=lat)  # (T, H, L)
+            o = torch.einsum("thl,hvl->thv", o_lat, w[:, n:])  # (T, H, Dv)
+        else:
+            kv = self.kv_b_proj(ckv).view(t, nh, n + dv)  # (T, H, N+Dv)
+            k = torch.cat((kv[..., :n], k_pe.expand(t, nh, r)), dim=-1)  # (T, H, N+R)
+            qn = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, N+R)
+            o = attention(self.layer, qn, k, kv[..., n:].contiguous(), cfg.sm_scale)  # (T, H, Dv)
+        return self.o_proj(o.reshape(t, nh * dv))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer)
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.mlp = DeepseekMoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention, absorbed):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, absorbed)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            y, counts = self.mlp(h)
+            return x + y, counts
+        return x + self.mlp(h), None
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """forward(input_ids (T,), positions (T,), attention) -> logits (T, vocab) fp32.
+
+    `moe_expert_counts` (layers, n_routed_experts) int64, on the model's device: tokens routed to
+    each expert per layer, accumulated on device across forwards (dense layers' rows stay 0);
+    `reset_moe_counts()` zeroes it, `moe_imbalance()` gives max/mean per MoE layer.
+    `absorbed` (default True) selects the MLA form; `set_moe_impl("dense")` makes MoE sync-free.
+    """
+
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer(
+            "moe_expert_counts",
+            torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64),
+            persistent=False,
+        )
+        self.absorbed = True
+
+    def set_moe_impl(self, impl: str) -> None:
+        if impl not in ("grouped", "dense"):
+            raise ValueError(f"impl: expected 'grouped' or 'dense', got {impl!r}")
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.mlp.impl = impl
+
+    def keep_router_fp32(self) -> DeepseekV3ForCausalLM:
+        """Router weights and bias back to fp32 (as DeepSeek runs them) after a `.to(dtype)`."""
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.mlp.gate.float()
+        return self
+
+    def reset_moe_counts(self) -> None:
+        self.moe_expert_counts.zero_()
+
+    def moe_imbalance(self) -> torch.Tensor:  # (layers,) fp32: max/mean, 0 where no tokens
+        c = self.moe_expert_counts.float()
+        mean = c.mean(-1)
+        return torch.where(mean > 0, c.amax(-1) / mean.clamp_min(1e-9), torch.zeros_like(mean))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int
+        positions: torch.Tensor,  # (T,) int
+        attention: Attention | None = None,
+        logits_indices: torch.Tensor | None = None,  # (N,): rows to project; default all
+        absorbed: bool | None = None,
+    ) -> torch.Tensor:  # (T or N, vocab) fp32
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids/positions: expected matching (T,) tensors, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        attention = attention if attention is not None else TorchAttention()
+        absorbed = self.absorbed if absorbed is None else absorbed
+        cos, sin = self.rope(positions)  # (T, R/2) each
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.model.layers):
+            x, counts = layer(x, cos, sin, attention, absorbed)
+            if counts is not None:
+                self.moe_expert_counts[i] += counts
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.lm_head(self.model.norm(x)).float()

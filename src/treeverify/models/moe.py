@@ -1,0 +1,119 @@
+"""DeepSeek-V3 MoE: router (scoring, group-limited top-k), routed + shared experts.
+
+Routing (DeepSeek-V3 / Kimi K2, topk_method="noaux_tc", scoring_func="sigmoid"):
+  1. scores = sigmoid(x · Wgᵀ) in fp32; choice = scores + e_score_correction_bias.
+  2. Experts split into n_group groups; a group's score = the sum of its top-2 `choice`;
+     the topk_group best groups stay, the others' experts are excluded (-inf).
+  3. top-k experts by `choice`; their weights come from the *unbiased* `scores`;
+     normalised to sum 1 when norm_topk_prob; then times routed_scaling_factor.
+softmax scoring with "greedy" / "group_limited_greedy" (group score = max) is also provided.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeverify.models.config import DeepseekV3Config
+from treeverify.models.layers import MLP
+
+
+def select_experts(
+    logits: torch.Tensor,  # (T, E) fp32 router logits
+    cfg: DeepseekV3Config,
+    bias: torch.Tensor | None = None,  # (E,) e_score_correction_bias (noaux_tc)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (T, k) int64 expert ids, (T, k) fp32 weights
+    t, e = logits.shape
+    k = cfg.num_experts_per_tok
+    scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)  # (T, E)
+    choice = scores
+    if cfg.topk_method == "noaux_tc":
+        if bias is None:
+            raise ValueError("noaux_tc routing needs e_score_correction_bias")
+        choice = scores + bias.float()[None, :]
+    if cfg.topk_method != "greedy" and cfg.n_group > 1:
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)  # (T, G, E/G)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+        else:
+            group_scores = grouped.amax(-1)  # (T, G)
+        keep_groups = group_scores.topk(cfg.topk_group, dim=-1).indices  # (T, topk_group)
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+        group_mask.scatter_(1, keep_groups, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, e)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    idx = choice.topk(k, dim=-1).indices  # (T, k)
+    weights = scores.gather(1, idx)  # (T, k) from the unbiased scores
+    if cfg.norm_topk_prob and k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return idx, weights * cfg.routed_scaling_factor
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.n_routed_experts), requires_grad=False
+            )
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor):  # x (T, hidden)
+        logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts + shared experts. forward returns (out (T, hidden), counts (E,) int64).
+
+    impl="grouped" (default) gathers each expert's tokens (host sync on the counts: eager only);
+    impl="dense" runs every expert on every token with zero weight where unrouted: no sync, no
+    data-dependent shapes (CUDA-graph capturable), E times the FLOPs — for tiny models.
+    """
+
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts > 0
+            else None
+        )
+        self.impl = "grouped"
+
+    def forward(self, x: torch.Tensor):
+        t = x.shape[0]
+        idx, w = self.gate(x)  # (T, k), (T, k)
+        flat = idx.reshape(-1)  # (T*k,)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))  # on device, no sync
+        out = torch.zeros_like(x, dtype=torch.float32)  # (T, hidden)
+        if self.impl == "dense":
+            combine = torch.zeros(t, self.n_experts, device=x.device, dtype=torch.float32)
+            combine.scatter_add_(1, idx, w)  # (T, E)
+            for e, expert in enumerate(self.experts):
+                out += combine[:, e : e + 1] * expert(x).float()
+        else:
+            order = flat.argsort(stable=True)
+            token_of = order // idx.shape[1]  # (T*k,) token row of each sorted slot
+            w_sorted = w.reshape(-1)[order]
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    rows = token_of[start : start + n]
+                    y = self.experts[e](x[rows]).float() * w_sorted[start : start + n, None]
+                    out.index_add_(0, rows, y)
+                start += n
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, counts
