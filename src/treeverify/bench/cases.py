@@ -13,6 +13,8 @@ from importlib import resources
 
 import torch
 
+from treeverify.spec import parents_to_tree_mask
+
 
 @dataclass(frozen=True)
 class Case:
@@ -67,20 +69,8 @@ def random_parents(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def parents_to_bits(parents: torch.Tensor) -> torch.Tensor:
-    """(B, T) parents -> (B*T, ceil(T/32)) int32 ancestor-or-self bits (host, for inputs)."""
-    b, t = parents.shape
-    vis = torch.zeros(b, t, t, dtype=torch.bool)
-    ar = torch.arange(b)
-    for i in range(t):
-        vis[:, i, i] = True
-        if i:
-            vis[:, i] |= vis[ar, parents[:, i].clamp(min=0)]
-    words = math.ceil(t / 32)
-    padded = torch.zeros(b, t, words * 32, dtype=torch.int64)
-    padded[..., :t] = vis.to(torch.int64)
-    packed = (padded.view(b, t, words, 32) << torch.arange(32)).sum(-1)  # (B, T, W)
-    packed = (packed + 2**31) % 2**32 - 2**31  # bit 31 -> sign of an int32
-    return packed.to(torch.int32).view(b * t, words)
+    """(B, T) parents -> (B*T, ceil(T/32)) int32 ancestor-or-self bits (treeverify.spec's)."""
+    return parents_to_tree_mask(parents)
 
 
 def make_inputs(
