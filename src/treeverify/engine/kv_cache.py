@@ -1,0 +1,52 @@
+"""The paged KV cache the model runner writes and tree attention reads.
+
+One pair of tensors per layer, `(num_pages, page_size, Hkv, Dqk)` for K and `(..., Dv)` for V, or
+K alone for MLA (V = the first Dv columns of each latent row, exactly as the kernels read it).
+Shapes are taken from the first K/V a layer writes, so the cache needs no model-specific config;
+page ids and slots come from the torch-free BlockManager (slot = page * page_size + offset).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages/page_size: expected >= 1, got {num_pages}/{page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.device = torch.device(device)
+        self.k: dict[int, torch.Tensor] = {}  # layer -> (pages, page_size, Hkv, Dqk)
+        self.v: dict[int, torch.Tensor | None] = {}  # layer -> (pages, page_size, Hkv, Dv) | None
+
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # (T,) int64 slot of each token
+        k: torch.Tensor,  # (T, Hkv, Dqk)
+        v: torch.Tensor | None,  # (T, Hkv, Dv) or None (MLA)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store this step's K/V at their slots; returns the layer's (k_cache, v_cache)."""
+        if layer not in self.k:
+            shape = (self.num_pages, self.page_size, *k.shape[1:])
+            self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=self.device)
+            self.v[layer] = (
+                None
+                if v is None
+                else torch.zeros(
+                    (self.num_pages, self.page_size, *v.shape[1:]),
+                    dtype=v.dtype,
+                    device=self.device,
+                )
+            )
+        kc, vc = self.k[layer], self.v[layer]
+        kc.view(-1, *kc.shape[2:])[slots] = k.to(kc.dtype)
+        if vc is not None:
+            vc.view(-1, *vc.shape[2:])[slots] = v.to(vc.dtype)
+        return kc, vc
+
+    @property
+    def bytes(self) -> int:
+        tensors = [t for t in (*self.k.values(), *self.v.values()) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
