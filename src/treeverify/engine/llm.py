@@ -3,9 +3,9 @@
     llm = LLM("tiny-llama")
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
 
-One step is three lines: `batch = scheduler.schedule()`, `tokens = runner(batch)`,
+One step is three lines: `batch = scheduler.schedule()`, `tokens = runner.run(batch)`,
 `scheduler.postprocess(batch, tokens)`. This is the eager engine (CPU or GPU, no CUDA graphs yet);
-attention goes through `PagedAttention`, i.e. `tree_attention` over the paged cache.
+attention goes through `PagedAttention`: a `TreeAttentionPlan` over the paged cache.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.kv_cache import KVCache
-from treeverify.engine.paged_attention import PagedAttention
-from treeverify.engine.sampler import TokenLogprobs, sample
+from treeverify.engine.model_runner import ModelRunner
+from treeverify.engine.sampler import TokenLogprobs
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
@@ -63,7 +63,12 @@ class LLM:
             chunked_prefill_size=chunked_prefill_size, eos_token_id=eos,
             detokenize=self.tokenizer.decode,
         )  # fmt: skip
-        self.attention_backend = attention_backend
+        self.runner = ModelRunner(
+            self.model, self.cache, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_chunk=min(chunked_prefill_size or max_num_batched_tokens, max_num_batched_tokens),
+            attention_backend=attention_backend,
+        )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._next_id = 0
 
@@ -78,23 +83,9 @@ class LLM:
         return seq
 
     # ---- the step loop -------------------------------------------------------------------------
-    @torch.inference_mode()
     def run_batch(self, batch: ScheduledBatch) -> list[int]:
-        """One forward over the batch's chunks; returns a token per sampled sequence."""
-        chunks = batch.chunks
-        attention = PagedAttention(
-            self.cache,
-            torch.tensor(batch.slot_mapping, dtype=torch.int64),
-            [c.seq.block_table for c in chunks],
-            [c.start for c in chunks],
-            batch.query_lens,
-            backend=self.attention_backend,
-        )
-        ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)  # (T,)
-        pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # (T,)
-        rows = torch.tensor(batch.sample_indices, dtype=torch.int64, device=self.device)  # (N,)
-        logits = self.model(ids, pos, attention=attention, logits_indices=rows)  # (N, V)
-        tokens, infos = sample(logits, batch.sampled)
+        """The model runner's tokens for the batch; logprobs kept per request."""
+        tokens, infos = self.runner.run(batch)
         for seq, info in zip(batch.sampled, infos, strict=True):
             self._logprobs[seq.request_id].append(info)
         return tokens

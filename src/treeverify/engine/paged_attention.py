@@ -1,10 +1,12 @@
-"""The attention seam of the models, backed by the paged KV cache and tree_attention.
+"""The attention seam of the models, backed by the paged KV cache and TreeAttentionPlan.
 
 For one step the runner describes each chunk (a prefill chunk or a decode) of the flat batch:
-its already-cached prefix length and its pages. Each layer's call writes the chunk's K/V into
-the cache and runs `treeverify.kernels.tree_attention` with every chunk as a "tree" that is a
-chain (token i sees the prefix and tokens 0..i of its chunk): the same op, masks and kernels a
-DDTree verify round uses, so plain decoding exercises the verify path too.
+its already-cached prefix length and its pages. `plan()` copies that into the fixed buffers of a
+`TreeAttentionPlan` once per step (host side); each layer's call then writes the chunk's K/V into
+the cache and only runs the plan. Every chunk is a "tree" that is a chain (token i sees the
+prefix and tokens 0..i of its chunk), and a decode is a tree of one node: plain decoding runs the
+same op, masks and kernels a DDTree verify round uses. The plan's buffers keep fixed addresses,
+which is what CUDA-graph capture of a step will need.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import torch
 
 from treeverify.engine.kv_cache import KVCache
-from treeverify.kernels import tree_attention
+from treeverify.kernels.plan import TreeAttentionPlan
 
 
 def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
@@ -31,32 +33,73 @@ def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
 
 
 class PagedAttention:
+    """Plans per attention shape (one per model, made on first use) over one KV cache."""
+
     def __init__(
         self,
         cache: KVCache,
-        slots: torch.Tensor,  # (T,) int64
-        block_tables: list[list[int]],  # per chunk: its page ids
-        prefix_lens: list[int],  # per chunk: tokens already cached before this chunk
-        query_lens: list[int],  # per chunk: tokens in this step
+        *,
+        max_batch: int,
+        max_chunk: int,
+        max_total_q: int,
+        context_length: int,
         backend: str = "torch",
     ):
-        dev = cache.device
-        self.cache, self.slots, self.backend = cache, slots.to(dev), backend
+        self.cache, self.backend = cache, backend
+        self.max_batch, self.max_chunk = max_batch, max_chunk
+        self.max_total_q = max_total_q
+        self.context_length = context_length
+        self.max_pages = math.ceil(context_length / cache.page_size)
+        self._plans: dict[tuple, TreeAttentionPlan] = {}
+        self._step: tuple | None = None
+
+    def plan(
+        self,
+        slots: torch.Tensor,  # (T,) int64
+        block_tables: list[list[int]],  # per chunk: its page ids
+        prefix_lens: list[int],  # per chunk: tokens cached before this chunk
+        query_lens: list[int],  # per chunk: tokens in this step
+    ) -> None:
+        """Host side, once per step: the metadata every layer's plan run reads."""
+        dev = self.cache.device
         width = max(len(t) for t in block_tables)
         table = torch.zeros(len(block_tables), width, dtype=torch.int32)
         for b, pages in enumerate(block_tables):
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.block_table = table.to(dev)  # (B, max_pages)
-        self.prefix_lens = torch.tensor(prefix_lens, dtype=torch.int32, device=dev)  # (B,)
         qo = [0]
         for n in query_lens:
             qo.append(qo[-1] + n)
-        self.qo_indptr = torch.tensor(qo, dtype=torch.int32, device=dev)  # (B+1,)
-        self.tree_mask = chain_masks(query_lens, dev)  # (T, W)
+        self._step = (
+            slots.to(dev),
+            table.to(dev),  # (B, pages)
+            torch.tensor(prefix_lens, dtype=torch.int32, device=dev),  # (B,)
+            torch.tensor(qo, dtype=torch.int32, device=dev),  # (B+1,)
+            chain_masks(query_lens, dev),  # (T, W)
+        )
+        for p in self._plans.values():
+            p.plan(*self._step[1:])
+
+    def _plan_for(self, q: torch.Tensor, k: torch.Tensor, v, sm_scale: float, v_head_dim):
+        key = (q.shape[1], k.shape[1], q.shape[2], v_head_dim, v is None, sm_scale, q.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            mla = v is None
+            plan = TreeAttentionPlan(
+                num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
+                head_dim_v=v_head_dim if mla else v.shape[2], mla=mla,
+                page_size=self.cache.page_size, max_batch=self.max_batch,
+                max_tree=self.max_chunk, max_pages_per_request=self.max_pages,
+                max_kv_len=self.context_length, max_total_q=self.max_total_q,
+                sm_scale=sm_scale, dtype=q.dtype, device=self.cache.device, backend=self.backend,
+            )  # fmt: skip
+            plan.plan(*self._step[1:])
+            self._plans[key] = plan
+        return plan
 
     def __call__(self, layer, q, k, v, sm_scale, v_head_dim=None):
-        kc, vc = self.cache.write(layer, self.slots, k, v)
-        return tree_attention(
-            q, kc, vc, self.block_table, self.prefix_lens, self.qo_indptr, self.tree_mask,
-            sm_scale, v_head_dim=v_head_dim, backend=self.backend,
-        )  # fmt: skip
+        if self._step is None:
+            raise RuntimeError("PagedAttention: plan() must run before the forward pass")
+        kc, vc = self.cache.write(layer, self._step[0], k, v)
+        plan = self._plan_for(q, k, v, sm_scale, v_head_dim)
+        out = q.new_empty(q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
+        return plan.run(q, kc, vc, out)
