@@ -75,9 +75,7 @@ def compare(hf_model, directory, **fwd):
     ref = torch.cat([hf_logits(hf_model, a, pa), hf_logits(hf_model, b, pb)])
     assert ref.std() > 0.1, "degenerate logits: the comparison would prove little"
     with torch.no_grad():
-        got = ours(
-            torch.cat([a, b]), torch.cat([pa, pb]), attention=TorchAttention([7, 5]), **fwd
-        )
+        got = ours(torch.cat([a, b]), torch.cat([pa, pb]), attention=TorchAttention([7, 5]), **fwd)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=1e-4)
     return cfg, ours
 

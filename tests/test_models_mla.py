@@ -104,8 +104,9 @@ class PagedTreeAttention:
         self.k[layer][pages, slots % self.page_size] = k
         if v is not None:
             self.v[layer][pages, slots % self.page_size] = v
+        block_table = torch.arange(self.num_pages, dtype=torch.int32)[None]  # (1, pages)
         return tree_attention(
-            q, self.k[layer], self.v.get(layer), torch.arange(self.num_pages, dtype=torch.int32)[None],
+            q, self.k[layer], self.v.get(layer), block_table,
             torch.tensor([self.prefix], dtype=torch.int32),
             torch.tensor([0, t], dtype=torch.int32), mask_words(self.visible), sm_scale,
             v_head_dim=v_head_dim, backend="torch",

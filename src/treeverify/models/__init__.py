@@ -1,7 +1,7 @@
 """Models: the Llama family (GQA) and DeepSeek-V3 / Kimi K2 (MLA + MoE), tiny built-ins, loader.
 
-    cfg, model, tok = load_model("tiny-llama")          # or "tiny-kimi", or a local HF directory
-    logits = model(input_ids, positions)                 # (T,), (T,) -> (T, vocab) fp32
+cfg, model, tok = load_model("tiny-llama")          # or "tiny-kimi", or a local HF directory
+logits = model(input_ids, positions)                 # (T,), (T,) -> (T, vocab) fp32
 """
 
 from __future__ import annotations
@@ -44,12 +44,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    tokenizer: bool = True,
 ):
     """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`) or a local
-    Hugging Face directory (FileNotFoundError / ValueError naming what is missing)."""
+    Hugging Face directory (FileNotFoundError / ValueError naming what is missing).
+    tokenizer=False skips tokenizer.json (returns None), e.g. for weights-only directories."""
     if str(name_or_path) in TINY_MODELS:
         cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)
         return cfg, model.to(device), tok
     from treeverify.models.loader import load_pretrained
 
-    return load_pretrained(name_or_path, dtype=dtype, device=device)
+    return load_pretrained(name_or_path, dtype=dtype, device=device, tokenizer=tokenizer)

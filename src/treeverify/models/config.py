@@ -48,7 +48,9 @@ class RopeConfig:
 
     def __post_init__(self):
         if self.type not in ROPE_TYPES:
-            raise ValueError(f"rope type: expected one of {', '.join(ROPE_TYPES)}, got {self.type!r}")
+            raise ValueError(
+                f"rope type: expected one of {', '.join(ROPE_TYPES)}, got {self.type!r}"
+            )
         if self.theta <= 0:
             raise ValueError(f"rope theta: expected > 0, got {self.theta}")
         if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
@@ -224,7 +226,9 @@ class DeepseekV3Config:
 
     def __post_init__(self):
         if self.scoring_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"scoring_func: expected sigmoid or softmax, got {self.scoring_func!r}")
+            raise ValueError(
+                f"scoring_func: expected sigmoid or softmax, got {self.scoring_func!r}"
+            )
         if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
             raise ValueError(f"topk_method: unsupported {self.topk_method!r}")
         if self.n_routed_experts % self.n_group:
@@ -233,7 +237,9 @@ class DeepseekV3Config:
                 f"({self.n_group})"
             )
         if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group: expected 1..n_group={self.n_group}, got {self.topk_group}")
+            raise ValueError(
+                f"topk_group: expected 1..n_group={self.n_group}, got {self.topk_group}"
+            )
         per_group = self.n_routed_experts // self.n_group
         if self.num_experts_per_tok > self.topk_group * per_group:
             raise ValueError(

@@ -33,6 +33,17 @@ SINGLE_FILE = "model.safetensors"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def _safe_open():
+    try:
+        from safetensors import safe_open
+    except ImportError as exc:
+        raise RuntimeError(
+            "loader: reading *.safetensors needs the 'safetensors' package "
+            "(pip install safetensors)"
+        ) from exc
+    return safe_open
+
+
 def read_config(directory: Path) -> tuple[dict, LlamaConfig | DeepseekV3Config]:
     path = directory / "config.json"
     if not path.is_file():
@@ -43,7 +54,7 @@ def read_config(directory: Path) -> tuple[dict, LlamaConfig | DeepseekV3Config]:
 
 def weight_files(directory: Path) -> dict[str, Path]:
     """checkpoint key -> the safetensors file that holds it."""
-    from safetensors import safe_open
+    safe_open = _safe_open()
 
     index = directory / INDEX_FILE
     if index.is_file():
@@ -73,7 +84,7 @@ def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
 
 
 def load_weights(model: torch.nn.Module, cfg, raw: dict, directory: Path) -> None:
-    from safetensors import safe_open
+    safe_open = _safe_open()
 
     key_file = weight_files(directory)
     params = dict(model.named_parameters(remove_duplicate=False))

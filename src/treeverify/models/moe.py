@@ -5,7 +5,7 @@ Routing (DeepSeek-V3 / Kimi K2, topk_method="noaux_tc", scoring_func="sigmoid"):
   2. Experts split into n_group groups; a group's score = the sum of its top-2 `choice`;
      the topk_group best groups stay, the others' experts are excluded (-inf).
   3. top-k experts by `choice`; their weights come from the *unbiased* `scores`;
-     normalised to sum 1 when norm_topk_prob; then times routed_scaling_factor.
+     normalised to sum 1 when norm_topk_prob (any k, as V3 does); then times routed_scaling_factor.
 softmax scoring with "greedy" / "group_limited_greedy" (group score = max) is also provided.
 """
 
@@ -45,7 +45,7 @@ def select_experts(
         choice = choice.masked_fill(~expert_mask, float("-inf"))
     idx = choice.topk(k, dim=-1).indices  # (T, k)
     weights = scores.gather(1, idx)  # (T, k) from the unbiased scores
-    if cfg.norm_topk_prob and k > 1:
+    if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return idx, weights * cfg.routed_scaling_factor
 

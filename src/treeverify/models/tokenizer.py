@@ -60,7 +60,7 @@ def _token_content(v: Any) -> str | None:
 
 
 class HFTokenizer:
-    """tokenizer.json through `tokenizers`; specials and chat template from tokenizer_config.json."""
+    """tokenizer.json through `tokenizers`; specials, chat template: tokenizer_config.json."""
 
     def __init__(self, directory: str | Path, eos_token_ids: list[int] | None = None):
         directory = Path(directory)

@@ -1,0 +1,76 @@
+"""DeepSeek-V3 routing by hand, the two MoE implementations agree, expert counts on device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from treeverify.models import load_model
+from treeverify.models.moe import select_experts
+from treeverify.models.tiny import tiny_kimi_config
+
+
+def routing_cfg(**kw):
+    base = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                routed_scaling_factor=2.0, scoring_func="sigmoid", topk_method="noaux_tc",
+                norm_topk_prob=True)  # fmt: skip
+    base.update(kw)
+    return dataclasses.replace(tiny_kimi_config(), **base)
+
+
+def logit(p: float) -> float:
+    return float(torch.logit(torch.tensor(p)))
+
+
+def test_noaux_tc_group_limited_by_hand():
+    # scores (sigmoid): groups {0,1} {2,3} {4,5} {6,7}
+    s = torch.tensor([[0.90, 0.10, 0.60, 0.55, 0.50, 0.50, 0.20, 0.20]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0, 0.0])
+    # biased group scores (top-2 sums): 1.00, 1.15, 1.30, 0.40 -> groups 2 and 1 win;
+    # expert 0 (the best single score) is in a losing group and must not be picked.
+    idx, w = select_experts(torch.logit(s), routing_cfg(), bias)
+    assert sorted(idx[0].tolist()) == [2, 5]  # 5 by its biased 0.80, 2 by 0.60 over 3's 0.55
+    # weights from the unbiased scores, normalised, times routed_scaling_factor
+    want = {2: 0.60 / 1.10 * 2.0, 5: 0.50 / 1.10 * 2.0}
+    for e, wt in zip(idx[0].tolist(), w[0].tolist(), strict=True):
+        assert abs(wt - want[e]) < 1e-5
+
+
+def test_without_normalisation_and_softmax_greedy():
+    s = torch.tensor([[0.90, 0.10, 0.60, 0.55, 0.50, 0.50, 0.20, 0.20]])
+    idx, w = select_experts(torch.logit(s), routing_cfg(norm_topk_prob=False, n_group=1,
+                                                        topk_group=1), torch.zeros(8))  # fmt: skip
+    assert idx[0].tolist() == [0, 2]
+    torch.testing.assert_close(w[0], torch.tensor([0.90, 0.60]) * 2.0)
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    cfg = routing_cfg(scoring_func="softmax", topk_method="greedy", routed_scaling_factor=1.0)
+    idx, w = select_experts(logits, cfg)
+    assert idx[0].tolist() == [0, 2]
+    assert abs(float(w.sum()) - 1.0) < 1e-6  # renormalised over the chosen two
+    # group_limited_greedy: group score = max; with topk_group=1 only the best group remains
+    cfg = routing_cfg(scoring_func="softmax", topk_method="group_limited_greedy", n_group=4,
+                      topk_group=1)  # fmt: skip
+    idx, _ = select_experts(logits, cfg)
+    assert sorted(idx[0].tolist()) == [0, 1]  # only group {0,1} survives
+
+
+def test_dense_equals_grouped_and_counts():
+    _, model, tok = load_model("tiny-kimi")
+    ids = torch.tensor(tok.encode("mixture of experts", add_bos=True))
+    pos = torch.arange(len(ids))
+    with torch.no_grad():
+        grouped = model(ids, pos)
+        counts_once = model.moe_expert_counts.clone()
+        model.set_moe_impl("dense")
+        dense = model(ids, pos)
+    torch.testing.assert_close(grouped, dense, atol=1e-5, rtol=1e-5)
+    k = model.config.num_experts_per_tok
+    assert counts_once[0].sum() == 0  # first_k_dense_replace=1: layer 0 is dense
+    assert (counts_once[1:].sum(-1) == len(ids) * k).all()
+    assert torch.equal(model.moe_expert_counts, 2 * counts_once)  # accumulates on device
+    imb = model.moe_imbalance()
+    assert imb[0] == 0 and (imb[1:] >= 1).all()
+    model.reset_moe_counts()
+    assert model.moe_expert_counts.sum() == 0
+    assert model.moe_expert_counts.device == grouped.device
