@@ -17,10 +17,11 @@ import torch
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.model_runner import ModelRunner
-from treeverify.engine.sampler import TokenLogprobs
+from treeverify.engine.sampler import TokenLogprobs, sample
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
+from treeverify.engine.speculative import SpeculativeDecoder
 
 
 @dataclass
@@ -47,6 +48,9 @@ class LLM:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        speculative_algorithm: str | None = None,  # "DDTREE" | "CHAIN" | None
+        speculative_ddtree_budget: int = 16,  # tree nodes besides the root
+        speculative_num_draft_tokens: int = 4,  # depth L
     ):
         from treeverify.models import load_model
 
@@ -63,12 +67,20 @@ class LLM:
             chunked_prefill_size=chunked_prefill_size, eos_token_id=eos,
             detokenize=self.tokenizer.decode,
         )  # fmt: skip
+        budget = speculative_ddtree_budget if speculative_algorithm else 0
+        chunk = min(chunked_prefill_size or max_num_batched_tokens, max_num_batched_tokens)
         self.runner = ModelRunner(
             self.model, self.cache, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_chunk=min(chunked_prefill_size or max_num_batched_tokens, max_num_batched_tokens),
-            attention_backend=attention_backend,
+            max_num_batched_tokens=max_num_batched_tokens + max_num_seqs * budget,
+            max_chunk=max(chunk, budget + 1), attention_backend=attention_backend,
         )  # fmt: skip
+        self.spec = None
+        if speculative_algorithm:
+            self.spec = SpeculativeDecoder(
+                self.block_manager, self.cache, self.config.vocab_size,
+                algorithm=speculative_algorithm, budget=speculative_ddtree_budget,
+                depth=speculative_num_draft_tokens,
+            )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._next_id = 0
 
@@ -83,18 +95,40 @@ class LLM:
         return seq
 
     # ---- the step loop -------------------------------------------------------------------------
-    def run_batch(self, batch: ScheduledBatch) -> list[int]:
-        """The model runner's tokens for the batch; logprobs kept per request."""
-        tokens, infos = self.runner.run(batch)
-        for seq, info in zip(batch.sampled, infos, strict=True):
-            self._logprobs[seq.request_id].append(info)
-        return tokens
+    def run_batch(self, batch: ScheduledBatch) -> list[int | list[int]]:
+        """One forward for the batch: a token per plain sequence, a round's tokens per
+        speculating one; logprobs kept per request."""
+        trees = {}
+        if self.spec is not None:
+            for c in batch.decodes:
+                if c.samples and self.spec.wants(c.seq):
+                    tree = self.spec.draft(c.seq)
+                    if tree is not None:
+                        trees[c.seq.request_id] = tree
+        rows = self.runner.run(batch, trees)  # per sampled sequence: (1 or T, V)
+        plain = [i for i, s in enumerate(batch.sampled) if s.request_id not in trees]
+        out: list[int | list[int]] = [0] * len(rows)
+        if plain:
+            toks, infos = sample(torch.cat([rows[i] for i in plain]),
+                                 [batch.sampled[i] for i in plain])  # fmt: skip
+            for i, tok, info in zip(plain, toks, infos, strict=True):
+                out[i] = tok
+                self._logprobs[batch.sampled[i].request_id].append(info)
+        for i, seq in enumerate(batch.sampled):
+            if seq.request_id in trees:
+                out[i] = self.spec.accept(seq, trees[seq.request_id], rows[i])
+        return out
 
     def step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        return self.scheduler.postprocess(batch, self.run_batch(batch))
+        tokens = self.run_batch(batch)
+        finished = self.scheduler.postprocess(batch, tokens)
+        for seq, toks in zip(batch.sampled, tokens, strict=True):
+            if isinstance(toks, list) and not seq.is_finished:
+                seq.num_cached_tokens += len(toks) - 1  # the accepted nodes' K/V, moved in place
+        return finished
 
     def generate(
         self,

@@ -11,8 +11,8 @@ import torch
 
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
-from treeverify.engine.sampler import TokenLogprobs, sample
 from treeverify.engine.scheduler import ScheduledBatch
+from treeverify.engine.speculative import SpecTree
 
 
 class ModelRunner:
@@ -35,17 +35,51 @@ class ModelRunner:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One forward over the batch's chunks: a token (and logprobs) per sampled sequence."""
-        chunks = batch.chunks
+    def run(
+        self, batch: ScheduledBatch, trees: dict[str, SpecTree] | None = None
+    ) -> list[torch.Tensor]:
+        """One forward over the batch. A decode chunk whose sequence has a speculative tree runs
+        the tree's nodes instead (positions P + depth, slots P + i, its ancestor mask).
+
+        Returns per sampled sequence (batch.sampled order) its logits rows: the last token's
+        (1, V), or every tree node's (T, V).
+        """
+        trees = trees or {}
+        ids, pos, slots, qlens, masks, rows = [], [], [], [], [], []
+        spans = []  # (first logits row, rows) per sampled sequence
+        for c in batch.chunks:
+            tree = trees.get(c.seq.request_id)
+            base = len(ids)
+            if tree is None:
+                ids += c.token_ids
+                pos += list(range(c.start, c.start + c.num_tokens))
+                slots += c.slots
+                qlens.append(c.num_tokens)
+                masks.append(None)
+                if c.samples:
+                    spans.append((len(rows), 1))
+                    rows.append(base + c.num_tokens - 1)
+            else:
+                n = len(tree.tokens)
+                ids += tree.tokens
+                pos += [c.start + d for d in tree.depths]
+                slots += tree.slots
+                qlens.append(n)
+                masks.append(tree.mask)
+                spans.append((len(rows), n))
+                rows += range(base, base + n)
         self.attention.plan(
-            torch.tensor(batch.slot_mapping, dtype=torch.int64),
-            [c.seq.block_table for c in chunks],
-            [c.start for c in chunks],
-            batch.query_lens,
+            torch.tensor(slots, dtype=torch.int64),
+            [c.seq.block_table for c in batch.chunks],
+            [c.start for c in batch.chunks],
+            qlens,
+            masks,
         )
-        ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)  # (T,)
-        pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # (T,)
-        rows = torch.tensor(batch.sample_indices, dtype=torch.int64, device=self.device)  # (N,)
-        logits = self.model(ids, pos, attention=self.attention, logits_indices=rows)  # (N, V)
-        return sample(logits, batch.sampled)
+        dev = self.device
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),  # (T,)
+            torch.tensor(pos, dtype=torch.int64, device=dev),  # (T,)
+            attention=self.attention,
+            logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),  # (N,)
+        )  # (N, V)
+        return [logits[a : a + n] for a, n in spans]

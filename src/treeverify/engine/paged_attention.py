@@ -32,6 +32,22 @@ def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
     return ((packed + 2**31) % 2**32 - 2**31).to(torch.int32).to(device)
 
 
+def _masks(
+    query_lens: list[int], trees: list[torch.Tensor | None] | None, device: torch.device
+) -> torch.Tensor:
+    """(T, W) int32: each chunk's tree bits, or a chain where it has none."""
+    if trees is None or all(t is None for t in trees):
+        return chain_masks(query_lens, device)
+    words = max(math.ceil(n / 32) for n in query_lens)
+    out = torch.zeros(sum(query_lens), words, dtype=torch.int32)
+    row = 0
+    for n, tree in zip(query_lens, trees, strict=True):
+        bits = chain_masks([n], torch.device("cpu")) if tree is None else tree.cpu()
+        out[row : row + n, : bits.shape[1]] = bits
+        row += n
+    return out.to(device)
+
+
 class PagedAttention:
     """Plans per attention shape (one per model, made on first use) over one KV cache."""
 
@@ -59,6 +75,7 @@ class PagedAttention:
         block_tables: list[list[int]],  # per chunk: its page ids
         prefix_lens: list[int],  # per chunk: tokens cached before this chunk
         query_lens: list[int],  # per chunk: tokens in this step
+        tree_masks: list[torch.Tensor | None] | None = None,  # per chunk: (n, W_i) or chain
     ) -> None:
         """Host side, once per step: the metadata every layer's plan run reads."""
         dev = self.cache.device
@@ -74,7 +91,7 @@ class PagedAttention:
             table.to(dev),  # (B, pages)
             torch.tensor(prefix_lens, dtype=torch.int32, device=dev),  # (B,)
             torch.tensor(qo, dtype=torch.int32, device=dev),  # (B+1,)
-            chain_masks(query_lens, dev),  # (T, W)
+            _masks(query_lens, tree_masks, dev),  # (T, W)
         )
         for p in self._plans.values():
             p.plan(*self._step[1:])

@@ -14,7 +14,8 @@ class SamplingParams:
     temperature: 0 means greedy; top_p in (0, 1]; top_k 0 means off; seed makes a request's
     sampling reproducible on its own; logprobs asks for that many top alternatives per token
     (None: no logprobs at all, 0: only the sampled token's); ignore_eos keeps generating past the
-    model's EOS token (``stop_token_ids`` still apply).
+    model's EOS token (``stop_token_ids`` still apply); speculative=False opts this request out
+    of speculative decoding when the engine runs it (requests asking for logprobs also do).
     """
 
     temperature: float = 1.0
@@ -26,8 +27,11 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    speculative: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

@@ -1,0 +1,41 @@
+"""A weight-free n-gram drafter: per-position distributions from suffix matches in the history.
+
+For the last n tokens of a sequence (n from `max_n` down to 1) every earlier occurrence of that
+suffix votes for the token found d positions after it, for d = 1..L. The first n with any match
+decides; counts become log-probabilities with a little mass left on every token, so the tree
+builder always has ranked alternatives. Pays off on repetitive text and code; on novel text the
+distributions are flat and the tree mostly gets rejected, costing one verify forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NgramDrafter:
+    def __init__(self, vocab_size: int, max_n: int = 4, floor: float = 1e-3):
+        if vocab_size < 2 or max_n < 1:
+            raise ValueError(f"vocab_size/max_n: expected >= 2 / >= 1, got {vocab_size}/{max_n}")
+        self.vocab_size, self.max_n, self.floor = vocab_size, max_n, floor
+
+    def propose(self, history: list[int], depth: int) -> torch.Tensor:
+        """(depth, V) fp32 logits (log-probabilities) for the next `depth` positions."""
+        counts = torch.zeros(depth, self.vocab_size)  # (L, V)
+        h = history
+        for n in range(min(self.max_n, len(h) - 1), 0, -1):
+            suffix = h[-n:]
+            found = False
+            for start in range(len(h) - n - 1, -1, -1):  # most recent matches first
+                if h[start : start + n] != suffix:
+                    continue
+                found = True
+                for d in range(depth):
+                    nxt = start + n + d
+                    if nxt >= len(h):
+                        break
+                    counts[d, h[nxt]] += 1.0
+            if found:
+                break
+        probs = counts + self.floor
+        probs = probs / probs.sum(-1, keepdim=True)
+        return probs.log()
