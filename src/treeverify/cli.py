@@ -19,6 +19,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("check", "treeverify.check"),
     ("kernels", "treeverify.kernels.cuda.cli"),
     ("bench", "treeverify.bench.cli"),
+    ("serve", "treeverify.server.cli"),
+    ("unit", "treeverify.server.unit"),
 ]
 
 
