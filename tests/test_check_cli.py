@@ -214,4 +214,6 @@ def test_cuda_home(monkeypatch, tmp_path):
         "CUDA_HOME",
         "TREEVERIFY_CUDA_PORTABLE",
         "TREEVERIFY_COMMIT",
+        "NOTIFY_SOCKET",
+        "TREEVERIFY_TEST_HOOKS",
     }

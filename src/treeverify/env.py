@@ -11,6 +11,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   pip-installed nvidia-* headers are used otherwise).
 - ``TREEVERIFY_CUDA_PORTABLE``: ``1`` runs the portable mma.sync CUDA kernels even where sm_90a
   wgmma ones exist (tests, comparisons).
+- ``NOTIFY_SOCKET``: systemd's readiness socket (the server sends READY=1 / STOPPING=1).
+- ``TREEVERIFY_TEST_HOOKS``: TEST ONLY; ``1`` adds the server's /_test/stall and /_test/resume.
 - ``TREEVERIFY_COMMIT``: the commit written into benchmark JSON where the checkout has no .git
   (the GPU machine's copy of the tree).
 """
@@ -22,6 +24,9 @@ import os
 from pathlib import Path
 
 VARIABLES: dict[str, str] = {
+    "NOTIFY_SOCKET": "systemd's readiness socket; the server sends READY=1 / STOPPING=1 to it.",
+    "TREEVERIFY_TEST_HOOKS": "TEST ONLY. 1: the server exposes /_test/stall and /_test/resume "
+    "(freeze the engine loop) so tests can prove /health and /health_generate notice.",
     "TREEVERIFY_COMMIT": "Commit recorded in benchmark JSON when the checkout has no .git "
     "(the GPU machine's copy); scripts/gpu-check takes it as an argument.",
     "TREEVERIFY_CUDA_PORTABLE": "1: use the portable mma.sync CUDA kernels even on sm_90a (tests "
@@ -32,6 +37,16 @@ VARIABLES: dict[str, str] = {
     "ERROR, or a number.",
     "CUDA_HOME": "A CUDA toolkit whose include/ the kernel compiler may use (optional).",
 }
+
+
+def notify_socket() -> str | None:
+    """NOTIFY_SOCKET: systemd's readiness socket (Type=notify units), or None."""
+    return os.environ.get("NOTIFY_SOCKET", "").strip() or None
+
+
+def test_hooks_enabled() -> bool:
+    """TREEVERIFY_TEST_HOOKS=1 (TEST ONLY): the server adds /_test/stall and /_test/resume."""
+    return os.environ.get("TREEVERIFY_TEST_HOOKS", "").strip() == "1"
 
 
 def commit_override() -> str | None:

@@ -18,10 +18,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--no-verify", action="store_true", help="skip the reference comparison")
     k.add_argument("--json", metavar="FILE", help="write the results as JSON")
     k.add_argument("--plot", metavar="PNG", help="write a roofline plot")
+    try:  # `bench serve` needs the server extra's httpx; leave it out where that is missing
+        from treeverify.server import bench_serve
+    except ImportError:
+        return p
+    bench_serve.add_parser(sub)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_cmd == "serve":
+        from treeverify.server import bench_serve
+
+        return bench_serve.run(args)
     import torch
 
     if not torch.cuda.is_available():

@@ -141,6 +141,29 @@ class LLM:
             self.step()
         return [self.output(s) for s in seqs]
 
+    def logprobs_so_far(self, request_id: str) -> list[TokenLogprobs | None]:
+        """Logprobs of the tokens a running request has produced so far (for streaming)."""
+        return self._logprobs.get(request_id, [])
+
+    def recover_after_failed_step(self) -> None:
+        """After `step()` raised mid-batch: forget the batch so scheduling can continue."""
+        self.scheduler.discard_in_flight()
+
+    @property
+    def spec_stats(self) -> dict | None:
+        """Speculation counters for /server_info, or None when speculation is off."""
+        if self.spec is None:
+            return None
+        st = self.spec.stats
+        return {
+            "algorithm": self.spec.algorithm,
+            "budget": self.spec.budget,
+            "num_draft_tokens": self.spec.depth,
+            "rounds": st.rounds,
+            "avg_spec_accept_length": round(st.avg_accept_length, 4),
+            "accept_length_histogram": dict(sorted(st.histogram.items())),
+        }
+
     def output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(
             seq.output_token_ids

@@ -224,6 +224,10 @@ class Scheduler:
             batch.prefills.append(ScheduledChunk(seq, 0, n, bm.allocate(seq, n)))
         return batch
 
+    def discard_in_flight(self) -> None:
+        """Drop the batch `schedule()` handed out when the model run for it failed."""
+        self._in_flight = None
+
     def postprocess(
         self, batch: ScheduledBatch, new_tokens: Iterable[int | list[int]]
     ) -> list[Sequence]:

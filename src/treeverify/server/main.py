@@ -1,0 +1,188 @@
+"""``serve(args)``: load the engine, start the engine loop, run uvicorn, shut down cleanly.
+
+Startup phases are logged with durations (engine init = model load + page tables; warmup = the
+first forward, which allocates the KV pool; graph capture: none yet; ready). With systemd
+``Type=notify`` the server sends ``READY=1`` on ``$NOTIFY_SOCKET`` once it accepts connections and
+``STOPPING=1`` when shutdown begins. SIGTERM (or SIGINT): stop accepting, let in-flight requests
+finish for ``--shutdown-grace`` seconds, cancel the rest (finish_reason "abort"), exit 0.
+
+Environment (read through treeverify.env): ``NOTIFY_SOCKET`` (systemd), ``TREEVERIFY_TEST_HOOKS=1``
+(TEST ONLY: adds the /_test/stall and /_test/resume endpoints that freeze the engine loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from treeverify import env
+
+log = logging.getLogger("treeverify.server")
+
+
+def notify(state: str) -> bool:
+    """Send ``state`` (e.g. "READY=1") to systemd's $NOTIFY_SOCKET; False when there is none."""
+    addr = env.notify_socket()
+    if not addr:
+        return False
+    if addr.startswith("@"):  # abstract namespace
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as exc:
+        log.warning("sd_notify %r to %r failed: %s", state, addr, exc)
+        return False
+    return True
+
+
+def _phase(name: str, t0: float, detail: str = "") -> None:
+    log.info(
+        "startup: %s done in %.2f s%s",
+        name,
+        time.monotonic() - t0,
+        f" ({detail})" if detail else "",
+    )
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
+    """The LLM and the context length it serves (the model's, capped by flags and KV capacity)."""
+    import torch
+
+    from treeverify.engine.llm import LLM
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.monotonic()
+    log.info(
+        "startup: engine init (load %s on %s, %d pages x %d tokens) ...",
+        args.model,
+        device,
+        args.num_pages,
+        args.page_size,
+    )
+    llm = LLM(
+        args.model,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        max_num_seqs=args.max_running_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        attention_backend=args.attention_backend,
+        device=device,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_ddtree_budget=args.speculative_ddtree_budget,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+    )
+    capacity = llm.block_manager.capacity_tokens
+    _phase("engine init (model load + page tables)", t0, f"KV capacity {capacity} tokens")
+    model_ctx = int(getattr(llm.config, "max_position_embeddings", capacity))
+    ctx = min(args.context_length or model_ctx, model_ctx, capacity)
+    if args.context_length and args.context_length > ctx:
+        log.warning(
+            "--context-length %d capped to %d (model %d, KV capacity %d)",
+            args.context_length,
+            ctx,
+            model_ctx,
+            capacity,
+        )
+    t0 = time.monotonic()
+    from treeverify.engine.sampling_params import SamplingParams
+
+    llm.generate([[0, 1]], SamplingParams(temperature=0, max_tokens=1))
+    _phase("KV allocation + warmup forward", t0)
+    log.info("startup: graph capture skipped: the engine is eager (no CUDA graphs yet)")
+    return llm, ctx
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
+    import uvicorn
+
+    from treeverify import __version__
+    from treeverify.server.app import create_app
+    from treeverify.server.engine_loop import EngineLoop
+
+    t_start = time.monotonic()
+    llm, ctx = build_engine(args)
+    engine = EngineLoop(llm)
+    engine.start()
+    name = args.served_model_name or args.model
+    flags = {k: v for k, v in vars(args).items() if k not in ("run", "func")}
+    info = {
+        "server_args": flags,
+        "attention_backend": args.attention_backend,
+        "mem_fraction_static_note": "recorded; only meaningful on GPU (not used yet)",
+    }
+    app = create_app(
+        engine,
+        name,
+        ctx,
+        info=info,
+        heartbeat_timeout_s=args.health_heartbeat_timeout,
+        health_generate_timeout_s=args.health_generate_timeout,
+        default_max_tokens=args.default_max_tokens,
+        enable_test_hooks=env.test_hooks_enabled(),
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=int(args.shutdown_grace) + 5,
+        access_log=False,
+    )
+
+    def ready() -> None:
+        log.info(
+            "startup: ready: serving %r on http://%s:%d (context %d) after %.2f s; treeverify %s",
+            name,
+            args.host,
+            args.port,
+            ctx,
+            time.monotonic() - t_start,
+            __version__,
+        )
+        notify(f"READY=1\nSTATUS=serving {name}\nMAINPID={os.getpid()}")
+
+    def stopping() -> None:
+        log.info("shutdown: draining (grace %.1f s)", args.shutdown_grace)
+        notify("STOPPING=1")
+        engine.drain(args.shutdown_grace)
+
+    server = _Server(config, ready, stopping)
+    # uvicorn restores the previous SIGTERM/SIGINT handlers after its graceful shutdown and
+    # re-raises the signal: make those no-ops so a requested shutdown exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    log.info("shutdown: done")
+    return 0 if server.started else 1
+
+
+class _Server:
+    """uvicorn.Server with readiness and drain callbacks (built lazily: uvicorn is optional)."""
+
+    def __new__(cls, config, on_ready, on_exit):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                if self.started:
+                    on_ready()
+
+            def handle_exit(self, sig, frame) -> None:
+                if not self.should_exit:
+                    on_exit()
+                super().handle_exit(sig, frame)
+
+        return Server(config)

@@ -1,0 +1,90 @@
+"""Prometheus metrics (prometheus-client), one registry per app so several apps can coexist.
+
+Names follow the ``<namespace>:<name>`` habit of SGLang/vLLM, with the ``treeverify`` prefix:
+requests by endpoint and HTTP status, prompt and generation tokens, time to first token and
+inter-token latency histograms, KV usage and the MoE expert imbalance (max/mean tokens per expert
+of the worst layer; absent for dense models), all refreshed from the engine loop's snapshot on
+each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from treeverify.server.engine_loop import Stats
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        self.requests = Counter(
+            "treeverify_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "treeverify_prompt_tokens", "Prompt tokens submitted", ["model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "treeverify_generation_tokens", "Tokens generated", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            "treeverify_time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "treeverify_inter_token_latency_seconds",
+            "Time between tokens of a request",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "treeverify_kv_cache_usage_ratio", "Fraction of KV pages in use", ["model"], registry=r
+        )
+        self.running = Gauge("treeverify_num_running_reqs", "Running", ["model"], registry=r)
+        self.waiting = Gauge("treeverify_num_waiting_reqs", "Waiting", ["model"], registry=r)
+        self.moe_imbalance = Gauge(
+            "treeverify_moe_expert_imbalance",
+            "max/mean tokens per routed expert, worst MoE layer (NaN: dense model)",
+            ["model"],
+            registry=r,
+        )
+
+    def observe_tokens(self, n: int, dt: float | None, first: bool) -> None:
+        """``n`` tokens came ``dt`` s after the previous event (or the request, if first)."""
+        self.generation_tokens.labels(self.model_name).inc(n)
+        if dt is None or n <= 0:
+            return
+        if first:
+            self.ttft.labels(self.model_name).observe(dt)
+            return
+        for _ in range(n):
+            self.itl.labels(self.model_name).observe(dt / n)
+
+    def render(self, stats: Stats) -> bytes:
+        m = self.model_name
+        self.kv_usage.labels(m).set(stats.used_pages / max(stats.num_pages, 1))
+        self.running.labels(m).set(stats.running)
+        self.waiting.labels(m).set(stats.waiting)
+        self.moe_imbalance.labels(m).set(
+            float("nan") if stats.moe_imbalance is None else stats.moe_imbalance
+        )
+        return generate_latest(self.registry)

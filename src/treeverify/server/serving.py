@@ -1,0 +1,405 @@
+"""Completions and chat: OpenAI request -> engine requests -> OpenAI response or SSE stream.
+
+``n`` > 1 and a list of prompts both become several engine requests of one job; choice index is
+``prompt_index * n + j`` and, with a seed, choice j samples with ``seed + j``. Streaming text is
+detokenized incrementally; text that could still turn out to be (part of) a stop string or an
+incomplete UTF-8 character is held back, so the concatenated stream equals the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from treeverify.engine.sampling_params import SamplingParams
+from treeverify.server import protocol as P
+from treeverify.server.engine_loop import EngineLoop, Event, Job
+from treeverify.server.metrics import Metrics
+
+MAX_CHOICES = 64  # prompts x n per HTTP request
+DISCONNECT_POLL_S = 0.5
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status, a message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+    sent_text: str = ""
+    last_event: float | None = None
+
+
+class Serving:
+    """The completions and chat endpoints over one engine loop."""
+
+    def __init__(
+        self,
+        engine: EngineLoop,
+        model_name: str,
+        context_length: int,
+        metrics: Metrics,
+        default_max_tokens: int = 16,
+    ) -> None:
+        self.engine = engine
+        self.tok = engine.llm.tokenizer
+        self.vocab_size = int(getattr(engine.llm.config, "vocab_size", 0)) or None
+        self.model_name = model_name
+        self.context_length = context_length
+        self.metrics = metrics
+        self.default_max_tokens = default_max_tokens
+
+    # ---- preparation ---------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                404,
+                f"model: {model!r} is not served here; this server serves "
+                f"{self.model_name!r} (see GET /v1/models)",
+                "model",
+            )
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        try:
+            return self.tok.encode(text, add_bos=bool(getattr(self.tok, "add_bos", False)))
+        except UnicodeError as exc:  # e.g. a lone surrogate from a "\udxxx" JSON escape
+            raise RequestError(400, f"{param}: not encodable text ({exc})", param) from exc
+
+    def completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.encode(p)]
+        elif not p:
+            raise RequestError(400, "prompt: must not be an empty list", "prompt")
+        elif isinstance(p[0], str):
+            prompts = [self.encode(s) for s in p]
+        elif isinstance(p[0], int):
+            prompts = [list(p)]
+        else:
+            prompts = [list(x) for x in p]
+        for ids in prompts:
+            if not ids:
+                raise RequestError(400, "prompt: must not be empty", "prompt")
+            if self.vocab_size is not None and max(ids) >= self.vocab_size:
+                raise RequestError(
+                    400,
+                    f"prompt: token id {max(ids)} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})",
+                    "prompt",
+                )
+        return prompts
+
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise RequestError(400, f"messages: {exc}", "messages") from exc
+        ids = self.encode(text, "messages")
+        if not ids:
+            raise RequestError(400, "messages: the rendered prompt is empty", "messages")
+        return ids
+
+    def make_params(
+        self,
+        req: Any,
+        prompts: list[list[int]],
+        logprobs: int | None,
+        max_tokens: int | None,
+        prompt_field: str,
+    ) -> list[tuple[list[int], SamplingParams]]:
+        """One (ids, SamplingParams) per choice, after the context-length checks."""
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise RequestError(
+                400,
+                f"n: {len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} choices; "
+                f"at most {MAX_CHOICES} per request",
+                "n",
+            )
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        ctx = self.context_length
+        items = []
+        for ids in prompts:
+            if len(ids) >= ctx:
+                raise RequestError(
+                    400,
+                    f"{prompt_field}: the prompt has {len(ids)} tokens; the context length "
+                    f"is {ctx}, leaving no room to generate",
+                    prompt_field,
+                )
+            mt = (
+                max_tokens
+                if max_tokens is not None
+                else min(self.default_max_tokens, ctx - len(ids))
+            )
+            if len(ids) + mt > ctx:
+                raise RequestError(
+                    400,
+                    f"max_tokens: {mt} + the prompt's {len(ids)} tokens = {len(ids) + mt} "
+                    f"exceeds the context length {ctx}",
+                    "max_tokens",
+                )
+            for j in range(req.n):
+                try:
+                    sp = SamplingParams(
+                        temperature=float(req.temperature),
+                        top_p=float(req.top_p),
+                        top_k=max(req.top_k, 0),
+                        max_tokens=mt,
+                        stop=stop,
+                        seed=None if req.seed is None else req.seed + j,
+                        logprobs=logprobs,
+                        ignore_eos=req.ignore_eos,
+                        speculative=bool(req.speculative),
+                    )
+                except ValueError as exc:
+                    msg = str(exc)
+                    raise RequestError(400, msg, msg.split(" ", 1)[0]) from exc
+                items.append((ids, sp))
+        return items
+
+    def submit(self, items: list[tuple[list[int], SamplingParams]], prefix: str) -> Job:
+        try:
+            job = self.engine.submit(items, prefix)
+        except RuntimeError as exc:
+            raise RequestError(503, str(exc)) from exc
+        self.metrics.prompt_tokens.labels(self.model_name).inc(sum(len(ids) for ids, _ in items))
+        return job
+
+    # ---- events --------------------------------------------------------------------------------
+    def apply(self, job: Job, choices: list[Choice], ev: Event) -> None:
+        """Fold one engine event into its choice; raise RequestError for a failed request."""
+        if ev.error is not None:
+            raise RequestError(ev.error_status, ev.error)
+        c = choices[ev.index]
+        now = time.monotonic()
+        if ev.token_ids:
+            first = c.last_event is None
+            dt = now - (job.created if first else c.last_event)
+            self.metrics.observe_tokens(len(ev.token_ids), dt, first)
+            c.last_event = now
+            c.token_ids += ev.token_ids
+            c.logprobs += ev.logprobs
+        if ev.finish_reason is not None:
+            c.finish_reason, c.text = ev.finish_reason, ev.text or ""
+
+    async def collect(self, job: Job, choices: list[Choice], request: Request) -> None:
+        """Wait for every choice to finish; abort the job if the client goes away."""
+        while any(c.finish_reason is None for c in choices):
+            try:
+                ev = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise RequestError(499, "client disconnected") from None
+                continue
+            self.apply(job, choices, ev)
+
+    def usage(self, prompts: list[list[int]], choices: list[Choice]) -> P.Usage:
+        pt = sum(len(p) for p in prompts)
+        ct = sum(len(c.token_ids) for c in choices)
+        return P.Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+
+    # ---- text and logprobs ---------------------------------------------------------------------
+    def token_str(self, tid: int) -> str:
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def token_bytes(self, tid: int) -> list[int]:
+        if type(self.tok).__name__ == "ByteTokenizer" and tid < 256:
+            return [tid]
+        return list(self.token_str(tid).encode("utf-8"))
+
+    def text_delta(self, c: Choice, stop: list[str]) -> str:
+        """New text safe to stream for ``c`` (all of it once the choice has finished)."""
+        if c.finish_reason is not None:
+            full = c.text or ""
+        else:
+            full = self.tok.decode(c.token_ids)
+            full = full.rstrip("\ufffd")
+            hold = max((len(s) for s in stop), default=1) - 1
+            if hold:
+                full = full[: max(len(c.sent_text), len(full) - hold)]
+        delta = full[len(c.sent_text) :] if full.startswith(c.sent_text) else ""
+        c.sent_text += delta
+        return delta
+
+    def completion_logprobs(self, lps: list[Any], offset: int = 0) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        pos = offset
+        for lp in lps:
+            if lp is None:
+                continue
+            s = self.token_str(lp.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_str(t): v for t, v in lp.top})
+            out.text_offset.append(pos)
+            pos += len(s)
+        return out
+
+    def chat_logprobs(self, lps: list[Any]) -> P.ChatLogprobs:
+        content = []
+        for lp in lps:
+            if lp is None:
+                continue
+            tops = [
+                P.TopLogprob(token=self.token_str(t), logprob=v, bytes=self.token_bytes(t))
+                for t, v in lp.top
+            ]
+            content.append(
+                P.ChatTokenLogprob(
+                    token=self.token_str(lp.token_id),
+                    logprob=lp.logprob,
+                    bytes=self.token_bytes(lp.token_id),
+                    top_logprobs=tops,
+                )
+            )
+        return P.ChatLogprobs(content=content)
+
+    # ---- streaming -----------------------------------------------------------------------------
+    async def stream(
+        self,
+        job: Job,
+        choices: list[Choice],
+        prompts: list[list[int]],
+        req: Any,
+        chat: bool,
+        want_logprobs: bool,
+    ) -> AsyncIterator[str]:
+        """SSE events for ``job``; aborts it when the client disconnects (generator closed)."""
+        rid, created = job.request_ids[0].rsplit("-", 1)[0], int(time.time())
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        done = False
+        try:
+            if chat:
+                yield P.chunk_json(
+                    self._chat_chunk(
+                        rid,
+                        created,
+                        [
+                            P.ChatChunkChoice(
+                                index=c.index, delta=P.DeltaMessage(role="assistant", content="")
+                            )
+                            for c in choices
+                        ],
+                    )
+                )
+            while any(c.finish_reason is None for c in choices):
+                ev = await job.queue.get()
+                try:
+                    self.apply(job, choices, ev)
+                except RequestError as exc:
+                    done = True
+                    self.engine.abort(job)
+                    yield P.sse(P.error_body(exc.message, exc.status, exc.param))
+                    yield "data: [DONE]\n\n"
+                    return
+                c = choices[ev.index]
+                delta = self.text_delta(c, stop)
+                lps = [x for x in ev.logprobs if x is not None] if want_logprobs else []
+                if not delta and not lps and ev.finish_reason is None:
+                    continue
+                yield self._chunk(rid, created, chat, c, delta, lps, ev.finish_reason)
+            done = True
+            if include_usage:
+                usage = self.usage(prompts, choices)
+                chunk = (
+                    self._chat_chunk(rid, created, [])
+                    if chat
+                    else P.CompletionChunk(
+                        id=rid, created=created, model=self.model_name, choices=[]
+                    )
+                )
+                chunk.usage = usage
+                yield P.chunk_json(chunk)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                self.engine.abort(job)
+
+    def _chat_chunk(self, rid: str, created: int, choices: list) -> P.ChatCompletionChunk:
+        return P.ChatCompletionChunk(
+            id=rid, created=created, model=self.model_name, choices=choices
+        )
+
+    def _chunk(
+        self,
+        rid: str,
+        created: int,
+        chat: bool,
+        c: Choice,
+        delta: str,
+        lps: list,
+        finish: str | None,
+    ) -> str:
+        if chat:
+            ch = P.ChatChunkChoice(
+                index=c.index,
+                delta=P.DeltaMessage(content=delta or None),
+                logprobs=self.chat_logprobs(lps) if lps else None,
+                finish_reason=finish,
+            )
+            return P.chunk_json(self._chat_chunk(rid, created, [ch]))
+        ch = P.CompletionChoice(
+            index=c.index,
+            text=delta,
+            finish_reason=finish,
+            logprobs=self.completion_logprobs(lps, len(c.sent_text) - len(delta)) if lps else None,
+        )
+        return P.chunk_json(
+            P.CompletionChunk(id=rid, created=created, model=self.model_name, choices=[ch])
+        )
+
+    # ---- full responses ------------------------------------------------------------------------
+    def completion_response(
+        self, job: Job, choices: list[Choice], prompts: list[list[int]], want_logprobs: bool
+    ) -> P.CompletionResponse:
+        return P.CompletionResponse(
+            id=job.request_ids[0].rsplit("-", 1)[0],
+            created=int(time.time()),
+            model=self.model_name,
+            usage=self.usage(prompts, choices),
+            choices=[
+                P.CompletionChoice(
+                    index=c.index,
+                    text=c.text or "",
+                    finish_reason=c.finish_reason,
+                    logprobs=self.completion_logprobs(c.logprobs) if want_logprobs else None,
+                )
+                for c in choices
+            ],
+        )
+
+    def chat_response(
+        self, job: Job, choices: list[Choice], prompts: list[list[int]], want_logprobs: bool
+    ) -> P.ChatCompletionResponse:
+        return P.ChatCompletionResponse(
+            id=job.request_ids[0].rsplit("-", 1)[0],
+            created=int(time.time()),
+            model=self.model_name,
+            usage=self.usage(prompts, choices),
+            choices=[
+                P.ChatChoice(
+                    index=c.index,
+                    message=P.ChatResponseMessage(content=c.text or ""),
+                    finish_reason=c.finish_reason,
+                    logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None,
+                )
+                for c in choices
+            ],
+        )

@@ -1,0 +1,312 @@
+"""The OpenAI API of a real `treeverify serve` subprocess (tiny-llama on CPU, loopback)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from treeverify.server.testing import ServerProcess  # noqa: E402
+
+CTX = 128
+PROMPTS = ["The capital of France is", "Once upon a time", "def main():", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["--model", "tiny-llama", "--context-length", str(CTX)]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _complete(client, prompt, **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return client.completions.create(model="tiny-llama", prompt=prompt, **kw)
+
+
+def _good(server) -> None:
+    """A good request still succeeds (the server kept serving)."""
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "ok", "max_tokens": 2, "temperature": 0},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_models_lists_context_length(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny-llama"]
+    assert models[0].model_extra["max_model_len"] == CTX
+
+
+@pytest.mark.parametrize("stop", [None, ["["]])
+def test_completion_stream_equals_non_stream(client, stop):
+    full = _complete(client, PROMPTS[0], stop=stop)
+    chunks = list(_complete(client, PROMPTS[0], stop=stop, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_chat_stream_equals_non_stream(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    kw = dict(model="tiny-llama", messages=msgs, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(**kw, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_sixteen_concurrent_clients_match_sequential(server, client):
+    expected = {p: _complete(client, p).choices[0].text for p in PROMPTS}
+    results: dict[int, str] = {}
+
+    def worker(i: int) -> None:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        results[i] = _complete(c, PROMPTS[i % len(PROMPTS)]).choices[0].text
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 16
+    for i, text in results.items():
+        assert text == expected[PROMPTS[i % len(PROMPTS)]], i
+
+
+def test_usage_counts(client):
+    r = _complete(client, PROMPTS[1], max_tokens=5, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(PROMPTS[1].encode())  # byte tokenizer
+    assert r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+    chunks = list(
+        _complete(
+            client,
+            PROMPTS[1],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_completion_logprobs_shape(client):
+    r = _complete(client, PROMPTS[2], max_tokens=6, logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset == sorted(lp.text_offset)
+    for x, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert x <= 0 and 1 <= len(top) <= 3
+        assert max(top.values()) >= x - 1e-5  # greedy: the chosen token is the best
+
+
+def test_chat_logprobs_shape(client):
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.logprob <= 0 and t.bytes
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-5  # greedy picks the top one
+
+
+def test_n_with_seed(client):
+    kw = dict(max_tokens=6, temperature=1.0, seed=7)
+    r = _complete(client, PROMPTS[0], n=3, **kw)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    again = _complete(client, PROMPTS[0], n=3, **kw)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    second = _complete(client, PROMPTS[0], max_tokens=6, temperature=1.0, seed=8)
+    assert second.choices[0].text == r.choices[1].text  # choice j samples with seed + j
+    assert r.usage.prompt_tokens == len(PROMPTS[0].encode())
+
+
+def test_prompt_list_and_token_ids(client):
+    r = _complete(client, PROMPTS[:2], max_tokens=4)
+    assert [c.index for c in r.choices] == [0, 1]
+    ids = list(PROMPTS[0].encode())
+    by_ids = _complete(client, ids, max_tokens=4)
+    assert by_ids.choices[0].text == r.choices[0].text
+
+
+BAD = [
+    ("malformed json", b'{"prompt": "x", ', 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("wrong type max_tokens", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("negative max_tokens", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ("zero max_tokens", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("huge max_tokens", {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
+    ("prompt over context", {"prompt": "y" * (CTX + 5)}, 400, "prompt"),
+    ("unknown model", {"prompt": "x", "model": "gpt-17"}, 404, "model"),
+    ("wrong type temperature", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("negative temperature", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p zero", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("missing prompt", {"max_tokens": 3}, 400, "prompt"),
+    ("empty prompt", {"prompt": ""}, 400, "prompt"),
+    ("token id out of vocab", {"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("too many logprobs", {"prompt": "x", "logprobs": 1000}, 400, "logprobs"),
+    ("n zero", {"prompt": "x", "n": 0}, 400, "n"),
+    ("stop wrong type", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("empty stop string", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("seed string", {"prompt": "x", "seed": "abc"}, 400, "seed"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_completion_input(server, name, body, status, param):
+    url = server.url + "/v1/completions"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"] == status
+    if param is not None:
+        assert err["param"] == param, err
+        assert param in err["message"], err
+    _good(server)
+
+
+BAD_CHAT = [
+    ("no messages", {"messages": []}, "messages"),
+    ("bad role", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("content wrong type", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    (
+        "top_logprobs too big",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99},
+        "top_logprobs",
+    ),
+    (
+        "max_tokens over context",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": CTX},
+        "max_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,body,param", BAD_CHAT, ids=[b[0] for b in BAD_CHAT])
+def test_bad_chat_input(server, name, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith(param), err
+    _good(server)
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        _complete(client, "x", max_tokens=CTX * 10)
+    with pytest.raises(openai.NotFoundError, match="model"):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def _stats(server) -> dict:
+    return httpx.get(server.url + "/server_info", timeout=10).json()["stats"]
+
+
+def test_client_disconnect_aborts_request(server):
+    before = _stats(server)["aborted_requests"]
+    body = {"prompt": "abc", "max_tokens": CTX - 10, "stream": True, "ignore_eos": True}
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream("POST", server.url + "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data:") and json.loads(line[5:])["choices"][0]["text"]:
+                break  # got a token: hang up mid-stream
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        s = _stats(server)
+        if s["aborted_requests"] > before and s["running"] == 0 and s["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"request not aborted after disconnect: {s}")
+    _good(server)
+
+
+def test_metrics_exposes_counters(server):
+    _good(server)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in (
+        "treeverify_requests_total",
+        "treeverify_prompt_tokens_total",
+        "treeverify_generation_tokens_total",
+        "treeverify_time_to_first_token_seconds",
+        "treeverify_inter_token_latency_seconds",
+        "treeverify_kv_cache_usage_ratio",
+        "treeverify_moe_expert_imbalance",
+    ):
+        assert name in text, name
+    assert 'endpoint="/v1/completions",status="200"' in text
+
+
+def test_server_info(server):
+    info = httpx.get(server.url + "/server_info", timeout=10).json()
+    assert info["attention_backend"] == "torch"
+    assert info["context_length"] == CTX and info["kv_capacity_tokens"] >= CTX
+    assert info["cuda_graph"]["buckets"] == [] and info["speculative"]["enabled"] is False
+    assert info["stats"]["generated_tokens"] >= 0 and "version" in info
+
+
+def test_bench_serve_against_server(server, tmp_path):
+    import argparse
+
+    from treeverify.server import bench_serve
+
+    p = argparse.ArgumentParser()
+    bench_serve.add_parser(p.add_subparsers())
+    out = tmp_path / "bench.json"
+    args = p.parse_args(
+        [
+            "serve",
+            "--url",
+            server.url,
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "3",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert bench_serve.run(args) == 0
+    result = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 2]
+    for lv in result["levels"]:
+        assert lv["failures"] == 0 and lv["completed"] == 3 and lv["output_tokens"] == 12
+        assert lv["ttft_s"]["p50"] > 0 and lv["itl_s"]["p99"] >= lv["itl_s"]["p50"]

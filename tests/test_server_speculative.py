@@ -1,0 +1,46 @@
+"""`treeverify serve --speculative-algorithm DDTREE` (real subprocess, tiny-llama, n-gram
+drafter): greedy answers equal a plain server's, streamed and not, with and without the
+per-request opt-out; /server_info reports the acceptance statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from treeverify.server.testing import ServerProcess  # noqa: E402
+
+PROMPTS = ["abcabcabcabcabcabc", "The capital of France is Paris. The capital of France is", "x"]
+
+
+def _answers(url: str, **extra) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    out = []
+    for p in PROMPTS:
+        r = client.completions.create(model="tiny-llama", prompt=p, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True, **extra})  # fmt: skip
+        out.append(r.choices[0].text)
+        streamed = client.completions.create(
+            model="tiny-llama", prompt=p, max_tokens=24, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, **extra},
+        )  # fmt: skip
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == out[-1]
+    return out
+
+
+def test_speculative_server_matches_plain_server():
+    with ServerProcess(["--model", "tiny-llama"]) as plain:
+        expected = _answers(plain.url)
+        info = httpx.get(plain.url + "/server_info", timeout=10).json()
+        assert info["speculative"] == {"enabled": False}
+    args = ["--model", "tiny-llama", "--speculative-algorithm", "DDTREE",
+            "--speculative-ddtree-budget", "8", "--speculative-num-draft-tokens", "4"]  # fmt: skip
+    with ServerProcess(args) as spec:
+        assert _answers(spec.url) == expected
+        assert _answers(spec.url, speculative=False) == expected
+        info = httpx.get(spec.url + "/server_info", timeout=10).json()["speculative"]
+        assert info["enabled"] and info["algorithm"] == "DDTREE" and info["budget"] == 8
+        assert info["rounds"] > 0 and info["avg_spec_accept_length"] > 1.0
+        assert sum(info["accept_length_histogram"].values()) == info["rounds"]
