@@ -216,4 +216,5 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_COMMIT",
         "NOTIFY_SOCKET",
         "TREEVERIFY_TEST_HOOKS",
+        "TREEVERIFY_FAULT",
     }

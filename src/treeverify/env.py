@@ -11,6 +11,7 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   pip-installed nvidia-* headers are used otherwise).
 - ``TREEVERIFY_CUDA_PORTABLE``: ``1`` runs the portable mma.sync CUDA kernels even where sm_90a
   wgmma ones exist (tests, comparisons).
+- ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
 - ``NOTIFY_SOCKET``: systemd's readiness socket (the server sends READY=1 / STOPPING=1).
 - ``TREEVERIFY_TEST_HOOKS``: TEST ONLY; ``1`` adds the server's /_test/stall and /_test/resume.
 - ``TREEVERIFY_COMMIT``: the commit written into benchmark JSON where the checkout has no .git
@@ -24,6 +25,8 @@ import os
 from pathlib import Path
 
 VARIABLES: dict[str, str] = {
+    "TREEVERIFY_FAULT": "TEST ONLY. Plants one fault in the engine/server (engine/faults.py lists "
+    "them) so the gate's fault suite can prove it catches each; unset in any real deployment.",
     "NOTIFY_SOCKET": "systemd's readiness socket; the server sends READY=1 / STOPPING=1 to it.",
     "TREEVERIFY_TEST_HOOKS": "TEST ONLY. 1: the server exposes /_test/stall and /_test/resume "
     "(freeze the engine loop) so tests can prove /health and /health_generate notice.",
@@ -37,6 +40,17 @@ VARIABLES: dict[str, str] = {
     "ERROR, or a number.",
     "CUDA_HOME": "A CUDA toolkit whose include/ the kernel compiler may use (optional).",
 }
+
+
+def planted_fault() -> tuple[str, int] | None:
+    """TREEVERIFY_FAULT (TEST ONLY, engine/faults.py): (name, parameter) of the planted fault."""
+    value = os.environ.get("TREEVERIFY_FAULT", "").strip()
+    if not value:
+        return None
+    name, _, param = value.partition(":")
+    if param and not param.isdigit():
+        raise ValueError(f"TREEVERIFY_FAULT: expected NAME or NAME:INT, got {value!r}")
+    return name, int(param or 0)
 
 
 def notify_socket() -> str | None:

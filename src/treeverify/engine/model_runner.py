@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from treeverify.engine import faults
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
 from treeverify.engine.scheduler import ScheduledBatch
@@ -82,4 +83,5 @@ class ModelRunner:
             attention=self.attention,
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),  # (N,)
         )  # (N, V)
+        logits = faults.corrupt_logits(logits, len(batch.chunks))  # no-op unless planted
         return [logits[a : a + n] for a, n in spans]

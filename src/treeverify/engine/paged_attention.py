@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from treeverify.engine import faults
 from treeverify.engine.kv_cache import KVCache
 from treeverify.kernels.plan import TreeAttentionPlan
 
@@ -95,6 +96,9 @@ class PagedAttention:
         )
         for p in self._plans.values():
             p.plan(*self._step[1:])
+        # Per row: its chunk's cached prefix and the context it attends to (faults.py only).
+        self._row_prefix = torch.repeat_interleave(self._step[2], torch.tensor(query_lens))
+        self._row_kv = self._row_prefix + torch.cat([torch.arange(1, n + 1) for n in query_lens])
 
     def _plan_for(self, q: torch.Tensor, k: torch.Tensor, v, sm_scale: float, v_head_dim):
         key = (q.shape[1], k.shape[1], q.shape[2], v_head_dim, v is None, sm_scale, q.dtype)
@@ -119,4 +123,5 @@ class PagedAttention:
         kc, vc = self.cache.write(layer, self._step[0], k, v)
         plan = self._plan_for(q, k, v, sm_scale, v_head_dim)
         out = q.new_empty(q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
-        return plan.run(q, kc, vc, out)
+        out = plan.run(q, kc, vc, out)
+        return faults.corrupt_attention(out, self._row_kv, self._row_prefix)  # no-op unless planted

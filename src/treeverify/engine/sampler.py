@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify.engine import faults
 from treeverify.engine.sequence import Sequence
 from treeverify.spec.accept import sample_per_node
 
@@ -46,6 +47,7 @@ def sample(
                     p.top_k if p.top_k > 0 else None, gen,
                 )[0, 0]
             )  # fmt: skip
+        tok = faults.garble_token(tok, seq.num_output_tokens, logits.shape[-1])  # planted only
         tokens.append(tok)
         if p.logprobs is None:
             infos.append(None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.sequence import Sequence
@@ -120,7 +121,8 @@ class SpeculativeDecoder:
             self.cache.move([tree.slots[i] for i in path[1:]], tree.slots[1:m])
         if t > 1:
             self.bm.commit(seq, m - 1)
-        committed = [tree.tokens[i] for i in path[1:]] + [int(acc.bonus[0])]
+        bonus = faults.diverge_bonus(int(acc.bonus[0]), logits.shape[-1])  # planted only
+        committed = [tree.tokens[i] for i in path[1:]] + [bonus]
         self.stats.rounds += 1
         self.stats.committed += len(committed)
         self.stats.histogram[len(committed)] = self.stats.histogram.get(len(committed), 0) + 1

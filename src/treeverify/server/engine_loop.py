@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -125,6 +127,7 @@ class EngineLoop:
     # ---- requests (any thread) -----------------------------------------------------------------
     def submit(self, prompts: list[tuple[list[int], SamplingParams]], prefix: str = "") -> Job:
         """Queue one engine request per (prompt ids, params); call from the handler's loop."""
+        _planted_first_request_crash()  # TEST ONLY: a no-op unless that fault is planted
         loop = asyncio.get_running_loop()
         base = f"{prefix or 'req'}-{uuid.uuid4().hex[:16]}"
         job = Job([f"{base}-{i}" for i in range(len(prompts))], asyncio.Queue(), loop)
@@ -283,3 +286,18 @@ def _moe_imbalance(model: Any) -> float | None:
     ratio = c.amax(-1) / mean.clamp_min(1e-9)
     ratio = ratio[mean > 0]
     return float(ratio.max()) if ratio.numel() else 0.0
+
+
+def _planted_first_request_crash() -> None:
+    """TEST ONLY (TREEVERIFY_FAULT=first_request_crash, engine/faults.py): die like a kernel
+    fault on the first request served over HTTP."""
+    from treeverify.engine import faults
+
+    if faults.active("first_request_crash") is not None:
+        print(
+            "RuntimeError: CUDA error: an illegal memory access was encountered "
+            "(planted fault first_request_crash)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)

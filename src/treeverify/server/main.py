@@ -42,6 +42,19 @@ def notify(state: str) -> bool:
     return True
 
 
+def _planted_capture_faults() -> None:
+    """TEST ONLY (TREEVERIFY_FAULT, engine/faults.py): fail or hang the capture phase."""
+    from treeverify.engine import faults
+
+    if faults.active("capture_crash") is not None:
+        log.error("startup: CUDA graph capture failed (planted fault capture_crash)")
+        raise SystemExit(1)
+    if faults.active("capture_hang") is not None:
+        log.error("startup: graph capture hanging (planted fault capture_hang)")
+        while True:
+            time.sleep(3600)
+
+
 def _phase(name: str, t0: float, detail: str = "") -> None:
     log.info(
         "startup: %s done in %.2f s%s",
@@ -97,6 +110,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     llm.generate([[0, 1]], SamplingParams(temperature=0, max_tokens=1))
     _phase("KV allocation + warmup forward", t0)
     log.info("startup: graph capture skipped: the engine is eager (no CUDA graphs yet)")
+    _planted_capture_faults()
     return llm, ctx
 
 

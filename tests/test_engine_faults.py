@@ -1,0 +1,55 @@
+"""The planted faults (TEST ONLY, engine/faults.py) are inert by default and, when planted, break
+exactly the failure class they name; the gate's suite (tests/test_gate_*) proves it catches them."""
+
+from __future__ import annotations
+
+import pytest
+
+from treeverify.engine import faults
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LONG = "a fairly long prompt " * 5  # ~100 tokens
+
+
+def _run(**kw) -> list[list[int]]:
+    return [o.token_ids for o in LLM("tiny-llama", **kw).generate(["Hi", LONG], GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    return _run()
+
+
+def test_no_fault_is_active_by_default(monkeypatch, healthy):
+    monkeypatch.delenv("TREEVERIFY_FAULT", raising=False)
+    assert faults.active("attn_past") is None
+    assert _run() == healthy
+
+
+@pytest.mark.parametrize(
+    "fault,short_ok,long_ok",
+    [("attn_past:64", True, False), ("garbage_after:6", False, False), ("batch_over:1", False,
+                                                                          False)],
+)  # fmt: skip
+def test_planted_faults_break_only_their_class(monkeypatch, healthy, fault, short_ok, long_ok):
+    monkeypatch.setenv("TREEVERIFY_FAULT", fault)
+    got = _run()
+    assert (got[0] == healthy[0]) == short_ok and (got[1] == healthy[1]) == long_ok
+    if fault.startswith("garbage_after"):
+        assert got[0][:6] == healthy[0][:6]  # the first N tokens are still right
+
+
+def test_spec_diverge_only_with_speculation(monkeypatch, healthy):
+    monkeypatch.setenv("TREEVERIFY_FAULT", "spec_diverge")
+    assert _run() == healthy  # plain decoding untouched
+    spec = _run(speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+                speculative_num_draft_tokens=4)  # fmt: skip
+    assert spec != healthy
+
+
+def test_bad_fault_spec_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TREEVERIFY_FAULT", "attn_past:lots")
+    with pytest.raises(ValueError, match="TREEVERIFY_FAULT"):
+        faults.active("attn_past")
