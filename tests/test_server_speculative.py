@@ -44,3 +44,10 @@ def test_speculative_server_matches_plain_server():
         assert info["enabled"] and info["algorithm"] == "DDTREE" and info["budget"] == 8
         assert info["rounds"] > 0 and info["avg_spec_accept_length"] > 1.0
         assert sum(info["accept_length_histogram"].values()) == info["rounds"]
+        assert set(info["phase_seconds"]) == {"draft", "build", "verify", "accept", "commit"}
+        assert info["phase_seconds"]["verify"] > 0
+        metrics = httpx.get(spec.url + "/metrics", timeout=10).text
+        assert 'treeverify_spec_round_phase_seconds_total{model="tiny-llama",phase="verify"}' in (
+            metrics
+        )
+        assert "treeverify_spec_accept_length" in metrics

@@ -10,6 +10,7 @@ attention goes through `PagedAttention`: a `TreeAttentionPlan` over the paged ca
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -105,7 +106,10 @@ class LLM:
                     tree = self.spec.draft(c.seq)
                     if tree is not None:
                         trees[c.seq.request_id] = tree
+        t0 = time.perf_counter()
         rows = self.runner.run(batch, trees)  # per sampled sequence: (1 or T, V)
+        if trees:  # the round's verify phase is this step's forward
+            self.spec.stats.phase_seconds["verify"] += time.perf_counter() - t0
         plain = [i for i, s in enumerate(batch.sampled) if s.request_id not in trees]
         out: list[int | list[int]] = [0] * len(rows)
         if plain:
@@ -162,6 +166,7 @@ class LLM:
             "rounds": st.rounds,
             "avg_spec_accept_length": round(st.avg_accept_length, 4),
             "accept_length_histogram": dict(sorted(st.histogram.items())),
+            "phase_seconds": {k: round(v, 6) for k, v in st.phase_seconds.items()},
         }
 
     def output(self, seq: Sequence) -> RequestOutput:

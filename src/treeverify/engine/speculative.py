@@ -13,6 +13,7 @@ The root of each tree is the sequence's last token (not yet in the KV cache), so
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,16 @@ class SpecTree:
     mask: torch.Tensor  # (T, W) int32 ancestor-or-self bits
 
 
+PHASES = ("draft", "build", "verify", "accept", "commit")
+
+
 @dataclass
 class SpecStats:
     rounds: int = 0
     committed: int = 0  # tokens committed by rounds, bonus included
     histogram: dict[int, int] | None = None
+    # Host wall seconds per round phase, summed ("verify" is the step's forward, set by the LLM).
+    phase_seconds: dict[str, float] | None = None
 
     @property
     def avg_accept_length(self) -> float:
@@ -66,7 +72,12 @@ class SpeculativeDecoder:
         self.bm, self.cache = block_manager, cache
         self.algorithm, self.budget, self.depth = algorithm, budget, depth
         self.drafter = drafter or NgramDrafter(vocab_size)
-        self.stats = SpecStats(histogram={})
+        self.stats = SpecStats(histogram={}, phase_seconds=dict.fromkeys(PHASES, 0.0))
+
+    def _time(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.stats.phase_seconds[phase] += now - t0
+        return now
 
     def wants(self, seq: Sequence) -> bool:
         """Per-request opt-out; logprob requests run plain decoding (one token per step)."""
@@ -75,8 +86,10 @@ class SpeculativeDecoder:
 
     def draft(self, seq: Sequence) -> SpecTree | None:
         """Build and reserve a tree for a decoding sequence; None when its pages do not fit."""
+        t0 = time.perf_counter()
         depth = self.depth if self.algorithm == "DDTREE" else min(self.depth, self.budget)
         logits = self.drafter.propose(seq.all_token_ids, depth)  # (L, V)
+        t0 = self._time("draft", t0)
         if self.algorithm == "CHAIN":  # one path: the top token at each depth
             tokens = [seq.last_token_id, *logits.argmax(-1).tolist()]
             parents = list(range(-1, len(tokens) - 1))
@@ -96,10 +109,13 @@ class SpeculativeDecoder:
         depths = [0] * t
         for i in range(1, t):
             depths[i] = depths[parents[i]] + 1
-        return SpecTree(tokens, parents, depths, slots, parents_to_tree_mask(par))
+        tree = SpecTree(tokens, parents, depths, slots, parents_to_tree_mask(par))
+        self._time("build", t0)
+        return tree
 
     def accept(self, seq: Sequence, tree: SpecTree, logits: torch.Tensor) -> list[int]:
         """Walk the verified tree (logits (T, V)); move the accepted K/V; commit; the tokens."""
+        t0 = time.perf_counter()
         t = len(tree.tokens)
         toks = torch.tensor([tree.tokens])  # (1, T)
         par = torch.tensor([tree.parents])  # (1, T)
@@ -117,10 +133,12 @@ class SpeculativeDecoder:
             )  # fmt: skip
         m = int(acc.length[0])  # accepted nodes, root included
         path = acc.path[0, :m].tolist()
+        t0 = self._time("accept", t0)
         if m > 1:  # node path[k] was written at slot of position P+path[k]; it belongs at P+k
             self.cache.move([tree.slots[i] for i in path[1:]], tree.slots[1:m])
         if t > 1:
             self.bm.commit(seq, m - 1)
+        self._time("commit", t0)
         bonus = faults.diverge_bonus(int(acc.bonus[0]), logits.shape[-1])  # planted only
         committed = [tree.tokens[i] for i in path[1:]] + [bonus]
         self.stats.rounds += 1

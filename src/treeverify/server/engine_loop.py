@@ -75,6 +75,7 @@ class Stats:
     steps: int = 0
     step_errors: int = 0
     moe_imbalance: float | None = None
+    spec: dict | None = None  # the engine's speculation counters (None: speculation off)
 
 
 class EngineLoop:
@@ -270,6 +271,7 @@ class EngineLoop:
         s = self.stats
         s.running, s.waiting = len(sched.running), len(sched.waiting)
         s.used_pages = bm.num_used_pages
+        s.spec = self.llm.spec_stats
         now = time.monotonic()
         if now - self._last_moe >= 1.0:
             self._last_moe = now

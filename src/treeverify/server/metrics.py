@@ -68,6 +68,19 @@ class Metrics:
             registry=r,
         )
 
+        self.spec_phase = Gauge(
+            "treeverify_spec_round_phase_seconds_total",
+            "Host wall seconds spent per speculative-round phase since start",
+            ["model", "phase"],
+            registry=r,
+        )
+        self.spec_accept = Gauge(
+            "treeverify_spec_accept_length",
+            "Tokens committed per speculative round, bonus included (mean since start)",
+            ["model"],
+            registry=r,
+        )
+
     def observe_tokens(self, n: int, dt: float | None, first: bool) -> None:
         """``n`` tokens came ``dt`` s after the previous event (or the request, if first)."""
         self.generation_tokens.labels(self.model_name).inc(n)
@@ -87,4 +100,8 @@ class Metrics:
         self.moe_imbalance.labels(m).set(
             float("nan") if stats.moe_imbalance is None else stats.moe_imbalance
         )
+        if stats.spec is not None:
+            self.spec_accept.labels(m).set(stats.spec["avg_spec_accept_length"])
+            for phase, secs in stats.spec["phase_seconds"].items():
+                self.spec_phase.labels(m, phase).set(secs)
         return generate_latest(self.registry)
