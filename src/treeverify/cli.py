@@ -21,6 +21,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench", "treeverify.bench.cli"),
     ("serve", "treeverify.server.cli"),
     ("unit", "treeverify.server.unit"),
+    ("gate", "treeverify.gate.cli"),
 ]
 
 

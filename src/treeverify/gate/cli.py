@@ -1,0 +1,239 @@
+"""``treeverify gate [run|record|check]``: the deployment gate's command line.
+
+Targets: ``--url URL`` (HTTP only), ``--launch CMD`` (a process it starts and watches), ``--unit
+NAME`` (systemd), or none: it launches ``treeverify serve --model tiny-llama`` on a free port
+(``--serve-args`` adds flags), gates it and stops it. Exit codes: 0 pass, 1 performance
+regression, 2 correctness failure, 3 gate/infrastructure error, 4 unit failed / crash-looping /
+launched process died, 5 hung or timed out, 64 usage error.
+Also runnable alone: ``python -m treeverify.gate.cli [run|record|check] ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import socket
+import sys
+
+from treeverify.gate import golden as G
+from treeverify.gate import runner, smoke, targets
+from treeverify.gate.codes import ExitCode
+from treeverify.gate.report import ProbeResult, Report
+
+
+class UsageError(Exception):
+    pass
+
+
+def _usage_exit(parser: argparse.ArgumentParser):
+    def error(message: str):
+        parser.print_usage(sys.stderr)
+        parser.exit(int(ExitCode.USAGE), f"{parser.prog}: error: {message}\n")
+
+    return error
+
+
+def _strict(parser: argparse.ArgumentParser):
+    """Unknown flags are this parser's usage error (64), even as a subcommand (a parent parser
+    would otherwise report them itself, with argparse's exit status 2)."""
+    known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extras = known(args, namespace)
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+    return parse_known_args
+
+
+def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.error = _usage_exit(p)
+    p.parse_known_args = _strict(p)
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=("run", "record", "check"),
+        default="run",
+        help="run: the gate (default); record: write a golden file from a known-good "
+        "deployment; check: the gate against --golden (required)",
+    )
+    t = p.add_argument_group("target (default: launch treeverify serve on tiny-llama)")
+    t.add_argument("--url", help="the service's base URL (with --unit: default :30000)")
+    t.add_argument("--launch", metavar="CMD", help="start CMD, watch it, scan its output")
+    t.add_argument("--unit", metavar="NAME", help="systemd unit to watch (systemctl/journalctl)")
+    t.add_argument("--serve-args", default="", help="extra flags for the default launch")
+    t.add_argument("--model", help="model name for requests (default: the first /v1/models)")
+    t.add_argument("--api-key", default=os.environ.get("TREEVERIFY_GATE_API_KEY"))
+    r = p.add_argument_group("readiness and timeouts")
+    r.add_argument("--probes", choices=("full", "smoke"), default="full")
+    r.add_argument(
+        "--timeout", type=float, default=900.0, help="overall budget to become ready (s)"
+    )
+    r.add_argument(
+        "--probe-timeout", type=float, default=1800.0, help="overall budget for the probes (s)"
+    )
+    r.add_argument(
+        "--interval", type=float, help="seconds between polls (full: 2; smoke: the seed's 30)"
+    )
+    r.add_argument("--tries", type=int, default=smoke.TRIES, help="smoke: polls before giving up")
+    r.add_argument(
+        "--request-timeout", type=float, default=smoke.REQUEST_TIMEOUT, help="smoke: per request"
+    )
+    r.add_argument("--connect-timeout", type=float, default=5.0)
+    r.add_argument("--read-timeout", type=float, default=60.0)
+    r.add_argument(
+        "--itl-deadline", type=float, default=30.0, help="max wait for any streamed token (s)"
+    )
+    q = p.add_argument_group("probes")
+    q.add_argument("--golden", metavar="FILE", help="golden file (record writes it)")
+    q.add_argument("--oracle", metavar="FILE", help="JSON list of {prompt, expected}")
+    q.add_argument("--oracle-out", metavar="FILE", help="record: also write an oracle file")
+    q.add_argument("--context-length", type=int, help="default: /v1/models max_model_len")
+    q.add_argument("--concurrency", help="sizes, e.g. 1,3,8,13 (default: those + graph buckets)")
+    q.add_argument("--max-concurrency", type=int, default=32)
+    q.add_argument("--baseline-url", help="reference server for speculation on vs off")
+    q.add_argument("--margin", type=float, help="top-k tolerance: max logprob gap of a swap")
+    q.add_argument("--logprob-atol", type=float, help="max logprob drift before divergence")
+    q.add_argument("--perf-factor", type=float, default=3.0, help="latency regression factor")
+    q.add_argument("--perf-slack", type=float, default=0.05, help="latency slack (s)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE")
+    o.add_argument("--junit", metavar="FILE")
+    o.add_argument("--quiet", action="store_true", help="no live timeline")
+    return p
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "gate",
+        help="deployment gate: readiness + probes that catch what a smoke test misses",
+        description=__doc__.split("\n\n")[0],
+    )
+    return configure(p)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _options(a: argparse.Namespace) -> runner.Options:
+    if a.launch and a.unit:
+        raise UsageError("--launch and --unit are exclusive")
+    if a.action in ("record", "check") and not a.golden:
+        raise UsageError(f"gate {a.action} needs --golden FILE")
+    if a.action == "record" and a.probes == "smoke":
+        raise UsageError("gate record records the full suite; --probes smoke makes no sense")
+    seconds = ("timeout", "probe_timeout", "interval", "request_timeout")
+    for name in (*seconds, "connect_timeout", "read_timeout", "itl_deadline"):
+        v = getattr(a, name)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    if a.tries < 1 or a.max_concurrency < 1:
+        raise UsageError("--tries and --max-concurrency must be >= 1")
+    if a.context_length is not None and a.context_length < 64:
+        raise UsageError("--context-length must be >= 64")
+    conc = None
+    if a.concurrency:
+        try:
+            conc = sorted({int(x) for x in a.concurrency.split(",") if x.strip()})
+        except ValueError:
+            raise UsageError(f"--concurrency: not a list of integers: {a.concurrency!r}") from None
+        if not conc or conc[0] < 1:
+            raise UsageError("--concurrency sizes must be >= 1")
+    gold = oracle = None
+    try:
+        if a.golden and a.action != "record":
+            gold = G.load(a.golden)
+        if a.oracle:
+            oracle = G.load_oracle(a.oracle)
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    interval = (
+        a.interval if a.interval is not None else (smoke.INTERVAL if a.probes == "smoke" else 2.0)
+    )
+    return runner.Options(
+        action=a.action,
+        probes=a.probes,
+        model=a.model,
+        timeout=a.timeout,
+        probe_timeout=a.probe_timeout,
+        interval=interval,
+        tries=a.tries,
+        request_timeout=a.request_timeout,
+        connect_timeout=a.connect_timeout,
+        read_timeout=a.read_timeout,
+        itl_deadline=a.itl_deadline,
+        golden=gold,
+        golden_path=a.golden,
+        oracle=oracle,
+        oracle_out=a.oracle_out,
+        context_length=a.context_length,
+        concurrency=conc,
+        max_concurrency=a.max_concurrency,
+        baseline_url=a.baseline_url,
+        margin=a.margin,
+        logprob_atol=a.logprob_atol,
+        perf_factor=a.perf_factor,
+        perf_slack=a.perf_slack,
+        api_key=a.api_key,
+    )
+
+
+def _target(a: argparse.Namespace):
+    if a.unit:
+        return targets.UnitTarget(a.unit, a.url or "http://127.0.0.1:30000")
+    if a.launch:
+        argv = shlex.split(a.launch)
+        if not argv:
+            raise UsageError("--launch: empty command")
+        url = a.url
+        if url is None:
+            m = re.search(r"--port[= ](\d+)", a.launch)
+            if not m:
+                raise UsageError("--launch: give --url (or a --port N in CMD)")
+            url = f"http://127.0.0.1:{m.group(1)}"
+        return targets.LaunchTarget(argv, url)
+    if a.url:
+        return targets.UrlTarget(a.url)
+    port = _free_port()
+    argv = targets.serve_argv(port, shlex.split(a.serve_args))
+    return targets.LaunchTarget(argv, f"http://127.0.0.1:{port}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        opts = _options(args)
+        target = _target(args)
+    except UsageError as exc:
+        print(f"treeverify gate: error: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    report = Report(quiet=args.quiet)
+    try:
+        runner.run(target, opts, report)
+    except KeyboardInterrupt:
+        print("treeverify gate: interrupted", file=sys.stderr)
+        return int(ExitCode.INFRA)
+    except Exception as exc:  # a bug or an unexpected environment: infrastructure, not a verdict
+        print(f"treeverify gate: internal error: {exc!r}", file=sys.stderr)
+        report.add(ProbeResult("gate", "fail", f"internal error: {exc!r}", ExitCode.INFRA))
+    if not args.quiet:
+        print(report.table(), flush=True)
+    if args.json:
+        report.write_json(args.json)
+    if args.junit:
+        report.write_junit(args.junit)
+    return int(report.exit_code())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = configure(argparse.ArgumentParser(prog="treeverify gate", description=__doc__))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Greedy outputs compared with the top-k tolerance at the first divergence.
+
+Exact token equality across batch sizes, graph replay or kernels is unsound without a
+batch-invariant mode: two tokens whose logits are nearly tied may swap under a legitimate change
+in reduction order. The rule (both sides are greedy, with top-k logprobs):
+
+1. Walk both token lists to the first position ``i`` where they differ. Equal lists pass.
+2. Every position up to and including ``i`` must agree in logprob: for the token each side chose,
+   ``|ref_logprob - cur_logprob| <= logprob_atol`` wherever both sides report it (a numerical
+   fault that shifts the distribution is caught even before it flips a token).
+3. At ``i`` the swap is a near-tie, seen from both sides: the current token ``b`` is in the
+   reference's top-k at ``i`` with ``ref[a] - ref[b] <= margin``, and the reference token ``a`` is
+   in the current top-k with ``cur[b] - cur[a] <= margin``. A side without top-k logprobs cannot
+   vouch for a swap (then the divergence fails).
+4. After a tolerated swap the two continuations condition on different text, so nothing after
+   ``i`` is compared. A length difference without a divergence fails.
+
+Defaults: ``margin`` 0.1 nat, ``logprob_atol`` 0.25 nat (``--margin``/``--logprob-atol``; a
+golden file stores the values it was recorded with, and ``check`` uses them unless overridden).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_MARGIN = 0.1
+DEFAULT_LOGPROB_ATOL = 0.25
+
+
+@dataclasses.dataclass
+class Outcome:
+    ok: bool
+    detail: str
+    divergence: int | None = None
+
+
+def _get(d, key, i):
+    seq = d.get(key) if isinstance(d, dict) else getattr(d, key, None)
+    if seq is None or i >= len(seq):
+        return None
+    return seq[i]
+
+
+def compare(
+    ref,
+    cur,
+    margin: float = DEFAULT_MARGIN,
+    logprob_atol: float = DEFAULT_LOGPROB_ATOL,
+) -> Outcome:
+    """``ref``/``cur``: dicts or objects with ``tokens`` (or only ``text``), ``token_logprobs``,
+    ``top_logprobs``."""
+    rt = _tokens(ref)
+    ct = _tokens(cur)
+    n = min(len(rt), len(ct))
+    i = next((j for j in range(n) if rt[j] != ct[j]), None)
+    last = i if i is not None else n - 1
+    for j in range(last + 1):
+        for tok in dict.fromkeys((rt[j], ct[j])):
+            rl, cl = _lp(ref, rt, j, tok), _lp(cur, ct, j, tok)
+            if rl is not None and cl is not None and abs(rl - cl) > logprob_atol:
+                return Outcome(
+                    False,
+                    f"logprob of {tok!r} at token {j} drifted {rl:.4f} -> {cl:.4f} "
+                    f"(> {logprob_atol} nat)",
+                    j,
+                )
+    if i is None:
+        if len(rt) != len(ct):
+            return Outcome(False, f"lengths differ ({len(rt)} vs {len(ct)} tokens)", n)
+        return Outcome(True, f"identical ({len(rt)} tokens)")
+    a, b = rt[i], ct[i]
+    ra, rb = _lp(ref, rt, i, a), _lp(ref, rt, i, b)
+    ca, cb = _lp(cur, ct, i, a), _lp(cur, ct, i, b)
+    where = f"token {i}: expected {a!r}, got {b!r}"
+    if None in (ra, rb, ca, cb):
+        side = "reference" if rb is None or ra is None else "current"
+        return Outcome(False, f"diverged at {where}; not in the {side} top-k", i)
+    if ra - rb > margin or cb - ca > margin:
+        return Outcome(
+            False,
+            f"diverged at {where}; margins {ra - rb:.4f}/{cb - ca:.4f} nat > {margin}",
+            i,
+        )
+    return Outcome(
+        True,
+        f"near-tie swap tolerated at {where} (margins {ra - rb:.4f}/{cb - ca:.4f} nat)",
+        i,
+    )
+
+
+def _tokens(d) -> list[str]:
+    toks = d.get("tokens") if isinstance(d, dict) else getattr(d, "tokens", None)
+    if toks is not None:
+        return list(toks)
+    text = d.get("text") if isinstance(d, dict) else getattr(d, "text", "")
+    return list(text or "")  # no token boundaries: characters (exact comparison only)
+
+
+def _top(d, i: int, tok: str) -> float | None:
+    top = _get(d, "top_logprobs", i)
+    if not isinstance(top, dict):
+        return None
+    return top.get(tok)
+
+
+def _lp(d, toks: list[str], i: int, tok: str) -> float | None:
+    """The logprob side ``d`` gave ``tok`` at position ``i`` (its own choice or its top-k)."""
+    if tok == toks[i]:
+        v = _get(d, "token_logprobs", i)
+        if v is not None:
+            return v
+    return _top(d, i, tok)
+
+
+def compare_text(ref, text: str, margin: float = DEFAULT_MARGIN) -> Outcome:
+    """A response without logprobs (the production path: servers may route logprob requests
+    differently, e.g. without speculation) against a reference with top-k logprobs. One-sided
+    rule 3: at the first token ``i`` whose text the response does not continue with, the response
+    must continue with another token of the reference's top-k at ``i`` within ``margin``. Where
+    the reference tokens do not spell its text (byte-level tokens shown as U+FFFD), only exact
+    equality passes."""
+    ref_text = ref.get("text") if isinstance(ref, dict) else getattr(ref, "text", "")
+    if text == ref_text:
+        return Outcome(True, "identical text")
+    toks = _tokens(ref)
+    if "".join(toks) != ref_text or _get(ref, "top_logprobs", 0) is None:
+        return Outcome(False, f"text differs: expected {ref_text!r}, got {text!r}")
+    pos = 0
+    for i, tok in enumerate(toks):
+        if not text.startswith(tok, pos):
+            lp = _lp(ref, toks, i, tok)
+            swaps = [
+                (t, lp - v)
+                for t, v in (_get(ref, "top_logprobs", i) or {}).items()
+                if t != tok and t and text.startswith(t, pos) and lp is not None
+            ]
+            ok = [s for s in swaps if s[1] <= margin]
+            where = f"token {i}: expected {tok!r}, got {text[pos : pos + 8]!r}..."
+            if ok:
+                return Outcome(True, f"near-tie swap tolerated at {where} ({ok[0][1]:.4f})", i)
+            return Outcome(False, f"diverged at {where}; no near-tie in the reference top-k", i)
+        pos += len(tok)
+    return Outcome(False, f"text longer than the reference: {text[pos : pos + 20]!r}...", None)

@@ -1,0 +1,187 @@
+"""Gate parts without a model server: the tolerance rule, exit-code precedence, log signatures,
+usage errors (64), the torch-free import, and ``--launch`` lifecycles (crash -> 4, hang -> 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treeverify.gate import cli, signatures
+from treeverify.gate.codes import ExitCode, worst
+from treeverify.gate.compare import compare, compare_text
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _c(tokens, lps, tops):
+    return {"tokens": tokens, "text": "".join(tokens), "token_logprobs": lps, "top_logprobs": tops}
+
+
+REF = _c(
+    ["A", "B", "C"],
+    [-0.1, -0.5, -0.2],
+    [{"A": -0.1, "x": -3.0}, {"B": -0.5, "Q": -0.55, "Z": -2.0}, {"C": -0.2}],
+)
+
+
+def test_identical_passes():
+    assert compare(REF, REF).ok and compare(REF, REF).divergence is None
+
+
+def test_near_tie_swap_is_tolerated_and_rest_ignored():
+    cur = _c(["A", "Q", "K"], [-0.1, -0.5], [{"A": -0.1}, {"Q": -0.5, "B": -0.52}, {}])
+    out = compare(REF, cur, margin=0.1)
+    assert out.ok and out.divergence == 1 and "near-tie" in out.detail
+
+
+def test_swap_beyond_margin_or_outside_topk_fails():
+    far = _c(["A", "Z", "K"], [-0.1, -1.9], [{"A": -0.1}, {"Z": -1.9, "B": -2.0}, {}])
+    assert not compare(REF, far, margin=0.1).ok  # in top-k but 1.5 nat below
+    odd = _c(["A", "W", "K"], [-0.1, -0.4], [{"A": -0.1}, {"W": -0.4, "B": -0.45}, {}])
+    out = compare(REF, odd, margin=0.1)
+    assert not out.ok and "not in the reference top-k" in out.detail
+    one_sided = _c(["A", "Q", "K"], [-0.1, -0.5], [{"A": -0.1}, {"Q": -0.5}, {}])
+    assert not compare(REF, one_sided).ok  # the current side cannot vouch for the swap
+
+
+def test_logprob_drift_before_divergence_fails():
+    cur = _c(["A", "B", "C"], [-0.1, -0.9, -0.2], REF["top_logprobs"])
+    out = compare(REF, cur, logprob_atol=0.25)
+    assert not out.ok and "drifted" in out.detail and out.divergence == 1
+
+
+def test_length_difference_fails():
+    assert not compare(REF, _c(["A", "B"], [-0.1, -0.5], REF["top_logprobs"][:2])).ok
+
+
+def test_compare_text_one_sided():
+    assert compare_text(REF, "ABC").ok
+    assert compare_text(REF, "AQ...", margin=0.1).ok  # Q is a near-tie in the reference
+    assert not compare_text(REF, "AZ...", margin=0.1).ok
+    assert not compare_text(REF, "AW").ok
+
+
+def test_exit_code_precedence():
+    assert worst([]) == ExitCode.PASS
+    assert worst([1, 2, 3]) == ExitCode.CORRECTNESS
+    assert worst([2, 5]) == ExitCode.HUNG
+    assert worst([5, 4, 1]) == ExitCode.UNIT_FAILED
+
+
+def test_signatures():
+    found = signatures.scan(
+        [
+            "ok",
+            "Traceback (most recent call last):",
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+            "ERROR: CUDA graph capture failed",
+            "RuntimeError: CUDA error: device-side assert triggered",
+        ]
+    )
+    names = {f["signature"] for f in found}
+    assert {"traceback", "out of memory", "capture failure", "CUDA error"} <= names
+    assert signatures.scan(["INFO all good"]) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--bogus"],
+        ["--probes", "nope"],
+        ["check"],  # needs --golden
+        ["record", "--golden", "g.json", "--probes", "smoke"],
+        ["--launch", "sleep 1", "--unit", "x"],
+        ["--launch", "sleep 1"],  # no --url and no --port in CMD
+        ["--timeout", "0"],
+        ["--concurrency", "1,x"],
+        ["check", "--golden", "/nonexistent/golden.json"],
+        ["--context-length", "10"],
+    ],
+)
+def test_usage_errors_exit_64(argv, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 64
+    assert "error" in capsys.readouterr().err
+
+
+def test_usage_error_as_a_subcommand_exits_64(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="treeverify")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["gate", "--bogus"])
+    assert exc.value.code == 64
+    args = parser.parse_args(["gate", "check", "--golden", "/nonexistent/g.json"])
+    assert cli.run(args) == 64
+
+
+def test_import_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import treeverify.gate, treeverify.gate.cli, treeverify.gate.runner\n"
+        "bad = [m for m in sys.modules if m.startswith(('treeverify.engine', 'treeverify.models',"
+        " 'treeverify.server'))]\n"
+        "assert not bad, bad\nprint('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_launch_crash_exits_4_with_signature(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import sys, time\ntime.sleep(0.3)\nprint('Capturing CUDA graphs')\n"
+        "print('RuntimeError: CUDA error: an illegal memory access was encountered', flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    j = tmp_path / "r.json"
+    rc = cli.main(
+        ["--launch", f"{sys.executable} {script}", "--url", "http://127.0.0.1:9"]
+        + ["--interval", "0.1", "--timeout", "20", "--quiet", "--json", str(j)]
+    )
+    assert rc == 4
+    detail = json.loads(j.read_text())["probes"][0]["detail"]
+    assert "exited with 3" in detail and "illegal memory access" in detail
+
+
+def test_launch_hang_exits_5_and_is_stopped(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nprint('loading', flush=True)\ntime.sleep(600)\n")
+    j = tmp_path / "r.json"
+    rc = cli.main(
+        ["--launch", f"{sys.executable} {script} --port 9", "--interval", "0.2"]
+        + ["--timeout", "1.5", "--quiet", "--json", str(j)]
+    )
+    assert rc == 5
+    report = json.loads(j.read_text())
+    assert "not ready after" in report["probes"][0]["detail"]
+    assert report["target"].endswith("http://127.0.0.1:9")
+
+
+def test_smoke_against_nothing_times_out_5(tmp_path):
+    rc = cli.main(
+        ["--url", "http://127.0.0.1:9", "--probes", "smoke", "--interval", "0.05"]
+        + ["--tries", "3", "--request-timeout", "0.5", "--quiet"]
+    )
+    assert rc == 5
+
+
+def test_module_main_runs(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run(
+        [sys.executable, "-m", "treeverify.gate.cli", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0 and "--golden" in out.stdout and "--unit" in out.stdout
