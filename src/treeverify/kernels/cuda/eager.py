@@ -7,6 +7,7 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params
 from treeverify.kernels.cuda.runner import Launcher, check_alignment
+from treeverify.kernels.eager import eager_bucket, eager_buffers
 
 _launchers: dict[tuple, Launcher] = {}
 
@@ -67,23 +68,13 @@ def tree_attention_cuda(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Arguments already validated by tree_attention(); this reads two sizes to the host."""
-    mla = v_cache is None
-    dv = v_head_dim if mla else v_cache.shape[-1]
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t is not None:
             check_alignment(name, t)
-    batch = prefix_lens.shape[0]
-    tree = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)  # (B,)
-    max_tree = int(tree.max().item())
-    max_kv = int((prefix_lens.to(torch.int64) + tree).max().item())
-    total_q = q.shape[0]
-    if out is None:
-        out = torch.empty(total_q, q.shape[1], dv, dtype=q.dtype, device=q.device)
+    bk = eager_bucket(q, v_cache, v_head_dim, prefix_lens, qo_indptr)
+    launcher = launcher_for(q, k_cache, bk.dv, bk.mla, bk.batch, bk.max_tree, bk.max_kv, bk.total_q)
+    out, part_o, part_lse = eager_buffers(q, bk.dv, out, launcher.workspace_shapes())
     check_alignment("out", out)
-    launcher = launcher_for(q, k_cache, dv, mla, batch, max_tree, max_kv, total_q)
-    o_shape, lse_shape = launcher.workspace_shapes()
-    part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     params = launcher.fill(
         Params(),
         q=q,

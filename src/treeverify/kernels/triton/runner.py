@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from treeverify.kernels.eager import eager_bucket, eager_buffers
 from treeverify.kernels.splits import SplitPolicy, choose_splits
 from treeverify.kernels.triton.tree_attention import tree_attn_fwd, tree_attn_merge
 
@@ -247,19 +248,9 @@ def tree_attention_triton(
 ) -> torch.Tensor:
     """Eager Triton tree attention. Arguments already validated by tree_attention(); this reads
     the largest tree and the longest key range to the host and allocates the workspace."""
-    mla = v_cache is None
-    dv = v_head_dim if mla else v_cache.shape[-1]
-    batch = prefix_lens.shape[0]
-    tree = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
-    max_tree = int(tree.max().item())
-    max_kv = int((prefix_lens.to(torch.int64) + tree).max().item())
-    total_q = q.shape[0]
-    if out is None:
-        out = torch.empty(total_q, q.shape[1], dv, dtype=q.dtype, device=q.device)
-    runner = runner_for(q, k_cache, dv, mla, batch, max_tree, max_kv, total_q)
-    o_shape, lse_shape = runner.workspace_shapes()
-    part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    bk = eager_bucket(q, v_cache, v_head_dim, prefix_lens, qo_indptr)
+    runner = runner_for(q, k_cache, bk.dv, bk.mla, bk.batch, bk.max_tree, bk.max_kv, bk.total_q)
+    out, part_o, part_lse = eager_buffers(q, bk.dv, out, runner.workspace_shapes())
     runner.launch(
         q, k_cache, v_cache, out, block_table.contiguous(), prefix_lens.contiguous(),
         qo_indptr.contiguous(), tree_mask.contiguous(), part_o, part_lse, sm_scale,
