@@ -1,0 +1,188 @@
+// Device-side pieces every tree-verify kernel shares: the parameter struct, PTX wrappers for
+// cp.async / ldmatrix / mma.sync, warp reductions, and the request, split and page-lookup rules.
+// Included by tree_attention.cu (and, through it, by the sm_90a kernels).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace treeverify {
+
+#define TV_INF __int_as_float(0x7f800000)  // NVRTC has no <math.h> INFINITY
+
+// Kernel parameters, passed by value (one struct, filled by kernels/cuda/launch.py; the
+// field order and types there must match this struct exactly).
+struct TreeAttnParams {
+  const void* q;            // (total_q, Hq, Dqk)
+  const void* k;            // k cache base
+  const void* v;            // v cache base (GQA) / unused (MLA: V is k's first DV columns)
+  void* out;                // (total_q, Hq, Dv)
+  float* part_o;            // (max_splits, total_q_cap, Hq, Dv) fp32 partial outputs
+  float* part_lse;          // (max_splits, total_q_cap, Hq) log2-domain LSE of each split
+  const void* block_table;  // int32 or int64 page ids
+  const int* prefix_lens;   // (B,) or null when kv_indptr is given
+  const int* kv_indptr;     // (B+1,) SGLang prefix indptr into block_table, or null
+  const int* qo_indptr;     // (B+1,)
+  const unsigned* tree_mask;  // (total_q, mask_words)
+  const void* k_ext;        // SGLang: tree nodes' K (total_q, Hkv, Dqk), or null (in cache)
+  const void* v_ext;        // SGLang: tree nodes' V, or null
+  long long q_stride_tok, q_stride_head;
+  long long k_stride_page, k_stride_slot, k_stride_head;
+  long long v_stride_page, v_stride_slot, v_stride_head;
+  long long o_stride_tok, o_stride_head;
+  long long kext_stride_tok, kext_stride_head, vext_stride_tok, vext_stride_head;
+  long long bt_stride;      // row stride of block_table when kv_indptr is null
+  int bt_i64;               // 1: block_table holds int64 ids
+  int batch, hq, hkv, group, page_size, mask_words;
+  int max_splits, chunk, total_q_cap;
+  float scale_log2;         // sm_scale * log2(e)
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ float to_float(unsigned short bits) {
+  if constexpr (BF16) {
+    return __uint_as_float(static_cast<unsigned>(bits) << 16);
+  } else {
+    return __half2float(__ushort_as_half(bits));
+  }
+}
+
+__device__ __forceinline__ void pair_barrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads));
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Where request b's KV lives: prefix length, and the offset of its row in the page table.
+struct RequestKV {
+  int prefix, row_off;
+};
+__device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) {
+  RequestKV r;
+  if (p.kv_indptr != nullptr) {
+    r.row_off = p.kv_indptr[b];
+    r.prefix = p.kv_indptr[b + 1] - r.row_off;
+  } else {
+    r.prefix = p.prefix_lens[b];
+    r.row_off = static_cast<int>(b * p.bt_stride);
+  }
+  return r;
+}
+
+// Splits of request b: the plan fixes (max_splits, chunk); the count follows the length on
+// the device, so one captured grid serves every length of the bucket. A request longer than
+// max_splits * chunk (the SGLang drop-in only estimates lengths) gets longer chunks instead of
+// losing its tail. The forward and the merge kernels both call these, so they always agree.
+__device__ __forceinline__ int split_chunk(const TreeAttnParams& p, int kv_total) {
+  return max(p.chunk, (kv_total + p.max_splits - 1) / p.max_splits);
+}
+__device__ __forceinline__ int num_splits(const TreeAttnParams& p, int kv_total) {
+  const int c = split_chunk(p, kv_total);
+  return max(1, (kv_total + c - 1) / c);
+}
+
+// Token -> cache row addresses, fetched a tile ahead. Looking the page id up costs a dependent
+// global load (hundreds of cycles); doing it inside the cp.async loop serialises one per chunk.
+// Instead thread i < BN loads the page of token i of a future tile into a register early
+// (fetch_page) and, once other work has hidden the latency, turns it into row pointers in
+// shared memory (publish_rows) that every thread's cp.async then reads.
+struct PageFetch {
+  long long page;  // -1: past the range, or a tree node read from the extend buffers
+  int t;
+};
+__device__ __forceinline__ PageFetch fetch_page(const TreeAttnParams& p, const RequestKV& rk,
+                                                int P, int t, int kv_stop) {
+  PageFetch f{-1, t};
+  if (t < kv_stop && !(t >= P && p.k_ext != nullptr)) {
+    const int pi = t / p.page_size;
+    f.page = p.bt_i64 ? static_cast<const long long*>(p.block_table)[rk.row_off + pi]
+                      : static_cast<long long>(
+                            static_cast<const int*>(p.block_table)[rk.row_off + pi]);
+  }
+  return f;
+}
+template <typename T>
+__device__ __forceinline__ void publish_rows(const TreeAttnParams& p, const PageFetch& f, int P,
+                                             int qo0, int kvh, int kv_stop, const T** k_row,
+                                             const T** v_row) {
+  const T* kp = nullptr;
+  const T* vp = nullptr;
+  if (f.t < kv_stop) {
+    if (f.page < 0) {  // tree node in SGLang's extend buffers
+      const long long e = qo0 + (f.t - P);
+      kp = static_cast<const T*>(p.k_ext) + e * p.kext_stride_tok + kvh * p.kext_stride_head;
+      vp = static_cast<const T*>(p.v_ext) + e * p.vext_stride_tok + kvh * p.vext_stride_head;
+    } else {
+      const int slot = f.t % p.page_size;
+      kp = static_cast<const T*>(p.k) + f.page * p.k_stride_page + slot * p.k_stride_slot +
+           kvh * p.k_stride_head;
+      vp = static_cast<const T*>(p.v) + f.page * p.v_stride_page + slot * p.v_stride_slot +
+           kvh * p.v_stride_head;
+    }
+  }
+  *k_row = kp;
+  if (v_row != nullptr) *v_row = vp;
+}
+
+}  // namespace treeverify

@@ -1,0 +1,81 @@
+// The split-KV merge and SGLang's byte-mask converter; included by tree_attention.cu.
+#pragma once
+
+#include "device_common.cuh"
+
+namespace treeverify {
+
+// Merge the split partials of every row whose request was split: one CTA per (token, head),
+// DV/4 threads, each owning four output columns.
+template <int DV, bool BF16>
+__global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
+  const int tok = blockIdx.x, head = blockIdx.y;
+  if (tok >= p.qo_indptr[p.batch]) return;
+  int lo = 0, hi = p.batch - 1;  // request of this token: last b with qo_indptr[b] <= tok
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.qo_indptr[mid] <= tok) lo = mid; else hi = mid - 1;
+  }
+  const int b = lo;
+  const int T_b = p.qo_indptr[b + 1] - p.qo_indptr[b];
+  const int n = num_splits(p, request_kv(p, b).prefix + T_b);
+  if (n == 1) return;  // the main kernel wrote the final output
+  const long long stride = (long long)p.total_q_cap * p.hq;
+  const long long base = (long long)tok * p.hq + head;
+  float lmax = -TV_INF;
+  for (int s = 0; s < n; ++s) lmax = fmaxf(lmax, p.part_lse[s * stride + base]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+  const int c = threadIdx.x * 4;
+  for (int s = 0; s < n; ++s) {
+    const float lse = p.part_lse[s * stride + base];
+    if (lse == -TV_INF) continue;
+    const float w = exp2f(lse - lmax);
+    const float4 v = *reinterpret_cast<const float4*>(p.part_o + (s * stride + base) * DV + c);
+    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    wsum += w;
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  unsigned short* og = static_cast<unsigned short*>(p.out) + tok * p.o_stride_tok +
+                       head * p.o_stride_head + c;
+  uint2 packed;
+  packed.x = pack2<BF16>(acc.x * inv, acc.y * inv);
+  packed.y = pack2<BF16>(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(og) = packed;
+}
+
+#ifdef TV_SGLANG_MASK_KERNEL  // compiled only into its own module
+// SGLang's custom mask (bytes, per request row-major [N, prefix+N]; the prefix columns are all
+// visible in target verify, so only the last N are read) -> our packed tree mask
+// (total_q, mask_words).
+__global__ void sglang_mask_to_bits(const unsigned char* __restrict__ custom_mask,
+                                    const long long* __restrict__ mask_indptr,
+                                    const int* __restrict__ qo_indptr,
+                                    const int* __restrict__ kv_indptr, unsigned* __restrict__ bits,
+                                    int batch, int mask_words, int total_q_cap) {
+  const int tok = blockIdx.x;
+  if (tok >= total_q_cap) return;
+  const int total_q = qo_indptr[batch];
+  if (tok >= total_q) {
+    for (int w = threadIdx.x; w < mask_words; w += blockDim.x) bits[(long long)tok * mask_words + w] = 0u;
+    return;
+  }
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (qo_indptr[mid] <= tok) lo = mid; else hi = mid - 1;
+  }
+  const int b = lo, i = tok - qo_indptr[b];
+  const int N = qo_indptr[b + 1] - qo_indptr[b];
+  const int P = kv_indptr[b + 1] - kv_indptr[b];
+  const int row_len = P + N;  // the layout keeps prefix columns even when they are skipped
+  const unsigned char* row = custom_mask + mask_indptr[b] + (long long)i * row_len + (row_len - N);
+  for (int w = threadIdx.x; w < mask_words; w += blockDim.x) {
+    unsigned word = 0u;
+    for (int j = w * 32; j < min(N, w * 32 + 32); ++j) word |= (row[j] ? 1u : 0u) << (j & 31);
+    bits[(long long)tok * mask_words + w] = word;
+  }
+}
+#endif  // TV_SGLANG_MASK_KERNEL
+
+}  // namespace treeverify
