@@ -203,7 +203,8 @@ def test_plan_rejects_exceeded_capacity():
 
 def _sglang_inputs(mla: bool, batch: int, n: int, prefixes: list[int], seed: int):
     """SGLang's target-verify layout and the same problem in our paged layout (page_size 1)."""
-    from treeverify.bench.cases import parents_to_bits, random_parents
+    from treeverify.bench.cases import random_parents
+    from treeverify.spec import parents_to_tree_mask
 
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, dqk, dv = (16, 1, 576, 512) if mla else (32, 8, 128, 128)
@@ -220,7 +221,7 @@ def _sglang_inputs(mla: bool, batch: int, n: int, prefixes: list[int], seed: int
     if not mla:
         pool_v[tree_slots.to(dev)] = v_ext
     parents = random_parents(batch, n, gen)
-    bits = parents_to_bits(parents)  # (B*N, W)
+    bits = parents_to_tree_mask(parents)  # (B*N, W)
     # custom_mask: per request [N, P+N] bytes, prefix columns 1, last N ancestor-or-self
     vis = torch.zeros(batch, n, n, dtype=torch.uint8)
     for i in range(n):

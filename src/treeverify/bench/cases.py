@@ -68,11 +68,6 @@ def random_parents(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
     return parents
 
 
-def parents_to_bits(parents: torch.Tensor) -> torch.Tensor:
-    """(B, T) parents -> (B*T, ceil(T/32)) int32 ancestor-or-self bits (treeverify.spec's)."""
-    return parents_to_tree_mask(parents)
-
-
 def make_inputs(
     case: Case,
     *,
@@ -100,7 +95,7 @@ def make_inputs(
     qo = torch.tensor([0, *torch.tensor(trees).cumsum(0).tolist()], dtype=torch.int32)
     masks = []
     for t in trees:
-        masks.append(parents_to_bits(random_parents(1, t, gen)))
+        masks.append(parents_to_tree_mask(random_parents(1, t, gen)))  # (t, W)
     words = max(m.shape[1] for m in masks)
     tree_mask = torch.zeros(total_q, words, dtype=torch.int32)
     row = 0

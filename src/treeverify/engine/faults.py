@@ -33,19 +33,26 @@ def active(name: str) -> int | None:
     return fault[1]
 
 
-def corrupt_attention(
-    out: torch.Tensor,  # (T, Hq, Dv)
-    kv_lens: torch.Tensor,  # (T,) context length each row attends to
-    prefix_lens: torch.Tensor,  # (T,) cached prefix of each row's chunk
-) -> torch.Tensor:
-    n = active("attn_past")
-    if n is not None:
-        bad = kv_lens > n  # (T,)
-        out = torch.where(bad[:, None, None], out.roll(1, dims=-1), out)
-    if active("merge_bug") is not None:
-        bad = prefix_lens > MERGE_BUG_PREFIX
-        out = torch.where(bad[:, None, None], out * 0.25, out)
-    return out
+def attention_fault_rows(
+    prefix_lens: list[int], query_lens: list[int]
+) -> tuple[torch.Tensor, str] | None:
+    """Once per step (host): the rows a planted attention fault corrupts, and how; None when no
+    attention fault is planted, so a real deployment pays one environment lookup per step."""
+    past, merge = active("attn_past"), active("merge_bug")
+    if past is None and merge is None:
+        return None
+    prefix = torch.repeat_interleave(torch.tensor(prefix_lens), torch.tensor(query_lens))  # (T,)
+    if past is not None:
+        kv = prefix + torch.cat([torch.arange(1, n + 1) for n in query_lens])  # (T,) context
+        return kv > past, "roll"
+    return prefix > MERGE_BUG_PREFIX, "scale"
+
+
+def corrupt_attention(out: torch.Tensor, rows: tuple[torch.Tensor, str]) -> torch.Tensor:
+    """Apply `attention_fault_rows`' verdict to one layer's output (T, Hq, Dv)."""
+    bad, how = rows
+    bad = bad.to(out.device)[:, None, None]
+    return torch.where(bad, out.roll(1, dims=-1) if how == "roll" else out * 0.25, out)
 
 
 def corrupt_logits(logits: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -17,20 +17,20 @@ import torch
 
 from treeverify.engine import faults
 from treeverify.engine.kv_cache import KVCache
+from treeverify.kernels.bits import chain_bits
 from treeverify.kernels.plan import TreeAttentionPlan
 
 
 def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
     """(sum(query_lens), W) int32: row i of a chunk sees nodes 0..i of that chunk."""
     words = math.ceil(max(query_lens) / 32)
-    rows = []
+    out = torch.zeros(sum(query_lens), words, dtype=torch.int32)
+    row = 0
     for n in query_lens:
-        i = torch.arange(n).unsqueeze(1)  # (n, 1)
-        j = torch.arange(words * 32).unsqueeze(0)  # (1, W*32)
-        rows.append((j <= i).view(n, words, 32).to(torch.int64))
-    vis = torch.cat(rows)  # (T, W, 32)
-    packed = (vis << torch.arange(32)).sum(-1)  # (T, W)
-    return ((packed + 2**31) % 2**32 - 2**31).to(torch.int32).to(device)
+        bits = chain_bits(n)  # (n, ceil(n/32))
+        out[row : row + n, : bits.shape[1]] = bits
+        row += n
+    return out.to(device)
 
 
 def _masks(
@@ -43,7 +43,7 @@ def _masks(
     out = torch.zeros(sum(query_lens), words, dtype=torch.int32)
     row = 0
     for n, tree in zip(query_lens, trees, strict=True):
-        bits = chain_masks([n], torch.device("cpu")) if tree is None else tree.cpu()
+        bits = chain_bits(n) if tree is None else tree.cpu()
         out[row : row + n, : bits.shape[1]] = bits
         row += n
     return out.to(device)
@@ -69,6 +69,7 @@ class PagedAttention:
         self.max_pages = math.ceil(context_length / cache.page_size)
         self._plans: dict[tuple, TreeAttentionPlan] = {}
         self._step: tuple | None = None
+        self._fault_rows = None
 
     def plan(
         self,
@@ -96,9 +97,7 @@ class PagedAttention:
         )
         for p in self._plans.values():
             p.plan(*self._step[1:])
-        # Per row: its chunk's cached prefix and the context it attends to (faults.py only).
-        self._row_prefix = torch.repeat_interleave(self._step[2], torch.tensor(query_lens))
-        self._row_kv = self._row_prefix + torch.cat([torch.arange(1, n + 1) for n in query_lens])
+        self._fault_rows = faults.attention_fault_rows(prefix_lens, query_lens)  # TEST ONLY
 
     def _plan_for(self, q: torch.Tensor, k: torch.Tensor, v, sm_scale: float, v_head_dim):
         key = (q.shape[1], k.shape[1], q.shape[2], v_head_dim, v is None, sm_scale, q.dtype)
@@ -124,4 +123,6 @@ class PagedAttention:
         plan = self._plan_for(q, k, v, sm_scale, v_head_dim)
         out = q.new_empty(q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
         out = plan.run(q, kc, vc, out)
-        return faults.corrupt_attention(out, self._row_kv, self._row_prefix)  # no-op unless planted
+        if self._fault_rows is not None:  # a planted fault (TEST ONLY); None in any deployment
+            out = faults.corrupt_attention(out, self._fault_rows)
+        return out

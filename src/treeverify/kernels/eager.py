@@ -7,9 +7,28 @@ not given) and the split-KV workspace for this one call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+V = TypeVar("V")
+MAX_CACHED_LAUNCHERS = 64  # eager calls key launchers by their sizes: keep the recent ones only
+
+
+def cached(cache: OrderedDict, key: tuple, make: Callable[[], V]) -> V:
+    """`cache[key]`, made on a miss; least recently used entries beyond the limit are dropped
+    (eager sizes vary call to call, so an unbounded dict would grow for the process's life)."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+        if len(cache) > MAX_CACHED_LAUNCHERS:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return value
 
 
 @dataclass(frozen=True)

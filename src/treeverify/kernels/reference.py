@@ -12,16 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from treeverify.kernels.bits import unpack_tree_mask
 from treeverify.kernels.validate import validate_tree_attention_args
 
 DEFAULT_CHUNK_SIZE = 4096
 _SCORE_ELEMS = 1 << 24  # max elements of one (Hkv, rows * g, chunk) score tile: 64 MiB in fp32
-
-
-def unpack_tree_mask(words: torch.Tensor, t: int) -> torch.Tensor:
-    """(T, W) int32 mask words of one request -> (T, t) bool: [i, j] = node i sees node j."""
-    j = torch.arange(t, device=words.device)
-    return ((words.long()[:, j // 32] >> (j % 32)) & 1).bool()
 
 
 def tree_attention_reference(

@@ -17,16 +17,22 @@ import math
 
 import torch
 
+from treeverify.kernels.bits import chain_bits
+
 _workspaces: dict[tuple, _Workspace] = {}
 
 
 class _Workspace:
-    def __init__(self, launcher, total_q: int, words: int, device: torch.device):
+    """Fixed-address buffers of one shape: the converted tree bits, the causal-chain bits (built
+    once here, so a causal call does no device work of its own), split partials, params."""
+
+    def __init__(self, launcher, batch: int, n: int, device: torch.device):
         from treeverify.kernels.cuda.launch import Params, load
         from treeverify.kernels.cuda.variants import MaskVariant
 
         self.launcher = launcher
-        self.bits = torch.zeros(total_q, words, dtype=torch.int32, device=device)
+        self.bits = torch.zeros(batch * n, math.ceil(n / 32), dtype=torch.int32, device=device)
+        self.causal_bits = chain_bits(n, device).repeat(batch, 1)  # (B*N, W): node i sees 0..i
         o_shape, lse_shape = launcher.workspace_shapes()
         self.part_o = torch.empty(o_shape, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
@@ -114,9 +120,11 @@ def extend_attention_fwd(
     words = math.ceil(n / 32)
     launcher = launcher_for(q_extend, k_buffer, dv, mla, batch, n, est_kv, total_q)
     key = (q_extend.device, q_extend.dtype, total_q, hq, hkv, dqk, dv, batch, n, est_kv)
-    ws = _workspace(key, lambda: _Workspace(launcher, total_q, words, q_extend.device))
+    ws = _workspace(key, lambda: _Workspace(launcher, batch, n, q_extend.device))
     stream = torch.cuda.current_stream(q_extend.device).cuda_stream
     if custom_mask is not None:
+        if mask_indptr.dtype != torch.int64:
+            raise ValueError(f"mask_indptr: expected int64, got {mask_indptr.dtype}")
         mask = custom_mask if custom_mask.dtype == torch.uint8 else custom_mask.view(torch.uint8)
         args = [
             ctypes.c_void_p(mask.data_ptr()), ctypes.c_void_p(mask_indptr.data_ptr()),
@@ -124,25 +132,12 @@ def extend_attention_fwd(
             ctypes.c_void_p(ws.bits.data_ptr()), ctypes.c_int(batch), ctypes.c_int(words),
             ctypes.c_int(total_q),
         ]  # fmt: skip
-        if mask_indptr.dtype != torch.int64:
-            raise ValueError(f"mask_indptr: expected int64, got {mask_indptr.dtype}")
         ws.mask_kernel.launch((total_q, 1, 1), args, stream)
-    else:  # causal chain: node i sees nodes 0..i
-        _fill_causal_bits(ws.bits, n)
     launcher.fill(
         ws.params, q=q_extend, k=k_buffer, v=None if mla else v_buffer, out=o_extend,
         part_o=ws.part_o, part_lse=ws.part_lse, block_table=kv_indices, prefix_lens=None,
-        kv_indptr=kv_indptr, qo_indptr=qo_indptr, tree_mask=ws.bits, sm_scale=scale,
+        kv_indptr=kv_indptr, qo_indptr=qo_indptr,
+        tree_mask=ws.bits if custom_mask is not None else ws.causal_bits, sm_scale=scale,
         k_ext=k_extend, v_ext=None if mla else v_extend,
     )  # fmt: skip
     launcher.launch(ws.params)
-
-
-def _fill_causal_bits(bits: torch.Tensor, n: int) -> None:
-    """Rows of a chain: node i sees 0..i (built with shape-only device ops)."""
-    total_q, words = bits.shape
-    i = torch.arange(total_q, device=bits.device) % n  # (total_q,)
-    j = torch.arange(words * 32, device=bits.device)  # (W*32,)
-    vis = (j[None, :] <= i[:, None]).view(total_q, words, 32).to(torch.int64)
-    packed = (vis << torch.arange(32, device=bits.device)).sum(-1)  # (total_q, W)
-    bits.copy_(((packed + 2**31) % 2**32 - 2**31).to(torch.int32))  # wrap bit 31 to the sign

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from treeverify.kernels.bits import pack_bits, unpack_tree_mask  # the kernels' layout
+
 __all__ = [
     "bit_values",
     "depths_from_parents",
@@ -99,25 +101,3 @@ def tree_positions(depths: Tensor, start: Tensor) -> Tensor:
     the position of the root, i.e. the number of tokens before it).  Padding nodes get ``start``.
     Use ``depths_from_parents`` when only parents are at hand."""
     return start.long().unsqueeze(1) + depths.long()
-
-
-def pack_bits(dense: Tensor) -> Tensor:
-    """Pack a boolean ``(..., T)`` tensor into ``(..., ceil(T/32))`` int32 words (bit j of word
-    j//32), two's complement for bit 31."""
-    t = dense.shape[-1]
-    w = (t + 31) // 32
-    pad = w * 32 - t
-    d = torch.nn.functional.pad(dense.to(torch.int64), (0, pad))  # (..., W*32)
-    d = d.reshape(*dense.shape[:-1], w, 32)
-    weights = torch.ones(32, dtype=torch.int64, device=dense.device) << torch.arange(
-        32, device=dense.device
-    )
-    words = (d * weights).sum(dim=-1)  # (..., W) in [0, 2^32)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_tree_mask(mask: Tensor, t: int) -> Tensor:
-    """Inverse of ``pack_bits``: ``(..., W)`` int32 -> ``(..., t)`` bool."""
-    node = torch.arange(t, device=mask.device)
-    words = mask[..., node // 32]  # (..., t)
-    return ((words >> (node % 32).to(torch.int32)) & 1).bool()

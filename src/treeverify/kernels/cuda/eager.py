@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params
 from treeverify.kernels.cuda.runner import Launcher, check_alignment
-from treeverify.kernels.eager import eager_bucket, eager_buffers
+from treeverify.kernels.eager import cached, eager_bucket, eager_buffers
 
-_launchers: dict[tuple, Launcher] = {}
+_launchers: OrderedDict[tuple, Launcher] = OrderedDict()  # recent eager buckets
 
 
 def launcher_for(
@@ -22,7 +24,7 @@ def launcher_for(
     max_kv: int,
     total_q_cap: int,
 ) -> Launcher:
-    """A Launcher for this exact bucket, reused across calls with the same sizes."""
+    """A Launcher for this exact bucket, reused across calls with the same sizes (small LRU)."""
     key = (
         env.cuda_portable(),
         q.device,
@@ -37,8 +39,10 @@ def launcher_for(
         max_kv,
         total_q_cap,
     )
-    if key not in _launchers:
-        _launchers[key] = Launcher(
+    return cached(
+        _launchers,
+        key,
+        lambda: Launcher(
             device=q.device,
             dtype=q.dtype,
             hq=q.shape[1],
@@ -50,8 +54,8 @@ def launcher_for(
             max_tree=max_tree,
             max_kv=max_kv,
             total_q_cap=total_q_cap,
-        )
-    return _launchers[key]
+        ),
+    )
 
 
 def tree_attention_cuda(

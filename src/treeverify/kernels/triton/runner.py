@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from treeverify.kernels.eager import eager_bucket, eager_buffers
+from treeverify.kernels.eager import cached, eager_bucket, eager_buffers
 from treeverify.kernels.splits import SplitPolicy, choose_splits
 from treeverify.kernels.triton.tree_attention import tree_attn_fwd, tree_attn_merge
 
@@ -203,7 +203,6 @@ class TritonTreeAttention:
 
 
 _runners: OrderedDict[tuple, TritonTreeAttention] = OrderedDict()
-_MAX_RUNNERS = 64
 
 
 def runner_for(
@@ -219,18 +218,23 @@ def runner_for(
     """A TritonTreeAttention for this exact bucket, reused across eager calls (small LRU)."""
     key = (q.device, q.dtype, q.shape[1], k_cache.shape[-2], q.shape[2], dv, mla, batch,
            max_tree, max_kv, total_q_cap)  # fmt: skip
-    runner = _runners.get(key)
-    if runner is None:
-        runner = TritonTreeAttention(
-            q.shape[1], k_cache.shape[-2], q.shape[2], dv, mla, batch, max_tree, max_kv,
-            total_q_cap, q.device, q.dtype,
-        )  # fmt: skip
-        _runners[key] = runner
-        if len(_runners) > _MAX_RUNNERS:
-            _runners.popitem(last=False)
-    else:
-        _runners.move_to_end(key)
-    return runner
+    return cached(
+        _runners,
+        key,
+        lambda: TritonTreeAttention(
+            q.shape[1],
+            k_cache.shape[-2],
+            q.shape[2],
+            dv,
+            mla,
+            batch,
+            max_tree,
+            max_kv,
+            total_q_cap,
+            q.device,
+            q.dtype,
+        ),  # fmt: skip
+    )
 
 
 def tree_attention_triton(
