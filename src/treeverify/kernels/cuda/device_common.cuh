@@ -92,15 +92,6 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   }
 }
 
-template <bool BF16>
-__device__ __forceinline__ float to_float(unsigned short bits) {
-  if constexpr (BF16) {
-    return __uint_as_float(static_cast<unsigned>(bits) << 16);
-  } else {
-    return __half2float(__ushort_as_half(bits));
-  }
-}
-
 __device__ __forceinline__ void pair_barrier(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads));
 }
