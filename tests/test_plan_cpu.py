@@ -24,6 +24,8 @@ def test_plan_run_equals_eager_across_replans(mla):
     case = Case("t", 3, 500, 40, 4 if mla else 8, 1 if mla else 2, 576 if mla else 64,
                 512 if mla else 64, mla)  # fmt: skip
     plan = _plan(case, 16)
+    meta = plan.block_table.nbytes + plan.prefix_lens.nbytes + plan.qo_indptr.nbytes
+    assert plan.workspace_bytes == meta + plan.tree_mask.nbytes  # torch plans hold no partials
     for seed, (prefixes, trees) in enumerate([([500, 0, 37], [40, 1, 17]), ([9, 900], [3, 33])]):
         inp = make_inputs(case, page_size=16, device="cpu", dtype=torch.float32, seed=seed,
                           prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip

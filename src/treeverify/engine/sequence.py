@@ -89,16 +89,6 @@ class Sequence:
         """Tokens still to prefill: those whose KV is not in the pool (1 while decoding)."""
         return self.num_tokens - self.num_cached_tokens
 
-    def uncached_token_ids(self, n: int | None = None) -> list[int]:
-        """The next ``n`` (default: all) tokens to run through the model."""
-        start = self.num_cached_tokens
-        end = self.num_tokens if n is None else min(self.num_tokens, start + n)
-        return self.all_token_ids[start:end]
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.status is SequenceStatus.RUNNING and self.num_uncached_tokens == 1
-
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
