@@ -70,7 +70,7 @@ def test_ready_arrives_on_notify_socket(notified_server):
     ready = next(m for m in notify.messages if "READY=1" in m)
     assert f"MAINPID={srv.proc.pid}" in ready
     log = srv.log()
-    for phase in ("engine init", "KV allocation", "graph capture", "ready"):
+    for phase in ("engine init", "KV cache:", "warmup forward", "graph capture", "ready"):
         assert phase in log, (phase, log)
 
 

@@ -33,6 +33,11 @@ def active(name: str) -> int | None:
     return fault[1]
 
 
+def any_planted() -> bool:
+    """True when any fault is planted (the engine then runs eager steps only)."""
+    return env.planted_fault() is not None
+
+
 def attention_fault_rows(
     prefix_lens: list[int], query_lens: list[int]
 ) -> tuple[torch.Tensor, str] | None:

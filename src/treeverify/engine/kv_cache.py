@@ -2,23 +2,68 @@
 
 One pair of tensors per layer, `(num_pages, page_size, Hkv, Dqk)` for K and `(..., Dv)` for V, or
 K alone for MLA (V = the first Dv columns of each latent row, exactly as the kernels read it).
-Shapes are taken from the first K/V a layer writes, so the cache needs no model-specific config;
-page ids and slots come from the torch-free BlockManager (slot = page * page_size + offset).
+With a `spec` (the model's `kv_cache_spec()`) every layer is allocated up front, which is what
+memory sizing and CUDA-graph capture need; without one, shapes are taken from the first K/V a
+layer writes. Page ids and slots come from the torch-free BlockManager (slot = page * page_size +
+offset). One extra page past the pool, `scratch_slot`'s page, is never handed out: padding rows
+of a captured step write their K/V there.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
+KVSpec = list[tuple[tuple[int, ...], tuple[int, ...] | None]]  # per layer: K row, V row | None
+
+
+def bytes_per_token(spec: KVSpec, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes across all layers."""
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for k_row, v_row in spec:
+        total += math.prod(k_row) + (math.prod(v_row) if v_row is not None else 0)
+    return total * size
+
+
 class KVCache:
-    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        spec: KVSpec | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages/page_size: expected >= 1, got {num_pages}/{page_size}")
         self.num_pages, self.page_size = num_pages, page_size
         self.device = torch.device(device)
-        self.k: dict[int, torch.Tensor] = {}  # layer -> (pages, page_size, Hkv, Dqk)
-        self.v: dict[int, torch.Tensor | None] = {}  # layer -> (pages, page_size, Hkv, Dv) | None
+        self.k: dict[int, torch.Tensor] = {}  # layer -> (pages+1, page_size, Hkv, Dqk)
+        self.v: dict[int, torch.Tensor | None] = {}  # layer -> (pages+1, page_size, Hkv, Dv)|None
+        if spec is not None:
+            if dtype is None:
+                raise ValueError("dtype: required with spec (the cache is allocated now)")
+            for layer, (k_row, v_row) in enumerate(spec):
+                self._allocate(layer, k_row, v_row, dtype, dtype)
+
+    @property
+    def scratch_slot(self) -> int:
+        """A slot outside the pool (its own page) for the K/V of padding rows."""
+        return self.num_pages * self.page_size
+
+    def _allocate(self, layer, k_row, v_row, k_dtype, v_dtype) -> None:
+        pages = self.num_pages + 1  # + the scratch page
+        self.k[layer] = torch.zeros((pages, self.page_size, *k_row), dtype=k_dtype,
+                                    device=self.device)  # fmt: skip
+        self.v[layer] = (
+            None
+            if v_row is None
+            else torch.zeros((pages, self.page_size, *v_row), dtype=v_dtype, device=self.device)
+        )
 
     def write(
         self,
@@ -29,17 +74,8 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store this step's K/V at their slots; returns the layer's (k_cache, v_cache)."""
         if layer not in self.k:
-            shape = (self.num_pages, self.page_size, *k.shape[1:])
-            self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=self.device)
-            self.v[layer] = (
-                None
-                if v is None
-                else torch.zeros(
-                    (self.num_pages, self.page_size, *v.shape[1:]),
-                    dtype=v.dtype,
-                    device=self.device,
-                )
-            )
+            self._allocate(layer, k.shape[1:], None if v is None else v.shape[1:], k.dtype,
+                           None if v is None else v.dtype)  # fmt: skip
         kc, vc = self.k[layer], self.v[layer]
         kc.view(-1, *kc.shape[2:])[slots] = k.to(kc.dtype)
         if vc is not None:

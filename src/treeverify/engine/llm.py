@@ -4,25 +4,36 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
 
 One step is three lines: `batch = scheduler.schedule()`, `tokens = runner.run(batch)`,
-`scheduler.postprocess(batch, tokens)`. This is the eager engine (CPU or GPU, no CUDA graphs yet);
-attention goes through `PagedAttention`: a `TreeAttentionPlan` over the paged cache.
+`scheduler.postprocess(batch, tokens)`. Attention goes through `PagedAttention`: a
+`TreeAttentionPlan` over the paged cache.
+
+Startup on a GPU: load the weights; size the KV pool from `mem_fraction_static` (unless
+`num_pages` is given) and allocate it; a warmup forward; capture CUDA graphs of the decode step
+(and of the speculative verify step) per batch bucket up to `cuda_graph_max_bs` unless
+`disable_cuda_graph`. `startup` holds each phase's seconds and what was decided. On the CPU the
+engine is eager with `num_pages` pages (default 512).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from treeverify.engine.block_manager import BlockManager
+from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.engine.kv_cache import KVCache
+from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
 from treeverify.engine.sampler import TokenLogprobs, sample
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
 from treeverify.engine.speculative import SpeculativeDecoder
+
+log = logging.getLogger("treeverify.engine")
 
 
 @dataclass
@@ -40,27 +51,54 @@ class LLM:
         self,
         model: str = "tiny-llama",
         *,
-        num_pages: int = 512,
+        num_pages: int | None = None,  # None: 512 on CPU, from mem_fraction_static on a GPU
         page_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         chunked_prefill_size: int | None = None,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",  # auto: cuda on a GPU, torch on the CPU
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,  # None: bf16 on a GPU, fp32 on the CPU
         seed: int = 0,
         speculative_algorithm: str | None = None,  # "DDTREE" | "CHAIN" | None
         speculative_ddtree_budget: int = 16,  # tree nodes besides the root
         speculative_num_draft_tokens: int = 4,  # depth L
+        speculative_draft_model_path: str = "ngram",  # "ngram" or a DFlash drafter directory
+        mem_fraction_static: float = 0.88,
+        cuda_graph_max_bs: int | None = None,  # None: min(max_num_seqs, 32)
+        disable_cuda_graph: bool = False,
     ):
         from treeverify.models import load_model
 
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        if dtype is None:
+            dtype = torch.bfloat16 if on_gpu else torch.float32
+        if attention_backend == "auto":
+            attention_backend = "cuda" if on_gpu else "torch"
+        self.attention_backend = attention_backend
+        self.startup: dict = {}
+        t0 = time.perf_counter()
         self.config, self.model, self.tokenizer = load_model(model, dtype=dtype, device=device,
                                                              seed=seed)  # fmt: skip
         self.model.eval()
-        self.device = torch.device(device)
+        t0 = self._phase("load", t0)
+        spec = self.model.kv_cache_spec()
+        if num_pages is None and on_gpu:
+            sizing = size_kv_pool(spec, dtype, page_size, mem_fraction_static, self.device)
+            num_pages = sizing.num_pages
+            self.startup["kv"] = sizing.describe()
+        elif num_pages is None:
+            num_pages = 512
         self.block_manager = BlockManager(num_pages, page_size)
-        self.cache = KVCache(num_pages, page_size, device)
+        self.cache = KVCache(num_pages, page_size, device, spec=spec, dtype=dtype)
+        self.startup.setdefault(
+            "kv",
+            f"KV cache: {num_pages * page_size} tokens, {self.cache.bytes / 1024**3:.3f} GiB "
+            f"({num_pages} pages, given)",
+        )
+        log.info("%s", self.startup["kv"])
+        t0 = self._phase("kv_alloc", t0)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=max_num_seqs,
@@ -83,6 +121,35 @@ class LLM:
                 depth=speculative_num_draft_tokens,
             )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        self._next_id = 0
+        self.warmup()
+        t0 = self._phase("warmup", t0)
+        self.cuda_graph_buckets: list[tuple[int, int]] = []
+        if on_gpu and not disable_cuda_graph:
+            max_bs = min(cuda_graph_max_bs or 32, max_num_seqs)
+            tokens = [1] + ([self.spec.tree_tokens] if self.spec is not None else [])
+            rows_cap = max(max_num_batched_tokens, max(tokens))
+            self.cuda_graph_buckets = [
+                (b, n) for n in tokens for b in batch_buckets(max_bs) if b * n <= rows_cap or b == 1
+            ]  # fmt: skip
+            self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
+            t0 = self._phase("capture", t0)
+        elif on_gpu:
+            log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")
+        if on_gpu:
+            self.startup["memory"] = check_headroom(self.device)
+
+    def _phase(self, name: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.startup[f"{name}_seconds"] = round(now - t0, 3)
+        return now
+
+    def warmup(self) -> None:
+        """One short request end to end (prefill + a decode step): loads kernels, allocates the
+        eager plans, and fails here rather than on the first real request."""
+        self.generate([[0, 1, 2]], SamplingParams(temperature=0, max_tokens=2, speculative=False))
+        if self.spec is not None:
+            self.spec.reset_stats()
         self._next_id = 0
 
     # ---- requests ------------------------------------------------------------------------------
@@ -161,6 +228,7 @@ class LLM:
         st = self.spec.stats
         return {
             "algorithm": self.spec.algorithm,
+            "drafter": self.spec.drafter_name,
             "budget": self.spec.budget,
             "num_draft_tokens": self.spec.depth,
             "rounds": st.rounds,
@@ -168,6 +236,14 @@ class LLM:
             "accept_length_histogram": dict(sorted(st.histogram.items())),
             "phase_seconds": {k: round(v, 6) for k, v in st.phase_seconds.items()},
         }
+
+    @property
+    def cuda_graph_info(self) -> dict:
+        """For /server_info: what was captured, how long it took, replays so far."""
+        if self.runner.graphs is None:
+            return {"enabled": False, "buckets": [],
+                    "reason": "disabled" if self.device.type == "cuda" else "CPU (eager)"}  # fmt: skip
+        return self.runner.graphs.info
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(

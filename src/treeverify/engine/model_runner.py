@@ -1,8 +1,10 @@
 """ModelRunner: turns a scheduled batch into tensors, plans attention, runs the model, samples.
 
 It owns the model, the paged KV cache and the attention plans; the scheduler and block manager
-(torch-free) decide what runs and where its KV lives. Eager for now: CUDA-graph capture of decode
-steps will replay `forward` over the same fixed plan buffers.
+(torch-free) decide what runs and where its KV lives. A step whose chunks are all decodes (or all
+speculative trees of one size) replays a captured CUDA graph of its bucket when graphs were
+captured (`capture_graphs`); any other step (prefill, mixed) runs eagerly over the same
+attention seam.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from treeverify.engine import faults
+from treeverify.engine.cuda_graphs import CudaGraphs
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
 from treeverify.engine.scheduler import ScheduledBatch
@@ -29,11 +32,46 @@ class ModelRunner:
     ):
         self.model, self.cache = model, cache
         self.device = cache.device
+        self.graphs: CudaGraphs | None = None
+        self._moe_layers = [m for m in model.modules() if hasattr(m, "n_experts")]
         self.attention = PagedAttention(
             cache, max_batch=max_num_seqs, max_chunk=max_chunk,
             max_total_q=max_num_batched_tokens,
             context_length=cache.num_pages * cache.page_size, backend=attention_backend,
         )  # fmt: skip
+
+    def capture_graphs(self, buckets: list[tuple[int, int]]) -> list[dict]:
+        """Capture the decode (and tree) forwards per (batch, tokens) bucket; GraphCaptureError
+        on failure."""
+        self.graphs = CudaGraphs(self.model, self.attention, buckets=buckets)
+        return self.graphs.capture()
+
+    @staticmethod
+    def _decode_shaped(batch: ScheduledBatch, qlens: list[int], trees) -> bool:
+        """Every chunk one sampled decode, or every chunk a tree of the same size."""
+        if not batch.chunks or any(q != qlens[0] for q in qlens):
+            return False
+        if not all(c.samples for c in batch.chunks):
+            return False
+        return qlens[0] == 1 or len(trees) == len(batch.chunks)
+
+    def _bucket(self, batch: ScheduledBatch, qlens: list[int], trees) -> tuple[int, int] | None:
+        """A captured bucket for this step, or None (eager)."""
+        if self.graphs is None or not self._decode_shaped(batch, qlens, trees):
+            return None
+        if faults.any_planted():
+            return None  # planted faults act on the eager path (TEST ONLY)
+        return self.graphs.bucket_for(len(batch.chunks), qlens[0])
+
+    def _moe_impl(self, impl: str | None) -> str | None:
+        """Set the MoE layers' impl (None: leave it); returns the previous one to restore."""
+        layers = self._moe_layers
+        if impl is None or not layers:
+            return None
+        before = layers[0].impl
+        for m in layers:
+            m.impl = impl
+        return before
 
     @torch.inference_mode()
     def run(
@@ -69,6 +107,8 @@ class ModelRunner:
                 masks.append(tree.mask)
                 spans.append((len(rows), n))
                 rows += range(base, base + n)
+        bucket = self._bucket(batch, qlens, trees)
+        self.attention.select(bucket)
         self.attention.plan(
             torch.tensor(slots, dtype=torch.int64),
             [c.seq.block_table for c in batch.chunks],
@@ -77,11 +117,22 @@ class ModelRunner:
             masks,
         )
         dev = self.device
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),  # (T,)
-            torch.tensor(pos, dtype=torch.int64, device=dev),  # (T,)
-            attention=self.attention,
-            logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),  # (N,)
-        )  # (N, V)
+        if bucket is not None:  # every token is a logits row, in order
+            logits = self.graphs.replay(bucket, torch.tensor(ids, dtype=torch.int64),
+                                        torch.tensor(pos, dtype=torch.int64))  # fmt: skip
+            return [logits[a : a + n] for a, n in spans]
+        # On a GPU an eager decode routes MoE as the captured graphs do, so turning graphs off
+        # changes no kernel choice but the padding.
+        moe = self._moe_impl("graph" if dev.type == "cuda" and self._decode_shaped(
+            batch, qlens, trees) else None)  # fmt: skip
+        try:
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=dev),  # (T,)
+                torch.tensor(pos, dtype=torch.int64, device=dev),  # (T,)
+                attention=self.attention,
+                logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),  # (N,)
+            )  # (N, V)
+        finally:
+            self._moe_impl(moe)
         logits = faults.corrupt_logits(logits, len(batch.chunks))  # no-op unless planted
         return [logits[a : a + n] for a, n in spans]

@@ -50,7 +50,14 @@ def _masks(
 
 
 class PagedAttention:
-    """Plans per attention shape (one per model, made on first use) over one KV cache."""
+    """Plans per attention shape (made on first use) over one KV cache.
+
+    Plans are kept per bucket: `None` is the eager bucket (the engine's full capacities); a CUDA
+    graph bucket `(B, n)` (B requests of n tokens) has plans sized exactly for it, so a captured
+    batch-1 decode launches a batch-1 grid. `select(bucket)` picks the set that `plan()` fills and
+    the layers run. The step's slots live in one fixed buffer; rows past the step's tokens
+    (padding of a captured bucket) write their K/V to the cache's scratch slot.
+    """
 
     def __init__(
         self,
@@ -67,9 +74,19 @@ class PagedAttention:
         self.max_total_q = max_total_q
         self.context_length = context_length
         self.max_pages = math.ceil(context_length / cache.page_size)
-        self._plans: dict[tuple, TreeAttentionPlan] = {}
-        self._step: tuple | None = None
+        self._plans: dict[tuple, TreeAttentionPlan] = {}  # (bucket, shape) -> plan
+        self.bucket: tuple[int, int] | None = None
+        self.slots = torch.full((max_total_q,), cache.scratch_slot, dtype=torch.int64,
+                                device=cache.device)  # fmt: skip  (rows,) fixed address
+        self._meta: tuple | None = None
         self._fault_rows = None
+
+    def select(self, bucket: tuple[int, int] | None) -> None:
+        """Use the plans of a graph bucket (B, n), or the eager ones (None)."""
+        if bucket is not None and (bucket[0] * bucket[1] > self.max_total_q
+                                   or bucket[1] > self.max_chunk):  # fmt: skip
+            raise ValueError(f"bucket: {bucket} exceeds the engine's capacities")
+        self.bucket = bucket
 
     def plan(
         self,
@@ -88,40 +105,51 @@ class PagedAttention:
         qo = [0]
         for n in query_lens:
             qo.append(qo[-1] + n)
-        self._step = (
-            slots.to(dev),
+        total = qo[-1]
+        self.slots[:total].copy_(slots)
+        self.slots[total:].fill_(self.cache.scratch_slot)
+        self._meta = (
             table.to(dev),  # (B, pages)
-            torch.tensor(prefix_lens, dtype=torch.int32, device=dev),  # (B,)
-            torch.tensor(qo, dtype=torch.int32, device=dev),  # (B+1,)
+            torch.tensor(prefix_lens, dtype=torch.int32),  # (B,) host: plan() checks it
+            torch.tensor(qo, dtype=torch.int32),  # (B+1,) host
             _masks(query_lens, tree_masks, dev),  # (T, W)
         )
-        for p in self._plans.values():
-            p.plan(*self._step[1:])
+        for (bucket, _), p in self._plans.items():
+            if bucket == self.bucket:
+                p.plan(*self._meta)
         self._fault_rows = faults.attention_fault_rows(prefix_lens, query_lens)  # TEST ONLY
 
     def _plan_for(self, q: torch.Tensor, k: torch.Tensor, v, sm_scale: float, v_head_dim):
-        key = (q.shape[1], k.shape[1], q.shape[2], v_head_dim, v is None, sm_scale, q.dtype)
+        shape = (q.shape[1], k.shape[1], q.shape[2], v_head_dim, v is None, sm_scale, q.dtype)
+        key = (self.bucket, shape)
         plan = self._plans.get(key)
         if plan is None:
             mla = v is None
+            batch, tree = self.bucket or (self.max_batch, self.max_chunk)
+            total_q = batch * tree if self.bucket else self.max_total_q
             plan = TreeAttentionPlan(
                 num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
                 head_dim_v=v_head_dim if mla else v.shape[2], mla=mla,
-                page_size=self.cache.page_size, max_batch=self.max_batch,
-                max_tree=self.max_chunk, max_pages_per_request=self.max_pages,
-                max_kv_len=self.context_length, max_total_q=self.max_total_q,
+                page_size=self.cache.page_size, max_batch=batch,
+                max_tree=tree, max_pages_per_request=self.max_pages,
+                max_kv_len=self.context_length, max_total_q=total_q,
                 sm_scale=sm_scale, dtype=q.dtype, device=self.cache.device, backend=self.backend,
             )  # fmt: skip
-            plan.plan(*self._step[1:])
+            plan.plan(*self._meta)
             self._plans[key] = plan
         return plan
 
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(p.workspace_bytes for p in self._plans.values())
+
     def __call__(self, layer, q, k, v, sm_scale, v_head_dim=None):
-        if self._step is None:
+        if self._meta is None:
             raise RuntimeError("PagedAttention: plan() must run before the forward pass")
-        kc, vc = self.cache.write(layer, self._step[0], k, v)
+        kc, vc = self.cache.write(layer, self.slots[: q.shape[0]], k, v)
         plan = self._plan_for(q, k, v, sm_scale, v_head_dim)
-        out = q.new_empty(q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
+        # zeros, not empty: rows of padding requests are never written by the kernels
+        out = q.new_zeros(q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
         out = plan.run(q, kc, vc, out)
         if self._fault_rows is not None:  # a planted fault (TEST ONLY); None in any deployment
             out = faults.corrupt_attention(out, self._fault_rows)

@@ -72,7 +72,19 @@ class SpeculativeDecoder:
         self.bm, self.cache = block_manager, cache
         self.algorithm, self.budget, self.depth = algorithm, budget, depth
         self.drafter = drafter or NgramDrafter(vocab_size)
+        self.drafter_name = "ngram" if isinstance(self.drafter, NgramDrafter) else "dflash"
+        self.vocab_size = vocab_size
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
         self.stats = SpecStats(histogram={}, phase_seconds=dict.fromkeys(PHASES, 0.0))
+
+    @property
+    def tree_tokens(self) -> int:
+        """Nodes of every round's tree, root included (the captured verify bucket's n)."""
+        if self.algorithm == "CHAIN":
+            return 1 + min(self.depth, self.budget)
+        return 1 + min(self.budget, self.depth * self.vocab_size)
 
     def _time(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
@@ -124,12 +136,13 @@ class SpeculativeDecoder:
             acc = accept_greedy(toks, par, logits.argmax(-1)[None], max_depth=max(1, *tree.depths))
         else:
             gen = torch.Generator().manual_seed(
-                (p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF) * 1_000_003
-                + seq.num_tokens
+                ((p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF) * 1_000_003
+                 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
             )  # fmt: skip
             acc = accept_sampled(
                 toks, par, logits[None], p.temperature, p.top_p if p.top_p < 1 else None,
-                p.top_k if p.top_k > 0 else None, gen, max_depth=max(1, *tree.depths),
+                min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None,  # k >= V: all tokens
+                gen, max_depth=max(1, *tree.depths),
             )  # fmt: skip
         m = int(acc.length[0])  # accepted nodes, root included
         path = acc.path[0, :m].tolist()

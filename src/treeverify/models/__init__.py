@@ -46,12 +46,17 @@ def load_model(
     seed: int = 0,
     tokenizer: bool = True,
 ):
-    """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`) or a local
+    """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`), a
+    random-weight benchmark shape ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a local
     Hugging Face directory (FileNotFoundError / ValueError naming what is missing).
     tokenizer=False skips tokenizer.json (returns None), e.g. for weights-only directories."""
     if str(name_or_path) in TINY_MODELS:
         cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)
         return cfg, model.to(device), tok
+    if str(name_or_path).startswith("random:"):
+        from treeverify.models.random_shapes import build_random
+
+        return build_random(str(name_or_path), dtype=dtype, device=device, seed=seed)
     from treeverify.models.loader import load_pretrained
 
     return load_pretrained(name_or_path, dtype=dtype, device=device, tokenizer=tokenizer)

@@ -78,11 +78,11 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention, absorbed):
+    def forward(self, x, cos, sin, attention, absorbed, valid=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, absorbed)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            y, counts = self.mlp(h)
+            y, counts = self.mlp(h, valid)
             return x + y, counts
         return x + self.mlp(h), None
 
@@ -121,9 +121,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         )
         self.absorbed = True
 
+    def kv_cache_spec(self) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+        """Per layer (K row shape, V row shape or None): one absorbed latent row per token."""
+        c = self.config
+        return [((1, c.kv_lora_rank + c.qk_rope_head_dim), None)] * c.num_hidden_layers
+
     def set_moe_impl(self, impl: str) -> None:
-        if impl not in ("grouped", "dense"):
-            raise ValueError(f"impl: expected 'grouped' or 'dense', got {impl!r}")
+        if impl not in ("grouped", "dense", "gather", "graph"):
+            raise ValueError(
+                f"impl: expected 'grouped', 'dense', 'gather' or 'graph', got {impl!r}"
+            )
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.mlp.impl = impl
@@ -150,6 +157,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         attention: Attention | None = None,
         logits_indices: torch.Tensor | None = None,  # (N,): rows to project; default all
         absorbed: bool | None = None,
+        token_valid: torch.Tensor | None = None,  # (T,) bool: padding rows False (MoE counts)
     ) -> torch.Tensor:  # (T or N, vocab) fp32
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -161,7 +169,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         cos, sin = self.rope(positions)  # (T, R/2) each
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.model.layers):
-            x, counts = layer(x, cos, sin, attention, absorbed)
+            x, counts = layer(x, cos, sin, attention, absorbed, token_valid)
             if counts is not None:
                 self.moe_expert_counts[i] += counts
         if logits_indices is not None:

@@ -75,12 +75,18 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def kv_cache_spec(self) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+        """Per layer (K row shape, V row shape) of one token's cache entry."""
+        c = self.config
+        return [((c.num_key_value_heads, c.head_dim),) * 2] * c.num_hidden_layers
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,) int
         positions: torch.Tensor,  # (T,) int
         attention: Attention | None = None,
         logits_indices: torch.Tensor | None = None,  # (N,): rows to project; default all
+        token_valid: torch.Tensor | None = None,  # (T,) bool; unused (no MoE), same signature
     ) -> torch.Tensor:  # (T or N, vocab) fp32
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(

@@ -73,7 +73,11 @@ class DeepseekMoE(nn.Module):
 
     impl="grouped" (default) gathers each expert's tokens (host sync on the counts: eager only);
     impl="dense" runs every expert on every token with zero weight where unrouted: no sync, no
-    data-dependent shapes (CUDA-graph capturable), E times the FLOPs — for tiny models.
+    data-dependent shapes (CUDA-graph capturable), E times the FLOPs;
+    impl="gather" gathers each token's k experts' weights (stacked, see `stack_experts`) and runs
+    them as batched GEMVs: no sync, reads only the routed experts (decode-sized batches).
+    impl="graph" picks gather when T*k < E, else dense, from the (static) token count: what a
+    captured decode step uses. `valid` (T,) bool leaves padding rows out of the counts.
     """
 
     def __init__(self, cfg: DeepseekV3Config):
@@ -89,15 +93,52 @@ class DeepseekMoE(nn.Module):
             else None
         )
         self.impl = "grouped"
+        self.w_gate_up: torch.Tensor | None = None  # (E, 2I, hidden) once stacked
+        self.w_down: torch.Tensor | None = None  # (E, hidden, I) once stacked
 
-    def forward(self, x: torch.Tensor):
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """Move the experts' weights into two stacked tensors; the experts' Linear weights become
+        views into them (no second copy), so every impl keeps working."""
+        if self.w_gate_up is not None:
+            return
+        gate_up = torch.stack(
+            [torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in self.experts]
+        )  # (E, 2I, hidden)
+        down = torch.stack([e.down_proj.weight for e in self.experts])  # (E, hidden, I)
+        inter = gate_up.shape[1] // 2
+        for i, e in enumerate(self.experts):
+            e.gate_proj.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
+            e.up_proj.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+        self.w_gate_up, self.w_down = gate_up, down
+
+    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        self.stack_experts()
+        gate_up = self.w_gate_up[idx]  # (T, k, 2I, hidden)
+        h = torch.einsum("th,tkih->tki", x, gate_up)  # (T, k, 2I)
+        g, u = h.chunk(2, dim=-1)  # (T, k, I) each
+        y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, self.w_down[idx])  # (T, k, hidden)
+        return (y.float() * w[..., None]).sum(1)  # (T, hidden)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None):
         t = x.shape[0]
         idx, w = self.gate(x)  # (T, k), (T, k)
         flat = idx.reshape(-1)  # (T*k,)
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))  # on device, no sync
+        ones = (
+            torch.ones_like(flat)
+            if valid is None
+            else valid.to(torch.int64).repeat_interleave(idx.shape[1])
+        )  # (T*k,)
+        counts.index_add_(0, flat, ones)  # on device, no sync
+        impl = self.impl
+        if impl == "graph":
+            impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
         out = torch.zeros_like(x, dtype=torch.float32)  # (T, hidden)
-        if self.impl == "dense":
+        if impl == "gather":
+            out = self._gathered(x, idx, w)
+        elif impl == "dense":
             combine = torch.zeros(t, self.n_experts, device=x.device, dtype=torch.float32)
             combine.scatter_add_(1, idx, w)  # (T, E)
             for e, expert in enumerate(self.experts):

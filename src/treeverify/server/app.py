@@ -169,14 +169,10 @@ def create_app(
             "kv_capacity_tokens": bm.capacity_tokens,
             "num_pages": bm.num_pages,
             "page_size": bm.page_size,
-            "cuda_graph": {
-                "enabled": False,
-                "buckets": [],
-                "note": "eager engine: no CUDA graphs captured yet",
-            },
+            "cuda_graph": getattr(llm, "cuda_graph_info", {"enabled": False}),
             "speculative": {"enabled": False}
             if getattr(llm, "spec_stats", None) is None
-            else {"enabled": True, "drafter": "ngram", **llm.spec_stats},
+            else {"enabled": True, **llm.spec_stats},
             "uptime_s": round(time.time() - started, 3),
             "stats": {
                 "running": s.running,

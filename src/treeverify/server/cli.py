@@ -1,7 +1,8 @@
 """``treeverify serve``: flags in SGLang's spelling (``--mem-fraction-static``, ...).
 
-Flags that only matter on a GPU or for features not built yet (CUDA graphs, memory fraction) are
-accepted and recorded in /server_info so a deployment can pass SGLang-style arguments unchanged.
+GPU-only flags (--mem-fraction-static, --cuda-graph-max-bs, --disable-cuda-graph) are accepted on
+the CPU too and have no effect there (the CPU engine is eager, with --num-pages pages); every flag
+is recorded in /server_info so a deployment can pass SGLang-style arguments unchanged.
 Also runnable alone: ``python -m treeverify.server.cli serve --model tiny-llama --port 30000``.
 """
 
@@ -25,9 +26,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", help="model id clients use (default: --model)")
     p.add_argument("--context-length", type=int, help="max prompt + output tokens per request")
-    p.add_argument("--attention-backend", choices=("torch", "triton", "cuda"), default="torch")
+    p.add_argument(
+        "--attention-backend",
+        choices=("auto", "torch", "triton", "cuda"),
+        default="auto",
+        help="auto: cuda on a GPU, torch on the CPU",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    p.add_argument("--num-pages", type=int, default=512, help="KV pages in the pool")
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        help="KV pages in the pool (default: from --mem-fraction-static on a GPU, 512 on CPU)",
+    )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -35,14 +45,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--mem-fraction-static",
         type=float,
-        help="accepted and recorded; only meaningful on GPU (not used yet)",
+        default=0.88,
+        help="GPU: fraction of device memory for weights + KV pool, measured after load "
+        "(the rest is for activations and graphs)",
     )
     p.add_argument(
         "--disable-cuda-graph",
         action="store_true",
-        help="accepted; the engine is eager (no CUDA graphs yet)",
+        help="GPU: run every step eagerly (no CUDA-graph capture)",
     )
-    p.add_argument("--cuda-graph-max-bs", type=int, help="accepted; recorded (no graphs yet)")
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        help="GPU: largest decode batch captured (default min(--max-running-requests, 32))",
+    )
     p.add_argument(
         "--speculative-algorithm",
         choices=("DDTREE", "CHAIN"),
@@ -111,12 +127,17 @@ def run(args: argparse.Namespace) -> int:
         "max_running_requests",
         "max_num_batched_tokens",
         "chunked_prefill_size",
+        "cuda_graph_max_bs",
         "port",
     ):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "port" else 1):
             print(f"--{name.replace('_', '-')}: must be >= 1, got {v}", file=sys.stderr)
             return 64
+    if not 0.0 < args.mem_fraction_static < 1.0:
+        print(f"--mem-fraction-static: must be in (0, 1), got {args.mem_fraction_static}",
+              file=sys.stderr)  # fmt: skip
+        return 64
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

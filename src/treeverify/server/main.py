@@ -1,7 +1,8 @@
 """``serve(args)``: load the engine, start the engine loop, run uvicorn, shut down cleanly.
 
-Startup phases are logged with durations (engine init = model load + page tables; warmup = the
-first forward, which allocates the KV pool; graph capture: none yet; ready). With systemd
+Startup phases are logged with durations (model load; KV pool sized from --mem-fraction-static
+and allocated; warmup forward; CUDA-graph capture per bucket on a GPU; ready). A capture failure
+is a startup error naming the bucket (exit 1), never a silent fallback to eager. With systemd
 ``Type=notify`` the server sends ``READY=1`` on ``$NOTIFY_SOCKET`` once it accepts connections and
 ``STOPPING=1`` when shutdown begins. SIGTERM (or SIGINT): stop accepting, let in-flight requests
 finish for ``--shutdown-grace`` seconds, cancel the rest (finish_reason "abort"), exit 0.
@@ -68,32 +69,53 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     """The LLM and the context length it serves (the model's, capped by flags and KV capacity)."""
     import torch
 
+    from treeverify.engine.cuda_graphs import GraphCaptureError
     from treeverify.engine.llm import LLM
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.monotonic()
     log.info(
-        "startup: engine init (load %s on %s, %d pages x %d tokens) ...",
+        "startup: engine init (load %s on %s; KV %s; graphs %s) ...",
         args.model,
         device,
-        args.num_pages,
-        args.page_size,
+        f"{args.num_pages} pages" if args.num_pages else "from --mem-fraction-static",
+        "off" if args.disable_cuda_graph or device == "cpu" else "on",
     )
-    llm = LLM(
-        args.model,
-        num_pages=args.num_pages,
-        page_size=args.page_size,
-        max_num_seqs=args.max_running_requests,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        attention_backend=args.attention_backend,
-        device=device,
-        speculative_algorithm=args.speculative_algorithm,
-        speculative_ddtree_budget=args.speculative_ddtree_budget,
-        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
-    )
+    try:
+        llm = LLM(
+            args.model,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_num_seqs=args.max_running_requests,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            attention_backend=args.attention_backend,
+            device=device,
+            speculative_algorithm=args.speculative_algorithm,
+            speculative_ddtree_budget=args.speculative_ddtree_budget,
+            speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+            speculative_draft_model_path=args.speculative_draft_model_path,
+            mem_fraction_static=args.mem_fraction_static,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
+        )
+    except GraphCaptureError as exc:
+        log.error("startup: %s", exc)
+        raise SystemExit(1) from exc
+    st = llm.startup
+    log.info("startup: model load done in %s s", st.get("load_seconds"))
+    log.info("startup: %s (allocated in %s s)", st["kv"], st.get("kv_alloc_seconds"))
+    log.info("startup: warmup forward done in %s s", st.get("warmup_seconds"))
+    if "graphs" in st:
+        log.info(
+            "startup: graph capture done in %s s (%d buckets)",
+            st.get("capture_seconds"),
+            len(st["graphs"]),
+        )
+    else:
+        log.info("startup: graph capture skipped (%s)", llm.cuda_graph_info.get("reason"))
+    _phase("engine init", t0)
     capacity = llm.block_manager.capacity_tokens
-    _phase("engine init (model load + page tables)", t0, f"KV capacity {capacity} tokens")
     model_ctx = int(getattr(llm.config, "max_position_embeddings", capacity))
     ctx = min(args.context_length or model_ctx, model_ctx, capacity)
     if args.context_length and args.context_length > ctx:
@@ -104,12 +126,6 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
             model_ctx,
             capacity,
         )
-    t0 = time.monotonic()
-    from treeverify.engine.sampling_params import SamplingParams
-
-    llm.generate([[0, 1]], SamplingParams(temperature=0, max_tokens=1))
-    _phase("KV allocation + warmup forward", t0)
-    log.info("startup: graph capture skipped: the engine is eager (no CUDA graphs yet)")
     _planted_capture_faults()
     return llm, ctx
 
@@ -130,8 +146,8 @@ def serve(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in ("run", "func")}
     info = {
         "server_args": flags,
-        "attention_backend": args.attention_backend,
-        "mem_fraction_static_note": "recorded; only meaningful on GPU (not used yet)",
+        "attention_backend": llm.attention_backend,
+        "startup": {k: v for k, v in llm.startup.items() if k != "graphs"},
     }
     app = create_app(
         engine,
