@@ -18,6 +18,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--no-verify", action="store_true", help="skip the reference comparison")
     k.add_argument("--json", metavar="FILE", help="write the results as JSON")
     k.add_argument("--plot", metavar="PNG", help="write a roofline plot")
+    e = sub.add_parser("engine", help="engine suites on a GPU: graphs, decode, verify, spec")
+    e.add_argument("--suites", default="graphs,decode,verify,spec", help="comma list")
+    e.add_argument("--graphs-models", default="tiny-llama,tiny-kimi,random:llama-1b,random:mla-moe")
+    e.add_argument("--decode-models", default="random:llama-1b,random:mla-moe")
+    e.add_argument("--verify-models", default="random:llama-8b,random:mla-moe")
+    e.add_argument("--spec-models", default="tiny-llama,random:llama-1b")
+    e.add_argument("--json", metavar="FILE", help="write the results as JSON")
     try:  # `bench serve` needs the server extra's httpx; leave it out where that is missing
         from treeverify.server import bench_serve
     except ImportError:
@@ -32,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
         return bench_serve.run(args)
     import torch
+
+    if args.bench_cmd == "engine":
+        return _run_engine(args, torch)
 
     if not torch.cuda.is_available():
         print("treeverify bench kernel: needs a CUDA GPU (none visible)", file=sys.stderr)
@@ -55,3 +65,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(bad_err)} rows failed correctness or errored", file=sys.stderr)
         return 2
     return 0
+
+
+def _run_engine(args: argparse.Namespace, torch) -> int:
+    if not torch.cuda.is_available():
+        print("treeverify bench engine: needs a CUDA GPU (none visible)", file=sys.stderr)
+        return 3
+    import json
+
+    from treeverify.bench.engine import SUITES, print_summary, run_suites
+
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    bad = [s for s in suites if s not in SUITES]
+    if bad:
+        print(f"--suites: unknown {bad}; choose from {', '.join(SUITES)}", file=sys.stderr)
+        return 64
+    models = {s: getattr(args, f"{s}_models") for s in SUITES}
+    result = run_suites(suites, models)
+    result["meta"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "date": __import__("datetime").date.today().isoformat()}  # fmt: skip
+    print_summary({k: v for k, v in result.items() if k != "meta"})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    errors = [r for rows in result.values() if isinstance(rows, list) for r in rows if "error" in r]
+    return 2 if errors else 0

@@ -15,7 +15,6 @@ import math
 
 import torch
 
-
 KVSpec = list[tuple[tuple[int, ...], tuple[int, ...] | None]]  # per layer: K row, V row | None
 
 

@@ -241,8 +241,8 @@ class LLM:
     def cuda_graph_info(self) -> dict:
         """For /server_info: what was captured, how long it took, replays so far."""
         if self.runner.graphs is None:
-            return {"enabled": False, "buckets": [],
-                    "reason": "disabled" if self.device.type == "cuda" else "CPU (eager)"}  # fmt: skip
+            why = "disabled" if self.device.type == "cuda" else "CPU (eager)"
+            return {"enabled": False, "buckets": [], "reason": why}
         return self.runner.graphs.info
 
     def output(self, seq: Sequence) -> RequestOutput:

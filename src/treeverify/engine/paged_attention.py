@@ -76,8 +76,9 @@ class PagedAttention:
         self.max_pages = math.ceil(context_length / cache.page_size)
         self._plans: dict[tuple, TreeAttentionPlan] = {}  # (bucket, shape) -> plan
         self.bucket: tuple[int, int] | None = None
-        self.slots = torch.full((max_total_q,), cache.scratch_slot, dtype=torch.int64,
-                                device=cache.device)  # fmt: skip  (rows,) fixed address
+        self.slots = torch.full(
+            (max_total_q,), cache.scratch_slot, dtype=torch.int64, device=cache.device
+        )  # fmt: skip  (rows,) fixed address
         self._meta: tuple | None = None
         self._fault_rows = None
 
@@ -138,6 +139,12 @@ class PagedAttention:
             plan.plan(*self._meta)
             self._plans[key] = plan
         return plan
+
+    def forget(self, bucket: tuple[int, int]) -> None:
+        """Drop a bucket's plans (their buffers) and go back to the eager plans."""
+        for key in [k for k in self._plans if k[0] == bucket]:
+            del self._plans[key]
+        self.select(None)
 
     @property
     def workspace_bytes(self) -> int:

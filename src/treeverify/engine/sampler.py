@@ -30,36 +30,37 @@ def sample(
     """Tokens for `seqs` (same order), and logprobs where the request asked for them."""
     if logits.shape[0] != len(seqs):
         raise ValueError(f"logits: {logits.shape[0]} rows for {len(seqs)} sequences")
-    tokens: list[int] = []
-    infos: list[TokenLogprobs | None] = []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    # One device->host read for the whole step: greedy rows by one argmax, sampled rows drawn
+    # on the device, then every chosen id read back together.
+    chosen = torch.argmax(logits, dim=-1)  # (N,)
     for row, seq in enumerate(seqs):
         p = seq.sampling_params
         if p.temperature == 0:
-            tok = int(torch.argmax(logits[row]))
-        else:
-            gen = torch.Generator(device=logits.device)
-            base = p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF
-            gen.manual_seed(base * 1_000_003 + seq.num_tokens)
-            tok = int(
-                sample_per_node(
-                    logits[row].view(1, 1, -1), p.temperature, p.top_p if p.top_p < 1 else None,
-                    p.top_k if p.top_k > 0 else None, gen,
-                )[0, 0]
-            )  # fmt: skip
-        tok = faults.garble_token(tok, seq.num_output_tokens, logits.shape[-1])  # planted only
-        tokens.append(tok)
-        if p.logprobs is None:
-            infos.append(None)
             continue
-        top = torch.topk(logprobs[row], k=max(p.logprobs, 0)) if p.logprobs else None
-        infos.append(
-            TokenLogprobs(
-                token_id=tok,
-                logprob=float(logprobs[row, tok]),
-                top=[]
-                if top is None
-                else list(zip(top.indices.tolist(), top.values.tolist(), strict=True)),  # fmt: skip
-            )
+        gen = torch.Generator(device=logits.device)
+        base = p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF
+        gen.manual_seed((base * 1_000_003 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF)
+        chosen[row] = sample_per_node(
+            logits[row].view(1, 1, -1), p.temperature, p.top_p if p.top_p < 1 else None,
+            min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None, gen,
+        )[0, 0]  # fmt: skip
+    tokens = [
+        faults.garble_token(tok, seq.num_output_tokens, logits.shape[-1])  # planted only
+        for tok, seq in zip(chosen.tolist(), seqs, strict=True)
+    ]
+    infos: list[TokenLogprobs | None] = [None] * len(seqs)
+    wanted = [row for row, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+    if not wanted:
+        return tokens, infos
+    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)  # (W, V)
+    for i, row in enumerate(wanted):
+        k = seqs[row].sampling_params.logprobs
+        top = torch.topk(logprobs[i], k=min(k, logprobs.shape[-1])) if k else None
+        infos[row] = TokenLogprobs(
+            token_id=tokens[row],
+            logprob=float(logprobs[i, tokens[row]]),
+            top=[]
+            if top is None
+            else list(zip(top.indices.tolist(), top.values.tolist(), strict=True)),  # fmt: skip
         )
     return tokens, infos

@@ -47,8 +47,8 @@ def load_model(
     tokenizer: bool = True,
 ):
     """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`), a
-    random-weight benchmark shape ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a local
-    Hugging Face directory (FileNotFoundError / ValueError naming what is missing).
+    random-weight benchmark shape ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a
+    local Hugging Face directory (FileNotFoundError / ValueError naming what is missing).
     tokenizer=False skips tokenizer.json (returns None), e.g. for weights-only directories."""
     if str(name_or_path) in TINY_MODELS:
         cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)

@@ -126,12 +126,12 @@ class DeepseekMoE(nn.Module):
         idx, w = self.gate(x)  # (T, k), (T, k)
         flat = idx.reshape(-1)  # (T*k,)
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
-        ones = (
-            torch.ones_like(flat)
-            if valid is None
-            else valid.to(torch.int64).repeat_interleave(idx.shape[1])
-        )  # (T*k,)
-        counts.index_add_(0, flat, ones)  # on device, no sync
+        counts.index_add_(0, flat, torch.ones_like(flat))  # on device, no sync
+        valid_counts = counts  # what the counters report: padding rows left out
+        if valid is not None:
+            valid_counts = torch.zeros_like(counts).index_add_(
+                0, flat, valid.to(torch.int64).repeat_interleave(idx.shape[1])
+            )  # (E,)
         impl = self.impl
         if impl == "graph":
             impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
@@ -157,4 +157,4 @@ class DeepseekMoE(nn.Module):
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out, counts
+        return out, valid_counts

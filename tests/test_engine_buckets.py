@@ -1,0 +1,100 @@
+"""The CPU side of CUDA-graph buckets: padded bucket plans equal eager ones, padding rows touch
+only the scratch slot and are left out of MoE counts, sync-free MoE impls agree, KV sizing math.
+(Capture itself needs a GPU: tests/test_engine_gpu.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeverify.engine.cuda_graphs import batch_buckets
+from treeverify.engine.kv_cache import KVCache, bytes_per_token
+from treeverify.engine.paged_attention import PagedAttention
+from treeverify.models import load_model
+from treeverify.models.random_shapes import RANDOM_SHAPES, WideByteTokenizer
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        batch_buckets(0)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-kimi"])
+def test_padded_bucket_equals_eager(name):
+    """3 decodes in bucket (4, 1): the padded forward's 3 rows equal the eager forward's, the
+    padding row writes only the scratch slot, and MoE counts see 3 tokens per layer."""
+    torch.manual_seed(0)
+    _, model, _ = load_model(name)
+    spec = model.kv_cache_spec()
+    cache = KVCache(8, 4, spec=spec, dtype=torch.float32)
+    for layer in cache.k:  # a random prefix of 5 tokens per request, pages 0-1, 2-3, 4-5
+        cache.k[layer].normal_()
+        if cache.v[layer] is not None:
+            cache.v[layer].normal_()
+    att = PagedAttention(cache, max_batch=4, max_chunk=8, max_total_q=16, context_length=32)
+    tables, prefix = [[0, 1], [2, 3], [4, 5]], [5, 5, 5]
+    slots = torch.tensor([0 * 4 + 5, 2 * 4 + 5, 4 * 4 + 5])
+    ids, pos = torch.tensor([3, 77, 120]), torch.tensor([5, 5, 5])
+    snapshot = {layer: k.clone() for layer, k in cache.k.items()}
+    att.select(None)
+    att.plan(slots, tables, prefix, [1, 1, 1])
+    want = model(ids, pos, attention=att)  # (3, V)
+    for layer, k in snapshot.items():  # the same K rows get written again below
+        cache.k[layer].copy_(k)
+    counts_before = getattr(model, "moe_expert_counts", torch.zeros(1)).clone()
+    att.select((4, 1))
+    att.plan(slots, tables, prefix, [1, 1, 1])
+    padded_ids, padded_pos = torch.tensor([3, 77, 120, 0]), torch.tensor([5, 5, 5, 0])
+    valid = torch.tensor([True, True, True, False])
+    got = model(padded_ids, padded_pos, attention=att, token_valid=valid)  # (4, V)
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    real = cache.num_pages * cache.page_size
+    for layer, k in snapshot.items():  # nothing but the 3 real slots and the scratch page
+        flat_new, flat_old = cache.k[layer].view(-1, *k.shape[2:]), k.view(-1, *k.shape[2:])
+        changed = (flat_new[:real] != flat_old[:real]).flatten(1).any(-1).nonzero().flatten()
+        assert set(changed.tolist()) <= set(slots.tolist())
+    if hasattr(model, "moe_expert_counts"):
+        added = model.moe_expert_counts - counts_before
+        k = model.config.num_experts_per_tok
+        moe_rows = added.sum(-1)[added.sum(-1) > 0]
+        assert moe_rows.numel() > 0 and bool((moe_rows == 3 * k).all()), added
+
+
+def test_moe_impls_agree_and_stacking_keeps_weights():
+    _, model, tok = load_model("tiny-kimi")
+    ids = torch.tensor(tok.encode("sync-free experts for graphs", add_bos=True))
+    pos = torch.arange(len(ids))
+    outs = {}
+    for impl in ("grouped", "dense", "gather", "graph"):
+        model.set_moe_impl(impl)
+        outs[impl] = model(ids, pos)
+    for impl in ("dense", "gather", "graph"):
+        torch.testing.assert_close(outs[impl], outs["grouped"], rtol=1e-4, atol=1e-4)
+    moe = next(m for m in model.modules() if hasattr(m, "n_experts"))
+    assert moe.experts[0].gate_proj.weight.data_ptr() == moe.w_gate_up[0].data_ptr()
+    with pytest.raises(ValueError, match="impl"):
+        model.set_moe_impl("sparse")
+
+
+def test_kv_bytes_per_token_and_scratch_page():
+    _, llama, _ = load_model("tiny-llama")
+    _, kimi, _ = load_model("tiny-kimi")
+    assert bytes_per_token(llama.kv_cache_spec(), torch.bfloat16) == 2 * 2 * (2 * 64) * 2
+    assert bytes_per_token(kimi.kv_cache_spec(), torch.bfloat16) == 3 * 576 * 2
+    cache = KVCache(10, 16, spec=kimi.kv_cache_spec(), dtype=torch.bfloat16)
+    assert cache.k[0].shape == (11, 16, 1, 576) and cache.v[0] is None
+    assert cache.scratch_slot == 160
+    with pytest.raises(ValueError, match="dtype"):
+        KVCache(10, 16, spec=kimi.kv_cache_spec())
+
+
+def test_random_shapes_and_wide_tokenizer():
+    assert set(RANDOM_SHAPES) == {"random:llama-1b", "random:llama-8b", "random:mla-moe"}
+    cfg = RANDOM_SHAPES["random:llama-8b"]()
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (4096, 32, 8)
+    tok = WideByteTokenizer(1000)
+    assert tok.decode([104, 105, 600, 33]) == "hi<600>!"
+    assert tok.decode(tok.encode("plain")) == "plain"
