@@ -98,3 +98,25 @@ def test_random_shapes_and_wide_tokenizer():
     tok = WideByteTokenizer(1000)
     assert tok.decode([104, 105, 600, 33]) == "hi<600>!"
     assert tok.decode(tok.encode("plain")) == "plain"
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_projections_equal_unfused(qk_norm):
+    """fuse_for_inference (qkv and gate|up GEMMs, q and k rotated together) changes no output;
+    with qk_norm (Qwen3) as well."""
+    import dataclasses
+
+    from treeverify.models.llama import LlamaForCausalLM
+    from treeverify.models.tiny import init_random_weights, tiny_llama_config
+
+    cfg = dataclasses.replace(tiny_llama_config(), qk_norm=qk_norm, qkv_bias=True)
+    model = LlamaForCausalLM(cfg)
+    init_random_weights(model, seed=3)
+    model.eval().requires_grad_(False)
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(21)
+    want = model(ids, pos)
+    names = sorted(n for n, _ in model.named_parameters())
+    got = model.fuse_for_inference()(ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sorted(n for n, _ in model.named_parameters()) == names  # loading still matches

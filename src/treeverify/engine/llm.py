@@ -81,7 +81,7 @@ class LLM:
         t0 = time.perf_counter()
         self.config, self.model, self.tokenizer = load_model(model, dtype=dtype, device=device,
                                                              seed=seed)  # fmt: skip
-        self.model.eval()
+        self.model.eval().fuse_for_inference()
         t0 = self._phase("load", t0)
         spec = self.model.kv_cache_spec()
         if num_pages is None and on_gpu:

@@ -129,13 +129,14 @@ class SpeculativeDecoder:
         """Walk the verified tree (logits (T, V)); move the accepted K/V; commit; the tokens."""
         t0 = time.perf_counter()
         t = len(tree.tokens)
-        toks = torch.tensor([tree.tokens])  # (1, T)
-        par = torch.tensor([tree.parents])  # (1, T)
+        dev = logits.device
+        toks = torch.tensor([tree.tokens], device=dev)  # (1, T)
+        par = torch.tensor([tree.parents], device=dev)  # (1, T)
         p = seq.sampling_params
         if p.temperature == 0:
             acc = accept_greedy(toks, par, logits.argmax(-1)[None], max_depth=max(1, *tree.depths))
         else:
-            gen = torch.Generator().manual_seed(
+            gen = torch.Generator(device=dev).manual_seed(
                 ((p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF) * 1_000_003
                  + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
             )  # fmt: skip
@@ -144,15 +145,16 @@ class SpeculativeDecoder:
                 min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None,  # k >= V: all tokens
                 gen, max_depth=max(1, *tree.depths),
             )  # fmt: skip
-        m = int(acc.length[0])  # accepted nodes, root included
-        path = acc.path[0, :m].tolist()
+        # one device->host read: [accepted nodes (root included), bonus, path...]
+        head = torch.cat((acc.length[:1], acc.bonus[:1], acc.path[0])).tolist()
+        m, bonus_token, path = head[0], head[1], head[2 : 2 + head[0]]
         t0 = self._time("accept", t0)
         if m > 1:  # node path[k] was written at slot of position P+path[k]; it belongs at P+k
             self.cache.move([tree.slots[i] for i in path[1:]], tree.slots[1:m])
         if t > 1:
             self.bm.commit(seq, m - 1)
         self._time("commit", t0)
-        bonus = faults.diverge_bonus(int(acc.bonus[0]), logits.shape[-1])  # planted only
+        bonus = faults.diverge_bonus(bonus_token, logits.shape[-1])  # planted only
         committed = [tree.tokens[i] for i in path[1:]] + [bonus]
         self.stats.rounds += 1
         self.stats.committed += len(committed)

@@ -121,6 +121,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         )
         self.absorbed = True
 
+    def fuse_for_inference(self) -> DeepseekV3ForCausalLM:
+        """gate|up as one GEMM in the dense MLPs and shared experts (routed experts are stacked
+        separately, see DeepseekMoE.stack_experts)."""
+        for layer in self.model.layers:
+            if not layer.is_moe:
+                layer.mlp.fuse()
+            elif layer.mlp.shared_experts is not None:
+                layer.mlp.shared_experts.fuse()
+        return self
+
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
         """Per layer (K row shape, V row shape or None): one absorbed latent row per token."""
         c = self.config

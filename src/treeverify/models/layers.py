@@ -84,22 +84,47 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused kernel), back to x's dtype, then weight
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(x.dtype)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (sum out, in) weight (and bias) for several Linears over the same input; the Linears'
+    parameters become views into it, so nothing is stored twice and loading still works."""
+    weight = torch.cat([m.weight.detach() for m in linears])  # (sum out, in)
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if has_bias:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); after `fuse()` gate and up are one GEMM."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        if self.gate_up is None:
+            self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = F.linear(x, *self.gate_up).chunk(2, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(g) * u)
 
 
 def rope_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
@@ -151,6 +176,21 @@ class Rope(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, dim/2)
         return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+    def rotate_half_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos|cos, -sin|sin) (T, dim) in `dtype`, once per forward, for `apply_rope_tables`."""
+        cos, sin = self(positions)  # (T, dim/2) each
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+
+
+def apply_rope_tables(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """apply_rope (rotate-half layout) with `Rope.rotate_half_tables`: x*cos + swap(x)*sin, where
+    swap(x) = (x2, x1); bit-identical to apply_rope, four kernels instead of seven."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, H, dim)
+    return x * cos2[:, None, :] + swapped * sin2[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False):

@@ -7,10 +7,20 @@ loading is a direct state-dict copy.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treeverify.models.config import LlamaConfig
-from treeverify.models.layers import MLP, Attention, RMSNorm, Rope, TorchAttention, apply_rope
+from treeverify.models.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    Rope,
+    TorchAttention,
+    apply_rope,
+    apply_rope_tables,
+    fuse_linears,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -29,17 +39,33 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """q, k, v projections as one GEMM (inference; the Linears become views)."""
+        if self.qkv is None:
+            self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, attention: Attention):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.hq, self.d)  # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """cos/sin: Rope's (T, D/2) tables, or with `fuse()` the (T, D) rotate-half tables."""
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        if self.qkv is not None:
+            qkv = F.linear(x, *self.qkv).view(t, hq + 2 * hkv, d)  # (T, Hq+2Hkv, D)
+            qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
+            if self.q_norm is not None:
+                qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+            qk = apply_rope_tables(qk, cos, sin)  # (T, Hq+Hkv, D): q and k rotated together
+            q, k = qk[:, :hq].contiguous(), qk[:, hq:]
+        else:
+            q = self.q_proj(x).view(t, hq, d)  # (T, Hq, D)
+            k = self.k_proj(x).view(t, hkv, d)  # (T, Hkv, D)
+            v = self.v_proj(x).view(t, hkv, d)  # (T, Hkv, D)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(self.layer, q, k, v, self.sm_scale)  # (T, Hq, D)
-        return self.o_proj(o.reshape(t, self.hq * self.d))
+        return self.o_proj(o.reshape(t, hq * d))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,6 +100,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused = False
+
+    def fuse_for_inference(self) -> LlamaForCausalLM:
+        """Fewer, larger kernels per layer (qkv and gate|up GEMMs, q and k rotated together);
+        parameters stay where loading and state dicts expect them."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.fused = True
+        return self
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
         """Per layer (K row shape, V row shape) of one token's cache entry."""
@@ -94,8 +130,11 @@ class LlamaForCausalLM(nn.Module):
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
         attention = attention if attention is not None else TorchAttention()
-        cos, sin = self.rope(positions)  # (T, D/2) each
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        if self.fused:
+            cos, sin = self.rope.rotate_half_tables(positions, x.dtype)  # (T, D) each
+        else:
+            cos, sin = self.rope(positions)  # (T, D/2) each
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         if logits_indices is not None:
