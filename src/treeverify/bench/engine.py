@@ -159,6 +159,7 @@ def decode_speed(model: str, *, batch: int, prompt_len: int = 512, steps: int = 
     return row
 
 
+@torch.inference_mode()
 def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), batches=(1, 8),
                    prefix: int = 1024, num_pages: int = 4096) -> list[dict]:  # fmt: skip
     """The captured verify forward over trees of budget+1 nodes after `prefix` cached tokens,
@@ -212,8 +213,8 @@ def _time_replays_graph(graph, replays: int = 20) -> float:
 
 def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), batch: int = 1,
                       prompt_len: int = 256, max_tokens: int = 256, budget: int = 16,
-                      depth: int = 4, num_pages: int = 4096,
-                      graphs: bool = True) -> list[dict]:  # fmt: skip
+                      depth: int = 4, num_pages: int = 4096, graphs: bool = True,
+                      drafter: str = "ngram") -> list[dict]:  # fmt: skip
     """Tokens/s of no speculation vs CHAIN vs DDTREE (n-gram drafter) on repetitive prompts;
     per-phase round time; outputs compared to the plain run (greedy, first divergence)."""
     rows, plain = [], None
@@ -221,7 +222,7 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
     for algo in algorithms:
         kw = {} if algo == "none" else dict(
             speculative_algorithm=algo, speculative_ddtree_budget=budget,
-            speculative_num_draft_tokens=depth)  # fmt: skip
+            speculative_num_draft_tokens=depth, speculative_draft_model_path=drafter)  # fmt: skip
         llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
                   max_num_seqs=max(batch, 1), cuda_graph_max_bs=max(batch, 1), **kw)  # fmt: skip
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
@@ -235,7 +236,8 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
         toks = sum(len(o.token_ids) for o in outs)
-        row = {"model": model, "algorithm": algo, "batch": batch, "budget": budget,
+        row = {"model": model, "algorithm": algo, "drafter": drafter, "batch": batch,
+               "budget": budget,
                "depth": depth, "graphs": graphs, "tokens": toks,
                "tokens_per_s": round(toks / secs, 1)}  # fmt: skip
         if algo == "none":
@@ -283,6 +285,10 @@ def run_suites(suites: list[str], models: dict[str, str]) -> dict:
                     rows += verify_forward(model)
                 elif suite == "spec":
                     rows += speculative_speed(model)
+                    rows += speculative_speed(model, batch=8, max_tokens=128)
+                    if model == "tiny-llama":  # the seeded DFlash drafter fits tiny-llama only
+                        rows += speculative_speed(model, algorithms=("none", "DDTREE"),
+                                                  drafter="tiny-dflash")  # fmt: skip
             except Exception as exc:  # keep going: one model's failure is one row
                 rows.append({"model": model, "error": f"{type(exc).__name__}: {exc}"})
                 _free()

@@ -42,6 +42,7 @@ def batch_buckets(max_bs: int) -> list[int]:
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # (B*n, V) fp32, written by every replay
+    hidden: torch.Tensor | None  # (B*n, F) the model's captured layer outputs (a drafter's)
     seconds: float  # capture time (warmup included)
 
 
@@ -127,7 +128,8 @@ class CudaGraphs:
                 f"CUDA graph capture failed for bucket batch={batch} tokens_per_request={n}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        step = CapturedStep(graph, logits, time.perf_counter() - t0)
+        hidden = getattr(self.model, "captured", None)
+        step = CapturedStep(graph, logits, hidden, time.perf_counter() - t0)
         self.steps[(batch, n)] = step
         log.info("CUDA graph: bucket batch=%d tokens=%d captured in %.3f s", batch, n,
                  step.seconds)  # fmt: skip
@@ -161,6 +163,8 @@ class CudaGraphs:
         self.valid[:t].fill_(True)
         self.valid[t:rows].fill_(False)
         step.graph.replay()
+        if step.hidden is not None:
+            self.model.captured = step.hidden[:t]
         self.replays += 1
         return step.logits[:t]
 

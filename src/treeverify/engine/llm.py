@@ -24,6 +24,7 @@ import torch
 
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import batch_buckets
+from treeverify.engine.drafters import make_source
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
@@ -115,10 +116,13 @@ class LLM:
         )  # fmt: skip
         self.spec = None
         if speculative_algorithm:
+            source = make_source(speculative_draft_model_path, self.model, self.config, dtype,
+                                 self.device)  # fmt: skip
+            self.model.capture_layers = frozenset(source.target_layer_ids)
             self.spec = SpeculativeDecoder(
                 self.block_manager, self.cache, self.config.vocab_size,
                 algorithm=speculative_algorithm, budget=speculative_ddtree_budget,
-                depth=speculative_num_draft_tokens,
+                depth=speculative_num_draft_tokens, source=source,
             )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._next_id = 0
@@ -188,7 +192,23 @@ class LLM:
         for i, seq in enumerate(batch.sampled):
             if seq.request_id in trees:
                 out[i] = self.spec.accept(seq, trees[seq.request_id], rows[i])
+        if self.spec is not None and self.runner.hidden is not None:
+            self._observe(batch, trees, self.runner.hidden)
         return out
+
+    def _observe(self, batch: ScheduledBatch, trees: dict, hidden: torch.Tensor) -> None:
+        """Hand the drafter the target's hidden states of the tokens this step committed to the
+        cache: a chunk's tokens, or a tree's root and accepted path."""
+        row = 0
+        for c in batch.chunks:
+            tree = trees.get(c.seq.request_id)
+            n = c.num_tokens if tree is None else len(tree.tokens)
+            if tree is None:
+                self.spec.source.observe(c.seq.request_id, c.start, hidden[row : row + n])
+            else:
+                path = torch.tensor(tree.accepted_path, device=hidden.device) + row
+                self.spec.source.observe(c.seq.request_id, c.start, hidden[path])
+            row += n
 
     def step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
@@ -196,6 +216,9 @@ class LLM:
             return []
         tokens = self.run_batch(batch)
         finished = self.scheduler.postprocess(batch, tokens)
+        if self.spec is not None:
+            for seq in finished:
+                self.spec.source.forget(seq.request_id)
         for seq, toks in zip(batch.sampled, tokens, strict=True):
             if isinstance(toks, list) and not seq.is_finished:
                 seq.num_cached_tokens += len(toks) - 1  # the accepted nodes' K/V, moved in place

@@ -33,6 +33,7 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = cache.device
         self.graphs: CudaGraphs | None = None
+        self.hidden: torch.Tensor | None = None  # (T, F) of the last step, when captured
         self._moe_layers = [m for m in model.modules() if hasattr(m, "n_experts")]
         self.attention = PagedAttention(
             cache, max_batch=max_num_seqs, max_chunk=max_chunk,
@@ -81,7 +82,8 @@ class ModelRunner:
         the tree's nodes instead (positions P + depth, slots P + i, its ancestor mask).
 
         Returns per sampled sequence (batch.sampled order) its logits rows: the last token's
-        (1, V), or every tree node's (T, V).
+        (1, V), or every tree node's (T, V). `self.hidden` then holds the model's captured layer
+        outputs for every token of the step (T, F), or None.
         """
         trees = trees or {}
         ids, pos, slots, qlens, masks, rows = [], [], [], [], [], []
@@ -120,6 +122,7 @@ class ModelRunner:
         if bucket is not None:  # every token is a logits row, in order
             logits = self.graphs.replay(bucket, torch.tensor(ids, dtype=torch.int64),
                                         torch.tensor(pos, dtype=torch.int64))  # fmt: skip
+            self.hidden = getattr(self.model, "captured", None)
             return [logits[a : a + n] for a, n in spans]
         # On a GPU an eager decode routes MoE as the captured graphs do, so turning graphs off
         # changes no kernel choice but the padding.
@@ -134,5 +137,6 @@ class ModelRunner:
             )  # (N, V)
         finally:
             self._moe_impl(moe)
+        self.hidden = getattr(self.model, "captured", None)
         logits = faults.corrupt_logits(logits, len(batch.chunks))  # no-op unless planted
         return [logits[a : a + n] for a, n in spans]

@@ -20,10 +20,11 @@ import torch
 
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
+from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
-from treeverify.spec.ngram import NgramDrafter
+from treeverify.spec.tree_oracle import build_tree_host
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SpecTree:
     depths: list[int]  # (T,)
     slots: list[int]  # (T,) KV slot of each node: node i at position P + i
     mask: torch.Tensor  # (T, W) int32 ancestor-or-self bits
+    accepted_path: list[int] | None = None  # after accept: node indices committed, root first
 
 
 PHASES = ("draft", "build", "verify", "accept", "commit")
@@ -63,7 +65,7 @@ class SpeculativeDecoder:
         algorithm: str = "DDTREE",
         budget: int = 16,
         depth: int = 4,
-        drafter: NgramDrafter | None = None,
+        source: NgramSource | DFlashSource | None = None,
     ):
         if algorithm not in ("DDTREE", "CHAIN"):
             raise ValueError(f"algorithm: expected DDTREE or CHAIN, got {algorithm!r}")
@@ -71,8 +73,8 @@ class SpeculativeDecoder:
             raise ValueError(f"budget/depth: expected 1..1024 / >= 1, got {budget}/{depth}")
         self.bm, self.cache = block_manager, cache
         self.algorithm, self.budget, self.depth = algorithm, budget, depth
-        self.drafter = drafter or NgramDrafter(vocab_size)
-        self.drafter_name = "ngram" if isinstance(self.drafter, NgramDrafter) else "dflash"
+        self.source = source or NgramSource(vocab_size)
+        self.drafter_name = self.source.name
         self.vocab_size = vocab_size
         self.reset_stats()
 
@@ -100,13 +102,18 @@ class SpeculativeDecoder:
         """Build and reserve a tree for a decoding sequence; None when its pages do not fit."""
         t0 = time.perf_counter()
         depth = self.depth if self.algorithm == "DDTREE" else min(self.depth, self.budget)
-        logits = self.drafter.propose(seq.all_token_ids, depth)  # (L, V)
+        logits = self.source.propose(seq, depth)  # (L, V), host (n-gram) or device (DFlash)
         t0 = self._time("draft", t0)
         if self.algorithm == "CHAIN":  # one path: the top token at each depth
-            tokens = [seq.last_token_id, *logits.argmax(-1).tolist()]
+            tokens = [seq.last_token_id, *logits.argmax(-1).tolist()]  # one read
             parents = list(range(-1, len(tokens) - 1))
         else:
-            tree = build_tree(logits[None], self.budget, torch.tensor([seq.last_token_id]))
+            # A host drafter's logits build on the host with the heap (Algorithm 1 as published,
+            # equal node for node to the batched GPU build, and cheaper for one small tree);
+            # device logits use the capture-safe GPU build.
+            build = build_tree_host if logits.device.type == "cpu" else build_tree
+            tree = build(logits[None], self.budget, torch.tensor([seq.last_token_id],
+                                                                 device=logits.device))  # fmt: skip
             n = int(tree.num_nodes[0])
             tokens = tree.tokens[0, :n].tolist()
             parents = tree.parents[0, :n].tolist()
@@ -156,6 +163,7 @@ class SpeculativeDecoder:
         self._time("commit", t0)
         bonus = faults.diverge_bonus(bonus_token, logits.shape[-1])  # planted only
         committed = [tree.tokens[i] for i in path[1:]] + [bonus]
+        tree.accepted_path = path
         self.stats.rounds += 1
         self.stats.committed += len(committed)
         self.stats.histogram[len(committed)] = self.stats.histogram.get(len(committed), 0) + 1

@@ -112,6 +112,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.model = DeepseekV3Model(cfg)
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Layers whose outputs a forward keeps in `captured` (a drafter conditions on them).
+        self.capture_layers: frozenset[int] = frozenset()
+        self.captured: torch.Tensor | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer(
@@ -178,10 +181,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         absorbed = self.absorbed if absorbed is None else absorbed
         cos, sin = self.rope(positions)  # (T, R/2) each
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        taps = []
         for i, layer in enumerate(self.model.layers):
             x, counts = layer(x, cos, sin, attention, absorbed, token_valid)
             if counts is not None:
                 self.moe_expert_counts[i] += counts
+            if i in self.capture_layers:
+                taps.append(x)
+        self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).float()

@@ -98,6 +98,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.rope = Rope(cfg.rope, cfg.head_dim)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Layers whose outputs a forward keeps in `captured` (a drafter conditions on them).
+        self.capture_layers: frozenset[int] = frozenset()
+        self.captured: torch.Tensor | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused = False
@@ -135,8 +138,12 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rope.rotate_half_tables(positions, x.dtype)  # (T, D) each
         else:
             cos, sin = self.rope(positions)  # (T, D/2) each
-        for layer in self.model.layers:
+        taps = []
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attention)
+            if i in self.capture_layers:
+                taps.append(x)
+        self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).float()

@@ -79,7 +79,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative-draft-model-path",
         default="ngram",
-        help="the drafter; only the weight-free 'ngram' drafter exists so far",
+        help="the drafter: 'ngram' (weight-free), a DFlash drafter directory (published "
+        "format), or 'tiny-dflash' (seeded, for tiny-llama tests)",
     )
     p.add_argument(
         "--default-max-tokens", type=int, default=16, help="max_tokens when a request leaves it out"

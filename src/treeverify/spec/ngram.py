@@ -13,28 +13,31 @@ import torch
 
 
 class NgramDrafter:
-    def __init__(self, vocab_size: int, max_n: int = 4, floor: float = 1e-3):
-        if vocab_size < 2 or max_n < 1:
-            raise ValueError(f"vocab_size/max_n: expected >= 2 / >= 1, got {vocab_size}/{max_n}")
+    def __init__(self, vocab_size: int, max_n: int = 4, floor: float = 1e-3, window: int = 2048):
+        if vocab_size < 2 or max_n < 1 or window < 2:
+            raise ValueError(
+                f"vocab_size/max_n/window: expected >= 2 / >= 1 / >= 2, got "
+                f"{vocab_size}/{max_n}/{window}"
+            )
         self.vocab_size, self.max_n, self.floor = vocab_size, max_n, floor
+        self.window = window  # only the last `window` tokens are searched
 
     def propose(self, history: list[int], depth: int) -> torch.Tensor:
         """(depth, V) fp32 logits (log-probabilities) for the next `depth` positions."""
         counts = torch.zeros(depth, self.vocab_size)  # (L, V)
-        h = history
+        h = history[-self.window :]  # bounded host work per round
         for n in range(min(self.max_n, len(h) - 1), 0, -1):
             suffix = h[-n:]
-            found = False
+            first = suffix[0]
+            votes = []
             for start in range(len(h) - n - 1, -1, -1):  # most recent matches first
-                if h[start : start + n] != suffix:
+                if h[start] != first or h[start : start + n] != suffix:
                     continue
-                found = True
-                for d in range(depth):
-                    nxt = start + n + d
-                    if nxt >= len(h):
-                        break
-                    counts[d, h[nxt]] += 1.0
-            if found:
+                votes.append(h[start + n : start + n + depth])
+            if votes:
+                for follow in votes:
+                    for d, tok in enumerate(follow):
+                        counts[d, tok] += 1.0
                 break
         probs = counts + self.floor
         probs = probs / probs.sum(-1, keepdim=True)

@@ -1,0 +1,102 @@
+"""The drafters behind one interface: per-position distributions for the next L positions.
+
+    source.propose(seq, depth) -> (L, V) fp32 logits on the host (n-gram) or the device (DFlash)
+    source.observe(request_id, start, hidden)   the target's hidden states of committed tokens
+
+`NgramSource` needs nothing from the target. `DFlashSource` keeps, per sequence, the target's
+hidden states (the configured layers' outputs, concatenated) of every token in its KV cache,
+appended as chunks and accepted tree paths commit; the drafter runs on the last `window` of them
+with the sequence's last token (the round's root, not yet in the cache) as block position 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treeverify.engine.sequence import Sequence
+from treeverify.spec.ngram import NgramDrafter
+
+
+class NgramSource:
+    name = "ngram"
+    target_layer_ids: list[int] = []
+
+    def __init__(self, vocab_size: int):
+        self.drafter = NgramDrafter(vocab_size)
+
+    def propose(self, seq: Sequence, depth: int) -> torch.Tensor:  # (L, V) on the host
+        return self.drafter.propose(seq.all_token_ids, depth)
+
+    def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class DFlashSource:
+    name = "dflash"
+
+    def __init__(self, drafter, window: int = 2048):
+        self.drafter = drafter
+        self.target_layer_ids = list(drafter.target_layer_ids)
+        self.window = window
+        self.context: dict[str, torch.Tensor] = {}  # request -> (cached tokens, F)
+
+    def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        """Rows for cache positions start.. (earlier rows past `start` were recomputed or
+        rejected: dropped)."""
+        have = self.context.get(request_id)
+        kept = have[:start] if have is not None else hidden[:0]
+        if kept.shape[0] != start:
+            raise RuntimeError(f"dflash context of {request_id}: {kept.shape[0]} rows, "
+                               f"chunk starts at {start}")  # fmt: skip
+        self.context[request_id] = torch.cat((kept, hidden))
+
+    def forget(self, request_id: str) -> None:
+        self.context.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, seq: Sequence, depth: int) -> torch.Tensor:  # (L, V) on the device
+        ctx = self.context.get(seq.request_id)
+        if ctx is None or ctx.shape[0] == 0:
+            raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
+        ctx = ctx[-self.window :]  # (C, F)
+        dev = ctx.device
+        start = seq.num_cached_tokens - ctx.shape[0]
+        logits = self.drafter.propose(
+            ctx[None],
+            torch.tensor([ctx.shape[0]], device=dev),
+            torch.tensor([seq.last_token_id], device=dev),
+            depth,
+            context_start=torch.tensor([start], device=dev),
+        )  # fmt: skip  (1, L, V)
+        return logits[0]
+
+
+def make_source(
+    path: str, model: torch.nn.Module, config, dtype, device
+) -> NgramSource | DFlashSource:
+    """ "ngram", "tiny-dflash" (a seeded drafter for tiny targets, tests) or a DFlash directory."""
+    if path == "ngram":
+        return NgramSource(config.vocab_size)
+    from treeverify.spec.dflash import load_dflash, tiny_dflash
+
+    embed, head = model.model.embed_tokens, model.lm_head
+    if path == "tiny-dflash":
+        drafter = tiny_dflash(config, target_embed=embed, target_lm_head=head, dtype=dtype)
+        drafter = drafter.to(device)
+    elif Path(path).is_dir():
+        drafter = load_dflash(path, embed, head, dtype=dtype, device=device)
+    else:
+        raise ValueError(
+            f"speculative_draft_model_path: expected 'ngram', 'tiny-dflash' or a DFlash "
+            f"directory, got {path!r}"
+        )
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < config.num_hidden_layers]
+    if bad:
+        raise ValueError(f"speculative_draft_model_path: the drafter taps target layers {bad} "
+                         f"outside 0..{config.num_hidden_layers - 1}")  # fmt: skip
+    return DFlashSource(drafter.eval())

@@ -1,0 +1,55 @@
+"""DFlash drafting in the engine (CPU, fp32, tiny-llama + the seeded tiny DFlash drafter): the
+drafter sees the target's hidden states of exactly the committed tokens, and speculation stays
+lossless (greedy output equals plain decoding) with DDTREE and CHAIN, alone and batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(5, 40, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("algorithm", ["DDTREE", "CHAIN"])
+def test_dflash_speculation_is_lossless(algorithm):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM("tiny-llama", num_pages=128)
+    want = [o.token_ids for o in plain.generate(prompts(4), sp)]
+    llm = LLM("tiny-llama", num_pages=128, speculative_algorithm=algorithm,
+              speculative_ddtree_budget=12, speculative_num_draft_tokens=5,
+              speculative_draft_model_path="tiny-dflash")  # fmt: skip
+    got = [o.token_ids for o in llm.generate(prompts(4), sp)]
+    assert got == want
+    st = llm.spec_stats
+    assert st["drafter"] == "dflash" and st["rounds"] > 0
+    assert llm.spec.source.context == {}  # finished requests' states are dropped
+
+
+def test_dflash_context_tracks_the_cache():
+    """Mid-generation, the drafter holds one hidden row per cached token, equal to the target's
+    own layer outputs for that prefix computed from scratch."""
+    llm = LLM("tiny-llama", num_pages=128, speculative_algorithm="DDTREE",
+              speculative_ddtree_budget=8, speculative_draft_model_path="tiny-dflash")  # fmt: skip
+    seq = llm.add_request(prompts(1, seed=3)[0],
+                          SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))  # fmt: skip
+    for _ in range(4):
+        llm.step()
+    ctx = llm.spec.source.context[seq.request_id]  # (cached, F)
+    assert ctx.shape[0] == seq.num_cached_tokens
+    ids = torch.tensor(seq.all_token_ids[: seq.num_cached_tokens])
+    with torch.inference_mode():
+        llm.model(ids, torch.arange(len(ids)))
+    torch.testing.assert_close(ctx, llm.model.captured, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_draft_model_path_is_named():
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        LLM("tiny-llama", num_pages=16, speculative_algorithm="DDTREE",
+            speculative_draft_model_path="/nonexistent/drafter")  # fmt: skip
