@@ -37,8 +37,8 @@ def test_dflash_context_tracks_the_cache():
     own layer outputs for that prefix computed from scratch."""
     llm = LLM("tiny-llama", num_pages=128, speculative_algorithm="DDTREE",
               speculative_ddtree_budget=8, speculative_draft_model_path="tiny-dflash")  # fmt: skip
-    seq = llm.add_request(prompts(1, seed=3)[0],
-                          SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seq = llm.add_request(prompts(1, seed=3)[0], sp)
     for _ in range(4):
         llm.step()
     ctx = llm.spec.source.context[seq.request_id]  # (cached, F)

@@ -115,9 +115,10 @@ def test_dflash_rounds_under_graphs_match_eager():
     graphs as it does eagerly: same greedy tokens, graphs on or off."""
     outs = {}
     for graphs in (True, False):
+        spec = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+                    speculative_draft_model_path="tiny-dflash")  # fmt: skip
         llm = LLM("tiny-llama", device="cuda", num_pages=256, cuda_graph_max_bs=4,
-                  disable_cuda_graph=not graphs, speculative_algorithm="DDTREE",
-                  speculative_ddtree_budget=8, speculative_draft_model_path="tiny-dflash")  # fmt: skip
+                  disable_cuda_graph=not graphs, **spec)  # fmt: skip
         outs[graphs] = [o.token_ids for o in llm.generate(prompts(3, seed=9), greedy(16))]
         assert llm.spec_stats["rounds"] > 0
         del llm
