@@ -29,6 +29,14 @@ class NgramSource:
     def propose(self, seq: Sequence, depth: int) -> torch.Tensor:  # (L, V) on the host
         return self.drafter.propose(seq.all_token_ids, depth)
 
+    def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
+        """(B, L, V) on `device`: the votes are found on the host and sent as (b, d, token)
+        triples (a few hundred bytes), the distributions are built on the device."""
+        votes = [(b, d, t) for b, s in enumerate(seqs)
+                 for d, t in self.drafter.votes(s.all_token_ids, depth)]  # fmt: skip
+        v = torch.tensor(votes, dtype=torch.int64).reshape(-1, 3)  # (K, 3)
+        return self.drafter.logits_from_votes(v, len(seqs), depth, device)
+
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         pass
 
@@ -57,6 +65,27 @@ class DFlashSource:
 
     def forget(self, request_id: str) -> None:
         self.context.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
+        """(B, L, V): every sequence's last `window` context rows, padded, in one drafter call."""
+        ctxs = []
+        for seq in seqs:
+            ctx = self.context.get(seq.request_id)
+            if ctx is None or ctx.shape[0] == 0:
+                raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
+            ctxs.append(ctx[-self.window :])  # (C_b, F)
+        dev = ctxs[0].device
+        padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)  # (B, C, F)
+        lens = [c.shape[0] for c in ctxs]
+        meta = torch.tensor(
+            [
+                lens,
+                [s.last_token_id for s in seqs],
+                [s.num_cached_tokens - n for s, n in zip(seqs, lens, strict=True)],
+            ],
+        ).to(dev)  # (3, B): context lengths, roots, positions of context row 0
+        return self.drafter.propose(padded, meta[0], meta[1], depth, context_start=meta[2])
 
     @torch.inference_mode()
     def propose(self, seq: Sequence, depth: int) -> torch.Tensor:  # (L, V) on the device

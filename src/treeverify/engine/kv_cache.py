@@ -97,6 +97,17 @@ class KVCache:
                 vflat = vc.view(-1, *vc.shape[2:])
                 vflat[dst] = vflat[src].clone()
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """`move` for device index tensors (K,) int64: no host sync, fixed shapes (capturable).
+        dst[i] == src[i] rows are left as they are."""
+        for layer, kc in self.k.items():
+            flat = kc.view(-1, *kc.shape[2:])
+            flat[dst] = flat[src]  # gathers into a temporary before scattering
+            vc = self.v[layer]
+            if vc is not None:
+                vflat = vc.view(-1, *vc.shape[2:])
+                vflat[dst] = vflat[src]
+
     @property
     def bytes(self) -> int:
         tensors = [t for t in (*self.k.values(), *self.v.values()) if t is not None]

@@ -170,13 +170,14 @@ class LLM:
     def run_batch(self, batch: ScheduledBatch) -> list[int | list[int]]:
         """One forward for the batch: a token per plain sequence, a round's tokens per
         speculating one; logprobs kept per request."""
-        trees = {}
+        tb = None
         if self.spec is not None:
-            for c in batch.decodes:
-                if c.samples and self.spec.wants(c.seq):
-                    tree = self.spec.draft(c.seq)
-                    if tree is not None:
-                        trees[c.seq.request_id] = tree
+            want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
+            tb = self.spec.draft_batch(want, self.device) if want else None
+        if tb is not None and len(tb.seqs) == len(batch.chunks):
+            return self._run_round(batch, tb)
+        # A step mixing trees with prefill or plain decodes: host copies of the trees.
+        trees = tb.to_spec_trees() if tb is not None else {}
         t0 = time.perf_counter()
         rows = self.runner.run(batch, trees)  # per sampled sequence: (1 or T, V)
         if trees:  # the round's verify phase is this step's forward
@@ -194,6 +195,30 @@ class LLM:
                 out[i] = self.spec.accept(seq, trees[seq.request_id], rows[i])
         if self.spec is not None and self.runner.hidden is not None:
             self._observe(batch, trees, self.runner.hidden)
+        return out
+
+    def _run_round(self, batch: ScheduledBatch, tb) -> list[list[int]]:
+        """A step that is one speculative round for every sequence in it: verify forward
+        (captured per (batch, N) bucket), acceptance and K/V moves on the device, one read."""
+        stats = self.spec.stats
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+        t0 = time.perf_counter()
+        logits = self.runner.run_trees(batch, tb)  # (B*N, V)
+        if on_gpu:
+            ev[1].record()
+        host_seconds = time.perf_counter() - t0  # on a GPU only the launch
+        stats.phase_seconds["verify"] += host_seconds
+        out = self.spec.accept_batch(tb, logits)  # reads the results: the forward is done
+        stats.forward_seconds += ev[0].elapsed_time(ev[1]) / 1e3 if on_gpu else host_seconds
+        hidden = self.runner.hidden
+        if hidden is not None:
+            per_seq = hidden.view(len(tb.seqs), tb.nodes, -1)  # (B, N, F)
+            for i, c in enumerate(batch.chunks):
+                idx = torch.tensor(tb.paths[i], device=hidden.device)
+                self.spec.source.observe(c.seq.request_id, c.start, per_seq[i, idx])
         return out
 
     def _observe(self, batch: ScheduledBatch, trees: dict, hidden: torch.Tensor) -> None:
@@ -258,6 +283,12 @@ class LLM:
             "avg_spec_accept_length": round(st.avg_accept_length, 4),
             "accept_length_histogram": dict(sorted(st.histogram.items())),
             "phase_seconds": {k: round(v, 6) for k, v in st.phase_seconds.items()},
+            # whole batched rounds: wall time, the verify forwards' device time, the rest's share
+            "round_seconds": round(st.round_seconds, 6),
+            "forward_seconds": round(st.forward_seconds, 6),
+            "outside_forward_share": round(1 - st.forward_seconds / st.round_seconds, 4)
+            if st.round_seconds
+            else None,
         }
 
     @property

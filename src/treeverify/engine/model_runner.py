@@ -75,6 +75,30 @@ class ModelRunner:
         return before
 
     @torch.inference_mode()
+    def run_trees(self, batch: ScheduledBatch, tb) -> torch.Tensor:
+        """A step whose every chunk is a speculating sequence's tree (`TreeBatch`, device
+        tensors): no host copy of the trees. Returns logits (B*N, V) for every node."""
+        b, n = tb.tokens.shape
+        starts = [c.start for c in batch.chunks]
+        pos = (torch.tensor(starts).to(self.device)[:, None] + tb.depths).reshape(-1)  # (B*N,)
+        ids = tb.tokens.reshape(-1)  # (B*N,)
+        bucket = None if faults.any_planted() or self.graphs is None else \
+            self.graphs.bucket_for(b, n)  # fmt: skip
+        self.attention.select(bucket)
+        self.attention.plan(tb.slots.reshape(-1), [c.seq.block_table for c in batch.chunks],
+                            starts, [n] * b, mask=tb.mask)  # fmt: skip
+        if bucket is not None:
+            logits = self.graphs.replay(bucket, ids, pos)
+        else:
+            moe = self._moe_impl("graph" if self.device.type == "cuda" else None)
+            try:
+                logits = self.model(ids, pos, attention=self.attention)  # (B*N, V)
+            finally:
+                self._moe_impl(moe)
+        self.hidden = getattr(self.model, "captured", None)
+        return faults.corrupt_logits(logits, b)
+
+    @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, trees: dict[str, SpecTree] | None = None
     ) -> list[torch.Tensor]:

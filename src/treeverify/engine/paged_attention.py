@@ -104,8 +104,10 @@ class PagedAttention:
         prefix_lens: list[int],  # per chunk: tokens cached before this chunk
         query_lens: list[int],  # per chunk: tokens in this step
         tree_masks: list[torch.Tensor | None] | None = None,  # per chunk: (n, W_i) or chain
+        mask: torch.Tensor | None = None,  # or the whole step's (T, W) bits, on the device
     ) -> None:
-        """Host side, once per step: the metadata every layer's plan run reads."""
+        """Host side, once per step: the metadata every layer's plan run reads. `slots` and
+        `mask` may live on the device (a speculative round's): they are copied, never read."""
         dev = self.cache.device
         width = max(len(t) for t in block_tables)
         table = torch.zeros(len(block_tables), width, dtype=torch.int32)
@@ -121,7 +123,7 @@ class PagedAttention:
             table.to(dev),  # (B, pages)
             torch.tensor(prefix_lens, dtype=torch.int32),  # (B,) host: plan() checks it
             torch.tensor(qo, dtype=torch.int32),  # (B+1,) host
-            _masks(query_lens, tree_masks, dev),  # (T, W)
+            mask if mask is not None else _masks(query_lens, tree_masks, dev),  # (T, W)
         )
         for (bucket, _), p in self._plans.items():
             if bucket == self.bucket:

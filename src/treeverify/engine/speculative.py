@@ -1,11 +1,14 @@
 """One speculative round for the decoding sequences of a step (DDTree or a single chain).
 
-Per decoding sequence: the drafter proposes per-position distributions for the next L tokens,
-`treeverify.spec.build_tree` picks the best `budget` nodes (DDTree, Algorithm 1; CHAIN keeps one
-path of the same size), the tree's nodes get reserved KV slots after the sequence's current
-position, the model verifies every node in the step's single forward (tree attention), the walk
-accepts the longest path the target agrees with, the accepted nodes' K/V are moved to
-contiguous positions, and the reservation is committed (rejected slots freed).
+For all speculating sequences at once (`draft_batch` / `accept_batch`): reserve N-1 KV slots
+after each sequence's current position; the drafter proposes per-position distributions for the
+next L tokens in one call; one batched `treeverify.spec.build_tree` picks the best `budget` nodes
+per sequence (DDTree, Algorithm 1; CHAIN keeps one path of the same size) and the tree masks are
+compiled on the device; the model verifies every node in one forward (a captured graph per
+(batch, N) bucket); the walks accept the longest paths the target agrees with, on the device;
+the accepted nodes' K/V move to contiguous positions in one gather/scatter per cache tensor; one
+host read returns the committed tokens, and the reservations are committed (rejected slots
+freed). A step that mixes trees with prefill falls back to per-sequence host copies (`accept`).
 
 The root of each tree is the sequence's last token (not yet in the KV cache), so a round commits
 `accepted nodes + 1` tokens (the bonus comes from the target at the last accepted node).
@@ -14,7 +17,7 @@ The root of each tree is the sequence's last token (not yet in the KV cache), so
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +27,6 @@ from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
-from treeverify.spec.tree_oracle import build_tree_host
 
 
 @dataclass
@@ -39,6 +41,37 @@ class SpecTree:
     accepted_path: list[int] | None = None  # after accept: node indices committed, root first
 
 
+@dataclass
+class TreeBatch:
+    """The round's trees for B speculating sequences, on the device, fixed size N = budget + 1
+    per tree (DDTree's padding nodes, when fewer rank paths exist, are never accepted)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # (B, N) int64, node 0 = the root = each sequence's last token
+    parents: torch.Tensor  # (B, N) int64, -1 for roots and padding
+    depths: torch.Tensor  # (B, N) int64
+    slots: torch.Tensor  # (B, N) int64: node i at position P_b + i
+    mask: torch.Tensor  # (B*N, W) int32 ancestor-or-self bits
+    max_depth: int
+    started: float  # perf_counter at the round's start
+    paths: list[list[int]] = field(default_factory=list)  # after accept: committed nodes
+
+    @property
+    def nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def to_spec_trees(self) -> dict[str, SpecTree]:
+        """Host copies per sequence (one read), for a step that mixes trees with prefill."""
+        b, n = self.tokens.shape
+        host = torch.cat((self.tokens, self.parents, self.depths, self.slots)).tolist()
+        out = {}
+        for i, seq in enumerate(self.seqs):
+            tree_mask = self.mask[i * n : (i + 1) * n]  # (N, W)
+            out[seq.request_id] = SpecTree(host[i], host[b + i], host[2 * b + i], host[3 * b + i],
+                                           tree_mask)  # fmt: skip
+        return out
+
+
 PHASES = ("draft", "build", "verify", "accept", "commit")
 
 
@@ -49,6 +82,8 @@ class SpecStats:
     histogram: dict[int, int] | None = None
     # Host wall seconds per round phase, summed ("verify" is the step's forward, set by the LLM).
     phase_seconds: dict[str, float] | None = None
+    round_seconds: float = 0.0  # wall time of whole rounds (draft start .. commit end)
+    forward_seconds: float = 0.0  # the rounds' verify forwards: device time (CUDA events)
 
     @property
     def avg_accept_length(self) -> float:
@@ -98,39 +133,85 @@ class SpeculativeDecoder:
         p = seq.sampling_params
         return p.speculative and p.logprobs is None
 
-    def draft(self, seq: Sequence) -> SpecTree | None:
-        """Build and reserve a tree for a decoding sequence; None when its pages do not fit."""
-        t0 = time.perf_counter()
-        depth = self.depth if self.algorithm == "DDTREE" else min(self.depth, self.budget)
-        logits = self.source.propose(seq, depth)  # (L, V), host (n-gram) or device (DFlash)
-        t0 = self._time("draft", t0)
-        if self.algorithm == "CHAIN":  # one path: the top token at each depth
-            tokens = [seq.last_token_id, *logits.argmax(-1).tolist()]  # one read
-            parents = list(range(-1, len(tokens) - 1))
-        else:
-            # A host drafter's logits build on the host with the heap (Algorithm 1 as published,
-            # equal node for node to the batched GPU build, and cheaper for one small tree);
-            # device logits use the capture-safe GPU build.
-            build = build_tree_host if logits.device.type == "cpu" else build_tree
-            tree = build(logits[None], self.budget, torch.tensor([seq.last_token_id],
-                                                                 device=logits.device))  # fmt: skip
-            n = int(tree.num_nodes[0])
-            tokens = tree.tokens[0, :n].tolist()
-            parents = tree.parents[0, :n].tolist()
-        t = len(tokens)
-        if t > 1 and not self.bm.can_allocate(seq, t - 1):
+    def draft_batch(self, seqs: list[Sequence], device: torch.device) -> TreeBatch | None:
+        """Reserve N-1 slots per sequence (those whose pages fit), draft all of them in one
+        drafter call and build every tree in one batched, sync-free `build_tree`."""
+        t_start = time.perf_counter()
+        n = self.tree_tokens
+        chosen = []
+        for seq in seqs:
+            if self.bm.can_allocate(seq, n - 1):
+                self.bm.reserve(seq, n - 1)
+                chosen.append(seq)
+        if not chosen:
             return None
-        root = seq.num_tokens - 1  # the root's position (its slot came with the decode chunk)
-        if t > 1:
-            self.bm.reserve(seq, t - 1)
-        slots = [self.bm.slot(seq, root + i) for i in range(t)]
-        par = torch.tensor([parents])  # (1, T)
-        depths = [0] * t
-        for i in range(1, t):
-            depths[i] = depths[parents[i]] + 1
-        tree = SpecTree(tokens, parents, depths, slots, parents_to_tree_mask(par))
+        depth = n - 1 if self.algorithm == "CHAIN" else self.depth
+        logits = self.source.propose_batch(chosen, depth, device)  # (B, L, V)
+        t0 = self._time("draft", t_start)
+        roots = torch.tensor([s.last_token_id for s in chosen], dtype=torch.int64).to(device)
+        if self.algorithm == "CHAIN":  # one path: the top token at each depth
+            tokens = torch.cat((roots[:, None], logits.argmax(-1)), dim=1)  # (B, N)
+            idx = torch.arange(n, device=device)
+            parents = (idx - 1).expand(len(chosen), n).contiguous()  # (B, N)
+            depths = idx.expand(len(chosen), n).contiguous()
+        else:
+            tree = build_tree(logits, self.budget, roots)
+            tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
+        slots = torch.tensor([[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)]
+                              for s in chosen], dtype=torch.int64).to(device)  # fmt: skip
+        mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
-        return tree
+        return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start)
+
+    def accept_batch(self, tb: TreeBatch, logits: torch.Tensor) -> list[list[int]]:
+        """Walk every verified tree (logits (B*N, V)) on the device, move the accepted K/V in
+        one fixed-shape gather/scatter per cache tensor, read the results once, commit on the
+        host. Returns each sequence's committed tokens (accepted nodes + bonus)."""
+        t0 = time.perf_counter()
+        b, n = tb.tokens.shape
+        logits = logits.view(b, n, -1)  # (B, N, V)
+        acc = accept_greedy(tb.tokens, tb.parents, logits.argmax(-1), max_depth=tb.max_depth)
+        path, length, bonus = acc.path.clone(), acc.length.clone(), acc.bonus.clone()
+        for i, seq in enumerate(tb.seqs):  # sampled requests: their own walk, on the device
+            p = seq.sampling_params
+            if p.temperature == 0:
+                continue
+            gen = torch.Generator(device=logits.device).manual_seed(
+                ((p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF) * 1_000_003
+                 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
+            )  # fmt: skip
+            one = accept_sampled(
+                tb.tokens[i : i + 1], tb.parents[i : i + 1], logits[i : i + 1], p.temperature,
+                p.top_p if p.top_p < 1 else None,
+                min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None, gen,
+                max_depth=tb.max_depth,
+            )  # fmt: skip
+            path[i], length[i], bonus[i] = one.path[0], one.length[0], one.bonus[0]
+        t0 = self._time("accept", t0)
+        k = min(path.shape[1], n)
+        path = path[:, :k]  # (B, K) accepted node per depth, -1 past the end
+        node = path.clamp(min=0)
+        keep = torch.arange(k, device=path.device)[None, :] < length[:, None]  # (B, K)
+        dst = tb.slots[:, :k]  # depth d of the path belongs at position P + d
+        src = torch.where(keep, tb.slots.gather(1, node), dst)  # (B, K) no-op past the end
+        self.cache.move_slots(src.reshape(-1), dst.reshape(-1))
+        committed = tb.tokens.gather(1, node)  # (B, K)
+        host = torch.cat((length, bonus, committed.reshape(-1), path.reshape(-1))).tolist()
+        out = []
+        for i, seq in enumerate(tb.seqs):
+            m = host[i]
+            toks = host[2 * b + i * k : 2 * b + i * k + m]
+            self.bm.commit(seq, m - 1)
+            bonus_tok = faults.diverge_bonus(host[b + i], logits.shape[-1])  # planted only
+            row = toks[1:] + [bonus_tok]
+            out.append(row)
+            tb.paths.append(host[2 * b + b * k + i * k : 2 * b + b * k + i * k + m])
+            self.stats.rounds += 1
+            self.stats.committed += len(row)
+            self.stats.histogram[len(row)] = self.stats.histogram.get(len(row), 0) + 1
+        now = self._time("commit", t0)
+        self.stats.round_seconds += now - tb.started
+        return out
 
     def accept(self, seq: Sequence, tree: SpecTree, logits: torch.Tensor) -> list[int]:
         """Walk the verified tree (logits (T, V)); move the accepted K/V; commit; the tokens."""

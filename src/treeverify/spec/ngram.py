@@ -22,23 +22,35 @@ class NgramDrafter:
         self.vocab_size, self.max_n, self.floor = vocab_size, max_n, floor
         self.window = window  # only the last `window` tokens are searched
 
-    def propose(self, history: list[int], depth: int) -> torch.Tensor:
-        """(depth, V) fp32 logits (log-probabilities) for the next `depth` positions."""
-        counts = torch.zeros(depth, self.vocab_size)  # (L, V)
+    def votes(self, history: list[int], depth: int) -> list[tuple[int, int]]:
+        """(d, token) votes: for the longest suffix (n <= max_n) found earlier in the history,
+        each occurrence votes for the tokens that followed it at distances 1..depth."""
         h = history[-self.window :]  # bounded host work per round
         for n in range(min(self.max_n, len(h) - 1), 0, -1):
             suffix = h[-n:]
             first = suffix[0]
-            votes = []
+            out = []
             for start in range(len(h) - n - 1, -1, -1):  # most recent matches first
                 if h[start] != first or h[start : start + n] != suffix:
                     continue
-                votes.append(h[start + n : start + n + depth])
-            if votes:
-                for follow in votes:
-                    for d, tok in enumerate(follow):
-                        counts[d, tok] += 1.0
-                break
+                out += enumerate(h[start + n : start + n + depth])
+            if out:
+                return out
+        return []
+
+    def logits_from_votes(self, votes: torch.Tensor, batch: int, depth: int,
+                          device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
+        """(B, L, V) log-probabilities from (K, 3) [b, d, token] votes (on `device`)."""
+        counts = torch.zeros(batch, depth, self.vocab_size, device=device)  # (B, L, V)
+        if votes.numel():
+            v = votes.to(device)
+            counts.index_put_((v[:, 0], v[:, 1], v[:, 2]), torch.ones(v.shape[0], device=device),
+                              accumulate=True)  # fmt: skip
         probs = counts + self.floor
-        probs = probs / probs.sum(-1, keepdim=True)
-        return probs.log()
+        return (probs / probs.sum(-1, keepdim=True)).log()
+
+    def propose(self, history: list[int], depth: int) -> torch.Tensor:
+        """(depth, V) fp32 logits (log-probabilities) for the next `depth` positions."""
+        votes = torch.tensor([(0, d, t) for d, t in self.votes(history, depth)],
+                             dtype=torch.int64).reshape(-1, 3)  # fmt: skip
+        return self.logits_from_votes(votes, 1, depth)[0]
