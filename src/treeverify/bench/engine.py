@@ -244,11 +244,11 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
             plain = outs
         else:
             st = llm.spec_stats
-            ph = st["phase_seconds"]
             row.update(avg_accept_length=st["avg_spec_accept_length"], rounds=st["rounds"],
-                       phase_seconds=ph,
-                       outside_forward_pct=round(100 * (sum(ph.values()) - ph["verify"])
-                                                 / max(sum(ph.values()), 1e-9), 1))  # fmt: skip
+                       phase_seconds=st["phase_seconds"], round_seconds=st["round_seconds"],
+                       forward_seconds=st["forward_seconds"],
+                       outside_forward_pct=None if st["outside_forward_share"] is None
+                       else round(100 * st["outside_forward_share"], 1))  # fmt: skip
             if plain is not None:
                 div = []
                 for i, (a, b) in enumerate(zip(plain, outs, strict=True)):
