@@ -47,11 +47,31 @@ class NgramSource:
 class DFlashSource:
     name = "dflash"
 
-    def __init__(self, drafter, window: int = 2048):
+    def __init__(self, drafter, window: int = 2048, captured_window: int = 512):
         self.drafter = drafter
         self.target_layer_ids = list(drafter.target_layer_ids)
         self.window = window
+        self.captured_window = captured_window  # context rows a captured propose sees
         self.context: dict[str, torch.Tensor] = {}  # request -> (cached tokens, F)
+        self._captured = None
+
+    @torch.inference_mode()
+    def capture(self, batch_sizes: list[int], depth: int, device) -> None:
+        """Capture propose per batch bucket over a fixed (B, captured_window, F) context."""
+        from treeverify.engine.captured_fn import CapturedFn
+
+        w, f = self.captured_window, self.drafter.config.context_features
+        dtype = next(self.drafter.parameters()).dtype
+
+        def fn(ctx, lens, last, start):
+            return (self.drafter.propose(ctx, lens, last, depth, context_start=start),)
+
+        def example(b: int):
+            z = torch.zeros(b, dtype=torch.int64, device=device)
+            return torch.zeros(b, w, f, dtype=dtype, device=device), z + 1, z.clone(), z.clone()
+
+        self._captured = CapturedFn(fn, example, batch_sizes, rows_per_item=(1,))
+        self.window = w  # captured rounds and eager ones see the same context
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """Rows for cache positions start.. (earlier rows past `start` were recomputed or

@@ -137,6 +137,8 @@ class LLM:
                 (b, n) for n in tokens for b in batch_buckets(max_bs) if b * n <= rows_cap or b == 1
             ]  # fmt: skip
             self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
+            if self.spec is not None:  # the round's build (and drafter) per batch bucket
+                self.spec.capture(batch_buckets(max_bs), self.device)
             t0 = self._phase("capture", t0)
         elif on_gpu:
             log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")

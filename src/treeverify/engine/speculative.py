@@ -23,6 +23,7 @@ import torch
 
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
+from treeverify.engine.captured_fn import CapturedFn
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.sequence import Sequence
@@ -111,7 +112,28 @@ class SpeculativeDecoder:
         self.source = source or NgramSource(vocab_size)
         self.drafter_name = self.source.name
         self.vocab_size = vocab_size
+        self._build: CapturedFn | None = None  # set by capture() on a GPU
         self.reset_stats()
+
+    def capture(self, batch_sizes: list[int], device: torch.device) -> None:
+        """Capture the DDTree build + mask compile (and the drafter, if it can) per batch
+        bucket: one replay instead of ~100 small launches per round."""
+        n, depth, v = self.tree_tokens, self.depth, self.vocab_size
+        if self.algorithm == "DDTREE":
+
+            def build(logits, roots):
+                tree = build_tree(logits, self.budget, roots)
+                mask = parents_to_tree_mask(tree.parents, max_depth=depth)  # (B*N, W)
+                return tree.tokens, tree.parents, tree.depths, mask
+
+            def example(b: int):
+                return (torch.zeros(b, depth, v, device=device),
+                        torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
+
+            self._build = CapturedFn(build, example, batch_sizes, rows_per_item=(1, 1, 1, n))
+        capture = getattr(self.source, "capture", None)
+        if capture is not None:
+            capture(batch_sizes, n - 1 if self.algorithm == "CHAIN" else depth, device)
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(histogram={}, phase_seconds=dict.fromkeys(PHASES, 0.0))
@@ -154,12 +176,15 @@ class SpeculativeDecoder:
             idx = torch.arange(n, device=device)
             parents = (idx - 1).expand(len(chosen), n).contiguous()  # (B, N)
             depths = idx.expand(len(chosen), n).contiguous()
+        elif self._build is not None:
+            tokens, parents, depths, mask = self._build(logits, roots)  # one graph replay
         else:
             tree = build_tree(logits, self.budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
         slots = torch.tensor([[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)]
                               for s in chosen], dtype=torch.int64).to(device)  # fmt: skip
-        mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
+        if self.algorithm == "CHAIN" or self._build is None:
+            mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
         return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start)
 

@@ -1,0 +1,57 @@
+"""A tensor function captured once per batch bucket, replayed with new inputs.
+
+For the pieces of a speculative round that are many small kernels and depend only on fixed-size
+tensors (the DDTree build + mask compile, the DFlash drafter's forward): launching them one by
+one costs more host time than the work itself. `CapturedFn` captures `fn` for each batch bucket
+over static input buffers; a call copies its inputs into the first B rows (the padding rows keep
+the `fill` values), replays, and returns the outputs' first rows. No sync, no allocation per
+call beyond the copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class CapturedFn:
+    def __init__(
+        self,
+        fn: Callable[..., tuple[torch.Tensor, ...]],
+        example_inputs: Callable[[int], tuple[torch.Tensor, ...]],  # batch -> static inputs
+        batch_sizes: Sequence[int],
+        rows_per_item: Sequence[int],  # per output: rows per batch item (e.g. N for a mask)
+        pool=None,
+    ):
+        self.fn, self.rows_per_item = fn, list(rows_per_item)
+        self.batch_sizes = sorted(batch_sizes)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, tuple]] = {}
+        self.pool = pool
+        for b in sorted(self.batch_sizes, reverse=True):
+            inputs = example_inputs(b)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(*inputs)  # warmup: lazy kernels, autotuning, allocator
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = fn(*inputs)
+            self.pool = graph.pool()
+            self.graphs[b] = (graph, inputs, outputs)
+        torch.cuda.synchronize()
+
+    def bucket_for(self, batch: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= batch), None)
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = args[0].shape[0]
+        bucket = self.bucket_for(batch)
+        if bucket is None:
+            return self.fn(*args)  # larger than any bucket: eager, same results
+        graph, inputs, outputs = self.graphs[bucket]
+        for buf, x in zip(inputs, args, strict=True):
+            buf[:batch].copy_(x)
+        graph.replay()
+        return tuple(o[: batch * r] for o, r in zip(outputs, self.rows_per_item, strict=True))
