@@ -113,6 +113,8 @@ class SpeculativeDecoder:
         self.drafter_name = self.source.name
         self.vocab_size = vocab_size
         self._build: CapturedFn | None = None  # set by capture() on a GPU
+        self._accept: CapturedFn | None = None  # greedy walk + K/V move, likewise
+        self._max_depth = depth
         self.reset_stats()
 
     def capture(self, batch_sizes: list[int], device: torch.device) -> None:
@@ -131,6 +133,15 @@ class SpeculativeDecoder:
                         torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
 
             self._build = CapturedFn(build, example, batch_sizes, rows_per_item=(1, 1, 1, n))
+        self._max_depth = n - 1 if self.algorithm == "CHAIN" else depth
+        scratch = self.cache.scratch_slot
+
+        def example_accept(b: int):  # padding rows: lone roots at the scratch slot (no-op)
+            z = torch.zeros(b, n, dtype=torch.int64, device=device)
+            return z, z - 1, z.clone(), z + scratch
+
+        self._accept = CapturedFn(self._greedy_accept_move, example_accept, batch_sizes,
+                                  rows_per_item=(1,))  # fmt: skip
         capture = getattr(self.source, "capture", None)
         if capture is not None:
             capture(batch_sizes, n - 1 if self.algorithm == "CHAIN" else depth, device)
@@ -188,52 +199,67 @@ class SpeculativeDecoder:
         self._time("build", t0)
         return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start)
 
-    def accept_batch(self, tb: TreeBatch, logits: torch.Tensor) -> list[list[int]]:
-        """Walk every verified tree (logits (B*N, V)) on the device, move the accepted K/V in
-        one fixed-shape gather/scatter per cache tensor, read the results once, commit on the
-        host. Returns each sequence's committed tokens (accepted nodes + bonus)."""
-        t0 = time.perf_counter()
-        b, n = tb.tokens.shape
-        logits = logits.view(b, n, -1)  # (B, N, V)
-        acc = accept_greedy(tb.tokens, tb.parents, logits.argmax(-1), max_depth=tb.max_depth)
-        path, length, bonus = acc.path.clone(), acc.length.clone(), acc.bonus.clone()
-        for i, seq in enumerate(tb.seqs):  # sampled requests: their own walk, on the device
-            p = seq.sampling_params
-            if p.temperature == 0:
-                continue
-            gen = torch.Generator(device=logits.device).manual_seed(
-                ((p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF) * 1_000_003
-                 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
-            )  # fmt: skip
-            one = accept_sampled(
-                tb.tokens[i : i + 1], tb.parents[i : i + 1], logits[i : i + 1], p.temperature,
-                p.top_p if p.top_p < 1 else None,
-                min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None, gen,
-                max_depth=tb.max_depth,
-            )  # fmt: skip
-            path[i], length[i], bonus[i] = one.path[0], one.length[0], one.bonus[0]
-        t0 = self._time("accept", t0)
-        k = min(path.shape[1], n)
+    def _move_and_pack(self, tokens, parents, slots, path, length, bonus) -> torch.Tensor:
+        """Move the accepted nodes' K/V to positions P+1.. (one fixed-shape gather/scatter per
+        cache tensor) and pack (B, 2 + 2K) int64: [length, bonus, committed K, path K]."""
+        k = min(path.shape[1], tokens.shape[1])
         path = path[:, :k]  # (B, K) accepted node per depth, -1 past the end
         node = path.clamp(min=0)
         keep = torch.arange(k, device=path.device)[None, :] < length[:, None]  # (B, K)
-        dst = tb.slots[:, :k]  # depth d of the path belongs at position P + d
-        src = torch.where(keep, tb.slots.gather(1, node), dst)  # (B, K) no-op past the end
+        dst = slots[:, :k]  # depth d of the path belongs at position P + d
+        src = torch.where(keep, slots.gather(1, node), dst)  # (B, K) no-op past the end
         self.cache.move_slots(src.reshape(-1), dst.reshape(-1))
-        committed = tb.tokens.gather(1, node)  # (B, K)
-        host = torch.cat((length, bonus, committed.reshape(-1), path.reshape(-1))).tolist()
+        committed = tokens.gather(1, node)  # (B, K)
+        return torch.cat((length[:, None], bonus[:, None], committed, path), dim=1)
+
+    def _greedy_accept_move(self, tokens, parents, posterior, slots):
+        acc = accept_greedy(tokens, parents, posterior, max_depth=self._max_depth)
+        return (self._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus),)
+
+    def accept_batch(self, tb: TreeBatch, logits: torch.Tensor) -> list[list[int]]:
+        """Walk every verified tree (logits (B*N, V)) on the device, move the accepted K/V,
+        read the results once, commit on the host. Returns each sequence's committed tokens
+        (accepted nodes + bonus). All-greedy batches replay one captured graph on a GPU."""
+        t0 = time.perf_counter()
+        b, n = tb.tokens.shape
+        logits = logits.view(b, n, -1)  # (B, N, V)
+        greedy = all(s.sampling_params.temperature == 0 for s in tb.seqs)
+        self._max_depth = tb.max_depth
+        if greedy and self._accept is not None:
+            packed = self._accept(tb.tokens, tb.parents, logits.argmax(-1), tb.slots)[0]
+        else:
+            acc = accept_greedy(tb.tokens, tb.parents, logits.argmax(-1), max_depth=tb.max_depth)
+            path, length, bonus = acc.path.clone(), acc.length.clone(), acc.bonus.clone()
+            for i, seq in enumerate(tb.seqs):  # sampled requests: their own walk, on the device
+                p = seq.sampling_params
+                if p.temperature == 0:
+                    continue
+                gen = torch.Generator(device=logits.device).manual_seed(
+                    ((p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF)
+                     * 1_000_003 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
+                )  # fmt: skip
+                one = accept_sampled(
+                    tb.tokens[i : i + 1], tb.parents[i : i + 1], logits[i : i + 1],
+                    p.temperature, p.top_p if p.top_p < 1 else None,
+                    min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None, gen,
+                    max_depth=tb.max_depth,
+                )  # fmt: skip
+                path[i], length[i], bonus[i] = one.path[0], one.length[0], one.bonus[0]
+            packed = self._move_and_pack(tb.tokens, tb.parents, tb.slots, path, length, bonus)
+        t0 = self._time("accept", t0)
+        k = (packed.shape[1] - 2) // 2
+        host = packed.tolist()  # the round's one device->host read
         out = []
-        for i, seq in enumerate(tb.seqs):
-            m = host[i]
-            toks = host[2 * b + i * k : 2 * b + i * k + m]
+        for seq, row in zip(tb.seqs, host, strict=True):
+            m = row[0]
             self.bm.commit(seq, m - 1)
-            bonus_tok = faults.diverge_bonus(host[b + i], logits.shape[-1])  # planted only
-            row = toks[1:] + [bonus_tok]
-            out.append(row)
-            tb.paths.append(host[2 * b + b * k + i * k : 2 * b + b * k + i * k + m])
+            bonus_tok = faults.diverge_bonus(row[1], logits.shape[-1])  # planted only
+            toks = row[2 : 2 + m][1:] + [bonus_tok]
+            out.append(toks)
+            tb.paths.append(row[2 + k : 2 + k + m])
             self.stats.rounds += 1
-            self.stats.committed += len(row)
-            self.stats.histogram[len(row)] = self.stats.histogram.get(len(row), 0) + 1
+            self.stats.committed += len(toks)
+            self.stats.histogram[len(toks)] = self.stats.histogram.get(len(toks), 0) + 1
         now = self._time("commit", t0)
         self.stats.round_seconds += now - tb.started
         return out
