@@ -21,7 +21,7 @@ from treeverify.kernels.cuda.variants import (  # noqa: E402
     all_variants,
     fwd_variant,
 )
-from treeverify.kernels.splits import MIN_CHUNK_TOKENS, choose_splits  # noqa: E402
+from treeverify.kernels.splits import MIN_SPLIT_TOKENS, choose_splits, num_splits, split_chunk  # noqa: E402
 
 
 def test_kernels_build_every_arch_from_the_cli(tmp_path):
@@ -66,9 +66,12 @@ def test_variant_choice():
 def test_split_policy_fills_one_wave_without_short_chunks(batch, m_tiles, max_kv):
     pol = choose_splits(batch=batch, hkv=8, m_tiles=m_tiles, max_kv=max_kv, bn=64, num_sms=132,
                         ctas_per_sm=2)  # fmt: skip
-    assert pol.max_splits >= 1 and pol.chunk % 64 == 0
-    assert pol.max_splits * pol.chunk >= max_kv  # every token is covered
+    assert pol.max_splits >= 1 and pol.chunk % 64 == 0 and pol.chunk >= MIN_SPLIT_TOKENS
     base = batch * 8 * m_tiles
     assert base * pol.max_splits <= max(base, 264)  # never a second, mostly empty wave
-    if pol.max_splits > 1:
-        assert pol.chunk >= MIN_CHUNK_TOKENS
+    for kv in sorted({1, 63, 64, 65, 520, max_kv // 3, max_kv - 1, max_kv}):
+        c, n = split_chunk(kv, pol.max_splits, pol.chunk), num_splits(kv, pol.max_splits, pol.chunk)
+        assert c % pol.chunk == 0 and n <= pol.max_splits and n * c >= kv  # all keys covered
+        assert (n - 1) * c < kv  # no empty split
+        if kv >= 2 * pol.max_splits * pol.chunk:
+            assert n > pol.max_splits // 2  # a long request uses most splits

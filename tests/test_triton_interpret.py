@@ -27,6 +27,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (first 
 
 from treeverify.bench.cases import Case, make_inputs  # noqa: E402
 from treeverify.kernels.reference import tree_attention_reference  # noqa: E402
+from treeverify.kernels.splits import split_chunk  # noqa: E402
 from treeverify.kernels.triton import (  # noqa: E402
     SplitPolicy,
     TritonConfig,
@@ -269,11 +270,13 @@ def test_config_and_split_policy_are_capacity_only():
                         dtype=torch.bfloat16)  # fmt: skip
     assert (cfg.bm, cfg.bn, cfg.num_warps) == (64, 64, 4)
     pol = choose_splits(batch=1, hkv=8, m_tiles=1, max_kv=8256, bn=64, num_sms=132, ctas_per_sm=2)
-    assert pol.max_splits == 33 and pol.chunk % 64 == 0 and pol.max_splits * pol.chunk >= 8256
-    for kv in (1, 255, 8256, 50000):
+    assert pol.max_splits == 33 and pol.chunk % 64 == 0
+    for kv in (1, 255, 520, 8256, 50000):
         n = num_splits(kv, pol.max_splits, pol.chunk)
-        c = max(pol.chunk, math.ceil(kv / pol.max_splits))
+        c = split_chunk(kv, pol.max_splits, pol.chunk)
+        assert c % pol.chunk == 0 and c >= math.ceil(kv / pol.max_splits)
         assert 1 <= n <= pol.max_splits and (n - 1) * c < kv <= n * c
+    assert num_splits(520, pol.max_splits, pol.chunk) == 9  # a short request still spreads
 
 
 def test_split_rule_matches_the_cuda_backend():

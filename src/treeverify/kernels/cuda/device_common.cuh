@@ -121,12 +121,15 @@ __device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) 
   return r;
 }
 
-// Splits of request b: the plan fixes (max_splits, chunk); the count follows the length on
-// the device, so one captured grid serves every length of the bucket. A request longer than
-// max_splits * chunk (the SGLang drop-in only estimates lengths) gets longer chunks instead of
-// losing its tail. The forward and the merge kernels both call these, so they always agree.
+// Splits of request b: the plan fixes (max_splits, chunk = the split granularity, a multiple
+// of the KV tile); the split length follows the request's own length on the device: its keys
+// spread over up to max_splits splits of whole `chunk` units, so a short request in a bucket
+// sized for long ones still fills the GPU (v7), and one captured grid serves every length. A
+// request longer than max_splits * chunk (the SGLang drop-in only estimates lengths) gets
+// longer splits instead of losing its tail. The forward and merge kernels both call these.
 __device__ __forceinline__ int split_chunk(const TreeAttnParams& p, int kv_total) {
-  return max(p.chunk, (kv_total + p.max_splits - 1) / p.max_splits);
+  const int c = max(p.chunk, (kv_total + p.max_splits - 1) / p.max_splits);
+  return (c + p.chunk - 1) / p.chunk * p.chunk;
 }
 __device__ __forceinline__ int num_splits(const TreeAttnParams& p, int kv_total) {
   const int c = split_chunk(p, kv_total);

@@ -26,6 +26,10 @@
 //       22 -> ~40% if load-latency bound; measured +3 points: it is bound by the serial
 //       QK -> softmax -> PV chain of each warpgroup instead.                      33.5%
 //   v6  (a44145d) prologue issues all first page lookups before using any.   33.3% (noise)
+//   v7  split length follows each request's own key count (whole 64-token units over the
+//       plan's max_splits) instead of the bucket's capacity / max_splits: an engine decode of
+//       520 keys in a 32k-key bucket ran one CTA per KV head (24 us/layer on the H200). The
+//       grid's cases are planned at their own length: predicted unchanged there.
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.

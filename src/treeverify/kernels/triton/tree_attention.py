@@ -192,6 +192,7 @@ def tree_attn_fwd(
     m0 = pid_m * BM
     kv_total = P + T
     chunk_b = tl.maximum(chunk, (kv_total + max_splits - 1) // max_splits)
+    chunk_b = (chunk_b + chunk - 1) // chunk * chunk  # whole units (kernels/splits.py)
     n_splits = tl.maximum(1, (kv_total + chunk_b - 1) // chunk_b)
     if (m0 >= rows) | (split >= n_splits):
         return
@@ -286,6 +287,7 @@ def tree_attn_merge(
     T = tl.load(QoIndptr + b + 1) - tl.load(QoIndptr + b)
     kv_total = tl.load(PrefixLens + b) + T
     chunk_b = tl.maximum(chunk, (kv_total + max_splits - 1) // max_splits)
+    chunk_b = (chunk_b + chunk - 1) // chunk * chunk
     n = tl.maximum(1, (kv_total + chunk_b - 1) // chunk_b)
     if (tok >= total_q) | (n == 1):
         return  # padding row, or the forward kernel wrote the final output
