@@ -67,7 +67,7 @@ class CudaGraphs:
         self.replays = 0
 
     # ---- capture -------------------------------------------------------------------------------
-    def _dummy_step(self, batch: int, n: int) -> None:
+    def dummy_step(self, batch: int, n: int) -> None:
         """Plan B chains of n tokens over the scratch page (what the kernels see at capture)."""
         cache = self.attention.cache
         scratch_page = cache.num_pages
@@ -77,7 +77,7 @@ class CudaGraphs:
             [pages] * batch, [0] * batch, [n] * batch,
         )  # fmt: skip
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def forward_rows(self, rows: int) -> torch.Tensor:
         return self.model(self.ids[:rows], self.pos[:rows], attention=self.attention,
                           token_valid=self.valid[:rows])  # fmt: skip
 
@@ -109,18 +109,18 @@ class CudaGraphs:
         rows = batch * n
         try:
             self.attention.select((batch, n))
-            self._dummy_step(batch, n)
+            self.dummy_step(batch, n)
             self.ids[:rows].zero_()
             self.pos[:rows].zero_()
             self.valid[:rows].fill_(False)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warmup: plans, kernels, cuBLAS handles made here
-                self._forward(rows)
+                self.forward_rows(rows)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(rows)  # (rows, V)
+                logits = self.forward_rows(rows)  # (rows, V)
             self.pool = graph.pool()
             torch.cuda.synchronize()
         except Exception as exc:

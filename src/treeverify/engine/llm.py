@@ -129,13 +129,17 @@ class LLM:
         self.warmup()
         t0 = self._phase("warmup", t0)
         self.cuda_graph_buckets: list[tuple[int, int]] = []
+        max_bs = min(cuda_graph_max_bs or 32, max_num_seqs)
+        tokens = [1] + ([self.spec.tree_tokens] if self.spec is not None else [])
+        rows_cap = max(max_num_batched_tokens, max(tokens))
+        buckets = [(b, n) for n in tokens for b in batch_buckets(max_bs)
+                   if b * n <= rows_cap or b == 1]  # fmt: skip
+        if on_gpu:  # decode steps plan per bucket, graphs or not: the same split-KV layout
+            self.runner.plan_batch_sizes = batch_buckets(max_bs)
+        if on_gpu and disable_cuda_graph:
+            self.runner.prepare_plans(buckets)
         if on_gpu and not disable_cuda_graph:
-            max_bs = min(cuda_graph_max_bs or 32, max_num_seqs)
-            tokens = [1] + ([self.spec.tree_tokens] if self.spec is not None else [])
-            rows_cap = max(max_num_batched_tokens, max(tokens))
-            self.cuda_graph_buckets = [
-                (b, n) for n in tokens for b in batch_buckets(max_bs) if b * n <= rows_cap or b == 1
-            ]  # fmt: skip
+            self.cuda_graph_buckets = buckets
             self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
             if self.spec is not None:  # the round's build (and drafter) per batch bucket
                 self.spec.capture(batch_buckets(max_bs), self.device)

@@ -33,6 +33,9 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = cache.device
         self.graphs: CudaGraphs | None = None
+        # Batch sizes whose bucket-sized attention plans decode-shaped steps use (set on a GPU
+        # to the graph buckets, captured or not); empty: the engine's full-capacity plans.
+        self.plan_batch_sizes: list[int] = []
         self.hidden: torch.Tensor | None = None  # (T, F) of the last step, when captured
         self._moe_layers = [m for m in model.modules() if hasattr(m, "n_experts")]
         self.attention = PagedAttention(
@@ -46,6 +49,29 @@ class ModelRunner:
         on failure."""
         self.graphs = CudaGraphs(self.model, self.attention, buckets=buckets)
         return self.graphs.capture()
+
+    @torch.inference_mode()
+    def prepare_plans(self, buckets: list[tuple[int, int]]) -> None:
+        """Without graphs: make every bucket's plans now (one dummy forward each), so no request
+        pays for kernel loading or plan allocation."""
+        dummy = CudaGraphs(self.model, self.attention, buckets=buckets)
+        moe = self._moe_impl("graph")
+        try:
+            for b, n in buckets:
+                self.attention.select((b, n))
+                dummy.dummy_step(b, n)
+                dummy.forward_rows(b * n)
+        finally:
+            self._moe_impl(moe)
+            self.attention.select(None)
+
+    def _plan_bucket(self, batch: int, n: int) -> tuple[int, int] | None:
+        """The attention plan an eager decode-shaped step uses: the graph bucket's own (same
+        split-KV layout, so graphs on and off give the same numbers), when one would hold it."""
+        b = next((s for s in self.plan_batch_sizes if s >= batch), None)
+        if b is None or b * n > self.attention.max_total_q or n > self.attention.max_chunk:
+            return None
+        return (b, n)
 
     @staticmethod
     def _decode_shaped(batch: ScheduledBatch, qlens: list[int], trees) -> bool:
@@ -84,7 +110,7 @@ class ModelRunner:
         ids = tb.tokens.reshape(-1)  # (B*N,)
         bucket = None if faults.any_planted() or self.graphs is None else \
             self.graphs.bucket_for(b, n)  # fmt: skip
-        self.attention.select(bucket)
+        self.attention.select(bucket or self._plan_bucket(b, n))
         self.attention.plan(tb.slots.reshape(-1), [c.seq.block_table for c in batch.chunks],
                             starts, [n] * b, mask=tb.mask)  # fmt: skip
         if bucket is not None:
@@ -134,7 +160,9 @@ class ModelRunner:
                 spans.append((len(rows), n))
                 rows += range(base, base + n)
         bucket = self._bucket(batch, qlens, trees)
-        self.attention.select(bucket)
+        decode = self._decode_shaped(batch, qlens, trees)
+        self.attention.select(bucket or (self._plan_bucket(len(qlens), qlens[0]) if decode
+                                         else None))  # fmt: skip
         self.attention.plan(
             torch.tensor(slots, dtype=torch.int64),
             [c.seq.block_table for c in batch.chunks],
