@@ -84,7 +84,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused kernel), back to x's dtype, then weight
+        # x * rsqrt(mean(x^2) + eps) * weight: one fused kernel accumulating in fp32. (Hugging
+        # Face rounds to x's dtype before the weight; in fp32 the two are the same, in bf16 this
+        # rounds once instead of twice.)
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(x.dtype)
 
