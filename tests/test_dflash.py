@@ -383,20 +383,13 @@ def test_drafts_from_real_target_hidden_states(target, drafter):
     """End to end on the tiny target: capture the outputs of the decoder layers the drafter
     names, feed them as context, and draft; the last committed token conditions the block."""
     _, model = target
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [
-        model.model.layers[i].register_forward_hook(
-            lambda _m, _inp, out, i=i: captured.__setitem__(i, out)
-        )
-        for i in drafter.target_layer_ids
-    ]
+    model.capture_layers = frozenset(drafter.target_layer_ids)  # the model's own taps
     try:
         ids = torch.tensor([256, 72, 101, 108, 108, 111])
         model(ids, torch.arange(len(ids)))
+        ctx = model.captured  # (T, 2H): the named layers' outputs, concatenated
     finally:
-        for h in hooks:
-            h.remove()
-    ctx = torch.cat([captured[i] for i in drafter.target_layer_ids], dim=-1)  # (T, 2H)
+        model.capture_layers = frozenset()
     hidden, lens = ctx[None], torch.tensor([len(ids)])
     a = drafter.propose(hidden, lens, torch.tensor([44]), depth=15)
     b = drafter.propose(hidden, lens, torch.tensor([45]), depth=15)

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from treeverify.engine.kv_store import store_kv
+
 KVSpec = list[tuple[tuple[int, ...], tuple[int, ...] | None]]  # per layer: K row, V row | None
 
 
@@ -76,9 +78,10 @@ class KVCache:
             self._allocate(layer, k.shape[1:], None if v is None else v.shape[1:], k.dtype,
                            None if v is None else v.dtype)  # fmt: skip
         kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:])[slots] = k.to(kc.dtype)
         if vc is not None:
-            vc.view(-1, *vc.shape[2:])[slots] = v.to(vc.dtype)
+            store_kv(slots, k, v, kc, vc)  # one kernel on a GPU
+        else:
+            kc.view(-1, *kc.shape[2:])[slots] = k.to(kc.dtype)
         return kc, vc
 
     @torch.inference_mode()  # the cache tensors are made inside the runner's inference mode

@@ -127,8 +127,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        g, u = F.linear(x, *self.gate_up).chunk(2, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(g) * u)
+        from treeverify.models.fused_ops import silu_mul
+
+        return self.down_proj(silu_mul(F.linear(x, *self.gate_up)))  # (T, 2I) -> (T, I)
 
 
 def rope_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:

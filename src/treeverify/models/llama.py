@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeverify.models.config import LlamaConfig
+from treeverify.models.fused_ops import add_rmsnorm, rope_qk
 from treeverify.models.layers import (
     MLP,
     Attention,
@@ -52,11 +53,13 @@ class LlamaAttention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         if self.qkv is not None:
             qkv = F.linear(x, *self.qkv).view(t, hq + 2 * hkv, d)  # (T, Hq+2Hkv, D)
-            qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
+            v = qkv[:, hq + hkv :]
             if self.q_norm is not None:
-                qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-            qk = apply_rope_tables(qk, cos, sin)  # (T, Hq+Hkv, D): q and k rotated together
-            q, k = qk[:, :hq].contiguous(), qk[:, hq:]
+                qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), 1)
+                qk = apply_rope_tables(qk, cos, sin)  # (T, Hq+Hkv, D)
+                q, k = qk[:, :hq].contiguous(), qk[:, hq:]
+            else:  # q and k rotated in one kernel on a GPU, q written contiguous
+                q, k = rope_qk(qkv, cos, sin, hq, hkv)
         else:
             q = self.q_proj(x).view(t, hq, d)  # (T, Hq, D)
             k = self.k_proj(x).view(t, hkv, d)  # (T, Hkv, D)
@@ -76,9 +79,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, cos, sin, attention):
+        """h = input_layernorm(residual), made by the caller together with the previous add.
+        Returns (mlp output, residual after attention); the caller adds the former."""
+        a = self.self_attn(h, cos, sin, attention)
+        h, residual = add_rmsnorm(a, residual, self.post_attention_layernorm)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -138,12 +144,16 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rope.rotate_half_tables(positions, x.dtype)  # (T, D) each
         else:
             cos, sin = self.rope(positions)  # (T, D/2) each
+        layers = self.model.layers
         taps = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attention)
+        residual, h = x, layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            m, residual = layer(h, residual, cos, sin, attention)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = add_rmsnorm(m, residual, nxt)  # residual = layer i's output
             if i in self.capture_layers:
-                taps.append(x)
+                taps.append(residual)
         self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.model.norm(x)).float()
+            h = h[logits_indices]
+        return self.lm_head(h).float()

@@ -1,0 +1,141 @@
+"""Fused elementwise ops for the decode path: one Triton kernel where PyTorch launches 2-5.
+
+Inside a captured decode step every kernel costs ~2-3 us of launch latency on the GPU whatever
+its size (docs/performance.md: a 1B-shape forward was 336 kernels, ~250 of them tiny). These
+fuse the per-layer chains:
+
+  add_rmsnorm(x, residual, norm)  residual + x, then RMSNorm      (2 kernels -> 1)
+  rope_qk(qkv, cos2, sin2, hq, hkv) q and k rotated, q contiguous  (5 kernels -> 1)
+  silu_mul(gate_up)               silu(gate) * up                  (2 kernels -> 1)
+
+Each rounds to the activation dtype exactly where the PyTorch sequence it replaces rounds, so
+results match the unfused ops (bit for bit where the math is the same; rope and silu_mul up to
+the last bit of exp/rsqrt). The Triton path runs for CUDA tensors when Triton imports; anything
+else (the CPU, fp32 tests) runs the PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _triton():
+    try:
+        import triton  # noqa: F401
+        import triton.language as tl  # noqa: F401
+    except ImportError:
+        return None
+    return _build_kernels()
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _triton() is not None
+
+
+def _build_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_rmsnorm_kernel(X, R, W, Y, ROut, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n
+        x = tl.load(X + row * n + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(R + row * n + cols, mask=m, other=0.0).to(tl.float32)
+        s = (x + r).to(ROut.dtype.element_ty)  # the residual add rounds, as torch's does
+        tl.store(ROut + row * n + cols, s, mask=m)
+        sf = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n + eps)
+        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * n + cols, (sf * rstd * w).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def rope_qk_kernel(QKV, C, S, Q, K, hq, hkv, D: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        width = (hq + 2 * hkv) * D
+        src = QKV + t * width + h * D
+        x = tl.load(src + d).to(tl.float32)
+        swapped = tl.load(src + (d + HALF) % D).to(tl.float32)
+        c = tl.load(C + t * D + d).to(tl.float32)
+        s = tl.load(S + t * D + d).to(tl.float32)
+        dt = Q.dtype.element_ty
+        # x*cos and swap(x)*sin each round, then their sum: torch's three ops on bf16
+        out = ((x * c).to(dt).to(tl.float32) + (swapped * s).to(dt).to(tl.float32)).to(dt)
+        if h < hq:
+            tl.store(Q + (t * hq + h) * D + d, out)
+        else:
+            tl.store(K + (t * hkv + (h - hq)) * D + d, out)
+
+    @triton.jit
+    def silu_mul_kernel(GU, Y, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < n
+        g = tl.load(GU + row * 2 * n + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * 2 * n + n + cols, mask=m, other=0.0).to(tl.float32)
+        dt = Y.dtype.element_ty
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu rounds, then the product
+        tl.store(Y + row * n + cols, (a * u).to(dt), mask=m)
+
+    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel
+
+
+def add_rmsnorm(
+    x: torch.Tensor,  # (T, H)
+    residual: torch.Tensor,  # (T, H)
+    norm,  # an RMSNorm module (weight (H,), eps)
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed (T, H), residual + x (T, H)
+    if not (_use_triton(x) and norm.weight.dtype == x.dtype and x.is_contiguous()
+            and residual.is_contiguous()):  # fmt: skip
+        summed = residual + x
+        return norm(summed), summed
+    import triton
+
+    kernel = _triton()[0]
+    t, n = x.shape
+    y, r_out = torch.empty_like(x), torch.empty_like(x)
+    kernel[(t,)](x, residual, norm.weight, y, r_out, n, norm.eps,
+                 BLOCK=triton.next_power_of_2(n), num_warps=4)  # fmt: skip
+    return y, r_out
+
+
+def rope_qk(
+    qkv: torch.Tensor,  # (T, Hq + 2 Hkv, D) the fused projection's output
+    cos2: torch.Tensor,  # (T, D) Rope.rotate_half_tables
+    sin2: torch.Tensor,  # (T, D)
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # q (T, Hq, D) contiguous, k (T, Hkv, D)
+    t, _, d = qkv.shape
+    if not (_use_triton(qkv) and qkv.is_contiguous() and d & (d - 1) == 0
+            and cos2.dtype == qkv.dtype):  # fmt: skip
+        from treeverify.models.layers import apply_rope_tables
+
+        qk = apply_rope_tables(qkv[:, : hq + hkv], cos2, sin2)  # (T, Hq+Hkv, D)
+        return qk[:, :hq].contiguous(), qk[:, hq:]
+    kernel = _triton()[1]
+    q = qkv.new_empty(t, hq, d)
+    k = qkv.new_empty(t, hkv, d)
+    kernel[(t, hq + hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, k, hq, hkv, D=d,
+                          HALF=d // 2, num_warps=1)  # fmt: skip
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+    if not (_use_triton(gate_up) and gate_up.is_contiguous()):
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.silu(g) * u
+    kernel = _triton()[2]
+    t, n2 = gate_up.shape
+    n = n2 // 2
+    y = gate_up.new_empty(t, n)
+    block = 1024
+    kernel[(t, (n + block - 1) // block)](gate_up, y, n, BLOCK=block, num_warps=4)
+    return y

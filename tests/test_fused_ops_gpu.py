@@ -1,0 +1,65 @@
+"""The decode path's fused Triton ops against the PyTorch ops they replace, on a GPU, bf16,
+fresh random inputs, outputs poisoned first where the op writes into given memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treeverify.engine.kv_store import store_kv
+from treeverify.models.fused_ops import add_rmsnorm, rope_qk, silu_mul
+from treeverify.models.layers import RMSNorm, apply_rope_tables
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("t,h", [(1, 2048), (7, 4096), (33, 128)])
+def test_add_rmsnorm(t, h):
+    g = torch.Generator(device="cuda").manual_seed(t * h)
+    x = torch.randn(t, h, device="cuda", generator=g).to(BF16)
+    r = torch.randn(t, h, device="cuda", generator=g).to(BF16)
+    norm = RMSNorm(h, 1e-5).cuda().to(BF16)
+    norm.weight.data.normal_(1.0, 0.1, generator=g)
+    y, r_out = add_rmsnorm(x, r, norm)
+    want_r = r + x
+    assert torch.equal(r_out, want_r)  # the add rounds exactly as torch's
+    want = F.rms_norm(want_r.float(), (h,), norm.weight.float(), 1e-5)
+    torch.testing.assert_close(y.float(), want, rtol=8e-3, atol=8e-3)  # one bf16 rounding
+
+
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 32, 8, 64), (5, 32, 8, 128), (17, 4, 2, 64)])
+def test_rope_qk_is_bit_identical(t, hq, hkv, d):
+    g = torch.Generator(device="cuda").manual_seed(t + d)
+    qkv = torch.randn(t, hq + 2 * hkv, d, device="cuda", generator=g).to(BF16)
+    ang = torch.rand(t, d // 2, device="cuda", generator=g) * 6.28
+    cos2 = torch.cat((ang.cos(), ang.cos()), -1).to(BF16)
+    sin2 = torch.cat((-ang.sin(), ang.sin()), -1).to(BF16)
+    q, k = rope_qk(qkv, cos2, sin2, hq, hkv)
+    want = apply_rope_tables(qkv[:, : hq + hkv], cos2, sin2)
+    assert q.is_contiguous() and q.shape == (t, hq, d) and k.shape == (t, hkv, d)
+    assert torch.equal(q, want[:, :hq]) and torch.equal(k, want[:, hq:])
+
+
+@pytest.mark.parametrize("t,n", [(1, 8192), (9, 1408), (3, 100)])
+def test_silu_mul(t, n):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    gu = torch.randn(t, 2 * n, device="cuda", generator=g).to(BF16) * 3
+    got = silu_mul(gu)
+    a, b = gu.chunk(2, -1)
+    torch.testing.assert_close(got, F.silu(a) * b, rtol=1.6e-2, atol=1e-2)
+
+
+def test_store_kv_writes_exactly_the_slots():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kc = torch.randn(9, 16, 8, 64, device="cuda", generator=g).to(BF16)
+    vc = torch.randn(9, 16, 8, 64, device="cuda", generator=g).to(BF16)
+    kc0, vc0 = kc.clone(), vc.clone()
+    qkv = torch.randn(3, 32 + 16, 64, device="cuda", generator=g).to(BF16)
+    k, v = qkv[:, 32:40].contiguous(), qkv[:, 40:]  # v strided, as the model passes it
+    slots = torch.tensor([5, 70, 143], device="cuda")
+    store_kv(slots, k, v, kc, vc)
+    kc0.view(-1, 8, 64)[slots] = k
+    vc0.view(-1, 8, 64)[slots] = v
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
