@@ -11,8 +11,8 @@ fuse the per-layer chains:
 Each rounds to the activation dtype where the PyTorch sequence it replaces rounds, so results
 match the unfused ops to the last bit of a bf16 value (the residual add exactly; measured on the
 H200 in tests/test_fused_ops_gpu.py). Eager and captured steps on a GPU both run these, so CUDA
-graphs on or off still give identical tokens. The Triton path runs for CUDA tensors when Triton imports; anything
-else (the CPU, fp32 tests) runs the PyTorch ops.
+graphs on or off still give identical tokens. The Triton path runs for CUDA tensors when Triton
+imports; anything else (the CPU, fp32 tests) runs the PyTorch ops.
 """
 
 from __future__ import annotations
