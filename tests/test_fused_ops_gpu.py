@@ -39,9 +39,11 @@ def test_rope_qk(t, hq, hkv, d):
     q, k = rope_qk(qkv, cos2, sin2, hq, hkv)
     want = apply_rope_tables(qkv[:, : hq + hkv], cos2, sin2)
     assert q.is_contiguous() and q.shape == (t, hq, d) and k.shape == (t, hkv, d)
-    # within one bf16 rounding of torch's mul, mul, add (measured: last-bit differences only)
-    torch.testing.assert_close(q, want[:, :hq], rtol=8e-3, atol=1e-3)
-    torch.testing.assert_close(k, want[:, hq:], rtol=8e-3, atol=1e-3)
+    # within one bf16 rounding of a product (|x*cos| < 4: ulp 2^-6) of torch's mul, mul, add;
+    # where the two products cancel the relative error is large, the absolute one is not
+    # (measured on the H200: 0.5% of elements off by at most 0.0078). A wrong rotation is O(1).
+    torch.testing.assert_close(q, want[:, :hq], rtol=8e-3, atol=1.6e-2)
+    torch.testing.assert_close(k, want[:, hq:], rtol=8e-3, atol=1.6e-2)
 
 
 @pytest.mark.parametrize("t,n", [(1, 8192), (9, 1408), (3, 100)])
