@@ -46,7 +46,11 @@ def test_speculative_server_matches_plain_server():
         assert sum(info["accept_length_histogram"].values()) == info["rounds"]
         assert set(info["phase_seconds"]) == {"draft", "build", "verify", "accept", "commit"}
         assert info["phase_seconds"]["verify"] > 0
+        assert info["drafter"] == "ngram"
+        assert 0 < info["forward_seconds"] <= info["round_seconds"]
+        assert 0 <= info["outside_forward_share"] < 1
         metrics = httpx.get(spec.url + "/metrics", timeout=10).text
+        assert 'treeverify_spec_round_seconds_total{model="tiny-llama",part="round"}' in metrics
         assert 'treeverify_spec_round_phase_seconds_total{model="tiny-llama",phase="verify"}' in (
             metrics
         )

@@ -74,6 +74,13 @@ class Metrics:
             ["model", "phase"],
             registry=r,
         )
+        self.spec_round = Gauge(
+            "treeverify_spec_round_seconds_total",
+            "Speculative rounds since start: 'round' = wall time of whole batched rounds, "
+            "'verify_forward' = the verify forwards' device time within them",
+            ["model", "part"],
+            registry=r,
+        )
         self.spec_accept = Gauge(
             "treeverify_spec_accept_length",
             "Tokens committed per speculative round, bonus included (mean since start)",
@@ -104,4 +111,6 @@ class Metrics:
             self.spec_accept.labels(m).set(stats.spec["avg_spec_accept_length"])
             for phase, secs in stats.spec["phase_seconds"].items():
                 self.spec_phase.labels(m, phase).set(secs)
+            self.spec_round.labels(m, "round").set(stats.spec.get("round_seconds", 0.0))
+            self.spec_round.labels(m, "verify_forward").set(stats.spec.get("forward_seconds", 0.0))
         return generate_latest(self.registry)
