@@ -140,10 +140,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         return [((1, c.kv_lora_rank + c.qk_rope_head_dim), None)] * c.num_hidden_layers
 
     def set_moe_impl(self, impl: str) -> None:
-        if impl not in ("grouped", "dense", "gather", "graph"):
-            raise ValueError(
-                f"impl: expected 'grouped', 'dense', 'gather' or 'graph', got {impl!r}"
-            )
+        impls = ("grouped", "dense", "gather", "grouped_mm", "graph")
+        if impl not in impls:
+            raise ValueError(f"impl: expected one of {', '.join(impls)}, got {impl!r}")
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.mlp.impl = impl

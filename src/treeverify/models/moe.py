@@ -50,6 +50,14 @@ def select_experts(
     return idx, weights * cfg.routed_scaling_factor
 
 
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs here: bf16 CUDA tensors on sm_90 or newer."""
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )  # fmt: skip
+
+
 class Router(nn.Module):
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__()
@@ -76,8 +84,12 @@ class DeepseekMoE(nn.Module):
     data-dependent shapes (CUDA-graph capturable), E times the FLOPs;
     impl="gather" gathers each token's k experts' weights (stacked, see `stack_experts`) and runs
     them as batched GEMVs: no sync, reads only the routed experts (decode-sized batches).
-    impl="graph" picks gather when T*k < E, else dense, from the (static) token count: what a
-    captured decode step uses. `valid` (T,) bool leaves padding rows out of the counts.
+    impl="grouped_mm" sorts the T*k (token, expert) pairs by expert and runs two grouped GEMMs
+    with device-side group offsets (torch._grouped_mm, bf16 on sm_90+): no sync, each routed
+    expert's weights read once, no E-times FLOPs.
+    impl="graph" picks gather when T*k < E, else grouped_mm where it runs, else dense, from the
+    (static) token count: what a captured step uses. `valid` (T,) bool leaves padding rows out
+    of the counts.
     """
 
     def __init__(self, cfg: DeepseekV3Config):
@@ -121,6 +133,20 @@ class DeepseekMoE(nn.Module):
         y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, self.w_down[idx])  # (T, k, hidden)
         return (y.float() * w[..., None]).sum(1)  # (T, hidden)
 
+    def _grouped_mm(self, x, idx, w, counts) -> torch.Tensor:
+        from treeverify.models.fused_ops import silu_mul
+
+        self.stack_experts()
+        t, k = idx.shape
+        order = idx.reshape(-1).argsort(stable=True)  # (T*k,) pairs sorted by expert
+        offs = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's group
+        xs = x[order // k]  # (T*k, hidden)
+        h = torch._grouped_mm(xs, self.w_gate_up.transpose(1, 2), offs=offs)  # (T*k, 2I)
+        y = torch._grouped_mm(silu_mul(h), self.w_down.transpose(1, 2), offs=offs)  # (T*k, H)
+        back = torch.empty_like(y)
+        back[order] = y  # unsort (a permutation: deterministic, no atomics)
+        return (back.view(t, k, -1).float() * w[..., None]).sum(1)  # (T, hidden)
+
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None):
         t = x.shape[0]
         idx, w = self.gate(x)  # (T, k), (T, k)
@@ -134,10 +160,15 @@ class DeepseekMoE(nn.Module):
             )  # (E,)
         impl = self.impl
         if impl == "graph":
-            impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
+            if t * idx.shape[1] < self.n_experts:
+                impl = "gather"
+            else:
+                impl = "grouped_mm" if grouped_mm_supported(x) else "dense"
         out = torch.zeros_like(x, dtype=torch.float32)  # (T, hidden)
         if impl == "gather":
             out = self._gathered(x, idx, w)
+        elif impl == "grouped_mm":
+            out = self._grouped_mm(x, idx, w, counts)
         elif impl == "dense":
             combine = torch.zeros(t, self.n_experts, device=x.device, dtype=torch.float32)
             combine.scatter_add_(1, idx, w)  # (T, E)
