@@ -87,8 +87,9 @@ class DeepseekMoE(nn.Module):
     impl="grouped_mm" sorts the T*k (token, expert) pairs by expert and runs two grouped GEMMs
     with device-side group offsets (torch._grouped_mm, bf16 on sm_90+): no sync, each routed
     expert's weights read once, no E-times FLOPs.
-    impl="graph" picks gather when T*k < E, else grouped_mm where it runs, else dense, from the
-    (static) token count: what a captured step uses. `valid` (T,) bool leaves padding rows out
+    impl="graph" picks grouped_mm where it runs, else gather when T*k < E, else dense (from the
+    static token count): what a captured step uses. (gather copies the k experts' weights per
+    token, so it costs ~3x the weight bytes: a fallback.) `valid` (T,) bool leaves padding rows out
     of the counts.
     """
 
@@ -160,10 +161,10 @@ class DeepseekMoE(nn.Module):
             )  # (E,)
         impl = self.impl
         if impl == "graph":
-            if t * idx.shape[1] < self.n_experts:
-                impl = "gather"
+            if grouped_mm_supported(x):
+                impl = "grouped_mm"
             else:
-                impl = "grouped_mm" if grouped_mm_supported(x) else "dense"
+                impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
         out = torch.zeros_like(x, dtype=torch.float32)  # (T, hidden)
         if impl == "gather":
             out = self._gathered(x, idx, w)
