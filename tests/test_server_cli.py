@@ -86,6 +86,17 @@ def test_serve_rejects_bad_values(capsys):
     assert "--num-pages" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _parse(cli, ["serve", "--attention-backend", "flash"])
+    assert cli.run(_parse(cli, ["serve", "--mem-fraction-static", "1.2"])) == 64
+    assert "--mem-fraction-static" in capsys.readouterr().err
+    assert cli.run(_parse(cli, ["serve", "--cuda-graph-max-bs", "0"])) == 64
+    assert "--cuda-graph-max-bs" in capsys.readouterr().err
+
+
+def test_serve_gpu_flag_defaults():
+    args = _parse(cli, ["serve"])
+    assert args.mem_fraction_static == 0.88 and not args.disable_cuda_graph
+    assert args.cuda_graph_max_bs is None and args.num_pages is None  # sized on the GPU
+    assert args.attention_backend == "auto" and args.speculative_draft_model_path == "ngram"
 
 
 def test_percentiles():
