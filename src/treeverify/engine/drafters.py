@@ -1,6 +1,6 @@
 """The drafters behind one interface: per-position distributions for the next L positions.
 
-    source.propose(seq, depth) -> (L, V) fp32 logits on the host (n-gram) or the device (DFlash)
+    source.propose_batch(seqs, depth, device) -> (B, L, V) fp32 logits on the device
     source.observe(request_id, start, hidden)   the target's hidden states of committed tokens
 
 `NgramSource` needs nothing from the target. `DFlashSource` keeps, per sequence, the target's
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from treeverify.engine.host import to_device
 from treeverify.engine.sequence import Sequence
 from treeverify.spec.ngram import NgramDrafter
 
@@ -26,15 +27,12 @@ class NgramSource:
     def __init__(self, vocab_size: int):
         self.drafter = NgramDrafter(vocab_size)
 
-    def propose(self, seq: Sequence, depth: int) -> torch.Tensor:  # (L, V) on the host
-        return self.drafter.propose(seq.all_token_ids, depth)
-
     def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
         """(B, L, V) on `device`: the votes are found on the host and sent as (b, d, token)
         triples (a few hundred bytes), the distributions are built on the device."""
         votes = [(b, d, t) for b, s in enumerate(seqs)
                  for d, t in self.drafter.votes(s.all_token_ids, depth)]  # fmt: skip
-        v = torch.tensor(votes, dtype=torch.int64).reshape(-1, 3)  # (K, 3)
+        v = to_device(votes, torch.int64, torch.device(device)).reshape(-1, 3)  # (K, 3)
         return self.drafter.logits_from_votes(v, len(seqs), depth, device)
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
@@ -96,33 +94,23 @@ class DFlashSource:
                 raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
             ctxs.append(ctx[-self.window :])  # (C_b, F)
         dev = ctxs[0].device
-        padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)  # (B, C, F)
         lens = [c.shape[0] for c in ctxs]
-        meta = torch.tensor(
+        meta = to_device(
             [
                 lens,
                 [s.last_token_id for s in seqs],
                 [s.num_cached_tokens - n for s, n in zip(seqs, lens, strict=True)],
             ],
-        ).to(dev)  # (3, B): context lengths, roots, positions of context row 0
+            torch.int64,
+            dev,
+        )  # (3, B): context lengths, roots, positions of context row 0
+        if self._captured is not None:  # one replay over the fixed (B, window, F) context
+            padded = ctxs[0].new_zeros(len(seqs), self.window, ctxs[0].shape[1])  # (B, W, F)
+            for b, c in enumerate(ctxs):
+                padded[b, : c.shape[0]] = c
+            return self._captured(padded, meta[0], meta[1], meta[2])[0]
+        padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)  # (B, C, F)
         return self.drafter.propose(padded, meta[0], meta[1], depth, context_start=meta[2])
-
-    @torch.inference_mode()
-    def propose(self, seq: Sequence, depth: int) -> torch.Tensor:  # (L, V) on the device
-        ctx = self.context.get(seq.request_id)
-        if ctx is None or ctx.shape[0] == 0:
-            raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
-        ctx = ctx[-self.window :]  # (C, F)
-        dev = ctx.device
-        start = seq.num_cached_tokens - ctx.shape[0]
-        logits = self.drafter.propose(
-            ctx[None],
-            torch.tensor([ctx.shape[0]], device=dev),
-            torch.tensor([seq.last_token_id], device=dev),
-            depth,
-            context_start=torch.tensor([start], device=dev),
-        )  # fmt: skip  (1, L, V)
-        return logits[0]
 
 
 def make_source(

@@ -25,6 +25,7 @@ from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.captured_fn import CapturedFn
 from treeverify.engine.drafters import DFlashSource, NgramSource
+from treeverify.engine.host import to_device
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
@@ -181,7 +182,7 @@ class SpeculativeDecoder:
         depth = n - 1 if self.algorithm == "CHAIN" else self.depth
         logits = self.source.propose_batch(chosen, depth, device)  # (B, L, V)
         t0 = self._time("draft", t_start)
-        roots = torch.tensor([s.last_token_id for s in chosen], dtype=torch.int64).to(device)
+        roots = to_device([s.last_token_id for s in chosen], torch.int64, device)  # (B,)
         if self.algorithm == "CHAIN":  # one path: the top token at each depth
             tokens = torch.cat((roots[:, None], logits.argmax(-1)), dim=1)  # (B, N)
             idx = torch.arange(n, device=device)
@@ -192,8 +193,11 @@ class SpeculativeDecoder:
         else:
             tree = build_tree(logits, self.budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
-        slots = torch.tensor([[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)]
-                              for s in chosen], dtype=torch.int64).to(device)  # fmt: skip
+        slots = to_device(
+            [[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)] for s in chosen],
+            torch.int64,
+            device,
+        )  # fmt: skip  (B, N)
         if self.algorithm == "CHAIN" or self._build is None:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)

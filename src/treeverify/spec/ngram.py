@@ -44,8 +44,10 @@ class NgramDrafter:
         counts = torch.zeros(batch, depth, self.vocab_size, device=device)  # (B, L, V)
         if votes.numel():
             v = votes.to(device)
-            counts.index_put_((v[:, 0], v[:, 1], v[:, 2]), torch.ones(v.shape[0], device=device),
-                              accumulate=True)  # fmt: skip
+            flat = (v[:, 0] * depth + v[:, 1]) * self.vocab_size + v[:, 2]  # (K,)
+            # scatter_add_ of ones: exact in any order, and no sync (index_put_ with
+            # accumulate=True sorts with a host round trip on CUDA: ~8 ms per call measured)
+            counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
         probs = counts + self.floor
         return (probs / probs.sum(-1, keepdim=True)).log()
 
