@@ -1,7 +1,7 @@
 """A tensor function captured once per batch bucket, replayed with new inputs.
 
 For the pieces of a speculative round that are many small kernels and depend only on fixed-size
-tensors (the DDTree build + mask compile, the DFlash drafter's forward): launching them one by
+tensors (the DDTree build + mask compile, the greedy accept + K/V move): launching them one by
 one costs more host time than the work itself. `CapturedFn` captures `fn` for each batch bucket
 over static input buffers; a call copies its inputs into the first B rows, resets the padding
 rows to the example inputs' values (so a function with side effects, like a K/V move, sees

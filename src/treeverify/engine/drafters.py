@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from treeverify.engine.host import to_device
 from treeverify.engine.sequence import Sequence
 from treeverify.spec.ngram import NgramDrafter
 
@@ -32,7 +31,7 @@ class NgramSource:
         triples (a few hundred bytes), the distributions are built on the device."""
         votes = [(b, d, t) for b, s in enumerate(seqs)
                  for d, t in self.drafter.votes(s.all_token_ids, depth)]  # fmt: skip
-        v = to_device(votes, torch.int64, torch.device(device)).reshape(-1, 3)  # (K, 3)
+        v = torch.tensor(votes, dtype=torch.int64).reshape(-1, 3)  # (K, 3)
         return self.drafter.logits_from_votes(v, len(seqs), depth, device)
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
@@ -45,31 +44,11 @@ class NgramSource:
 class DFlashSource:
     name = "dflash"
 
-    def __init__(self, drafter, window: int = 2048, captured_window: int = 512):
+    def __init__(self, drafter, window: int = 2048):
         self.drafter = drafter
         self.target_layer_ids = list(drafter.target_layer_ids)
         self.window = window
-        self.captured_window = captured_window  # context rows a captured propose sees
         self.context: dict[str, torch.Tensor] = {}  # request -> (cached tokens, F)
-        self._captured = None
-
-    @torch.inference_mode()
-    def capture(self, batch_sizes: list[int], depth: int, device) -> None:
-        """Capture propose per batch bucket over a fixed (B, captured_window, F) context."""
-        from treeverify.engine.captured_fn import CapturedFn
-
-        w, f = self.captured_window, self.drafter.config.context_features
-        dtype = next(self.drafter.parameters()).dtype
-
-        def fn(ctx, lens, last, start):
-            return (self.drafter.propose(ctx, lens, last, depth, context_start=start),)
-
-        def example(b: int):
-            z = torch.zeros(b, dtype=torch.int64, device=device)
-            return torch.zeros(b, w, f, dtype=dtype, device=device), z + 1, z.clone(), z.clone()
-
-        self._captured = CapturedFn(fn, example, batch_sizes, rows_per_item=(1,))
-        self.window = w  # captured rounds and eager ones see the same context
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """Rows for cache positions start.. (earlier rows past `start` were recomputed or
@@ -94,22 +73,15 @@ class DFlashSource:
                 raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
             ctxs.append(ctx[-self.window :])  # (C_b, F)
         dev = ctxs[0].device
+        padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)  # (B, C, F)
         lens = [c.shape[0] for c in ctxs]
-        meta = to_device(
+        meta = torch.tensor(
             [
                 lens,
                 [s.last_token_id for s in seqs],
                 [s.num_cached_tokens - n for s, n in zip(seqs, lens, strict=True)],
             ],
-            torch.int64,
-            dev,
-        )  # (3, B): context lengths, roots, positions of context row 0
-        if self._captured is not None:  # one replay over the fixed (B, window, F) context
-            padded = ctxs[0].new_zeros(len(seqs), self.window, ctxs[0].shape[1])  # (B, W, F)
-            for b, c in enumerate(ctxs):
-                padded[b, : c.shape[0]] = c
-            return self._captured(padded, meta[0], meta[1], meta[2])[0]
-        padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)  # (B, C, F)
+        ).to(dev)  # (3, B): context lengths, roots, positions of context row 0
         return self.drafter.propose(padded, meta[0], meta[1], depth, context_start=meta[2])
 
 

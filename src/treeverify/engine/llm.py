@@ -25,7 +25,6 @@ import torch
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.engine.drafters import make_source
-from treeverify.engine.host import to_device
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
@@ -224,7 +223,7 @@ class LLM:
         if hidden is not None:
             per_seq = hidden.view(len(tb.seqs), tb.nodes, -1)  # (B, N, F)
             for i, c in enumerate(batch.chunks):
-                idx = to_device(tb.paths[i], torch.int64, hidden.device)
+                idx = torch.tensor(tb.paths[i], device=hidden.device)
                 self.spec.source.observe(c.seq.request_id, c.start, per_seq[i, idx])
         return out
 

@@ -13,7 +13,6 @@ import torch
 
 from treeverify.engine import faults
 from treeverify.engine.cuda_graphs import CudaGraphs
-from treeverify.engine.host import pinned, to_device
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
 from treeverify.engine.scheduler import ScheduledBatch
@@ -107,7 +106,7 @@ class ModelRunner:
         tensors): no host copy of the trees. Returns logits (B*N, V) for every node."""
         b, n = tb.tokens.shape
         starts = [c.start for c in batch.chunks]
-        pos = (to_device(starts, torch.int64, self.device)[:, None] + tb.depths).reshape(-1)
+        pos = (torch.tensor(starts).to(self.device)[:, None] + tb.depths).reshape(-1)  # (B*N,)
         ids = tb.tokens.reshape(-1)  # (B*N,)
         bucket = None if faults.any_planted() or self.graphs is None else \
             self.graphs.bucket_for(b, n)  # fmt: skip
@@ -165,7 +164,7 @@ class ModelRunner:
         self.attention.select(bucket or (self._plan_bucket(len(qlens), qlens[0]) if decode
                                          else None))  # fmt: skip
         self.attention.plan(
-            pinned(slots, torch.int64, self.device),
+            torch.tensor(slots, dtype=torch.int64),
             [c.seq.block_table for c in batch.chunks],
             [c.start for c in batch.chunks],
             qlens,
@@ -173,8 +172,8 @@ class ModelRunner:
         )
         dev = self.device
         if bucket is not None:  # every token is a logits row, in order
-            logits = self.graphs.replay(bucket, to_device(ids, torch.int64, dev),
-                                        to_device(pos, torch.int64, dev))  # fmt: skip
+            logits = self.graphs.replay(bucket, torch.tensor(ids, dtype=torch.int64),
+                                        torch.tensor(pos, dtype=torch.int64))  # fmt: skip
             self.hidden = getattr(self.model, "captured", None)
             return [logits[a : a + n] for a, n in spans]
         # On a GPU an eager decode routes MoE as the captured graphs do, so turning graphs off
@@ -183,10 +182,10 @@ class ModelRunner:
             batch, qlens, trees) else None)  # fmt: skip
         try:
             logits = self.model(
-                to_device(ids, torch.int64, dev),  # (T,)
-                to_device(pos, torch.int64, dev),  # (T,)
+                torch.tensor(ids, dtype=torch.int64, device=dev),  # (T,)
+                torch.tensor(pos, dtype=torch.int64, device=dev),  # (T,)
                 attention=self.attention,
-                logits_indices=to_device(rows, torch.int64, dev),  # (N,)
+                logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),  # (N,)
             )  # (N, V)
         finally:
             self._moe_impl(moe)

@@ -17,7 +17,6 @@ import math
 import torch
 
 from treeverify.engine import faults
-from treeverify.engine.host import pinned, to_device
 from treeverify.engine.kv_cache import KVCache
 from treeverify.kernels.bits import chain_bits
 from treeverify.kernels.plan import TreeAttentionPlan
@@ -31,7 +30,7 @@ def _chain_bits_cached(n: int) -> torch.Tensor:
 def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
     """(sum(query_lens), W) int32: row i of a chunk sees nodes 0..i of that chunk."""
     if all(n == 1 for n in query_lens):  # all decodes: each row sees itself (host work O(1))
-        return to_device(torch.ones(len(query_lens), 1, dtype=torch.int32), torch.int32, device)
+        return torch.ones(len(query_lens), 1, dtype=torch.int32).to(device)
     words = math.ceil(max(query_lens) / 32)
     out = torch.zeros(sum(query_lens), words, dtype=torch.int32)
     row = 0
@@ -39,7 +38,7 @@ def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
         bits = _chain_bits_cached(n)  # (n, ceil(n/32))
         out[row : row + n, : bits.shape[1]] = bits
         row += n
-    return to_device(out, torch.int32, device)
+    return out.to(device)
 
 
 def _masks(
@@ -55,7 +54,7 @@ def _masks(
         bits = _chain_bits_cached(n) if tree is None else tree.cpu()
         out[row : row + n, : bits.shape[1]] = bits
         row += n
-    return to_device(out, torch.int32, device)
+    return out.to(device)
 
 
 class PagedAttention:
@@ -118,12 +117,12 @@ class PagedAttention:
         for n in query_lens:
             qo.append(qo[-1] + n)
         total = qo[-1]
-        self.slots[:total].copy_(slots, non_blocking=True)  # pinned or device: queued
+        self.slots[:total].copy_(slots)
         self.slots[total:].fill_(self.cache.scratch_slot)
         self._meta = (
-            to_device(table, torch.int32, dev),  # (B, pages)
-            pinned(prefix_lens, torch.int32, dev),  # (B,) host: plan() checks, then copies it
-            pinned(qo, torch.int32, dev),  # (B+1,) host
+            table.to(dev),  # (B, pages)
+            torch.tensor(prefix_lens, dtype=torch.int32),  # (B,) host: plan() checks it
+            torch.tensor(qo, dtype=torch.int32),  # (B+1,) host
             mask if mask is not None else _masks(query_lens, tree_masks, dev),  # (T, W)
         )
         for (bucket, _), p in self._plans.items():

@@ -25,7 +25,6 @@ from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.captured_fn import CapturedFn
 from treeverify.engine.drafters import DFlashSource, NgramSource
-from treeverify.engine.host import to_device
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
@@ -119,8 +118,9 @@ class SpeculativeDecoder:
         self.reset_stats()
 
     def capture(self, batch_sizes: list[int], device: torch.device) -> None:
-        """Capture the DDTree build + mask compile (and the drafter, if it can) per batch
-        bucket: one replay instead of ~100 small launches per round."""
+        """Capture the DDTree build + mask compile and the greedy accept + K/V move per batch
+        bucket: one replay each instead of ~100 small launches per round. (The drafter runs
+        eagerly: the n-gram search is host work, DFlash's propose is not captured yet.)"""
         n, depth, v = self.tree_tokens, self.depth, self.vocab_size
         if self.algorithm == "DDTREE":
 
@@ -143,9 +143,6 @@ class SpeculativeDecoder:
 
         self._accept = CapturedFn(self._greedy_accept_move, example_accept, batch_sizes,
                                   rows_per_item=(1,))  # fmt: skip
-        capture = getattr(self.source, "capture", None)
-        if capture is not None:
-            capture(batch_sizes, n - 1 if self.algorithm == "CHAIN" else depth, device)
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(histogram={}, phase_seconds=dict.fromkeys(PHASES, 0.0))
@@ -182,7 +179,7 @@ class SpeculativeDecoder:
         depth = n - 1 if self.algorithm == "CHAIN" else self.depth
         logits = self.source.propose_batch(chosen, depth, device)  # (B, L, V)
         t0 = self._time("draft", t_start)
-        roots = to_device([s.last_token_id for s in chosen], torch.int64, device)  # (B,)
+        roots = torch.tensor([s.last_token_id for s in chosen], dtype=torch.int64).to(device)
         if self.algorithm == "CHAIN":  # one path: the top token at each depth
             tokens = torch.cat((roots[:, None], logits.argmax(-1)), dim=1)  # (B, N)
             idx = torch.arange(n, device=device)
@@ -193,11 +190,8 @@ class SpeculativeDecoder:
         else:
             tree = build_tree(logits, self.budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
-        slots = to_device(
-            [[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)] for s in chosen],
-            torch.int64,
-            device,
-        )  # fmt: skip  (B, N)
+        slots = torch.tensor([[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)]
+                              for s in chosen], dtype=torch.int64).to(device)  # fmt: skip
         if self.algorithm == "CHAIN" or self._build is None:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)

@@ -163,16 +163,13 @@ class TreeAttentionPlan:
             )
         self.batch = batch
         self.block_table.zero_()
-        # non_blocking: pinned or device sources are queued, not waited for (pageable ones are
-        # staged synchronously either way)
-        self.block_table[:batch, : block_table.shape[1]].copy_(block_table, non_blocking=True)
+        self.block_table[:batch, : block_table.shape[1]].copy_(block_table)
         self.prefix_lens.zero_()
-        self.prefix_lens[:batch].copy_(prefix_lens, non_blocking=True)
+        self.prefix_lens[:batch].copy_(prefix_lens)
         self.qo_indptr.fill_(total_q)  # padding requests: empty trees
-        self.qo_indptr[: batch + 1].copy_(qo_indptr, non_blocking=True)
+        self.qo_indptr[: batch + 1].copy_(qo_indptr)
         self.tree_mask.zero_()
-        self.tree_mask[:total_q, : tree_mask.shape[1]].copy_(tree_mask[:total_q],
-                                                             non_blocking=True)  # fmt: skip
+        self.tree_mask[:total_q, : tree_mask.shape[1]].copy_(tree_mask[:total_q])
 
     def validate(self, q, k_cache, v_cache) -> None:
         """Full data validation of the planned metadata against a cache (syncs: eager only)."""
