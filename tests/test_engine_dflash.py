@@ -53,3 +53,29 @@ def test_bad_draft_model_path_is_named():
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         LLM("tiny-llama", num_pages=16, speculative_algorithm="DDTREE",
             speculative_draft_model_path="/nonexistent/drafter")  # fmt: skip
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "tiny-dflash"])
+def test_rounds_in_steps_mixed_with_prefill_stay_lossless(drafter, monkeypatch):
+    """A request arriving mid-generation puts prefill chunks into speculating steps: those trees
+    run from host copies through the generic forward and the same batched acceptance."""
+    from treeverify.engine import speculative
+
+    mixed = []
+    real = speculative.TreeBatch.to_spec_trees
+    monkeypatch.setattr(speculative.TreeBatch, "to_spec_trees",
+                        lambda self: mixed.append(1) or real(self))  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ps = [list(range(65, 80)) * 3, list(range(70, 90)) * 4]
+    want = [o.token_ids for o in LLM("tiny-llama", num_pages=128).generate(ps, sp)]
+    llm = LLM("tiny-llama", num_pages=128, speculative_algorithm="DDTREE",
+              speculative_ddtree_budget=8, chunked_prefill_size=16,
+              speculative_draft_model_path=drafter)  # fmt: skip
+    first = llm.add_request(ps[0], sp)
+    for _ in range(3):
+        llm.step()
+    second = llm.add_request(ps[1], sp)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert mixed, "no step mixed trees with prefill"
+    assert [first.output_token_ids, second.output_token_ids] == want

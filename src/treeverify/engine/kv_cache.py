@@ -84,22 +84,7 @@ class KVCache:
             kc.view(-1, *kc.shape[2:])[slots] = k.to(kc.dtype)
         return kc, vc
 
-    @torch.inference_mode()  # the cache tensors are made inside the runner's inference mode
-    def move(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Copy the K/V rows at `src_slots` to `dst_slots` in every layer (speculation commits
-        an accepted tree path to contiguous positions). Sources are read before any write."""
-        if len(src_slots) != len(dst_slots):
-            raise ValueError(f"move: {len(src_slots)} sources for {len(dst_slots)} destinations")
-        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
-        for layer, kc in self.k.items():
-            flat = kc.view(-1, *kc.shape[2:])
-            flat[dst] = flat[src].clone()
-            vc = self.v[layer]
-            if vc is not None:
-                vflat = vc.view(-1, *vc.shape[2:])
-                vflat[dst] = vflat[src].clone()
-
+    @torch.inference_mode()  # the cache may hold inference tensors (lazy allocation)
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """`move` for device index tensors (K,) int64: no host sync, fixed shapes (capturable).
         dst[i] == src[i] rows are left as they are."""

@@ -196,11 +196,16 @@ class LLM:
             for i, tok, info in zip(plain, toks, infos, strict=True):
                 out[i] = tok
                 self._logprobs[batch.sampled[i].request_id].append(info)
-        for i, seq in enumerate(batch.sampled):
-            if seq.request_id in trees:
-                out[i] = self.spec.accept(seq, trees[seq.request_id], rows[i])
+        paths = {}
+        if tb is not None:  # the same batched acceptance as a whole-step round
+            at = {s.request_id: i for i, s in enumerate(batch.sampled)}
+            logits = torch.cat([rows[at[s.request_id]] for s in tb.seqs])  # (B*N, V)
+            for seq, toks, path in zip(tb.seqs, self.spec.accept_batch(tb, logits), tb.paths,
+                                       strict=True):  # fmt: skip
+                out[at[seq.request_id]] = toks
+                paths[seq.request_id] = path
         if self.spec is not None and self.runner.hidden is not None:
-            self._observe(batch, trees, self.runner.hidden)
+            self._observe(batch, trees, paths, self.runner.hidden)
         return out
 
     def _run_round(self, batch: ScheduledBatch, tb) -> list[list[int]]:
@@ -227,7 +232,8 @@ class LLM:
                 self.spec.source.observe(c.seq.request_id, c.start, per_seq[i, idx])
         return out
 
-    def _observe(self, batch: ScheduledBatch, trees: dict, hidden: torch.Tensor) -> None:
+    def _observe(self, batch: ScheduledBatch, trees: dict, paths: dict,
+                 hidden: torch.Tensor) -> None:  # fmt: skip
         """Hand the drafter the target's hidden states of the tokens this step committed to the
         cache: a chunk's tokens, or a tree's root and accepted path."""
         row = 0
@@ -237,7 +243,7 @@ class LLM:
             if tree is None:
                 self.spec.source.observe(c.seq.request_id, c.start, hidden[row : row + n])
             else:
-                path = torch.tensor(tree.accepted_path, device=hidden.device) + row
+                path = torch.tensor(paths[c.seq.request_id], device=hidden.device) + row
                 self.spec.source.observe(c.seq.request_id, c.start, hidden[path])
             row += n
 

@@ -23,6 +23,23 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # the k most likely (token, logprob), best first
 
 
+def request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    """The generator of a request's next draw, seeded by (its seed or id, its position): draws
+    do not depend on batch neighbours, and a seeded request is reproducible."""
+    p = seq.sampling_params
+    base = p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF
+    return torch.Generator(device=device).manual_seed(
+        (base * 1_000_003 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
+    )
+
+
+def filters(seq: Sequence, vocab: int) -> tuple[float, float | None, int | None]:
+    """(temperature, top_p, top_k) as the spec samplers take them (None = off)."""
+    p = seq.sampling_params
+    return (p.temperature, p.top_p if p.top_p < 1 else None,
+            min(p.top_k, vocab) if p.top_k > 0 else None)  # fmt: skip
+
+
 def sample(
     logits: torch.Tensor,  # (N, V) fp32, one row per sampled sequence
     seqs: list[Sequence],
@@ -37,12 +54,9 @@ def sample(
         p = seq.sampling_params
         if p.temperature == 0:
             continue
-        gen = torch.Generator(device=logits.device)
-        base = p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF
-        gen.manual_seed((base * 1_000_003 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF)
         chosen[row] = sample_per_node(
-            logits[row].view(1, 1, -1), p.temperature, p.top_p if p.top_p < 1 else None,
-            min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None, gen,
+            logits[row].view(1, 1, -1), *filters(seq, logits.shape[-1]),
+            request_generator(seq, logits.device),
         )[0, 0]  # fmt: skip
     tokens = [
         faults.garble_token(tok, seq.num_output_tokens, logits.shape[-1])  # planted only

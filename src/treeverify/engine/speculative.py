@@ -8,7 +8,8 @@ compiled on the device; the model verifies every node in one forward (a captured
 (batch, N) bucket); the walks accept the longest paths the target agrees with, on the device;
 the accepted nodes' K/V move to contiguous positions in one gather/scatter per cache tensor; one
 host read returns the committed tokens, and the reservations are committed (rejected slots
-freed). A step that mixes trees with prefill falls back to per-sequence host copies (`accept`).
+freed). A step that mixes trees with prefill runs the trees from host copies
+(`TreeBatch.to_spec_trees`) and accepts them with the same `accept_batch`.
 
 The root of each tree is the sequence's last token (not yet in the KV cache), so a round commits
 `accepted nodes + 1` tokens (the bonus comes from the target at the last accepted node).
@@ -26,6 +27,7 @@ from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.captured_fn import CapturedFn
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
+from treeverify.engine.sampler import filters, request_generator
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
 
@@ -39,7 +41,6 @@ class SpecTree:
     depths: list[int]  # (T,)
     slots: list[int]  # (T,) KV slot of each node: node i at position P + i
     mask: torch.Tensor  # (T, W) int32 ancestor-or-self bits
-    accepted_path: list[int] | None = None  # after accept: node indices committed, root first
 
 
 @dataclass
@@ -152,7 +153,7 @@ class SpeculativeDecoder:
         """Nodes of every round's tree, root included (the captured verify bucket's n)."""
         if self.algorithm == "CHAIN":
             return 1 + min(self.depth, self.budget)
-        return 1 + min(self.budget, self.depth * self.vocab_size)
+        return 1 + self.budget  # build_tree's fixed width (padding nodes when fewer paths exist)
 
     def _time(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
@@ -229,17 +230,11 @@ class SpeculativeDecoder:
             acc = accept_greedy(tb.tokens, tb.parents, logits.argmax(-1), max_depth=tb.max_depth)
             path, length, bonus = acc.path.clone(), acc.length.clone(), acc.bonus.clone()
             for i, seq in enumerate(tb.seqs):  # sampled requests: their own walk, on the device
-                p = seq.sampling_params
-                if p.temperature == 0:
+                if seq.sampling_params.temperature == 0:
                     continue
-                gen = torch.Generator(device=logits.device).manual_seed(
-                    ((p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF)
-                     * 1_000_003 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
-                )  # fmt: skip
                 one = accept_sampled(
                     tb.tokens[i : i + 1], tb.parents[i : i + 1], logits[i : i + 1],
-                    p.temperature, p.top_p if p.top_p < 1 else None,
-                    min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None, gen,
+                    *filters(seq, logits.shape[-1]), request_generator(seq, logits.device),
                     max_depth=tb.max_depth,
                 )  # fmt: skip
                 path[i], length[i], bonus[i] = one.path[0], one.length[0], one.bonus[0]
@@ -261,40 +256,3 @@ class SpeculativeDecoder:
         now = self._time("commit", t0)
         self.stats.round_seconds += now - tb.started
         return out
-
-    def accept(self, seq: Sequence, tree: SpecTree, logits: torch.Tensor) -> list[int]:
-        """Walk the verified tree (logits (T, V)); move the accepted K/V; commit; the tokens."""
-        t0 = time.perf_counter()
-        t = len(tree.tokens)
-        dev = logits.device
-        toks = torch.tensor([tree.tokens], device=dev)  # (1, T)
-        par = torch.tensor([tree.parents], device=dev)  # (1, T)
-        p = seq.sampling_params
-        if p.temperature == 0:
-            acc = accept_greedy(toks, par, logits.argmax(-1)[None], max_depth=max(1, *tree.depths))
-        else:
-            gen = torch.Generator(device=dev).manual_seed(
-                ((p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF) * 1_000_003
-                 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
-            )  # fmt: skip
-            acc = accept_sampled(
-                toks, par, logits[None], p.temperature, p.top_p if p.top_p < 1 else None,
-                min(p.top_k, logits.shape[-1]) if p.top_k > 0 else None,  # k >= V: all tokens
-                gen, max_depth=max(1, *tree.depths),
-            )  # fmt: skip
-        # one device->host read: [accepted nodes (root included), bonus, path...]
-        head = torch.cat((acc.length[:1], acc.bonus[:1], acc.path[0])).tolist()
-        m, bonus_token, path = head[0], head[1], head[2 : 2 + head[0]]
-        t0 = self._time("accept", t0)
-        if m > 1:  # node path[k] was written at slot of position P+path[k]; it belongs at P+k
-            self.cache.move([tree.slots[i] for i in path[1:]], tree.slots[1:m])
-        if t > 1:
-            self.bm.commit(seq, m - 1)
-        self._time("commit", t0)
-        bonus = faults.diverge_bonus(bonus_token, logits.shape[-1])  # planted only
-        committed = [tree.tokens[i] for i in path[1:]] + [bonus]
-        tree.accepted_path = path
-        self.stats.rounds += 1
-        self.stats.committed += len(committed)
-        self.stats.histogram[len(committed)] = self.stats.histogram.get(len(committed), 0) + 1
-        return committed
