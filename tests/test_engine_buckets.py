@@ -120,3 +120,21 @@ def test_fused_projections_equal_unfused(qk_norm):
     got = model.fuse_for_inference()(ids, pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert sorted(n for n, _ in model.named_parameters()) == names  # loading still matches
+
+
+def test_prepare_plans_touches_only_the_scratch_page():
+    """Startup without graphs makes each bucket's plans with a forward over the scratch page:
+    the pool's K/V stay as they were, the bucket plans exist."""
+    from treeverify.engine.llm import LLM
+
+    llm = LLM("tiny-llama", num_pages=16)
+    for layer in llm.cache.k:
+        llm.cache.k[layer].normal_()
+        llm.cache.v[layer].normal_()
+    before = {layer: (k[:-1].clone(), llm.cache.v[layer][:-1].clone())
+              for layer, k in llm.cache.k.items()}  # fmt: skip
+    llm.runner.prepare_plans([(2, 1), (1, 5)])
+    for layer, (k, v) in before.items():
+        assert torch.equal(llm.cache.k[layer][:-1], k) and torch.equal(llm.cache.v[layer][:-1], v)
+    buckets = {key[0] for key in llm.runner.attention._plans}
+    assert {(2, 1), (1, 5)} <= buckets and llm.runner.attention.bucket is None

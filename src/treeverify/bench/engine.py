@@ -9,11 +9,11 @@ and writes them. Timings: the engine's own step loop (host included) by wall clo
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 
 import torch
 
+from treeverify.bench.kernel import median_replay_seconds
 from treeverify.engine.kv_cache import bytes_per_token
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
@@ -107,20 +107,6 @@ def _weight_bytes(llm: LLM) -> int:
     return total
 
 
-def _time_replays(llm: LLM, bucket, replays: int = 50) -> float:
-    """Median ms of one captured forward (replayed with the last step's metadata)."""
-    step = llm.runner.graphs.steps[bucket]
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step.graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def decode_speed(model: str, *, batch: int, prompt_len: int = 512, steps: int = 128,
                  graphs: bool = True, num_pages: int = 4096, **llm_kw) -> dict:  # fmt: skip
     """Decode steps of `batch` requests after their prefill: engine wall time per step, the
@@ -152,7 +138,7 @@ def decode_speed(model: str, *, batch: int, prompt_len: int = 512, steps: int = 
     }  # fmt: skip
     if graphs and llm.runner.graphs is not None:
         bucket = llm.runner.graphs.bucket_for(batch, 1)
-        fwd = _time_replays(llm, bucket)
+        fwd = median_replay_seconds(llm.runner.graphs.steps[bucket].graph, 50) * 1e3
         row.update(forward_ms=round(fwd, 4),
                    forward_pct_of_roofline=round(100 * floor_ms / fwd, 1))  # fmt: skip
     _free(llm)
@@ -188,7 +174,9 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
                 masks.append(parents_to_tree_mask(par[None]))  # (n, W)
             runner.attention.select((b, n))
             runner.attention.plan(slots, tables, [prefix] * b, [n] * b, masks)
-            ms = _time_replays_graph(graphs.steps[(b, n)].graph)
+            graph = graphs.steps[(b, n)].graph
+            graph.replay()  # the first replay after planning, untimed
+            ms = median_replay_seconds(graph, 20) * 1e3
             runner.attention.forget((b, n))
             rows.append({"model": model, "batch": b, "budget": budget, "prefix": prefix,
                          "verify_forward_ms": round(ms, 4)})  # fmt: skip
@@ -196,19 +184,6 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
             gc.collect()
     _free(llm)
     return rows
-
-
-def _time_replays_graph(graph, replays: int = 20) -> float:
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), batch: int = 1,

@@ -14,7 +14,6 @@ fallback to eager). Nothing inside a replay syncs with the host or allocates.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -67,36 +66,20 @@ class CudaGraphs:
         self.replays = 0
 
     # ---- capture -------------------------------------------------------------------------------
-    def dummy_step(self, batch: int, n: int) -> None:
-        """Plan B chains of n tokens over the scratch page (what the kernels see at capture)."""
-        cache = self.attention.cache
-        scratch_page = cache.num_pages
-        pages = [scratch_page] * math.ceil(n / cache.page_size)
-        self.attention.plan(
-            torch.full((batch * n,), cache.scratch_slot, dtype=torch.int64),
-            [pages] * batch, [0] * batch, [n] * batch,
-        )  # fmt: skip
-
     def forward_rows(self, rows: int) -> torch.Tensor:
         return self.model(self.ids[:rows], self.pos[:rows], attention=self.attention,
                           token_valid=self.valid[:rows])  # fmt: skip
 
     def capture(self) -> list[dict]:
-        """Capture every bucket, largest first (the pool then fits the smaller ones)."""
+        """Capture every bucket, largest first (the pool then fits the smaller ones). The
+        caller sets the model's sync-free MoE routing for the duration (ModelRunner does)."""
         report = []
-        set_moe = getattr(self.model, "set_moe_impl", None)
-        moe_layers = [m for m in self.model.modules() if hasattr(m, "n_experts")]
-        eager_impl = moe_layers[0].impl if moe_layers else "grouped"
-        if set_moe is not None:
-            set_moe("graph")  # sync-free MoE inside the graphs
         try:
             for b, n in sorted(self.buckets, key=lambda bn: -bn[0] * bn[1]):
                 step = self._capture_one(b, n)
                 report.append({"batch": b, "tokens_per_request": n,
                                "seconds": round(step.seconds, 4)})  # fmt: skip
         finally:
-            if set_moe is not None:
-                set_moe(eager_impl)  # eager steps (prefill) route as before
             self.attention.select(None)
         total = sum(r["seconds"] for r in report)
         log.info("CUDA graphs: captured %d buckets %s in %.2f s", len(report), self.buckets,
@@ -109,7 +92,7 @@ class CudaGraphs:
         rows = batch * n
         try:
             self.attention.select((batch, n))
-            self.dummy_step(batch, n)
+            self.attention.plan_scratch(batch, n)
             self.ids[:rows].zero_()
             self.pos[:rows].zero_()
             self.valid[:rows].fill_(False)

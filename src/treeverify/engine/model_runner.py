@@ -48,19 +48,23 @@ class ModelRunner:
         """Capture the decode (and tree) forwards per (batch, tokens) bucket; GraphCaptureError
         on failure."""
         self.graphs = CudaGraphs(self.model, self.attention, buckets=buckets)
-        return self.graphs.capture()
+        moe = self._moe_impl("graph")  # sync-free MoE routing inside the graphs
+        try:
+            return self.graphs.capture()
+        finally:
+            self._moe_impl(moe)  # eager steps (prefill) route as before
 
     @torch.inference_mode()
     def prepare_plans(self, buckets: list[tuple[int, int]]) -> None:
         """Without graphs: make every bucket's plans now (one dummy forward each), so no request
         pays for kernel loading or plan allocation."""
-        dummy = CudaGraphs(self.model, self.attention, buckets=buckets)
         moe = self._moe_impl("graph")
         try:
             for b, n in buckets:
                 self.attention.select((b, n))
-                dummy.dummy_step(b, n)
-                dummy.forward_rows(b * n)
+                self.attention.plan_scratch(b, n)
+                zeros = torch.zeros(b * n, dtype=torch.int64, device=self.device)
+                self.model(zeros, zeros, attention=self.attention, token_valid=zeros.bool())
         finally:
             self._moe_impl(moe)
             self.attention.select(None)

@@ -150,6 +150,14 @@ class PagedAttention:
             self._plans[key] = plan
         return plan
 
+    def plan_scratch(self, batch: int, n: int) -> None:
+        """Plan B chains of n tokens over the scratch page only: what a capture or a warmup
+        forward runs, touching no request's K/V."""
+        cache = self.cache
+        pages = [cache.num_pages] * math.ceil(n / cache.page_size)  # the scratch page
+        self.plan(torch.full((batch * n,), cache.scratch_slot, dtype=torch.int64),
+                  [pages] * batch, [0] * batch, [n] * batch)  # fmt: skip
+
     def forget(self, bucket: tuple[int, int]) -> None:
         """Drop a bucket's plans (their buffers) and go back to the eager plans."""
         for key in [k for k in self._plans if k[0] == bucket]:

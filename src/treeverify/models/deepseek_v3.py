@@ -17,7 +17,15 @@ import torch
 from torch import nn
 
 from treeverify.models.config import DeepseekV3Config
-from treeverify.models.layers import MLP, Attention, RMSNorm, Rope, TorchAttention, apply_rope
+from treeverify.models.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    Rope,
+    TorchAttention,
+    apply_rope,
+    check_flat_batch,
+)
 from treeverify.models.moe import DeepseekMoE
 
 
@@ -171,11 +179,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         absorbed: bool | None = None,
         token_valid: torch.Tensor | None = None,  # (T,) bool: padding rows False (MoE counts)
     ) -> torch.Tensor:  # (T or N, vocab) fp32
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(
-                f"input_ids/positions: expected matching (T,) tensors, got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
+        check_flat_batch(input_ids, positions)
         attention = attention if attention is not None else TorchAttention()
         absorbed = self.absorbed if absorbed is None else absorbed
         cos, sin = self.rope(positions)  # (T, R/2) each

@@ -32,6 +32,15 @@ class Attention(Protocol):
     ) -> torch.Tensor: ...  # (T, Hq, Dv)
 
 
+def check_flat_batch(input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """A model forward's inputs: matching (T,) token ids and positions (ValueError otherwise)."""
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids/positions: expected matching (T,) tensors, got "
+            f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+        )
+
+
 class TorchAttention:
     """Attention within this call's tokens, per request, fp32 accumulation.
 

@@ -20,6 +20,7 @@ from treeverify.models.layers import (
     TorchAttention,
     apply_rope,
     apply_rope_tables,
+    check_flat_batch,
     fuse_linears,
 )
 
@@ -133,11 +134,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,  # (N,): rows to project; default all
         token_valid: torch.Tensor | None = None,  # (T,) bool; unused (no MoE), same signature
     ) -> torch.Tensor:  # (T or N, vocab) fp32
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(
-                f"input_ids/positions: expected matching (T,) tensors, got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
+        check_flat_batch(input_ids, positions)
         attention = attention if attention is not None else TorchAttention()
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         if self.fused:
