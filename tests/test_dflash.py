@@ -11,14 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from treeverify.models.tiny import build_tiny
-from treeverify.spec.dflash import (
-    DFlashConfig,
-    DFlashDrafter,
-    default_target_layer_ids,
-    load_dflash,
-    save_dflash,
-    tiny_dflash,
-)
+from treeverify.spec.dflash import DFlashDrafter
+from treeverify.spec.dflash_config import DFlashConfig, default_target_layer_ids
+from treeverify.spec.dflash_io import load_dflash, save_dflash, tiny_dflash
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

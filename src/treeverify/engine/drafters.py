@@ -91,7 +91,7 @@ def make_source(
     """ "ngram", "tiny-dflash" (a seeded drafter for tiny targets, tests) or a DFlash directory."""
     if path == "ngram":
         return NgramSource(config.vocab_size)
-    from treeverify.spec.dflash import load_dflash, tiny_dflash
+    from treeverify.spec.dflash_io import load_dflash, tiny_dflash
 
     embed, head = model.model.embed_tokens, model.lm_head
     if path == "tiny-dflash":
