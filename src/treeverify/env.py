@@ -14,6 +14,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
 - ``NOTIFY_SOCKET``: systemd's readiness socket (the server sends READY=1 / STOPPING=1).
 - ``TREEVERIFY_TEST_HOOKS``: TEST ONLY; ``1`` adds the server's /_test/stall and /_test/resume.
+- ``TREEVERIFY_API_KEY``: the bearer key the server demands on every route but the health checks
+  (``--api-key`` wins over it), and the one the gate and clients send; unset: no authentication.
 - ``TREEVERIFY_COMMIT``: the commit written into benchmark JSON where the checkout has no .git
   (the GPU machine's copy of the tree).
 """
@@ -30,6 +32,8 @@ VARIABLES: dict[str, str] = {
     "NOTIFY_SOCKET": "systemd's readiness socket; the server sends READY=1 / STOPPING=1 to it.",
     "TREEVERIFY_TEST_HOOKS": "TEST ONLY. 1: the server exposes /_test/stall and /_test/resume "
     "(freeze the engine loop) so tests can prove /health and /health_generate notice.",
+    "TREEVERIFY_API_KEY": "Bearer key: the server requires 'Authorization: Bearer <key>' on every "
+    "route but /health and /health_generate (--api-key overrides it); the gate sends it.",
     "TREEVERIFY_COMMIT": "Commit recorded in benchmark JSON when the checkout has no .git "
     "(the GPU machine's copy); scripts/gpu-check takes it as an argument.",
     "TREEVERIFY_CUDA_PORTABLE": "1: use the portable mma.sync CUDA kernels even on sm_90a (tests "
@@ -61,6 +65,11 @@ def notify_socket() -> str | None:
 def test_hooks_enabled() -> bool:
     """TREEVERIFY_TEST_HOOKS=1 (TEST ONLY): the server adds /_test/stall and /_test/resume."""
     return os.environ.get("TREEVERIFY_TEST_HOOKS", "").strip() == "1"
+
+
+def api_key() -> str | None:
+    """TREEVERIFY_API_KEY: the server's bearer key (and the gate's), or None when unset/empty."""
+    return os.environ.get("TREEVERIFY_API_KEY", "").strip() or None
 
 
 def commit_override() -> str | None:
