@@ -79,7 +79,8 @@ class Router(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts + shared experts. forward returns (out (T, hidden), counts (E,) int64).
 
-    impl="grouped" (default) gathers each expert's tokens (host sync on the counts: eager only);
+    impl="grouped" (default) gathers each expert's tokens (host sync on the counts: eager only;
+    inside a CUDA-graph capture it routes as "graph" instead);
     impl="dense" runs every expert on every token with zero weight where unrouted: no sync, no
     data-dependent shapes (CUDA-graph capturable), E times the FLOPs;
     impl="gather" gathers each token's k experts' weights (stacked, see `stack_experts`) and runs
@@ -160,6 +161,10 @@ class DeepseekMoE(nn.Module):
                 0, flat, valid.to(torch.int64).repeat_interleave(idx.shape[1])
             )  # (E,)
         impl = self.impl
+        if impl == "grouped" and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # The host-grouped path reads the counts to the host, which no capture allows: a
+            # captured forward routes sync-free whoever captures it (the engine, a benchmark).
+            impl = "graph"
         if impl == "graph":
             if grouped_mm_supported(x):
                 impl = "grouped_mm"
