@@ -25,6 +25,7 @@ def healthy():
 def test_no_fault_is_active_by_default(monkeypatch, healthy):
     monkeypatch.delenv("TREEVERIFY_FAULT", raising=False)
     assert faults.active("attn_past") is None
+    assert LLM("tiny-llama").planted_fault is None
     assert _run() == healthy
 
 

@@ -123,3 +123,20 @@ def test_dflash_rounds_under_graphs_match_eager():
         assert llm.spec_stats["rounds"] > 0
         del llm
     assert outs[True] == outs[False]
+
+
+def test_planted_fault_runs_under_graphs(monkeypatch):
+    """Planted faults (TEST ONLY) are wrappers installed at startup: with one set, CUDA graphs
+    stay on and the fault shows through the captured path, only where it should."""
+    long, short = prompts(1, length=120, seed=11), prompts(1, length=12, seed=12)
+    kw = dict(device="cuda", num_pages=128, cuda_graph_max_bs=2)
+    healthy = LLM("tiny-llama", **kw)
+    want = [healthy.generate(p, greedy(8))[0].token_ids for p in (long, short)]
+    del healthy
+    monkeypatch.setenv("TREEVERIFY_FAULT", "attn_past:64")
+    llm = LLM("tiny-llama", **kw)
+    assert llm.planted_fault == "attn_past" and llm.runner.graphs is not None
+    got = [llm.generate(p, greedy(8))[0].token_ids for p in (long, short)]
+    assert llm.runner.graphs.replays > 0
+    assert got[0] != want[0]  # context > 64: corrupted inside the replayed graphs
+    assert got[1] == want[1]  # context <= 64 (12 + 8 tokens): untouched

@@ -1,28 +1,34 @@
 """Planted faults, TEST ONLY: the failure classes the deployment gate must catch.
 
-Inert unless TREEVERIFY_FAULT is set (read through treeverify.env), one fault at a time:
+Nothing here runs in a deployment: production code carries no fault branches. When
+TREEVERIFY_FAULT is set (read through treeverify.env), `install(llm)` wraps the one part of the
+engine the planted fault lives in, once, at startup, before warmup and graph capture. CUDA graphs
+stay on, so the gate's suite exercises the path production runs (an attention fault is captured
+into the graphs, reading a fixed device buffer that every step's plan() refills).
 
-| TREEVERIFY_FAULT  | what goes wrong                                                          |
-| ----------------- | ------------------------------------------------------------------------ |
-| attn_past:N       | attention output is wrong for tokens whose context is longer than N      |
-| merge_bug         | like a broken split-KV merge: wrong output once the prefix exceeds 256   |
-| batch_over:N      | logits corrupted in steps that run more than N sequences                 |
-| capture_crash     | the server exits non-zero in the CUDA-graph-capture startup phase        |
-| capture_hang      | the server hangs in that phase and never becomes ready                   |
-| first_request_crash | the server process dies on its first HTTP completion request           |
-| garbage_after:N   | every token after a request's N-th output token is garbage              |
-| spec_diverge      | speculative rounds commit a wrong bonus token (output differs from plain) |
-
-Each hook below is a no-op returning its input when its fault is not the active one.
+| TREEVERIFY_FAULT    | what goes wrong                                        | wrapped          |
+| ------------------- | ------------------------------------------------------ | ---------------- |
+| attn_past:N         | attention wrong for tokens whose context exceeds N     | PagedAttention   |
+| merge_bug           | like a broken split-KV merge: wrong once prefix > 256  | PagedAttention   |
+| batch_over:N        | logits corrupted in steps of more than N sequences     | ModelRunner.run* |
+| garbage_after:N     | every output token after a request's N-th is garbage   | LLM.run_batch    |
+| spec_diverge        | speculative rounds commit a wrong bonus token          | accept_batch     |
+| capture_crash       | the server exits non-zero in the graph-capture phase   | server startup   |
+| capture_hang        | the server hangs in that phase, never ready            | server startup   |
+| first_request_crash | the server process dies on its first HTTP completion   | server loop      |
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from treeverify import env
+from treeverify.engine.paged_attention import PagedAttention
 
 MERGE_BUG_PREFIX = 256  # the split chunk a broken merge would show beyond
+ENGINE_FAULTS = ("attn_past", "merge_bug", "batch_over", "garbage_after", "spec_diverge")
 
 
 def active(name: str) -> int | None:
@@ -33,48 +39,104 @@ def active(name: str) -> int | None:
     return fault[1]
 
 
-def any_planted() -> bool:
-    """True when any fault is planted (the engine then runs eager steps only)."""
-    return env.planted_fault() is not None
-
-
-def attention_fault_rows(
-    prefix_lens: list[int], query_lens: list[int]
-) -> tuple[torch.Tensor, str] | None:
-    """Once per step (host): the rows a planted attention fault corrupts, and how; None when no
-    attention fault is planted, so a real deployment pays one environment lookup per step."""
-    past, merge = active("attn_past"), active("merge_bug")
-    if past is None and merge is None:
+def install(llm) -> str | None:
+    """Wrap the engine part the planted fault lives in (TEST ONLY); returns the fault's name,
+    or None when none is planted (then nothing is touched)."""
+    fault = env.planted_fault()
+    if fault is None or fault[0] not in ENGINE_FAULTS:
         return None
-    prefix = torch.repeat_interleave(torch.tensor(prefix_lens), torch.tensor(query_lens))  # (T,)
-    if past is not None:
-        kv = prefix + torch.cat([torch.arange(1, n + 1) for n in query_lens])  # (T,) context
-        return kv > past, "roll"
-    return prefix > MERGE_BUG_PREFIX, "scale"
+    name, n = fault
+    if name in ("attn_past", "merge_bug"):
+        _FaultyAttention.adopt(llm.runner.attention, name, n)
+    elif name == "batch_over":
+        _wrap_runner_logits(llm.runner, n)
+    elif name == "garbage_after":
+        _wrap_garbage_after(llm, n)
+    elif name == "spec_diverge" and llm.spec is not None:
+        _wrap_diverge_bonus(llm.spec, llm.config.vocab_size)
+    return name
 
 
-def corrupt_attention(out: torch.Tensor, rows: tuple[torch.Tensor, str]) -> torch.Tensor:
-    """Apply `attention_fault_rows`' verdict to one layer's output (T, Hq, Dv)."""
-    bad, how = rows
-    bad = bad.to(out.device)[:, None, None]
-    return torch.where(bad, out.roll(1, dims=-1) if how == "roll" else out * 0.25, out)
+class _FaultyAttention(PagedAttention):
+    """PagedAttention whose output rows chosen at plan() time are corrupted: the choice lives in
+    a fixed device buffer, so a captured forward applies it on every replay."""
+
+    _fault: str
+    _past: int
+    _bad: torch.Tensor  # (max_total_q,) bool, fixed address
+
+    @classmethod
+    def adopt(cls, attention: PagedAttention, fault: str, past: int) -> None:
+        attention.__class__ = cls
+        attention._fault, attention._past = fault, past
+        attention._bad = torch.zeros(attention.max_total_q, dtype=torch.bool,
+                                     device=attention.cache.device)  # fmt: skip
+
+    def plan(self, slots, block_tables, prefix_lens, query_lens, tree_masks=None, mask=None):
+        super().plan(slots, block_tables, prefix_lens, query_lens, tree_masks, mask)
+        prefix = torch.repeat_interleave(torch.tensor(prefix_lens), torch.tensor(query_lens))
+        if self._fault == "attn_past":  # context of each row: prefix + its index in the chunk
+            ctx = prefix + torch.cat([torch.arange(1, n + 1) for n in query_lens])  # (T,)
+            bad = ctx > self._past
+        else:
+            bad = prefix > MERGE_BUG_PREFIX  # (T,)
+        self._bad.zero_()
+        self._bad[: bad.shape[0]].copy_(bad)
+
+    def __call__(self, layer, q, k, v, sm_scale, v_head_dim=None):
+        out = super().__call__(layer, q, k, v, sm_scale, v_head_dim)  # (T, Hq, Dv)
+        bad = self._bad[: out.shape[0], None, None]
+        wrong = out.roll(1, dims=-1) if self._fault == "attn_past" else out * 0.25
+        return torch.where(bad, wrong, out)
 
 
-def corrupt_logits(logits: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    n = active("batch_over")
-    if n is not None and num_seqs > n:
-        return logits.roll(7, dims=-1)
-    return logits
+def _wrap_runner_logits(runner, over: int) -> None:
+    """Logits of steps with more than `over` sequences are rolled (after any graph replay)."""
+    run, run_trees = runner.run, runner.run_trees
+
+    @functools.wraps(run)
+    def faulty_run(batch, trees=None):
+        rows = run(batch, trees)
+        if len(batch.chunks) > over:
+            rows = [r.roll(7, dims=-1) for r in rows]
+        return rows
+
+    @functools.wraps(run_trees)
+    def faulty_run_trees(batch, tb):
+        logits = run_trees(batch, tb)
+        return logits.roll(7, dims=-1) if len(batch.chunks) > over else logits
+
+    runner.run, runner.run_trees = faulty_run, faulty_run_trees
 
 
-def garble_token(token: int, num_output_tokens: int, vocab_size: int) -> int:
-    n = active("garbage_after")
-    if n is not None and num_output_tokens >= n:
-        return (token * 7919 + 13) % vocab_size
-    return token
+def _wrap_garbage_after(llm, n: int) -> None:
+    """Every output token from a request's n-th on is replaced (plain and speculative steps)."""
+    run_batch = llm.run_batch
+    vocab = llm.config.vocab_size
+
+    def garble(tok: int) -> int:
+        return (tok * 7919 + 13) % vocab
+
+    @functools.wraps(run_batch)
+    def faulty_run_batch(batch):
+        out = run_batch(batch)
+        for i, seq in enumerate(batch.sampled):
+            done = seq.num_output_tokens  # tokens already emitted before this step
+            if isinstance(out[i], list):
+                out[i] = [garble(t) if done + j >= n else t for j, t in enumerate(out[i])]
+            elif done >= n:
+                out[i] = garble(out[i])
+        return out
+
+    llm.run_batch = faulty_run_batch
 
 
-def diverge_bonus(token: int, vocab_size: int) -> int:
-    if active("spec_diverge") is not None:
-        return (token + 1) % vocab_size
-    return token
+def _wrap_diverge_bonus(spec, vocab: int) -> None:
+    """Each speculative round's bonus token (its last committed token) is off by one."""
+    accept_batch = spec.accept_batch
+
+    @functools.wraps(accept_batch)
+    def faulty_accept_batch(tb, logits):
+        return [toks[:-1] + [(toks[-1] + 1) % vocab] for toks in accept_batch(tb, logits)]
+
+    spec.accept_batch = faulty_accept_batch

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.engine.drafters import make_source
@@ -126,6 +127,7 @@ class LLM:
             )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._next_id = 0
+        self.planted_fault = faults.install(self)  # TEST ONLY; None unless TREEVERIFY_FAULT
         self.warmup()
         t0 = self._phase("warmup", t0)
         self.cuda_graph_buckets: list[tuple[int, int]] = []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from treeverify.engine import faults
 from treeverify.engine.cuda_graphs import CudaGraphs
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
@@ -90,8 +89,6 @@ class ModelRunner:
         """A captured bucket for this step, or None (eager)."""
         if self.graphs is None or not self._decode_shaped(batch, qlens, trees):
             return None
-        if faults.any_planted():
-            return None  # planted faults act on the eager path (TEST ONLY)
         return self.graphs.bucket_for(len(batch.chunks), qlens[0])
 
     def _moe_impl(self, impl: str | None) -> str | None:
@@ -112,8 +109,7 @@ class ModelRunner:
         starts = [c.start for c in batch.chunks]
         pos = (torch.tensor(starts).to(self.device)[:, None] + tb.depths).reshape(-1)  # (B*N,)
         ids = tb.tokens.reshape(-1)  # (B*N,)
-        bucket = None if faults.any_planted() or self.graphs is None else \
-            self.graphs.bucket_for(b, n)  # fmt: skip
+        bucket = None if self.graphs is None else self.graphs.bucket_for(b, n)
         self.attention.select(bucket or self._plan_bucket(b, n))
         self.attention.plan(tb.slots.reshape(-1), [c.seq.block_table for c in batch.chunks],
                             starts, [n] * b, mask=tb.mask)  # fmt: skip
@@ -126,7 +122,7 @@ class ModelRunner:
             finally:
                 self._moe_impl(moe)
         self.hidden = getattr(self.model, "captured", None)
-        return faults.corrupt_logits(logits, b)
+        return logits
 
     @torch.inference_mode()
     def run(
@@ -194,5 +190,4 @@ class ModelRunner:
         finally:
             self._moe_impl(moe)
         self.hidden = getattr(self.model, "captured", None)
-        logits = faults.corrupt_logits(logits, len(batch.chunks))  # no-op unless planted
         return [logits[a : a + n] for a, n in spans]

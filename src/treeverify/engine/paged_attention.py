@@ -16,7 +16,6 @@ import math
 
 import torch
 
-from treeverify.engine import faults
 from treeverify.engine.kv_cache import KVCache
 from treeverify.kernels.bits import chain_bits
 from treeverify.kernels.plan import TreeAttentionPlan
@@ -88,7 +87,6 @@ class PagedAttention:
             (max_total_q,), cache.scratch_slot, dtype=torch.int64, device=cache.device
         )  # fmt: skip  (rows,) fixed address
         self._meta: tuple | None = None
-        self._fault_rows = None
 
     def select(self, bucket: tuple[int, int] | None) -> None:
         """Use the plans of a graph bucket (B, n), or the eager ones (None)."""
@@ -128,7 +126,6 @@ class PagedAttention:
         for (bucket, _), p in self._plans.items():
             if bucket == self.bucket:
                 p.plan(*self._meta)
-        self._fault_rows = faults.attention_fault_rows(prefix_lens, query_lens)  # TEST ONLY
 
     def _plan_for(self, q: torch.Tensor, k: torch.Tensor, v, sm_scale: float, v_head_dim):
         shape = (q.shape[1], k.shape[1], q.shape[2], v_head_dim, v is None, sm_scale, q.dtype)
@@ -175,7 +172,4 @@ class PagedAttention:
         plan = self._plan_for(q, k, v, sm_scale, v_head_dim)
         # zeros, not empty: rows of padding requests are never written by the kernels
         out = q.new_zeros(q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
-        out = plan.run(q, kc, vc, out)
-        if self._fault_rows is not None:  # a planted fault (TEST ONLY); None in any deployment
-            out = faults.corrupt_attention(out, self._fault_rows)
-        return out
+        return plan.run(q, kc, vc, out)

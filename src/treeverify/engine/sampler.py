@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from treeverify.engine import faults
 from treeverify.engine.sequence import Sequence
 from treeverify.spec.accept import sample_per_node
 
@@ -58,10 +57,7 @@ def sample(
             logits[row].view(1, 1, -1), *filters(seq, logits.shape[-1]),
             request_generator(seq, logits.device),
         )[0, 0]  # fmt: skip
-    tokens = [
-        faults.garble_token(tok, seq.num_output_tokens, logits.shape[-1])  # planted only
-        for tok, seq in zip(chosen.tolist(), seqs, strict=True)
-    ]
+    tokens = chosen.tolist()
     infos: list[TokenLogprobs | None] = [None] * len(seqs)
     wanted = [row for row, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
     if not wanted:

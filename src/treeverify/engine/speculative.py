@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.captured_fn import CapturedFn
 from treeverify.engine.drafters import DFlashSource, NgramSource
@@ -246,8 +245,7 @@ class SpeculativeDecoder:
         for seq, row in zip(tb.seqs, host, strict=True):
             m = row[0]
             self.bm.commit(seq, m - 1)
-            bonus_tok = faults.diverge_bonus(row[1], logits.shape[-1])  # planted only
-            toks = row[2 : 2 + m][1:] + [bonus_tok]
+            toks = row[2 : 2 + m][1:] + [row[1]]
             out.append(toks)
             tb.paths.append(row[2 + k : 2 + k + m])
             self.stats.rounds += 1
