@@ -140,3 +140,23 @@ def test_planted_fault_runs_under_graphs(monkeypatch):
     assert llm.runner.graphs.replays > 0
     assert got[0] != want[0]  # context > 64: corrupted inside the replayed graphs
     assert got[1] == want[1]  # context <= 64 (12 + 8 tokens): untouched
+
+
+def test_decode_step_forward_never_waits_for_the_gpu():
+    """A steady-state decode step's plan + graph replay only enqueue work: under
+    torch.cuda.set_sync_debug_mode("error") any host<->device synchronisation raises. (The
+    sampler's one read of the step's tokens comes after and is the step's intended sync.)"""
+    llm = LLM("tiny-llama", device="cuda", num_pages=128, cuda_graph_max_bs=2)
+    llm.generate(prompts(2), greedy(4))  # steady state: kernels, plans, pinned blocks cached
+    seqs = [llm.add_request(p, greedy(16)) for p in prompts(2, seed=3)]
+    while any(s.num_output_tokens < 2 for s in seqs):
+        llm.step()
+    batch = llm.scheduler.schedule()
+    assert len(batch.chunks) == 2 and all(c.num_tokens == 1 for c in batch.chunks)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = llm.runner.run(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert llm.runner.graphs.replays > 0 and len(rows) == 2
+    assert torch.isfinite(torch.cat(rows)).all()

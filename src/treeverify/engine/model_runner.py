@@ -16,6 +16,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
 from treeverify.engine.scheduler import ScheduledBatch
 from treeverify.engine.speculative import SpecTree
+from treeverify.kernels.staging import to_device
 
 
 class ModelRunner:
@@ -107,7 +108,9 @@ class ModelRunner:
         tensors): no host copy of the trees. Returns logits (B*N, V) for every node."""
         b, n = tb.tokens.shape
         starts = [c.start for c in batch.chunks]
-        pos = (torch.tensor(starts).to(self.device)[:, None] + tb.depths).reshape(-1)  # (B*N,)
+        pos = (to_device(torch.tensor(starts), self.device)[:, None] + tb.depths).reshape(
+            -1
+        )  # (B*N,)
         ids = tb.tokens.reshape(-1)  # (B*N,)
         bucket = None if self.graphs is None else self.graphs.bucket_for(b, n)
         self.attention.select(bucket or self._plan_bucket(b, n))
@@ -172,8 +175,8 @@ class ModelRunner:
         )
         dev = self.device
         if bucket is not None:  # every token is a logits row, in order
-            logits = self.graphs.replay(bucket, torch.tensor(ids, dtype=torch.int64),
-                                        torch.tensor(pos, dtype=torch.int64))  # fmt: skip
+            logits = self.graphs.replay(bucket, to_device(torch.tensor(ids), dev),
+                                        to_device(torch.tensor(pos), dev))  # fmt: skip
             self.hidden = getattr(self.model, "captured", None)
             return [logits[a : a + n] for a, n in spans]
         # On a GPU an eager decode routes MoE as the captured graphs do, so turning graphs off
@@ -182,10 +185,10 @@ class ModelRunner:
             batch, qlens, trees) else None)  # fmt: skip
         try:
             logits = self.model(
-                torch.tensor(ids, dtype=torch.int64, device=dev),  # (T,)
-                torch.tensor(pos, dtype=torch.int64, device=dev),  # (T,)
+                to_device(torch.tensor(ids, dtype=torch.int64), dev),  # (T,)
+                to_device(torch.tensor(pos, dtype=torch.int64), dev),  # (T,)
                 attention=self.attention,
-                logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),  # (N,)
+                logits_indices=to_device(torch.tensor(rows, dtype=torch.int64), dev),  # (N,)
             )  # (N, V)
         finally:
             self._moe_impl(moe)

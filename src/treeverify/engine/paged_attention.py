@@ -19,6 +19,7 @@ import torch
 from treeverify.engine.kv_cache import KVCache
 from treeverify.kernels.bits import chain_bits
 from treeverify.kernels.plan import TreeAttentionPlan
+from treeverify.kernels.staging import copy_from_host
 
 
 @functools.lru_cache(maxsize=256)
@@ -26,10 +27,10 @@ def _chain_bits_cached(n: int) -> torch.Tensor:
     return chain_bits(n)  # (n, ceil(n/32)); callers copy, never write
 
 
-def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
-    """(sum(query_lens), W) int32: row i of a chunk sees nodes 0..i of that chunk."""
+def chain_masks(query_lens: list[int]) -> torch.Tensor:
+    """(sum(query_lens), W) int32 on the host: row i of a chunk sees nodes 0..i of that chunk."""
     if all(n == 1 for n in query_lens):  # all decodes: each row sees itself (host work O(1))
-        return torch.ones(len(query_lens), 1, dtype=torch.int32).to(device)
+        return torch.ones(len(query_lens), 1, dtype=torch.int32)
     words = math.ceil(max(query_lens) / 32)
     out = torch.zeros(sum(query_lens), words, dtype=torch.int32)
     row = 0
@@ -37,15 +38,13 @@ def chain_masks(query_lens: list[int], device: torch.device) -> torch.Tensor:
         bits = _chain_bits_cached(n)  # (n, ceil(n/32))
         out[row : row + n, : bits.shape[1]] = bits
         row += n
-    return out.to(device)
+    return out
 
 
-def _masks(
-    query_lens: list[int], trees: list[torch.Tensor | None] | None, device: torch.device
-) -> torch.Tensor:
-    """(T, W) int32: each chunk's tree bits, or a chain where it has none."""
+def _masks(query_lens: list[int], trees: list[torch.Tensor | None] | None) -> torch.Tensor:
+    """(T, W) int32 on the host: each chunk's tree bits, or a chain where it has none."""
     if trees is None or all(t is None for t in trees):
-        return chain_masks(query_lens, device)
+        return chain_masks(query_lens)
     words = max(math.ceil(n / 32) for n in query_lens)
     out = torch.zeros(sum(query_lens), words, dtype=torch.int32)
     row = 0
@@ -53,7 +52,7 @@ def _masks(
         bits = _chain_bits_cached(n) if tree is None else tree.cpu()
         out[row : row + n, : bits.shape[1]] = bits
         row += n
-    return out.to(device)
+    return out
 
 
 class PagedAttention:
@@ -106,7 +105,6 @@ class PagedAttention:
     ) -> None:
         """Host side, once per step: the metadata every layer's plan run reads. `slots` and
         `mask` may live on the device (a speculative round's): they are copied, never read."""
-        dev = self.cache.device
         width = max(len(t) for t in block_tables)
         table = torch.zeros(len(block_tables), width, dtype=torch.int32)
         for b, pages in enumerate(block_tables):
@@ -115,13 +113,15 @@ class PagedAttention:
         for n in query_lens:
             qo.append(qo[-1] + n)
         total = qo[-1]
-        self.slots[:total].copy_(slots)
+        copy_from_host(self.slots[:total], slots)  # queued, never waits for the GPU
         self.slots[total:].fill_(self.cache.scratch_slot)
+        if self.cache.device.type == "cuda":  # pinned once; each plan then only queues copies
+            table = table.pin_memory()
         self._meta = (
-            table.to(dev),  # (B, pages)
+            table,  # (B, pages) host
             torch.tensor(prefix_lens, dtype=torch.int32),  # (B,) host: plan() checks it
             torch.tensor(qo, dtype=torch.int32),  # (B+1,) host
-            mask if mask is not None else _masks(query_lens, tree_masks, dev),  # (T, W)
+            mask if mask is not None else _masks(query_lens, tree_masks),  # (T, W)
         )
         for (bucket, _), p in self._plans.items():
             if bucket == self.bucket:

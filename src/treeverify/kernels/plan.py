@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from treeverify.kernels.staging import copy_from_host
 from treeverify.kernels.validate import validate_tree_attention_args
 
 
@@ -129,7 +130,11 @@ class TreeAttentionPlan:
         qo_indptr: torch.Tensor,  # (B+1,) int32
         tree_mask: torch.Tensor,  # (total_q, W) int32, W <= ceil(max_tree / 32)
     ) -> None:
-        """Check capacities on the host, then copy the metadata into the fixed buffers."""
+        """Check capacities on the host, then queue the metadata's copies into the fixed
+        buffers. Host index tensors (prefix_lens, qo_indptr, and ideally the others) keep it from
+        ever waiting for the GPU: their copies go through pinned memory and are only enqueued, so
+        the next step can be planned while this one runs. Device prefix_lens / qo_indptr are
+        read back for the capacity checks (a sync)."""
         batch = prefix_lens.shape[0] if isinstance(prefix_lens, torch.Tensor) else -1
         if not 1 <= batch <= self.max_batch:
             raise ValueError(
@@ -163,13 +168,13 @@ class TreeAttentionPlan:
             )
         self.batch = batch
         self.block_table.zero_()
-        self.block_table[:batch, : block_table.shape[1]].copy_(block_table)
+        copy_from_host(self.block_table[:batch, : block_table.shape[1]], block_table)
         self.prefix_lens.zero_()
-        self.prefix_lens[:batch].copy_(prefix_lens)
+        copy_from_host(self.prefix_lens[:batch], prefix_lens)
         self.qo_indptr.fill_(total_q)  # padding requests: empty trees
-        self.qo_indptr[: batch + 1].copy_(qo_indptr)
+        copy_from_host(self.qo_indptr[: batch + 1], qo_indptr)
         self.tree_mask.zero_()
-        self.tree_mask[:total_q, : tree_mask.shape[1]].copy_(tree_mask[:total_q])
+        copy_from_host(self.tree_mask[:total_q, : tree_mask.shape[1]], tree_mask[:total_q])
 
     def validate(self, q, k_cache, v_cache) -> None:
         """Full data validation of the planned metadata against a cache (syncs: eager only)."""

@@ -1,0 +1,31 @@
+"""Host -> device copies that only enqueue.
+
+A plain ``dst.copy_(host_tensor)`` into GPU memory copies from pageable memory, which PyTorch
+finishes with a stream synchronisation: the host waits for every kernel already queued. A plan
+made while the previous step still runs would then serialise host and GPU. Staging through pinned
+memory from PyTorch's caching host allocator lets the copy be queued (``non_blocking``); the
+allocator keeps that pinned block until the copy has run, so reusing it cannot race.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src) that never waits for the GPU when src is a host tensor and dst is on a
+    GPU; any other pair is an ordinary copy. Returns dst."""
+    if dst.is_cuda and not src.is_cuda:
+        if not src.is_pinned():
+            src = src.pin_memory()
+        return dst.copy_(src, non_blocking=True)
+    return dst.copy_(src)
+
+
+def to_device(src: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """src on `device`; a host tensor goes to a GPU through pinned memory, without waiting."""
+    device = torch.device(device)
+    if device.type == "cuda" and not src.is_cuda:
+        pinned = src if src.is_pinned() else src.pin_memory()
+        return pinned.to(device, non_blocking=True)
+    return src.to(device)
