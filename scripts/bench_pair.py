@@ -1,0 +1,183 @@
+"""Accept lengths and tokens/s of a target + DFlash drafter pair (tiny-code by default), with
+treeverify's engine, on held-out code and on English prose. CPU (small runs) or GPU (graphs on).
+
+    PYTHONPATH=src python3 scripts/bench_pair.py accept [--budgets 8,16,32,64,128,256] --json A.json
+    PYTHONPATH=src python3 scripts/bench_pair.py speed [--batches 1,8] --json S.json
+
+accept: greedy, N held-out code prompts in one batch; DFlash CHAIN (depth block-1) and DDTREE per
+        budget: average accept length (committed tokens per round, bonus included), tokens/s, and
+        whether the output equals plain greedy decoding.
+speed:  per batch size (b concurrent requests) and per text (code, prose): none, CHAIN(DFlash),
+        DDTREE(DFlash), DDTREE(n-gram): tokens/s and accept length, the same greedy check.
+Timings are wall clock around `LLM.generate` after one untimed warm-up generate; the engine's own
+startup (load, capture) is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "src/treeverify/models/data"
+PROSE = Path(__file__).resolve().parent / "prompts" / "english_prose.txt"
+
+
+def code_prompts(path: Path, n: int) -> list[str]:
+    prompts = json.loads(path.read_text())["prompts"]
+    if len(prompts) < n:
+        raise ValueError(f"--code-prompts: {path} has {len(prompts)} prompts, {n} wanted")
+    return prompts[:n]
+
+
+def prose_prompts(path: Path, n: int) -> list[str]:
+    paras = [p.strip() for p in path.read_text().split("\n\n") if p.strip()]
+    return [paras[i % len(paras)] for i in range(n)]
+
+
+def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_seqs: int) -> LLM:
+    dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    kw = {}
+    if algo:
+        kw = dict(
+            speculative_algorithm=algo,
+            speculative_ddtree_budget=budget,
+            speculative_num_draft_tokens=depth,
+            speculative_draft_model_path=drafter,
+        )
+    return LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
+               cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
+               max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
+
+
+def timed(llm: LLM, prompts: list, batch: int, tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy outputs of all prompts, `batch` at a time, and the seconds it took."""
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    if llm.spec is not None:
+        llm.spec.reset_stats()
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), batch):
+        outs += [o.token_ids for o in llm.generate(prompts[i : i + batch], sp)]
+    sync()
+    return outs, time.perf_counter() - t0
+
+
+def row(llm: LLM, name: str, outs, secs: float, plain) -> dict:
+    toks = sum(len(o) for o in outs)
+    r = {"config": name, "tokens": toks, "seconds": round(secs, 3),
+         "tokens_per_s": round(toks / secs, 1)}  # fmt: skip
+    if llm.spec is not None:
+        st = llm.spec_stats
+        r.update(
+            accept_length=st["avg_spec_accept_length"],
+            rounds=st["rounds"],
+            drafter=st["drafter"],
+            budget=st["budget"],
+            depth=st["num_draft_tokens"],
+        )
+    if plain is not None:
+        r["identical_to_plain"] = outs == plain
+    return r
+
+
+def free(llm) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def configs(args, block: int, budgets: list[int]):
+    """(name, algorithm, drafter, budget, depth): plain first (the reference)."""
+    out = [("none", None, "ngram", 1, 1), (f"CHAIN(dflash) depth {block - 1}", "CHAIN",
+           args.drafter, block - 1, block - 1)]  # fmt: skip
+    out += [(f"DDTREE(dflash) b={b}", "DDTREE", args.drafter, b, block - 1) for b in budgets]
+    return out
+
+
+def run_accept(args, block: int) -> list[dict]:
+    prompts = code_prompts(args.code_prompts, args.n)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rows, plain = [], None
+    for name, algo, drafter, budget, depth in configs(args, block, budgets):
+        llm = engine(args, algo, drafter, budget, depth, len(prompts))
+        outs, secs = timed(llm, prompts, len(prompts), args.tokens)
+        rows.append(row(llm, name, outs, secs, plain) | {"batch": len(prompts), "text": "code"})
+        plain = outs if plain is None else plain
+        print(json.dumps(rows[-1]), flush=True)
+        free(llm)
+    return rows
+
+
+def run_speed(args, block: int) -> list[dict]:
+    batches = [int(b) for b in args.batches.split(",")]
+    texts = {"code": code_prompts(args.code_prompts, args.n),
+             "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
+    cfgs = configs(args, block, [args.budget])
+    cfgs.append((f"DDTREE(ngram) b={args.budget}", "DDTREE", "ngram", args.budget,
+                 args.ngram_depth))  # fmt: skip
+    rows, plain = [], {}
+    for name, algo, drafter, budget, depth in cfgs:
+        llm = engine(args, algo, drafter, budget, depth, max(batches))
+        for text, prompts in texts.items():
+            for b in batches:
+                outs, secs = timed(llm, prompts, b, args.tokens)
+                key = (text, b)
+                r = row(llm, name, outs, secs, plain.get(key)) | {"batch": b, "text": text}
+                rows.append(r)
+                plain.setdefault(key, outs)
+                print(json.dumps(r), flush=True)
+        free(llm)
+    for r in rows:  # speedups against plain decoding of the same text and batch
+        base = next(x for x in rows if x["config"] == "none" and x["text"] == r["text"]
+                    and x["batch"] == r["batch"])  # fmt: skip
+        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", choices=("accept", "speed"))
+    p.add_argument("--target", default="tiny-code", help="model name or directory")
+    p.add_argument("--drafter", default=str(DATA / "tiny-code-dflash"))
+    p.add_argument("--code-prompts", type=Path, default=DATA / "tiny-code" / "heldout.json")
+    p.add_argument("--prose", type=Path, default=PROSE)
+    p.add_argument("--n", type=int, default=16, help="prompts per text")
+    p.add_argument("--tokens", type=int, default=128, help="generated tokens per prompt")
+    p.add_argument("--budgets", default="8,16,32,64,128,256")
+    p.add_argument("--budget", type=int, default=32, help="speed: the DDTREE budget")
+    p.add_argument("--ngram-depth", type=int, default=8)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--num-pages", type=int, default=2048)
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
+    p.add_argument("--json", type=Path, required=True)
+    args = p.parse_args(argv)
+    block = json.loads((Path(args.drafter) / "config.json").read_text())
+    block = block.get("block_size") or block["dflash_config"]["block_size"]
+    t0 = time.perf_counter()
+    rows = run_accept(args, block) if args.mode == "accept" else run_speed(args, block)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
+    result = {"mode": args.mode, "device": dev, "target": args.target, "drafter": args.drafter,
+              "prompts_per_text": args.n, "tokens_per_prompt": args.tokens,
+              "graphs": not args.no_graphs, "torch": torch.__version__, "rows": rows,
+              "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
