@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,12 @@ def test_directory_without_config_is_one_line_exit_2(tmp_path):
 def test_unreadable_chat_template_is_one_line_exit_2(tmp_path):
     r = _serve_cli("--chat-template", str(tmp_path / "absent.jinja"))
     assert r.returncode == 2 and "--chat-template" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_broken_model_directory_is_one_error_line_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    r = _serve_cli("--model", str(tmp_path), "--port", "0")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "hidden_size" in r.stderr
+    errors = [x for x in r.stderr.splitlines() if " ERROR " in x]
+    assert len(errors) == 1 and re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ERROR", errors[0])
