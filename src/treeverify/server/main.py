@@ -4,8 +4,10 @@ Startup phases are logged with durations (model load; KV pool sized from --mem-f
 and allocated; warmup forward; CUDA-graph capture per bucket on a GPU; ready). A capture failure
 is a startup error naming the bucket (exit 1), never a silent fallback to eager. With systemd
 ``Type=notify`` the server sends ``READY=1`` on ``$NOTIFY_SOCKET`` once it accepts connections and
-``STOPPING=1`` when shutdown begins. SIGTERM (or SIGINT): stop accepting, let in-flight requests
-finish for ``--shutdown-grace`` seconds, cancel the rest (finish_reason "abort"), exit 0.
+``STOPPING=1`` when shutdown begins. SIGTERM (or SIGINT): drain with the socket still open
+(/health and new requests answer 503 "shutting down", so load balancers see a clear answer, not a
+refused connection), let in-flight requests finish for ``--shutdown-grace`` seconds, cancel the
+rest (finish_reason "abort"), then close and exit 0. A second signal skips the wait.
 
 Environment (read through treeverify.env): ``NOTIFY_SOCKET`` (systemd), ``TREEVERIFY_TEST_HOOKS=1``
 (TEST ONLY: adds the /_test/stall and /_test/resume endpoints that freeze the engine loop).
