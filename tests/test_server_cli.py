@@ -140,10 +140,13 @@ def _serve_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Comp
     )
 
 
-def test_serve_usage_errors_show_serve_usage_and_exit_2():
-    r = _serve_cli("--page-size", "-3")
+@pytest.mark.parametrize(
+    "argv, flag", [(["--page-size", "-3"], "--page-size"), (["--bogus-flag"], "--bogus-flag")]
+)
+def test_serve_usage_errors_show_serve_usage_and_exit_2(argv, flag):
+    r = _serve_cli(*argv)
     assert r.returncode == 2
-    assert "usage: treeverify serve" in r.stderr and "--page-size" in r.stderr
+    assert "usage: treeverify serve" in r.stderr and flag in r.stderr
     assert "Traceback" not in r.stderr
 
 

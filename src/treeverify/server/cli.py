@@ -71,6 +71,20 @@ def _log_level(value: str) -> str:
     return value
 
 
+def _unknown_flags_are_errors(parser: argparse.ArgumentParser):
+    """An unknown flag is serve's usage error (serve's usage, exit 2); left to the parent
+    parser it would print the top level's usage instead."""
+    known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extras = known(args, namespace)
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+    return parse_known_args
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
@@ -78,6 +92,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions).",
         formatter_class=_HelpFormatter,
     )
+    p.parse_known_args = _unknown_flags_are_errors(p)
     pos, at_least_0 = _int_at_least(1), _int_at_least(0)
     p.add_argument(
         "--model",
