@@ -115,6 +115,14 @@ class ByteTokenizer:
         return "".join(parts)
 
 
+def _default_template(value: Any) -> str | None:
+    """tokenizer_config's chat_template: a string, or named templates (the 'default' one)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value
+
+
 def _token_content(v: Any) -> str | None:
     if isinstance(v, dict):
         return v.get("content")
@@ -141,7 +149,7 @@ class HFTokenizer:
         if jinja_file.is_file():
             self.chat_template: str | None = jinja_file.read_text(encoding="utf-8")
         else:
-            self.chat_template = tcfg.get("chat_template")
+            self.chat_template = _default_template(tcfg.get("chat_template"))
         self.bos_token = _token_content(tcfg.get("bos_token"))
         self.eos_token = _token_content(tcfg.get("eos_token"))
         self.bos_token_id = self._id(self.bos_token)
