@@ -50,7 +50,13 @@ def test_every_route_but_health_needs_the_key(server):
     routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
     routes += [("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json")]
     assert ("GET", "/metrics") in routes and ("GET", "/server_info") in routes
-    wrong = [{}, {"Authorization": "Bearer " + KEY[:-1]}, {"Authorization": KEY}]
+    wrong = [
+        {},
+        {"Authorization": "Bearer " + KEY[:-1]},
+        {"Authorization": "Bearer " + KEY + "x"},
+        {"Authorization": KEY},
+        {"Authorization": "Basic " + KEY},
+    ]
     for method, path in routes:
         for headers in wrong:
             r = httpx.request(method, server.url + path, headers=headers, json={}, timeout=10)
@@ -61,6 +67,8 @@ def test_every_route_but_health_needs_the_key(server):
                 assert "Bearer" in err["message"], err
     for path in ("/v1/models", "/metrics", "/server_info", "/docs", "/openapi.json"):
         assert httpx.get(server.url + path, headers=server.headers, timeout=10).status_code == 200
+    lower = {"Authorization": "bearer " + KEY}  # the scheme is case-insensitive
+    assert httpx.get(server.url + "/v1/models", headers=lower, timeout=10).status_code == 200
 
 
 def test_openai_client_with_and_without_the_key(server):

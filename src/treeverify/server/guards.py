@@ -55,14 +55,17 @@ class BearerAuth:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization") or b""
-        if hmac.compare_digest(given, self._expected):
+        scheme, _, token = given.strip().partition(b" ")
+        # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+        ok = hmac.compare_digest(token.strip(), self._expected)
+        if scheme.lower() == b"bearer" and ok:
             await self.app(scope, receive, send)
             return
         why = "no Authorization header" if not given else "the API key is not valid"
