@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,15 +86,24 @@ def test_serve_accepts_sglang_flags():
     assert (args.num_pages, args.page_size, args.served_model_name) == (64, 32, "kimi")
 
 
-def test_serve_rejects_bad_values(capsys):
-    assert cli.run(_parse(cli, ["serve", "--num-pages", "0"])) == 64
-    assert "--num-pages" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _parse(cli, ["serve", "--attention-backend", "flash"])
-    assert cli.run(_parse(cli, ["serve", "--mem-fraction-static", "1.2"])) == 64
-    assert "--mem-fraction-static" in capsys.readouterr().err
-    assert cli.run(_parse(cli, ["serve", "--cuda-graph-max-bs", "0"])) == 64
-    assert "--cuda-graph-max-bs" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--num-pages", "0"], "--num-pages"),
+        (["--attention-backend", "flash"], "--attention-backend"),
+        (["--mem-fraction-static", "1.2"], "--mem-fraction-static"),
+        (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--max-request-bytes", "0"], "--max-request-bytes"),
+    ],
+)
+def test_serve_rejects_bad_values(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exc:
+        _parse(cli, ["serve", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and " serve [-h]" in err  # serve's usage, not the top level's
 
 
 def test_serve_gpu_flag_defaults():
@@ -111,3 +125,85 @@ def test_percentiles():
 def test_bench_serve_reports_unreachable_server(capsys):
     args = _parse(bench_serve, ["serve", "--url", "http://127.0.0.1:9", "--quiet"])
     assert bench_serve.run(args) == 3
+
+
+def _serve_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The real ``treeverify serve`` command line in a subprocess (no server is started)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    full_env = {**os.environ, "PYTHONPATH": src, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "treeverify", "serve", *argv],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, flag", [(["--page-size", "-3"], "--page-size"), (["--bogus-flag"], "--bogus-flag")]
+)
+def test_serve_usage_errors_show_serve_usage_and_exit_2(argv, flag):
+    r = _serve_cli(*argv)
+    assert r.returncode == 2
+    assert "usage: treeverify serve" in r.stderr and flag in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_tensor_parallel_flags():
+    args = _parse(cli, ["serve", "--tp-size", "1"])
+    assert args.tp_size == 1 and _parse(cli, ["serve", "--tp", "1"]).tp_size == 1
+    r = _serve_cli("--tp", "2")
+    assert r.returncode == 2 and "SGLang" in r.stderr and "usage: treeverify serve" in r.stderr
+
+
+def test_dtype_and_trust_remote_code_flags():
+    args = _parse(cli, ["serve", "--dtype", "bfloat16", "--trust-remote-code"])
+    assert args.dtype == "bfloat16" and args.trust_remote_code
+    assert _parse(cli, ["serve"]).dtype == "auto"
+
+
+def test_help_shows_defaults():
+    r = _serve_cli("--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "(default: 30000)" in text and "(default: 0.88)" in text
+    assert f"(default: {8 * 1024 * 1024})" in text and "TREEVERIFY_API_KEY" in text
+
+
+def test_missing_model_directory_is_one_line_exit_2(tmp_path):
+    missing = tmp_path / "no" / "such-model"
+    r = _serve_cli("--model", str(missing))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and str(missing) in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_uncached_hub_id_is_one_line_exit_2(tmp_path):
+    r = _serve_cli(
+        "--model",
+        f"treeverify-tests/absent-{os.getpid()}",
+        env={"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"},
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "local Hugging Face cache" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_directory_without_config_is_one_line_exit_2(tmp_path):
+    r = _serve_cli("--model", str(tmp_path))
+    assert r.returncode == 2 and "config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unreadable_chat_template_is_one_line_exit_2(tmp_path):
+    r = _serve_cli("--chat-template", str(tmp_path / "absent.jinja"))
+    assert r.returncode == 2 and "--chat-template" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_broken_model_directory_is_one_error_line_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    r = _serve_cli("--model", str(tmp_path), "--port", "0")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "hidden_size" in r.stderr
+    errors = [x for x in r.stderr.splitlines() if " ERROR " in x]
+    assert len(errors) == 1 and re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ERROR", errors[0])

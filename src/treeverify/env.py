@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 VARIABLES: dict[str, str] = {
@@ -118,5 +119,9 @@ def configure_logging() -> None:
     logger.setLevel(log_level())
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        fmt = logging.Formatter(
+            "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S"
+        )
+        fmt.converter = time.gmtime  # UTC timestamps: comparable across machines and journald
+        handler.setFormatter(fmt)
         logger.addHandler(handler)

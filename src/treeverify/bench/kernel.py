@@ -21,6 +21,7 @@ import torch
 
 from treeverify.bench.cases import Case, case_bytes_flops, floor_seconds, load_grid, make_inputs
 from treeverify.kernels.reference import tree_attention_reference
+from treeverify.progress import progress
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -114,7 +115,7 @@ def run_grid(
     if only:
         cases = [c for c in cases if only in c.name]
     rows = []
-    for i, case in enumerate(cases):
+    for i, case in enumerate(progress(cases, "kernel grid", unit="case")):
         inp = make_inputs(case, page_size=page_size, device="cuda", seed=1000 + i)
         ref = None
         if verify:

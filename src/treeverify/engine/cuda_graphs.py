@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from treeverify.engine.paged_attention import PagedAttention
+from treeverify.progress import progress
 
 log = logging.getLogger("treeverify.engine")
 
@@ -75,7 +76,8 @@ class CudaGraphs:
         caller sets the model's sync-free MoE routing for the duration (ModelRunner does)."""
         report = []
         try:
-            for b, n in sorted(self.buckets, key=lambda bn: -bn[0] * bn[1]):
+            order = sorted(self.buckets, key=lambda bn: -bn[0] * bn[1])
+            for b, n in progress(order, "capturing CUDA graphs", unit="bucket"):
                 step = self._capture_one(b, n)
                 report.append({"batch": b, "tokens_per_request": n,
                                "seconds": round(step.seconds, 4)})  # fmt: skip

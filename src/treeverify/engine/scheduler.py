@@ -303,7 +303,11 @@ class Scheduler:
             return True
         if sp.stop:
             text = self.detokenize(seq.output_token_ids)
-            hits = [(i, s) for s in sp.stop if (i := text.find(s)) >= 0]
+            # Only the new tail: a stop ending in the new text starts at most longest-1 chars
+            # before it. A trailing U+FFFD (a character still incomplete) is searched again.
+            start = max(0, seq.stop_scanned_chars - max(map(len, sp.stop)) + 1)
+            seq.stop_scanned_chars = len(text.rstrip("\ufffd"))
+            hits = [(i, s) for s in sp.stop if (i := text.find(s, start)) >= 0]
             if hits:
                 seq.stop_text_index, seq.stop_string = min(hits)
                 seq.output_text = text[: seq.stop_text_index]

@@ -61,6 +61,9 @@ class Sequence:
         self.stop_string: str | None = None
         self.stop_text_index: int | None = None
         self.output_text: str | None = None
+        # Stop strings are searched only in text not yet searched (plus an overlap of the
+        # longest stop minus one): the output text before this many chars held no stop.
+        self.stop_scanned_chars = 0
 
     # ---- token counts ---------------------------------------------------------------------
     @property

@@ -27,6 +27,7 @@ from treeverify.models.deepseek_v3 import DeepseekV3ForCausalLM
 from treeverify.models.layers import rope_inv_freq
 from treeverify.models.llama import LlamaForCausalLM
 from treeverify.models.tokenizer import HFTokenizer
+from treeverify.progress import progress
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -102,31 +103,31 @@ def load_weights(model: torch.nn.Module, cfg, raw: dict, directory: Path) -> Non
             handles[f] = safe_open(str(f), "pt")
         return handles[f].get_tensor(key)
 
-    for f in sorted(by_file):
-        for key in sorted(by_file[f]):
-            m = _LAYER_RE.match(key)
-            if m and int(m.group(1)) >= cfg.num_hidden_layers:
-                continue  # e.g. DeepSeek-V3's MTP layer
-            if key.endswith("rotary_emb.inv_freq") or key.endswith(".weight_scale_inv"):
-                continue
-            if key not in params:
-                unexpected.append(key)
-                continue
-            t = tensor(key)
-            scale_key = key[: -len("weight")] + "weight_scale_inv"
-            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                if scale_key not in key_file:
-                    raise ValueError(f"checkpoint: fp8 weight {key!r} has no {scale_key!r}")
-                t = dequant_fp8_blocks(t, tensor(scale_key), block)
-            p = params[key]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"checkpoint: {key!r} has shape {tuple(t.shape)}, the model expects "
-                    f"{tuple(p.shape)} (config.json and weights disagree)"
-                )
-            with torch.no_grad():
-                p.copy_(t.to(p.dtype))
-            loaded.add(key)
+    ordered = [(f, key) for f in sorted(by_file) for key in sorted(by_file[f])]
+    for _, key in progress(ordered, "loading weights", unit="tensor"):  # shard by shard
+        m = _LAYER_RE.match(key)
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            continue  # e.g. DeepSeek-V3's MTP layer
+        if key.endswith("rotary_emb.inv_freq") or key.endswith(".weight_scale_inv"):
+            continue
+        if key not in params:
+            unexpected.append(key)
+            continue
+        t = tensor(key)
+        scale_key = key[: -len("weight")] + "weight_scale_inv"
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if scale_key not in key_file:
+                raise ValueError(f"checkpoint: fp8 weight {key!r} has no {scale_key!r}")
+            t = dequant_fp8_blocks(t, tensor(scale_key), block)
+        p = params[key]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(
+                f"checkpoint: {key!r} has shape {tuple(t.shape)}, the model expects "
+                f"{tuple(p.shape)} (config.json and weights disagree)"
+            )
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+        loaded.add(key)
     if unexpected:
         raise ValueError(
             f"checkpoint: {len(unexpected)} unexpected key(s), e.g. {unexpected[:3]} "

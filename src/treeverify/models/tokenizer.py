@@ -1,15 +1,64 @@
 """Tokenizers: the built-in byte-level one (tiny models) and a Hugging Face `tokenizer.json` one.
 
-Both expose encode / decode / apply_chat_template and the special ids the engine needs.
+Both expose encode / decode / apply_chat_template / token_bytes and the special ids the engine
+needs. A chat template (Jinja) comes from, in order: ``chat_template`` set by the caller (serve's
+--chat-template), ``chat_template.jinja`` beside the tokenizer (transformers >= 4.43 saves it
+there), tokenizer_config.json's ``chat_template``; the byte tokenizer has a built-in format.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 Message = dict[str, str]
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+def render_chat_template(
+    template: str,
+    messages: list[Message],
+    add_generation_prompt: bool,
+    bos_token: str = "",
+    eos_token: str = "",
+) -> str:
+    """Render a Hugging Face style Jinja chat template (ValueError for raise_exception)."""
+    try:
+        import jinja2
+    except ImportError as exc:
+        raise RuntimeError("tokenizer: rendering the chat template needs 'jinja2'") from exc
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg):
+        raise ValueError(f"chat template: {msg}")
+
+    env.globals["raise_exception"] = raise_exception
+    try:
+        compiled = env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template: syntax error line {exc.lineno}: {exc.message}") from exc
+    return compiled.render(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )
+
+
+@functools.cache
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet: printable stand-in character -> the byte it encodes."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 class ByteTokenizer:
@@ -20,6 +69,11 @@ class ByteTokenizer:
     pad_token_id = 258
     vocab_size = 259
     _specials = {256: "<|bos|>", 257: "<|eos|>", 258: "<|pad|>"}
+    chat_template: str | None = None  # None: the built-in '<|role|>' format
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token ``tid`` stands for (a special token: its name's UTF-8)."""
+        return bytes([tid]) if tid < 256 else self._specials[tid].encode()
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -47,10 +101,26 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True):
         """'<|role|>\\ncontent\\n' per message, then '<|assistant|>\\n' to prompt a reply."""
+        if self.chat_template:
+            return render_chat_template(
+                self.chat_template,
+                messages,
+                add_generation_prompt,
+                self._specials[self.bos_token_id],
+                self._specials[self.eos_token_id],
+            )
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
         return "".join(parts)
+
+
+def _default_template(value: Any) -> str | None:
+    """tokenizer_config's chat_template: a string, or named templates (the 'default' one)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value
 
 
 def _token_content(v: Any) -> str | None:
@@ -72,9 +142,14 @@ class HFTokenizer:
         except ImportError as exc:
             raise RuntimeError("tokenizer: the 'tokenizers' package is required") from exc
         self._tok = Tokenizer.from_file(str(path))
+        self._byte_level = _is_byte_level(self._tok)
         cfg_path = directory / "tokenizer_config.json"
         tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template = tcfg.get("chat_template")
+        jinja_file = directory / TEMPLATE_FILE
+        if jinja_file.is_file():
+            self.chat_template: str | None = jinja_file.read_text(encoding="utf-8")
+        else:
+            self.chat_template = _default_template(tcfg.get("chat_template"))
         self.bos_token = _token_content(tcfg.get("bos_token"))
         self.eos_token = _token_content(tcfg.get("eos_token"))
         self.bos_token_id = self._id(self.bos_token)
@@ -103,22 +178,41 @@ class HFTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token ``tid`` stands for: byte-level BPE's alphabet undone, SentencePiece's
+        '<0xNN>' and '\u2581' read; otherwise its decoded text's UTF-8."""
+        piece = self._tok.id_to_token(int(tid))
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._byte_level:
+            table = _gpt2_byte_decoder()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([tid], skip_special_tokens=False).encode()
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True):
         if not self.chat_template:
-            raise ValueError("tokenizer: tokenizer_config.json has no 'chat_template'")
-        try:
-            import jinja2
-        except ImportError as exc:
-            raise RuntimeError("tokenizer: rendering the chat template needs 'jinja2'") from exc
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg):
-            raise ValueError(f"chat template: {msg}")
-
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            raise ValueError(
+                "tokenizer: no chat template (no chat_template.jinja beside tokenizer.json, no "
+                "'chat_template' in tokenizer_config.json); start the server with "
+                "--chat-template FILE"
+            )
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            self.bos_token or "",
+            self.eos_token or "",
         )
+
+
+def _is_byte_level(tok: Any) -> bool:
+    """Whether a `tokenizers` Tokenizer decodes with byte-level BPE (GPT-2, Llama 3, Qwen)."""
+    return tok.decoder is not None and "ByteLevel" in repr(tok.decoder)

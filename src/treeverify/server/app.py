@@ -22,11 +22,14 @@ from treeverify import __version__
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.server import protocol as P
 from treeverify.server.engine_loop import EngineLoop
+from treeverify.server.guards import DEFAULT_MAX_REQUEST_BYTES, BearerAuth, BodyLimit
 from treeverify.server.metrics import Metrics
 from treeverify.server.serving import Choice, RequestError, Serving
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": P.ErrorResponse, "description": "invalid request"},
+    401: {"model": P.ErrorResponse, "description": "missing or wrong API key"},
+    413: {"model": P.ErrorResponse, "description": "request body too large"},
     404: {"model": P.ErrorResponse, "description": "unknown model"},
     503: {"model": P.ErrorResponse, "description": "engine unavailable"},
 }
@@ -40,10 +43,16 @@ def create_app(
     info: dict[str, Any] | None = None,
     heartbeat_timeout_s: float = 10.0,
     health_generate_timeout_s: float = 10.0,
-    default_max_tokens: int = 16,
+    default_max_tokens: int | None = None,
     enable_test_hooks: bool = False,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The app serving ``engine`` as ``served_model_name``; ``info`` is merged into /server_info.
+
+    ``api_key``: required as a bearer token on every route but the health checks (None: open).
+    ``max_request_bytes``: larger bodies are 413 before they are read. ``default_max_tokens``:
+    the cap for a request without ``max_tokens`` (None: the rest of the context).
 
     ``enable_test_hooks`` adds POST /_test/stall and /_test/resume (hidden from the schema): TEST
     ONLY, they freeze the engine loop to prove the health endpoints notice.
@@ -67,6 +76,10 @@ def create_app(
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(str(exc.detail), None, status=exc.status_code)
 
+    # Starlette wraps in reverse order: counting sees every response, auth runs before the limit.
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(_CountRequests, metrics=metrics)
 
     # ---- OpenAI routes -------------------------------------------------------------------------
@@ -82,6 +95,8 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         serving.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
         prompts = [serving.chat_prompt(req)]
         lp = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -262,5 +277,9 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]
     param = ".".join(fields) if fields else None
     if param is None and e.get("type") == "missing":
         return "request body is required", None
+    if e.get("type") == "extra_forbidden":
+        return f"{param}: unrecognized request field (this server does not implement it)", param
     msg = e.get("msg", "invalid value")
+    if e.get("type") == "value_error":
+        msg = msg.removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param

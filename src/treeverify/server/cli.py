@@ -1,8 +1,9 @@
-"""``treeverify serve``: flags in SGLang's spelling (``--mem-fraction-static``, ...).
+"""``treeverify serve``: flags in SGLang's spelling (``--mem-fraction-static``, ``--tp-size``, ...).
 
 GPU-only flags (--mem-fraction-static, --cuda-graph-max-bs, --disable-cuda-graph) are accepted on
 the CPU too and have no effect there (the CPU engine is eager, with --num-pages pages); every flag
-is recorded in /server_info so a deployment can pass SGLang-style arguments unchanged.
+is recorded in /server_info (the API key redacted) so a deployment can pass SGLang-style arguments
+unchanged. Bad values are usage errors: serve's usage and exit 2, from argparse itself.
 Also runnable alone: ``python -m treeverify.server.cli serve --model tiny-llama --port 30000``.
 """
 
@@ -12,20 +13,99 @@ import argparse
 import logging
 import sys
 
+from treeverify.server.guards import DEFAULT_MAX_REQUEST_BYTES
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' where a flag has a default its help does not already state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _int_at_least(low: int):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _fraction(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 0.0 < x < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {x}")
+    return x
+
+
+def _tp_size(value: str) -> int:
+    n = _int_at_least(1)(value)
+    if n > 1:
+        raise argparse.ArgumentTypeError(
+            f"{n}: treeverify serve runs one GPU (tensor parallelism is not built in); to serve "
+            "over several GPUs run SGLang with treeverify's kernels (treeverify.kernels.sglang, "
+            "see README 'SGLang')"
+        )
+    return n
+
+
+def _log_level(value: str) -> str:
+    if not isinstance(logging.getLevelName(value.upper()), int):
+        raise argparse.ArgumentTypeError(
+            f"unknown level {value!r} (debug, info, warning, error, critical)"
+        )
+    return value
+
+
+def _unknown_flags_are_errors(parser: argparse.ArgumentParser):
+    """An unknown flag is serve's usage error (serve's usage, exit 2); left to the parent
+    parser it would print the top level's usage instead."""
+    known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extras = known(args, namespace)
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+    return parse_known_args
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions).",
+        formatter_class=_HelpFormatter,
+    )
+    p.parse_known_args = _unknown_flags_are_errors(p)
+    pos, at_least_0 = _int_at_least(1), _int_at_least(0)
     p.add_argument(
         "--model",
         "--model-path",
         dest="model",
         default="tiny-llama",
-        help="tiny-llama, tiny-kimi, or a local Hugging Face directory",
+        help="a built-in model (tiny-llama, tiny-kimi, ...), a local Hugging Face directory, or "
+        "a hub id (org/name) already in the local Hugging Face cache (never downloaded)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=at_least_0, default=30000, help="TCP port")
     p.add_argument("--served-model-name", help="model id clients use (default: --model)")
-    p.add_argument("--context-length", type=int, help="max prompt + output tokens per request")
+    p.add_argument("--context-length", type=pos, help="max prompt + output tokens per request")
     p.add_argument(
         "--attention-backend",
         choices=("auto", "torch", "triton", "cuda"),
@@ -35,16 +115,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument(
         "--num-pages",
-        type=int,
+        type=pos,
         help="KV pages in the pool (default: from --mem-fraction-static on a GPU, 512 on CPU)",
     )
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--page-size", type=pos, default=16, help="tokens per KV page")
+    p.add_argument("--max-running-requests", type=pos, default=64, help="requests decoding at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=pos, default=2048, help="tokens per engine step"
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=pos,
+        help="largest prefill chunk (default: --max-num-batched-tokens)",
+    )
     p.add_argument(
         "--mem-fraction-static",
-        type=float,
+        type=_fraction,
         default=0.88,
         help="GPU: fraction of device memory for weights + KV pool, measured after load "
         "(the rest is for activations and graphs)",
@@ -56,7 +142,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cuda-graph-max-bs",
-        type=int,
+        type=pos,
         help="GPU: largest decode batch captured (default min(--max-running-requests, 32))",
     )
     p.add_argument(
@@ -83,7 +169,47 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "format), or 'tiny-dflash' (seeded, for tiny-llama tests)",
     )
     p.add_argument(
-        "--default-max-tokens", type=int, default=16, help="max_tokens when a request leaves it out"
+        "--default-max-tokens",
+        type=pos,
+        help="cap on max_tokens for a request that leaves it out (default: none, such a request "
+        "may fill the rest of the context, as with OpenAI)",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template file (default: the model's chat_template.jinja, else "
+        "tokenizer_config.json's chat_template)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights and KV dtype (auto: bfloat16 on a GPU, float32 on the CPU)",
+    )
+    p.add_argument(
+        "--tp-size",
+        "--tp",
+        dest="tp_size",
+        type=_tp_size,
+        default=1,
+        help="tensor parallel size; only 1 (use SGLang with treeverify's kernels for more)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for SGLang compatibility; no effect (no model code is ever downloaded)",
+    )
+    auth = p.add_argument_group("security and limits")
+    auth.add_argument(
+        "--api-key",
+        help="bearer key every route but /health and /health_generate requires (default: "
+        "$TREEVERIFY_API_KEY; neither set: no authentication)",
+    )
+    auth.add_argument(
+        "--max-request-bytes",
+        type=pos,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies are refused with 413 before they are read (bytes)",
     )
     p.add_argument(
         "--health-heartbeat-timeout",
@@ -103,8 +229,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=10.0,
         help="on SIGTERM, seconds in-flight requests may finish before 'abort'",
     )
-    p.add_argument("--log-level", default="info", help="treeverify.server log level")
-    p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument(
+        "--log-level", type=_log_level, default="info", help="treeverify.server log level"
+    )
+    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
     return p
 
 
@@ -116,42 +244,44 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"treeverify serve: {exc}", file=sys.stderr)
         return 2
-    level = logging.getLevelName(str(args.log_level).upper())
-    if not isinstance(level, int):
-        print(f"--log-level: unknown level {args.log_level!r}", file=sys.stderr)
-        return 64
-    logging.getLogger("treeverify.server").setLevel(level)
-    for name in (
-        "context_length",
-        "num_pages",
-        "page_size",
-        "max_running_requests",
-        "max_num_batched_tokens",
-        "chunked_prefill_size",
-        "cuda_graph_max_bs",
-        "port",
-    ):
-        v = getattr(args, name)
-        if v is not None and v < (0 if name == "port" else 1):
-            print(f"--{name.replace('_', '-')}: must be >= 1, got {v}", file=sys.stderr)
-            return 64
-    if not 0.0 < args.mem_fraction_static < 1.0:
-        print(f"--mem-fraction-static: must be in (0, 1), got {args.mem_fraction_static}",
-              file=sys.stderr)  # fmt: skip
-        return 64
+    logging.getLogger("treeverify.server").setLevel(args.log_level.upper())
+    if args.api_key is None:
+        args.api_key = env.api_key()
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"treeverify serve: needs fastapi and uvicorn ({exc})", file=sys.stderr)
         return 2
+    from treeverify.models.resolve import ModelNotFound, resolve_model
+
+    try:
+        args.model_path = resolve_model(args.model)
+        if args.chat_template is not None:
+            args.chat_template_text = _read_template(args.chat_template)
+    except (ModelNotFound, OSError) as exc:
+        print(f"treeverify serve: {exc}", file=sys.stderr)
+        return 2
+    if args.trust_remote_code:
+        logging.getLogger("treeverify.server").info(
+            "--trust-remote-code: accepted for SGLang compatibility; it has no effect here "
+            "(treeverify runs its own model code, never a checkpoint's)"
+        )
     from treeverify.server.main import serve
 
     return serve(args)
 
 
+def _read_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise OSError(f"--chat-template: cannot read {path}: {exc.strerror or exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="treeverify")
+    parser = argparse.ArgumentParser(prog="treeverify", formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     return run(parser.parse_args(argv))

@@ -113,6 +113,10 @@ class EngineLoop:
     def accepting(self) -> bool:
         return not self._draining and self._thread.is_alive()
 
+    def in_flight(self) -> int:
+        """Requests added and not yet finished (commands still queued not counted)."""
+        return len(self._active) + (0 if self._commands.empty() else 1)
+
     def heartbeat_age(self) -> float:
         return time.monotonic() - self.heartbeat
 
@@ -133,7 +137,9 @@ class EngineLoop:
         base = f"{prefix or 'req'}-{uuid.uuid4().hex[:16]}"
         job = Job([f"{base}-{i}" for i in range(len(prompts))], asyncio.Queue(), loop)
         if not self.accepting:
-            raise RuntimeError("the server is shutting down")
+            raise RuntimeError(
+                "the server is shutting down (draining after SIGTERM); retry on another replica"
+            )
         self._commands.put(("add", job, prompts))
         return job
 

@@ -4,8 +4,10 @@ Startup phases are logged with durations (model load; KV pool sized from --mem-f
 and allocated; warmup forward; CUDA-graph capture per bucket on a GPU; ready). A capture failure
 is a startup error naming the bucket (exit 1), never a silent fallback to eager. With systemd
 ``Type=notify`` the server sends ``READY=1`` on ``$NOTIFY_SOCKET`` once it accepts connections and
-``STOPPING=1`` when shutdown begins. SIGTERM (or SIGINT): stop accepting, let in-flight requests
-finish for ``--shutdown-grace`` seconds, cancel the rest (finish_reason "abort"), exit 0.
+``STOPPING=1`` when shutdown begins. SIGTERM (or SIGINT): drain with the socket still open
+(/health and new requests answer 503 "shutting down", so load balancers see a clear answer, not a
+refused connection), let in-flight requests finish for ``--shutdown-grace`` seconds, cancel the
+rest (finish_reason "abort"), then close and exit 0. A second signal skips the wait.
 
 Environment (read through treeverify.env): ``NOTIFY_SOCKET`` (systemd), ``TREEVERIFY_TEST_HOOKS=1``
 (TEST ONLY: adds the /_test/stall and /_test/resume endpoints that freeze the engine loop).
@@ -18,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -73,6 +76,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     from treeverify.engine.llm import LLM
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = getattr(args, "model_path", None) or args.model  # resolved by cli.run
     t0 = time.monotonic()
     log.info(
         "startup: engine init (load %s on %s; KV %s; graphs %s) ...",
@@ -83,7 +88,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     )
     try:
         llm = LLM(
-            args.model,
+            model,
+            dtype=dtype,
             num_pages=args.num_pages,
             page_size=args.page_size,
             max_num_seqs=args.max_running_requests,
@@ -102,6 +108,13 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     except GraphCaptureError as exc:
         log.error("startup: %s", exc)
         raise SystemExit(1) from exc
+    except (FileNotFoundError, ValueError) as exc:  # a broken model directory: one line, exit 2
+        log.error("startup: cannot load --model %s: %s", args.model, exc)
+        raise SystemExit(2) from None
+    template = getattr(args, "chat_template_text", None)
+    if template is not None:
+        llm.tokenizer.chat_template = template
+        log.info("startup: chat template from %s", args.chat_template)
     st = llm.startup
     log.info("startup: model load done in %s s", st.get("load_seconds"))
     log.info("startup: %s (allocated in %s s)", st["kv"], st.get("kv_alloc_seconds"))
@@ -143,7 +156,9 @@ def serve(args: argparse.Namespace) -> int:
     engine = EngineLoop(llm)
     engine.start()
     name = args.served_model_name or args.model
-    flags = {k: v for k, v in vars(args).items() if k not in ("run", "func")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("run", "func", "chat_template_text")}
+    if flags.get("api_key"):
+        flags["api_key"] = "<redacted>"  # never shown, never logged
     info = {
         "server_args": flags,
         "attention_backend": llm.attention_backend,
@@ -158,6 +173,8 @@ def serve(args: argparse.Namespace) -> int:
         health_generate_timeout_s=args.health_generate_timeout,
         default_max_tokens=args.default_max_tokens,
         enable_test_hooks=env.test_hooks_enabled(),
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
     )
     config = uvicorn.Config(
         app,
@@ -170,22 +187,31 @@ def serve(args: argparse.Namespace) -> int:
 
     def ready() -> None:
         log.info(
-            "startup: ready: serving %r on http://%s:%d (context %d) after %.2f s; treeverify %s",
+            "startup: ready: serving %r on http://%s:%d (context %d; %s) after %.2f s; "
+            "treeverify %s",
             name,
             args.host,
             args.port,
             ctx,
+            "bearer key required" if args.api_key else "no API key: open to anyone who connects",
             time.monotonic() - t_start,
             __version__,
         )
         notify(f"READY=1\nSTATUS=serving {name}\nMAINPID={os.getpid()}")
 
     def stopping() -> None:
-        log.info("shutdown: draining (grace %.1f s)", args.shutdown_grace)
+        log.info(
+            "shutdown: draining (grace %.1f s): new requests and health get 503, in-flight "
+            "ones finish",
+            args.shutdown_grace,
+        )
         notify("STOPPING=1")
         engine.drain(args.shutdown_grace)
 
-    server = _Server(config, ready, stopping)
+    def drained() -> bool:
+        return engine.in_flight() == 0
+
+    server = _Server(config, ready, stopping, drained, args.shutdown_grace + 2.0)
     # uvicorn restores the previous SIGTERM/SIGINT handlers after its graceful shutdown and
     # re-raises the signal: make those no-ops so a requested shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -199,20 +225,37 @@ def serve(args: argparse.Namespace) -> int:
 
 
 class _Server:
-    """uvicorn.Server with readiness and drain callbacks (built lazily: uvicorn is optional)."""
+    """uvicorn.Server with readiness and drain callbacks (built lazily: uvicorn is optional).
 
-    def __new__(cls, config, on_ready, on_exit):
+    The first SIGTERM/SIGINT starts the drain but keeps the socket open, so clients get 503s
+    (not refused connections) until the in-flight requests are done or ``max_drain_s`` has
+    passed; only then does uvicorn's own shutdown begin. A second signal skips the wait.
+    """
+
+    def __new__(cls, config, on_ready, on_exit, drained, max_drain_s: float):
         import uvicorn
 
         class Server(uvicorn.Server):
+            draining = False
+
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets)
                 if self.started:
                     on_ready()
 
             def handle_exit(self, sig, frame) -> None:
-                if not self.should_exit:
-                    on_exit()
-                super().handle_exit(sig, frame)
+                if self.draining or self.should_exit:
+                    super().handle_exit(sig, frame)
+                    return
+                self.draining = True
+                on_exit()
+                threading.Thread(target=self._exit_when_drained, daemon=True).start()
+
+            def _exit_when_drained(self) -> None:
+                deadline = time.monotonic() + max_drain_s
+                while not drained() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.2)  # let the last responses leave before the listener closes
+                self.should_exit = True
 
         return Server(config)

@@ -2,7 +2,8 @@
 
 Field names follow the OpenAI API; ``top_k`` and ``speculative`` are extensions (as in SGLang and
 vLLM). Requests are validated strictly (a string is not an int) so a bad field is a 400 naming it,
-never a surprise deep in the engine. Unknown fields are ignored, as OpenAI-compatible servers do.
+never a surprise deep in the engine. Unknown fields are a 400 naming them, as OpenAI answers; known
+OpenAI fields the server does not implement are declared in unsupported.py and refused there.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from treeverify.server.unsupported import ChatUnsupported, CompletionUnsupported, StopBounds
 
 MAX_LOGPROBS = 20  # as engine.sampling_params.MAX_LOGPROBS
 MAX_N = 16
@@ -19,14 +22,14 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Request, StopBounds):
     """Fields shared by completions and chat requests."""
 
     model: str | None = None  # None: the served model
@@ -48,7 +51,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = Field(default=False, description="extension (SGLang/vLLM)")
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, CompletionUnsupported):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -71,7 +74,7 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatUnsupported):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -87,6 +90,9 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
+    token_ids: list[int] = Field(
+        default_factory=list, description="extension: the chosen token id of each position"
+    )
     token_logprobs: list[float] = Field(default_factory=list)
     top_logprobs: list[dict[str, float]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)

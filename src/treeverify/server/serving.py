@@ -19,10 +19,11 @@ from fastapi import Request
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.server import protocol as P
 from treeverify.server.engine_loop import EngineLoop, Event, Job
+from treeverify.server.logprob_keys import distinct_keys, token_bytes
 from treeverify.server.metrics import Metrics
 
 MAX_CHOICES = 64  # prompts x n per HTTP request
-DISCONNECT_POLL_S = 0.5
+DISCONNECT_POLL_S = 0.25
 
 
 class RequestError(Exception):
@@ -54,7 +55,7 @@ class Serving:
         model_name: str,
         context_length: int,
         metrics: Metrics,
-        default_max_tokens: int = 16,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.engine = engine
         self.tok = engine.llm.tokenizer
@@ -142,11 +143,9 @@ class Serving:
                     f"is {ctx}, leaving no room to generate",
                     prompt_field,
                 )
-            mt = (
-                max_tokens
-                if max_tokens is not None
-                else min(self.default_max_tokens, ctx - len(ids))
-            )
+            room = ctx - len(ids)  # without max_tokens: the rest of the context, as OpenAI
+            cap = min(self.default_max_tokens or room, room)
+            mt = max_tokens if max_tokens is not None else cap
             if len(ids) + mt > ctx:
                 raise RequestError(
                     400,
@@ -199,15 +198,23 @@ class Serving:
             c.finish_reason, c.text = ev.finish_reason, ev.text or ""
 
     async def collect(self, job: Job, choices: list[Choice], request: Request) -> None:
-        """Wait for every choice to finish; abort the job if the client goes away."""
+        """Wait for every choice to finish; abort the job if the client goes away.
+
+        The client is checked every DISCONNECT_POLL_S whether or not tokens keep arriving (a
+        steady token stream must not hide a disconnect until the request is done)."""
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         while any(c.finish_reason is None for c in choices):
             try:
-                ev = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+                left = max(0.0, next_check - time.monotonic())
+                ev = await asyncio.wait_for(job.queue.get(), left)
             except asyncio.TimeoutError:
+                ev = None
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     raise RequestError(499, "client disconnected") from None
-                continue
-            self.apply(job, choices, ev)
+            if ev is not None:
+                self.apply(job, choices, ev)
 
     def usage(self, prompts: list[list[int]], choices: list[Choice]) -> P.Usage:
         pt = sum(len(p) for p in prompts)
@@ -219,9 +226,7 @@ class Serving:
         return self.tok.decode([tid], skip_special_tokens=False)
 
     def token_bytes(self, tid: int) -> list[int]:
-        if type(self.tok).__name__ == "ByteTokenizer" and tid < 256:
-            return [tid]
-        return list(self.token_str(tid).encode("utf-8"))
+        return list(token_bytes(self.tok, tid))
 
     def text_delta(self, c: Choice, stop: list[str]) -> str:
         """New text safe to stream for ``c`` (all of it once the choice has finished)."""
@@ -245,8 +250,10 @@ class Serving:
                 continue
             s = self.token_str(lp.token_id)
             out.tokens.append(s)
+            out.token_ids.append(lp.token_id)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self.token_str(t): v for t, v in lp.top})
+            keys = distinct_keys(self.tok, [t for t, _ in lp.top])
+            out.top_logprobs.append({keys[t]: v for t, v in lp.top})
             out.text_offset.append(pos)
             pos += len(s)
         return out

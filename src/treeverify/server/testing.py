@@ -27,14 +27,24 @@ class ServerProcess:
     """``python -m treeverify.server.cli serve ARGS --port <free>``; waits for /health."""
 
     def __init__(
-        self, args: list[str], env: dict[str, str] | None = None, startup_timeout: float = 60.0
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 60.0,
+        api_key: str | None = None,
     ) -> None:
+        """``api_key``: the server's bearer key, passed as TREEVERIFY_API_KEY (an argument would
+        show in ``ps``); ``headers`` carries it for clients."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args, self.startup_timeout = args, startup_timeout
+        self.args, self.startup_timeout = list(args), startup_timeout
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         src = str(Path(treeverify.__file__).resolve().parents[1])
         self.env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.env.update(env or {})
+        if api_key is not None:
+            self.env["TREEVERIFY_API_KEY"] = api_key
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
@@ -63,7 +73,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:  # open route
                     return self
             except httpx.TransportError:
                 pass
