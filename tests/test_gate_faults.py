@@ -30,6 +30,7 @@ FAULTS = [
     ("first_request_crash", 4),
     ("garbage_after:6", 2),
     ("spec_diverge", 2),
+    ("batch_over:16", 2),  # caught only by concurrency above 16 (the server's max running)
 ]
 SMOKE: dict[str, dict] = {}  # fault -> smoke outcome, filled by test_smoke_mode
 
@@ -80,7 +81,7 @@ def test_full_gate_catches(fault, code, golden, monkeypatch, tmp_path, capsys):
             str(golden),
             "--serve-args",
             SERVE_ARGS,
-            "--timeout",
+            "--ready-timeout",
             "12",
             "--interval",
             "0.5",

@@ -32,6 +32,9 @@ class Outcome:
     ok: bool
     detail: str
     divergence: int | None = None
+    # "swap": the outputs chose different tokens at ``divergence`` (a question the server's
+    # teacher-forced logprobs can settle, see evidence.py); "" for every other outcome
+    kind: str = ""
 
 
 def _get(d, key, i):
@@ -74,12 +77,13 @@ def compare(
     where = f"token {i}: expected {a!r}, got {b!r}"
     if None in (ra, rb, ca, cb):
         side = "reference" if rb is None or ra is None else "current"
-        return Outcome(False, f"diverged at {where}; not in the {side} top-k", i)
+        return Outcome(False, f"diverged at {where}; not in the {side} top-k", i, "swap")
     if ra - rb > margin or cb - ca > margin:
         return Outcome(
             False,
             f"diverged at {where}; margins {ra - rb:.4f}/{cb - ca:.4f} nat > {margin}",
             i,
+            "swap",
         )
     return Outcome(
         True,
@@ -138,6 +142,7 @@ def compare_text(ref, text: str, margin: float = DEFAULT_MARGIN) -> Outcome:
             where = f"token {i}: expected {tok!r}, got {text[pos : pos + 8]!r}..."
             if ok:
                 return Outcome(True, f"near-tie swap tolerated at {where} ({ok[0][1]:.4f})", i)
-            return Outcome(False, f"diverged at {where}; no near-tie in the reference top-k", i)
+            detail = f"diverged at {where}; no near-tie in the reference top-k"
+            return Outcome(False, detail, i, "swap")
         pos += len(tok)
     return Outcome(False, f"text longer than the reference: {text[pos : pos + 20]!r}...", None)
