@@ -44,7 +44,10 @@ def copied(text: str, expected: str) -> int:
 def probe(ctx: Ctx) -> ProbeResult:
     if not ctx.context_length:
         return ProbeResult("copy", "skip", "context length unknown (give --context-length)")
-    probe_prompt, _ = copy_prompt(CALIBRATION_TOKENS * 4)
+    shortest, _ = copy_prompt(0)
+    if len(shortest) + DECODE + 8 > ctx.context_length:  # tokens <= characters: then it fits
+        return ProbeResult("copy", "skip", f"context {ctx.context_length} is too short")
+    probe_prompt, _ = copy_prompt(min(CALIBRATION_TOKENS * 4, ctx.context_length - DECODE - 8))
     c = ctx.client.complete(probe_prompt, 1)
     cpt = len(probe_prompt) / max(1, c.prompt_tokens or len(probe_prompt) // 4)  # chars/token
     prompt, expected = copy_prompt(int(CALIBRATION_TOKENS * cpt))
