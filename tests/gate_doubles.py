@@ -161,7 +161,16 @@ class _CopyHandler(_Handler):
 
     CONTEXT = 4096
 
+    def _authorized(self) -> bool:
+        key = self.server.owner.api_key  # type: ignore[attr-defined]
+        if key is None or self.headers.get("Authorization") == f"Bearer {key}":
+            return True
+        self._json(401, {"error": {"message": "bad key", "type": "authentication_error"}})
+        return False
+
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         if self.path == "/v1/models":
             card = {"id": "copycat", "object": "model", "max_model_len": self.CONTEXT}
             self._json(200, {"object": "list", "data": [card]})
@@ -170,6 +179,8 @@ class _CopyHandler(_Handler):
 
     def do_POST(self) -> None:
         req = json.loads(self._body() or b"{}")
+        if not self._authorized():
+            return
         if self.path != "/v1/completions" or not isinstance(req.get("prompt"), str):
             self._json(404, {"error": {"message": "completions only", "type": "not_found"}})
             return
@@ -193,5 +204,6 @@ def copy_continuation(prompt: str, n: int, tail: int = 24) -> str:
 
 
 class CopyModel(_Http):
-    def __init__(self) -> None:
+    def __init__(self, api_key: str | None = None) -> None:
         super().__init__(_CopyHandler)
+        self.api_key = api_key  # when set, every route demands "Authorization: Bearer KEY"

@@ -66,6 +66,21 @@ def test_compare_text_one_sided():
     assert not compare_text(REF, "AW").ok
 
 
+def test_compare_text_on_bytes_form_tokens():
+    """Partial UTF-8 characters in OpenAI's bytes: form still spell the text, byte by byte."""
+    ref = _c(["A", "bytes:\\xc3", "bytes:\\xa9", "B"], [-0.1] * 4, [{}, {}, {}, {}])
+    ref["text"] = "A\u00e9B"
+    ref["top_logprobs"][3] = {"B": -0.5, "C": -0.52, "D": -3.0}
+    ref["token_logprobs"][3] = -0.5
+    assert compare_text(ref, "A\u00e9B").ok
+    near = compare_text(ref, "A\u00e9C", margin=0.1)
+    assert near.ok and near.divergence == 3 and near.other == "C"
+    far = compare_text(ref, "A\u00e9D", margin=0.1)
+    assert not far.ok and far.kind == "swap" and far.other == "D"
+    odd = compare_text(ref, "A\u00e8B")  # the second byte differs: no top-k entry continues
+    assert not odd.ok and odd.divergence == 2 and odd.other is None
+
+
 def test_exit_code_precedence():
     assert worst([]) == ExitCode.PASS
     assert worst([1, 2, 3]) == ExitCode.CORRECTNESS
@@ -101,6 +116,10 @@ def test_signatures():
         ["--concurrency", "1,x"],
         ["check", "--golden", "/nonexistent/golden.json"],
         ["--context-length", "10"],
+        ["--only", "ladder,bogus"],
+        ["--samples", "3"],
+        ["--false-alarm", "0"],
+        ["--ready-timeout", "-1"],
     ],
 )
 def test_usage_errors_exit_64(argv, capsys):
@@ -174,6 +193,42 @@ def test_smoke_against_nothing_times_out_5(tmp_path):
         + ["--tries", "3", "--request-timeout", "0.5", "--quiet"]
     )
     assert rc == 5
+
+
+def test_help_lists_defaults_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())
+    assert "(default: 1800.0)" in out and "(default: 256)" in out  # --timeout, --samples
+    for code in ("0   pass", "2   correctness", "5   hung", "64  usage"):
+        assert code in raw
+    for probe in ("sampled", "copy", "chat"):
+        assert probe in out
+
+
+def test_api_key_from_env_reaches_a_launched_server(monkeypatch):
+    key = f"k-{os.getpid()}-{id(monkeypatch)}"
+    monkeypatch.setenv("TREEVERIFY_API_KEY", key)
+    parser = cli.configure(__import__("argparse").ArgumentParser())
+    args = parser.parse_args([])
+    assert args.api_key == key
+    target = cli._target(args)
+    assert target.env["TREEVERIFY_API_KEY"] == key
+    assert cli._target(parser.parse_args(["--api-key", "other"])).env["TREEVERIFY_API_KEY"] == (
+        "other"
+    )
+
+
+def test_api_key_sent_as_bearer(tmp_path):
+    from gate_doubles import CopyModel
+
+    key = f"key-{os.getpid()}"
+    with CopyModel(api_key=key) as model:
+        argv = ["--url", model.url, "--only", "copy", "--quiet", "--timeout", "60"]
+        assert cli.main([*argv, "--api-key", key]) == 0
+        assert cli.main(argv + ["--api-key", "wrong"]) == 3  # 401: not a verdict on the model
 
 
 def test_module_main_runs(tmp_path):

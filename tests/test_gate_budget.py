@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-from gate_doubles import FaultProxy, Silent
 
+from gate_doubles import FaultProxy, Silent
 from treeverify.gate import cli, runner
 from treeverify.gate.client import BudgetSpent, Client
 from treeverify.server.testing import ServerProcess

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from gate_doubles import CopyModel, FaultProxy
 
+from gate_doubles import CopyModel, FaultProxy
 from treeverify.gate import cli
 from treeverify.server.testing import ServerProcess
 
@@ -62,9 +62,9 @@ def test_chat_from_another_model_is_caught(llama, tmp_path):
     with FaultProxy(llama.url, "none") as proxy:
         rc, report = _gate(proxy.url, tmp_path, *check)
     assert rc == 0, report["probes"]
-    with ServerProcess(["--model", "tiny-kimi", "--context-length", "512"]) as kimi:
-        with FaultProxy(llama.url, f"chat_from:{kimi.url}") as proxy:
-            rc, report = _gate(proxy.url, tmp_path, *check)
+    kimi_args = ["--model", "tiny-kimi", "--context-length", "512"]
+    with ServerProcess(kimi_args) as kimi, FaultProxy(llama.url, f"chat_from:{kimi.url}") as px:
+        rc, report = _gate(px.url, tmp_path, *check)
     v = _verdicts(report)
     assert rc == 2, report["probes"]
     assert v["chat"]["verdict"] == "fail" and v["oracle"]["verdict"] == "fail"

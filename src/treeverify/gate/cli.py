@@ -36,8 +36,16 @@ EXIT_CODES = """exit codes:
 PROBE_NAMES = tuple(name for name, _ in probes.FULL)
 
 
-class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown after each flag; the description and exit codes kept as written."""
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default after its help (unless the help already says it, or there is none);
+    the description and the exit codes kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if "default" in text or d in (None, "", False) or d is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: {d})".strip()
 
 
 class UsageError(Exception):
@@ -92,7 +100,12 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "gate launches (default: $TREEVERIFY_API_KEY)",
     )
     r = p.add_argument_group("readiness and timeouts")
-    r.add_argument("--probes", choices=("full", "smoke"), default="full")
+    r.add_argument(
+        "--probes",
+        choices=("full", "smoke"),
+        default="full",
+        help="full: readiness + every probe; smoke: the seed's polling loop, for comparison",
+    )
     r.add_argument(
         "--only",
         metavar="NAMES",
@@ -113,14 +126,16 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument(
         "--request-timeout", type=float, default=smoke.REQUEST_TIMEOUT, help="smoke: per request"
     )
-    r.add_argument("--connect-timeout", type=float, default=5.0)
-    r.add_argument("--read-timeout", type=float, default=60.0)
+    r.add_argument("--connect-timeout", type=float, default=5.0, help="per connection (s)")
+    r.add_argument(
+        "--read-timeout", type=float, default=60.0, help="per request, within --timeout (s)"
+    )
     r.add_argument(
         "--itl-deadline", type=float, default=30.0, help="max wait for any streamed token (s)"
     )
     q = p.add_argument_group("probes")
     q.add_argument("--golden", metavar="FILE", help="golden file (record writes it)")
-    q.add_argument("--oracle", metavar="FILE", help="JSON list of {prompt, expected}")
+    q.add_argument("--oracle", metavar="FILE", help="JSON list of {prompt|messages, expected}")
     q.add_argument("--oracle-out", metavar="FILE", help="record: also write an oracle file")
     q.add_argument("--context-length", type=int, help="default: /v1/models max_model_len")
     q.add_argument(
@@ -157,8 +172,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     q.add_argument("--perf-factor", type=float, default=3.0, help="latency regression factor")
     q.add_argument("--perf-slack", type=float, default=0.05, help="latency slack (s)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE")
-    o.add_argument("--junit", metavar="FILE")
+    o.add_argument("--json", metavar="FILE", help="write the JSON report here")
+    o.add_argument("--junit", metavar="FILE", help="write a JUnit XML report here")
     o.add_argument("--quiet", action="store_true", help="no live timeline")
     return p
 

@@ -22,9 +22,11 @@ golden file stores the values it was recorded with, and ``check`` uses them unle
 from __future__ import annotations
 
 import dataclasses
+import re
 
 DEFAULT_MARGIN = 0.1
 DEFAULT_LOGPROB_ATOL = 0.25
+_BYTES = re.compile(r"\\x([0-9a-fA-F]{2})")
 
 
 @dataclasses.dataclass
@@ -35,6 +37,7 @@ class Outcome:
     # "swap": the outputs chose different tokens at ``divergence`` (a question the server's
     # teacher-forced logprobs can settle, see evidence.py); "" for every other outcome
     kind: str = ""
+    other: str | None = None  # compare_text: the top-k token the response continued with
 
 
 def _get(d, key, i):
@@ -116,33 +119,51 @@ def _lp(d, toks: list[str], i: int, tok: str) -> float | None:
     return _top(d, i, tok)
 
 
+def token_bytes(tok: str) -> bytes | None:
+    """A token string's bytes: OpenAI's ``bytes:\\xNN`` form or UTF-8 text; None where the text
+    lost bytes (U+FFFD stands for a partial character)."""
+    if tok.startswith("bytes:"):
+        return bytes(int(h, 16) for h in _BYTES.findall(tok))
+    if "\ufffd" in tok:
+        return None
+    return tok.encode("utf-8")
+
+
 def compare_text(ref, text: str, margin: float = DEFAULT_MARGIN) -> Outcome:
     """A response without logprobs (the production path: servers may route logprob requests
     differently, e.g. without speculation) against a reference with top-k logprobs. One-sided
-    rule 3: at the first token ``i`` whose text the response does not continue with, the response
-    must continue with another token of the reference's top-k at ``i`` within ``margin``. Where
-    the reference tokens do not spell its text (byte-level tokens shown as U+FFFD), only exact
-    equality passes."""
+    rule 3, on bytes: at the first token ``i`` whose bytes the response does not continue with,
+    the response must continue with another token of the reference's top-k at ``i`` within
+    ``margin`` (``Outcome.other`` names the longest such token, tolerated or not). Where the
+    reference tokens do not give their bytes (U+FFFD without OpenAI's ``bytes:`` form), only
+    exact equality passes."""
     ref_text = ref.get("text") if isinstance(ref, dict) else getattr(ref, "text", "")
     if text == ref_text:
         return Outcome(True, "identical text")
     toks = _tokens(ref)
-    if "".join(toks) != ref_text or _get(ref, "top_logprobs", 0) is None:
+    raw = [token_bytes(t) for t in toks]
+    if None in raw or _get(ref, "top_logprobs", 0) is None:
         return Outcome(False, f"text differs: expected {ref_text!r}, got {text!r}")
+    have = text.encode("utf-8")
     pos = 0
-    for i, tok in enumerate(toks):
-        if not text.startswith(tok, pos):
+    for i, (tok, b) in enumerate(zip(toks, raw, strict=True)):
+        if not have.startswith(b, pos):
             lp = _lp(ref, toks, i, tok)
-            swaps = [
-                (t, lp - v)
-                for t, v in (_get(ref, "top_logprobs", i) or {}).items()
-                if t != tok and t and text.startswith(t, pos) and lp is not None
-            ]
+            swaps = []
+            for t, v in (_get(ref, "top_logprobs", i) or {}).items():
+                tb = token_bytes(t) if t != tok else None
+                if tb and have.startswith(tb, pos) and lp is not None:
+                    swaps.append((t, lp - v, len(tb)))
             ok = [s for s in swaps if s[1] <= margin]
-            where = f"token {i}: expected {tok!r}, got {text[pos : pos + 8]!r}..."
+            got = have[pos : pos + 8].decode("utf-8", "replace")
+            where = f"token {i}: expected {tok!r}, got {got!r}..."
+            other = max(swaps, key=lambda s: s[2])[0] if swaps else None
             if ok:
-                return Outcome(True, f"near-tie swap tolerated at {where} ({ok[0][1]:.4f})", i)
+                return Outcome(
+                    True, f"near-tie swap tolerated at {where} ({ok[0][1]:.4f})", i, other=other
+                )
             detail = f"diverged at {where}; no near-tie in the reference top-k"
-            return Outcome(False, detail, i, "swap")
-        pos += len(tok)
-    return Outcome(False, f"text longer than the reference: {text[pos : pos + 20]!r}...", None)
+            return Outcome(False, detail, i, "swap", other)
+        pos += len(b)
+    tail = have[pos : pos + 20].decode("utf-8", "replace")
+    return Outcome(False, f"text longer than the reference: {tail!r}...", None)

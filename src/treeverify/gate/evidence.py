@@ -21,12 +21,11 @@ When none of them applies the divergence stays a failure (the evidence is "unava
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from treeverify.gate.client import Client, Completion
+from treeverify.gate.compare import token_bytes
 
 TOP_K = 5
-_BYTES = re.compile(r"\\x([0-9a-fA-F]{2})")
 
 
 @dataclasses.dataclass
@@ -56,16 +55,6 @@ class Evidence:
 
 def _field(d, key):
     return d.get(key) if isinstance(d, dict) else getattr(d, key, None)
-
-
-def token_bytes(tok: str) -> bytes | None:
-    """A token string's bytes: OpenAI's ``bytes:\\xNN`` form or UTF-8 text; None where the text
-    lost bytes (U+FFFD stands for a partial character)."""
-    if tok.startswith("bytes:"):
-        return bytes(int(h, 16) for h in _BYTES.findall(tok))
-    if "\ufffd" in tok:
-        return None
-    return tok.encode("utf-8")
 
 
 def lookup(top: dict | None, key: str | None, tid: int | None) -> float | None:

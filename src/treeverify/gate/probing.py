@@ -118,14 +118,8 @@ class Tally:
         if out.kind != "swap":
             self.failures.append(f"{label}: {out.detail}")
             return
-        i = out.divergence
-        toks = list(_get(ref, "tokens") or [])
-        pos = len("".join(toks[:i]))
-        # the other side's token: the longest top-k entry its text continues with (else unknown)
-        tops = (_get(ref, "top_logprobs") or [{}])[i] or {}
-        cands = [k for k in tops if k != toks[i] and k and text.startswith(k, pos)]
-        b = (max(cands, key=len) if cands else None, None)
-        self._decide(label, prompt, ref, i, b, out.detail)
+        # the other side's token: the top-k entry its text continues with (else unknown)
+        self._decide(label, prompt, ref, out.divergence, (out.other, None), out.detail)
 
     def _decide(self, label: str, prompt, ref, i: int, b: tuple, detail: str) -> None:
         ev = evidence.decide(self.ctx.client, prompt, ref, i, b, self.ctx.margin)
