@@ -111,3 +111,20 @@ def test_tally_reports_the_gap(client):
     t = Tally(ctx)
     t.agree("planted", prompt, ref, cur)
     assert not t.failures and "near-tie" in t.notes[0]
+
+
+def test_a_known_good_reference_is_not_overruled(client):
+    """A golden whose own top-k puts the two tokens far apart makes the swap real even where the
+    server under test (here: healthy, but it could be the faulty one) calls it a near-tie."""
+    prompt, ref, cur, b, gap, i = _planted_swap(client, range(0, 8))
+    ctx = Ctx(client, UrlTarget(client.url), margin=gap + 0.01, logprob_atol=10.0, itl_deadline=30)
+    golden = ref.to_json()
+    golden["top_logprobs"] = [dict(t) for t in golden["top_logprobs"]]
+    golden["top_logprobs"][i][b] = golden["token_logprobs"][i] - 5.0
+    t = Tally(ctx)
+    t.agree("server's say", prompt, golden, cur)
+    assert not t.failures and t.notes
+    t = Tally(ctx)
+    t.agree("golden", prompt, golden, cur, trusted=True)
+    assert len(t.failures) == 1 and "known-good reference" in t.failures[0]
+    assert t.divergences[0]["reference_gap"] > 4.9

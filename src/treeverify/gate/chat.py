@@ -56,10 +56,11 @@ def probe(ctx: Ctx) -> ProbeResult:
             for i, ref in enumerate(refs):
                 msgs = ref["messages"]
                 label = f"chat[{i}] {msgs[-1].get('content', '')[:24]!r}"
-                t.agree(label, msgs, ref, _reply(ctx, msgs, logprobs=True))
-                t.agree_text(label, msgs, ref, _reply(ctx, msgs, logprobs=False).text)
+                t.agree(label, msgs, ref, _reply(ctx, msgs, logprobs=True), trusted=True)
+                plain = _reply(ctx, msgs, logprobs=False).text
+                t.agree_text(label, msgs, ref, plain, trusted=True)
                 s = ctx.client.stream("", MAX_TOKENS, ctx.itl_deadline, {"ignore_eos": True}, msgs)
-                t.agree_text(f"{label} streamed", msgs, ref, s.text)
+                t.agree_text(f"{label} streamed", msgs, ref, s.text, trusted=True)
             return t.verdict("chat", f"{len(refs)} conversation(s) within tolerance (vs golden)")
         msgs = CONVERSATIONS[0]
         first = _reply(ctx, msgs, logprobs=True)

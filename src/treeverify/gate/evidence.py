@@ -16,6 +16,8 @@ How the prompt + common prefix is sent, best first:
    reproduces the common prefix token for token, so the position is the same one (chat uses this).
 
 When none of them applies the divergence stays a failure (the evidence is "unavailable").
+Against a known-good reference (golden, baseline) the reference's own top-k has the last word
+where it shows the pair more than the margin apart (probing.Tally, ``trusted``).
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ def golden_suite(ctx: Ctx) -> ProbeResult:
     t = Tally(ctx)
     for i, ref in enumerate(ctx.golden.get("suite", [])):
         label = f"suite[{i}] {ref['prompt'][:24]!r}"
-        t.agree(label, ref["prompt"], ref, greedy(ctx, ref["prompt"], ref["max_tokens"]))
-        t.agree_text(label, ref["prompt"], ref, plain(ctx, ref["prompt"], ref["max_tokens"]).text)
+        p, n = ref["prompt"], ref["max_tokens"]
+        t.agree(label, p, ref, greedy(ctx, p, n), trusted=True)
+        t.agree_text(label, p, ref, plain(ctx, p, n).text, trusted=True)
     n = len(ctx.golden.get("suite", []))
     return t.verdict("golden", f"{n} prompt(s) within tolerance")
 
@@ -60,8 +61,8 @@ def determinism(ctx: Ctx) -> ProbeResult:
     streamed = ctx.client.stream(
         prompt, G.SUITE_MAX_TOKENS, ctx.itl_deadline, extra={"ignore_eos": True}
     )
-    if streamed.text != first.text:
-        t.failures.append(f"streamed {streamed.text!r} != non-streamed {first.text!r}")
+    if streamed.text != first.text:  # streamed without logprobs: decided with evidence
+        t.agree_text("streamed", prompt, first, streamed.text)
     return t.verdict("determinism", "3 repeats agree; streamed == non-streamed")
 
 
@@ -100,8 +101,8 @@ def ladder(ctx: Ctx) -> ProbeResult:
             n = len(cur.tokens or [])
             t.failures.append(f"{label}: {n} tokens, asked {rung['max_tokens']}")
         if ref_rungs:
-            t.agree(label, p, rung, cur)
-            t.agree_text(f"{label} streamed", p, rung, s.text)
+            t.agree(label, p, rung, cur, trusted=True)
+            t.agree_text(f"{label} streamed", p, rung, s.text, trusted=True)
     longest = max((r["prompt_tokens"] or 0) for r in rows) if rows else 0
     what = "vs golden" if ref_rungs else "no golden: completion/stall/stream checks only"
     detail = f"{len(rungs)} rungs up to {longest} prompt tokens ({what})"
@@ -180,8 +181,8 @@ def speculation(ctx: Ctx) -> ProbeResult:
         how = f"vs baseline {ctx.baseline.url}"
         for p in prompts:
             ref = greedy(ctx, p, 24, client=ctx.baseline)
-            t.agree(f"{p[:24]!r}", p, ref, greedy(ctx, p, 24))
-            t.agree_text(f"{p[:24]!r}", p, ref, plain(ctx, p, 24).text)
+            t.agree(f"{p[:24]!r}", p, ref, greedy(ctx, p, 24), trusted=True)
+            t.agree_text(f"{p[:24]!r}", p, ref, plain(ctx, p, 24).text, trusted=True)
     elif spec.get("enabled"):
         how = "per-request speculative on vs off"
         for p in prompts:

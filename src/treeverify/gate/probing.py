@@ -92,8 +92,11 @@ class Tally:
         self.notes: list[str] = []
         self.divergences: list[dict] = []
 
-    def agree(self, label: str, prompt, ref, cur: Completion) -> None:
-        """``cur`` (greedy with logprobs) must match ``ref`` within the tolerance."""
+    def agree(self, label: str, prompt, ref, cur: Completion, trusted: bool = False) -> None:
+        """``cur`` (greedy with logprobs) must match ``ref`` within the tolerance. ``trusted``:
+        ref comes from a known-good deployment (golden, baseline), so where its own top-k shows
+        the two tokens more than the margin apart the swap is real whatever the server under test
+        says (a faulty server must not vouch for its own fault)."""
         out = compare(ref, cur, self.ctx.margin, self.ctx.logprob_atol)
         if out.ok:
             if out.divergence is not None:
@@ -105,9 +108,9 @@ class Tally:
         i = out.divergence
         ids = cur.token_ids
         b = (cur.tokens[i], ids[i] if ids and i < len(ids) else None)
-        self._decide(label, prompt, ref, i, b, out.detail)
+        self._decide(label, prompt, ref, i, b, out.detail, trusted)
 
-    def agree_text(self, label: str, prompt, ref, text: str) -> None:
+    def agree_text(self, label: str, prompt, ref, text: str, trusted: bool = False) -> None:
         """A response without logprobs against a reference with them (one-sided rule)."""
         out = compare_text(ref, text, self.ctx.margin)
         label = f"{label} (no logprobs)"
@@ -119,12 +122,19 @@ class Tally:
             self.failures.append(f"{label}: {out.detail}")
             return
         # the other side's token: the top-k entry its text continues with (else unknown)
-        self._decide(label, prompt, ref, out.divergence, (out.other, None), out.detail)
+        b = (out.other, None)
+        self._decide(label, prompt, ref, out.divergence, b, out.detail, trusted)
 
-    def _decide(self, label: str, prompt, ref, i: int, b: tuple, detail: str) -> None:
+    def _decide(self, label, prompt, ref, i: int, b: tuple, detail: str, trusted: bool) -> None:
         ev = evidence.decide(self.ctx.client, prompt, ref, i, b, self.ctx.margin)
         said = ev.describe(self.ctx.margin)
-        self.divergences.append({"label": label, "token": i, "detail": detail, **ev.to_json()})
+        ref_gap = _reference_gap(ref, i, b) if trusted else None
+        if ref_gap is not None and ref_gap > self.ctx.margin:
+            said += f"; the known-good reference's gap {ref_gap:.4f} nat decides: real"
+            ev.near_tie = False
+        self.divergences.append(
+            {"label": label, "token": i, "detail": detail, "reference_gap": ref_gap, **ev.to_json()}
+        )
         if ev.near_tie:
             self.notes.append(f"{label}: {detail}; {said}")
         else:
@@ -141,6 +151,17 @@ class Tally:
         if self.notes:
             detail += f"; {len(self.notes)} tolerated near-tie swap(s)"
         return ProbeResult(name, "pass", detail, data=data)
+
+
+def _reference_gap(ref, i: int, b: tuple) -> float | None:
+    """logprob(a) - logprob(b) in the reference's own top-k at ``i`` (None where it lacks b)."""
+    toks, tops = _get(ref, "tokens") or [], _get(ref, "top_logprobs") or []
+    if i >= len(toks) or i >= len(tops):
+        return None
+    ids = _get(ref, "token_ids")
+    la = evidence.lookup(tops[i], toks[i], ids[i] if ids and i < len(ids) else None)
+    lb = evidence.lookup(tops[i], *b) if b[0] is not None or b[1] is not None else None
+    return None if la is None or lb is None else la - lb
 
 
 def _get(d, key):
