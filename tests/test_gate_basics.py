@@ -240,3 +240,37 @@ def test_module_main_runs(tmp_path):
         env=env,
     )
     assert out.returncode == 0 and "--golden" in out.stdout and "--unit" in out.stdout
+
+
+def test_compare_by_token_id():
+    """Two tokens shown alike (partial characters) are told apart by their ids; a swap between
+    them is judged with the disambiguated top-k keys."""
+    ref = _c(
+        ["A", "\ufffd"], [-0.1, -1.0], [{"A": -0.1}, {"\ufffd#200": -1.0, "\ufffd#201": -1.04}]
+    )
+    ref["token_ids"] = [65, 200]
+    same_text = dict(ref, token_ids=[65, 201], token_logprobs=[-0.1, -1.04])
+    same_text["top_logprobs"] = [{"A": -0.1}, {"\ufffd#201": -1.04, "\ufffd#200": -1.0}]
+    out = compare(ref, same_text, margin=0.1)
+    assert out.ok and out.divergence == 1 and "id 201" in out.detail
+    assert not compare(ref, same_text, margin=0.01).ok
+    assert compare(ref, dict(same_text, token_ids=None)).divergence is None  # text alone: equal
+
+
+def test_g_test_false_alarm_rate_and_power():
+    """Counts drawn from the stated probabilities fail at about the stated rate (5% here, so a
+    few hundred draws show it); all samples on one token (a sampler gone greedy) fail outright."""
+    import numpy as np
+
+    from treeverify.gate.sampled import g_test_pvalue
+
+    rng = np.random.default_rng()
+    probs = rng.dirichlet(np.ones(6))
+    fails = sum(
+        g_test_pvalue(list(rng.multinomial(200, probs)), list(probs), sims=2000) < 0.05
+        for _ in range(300)
+    )
+    assert 2 <= fails <= 40  # expected 15 (sd ~3.8)
+    greedy = [0] * 6
+    greedy[int(np.argmax(probs))] = 200
+    assert g_test_pvalue(greedy, list(probs)) < 1e-4

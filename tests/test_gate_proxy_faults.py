@@ -42,10 +42,10 @@ def test_temperature_ignored_is_caught(llama, fault, tmp_path):
     p = _verdicts(report)["sampled"]
     if fault == "none":
         assert rc == 0 and p["verdict"] == "pass", p
-        assert p["data"]["p_value"] >= 1e-3
+        assert p["data"]["p_value"] >= 1e-4
     else:
         assert rc == 2 and p["verdict"] == "fail", p
-        assert "frequencies" in p["detail"] and p["data"]["p_value"] < 1e-3
+        assert "frequencies" in p["detail"] and p["data"]["p_value"] < 1e-4
 
 
 def test_chat_from_another_model_is_caught(llama, tmp_path):

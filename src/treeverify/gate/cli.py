@@ -166,7 +166,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     q.add_argument(
         "--false-alarm",
         type=float,
-        default=1e-3,
+        default=1e-4,
         help="sampled probe: the frequency test's false-alarm rate",
     )
     q.add_argument("--perf-factor", type=float, default=3.0, help="latency regression factor")

@@ -99,6 +99,16 @@ class Client:
             raise HttpError(r.status_code, r.text)
         return r.json()
 
+    def post_json(self, path: str, body: dict):
+        """POST ``body`` to ``path`` within the budget; the JSON answer (HttpError unless 200)."""
+        r = self.http.post(self.url + path, json=body, timeout=self._timeout(None))
+        if r.status_code != 200:
+            raise HttpError(r.status_code, r.text)
+        try:
+            return r.json()
+        except ValueError as exc:
+            raise HttpError(r.status_code, f"not JSON ({exc}): {r.text}") from exc
+
     def models(self) -> list[dict]:
         return list(self.get_json("/v1/models").get("data") or [])
 

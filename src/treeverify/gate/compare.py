@@ -54,15 +54,21 @@ def compare(
     logprob_atol: float = DEFAULT_LOGPROB_ATOL,
 ) -> Outcome:
     """``ref``/``cur``: dicts or objects with ``tokens`` (or only ``text``), ``token_logprobs``,
-    ``top_logprobs``."""
-    rt = _tokens(ref)
-    ct = _tokens(cur)
+    ``top_logprobs`` and, where the server gives them, ``token_ids`` (then token identity is the
+    id: two tokens shown alike, e.g. partial characters, are still told apart)."""
+    rt, ct = _tokens(ref), _tokens(cur)
+    rid, cid = _ids(ref, rt), _ids(cur, ct)
     n = min(len(rt), len(ct))
-    i = next((j for j in range(n) if rt[j] != ct[j]), None)
+    if rid is not None and cid is not None:
+        i = next((j for j in range(n) if rid[j] != cid[j]), None)
+    else:
+        i = next((j for j in range(n) if rt[j] != ct[j]), None)
+        rid = cid = None
     last = i if i is not None else n - 1
     for j in range(last + 1):
-        for tok in dict.fromkeys((rt[j], ct[j])):
-            rl, cl = _lp(ref, rt, j, tok), _lp(cur, ct, j, tok)
+        pairs = {(rt[j], _at(rid, j)): None, (ct[j], _at(cid, j)): None}
+        for tok, tid in pairs:
+            rl, cl = _lp(ref, rt, j, tok, tid, rid), _lp(cur, ct, j, tok, tid, cid)
             if rl is not None and cl is not None and abs(rl - cl) > logprob_atol:
                 return Outcome(
                     False,
@@ -74,10 +80,10 @@ def compare(
         if len(rt) != len(ct):
             return Outcome(False, f"lengths differ ({len(rt)} vs {len(ct)} tokens)", n)
         return Outcome(True, f"identical ({len(rt)} tokens)")
-    a, b = rt[i], ct[i]
-    ra, rb = _lp(ref, rt, i, a), _lp(ref, rt, i, b)
-    ca, cb = _lp(cur, ct, i, a), _lp(cur, ct, i, b)
-    where = f"token {i}: expected {a!r}, got {b!r}"
+    a, b = (rt[i], _at(rid, i)), (ct[i], _at(cid, i))
+    ra, rb = _lp(ref, rt, i, *a, rid), _lp(ref, rt, i, *b, rid)
+    ca, cb = _lp(cur, ct, i, *a, cid), _lp(cur, ct, i, *b, cid)
+    where = f"token {i}: expected {_show(a)}, got {_show(b)}"
     if None in (ra, rb, ca, cb):
         side = "reference" if rb is None or ra is None else "current"
         return Outcome(False, f"diverged at {where}; not in the {side} top-k", i, "swap")
@@ -95,6 +101,19 @@ def compare(
     )
 
 
+def _ids(d, toks: list[str]) -> list[int] | None:
+    ids = d.get("token_ids") if isinstance(d, dict) else getattr(d, "token_ids", None)
+    return list(ids) if ids and len(ids) == len(toks) else None
+
+
+def _at(ids: list[int] | None, i: int) -> int | None:
+    return ids[i] if ids is not None else None
+
+
+def _show(tok: tuple) -> str:
+    return repr(tok[0]) if tok[1] is None else f"{tok[0]!r} (id {tok[1]})"
+
+
 def _tokens(d) -> list[str]:
     toks = d.get("tokens") if isinstance(d, dict) else getattr(d, "tokens", None)
     if toks is not None:
@@ -103,20 +122,22 @@ def _tokens(d) -> list[str]:
     return list(text or "")  # no token boundaries: characters (exact comparison only)
 
 
-def _top(d, i: int, tok: str) -> float | None:
-    top = _get(d, "top_logprobs", i)
-    if not isinstance(top, dict):
-        return None
-    return top.get(tok)
-
-
-def _lp(d, toks: list[str], i: int, tok: str) -> float | None:
-    """The logprob side ``d`` gave ``tok`` at position ``i`` (its own choice or its top-k)."""
-    if tok == toks[i]:
+def _lp(d, toks: list[str], i: int, tok: str, tid=None, ids=None) -> float | None:
+    """The logprob side ``d`` gave a token at position ``i`` (its own choice or its top-k); the
+    token is ``tok`` (text key) and, where ids are known, ``tid``."""
+    own = tok == toks[i] if tid is None or ids is None else tid == ids[i]
+    if own:
         v = _get(d, "token_logprobs", i)
         if v is not None:
             return v
-    return _top(d, i, tok)
+    top = _get(d, "top_logprobs", i)
+    if not isinstance(top, dict):
+        return None
+    if tid is not None:  # a disambiguated key "<text>#<id>" first, then the plain one
+        for k, v in top.items():
+            if k.endswith(f"#{tid}"):
+                return v
+    return top.get(tok)
 
 
 def token_bytes(tok: str) -> bytes | None:

@@ -33,7 +33,7 @@ class Ctx:
     perf_factor: float = 3.0
     perf_slack: float = 0.05
     samples: int = 256  # first tokens drawn by the sampled probe
-    false_alarm: float = 1e-3  # the sampled probe's statistical false-alarm rate
+    false_alarm: float = 1e-4  # the sampled probe's statistical false-alarm rate
     event: object = None  # report.event(phase, state, detail)
 
 

@@ -49,7 +49,7 @@ class Options:
     concurrency: list[int] | None = None
     max_concurrency: int | None = None
     samples: int = 256
-    false_alarm: float = 1e-3
+    false_alarm: float = 1e-4
     baseline_url: str | None = None
     margin: float | None = None
     logprob_atol: float | None = None
