@@ -66,6 +66,21 @@ def test_compare_text_one_sided():
     assert not compare_text(REF, "AW").ok
 
 
+def test_compare_text_on_bytes_form_tokens():
+    """Partial UTF-8 characters in OpenAI's bytes: form still spell the text, byte by byte."""
+    ref = _c(["A", "bytes:\\xc3", "bytes:\\xa9", "B"], [-0.1] * 4, [{}, {}, {}, {}])
+    ref["text"] = "A\u00e9B"
+    ref["top_logprobs"][3] = {"B": -0.5, "C": -0.52, "D": -3.0}
+    ref["token_logprobs"][3] = -0.5
+    assert compare_text(ref, "A\u00e9B").ok
+    near = compare_text(ref, "A\u00e9C", margin=0.1)
+    assert near.ok and near.divergence == 3 and near.other == "C"
+    far = compare_text(ref, "A\u00e9D", margin=0.1)
+    assert not far.ok and far.kind == "swap" and far.other == "D"
+    odd = compare_text(ref, "A\u00e8B")  # the second byte differs: no top-k entry continues
+    assert not odd.ok and odd.divergence == 2 and odd.other is None
+
+
 def test_exit_code_precedence():
     assert worst([]) == ExitCode.PASS
     assert worst([1, 2, 3]) == ExitCode.CORRECTNESS
@@ -101,6 +116,10 @@ def test_signatures():
         ["--concurrency", "1,x"],
         ["check", "--golden", "/nonexistent/golden.json"],
         ["--context-length", "10"],
+        ["--only", "ladder,bogus"],
+        ["--samples", "3"],
+        ["--false-alarm", "0"],
+        ["--ready-timeout", "-1"],
     ],
 )
 def test_usage_errors_exit_64(argv, capsys):
@@ -176,6 +195,42 @@ def test_smoke_against_nothing_times_out_5(tmp_path):
     assert rc == 5
 
 
+def test_help_lists_defaults_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())
+    assert "(default: 1800.0)" in out and "(default: 256)" in out  # --timeout, --samples
+    for code in ("0   pass", "2   correctness", "5   hung", "64  usage"):
+        assert code in raw
+    for probe in ("sampled", "copy", "chat"):
+        assert probe in out
+
+
+def test_api_key_from_env_reaches_a_launched_server(monkeypatch):
+    key = f"k-{os.getpid()}-{id(monkeypatch)}"
+    monkeypatch.setenv("TREEVERIFY_API_KEY", key)
+    parser = cli.configure(__import__("argparse").ArgumentParser())
+    args = parser.parse_args([])
+    assert args.api_key == key
+    target = cli._target(args)
+    assert target.env["TREEVERIFY_API_KEY"] == key
+    assert cli._target(parser.parse_args(["--api-key", "other"])).env["TREEVERIFY_API_KEY"] == (
+        "other"
+    )
+
+
+def test_api_key_sent_as_bearer(tmp_path):
+    from gate_doubles import CopyModel
+
+    key = f"key-{os.getpid()}"
+    with CopyModel(api_key=key) as model:
+        argv = ["--url", model.url, "--only", "copy", "--quiet", "--timeout", "60"]
+        assert cli.main([*argv, "--api-key", key]) == 0
+        assert cli.main(argv + ["--api-key", "wrong"]) == 3  # 401: not a verdict on the model
+
+
 def test_module_main_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     out = subprocess.run(
@@ -185,3 +240,37 @@ def test_module_main_runs(tmp_path):
         env=env,
     )
     assert out.returncode == 0 and "--golden" in out.stdout and "--unit" in out.stdout
+
+
+def test_compare_by_token_id():
+    """Two tokens shown alike (partial characters) are told apart by their ids; a swap between
+    them is judged with the disambiguated top-k keys."""
+    ref = _c(
+        ["A", "\ufffd"], [-0.1, -1.0], [{"A": -0.1}, {"\ufffd#200": -1.0, "\ufffd#201": -1.04}]
+    )
+    ref["token_ids"] = [65, 200]
+    same_text = dict(ref, token_ids=[65, 201], token_logprobs=[-0.1, -1.04])
+    same_text["top_logprobs"] = [{"A": -0.1}, {"\ufffd#201": -1.04, "\ufffd#200": -1.0}]
+    out = compare(ref, same_text, margin=0.1)
+    assert out.ok and out.divergence == 1 and "id 201" in out.detail
+    assert not compare(ref, same_text, margin=0.01).ok
+    assert compare(ref, dict(same_text, token_ids=None)).divergence is None  # text alone: equal
+
+
+def test_g_test_false_alarm_rate_and_power():
+    """Counts drawn from the stated probabilities fail at about the stated rate (5% here, so a
+    few hundred draws show it); all samples on one token (a sampler gone greedy) fail outright."""
+    import numpy as np
+
+    from treeverify.gate.sampled import g_test_pvalue
+
+    rng = np.random.default_rng()
+    probs = rng.dirichlet(np.ones(6))
+    fails = sum(
+        g_test_pvalue(list(rng.multinomial(200, probs)), list(probs), sims=2000) < 0.05
+        for _ in range(300)
+    )
+    assert 2 <= fails <= 40  # expected 15 (sd ~3.8)
+    greedy = [0] * 6
+    greedy[int(np.argmax(probs))] = 200
+    assert g_test_pvalue(greedy, list(probs)) < 1e-4

@@ -1,6 +1,6 @@
-"""The gate on a healthy server: no false alarm (three runs), reports written, ``gate record``
-then ``gate check`` passes, an oracle recorded from it passes, and a latency regression beyond
-the configured factor exits 1."""
+"""The gate on a healthy server: no false alarm (three runs on tiny-llama, one on tiny-kimi, both
+with DDTree speculation), reports written, ``gate record`` then ``gate check`` passes, an oracle
+recorded from it passes, and a latency regression beyond the configured factor exits 1."""
 
 from __future__ import annotations
 
@@ -53,8 +53,26 @@ def test_three_healthy_runs_pass(server, tmp_path, capsys):
         names = {p["name"]: p["verdict"] for p in report["probes"]}
         for probe in ("readiness", "determinism", "ladder", "concurrency", "speculation"):
             assert names[probe] == "pass", report
+        for probe in ("chat", "sampled"):
+            assert names[probe] == "pass", report
+        assert names["copy"] == "skip"  # random weights do not copy
+        ready = report["probes"][0]["detail"]
+        assert ready.startswith("ready: model 'tiny-llama' answered") and " s, " in ready
+        conc = next(p for p in report["probes"] if p["name"] == "concurrency")
+        assert max(conc["data"]["sizes"]) == 64  # the server's --max-running-requests
         suite = ET.parse(x).getroot().find("testsuite")
         assert suite.get("failures") == "0" and len(suite.findall("testcase")) == len(names)
+
+
+def test_tiny_kimi_with_ddtree_passes(tmp_path):
+    args = [a if a != "tiny-llama" else "tiny-kimi" for a in SERVE]
+    with ServerProcess([*args, "--max-running-requests", "24"]) as kimi:
+        j = tmp_path / "k.json"
+        rc = cli.main(["--url", kimi.url, "--json", str(j), "--quiet"])
+        report = json.loads(j.read_text())
+    assert rc == 0, [p for p in report["probes"] if p["verdict"] == "fail"]
+    conc = next(p for p in report["probes"] if p["name"] == "concurrency")
+    assert max(conc["data"]["sizes"]) == 24
 
 
 def test_record_then_check_passes(server, recorded, tmp_path):
@@ -71,6 +89,7 @@ def test_record_then_check_passes(server, recorded, tmp_path):
     assert rc == 0, report["probes"]
     verdicts = {p["name"]: p["verdict"] for p in report["probes"]}
     assert verdicts["golden"] == verdicts["oracle"] == verdicts["ladder"] == "pass"
+    assert verdicts["chat"] == "pass" and g["chat"]
     assert "golden" in report["probes"][-1]["data"]  # latency compared with the golden run's
 
 

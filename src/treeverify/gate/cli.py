@@ -17,10 +17,35 @@ import shlex
 import socket
 import sys
 
+from treeverify import env
 from treeverify.gate import golden as G
-from treeverify.gate import runner, smoke, targets
+from treeverify.gate import probes, runner, smoke, targets
 from treeverify.gate.codes import ExitCode
+from treeverify.gate.compare import DEFAULT_LOGPROB_ATOL, DEFAULT_MARGIN
 from treeverify.gate.report import ProbeResult, Report
+
+EXIT_CODES = """exit codes:
+  0   pass
+  1   performance regression (latency beyond --perf-factor x golden + --perf-slack)
+  2   correctness failure (a probe's outputs are wrong)
+  3   gate/infrastructure error (inconclusive)
+  4   unit failed / crash-looping / launched process died
+  5   hung or timed out (not ready in time, a stalled stream, --timeout spent)
+  64  usage error
+"""
+PROBE_NAMES = tuple(name for name, _ in probes.FULL)
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default after its help (unless the help already says it, or there is none);
+    the description and the exit codes kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if "default" in text or d in (None, "", False) or d is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: {d})".strip()
 
 
 class UsageError(Exception):
@@ -50,6 +75,8 @@ def _strict(parser: argparse.ArgumentParser):
 
 
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.formatter_class = _Help
+    p.epilog = EXIT_CODES
     p.error = _usage_exit(p)
     p.parse_known_args = _strict(p)
     p.add_argument(
@@ -66,15 +93,32 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--unit", metavar="NAME", help="systemd unit to watch (systemctl/journalctl)")
     t.add_argument("--serve-args", default="", help="extra flags for the default launch")
     t.add_argument("--model", help="model name for requests (default: the first /v1/models)")
-    t.add_argument("--api-key", default=os.environ.get("TREEVERIFY_GATE_API_KEY"))
+    t.add_argument(
+        "--api-key",
+        default=env.api_key(),
+        help="sent as 'Authorization: Bearer KEY' on every request and given to a server the "
+        "gate launches (default: $TREEVERIFY_API_KEY)",
+    )
     r = p.add_argument_group("readiness and timeouts")
-    r.add_argument("--probes", choices=("full", "smoke"), default="full")
     r.add_argument(
-        "--timeout", type=float, default=900.0, help="overall budget to become ready (s)"
+        "--probes",
+        choices=("full", "smoke"),
+        default="full",
+        help="full: readiness + every probe; smoke: the seed's polling loop, for comparison",
     )
     r.add_argument(
-        "--probe-timeout", type=float, default=1800.0, help="overall budget for the probes (s)"
+        "--only",
+        metavar="NAMES",
+        help=f"run only these probes (comma-separated: {','.join(PROBE_NAMES)})",
     )
+    r.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="hard cap on the whole run (s): every request waits at most what is left; "
+        "spent -> exit 5",
+    )
+    r.add_argument("--ready-timeout", type=float, default=900.0, help="budget to become ready (s)")
     r.add_argument(
         "--interval", type=float, help="seconds between polls (full: 2; smoke: the seed's 30)"
     )
@@ -82,26 +126,54 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument(
         "--request-timeout", type=float, default=smoke.REQUEST_TIMEOUT, help="smoke: per request"
     )
-    r.add_argument("--connect-timeout", type=float, default=5.0)
-    r.add_argument("--read-timeout", type=float, default=60.0)
+    r.add_argument("--connect-timeout", type=float, default=5.0, help="per connection (s)")
+    r.add_argument(
+        "--read-timeout", type=float, default=60.0, help="per request, within --timeout (s)"
+    )
     r.add_argument(
         "--itl-deadline", type=float, default=30.0, help="max wait for any streamed token (s)"
     )
     q = p.add_argument_group("probes")
     q.add_argument("--golden", metavar="FILE", help="golden file (record writes it)")
-    q.add_argument("--oracle", metavar="FILE", help="JSON list of {prompt, expected}")
+    q.add_argument("--oracle", metavar="FILE", help="JSON list of {prompt|messages, expected}")
     q.add_argument("--oracle-out", metavar="FILE", help="record: also write an oracle file")
     q.add_argument("--context-length", type=int, help="default: /v1/models max_model_len")
-    q.add_argument("--concurrency", help="sizes, e.g. 1,3,8,13 (default: those + graph buckets)")
-    q.add_argument("--max-concurrency", type=int, default=32)
+    q.add_argument(
+        "--concurrency", help="sizes, e.g. 1,3,8,13 (default: 1,3,8,13,17, graph buckets +-1, top)"
+    )
+    q.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="largest concurrency (default: our server's largest graph bucket + 1 or max "
+        "running requests, from /server_info; 32 for other servers)",
+    )
     q.add_argument("--baseline-url", help="reference server for speculation on vs off")
-    q.add_argument("--margin", type=float, help="top-k tolerance: max logprob gap of a swap")
-    q.add_argument("--logprob-atol", type=float, help="max logprob drift before divergence")
+    q.add_argument(
+        "--margin",
+        type=float,
+        help=f"near-tie margin (nat): a swap of two tokens whose teacher-forced logprobs differ "
+        f"by at most this is tolerated (default: the golden file's, else {DEFAULT_MARGIN})",
+    )
+    q.add_argument(
+        "--logprob-atol",
+        type=float,
+        help=f"max logprob drift before a divergence (default: the golden file's, else "
+        f"{DEFAULT_LOGPROB_ATOL})",
+    )
+    q.add_argument(
+        "--samples", type=int, default=256, help="sampled probe: first tokens drawn at T=1"
+    )
+    q.add_argument(
+        "--false-alarm",
+        type=float,
+        default=1e-4,
+        help="sampled probe: the frequency test's false-alarm rate",
+    )
     q.add_argument("--perf-factor", type=float, default=3.0, help="latency regression factor")
     q.add_argument("--perf-slack", type=float, default=0.05, help="latency slack (s)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE")
-    o.add_argument("--junit", metavar="FILE")
+    o.add_argument("--json", metavar="FILE", help="write the JSON report here")
+    o.add_argument("--junit", metavar="FILE", help="write a JUnit XML report here")
     o.add_argument("--quiet", action="store_true", help="no live timeline")
     return p
 
@@ -128,13 +200,23 @@ def _options(a: argparse.Namespace) -> runner.Options:
         raise UsageError(f"gate {a.action} needs --golden FILE")
     if a.action == "record" and a.probes == "smoke":
         raise UsageError("gate record records the full suite; --probes smoke makes no sense")
-    seconds = ("timeout", "probe_timeout", "interval", "request_timeout")
+    seconds = ("timeout", "ready_timeout", "interval", "request_timeout")
     for name in (*seconds, "connect_timeout", "read_timeout", "itl_deadline"):
         v = getattr(a, name)
         if v is not None and v <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0")
-    if a.tries < 1 or a.max_concurrency < 1:
+    if a.tries < 1 or (a.max_concurrency is not None and a.max_concurrency < 1):
         raise UsageError("--tries and --max-concurrency must be >= 1")
+    if a.samples < 16:
+        raise UsageError("--samples must be >= 16")
+    if not 0 < a.false_alarm < 0.5:
+        raise UsageError("--false-alarm must be in (0, 0.5)")
+    only = None
+    if a.only:
+        only = [x.strip() for x in a.only.split(",") if x.strip()]
+        unknown = [x for x in only if x not in PROBE_NAMES]
+        if unknown or not only:
+            raise UsageError(f"--only: unknown probe(s) {unknown}; known: {', '.join(PROBE_NAMES)}")
     if a.context_length is not None and a.context_length < 64:
         raise UsageError("--context-length must be >= 64")
     conc = None
@@ -161,7 +243,8 @@ def _options(a: argparse.Namespace) -> runner.Options:
         probes=a.probes,
         model=a.model,
         timeout=a.timeout,
-        probe_timeout=a.probe_timeout,
+        ready_timeout=a.ready_timeout,
+        only=only,
         interval=interval,
         tries=a.tries,
         request_timeout=a.request_timeout,
@@ -181,6 +264,8 @@ def _options(a: argparse.Namespace) -> runner.Options:
         perf_factor=a.perf_factor,
         perf_slack=a.perf_slack,
         api_key=a.api_key,
+        samples=a.samples,
+        false_alarm=a.false_alarm,
     )
 
 
@@ -197,12 +282,17 @@ def _target(a: argparse.Namespace):
             if not m:
                 raise UsageError("--launch: give --url (or a --port N in CMD)")
             url = f"http://127.0.0.1:{m.group(1)}"
-        return targets.LaunchTarget(argv, url)
+        return targets.LaunchTarget(argv, url, env=_child_env(a))
     if a.url:
         return targets.UrlTarget(a.url)
     port = _free_port()
     argv = targets.serve_argv(port, shlex.split(a.serve_args))
-    return targets.LaunchTarget(argv, f"http://127.0.0.1:{port}")
+    return targets.LaunchTarget(argv, f"http://127.0.0.1:{port}", env=_child_env(a))
+
+
+def _child_env(a: argparse.Namespace) -> dict | None:
+    """A launched server's environment: ours, plus the API key it must demand (if any)."""
+    return {**os.environ, "TREEVERIFY_API_KEY": a.api_key} if a.api_key else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,9 +22,11 @@ golden file stores the values it was recorded with, and ``check`` uses them unle
 from __future__ import annotations
 
 import dataclasses
+import re
 
 DEFAULT_MARGIN = 0.1
 DEFAULT_LOGPROB_ATOL = 0.25
+_BYTES = re.compile(r"\\x([0-9a-fA-F]{2})")
 
 
 @dataclasses.dataclass
@@ -32,6 +34,10 @@ class Outcome:
     ok: bool
     detail: str
     divergence: int | None = None
+    # "swap": the outputs chose different tokens at ``divergence`` (a question the server's
+    # teacher-forced logprobs can settle, see evidence.py); "" for every other outcome
+    kind: str = ""
+    other: str | None = None  # compare_text: the top-k token the response continued with
 
 
 def _get(d, key, i):
@@ -48,15 +54,21 @@ def compare(
     logprob_atol: float = DEFAULT_LOGPROB_ATOL,
 ) -> Outcome:
     """``ref``/``cur``: dicts or objects with ``tokens`` (or only ``text``), ``token_logprobs``,
-    ``top_logprobs``."""
-    rt = _tokens(ref)
-    ct = _tokens(cur)
+    ``top_logprobs`` and, where the server gives them, ``token_ids`` (then token identity is the
+    id: two tokens shown alike, e.g. partial characters, are still told apart)."""
+    rt, ct = _tokens(ref), _tokens(cur)
+    rid, cid = _ids(ref, rt), _ids(cur, ct)
     n = min(len(rt), len(ct))
-    i = next((j for j in range(n) if rt[j] != ct[j]), None)
+    if rid is not None and cid is not None:
+        i = next((j for j in range(n) if rid[j] != cid[j]), None)
+    else:
+        i = next((j for j in range(n) if rt[j] != ct[j]), None)
+        rid = cid = None
     last = i if i is not None else n - 1
     for j in range(last + 1):
-        for tok in dict.fromkeys((rt[j], ct[j])):
-            rl, cl = _lp(ref, rt, j, tok), _lp(cur, ct, j, tok)
+        pairs = {(rt[j], _at(rid, j)): None, (ct[j], _at(cid, j)): None}
+        for tok, tid in pairs:
+            rl, cl = _lp(ref, rt, j, tok, tid, rid), _lp(cur, ct, j, tok, tid, cid)
             if rl is not None and cl is not None and abs(rl - cl) > logprob_atol:
                 return Outcome(
                     False,
@@ -68,24 +80,38 @@ def compare(
         if len(rt) != len(ct):
             return Outcome(False, f"lengths differ ({len(rt)} vs {len(ct)} tokens)", n)
         return Outcome(True, f"identical ({len(rt)} tokens)")
-    a, b = rt[i], ct[i]
-    ra, rb = _lp(ref, rt, i, a), _lp(ref, rt, i, b)
-    ca, cb = _lp(cur, ct, i, a), _lp(cur, ct, i, b)
-    where = f"token {i}: expected {a!r}, got {b!r}"
+    a, b = (rt[i], _at(rid, i)), (ct[i], _at(cid, i))
+    ra, rb = _lp(ref, rt, i, *a, rid), _lp(ref, rt, i, *b, rid)
+    ca, cb = _lp(cur, ct, i, *a, cid), _lp(cur, ct, i, *b, cid)
+    where = f"token {i}: expected {_show(a)}, got {_show(b)}"
     if None in (ra, rb, ca, cb):
         side = "reference" if rb is None or ra is None else "current"
-        return Outcome(False, f"diverged at {where}; not in the {side} top-k", i)
+        return Outcome(False, f"diverged at {where}; not in the {side} top-k", i, "swap")
     if ra - rb > margin or cb - ca > margin:
         return Outcome(
             False,
             f"diverged at {where}; margins {ra - rb:.4f}/{cb - ca:.4f} nat > {margin}",
             i,
+            "swap",
         )
     return Outcome(
         True,
         f"near-tie swap tolerated at {where} (margins {ra - rb:.4f}/{cb - ca:.4f} nat)",
         i,
     )
+
+
+def _ids(d, toks: list[str]) -> list[int] | None:
+    ids = d.get("token_ids") if isinstance(d, dict) else getattr(d, "token_ids", None)
+    return list(ids) if ids and len(ids) == len(toks) else None
+
+
+def _at(ids: list[int] | None, i: int) -> int | None:
+    return ids[i] if ids is not None else None
+
+
+def _show(tok: tuple) -> str:
+    return repr(tok[0]) if tok[1] is None else f"{tok[0]!r} (id {tok[1]})"
 
 
 def _tokens(d) -> list[str]:
@@ -96,48 +122,69 @@ def _tokens(d) -> list[str]:
     return list(text or "")  # no token boundaries: characters (exact comparison only)
 
 
-def _top(d, i: int, tok: str) -> float | None:
-    top = _get(d, "top_logprobs", i)
-    if not isinstance(top, dict):
-        return None
-    return top.get(tok)
-
-
-def _lp(d, toks: list[str], i: int, tok: str) -> float | None:
-    """The logprob side ``d`` gave ``tok`` at position ``i`` (its own choice or its top-k)."""
-    if tok == toks[i]:
+def _lp(d, toks: list[str], i: int, tok: str, tid=None, ids=None) -> float | None:
+    """The logprob side ``d`` gave a token at position ``i`` (its own choice or its top-k); the
+    token is ``tok`` (text key) and, where ids are known, ``tid``."""
+    own = tok == toks[i] if tid is None or ids is None else tid == ids[i]
+    if own:
         v = _get(d, "token_logprobs", i)
         if v is not None:
             return v
-    return _top(d, i, tok)
+    top = _get(d, "top_logprobs", i)
+    if not isinstance(top, dict):
+        return None
+    if tid is not None:  # a disambiguated key "<text>#<id>" first, then the plain one
+        for k, v in top.items():
+            if k.endswith(f"#{tid}"):
+                return v
+    return top.get(tok)
+
+
+def token_bytes(tok: str) -> bytes | None:
+    """A token string's bytes: OpenAI's ``bytes:\\xNN`` form or UTF-8 text; None where the text
+    lost bytes (U+FFFD stands for a partial character)."""
+    if tok.startswith("bytes:"):
+        return bytes(int(h, 16) for h in _BYTES.findall(tok))
+    if "\ufffd" in tok:
+        return None
+    return tok.encode("utf-8")
 
 
 def compare_text(ref, text: str, margin: float = DEFAULT_MARGIN) -> Outcome:
     """A response without logprobs (the production path: servers may route logprob requests
     differently, e.g. without speculation) against a reference with top-k logprobs. One-sided
-    rule 3: at the first token ``i`` whose text the response does not continue with, the response
-    must continue with another token of the reference's top-k at ``i`` within ``margin``. Where
-    the reference tokens do not spell its text (byte-level tokens shown as U+FFFD), only exact
-    equality passes."""
+    rule 3, on bytes: at the first token ``i`` whose bytes the response does not continue with,
+    the response must continue with another token of the reference's top-k at ``i`` within
+    ``margin`` (``Outcome.other`` names the longest such token, tolerated or not). Where the
+    reference tokens do not give their bytes (U+FFFD without OpenAI's ``bytes:`` form), only
+    exact equality passes."""
     ref_text = ref.get("text") if isinstance(ref, dict) else getattr(ref, "text", "")
     if text == ref_text:
         return Outcome(True, "identical text")
     toks = _tokens(ref)
-    if "".join(toks) != ref_text or _get(ref, "top_logprobs", 0) is None:
+    raw = [token_bytes(t) for t in toks]
+    if None in raw or _get(ref, "top_logprobs", 0) is None:
         return Outcome(False, f"text differs: expected {ref_text!r}, got {text!r}")
+    have = text.encode("utf-8")
     pos = 0
-    for i, tok in enumerate(toks):
-        if not text.startswith(tok, pos):
+    for i, (tok, b) in enumerate(zip(toks, raw, strict=True)):
+        if not have.startswith(b, pos):
             lp = _lp(ref, toks, i, tok)
-            swaps = [
-                (t, lp - v)
-                for t, v in (_get(ref, "top_logprobs", i) or {}).items()
-                if t != tok and t and text.startswith(t, pos) and lp is not None
-            ]
+            swaps = []
+            for t, v in (_get(ref, "top_logprobs", i) or {}).items():
+                tb = token_bytes(t) if t != tok else None
+                if tb and have.startswith(tb, pos) and lp is not None:
+                    swaps.append((t, lp - v, len(tb)))
             ok = [s for s in swaps if s[1] <= margin]
-            where = f"token {i}: expected {tok!r}, got {text[pos : pos + 8]!r}..."
+            got = have[pos : pos + 8].decode("utf-8", "replace")
+            where = f"token {i}: expected {tok!r}, got {got!r}..."
+            other = max(swaps, key=lambda s: s[2])[0] if swaps else None
             if ok:
-                return Outcome(True, f"near-tie swap tolerated at {where} ({ok[0][1]:.4f})", i)
-            return Outcome(False, f"diverged at {where}; no near-tie in the reference top-k", i)
-        pos += len(tok)
-    return Outcome(False, f"text longer than the reference: {text[pos : pos + 20]!r}...", None)
+                return Outcome(
+                    True, f"near-tie swap tolerated at {where} ({ok[0][1]:.4f})", i, other=other
+                )
+            detail = f"diverged at {where}; no near-tie in the reference top-k"
+            return Outcome(False, detail, i, "swap", other)
+        pos += len(b)
+    tail = have[pos : pos + 20].decode("utf-8", "replace")
+    return Outcome(False, f"text longer than the reference: {tail!r}...", None)

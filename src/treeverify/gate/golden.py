@@ -1,5 +1,7 @@
-"""The golden suite: fixed greedy prompts and a length ladder, recorded with top-k logprobs (and
-latency) on a known-good deployment by ``gate record``; ``gate check`` compares against it."""
+"""The golden suite: fixed greedy prompts, chat conversations (chat.py) and a length ladder,
+recorded with top-k logprobs (and latency) on a known-good deployment by ``gate record``;
+``gate check`` compares against it. An oracle file holds exact expected continuations:
+``{prompt, expected}`` for completions, ``{messages, expected}`` for chat."""
 
 from __future__ import annotations
 
@@ -79,9 +81,20 @@ def load_oracle(path: str) -> list[dict]:
         items = json.load(f)
     if not isinstance(items, list) or not all(
         isinstance(x, dict)
-        and isinstance(x.get("prompt"), str)
+        and (isinstance(x.get("prompt"), str) or _is_messages(x.get("messages")))
         and isinstance(x.get("expected"), str)
         for x in items
     ):
-        raise ValueError(f"{path}: expected a JSON list of {{prompt, expected}} objects")
+        raise ValueError(
+            f"{path}: expected a JSON list of {{prompt, expected}} or {{messages, expected}} "
+            "objects"
+        )
     return items
+
+
+def _is_messages(m) -> bool:
+    return (
+        isinstance(m, list)
+        and bool(m)
+        and all(isinstance(x, dict) and isinstance(x.get("role"), str) for x in m)
+    )

@@ -1,156 +1,72 @@
 """The full gate's probes. Each takes a :class:`Ctx` and returns a :class:`ProbeResult`;
 exceptions are classified by :func:`run_probe` (stall -> hung, dead target -> unit failed, ...).
+Chat, sampled and long-context copy probes live in their own modules (chat.py, sampled.py,
+copying.py); ``FULL`` is the order they all run in.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-
+from treeverify.gate import chat, copying, sampled
 from treeverify.gate import golden as G
-from treeverify.gate.client import Client, Completion, HttpError, Stalled
 from treeverify.gate.codes import ExitCode
-from treeverify.gate.compare import compare, compare_text
+from treeverify.gate.probing import Ctx, Fail, Tally, greedy, plain, run_probe
 from treeverify.gate.report import ProbeResult
 
-
-@dataclasses.dataclass
-class Ctx:
-    client: Client
-    target: object
-    margin: float
-    logprob_atol: float
-    itl_deadline: float
-    golden: dict | None = None
-    oracle: list[dict] | None = None
-    context_length: int | None = None
-    server_info: dict | None = None
-    baseline: Client | None = None
-    concurrency: list[int] | None = None
-    max_concurrency: int = 32
-    perf_factor: float = 3.0
-    perf_slack: float = 0.05
-    event: object = None  # report.event(phase, state, detail)
-
-
-class Fail(Exception):
-    def __init__(self, code: ExitCode, detail: str, data: dict | None = None) -> None:
-        super().__init__(detail)
-        self.code, self.detail, self.data = code, detail, data or {}
-
-
-def run_probe(name: str, fn, ctx: Ctx) -> ProbeResult:
-    t0 = time.monotonic()
-    try:
-        res = fn(ctx)
-    except Fail as exc:
-        res = ProbeResult(name, "fail", exc.detail, exc.code, data=exc.data)
-    except Stalled as exc:
-        res = ProbeResult(name, "fail", f"stalled: {exc}", ExitCode.HUNG)
-    except httpx.TimeoutException as exc:
-        res = ProbeResult(name, "fail", f"request timed out: {exc!r}", ExitCode.HUNG)
-    except httpx.TransportError as exc:
-        down = ctx.target.check()
-        if down is not None:
-            res = ProbeResult(name, "fail", down.detail, down.code)
-        else:
-            res = ProbeResult(name, "fail", f"transport error: {exc!r}", ExitCode.INFRA)
-    except HttpError as exc:
-        code = ExitCode.CORRECTNESS if exc.status >= 500 else ExitCode.INFRA
-        res = ProbeResult(name, "fail", str(exc), code)
-    except Exception as exc:  # a gate-side problem: inconclusive, never a crash of the gate
-        res = ProbeResult(name, "fail", f"probe error: {exc!r}", ExitCode.INFRA)
-    res.name = name
-    res.seconds = time.monotonic() - t0
-    return res
-
-
-def _greedy(ctx: Ctx, prompt: str, max_tokens: int, client: Client | None = None, **extra):
-    c = client or ctx.client
-    return c.complete(prompt, max_tokens, logprobs=G.TOP_K, extra={"ignore_eos": True, **extra})
-
-
-def _plain(ctx: Ctx, prompt: str, max_tokens: int, client: Client | None = None, **extra):
-    """Greedy without logprobs: the path production traffic takes."""
-    c = client or ctx.client
-    return c.complete(prompt, max_tokens, extra={"ignore_eos": True, **extra})
-
-
-def _check_text(ctx: Ctx, label: str, ref, text: str, failures: list, notes: list) -> None:
-    out = compare_text(ref, text, ctx.margin)
-    if not out.ok:
-        failures.append(f"{label} (no logprobs): {out.detail}")
-    elif out.divergence is not None:
-        notes.append(f"{label} (no logprobs): {out.detail}")
-
-
-def _as_ref(c: Completion) -> dict:
-    return c.to_json()
-
-
-def _check(ctx: Ctx, label: str, ref, cur, failures: list, notes: list) -> None:
-    out = compare(ref, cur, ctx.margin, ctx.logprob_atol)
-    if not out.ok:
-        failures.append(f"{label}: {out.detail}")
-    elif out.divergence is not None:
-        notes.append(f"{label}: {out.detail}")
-
-
-def _verdict(name: str, failures: list, notes: list, ok_detail: str, data=None) -> ProbeResult:
-    if failures:
-        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
-        raise Fail(ExitCode.CORRECTNESS, failures[0] + more, {"failures": failures, **(data or {})})
-    detail = ok_detail + (f"; {len(notes)} tolerated near-tie swap(s)" if notes else "")
-    return ProbeResult(name, "pass", detail, data={"notes": notes, **(data or {})})
+__all__ = ["FULL", "Ctx", "Fail", "record", "run_probe"]
 
 
 # ---- probes ------------------------------------------------------------------------------------
 def oracle(ctx: Ctx) -> ProbeResult:
+    """Exact expected continuations: completions ({prompt, expected}) and chat ({messages,
+    expected})."""
     if not ctx.oracle:
         return ProbeResult("oracle", "skip", "no --oracle file")
-    failures = []
+    t = Tally(ctx)
     for item in ctx.oracle:
         n = int(item.get("max_tokens") or G.SUITE_MAX_TOKENS)
-        got = ctx.client.complete(item["prompt"], n, extra={"ignore_eos": True}).text
+        if "messages" in item:
+            got = ctx.client.chat(item["messages"], n, extra={"ignore_eos": True}).text
+            what = f"chat {item['messages'][-1].get('content', '')[:32]!r}"
+        else:
+            got = ctx.client.complete(item["prompt"], n, extra={"ignore_eos": True}).text
+            what = f"{item['prompt'][:40]!r}"
         if not got.startswith(item["expected"]):
-            failures.append(f"{item['prompt'][:40]!r}: expected {item['expected']!r}, got {got!r}")
-    return _verdict("oracle", failures, [], f"{len(ctx.oracle)} prompt(s) as expected")
+            t.failures.append(f"{what}: expected {item['expected']!r}, got {got!r}")
+    return t.verdict("oracle", f"{len(ctx.oracle)} prompt(s) as expected")
 
 
 def golden_suite(ctx: Ctx) -> ProbeResult:
     if not ctx.golden:
         return ProbeResult("golden", "skip", "no --golden file (record one: gate record)")
-    failures, notes = [], []
+    t = Tally(ctx)
     for i, ref in enumerate(ctx.golden.get("suite", [])):
         label = f"suite[{i}] {ref['prompt'][:24]!r}"
-        _check(ctx, label, ref, _greedy(ctx, ref["prompt"], ref["max_tokens"]), failures, notes)
-        plain = _plain(ctx, ref["prompt"], ref["max_tokens"])
-        _check_text(ctx, label, ref, plain.text, failures, notes)
+        p, n = ref["prompt"], ref["max_tokens"]
+        t.agree(label, p, ref, greedy(ctx, p, n), trusted=True)
+        t.agree_text(label, p, ref, plain(ctx, p, n).text, trusted=True)
     n = len(ctx.golden.get("suite", []))
-    return _verdict("golden", failures, notes, f"{n} prompt(s) within tolerance")
+    return t.verdict("golden", f"{n} prompt(s) within tolerance")
 
 
 def determinism(ctx: Ctx) -> ProbeResult:
     prompt = G.SUITE_PROMPTS[0]
-    first = _greedy(ctx, prompt, G.SUITE_MAX_TOKENS)
-    failures, notes = [], []
+    first = greedy(ctx, prompt, G.SUITE_MAX_TOKENS)
+    t = Tally(ctx)
     for k in range(2):
-        again = _greedy(ctx, prompt, G.SUITE_MAX_TOKENS)
-        _check(ctx, f"repeat {k + 1}", first, again, failures, notes)
+        t.agree(f"repeat {k + 1}", prompt, first, greedy(ctx, prompt, G.SUITE_MAX_TOKENS))
     streamed = ctx.client.stream(
         prompt, G.SUITE_MAX_TOKENS, ctx.itl_deadline, extra={"ignore_eos": True}
     )
-    if streamed.text != first.text:
-        failures.append(f"streamed {streamed.text!r} != non-streamed {first.text!r}")
-    return _verdict("determinism", failures, notes, "3 repeats agree; streamed == non-streamed")
+    if streamed.text != first.text:  # streamed without logprobs: decided with evidence
+        t.agree_text("streamed", prompt, first, streamed.text)
+    return t.verdict("determinism", "3 repeats agree; streamed == non-streamed")
 
 
-def _ladder_prompts(ctx: Ctx) -> list[dict]:
+def ladder_prompts(ctx: Ctx) -> list[dict]:
     """[{prompt, max_tokens}] up to the context: calibrated chars/token, verified by usage."""
     ctxlen = ctx.context_length
     probe = G.ladder_prompt(min(len(G.LADDER_TEXT), ctxlen // 2))  # tokens <= chars: fits
@@ -169,59 +85,69 @@ def ladder(ctx: Ctx) -> ProbeResult:
     if ref_rungs:
         rungs = ref_rungs
     elif ctx.context_length:
-        rungs = _ladder_prompts(ctx)
+        rungs = ladder_prompts(ctx)
     else:
         return ProbeResult("ladder", "skip", "context length unknown (give --context-length)")
-    failures, notes, rows = [], [], []
+    t, rows = Tally(ctx), []
     for i, rung in enumerate(rungs):
-        label = f"rung {i} ({rung.get('prompt_tokens', '?')}+{rung['max_tokens']} tok)"
-        s = ctx.client.stream(
-            rung["prompt"], rung["max_tokens"], ctx.itl_deadline, extra={"ignore_eos": True}
-        )
-        cur = _greedy(ctx, rung["prompt"], rung["max_tokens"])
+        p = rung["prompt"]
+        s = ctx.client.stream(p, rung["max_tokens"], ctx.itl_deadline, extra={"ignore_eos": True})
+        cur = greedy(ctx, p, rung["max_tokens"])
         rows.append({"prompt_tokens": cur.prompt_tokens, "max_tokens": rung["max_tokens"]})
         label = f"rung {i} ({cur.prompt_tokens}+{rung['max_tokens']} tok)"
         if s.text != cur.text:
-            _check_text(ctx, f"{label} streamed", cur, s.text, failures, notes)
+            t.agree_text(f"{label} streamed", p, cur, s.text)
         if len(cur.tokens or []) != rung["max_tokens"]:
-            failures.append(f"{label}: {len(cur.tokens or [])} tokens, asked {rung['max_tokens']}")
+            n = len(cur.tokens or [])
+            t.failures.append(f"{label}: {n} tokens, asked {rung['max_tokens']}")
         if ref_rungs:
-            _check(ctx, label, rung, cur, failures, notes)
-            _check_text(ctx, f"{label} streamed", rung, s.text, failures, notes)
+            t.agree(label, p, rung, cur, trusted=True)
+            t.agree_text(f"{label} streamed", p, rung, s.text, trusted=True)
     longest = max((r["prompt_tokens"] or 0) for r in rows) if rows else 0
     what = "vs golden" if ref_rungs else "no golden: completion/stall/stream checks only"
-    return _verdict(
-        "ladder",
-        failures,
-        notes,
-        f"{len(rungs)} rungs up to {longest} prompt tokens ({what})",
-        {"rungs": rows},
-    )
+    detail = f"{len(rungs)} rungs up to {longest} prompt tokens ({what})"
+    return t.verdict("ladder", detail, {"rungs": rows})
+
+
+def concurrency_top(ctx: Ctx) -> tuple[int, str]:
+    """The largest concurrency to try and where it comes from: --max-concurrency, else our
+    server's largest captured graph bucket or max running requests (/server_info), else 32."""
+    if ctx.max_concurrency is not None:
+        return ctx.max_concurrency, "--max-concurrency"
+    info = ctx.server_info or {}
+    buckets = [b for b in (info.get("cuda_graph") or {}).get("buckets") or [] if isinstance(b, int)]
+    running = (info.get("server_args") or {}).get("max_running_requests")
+    if buckets:
+        top = max(buckets) + 1  # one past the largest captured size: the padded / eager edge
+        if isinstance(running, int):
+            top = min(top, running)
+        return top, "largest graph bucket + 1 (/server_info)"
+    if isinstance(running, int) and running >= 1:
+        return running, "max running requests (/server_info)"
+    return 32, "default (no /server_info: give --max-concurrency)"
 
 
 def concurrency_sizes(ctx: Ctx) -> list[int]:
+    top, _ = concurrency_top(ctx)
     if ctx.concurrency:
         sizes = set(ctx.concurrency)
     else:
-        sizes = {1, 3, 8, 13}
+        sizes = {1, 3, 8, 13, 17, top}  # 17: just past 16, a common graph-bucket size
         buckets = ((ctx.server_info or {}).get("cuda_graph") or {}).get("buckets") or []
         for b in buckets:  # each captured size and the one just past it (padded / uncaptured)
             if isinstance(b, int) and b >= 1:
                 sizes |= {b, b + 1}
-    cap = ctx.max_concurrency
-    info_cap = ((ctx.server_info or {}).get("server_args") or {}).get("max_running_requests")
-    if isinstance(info_cap, int):
-        cap = min(cap, info_cap)
-    return sorted(s for s in sizes if 1 <= s <= cap)
+    return sorted(s for s in sizes if 1 <= s <= top)
 
 
 def concurrency(ctx: Ctx) -> ProbeResult:
     sizes = concurrency_sizes(ctx)
+    top, why = concurrency_top(ctx)
     n = max(sizes)
     prompts = [f"Request {i}: count the apples. {G.SUITE_PROMPTS[i % 6]}" for i in range(n)]
     max_tokens = 16
-    alone = [_greedy(ctx, p, max_tokens) for p in prompts]
-    failures, notes = [], []
+    alone = [greedy(ctx, p, max_tokens) for p in prompts]
+    t = Tally(ctx)
     for s in sizes:
         if s == 1:
             continue
@@ -230,24 +156,19 @@ def concurrency(ctx: Ctx) -> ProbeResult:
         def one(i, barrier=barrier):
             barrier.wait(30)  # odd requests without logprobs: the production path
             if i % 2:
-                return _plain(ctx, prompts[i], max_tokens)
-            return _greedy(ctx, prompts[i], max_tokens)
+                return plain(ctx, prompts[i], max_tokens)
+            return greedy(ctx, prompts[i], max_tokens)
 
         with ThreadPoolExecutor(s) as pool:
             got = list(pool.map(one, range(s)))
         for i, cur in enumerate(got):
             label = f"concurrency {s} request {i}"
             if i % 2:
-                _check_text(ctx, label, alone[i], cur.text, failures, notes)
+                t.agree_text(label, prompts[i], alone[i], cur.text)
             else:
-                _check(ctx, label, alone[i], cur, failures, notes)
-    return _verdict(
-        "concurrency",
-        failures,
-        notes,
-        f"sizes {sizes}: every request equals its concurrency-1 output",
-        {"sizes": sizes},
-    )
+                t.agree(label, prompts[i], alone[i], cur)
+    detail = f"sizes {sizes} (top {top}: {why}): every request equals its concurrency-1 output"
+    return t.verdict("concurrency", detail, {"sizes": sizes})
 
 
 def speculation(ctx: Ctx) -> ProbeResult:
@@ -255,24 +176,24 @@ def speculation(ctx: Ctx) -> ProbeResult:
     prompts = list(G.SUITE_PROMPTS[:4])
     if ctx.context_length:
         prompts.append(G.ladder_prompt(min(ctx.context_length // 2, 1000)))
-    failures, notes = [], []
+    t = Tally(ctx)
     if ctx.baseline is not None:
         how = f"vs baseline {ctx.baseline.url}"
         for p in prompts:
-            ref = _greedy(ctx, p, 24, client=ctx.baseline)
-            _check(ctx, f"{p[:24]!r}", ref, _greedy(ctx, p, 24), failures, notes)
-            _check_text(ctx, f"{p[:24]!r}", ref, _plain(ctx, p, 24).text, failures, notes)
+            ref = greedy(ctx, p, 24, client=ctx.baseline)
+            t.agree(f"{p[:24]!r}", p, ref, greedy(ctx, p, 24), trusted=True)
+            t.agree_text(f"{p[:24]!r}", p, ref, plain(ctx, p, 24).text, trusted=True)
     elif spec.get("enabled"):
         how = "per-request speculative on vs off"
         for p in prompts:
-            off = _greedy(ctx, p, 24, speculative=False)
-            _check(ctx, f"{p[:24]!r}", off, _greedy(ctx, p, 24), failures, notes)
-            _check_text(ctx, f"{p[:24]!r}", off, _plain(ctx, p, 24).text, failures, notes)
+            off = greedy(ctx, p, 24, speculative=False)
+            t.agree(f"{p[:24]!r}", p, off, greedy(ctx, p, 24))
+            t.agree_text(f"{p[:24]!r}", p, off, plain(ctx, p, 24).text)
     else:
         return ProbeResult(
             "speculation", "skip", "speculation not enabled (/server_info) and no --baseline-url"
         )
-    return _verdict("speculation", failures, notes, f"{len(prompts)} prompts greedy-equal ({how})")
+    return t.verdict("speculation", f"{len(prompts)} prompts greedy-equal ({how})")
 
 
 def measure_latency(ctx: Ctx) -> dict:
@@ -317,8 +238,11 @@ def latency(ctx: Ctx) -> ProbeResult:
 FULL = (
     ("oracle", oracle),
     ("golden", golden_suite),
+    ("chat", chat.probe),
     ("determinism", determinism),
+    ("sampled", sampled.probe),
     ("ladder", ladder),
+    ("copy", copying.probe),
     ("concurrency", concurrency),
     ("speculation", speculation),
     ("latency", latency),
@@ -329,11 +253,16 @@ def record(ctx: Ctx) -> dict:
     """The golden suite, ladder and latency of this (known-good) deployment."""
     suite = []
     for p in G.SUITE_PROMPTS:
-        c = _greedy(ctx, p, G.SUITE_MAX_TOKENS)
-        suite.append({"prompt": p, "max_tokens": G.SUITE_MAX_TOKENS, **_as_ref(c)})
+        c = greedy(ctx, p, G.SUITE_MAX_TOKENS)
+        suite.append({"prompt": p, "max_tokens": G.SUITE_MAX_TOKENS, **c.to_json()})
     rungs = []
     if ctx.context_length:
-        for r in _ladder_prompts(ctx):
-            c = _greedy(ctx, r["prompt"], r["max_tokens"])
-            rungs.append({**r, **_as_ref(c)})
-    return {"suite": suite, "ladder": rungs, "latency": measure_latency(ctx)}
+        for r in ladder_prompts(ctx):
+            c = greedy(ctx, r["prompt"], r["max_tokens"])
+            rungs.append({**r, **c.to_json()})
+    return {
+        "suite": suite,
+        "chat": chat.record(ctx),
+        "ladder": rungs,
+        "latency": measure_latency(ctx),
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 
@@ -36,11 +37,22 @@ class Report:
         self.events: list[dict] = []
         self.results: list[ProbeResult] = []
         self.meta: dict = {}
+        self.frozen = False  # set when the run is abandoned at its deadline: late news is dropped
+        self._lock = threading.Lock()
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
+    def freeze(self) -> None:
+        with self._lock:
+            self.frozen = True
+
     def event(self, phase: str, state: str, detail: str = "") -> None:
+        with self._lock:
+            if not self.frozen:
+                self._event(phase, state, detail)
+
+    def _event(self, phase: str, state: str, detail: str) -> None:
         t = self.elapsed()
         self.events.append({"t": round(t, 3), "phase": phase, "state": state, "detail": detail})
         if not self.quiet:
@@ -48,11 +60,14 @@ class Report:
             print(line, file=self.stream, flush=True)
 
     def add(self, result: ProbeResult) -> ProbeResult:
-        self.results.append(result)
-        state = result.verdict.upper()
-        if result.verdict == "fail":
-            state += f"({int(result.code)})"
-        self.event(result.name, state, result.detail)
+        with self._lock:
+            if self.frozen:
+                return result
+            self.results.append(result)
+            state = result.verdict.upper()
+            if result.verdict == "fail":
+                state += f"({int(result.code)})"
+            self._event(result.name, state, result.detail)
         return result
 
     def exit_code(self) -> ExitCode:

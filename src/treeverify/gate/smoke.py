@@ -31,10 +31,12 @@ def run(
     interval: float = INTERVAL,
     tries: int = TRIES,
     request_timeout: float = REQUEST_TIMEOUT,
+    api_key: str | None = None,
 ) -> ProbeResult:
     t0 = time.monotonic()
     body = {"prompt": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS}
-    with httpx.Client(timeout=request_timeout) as http:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=request_timeout, headers=headers) as http:
         for i in range(1, tries + 1):
             time.sleep(interval)
             if target.smoke_failed():
