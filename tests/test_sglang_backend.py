@@ -133,6 +133,13 @@ def test_graph_hooks_refill_fixed_buffers_across_replays():
                                        plan.tree_mask)] == ptrs  # fmt: skip
         assert plan.qo_indptr.tolist() == [min(i * n, bsz * n) for i in range(5)]
         _run_verify(backend, case, _layer(), 4, 16, False, 0)
+    # A replay padded to the captured 4 requests with a mask built for the real 2 stays in bounds.
+    case = make_verify_case(rng, page_size=16, mla=False, n=n, prefix=[5, 40])
+    b = case.batch
+    b.req_pool_indices = torch.cat([b.req_pool_indices, b.req_pool_indices.new_zeros(2)])
+    b.seq_lens = torch.cat([b.seq_lens, b.seq_lens.new_ones(2)])  # SGLang's fill value 1
+    backend.init_forward_metadata_out_graph(b)
+    assert plan.prefix_lens.tolist() == [5, 40, 1, 1]
     with pytest.raises(ValueError, match="no captured verify graph holds 5"):
         big = make_verify_case(rng, page_size=16, mla=False, n=n, prefix=[3] * 5)
         backend.init_forward_metadata_out_graph(big.batch)

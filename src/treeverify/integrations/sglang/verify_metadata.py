@@ -49,6 +49,9 @@ def sglang_tree_block(custom_mask: Tensor, seq_lens: Tensor, n: int, mode: str) 
         start = b * (n * n) + n * before.view(bsz, 1, 1)  # (B, 1, 1)
         row_len = plen.view(bsz, 1, 1) + n
         flat = start + i * row_len + plen.view(bsz, 1, 1) + j  # (B, N, N)
+    # A graph replay may pad the batch past the requests the mask was built for: those rows
+    # read the mask's last entry instead of out of bounds (their output is never used).
+    flat = flat.clamp(max=custom_mask.numel() - 1)
     return custom_mask.reshape(-1)[flat] != 0
 
 
