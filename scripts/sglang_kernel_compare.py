@@ -21,8 +21,9 @@ import sys
 
 import torch
 
+from treeverify.bench.baselines import time_captured
 from treeverify.bench.cases import floor_seconds, load_grid, make_inputs
-from treeverify.bench.kernel import _git_commit, _rel_err, median_replay_seconds, time_plan
+from treeverify.bench.kernel import _git_commit, _rel_err, time_plan
 from treeverify.bench.sglang_inputs import (
     call_extend_attention,
     load_sglang_extend_attention,
@@ -36,19 +37,10 @@ def time_extend(fn, lay: dict, page_size: int, reps: int, replays: int):
     q = lay["q_extend"]
     out = torch.full((q.shape[0], q.shape[1], lay["v_head_dim"]), float("nan"), dtype=q.dtype,
                      device=q.device)  # fmt: skip
-    call_extend_attention(fn, lay, out, page_size)  # compile / workspace outside capture
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            call_extend_attention(fn, lay, out, page_size)
-    torch.cuda.current_stream().wait_stream(stream)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    result = out.clone()
-    return median_replay_seconds(graph, replays) / reps, result
+    secs, _ = time_captured(
+        lambda: call_extend_attention(fn, lay, out, page_size), out, reps, replays
+    )
+    return secs, out.clone()
 
 
 def run(args) -> dict:
