@@ -193,3 +193,40 @@ def test_verify_errors_name_the_cause():
         VerifyGeometry(num_qo_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=8, mla=False,
                        page_size=1, max_context_len=8, dtype=torch.float8_e4m3fn,
                        device=torch.device("cpu"))  # fmt: skip
+
+
+def _emulate_converter(mask, kv_indptr, mask_indptr, qo_indptr, batch, words, cap):
+    """Python transcription of kernels/cuda's sglang_mask_to_bits, to check its inputs."""
+    bits = torch.zeros(cap, words * 32, dtype=torch.bool)
+    total = int(qo_indptr[batch])
+    for tok in range(min(total, cap)):
+        b = max(i for i in range(batch) if int(qo_indptr[i]) <= tok)
+        i, n = tok - int(qo_indptr[b]), int(qo_indptr[b + 1] - qo_indptr[b])
+        p = int(kv_indptr[b + 1] - kv_indptr[b])
+        start = int(mask_indptr[b]) + i * (p + n) + p
+        assert start >= 0 and start + n <= mask.numel(), "out-of-bounds mask read"
+        bits[tok, :n] = mask[start : start + n].bool()
+    return bits
+
+
+@pytest.mark.parametrize("mode", [FULL_MASK, QLEN_ONLY])
+def test_gpu_converter_inputs_read_the_right_bytes_even_padded(mode):
+    from treeverify.integrations.sglang.verify_metadata import kernel_indptrs
+
+    rng = random.Random(random.randrange(2**31))
+    n, prefix = rng.randint(1, 40), [rng.randint(0, 30) for _ in range(3)]
+    parents = [[-1] + [rng.randrange(i) for i in range(1, n)] for _ in prefix]
+    full = torch.tensor(naive_full_mask(parents, prefix), dtype=torch.uint8)
+    seq = torch.tensor(prefix)
+    mask = full
+    if mode == QLEN_ONLY:
+        dense = unpack_tree_mask(sglang_mask_to_bits(full, seq, n, FULL_MASK), n)
+        mask = dense.reshape(-1).to(torch.uint8)
+    want = unpack_tree_mask(sglang_mask_to_bits(mask, seq, n, mode), n)
+    # A plan for 5 requests, 2 of them graph padding with SGLang's fill value 1.
+    plens = torch.tensor(prefix + [1, 1], dtype=torch.int32)
+    qo = torch.arange(6, dtype=torch.int32) * n
+    kv_indptr, mask_indptr = torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)
+    kernel_indptrs(plens, n, mask.numel(), mode, kv_indptr, mask_indptr)
+    got = _emulate_converter(mask, kv_indptr, mask_indptr, qo, 5, 2, 5 * n)
+    assert torch.equal(got[: 3 * n, :n], want)

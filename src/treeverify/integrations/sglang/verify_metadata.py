@@ -17,6 +17,8 @@ so it may run right before a graph replay (or inside a capture) on fixed-address
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
@@ -75,6 +77,62 @@ def block_table_from_req_to_token(
     return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
 
 
+def kernel_indptrs(
+    prefix_lens: Tensor, n: int, mask_numel: int, mode: str, kv_indptr: Tensor, mask_indptr: Tensor
+) -> None:
+    """The converter kernel's ``kv_indptr`` (int32) and ``mask_indptr`` (int64), ``(B+1,)``,
+    written in place from ``prefix_lens (B,)`` (padding requests 0).
+
+    A graph replay may pad the batch past the requests the mask was built for: each request's
+    start is clamped so its ``N * (P + N)`` bytes stay inside the mask (real requests already do;
+    padding rows' output is never used).
+    """
+    plen = prefix_lens.long() if mode == FULL_MASK else torch.zeros_like(prefix_lens).long()
+    kv_indptr[0] = 0
+    kv_indptr[1:].copy_(torch.cumsum(plen, 0))
+    size = n * (plen + n)  # (B,) mask bytes per request
+    mask_indptr[0] = 0
+    mask_indptr[1:].copy_(torch.cumsum(size, 0))
+    mask_indptr[:-1] = torch.minimum(mask_indptr[:-1], (mask_numel - size).clamp(min=0))
+
+
+def _bits_on_gpu(plan, custom_mask: Tensor, n: int, mode: str) -> bool:
+    """The mask conversion as one CUDA kernel (kernels/cuda's SGLang byte-mask converter) writing
+    straight into ``plan.tree_mask``; False where that kernel is not available (CPU, no NVRTC).
+
+    The torch path materialises (B, N, N) int64 index and bit tensors (~270 MB at B=32,
+    N=1025); this reads each mask byte once. Needs ``plan.prefix_lens``/``qo_indptr`` filled.
+    """
+    if not custom_mask.is_cuda:
+        return False
+    try:
+        from treeverify.kernels.cuda.launch import load
+        from treeverify.kernels.cuda.variants import MaskVariant
+
+        kernel = load(MaskVariant(), custom_mask.device)
+    except Exception:  # no cuda extra / NVRTC here: the torch path serves
+        return False
+    bufs = getattr(plan, "_sglang_indptrs", None)
+    if bufs is None:  # (kv_indptr int32, mask_indptr int64), fixed per plan
+        m = plan.max_batch + 1
+        bufs = plan._sglang_indptrs = (
+            torch.zeros(m, dtype=torch.int32, device=plan.prefix_lens.device),
+            torch.zeros(m, dtype=torch.int64, device=plan.prefix_lens.device),
+        )
+    kv_indptr, mask_indptr = bufs
+    kernel_indptrs(plan.prefix_lens, n, custom_mask.numel(), mode, kv_indptr, mask_indptr)
+    mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+    args = [
+        ctypes.c_void_p(mask.data_ptr()), ctypes.c_void_p(mask_indptr.data_ptr()),
+        ctypes.c_void_p(plan.qo_indptr.data_ptr()), ctypes.c_void_p(kv_indptr.data_ptr()),
+        ctypes.c_void_p(plan.tree_mask.data_ptr()), ctypes.c_int(plan.max_batch),
+        ctypes.c_int(plan.tree_mask.shape[1]), ctypes.c_int(plan.tree_mask.shape[0]),
+    ]  # fmt: skip
+    stream = torch.cuda.current_stream(custom_mask.device).cuda_stream
+    kernel.launch((plan.tree_mask.shape[0], 1, 1), args, stream)
+    return True
+
+
 def fill_verify_metadata(
     plan,
     *,
@@ -108,7 +166,8 @@ def fill_verify_metadata(
     plan.prefix_lens[bsz:].zero_()
     step = torch.arange(plan.qo_indptr.shape[0], device=plan.qo_indptr.device) * n
     plan.qo_indptr.copy_(step.clamp(max=total))  # (max_batch+1,): padding requests are empty
-    bits = sglang_mask_to_bits(custom_mask, seq_lens, n, mask_mode)  # (B*N, W)
-    plan.tree_mask.zero_()
-    plan.tree_mask[:total, : bits.shape[1]].copy_(bits)
+    if not _bits_on_gpu(plan, custom_mask, n, mask_mode):
+        bits = sglang_mask_to_bits(custom_mask, seq_lens, n, mask_mode)  # (B*N, W)
+        plan.tree_mask.zero_()
+        plan.tree_mask[:total, : bits.shape[1]].copy_(bits)
     plan.batch = bsz  # host bookkeeping for the torch backend
