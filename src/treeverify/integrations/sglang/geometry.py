@@ -55,7 +55,10 @@ def geometry_from_runner(runner) -> VerifyGeometry:
     first = getattr(pool, "start_layer", 0) or 0
     k_buf = pool.get_key_buffer(first)  # (slots, Hkv, Dqk)
     v_buf = pool.get_value_buffer(first)  # (slots, Hkv, Dv)
-    mla = bool(getattr(runner, "use_mla_backend", False))
+    # Our kernels' MLA mode means "V is the first Dv columns of the K row": exactly when the pool's
+    # value buffer is a view of its key buffer (SGLang's MLATokenToKVPool).
+    shared = v_buf.untyped_storage().data_ptr() == k_buf.untyped_storage().data_ptr()
+    mla = shared or bool(getattr(runner, "use_mla_backend", False))
     hq = runner.model_config.num_attention_heads // get_attention_tp_size()
     args = getattr(runner, "server_args", None)
     n = getattr(args, "speculative_num_draft_tokens", None)
