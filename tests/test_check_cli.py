@@ -217,4 +217,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "NOTIFY_SOCKET",
         "TREEVERIFY_TEST_HOOKS",
         "TREEVERIFY_FAULT",
+        "TREEVERIFY_API_KEY",
+        "TREEVERIFY_SGLANG_FALLBACK",
+        "TREEVERIFY_SGLANG_KERNEL",
     }

@@ -16,6 +16,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_TEST_HOOKS``: TEST ONLY; ``1`` adds the server's /_test/stall and /_test/resume.
 - ``TREEVERIFY_API_KEY``: the bearer key the server demands on every route but the health checks
   (``--api-key`` wins over it), and the one the gate and clients send; unset: no authentication.
+- ``TREEVERIFY_SGLANG_FALLBACK``: the stock SGLang attention backend that serves every mode but
+  target-verify behind ``--attention-backend treeverify``; default ``triton``.
+- ``TREEVERIFY_SGLANG_KERNEL``: the kernel backend the SGLang integration plans on (``cuda``,
+  ``triton`` or ``torch``); default ``cuda``.
 - ``TREEVERIFY_COMMIT``: the commit written into benchmark JSON where the checkout has no .git
   (the GPU machine's copy of the tree).
 """
@@ -43,6 +47,10 @@ VARIABLES: dict[str, str] = {
     "(default ~/.cache/treeverify).",
     "TREEVERIFY_LOG_LEVEL": "Level of the 'treeverify' logger: DEBUG, INFO, WARNING (default), "
     "ERROR, or a number.",
+    "TREEVERIFY_SGLANG_FALLBACK": "Stock SGLang attention backend for every mode but "
+    "target-verify under --attention-backend treeverify (default triton; MLA models: triton).",
+    "TREEVERIFY_SGLANG_KERNEL": "Kernel backend of the SGLang integration's verify plans: cuda "
+    "(default), triton or torch.",
     "CUDA_HOME": "A CUDA toolkit whose include/ the kernel compiler may use (optional).",
 }
 
@@ -76,6 +84,19 @@ def api_key() -> str | None:
 def commit_override() -> str | None:
     """TREEVERIFY_COMMIT: the commit to record in benchmark JSON where the tree has no .git."""
     return os.environ.get("TREEVERIFY_COMMIT", "").strip() or None
+
+
+def sglang_fallback() -> str:
+    """TREEVERIFY_SGLANG_FALLBACK: the stock SGLang backend for other modes (default triton)."""
+    return os.environ.get("TREEVERIFY_SGLANG_FALLBACK", "").strip() or "triton"
+
+
+def sglang_kernel() -> str:
+    """TREEVERIFY_SGLANG_KERNEL: cuda (default), triton or torch; anything else is a ValueError."""
+    value = os.environ.get("TREEVERIFY_SGLANG_KERNEL", "").strip() or "cuda"
+    if value not in ("cuda", "triton", "torch"):
+        raise ValueError(f"TREEVERIFY_SGLANG_KERNEL: expected cuda, triton or torch, got {value!r}")
+    return value
 
 
 def cuda_portable() -> bool:

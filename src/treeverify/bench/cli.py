@@ -10,7 +10,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmarks against the roofline")
     sub = p.add_subparsers(dest="bench_cmd", required=True)
     k = sub.add_parser("kernel", help="time tree attention over the 54-case grid (needs a GPU)")
-    k.add_argument("--backends", default="cuda", help="comma list of cuda,triton,torch")
+    k.add_argument(
+        "--backends", default="cuda",
+        help="comma list of cuda,triton,torch and the optional baselines flashinfer,sglang-triton "
+        "(skipped with one line why when not installed)",
+    )  # fmt: skip
     k.add_argument("--page-size", type=int, default=16)
     k.add_argument("--reps", type=int, default=10, help="launches captured per CUDA graph")
     k.add_argument("--replays", type=int, default=20, help="graph replays timed (median)")
@@ -49,9 +53,10 @@ def run(args: argparse.Namespace) -> int:
     from treeverify.bench.kernel import plot_roofline, print_table, run_grid, write_json
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ("cuda", "triton", "torch")]
+    known = ("cuda", "triton", "torch", "flashinfer", "sglang-triton")
+    bad = [b for b in backends if b not in known]
     if bad:
-        print(f"--backends: unknown {bad}; choose from cuda, triton, torch", file=sys.stderr)
+        print(f"--backends: unknown {bad}; choose from {', '.join(known)}", file=sys.stderr)
         return 64
     result = run_grid(backends, page_size=args.page_size, reps=args.reps, replays=args.replays,
                       only=args.only, verify=not args.no_verify)  # fmt: skip

@@ -111,9 +111,15 @@ def run_grid(
     verify: bool = True,
     torch_max_flops: float = 2e12,
 ) -> dict:
+    from treeverify.bench.baselines import BASELINES, geomean, time_baseline, unavailable
+
     cases, ceilings = load_grid()
     if only:
         cases = [c for c in cases if only in c.name]
+    skipped = {b: why for b in backends if b in BASELINES and (why := unavailable(b))}
+    for b, why in skipped.items():  # an optional baseline that cannot run: one line, not a crash
+        print(f"{b}: skipped: {why}", file=sys.stderr)
+    backends = [b for b in backends if b not in skipped]
     rows = []
     for i, case in enumerate(progress(cases, "kernel grid", unit="case")):
         inp = make_inputs(case, page_size=page_size, device="cuda", seed=1000 + i)
@@ -134,6 +140,9 @@ def run_grid(
                     row["chunk"] = plan.split_policy.chunk
                     if backend == "triton":
                         row["triton_config"] = plan._triton.config.__dict__
+                elif backend in BASELINES:
+                    secs, out, notes = time_baseline(backend, case, inp, page_size, reps, replays)
+                    row.update(notes)
                 elif backend == "torch":
                     if flops > torch_max_flops:
                         row["skipped"] = "reference too slow at this size"
@@ -159,6 +168,10 @@ def run_grid(
                 f"  err {row.get('rel_err', float('nan')):.1e}",
                 flush=True,
             )
+        ours = next((r for r in rows if r["case"] == case.name and r["backend"] == "cuda"), None)
+        for r in rows:  # our ratio: how many times faster the cuda backend is on this case
+            if r["case"] == case.name and r["backend"] != "cuda" and "us" in r and ours:
+                r["ours_ratio"] = r["us"] / ours["us"] if "us" in ours else None
         del inp, ref
         torch.cuda.empty_cache()
     summary = {}
@@ -173,6 +186,9 @@ def run_grid(
             "min_efficiency": min(effs) if effs else None,
             "max_efficiency": max(effs) if effs else None,
             "max_rel_err": max(errs) if errs else None,
+            "ours_ratio_geomean": geomean(
+                [r["ours_ratio"] for r in rows if r["backend"] == backend and r.get("ours_ratio")]
+            ),
         }
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -184,6 +200,7 @@ def run_grid(
         "replays": replays,
         "ceilings": ceilings,
         "summary": summary,
+        "skipped_backends": skipped,
         "rows": rows,
     }
 
@@ -225,7 +242,9 @@ def print_table(result: dict) -> None:
                 f"{b}: geomean {s['geomean_efficiency']:.1%} of floor over {s['cases']} cases, "
                 f"min {s['min_efficiency']:.1%}, max {s['max_efficiency']:.1%}, "
                 f"max rel err {s['max_rel_err']}"
-            )
+                + (f", ours {s['ours_ratio_geomean']:.2f}x faster" if s.get("ours_ratio_geomean")
+                   else "")
+            )  # fmt: skip
 
 
 def plot_roofline(result: dict, path: str | Path) -> None:
@@ -243,7 +262,7 @@ def plot_roofline(result: dict, path: str | Path) -> None:
         "k-",
         label="roofline (H200 measured ceilings)",
     )
-    markers = {"cuda": "o", "torch": "x", "triton": "s"}
+    markers = {"cuda": "o", "torch": "x", "triton": "s", "flashinfer": "^", "sglang-triton": "v"}
     for b in result["summary"]:
         pts = [
             (r["tflop_per_s"] * 1e12 / (r["tb_per_s"] * 1e12), r["tflop_per_s"])

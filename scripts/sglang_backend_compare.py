@@ -1,0 +1,370 @@
+"""Issue 16 part 2b (GPU, needs the sglang package): treeverify's SGLang backend vs SGLang's own
+TritonAttnBackend on SGLang's batch objects in TARGET_VERIFY mode, eager and in a captured CUDA
+graph replayed with new metadata (new prefixes, trees and pages of the same batch size).
+
+The smallest honest harness, not a ModelRunner: real `ForwardBatch`, `ForwardMode`,
+`EagleVerifyInput`, `RadixAttention` and `TritonAttnBackend` where they construct; a runner
+namespace with the attributes Triton's constructor reads (any it reads beyond those is None and
+listed in the JSON under `runner_defaults`); a plain token pool with SGLang's pool methods. What
+was substituted is recorded in the JSON (`harness`). UNRUN as of this commit.
+
+    python scripts/sglang_backend_compare.py --json out.json [--pages 1,16] [--replays 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import random
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from treeverify.bench.kernel import _git_commit, _rel_err
+from treeverify.kernels.bits import pack_bits
+from treeverify.kernels.reference import tree_attention_reference
+
+HARNESS: dict[str, str] = {}
+SHAPES = {  # name: (Hq, Hkv, Dqk, Dv, mla) per GPU, as the grid's models
+    "llama8b": (32, 8, 128, 128, False),
+    "kimi_tp8": (8, 1, 576, 512, True),
+}
+
+
+class Permissive(SimpleNamespace):
+    """A namespace that answers None for attributes it was not given and remembers which."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.__dict__.setdefault("_defaulted", set()).add(name)
+        return None
+
+
+class Pool:
+    """A token pool with SGLang's pool methods: K (and V unless MLA) per layer, [slots, H, D]."""
+
+    def __init__(self, slots, hkv, dqk, dv, mla, dtype):
+        self.k = torch.zeros(slots, hkv, dqk, dtype=dtype, device="cuda")
+        self.v = None if mla else torch.zeros(slots, hkv, dv, dtype=dtype, device="cuda")
+        self.dv, self.start_layer, self.size = dv, 0, slots
+
+    def get_key_buffer(self, layer_id):
+        return self.k
+
+    def get_value_buffer(self, layer_id):
+        return self.k[..., : self.dv] if self.v is None else self.v
+
+    def get_kv_buffer(self, layer_id):
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
+        self.k[loc] = cache_k.view(-1, *self.k.shape[1:])
+        if self.v is not None:
+            self.v[loc] = cache_v.view(-1, *self.v.shape[1:])
+
+
+def _real(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        HARNESS[f"{module}.{name}"] = f"unavailable ({type(exc).__name__}: {exc})"
+        return None
+
+
+def _dataclass_instance(cls, **values):
+    """An instance of SGLang's dataclass `cls` with `values`, other fields at their defaults
+    (None where a field has none), without running its __init__/__post_init__."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        object.__setattr__(obj, f.name, value)
+    for k, v in values.items():  # values that are not fields (properties aside)
+        if not hasattr(obj, k):
+            object.__setattr__(obj, k, v)
+    return obj
+
+
+class Step:
+    """One verify step's data written into fixed buffers (the graph's addresses)."""
+
+    def __init__(self, bsz, n, max_prefix, page_size, shape, ctx):
+        hq, hkv, dqk, dv, mla = shape
+        self.bsz, self.n, self.ps, self.shape = bsz, n, page_size, shape
+        pages = bsz * -(-(max_prefix + n) // page_size) + 2
+        self.pool = Pool(pages * page_size, hkv, dqk, dv, mla, torch.bfloat16)
+        self.num_pages = pages
+        self.req_to_token = torch.zeros(bsz + 1, ctx, dtype=torch.int32, device="cuda")
+        self.req_pool_indices = torch.arange(1, bsz + 1, dtype=torch.int64, device="cuda")
+        self.seq_lens = torch.zeros(bsz, dtype=torch.int64, device="cuda")
+        self.out_cache_loc = torch.zeros(bsz * n, dtype=torch.int64, device="cuda")
+        self.q = torch.zeros(bsz * n, hq, dqk, dtype=torch.bfloat16, device="cuda")
+        self.k = torch.zeros(bsz * n, hkv, dqk, dtype=torch.bfloat16, device="cuda")
+        self.v = torch.zeros(bsz * n, hkv, dv, dtype=torch.bfloat16, device="cuda")
+        self.max_prefix = max_prefix
+
+    def draw(self, rng: random.Random):
+        """New prefixes, pages, trees and data, written in place; returns the custom mask and
+        the reference inputs (block table, parents)."""
+        bsz, n, ps = self.bsz, self.n, self.ps
+        prefix = [rng.randint(1, self.max_prefix) for _ in range(bsz)]
+        free = list(range(1, self.num_pages))
+        rng.shuffle(free)
+        table = []
+        self.pool.k.normal_()
+        if self.pool.v is not None:
+            self.pool.v.normal_()
+        for b in range(bsz):
+            pages = [free.pop() for _ in range(-(-(prefix[b] + n) // ps))]
+            table.append(pages)
+            t = torch.arange(prefix[b] + n)
+            slots = torch.tensor(pages)[t // ps] * ps + t % ps
+            self.req_to_token[b + 1, : len(slots)] = slots.to("cuda", torch.int32)
+            self.out_cache_loc[b * n : (b + 1) * n] = slots[prefix[b] :].cuda()
+        self.seq_lens.copy_(torch.tensor(prefix))
+        for t in (self.q, self.k, self.v):
+            t.normal_()
+        if self.pool.v is None:  # MLA: V is the first Dv columns of the K row
+            self.v.copy_(self.k[..., : self.v.shape[-1]])
+        parents = [[-1] + [rng.randrange(i) for i in range(1, n)] for _ in range(bsz)]
+        dense = torch.zeros(bsz, n, n, dtype=torch.bool)
+        for b, row in enumerate(parents):
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    dense[b, i, j] = True
+                    j = row[j]
+        flat = [torch.cat([torch.ones(n, prefix[b], dtype=torch.bool), dense[b]], 1).reshape(-1)
+                for b in range(bsz)]  # fmt: skip
+        width = max(len(p) for p in table)
+        block_table = torch.tensor([p + [0] * (width - len(p)) for p in table], dtype=torch.int32)
+        return torch.cat(flat).cuda(), {
+            "block_table": block_table.cuda(),
+            "prefix_lens": torch.tensor(prefix, dtype=torch.int32, device="cuda"),
+            "qo_indptr": torch.arange(0, (bsz + 1) * n, n, dtype=torch.int32, device="cuda"),
+            "tree_mask": pack_bits(dense.reshape(bsz * n, n)).cuda(),
+        }
+
+    def reference(self, ref_inputs, scale):
+        hq, hkv, dqk, dv, mla = self.shape
+        k_cache = self.pool.k.view(-1, self.ps, hkv, dqk)
+        v_cache = None if mla else self.pool.v.view(-1, self.ps, hkv, dv)
+        return tree_attention_reference(
+            self.q, k_cache, v_cache, ref_inputs["block_table"], ref_inputs["prefix_lens"],
+            ref_inputs["qo_indptr"], ref_inputs["tree_mask"], scale,
+            v_head_dim=dv if mla else None, check_data=False,
+        )  # fmt: skip
+
+
+def _ensure_sglang_imports() -> None:
+    """Stub what this harness may stand in for, recording each substitution."""
+    if importlib.util.find_spec("sgl_kernel") is None:  # CUDA-only import in triton_backend
+        stub = type(sys)("sgl_kernel")
+        stub.utils = type(sys)("sgl_kernel.utils")
+        stub.utils.is_arch_support_pdl = lambda: False
+        sys.modules.update({"sgl_kernel": stub, "sgl_kernel.utils": stub.utils})
+        HARNESS["sgl_kernel"] = "not installed: stubbed (utils.is_arch_support_pdl -> False)"
+    dp = importlib.import_module("sglang.srt.layers.dp_attention")
+    try:
+        dp.get_attention_tp_size()
+    except Exception as exc:  # no distributed state in this process
+        dp.get_attention_tp_size = lambda: 1
+        HARNESS["get_attention_tp_size"] = f"uninitialised ({type(exc).__name__}): patched to 1"
+
+
+def build_runner(step: Step, shape, page_size: int, n: int, ctx: int) -> Permissive:
+    hq, hkv, dqk, dv, mla = shape
+    arch_enum = _real("sglang.srt.configs.model_config", "AttentionArch")
+    arch = getattr(arch_enum, "MLA" if mla else "MHA", None) if arch_enum else None
+    model_config = Permissive(
+        num_attention_heads=hq, get_num_kv_heads=lambda tp: hkv, attention_arch=arch,
+        v_head_dim=dv, swa_v_head_dim=dv, context_len=ctx, is_encoder_decoder=False,
+    )  # fmt: skip
+    server_args = Permissive(
+        speculative_num_draft_tokens=n, speculative_num_steps=1, speculative_eagle_topk=4,
+        triton_attention_num_kv_splits=8, triton_attention_split_tile_size=None,
+        enable_deterministic_inference=False, disable_cuda_graph=False,
+        chunked_prefill_size=8192, page_size=page_size, speculative_attention_mode="prefill",
+    )  # fmt: skip
+    pool = SimpleNamespace(req_to_token=step.req_to_token, size=step.req_to_token.shape[0])
+    return Permissive(
+        model_config=model_config, server_args=server_args, req_to_token_pool=pool,
+        token_to_kv_pool=step.pool, sliding_window_size=None, hybrid_gdn_config=None,
+        kimi_linear_config=None, linear_attn_model_spec=None, device="cuda", gpu_id=0,
+        page_size=page_size, use_mla_backend=mla, dtype=torch.bfloat16,
+    )  # fmt: skip
+
+
+def build_layer(shape, scale: float):
+    hq, hkv, dqk, dv, mla = shape
+    cls = _real("sglang.srt.layers.radix_attention", "RadixAttention")
+    if cls is not None:
+        try:
+            return cls(hq, dqk, scale, num_kv_heads=hkv, layer_id=0, v_head_dim=dv)
+        except Exception as exc:
+            HARNESS["RadixAttention()"] = f"failed ({type(exc).__name__}: {exc}): namespace"
+    return Permissive(
+        tp_q_head_num=hq, tp_k_head_num=hkv, tp_v_head_num=hkv, qk_head_dim=dqk, head_dim=dqk,
+        v_head_dim=dv, scaling=scale, logit_cap=0.0, layer_id=0, sliding_window_size=-1,
+        is_cross_attention=False,
+    )  # fmt: skip
+
+
+def build_batch(step: Step, mask: torch.Tensor, backend):
+    fb_cls = _real("sglang.srt.model_executor.forward_batch_info", "ForwardBatch")
+    mode = _real("sglang.srt.model_executor.forward_batch_info", "ForwardMode").TARGET_VERIFY
+    verify_cls = _real("sglang.srt.speculative.eagle_info", "EagleVerifyInput")
+    spec = dict(custom_mask=mask, draft_token_num=step.n, topk=4, spec_steps=1)
+    spec_info = _dataclass_instance(verify_cls, **spec) if verify_cls else Permissive(**spec)
+    fields = dict(
+        forward_mode=mode, batch_size=step.bsz, req_pool_indices=step.req_pool_indices,
+        seq_lens=step.seq_lens, seq_lens_cpu=step.seq_lens.cpu(),
+        seq_lens_sum=int(step.seq_lens.sum()), out_cache_loc=step.out_cache_loc,
+        input_ids=torch.zeros(step.bsz * step.n, dtype=torch.int64, device="cuda"),
+        positions=torch.zeros(step.bsz * step.n, dtype=torch.int64, device="cuda"),
+        req_to_token_pool=SimpleNamespace(req_to_token=step.req_to_token),
+        token_to_kv_pool=step.pool, spec_info=spec_info, attn_backend=backend,
+    )  # fmt: skip
+    if dataclasses.is_dataclass(fb_cls):
+        return _dataclass_instance(fb_cls, **fields)
+    HARNESS["ForwardBatch"] = "not a dataclass here: namespace"
+    return Permissive(**fields)
+
+
+def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dict:
+    """Eager, then capture + replays with new metadata, for one backend; errors vs reference."""
+    from treeverify.bench.kernel import median_replay_seconds
+
+    row: dict = {"backend": name}
+    backend = make_backend()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    mask, ref_in = step.draw(rng)
+    fb = build_batch(step, mask, backend)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(step.q, step.k, step.v, layer, fb).clone()
+    ref = step.reference(ref_in, scale)
+    row["eager_rel_err"] = _rel_err(out.view_as(ref), ref)
+    backend.init_cuda_graph_state(step.bsz, step.bsz * step.n)
+    mask, ref_in = step.draw(rng)
+    fb = build_batch(step, mask, backend)
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        backend.init_forward_metadata_in_graph(fb)
+        static_out = backend.forward(step.q, step.k, step.v, layer, fb)
+    torch.cuda.current_stream().wait_stream(stream)
+    row["graph_rel_err"], row["graph_vs_eager"] = [], []
+    for _ in range(replays):  # new prefixes, trees, pages: same bucket, same buffers
+        mask, ref_in = step.draw(rng)
+        fb = build_batch(step, mask, backend)
+        backend.init_forward_metadata_out_graph(fb)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = static_out.clone()
+        ref = step.reference(ref_in, scale)
+        row["graph_rel_err"].append(_rel_err(got.view_as(ref), ref))
+        backend.init_forward_metadata(fb)
+        eager = backend.forward(step.q, step.k, step.v, layer, fb)
+        row["graph_vs_eager"].append(_rel_err(got, eager))
+    row["replay_us"] = median_replay_seconds(graph, 20) * 1e6
+    return row
+
+
+def run(args) -> dict:
+    from treeverify.integrations.sglang import install
+    from treeverify.integrations.sglang.registry import build_backend
+
+    _ensure_sglang_imports()
+    try:  # the registration path as SGLang would run it; the comparison does not depend on it
+        install()
+        HARNESS["install()"] = "ok"
+    except Exception as exc:
+        HARNESS["install()"] = f"failed: {type(exc).__name__}: {exc}"
+    triton_cls = _real("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend")
+    if triton_cls is None:
+        raise ImportError(HARNESS["sglang.srt.layers.attention.triton_backend.TritonAttnBackend"])
+    rows, defaulted = [], set()
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        scale = 192**-0.5 if shape[4] else shape[2] ** -0.5
+        for page_size in [int(p) for p in args.pages.split(",")]:
+            step = Step(args.batch, args.n, args.max_prefix, page_size, shape, args.ctx)
+            runner = build_runner(step, shape, page_size, args.n, args.ctx)
+            layer = build_layer(shape, scale)
+            makers = {
+                "sglang_triton": lambda r=runner: triton_cls(r),
+                "treeverify": lambda r=runner: build_backend(r, "triton", args.kernel),
+            }
+            for name, make in makers.items():
+                key = {"shape": shape_name, "page_size": page_size}
+                try:
+                    row = key | compare(name, make, step, shape, layer, scale, args.seed,
+                                        args.replays)  # fmt: skip
+                except Exception as exc:  # report what did not run, keep going
+                    row = key | {"backend": name, "error": f"{type(exc).__name__}: {exc}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            defaulted |= runner.__dict__.get("_defaulted", set())
+            defaulted |= {f"model_config.{a}" for a in runner.model_config.__dict__.get(
+                "_defaulted", set())}  # fmt: skip
+            defaulted |= {f"server_args.{a}" for a in runner.server_args.__dict__.get(
+                "_defaulted", set())}  # fmt: skip
+    for r in rows:
+        twin = [o for o in rows if o["backend"] == "sglang_triton" and o["shape"] == r["shape"]
+                and o["page_size"] == r["page_size"]]  # fmt: skip
+        if r["backend"] == "treeverify" and twin and "replay_us" in r and "replay_us" in twin[0]:
+            r["speedup_vs_sglang_triton"] = twin[0]["replay_us"] / r["replay_us"]
+    return {"commit": _git_commit(), "gpu": torch.cuda.get_device_name(),
+            "command": " ".join(sys.argv), "sglang_version": importlib.import_module(
+                "sglang").__version__, "harness": HARNESS,
+            "runner_defaults": sorted(defaulted), "rows": rows}  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json")
+    p.add_argument("--shapes", default="llama8b,kimi_tp8")
+    p.add_argument("--pages", default="1,16")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--n", type=int, default=64, help="verified tokens per request")
+    p.add_argument("--max-prefix", type=int, default=4096)
+    p.add_argument("--ctx", type=int, default=8192, help="req_to_token columns")
+    p.add_argument("--replays", type=int, default=3)
+    p.add_argument("--kernel", default="cuda", help="treeverify plan backend: cuda or triton")
+    p.add_argument("--seed", type=int, default=random.randrange(2**31))
+    p.add_argument("--tol", type=float, default=2e-2)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("sglang_backend_compare: needs a CUDA GPU", file=sys.stderr)
+        return 3
+    try:
+        result = run(args)
+    except ImportError as exc:
+        print(f"sglang_backend_compare: {exc}; docs/sglang.md lists the wheels", file=sys.stderr)
+        return 3
+    result["seed"] = args.seed
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    errs = [e for r in result["rows"] for k in ("eager_rel_err", "graph_rel_err", "graph_vs_eager")
+            for e in ([r[k]] if isinstance(r.get(k), float) else r.get(k, []))]  # fmt: skip
+    bad = any("error" in r for r in result["rows"]) or not errs or max(errs) > args.tol
+    print(json.dumps({"harness": HARNESS, "max_rel_err": max(errs) if errs else None}))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

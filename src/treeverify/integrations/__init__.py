@@ -1,0 +1,1 @@
+"""Integrations of treeverify's kernels into other engines (each imports its engine lazily)."""
