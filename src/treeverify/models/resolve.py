@@ -18,9 +18,10 @@ class ModelNotFound(Exception):
 
 
 def _builtin_names() -> list[str]:
+    from treeverify.models.shipped import SHIPPED_MODELS
     from treeverify.models.tiny import TINY_MODELS
 
-    return sorted(TINY_MODELS)
+    return sorted((*TINY_MODELS, *SHIPPED_MODELS))
 
 
 def resolve_model(name: str) -> str:
