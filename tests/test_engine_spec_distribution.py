@@ -3,8 +3,10 @@ round commits follow the target model's own distribution (chi-square against the
 probabilities computed from the model), and a planted wrong bonus token fails the same test
 (negative control). Fixed seeds: the outcome is deterministic, not flaky.
 
-The prompt is tiny-llama's own greedy continuation of a sentence (a 2-cycle), so the n-gram
-drafter's trees are often accepted and the walk, not only the bonus draw, is exercised.
+Two pairs: tiny-llama (random weights) with the n-gram drafter, on its own greedy continuation of
+a sentence (a 2-cycle, so the n-gram trees are often accepted and the walk, not only the bonus
+draw, is exercised); and the trained pair tiny-code + tiny-code-dflash (its own drafter, picked by
+default) on a code prompt at temperature 1.
 """
 
 from __future__ import annotations
@@ -18,44 +20,50 @@ from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 from treeverify.models import TorchAttention  # noqa: E402
 
-TEMP = 0.05  # the tiny random model is flat: a low temperature makes it peaked
 N = 1500
 TOP = 3  # cells: the TOP most likely tokens at each of the three positions, plus "the rest"
+# model -> (temperature, prompt, LLM keywords). The tiny random model is flat: a low temperature
+# makes it peaked; the trained one is sampled as it is.
+CASES = {
+    "tiny-llama": (0.05, "The capital of France is", {"speculative_num_draft_tokens": 3}),
+    "tiny-code": (1.0, "def read_config(path):\n", {}),
+}
 
 
-def _prompt(llm: LLM) -> list[int]:
-    base = llm.tokenizer.encode("The capital of France is")
+def _prompt(llm: LLM, text: str) -> list[int]:
+    base = llm.tokenizer.encode(text)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return base + llm.generate([base], greedy)[0].token_ids
 
 
-def _probs(llm: LLM, ids: list[int]) -> torch.Tensor:
+def _probs(llm: LLM, ids: list[int], temp: float) -> torch.Tensor:
     with torch.inference_mode():
         t = torch.tensor(ids)
         logits = llm.model(t, torch.arange(len(t)), attention=TorchAttention())[-1]
-    return torch.softmax(logits.double() / TEMP, -1)  # (V,)
+    return torch.softmax(logits.double() / temp, -1)  # (V,)
 
 
-def _run(fault: str | None, monkeypatch):
+def _run(model: str, fault: str | None, monkeypatch):
     if fault:
         monkeypatch.setenv("TREEVERIFY_FAULT", fault)
-    llm = LLM("tiny-llama", max_num_seqs=256, speculative_algorithm="DDTREE",
-              speculative_ddtree_budget=8, speculative_num_draft_tokens=3)  # fmt: skip
-    prompt = _prompt(llm)
-    params = [SamplingParams(temperature=TEMP, seed=s, max_tokens=3, ignore_eos=True)
+    temp, text, kw = CASES[model]
+    llm = LLM(model, max_num_seqs=256, speculative_algorithm="DDTREE",
+              speculative_ddtree_budget=8, **kw)  # fmt: skip
+    prompt = _prompt(llm, text)
+    params = [SamplingParams(temperature=temp, seed=s, max_tokens=3, ignore_eos=True)
               for s in range(N)]  # fmt: skip
     outs = llm.generate([prompt] * N, params)
     # Token 1 comes from the prefill; tokens 2 and 3 from the first speculative round.
-    return [tuple(o.token_ids) for o in outs], llm, prompt
+    return [tuple(o.token_ids) for o in outs], llm, prompt, temp
 
 
-def _p_value(triples, llm, prompt) -> float:
+def _p_value(triples, llm, prompt, temp) -> float:
     expected: dict[tuple, float] = {}
-    p1 = _probs(llm, prompt)
+    p1 = _probs(llm, prompt, temp)
     for a in torch.topk(p1, TOP).indices.tolist():
-        p2 = _probs(llm, prompt + [a])
+        p2 = _probs(llm, prompt + [a], temp)
         for b in torch.topk(p2, TOP).indices.tolist():
-            p3 = _probs(llm, prompt + [a, b])
+            p3 = _probs(llm, prompt + [a, b], temp)
             for c in torch.topk(p3, TOP).indices.tolist():
                 expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c]) * len(triples)
     keep = [k for k, e in expected.items() if e >= 5]
@@ -68,13 +76,15 @@ def _p_value(triples, llm, prompt) -> float:
     return float(scipy_stats.chisquare(obs, exp).pvalue)
 
 
-def test_spec_rounds_commit_target_samples(monkeypatch):
-    triples, llm, prompt = _run(None, monkeypatch)
+@pytest.mark.parametrize("model", list(CASES))
+def test_spec_rounds_commit_target_samples(model, monkeypatch):
+    triples, llm, prompt, temp = _run(model, None, monkeypatch)
     hist = llm.spec.stats.histogram
     assert sum(n for k, n in hist.items() if k >= 2) > N // 10  # trees accepted, not only bonuses
-    assert _p_value(triples, llm, prompt) > 1e-4
+    assert _p_value(triples, llm, prompt, temp) > 1e-4
 
 
-def test_a_wrong_bonus_token_fails_the_same_test(monkeypatch):
-    triples, llm, prompt = _run("spec_diverge", monkeypatch)
-    assert _p_value(triples, llm, prompt) < 1e-6
+@pytest.mark.parametrize("model", list(CASES))
+def test_a_wrong_bonus_token_fails_the_same_test(model, monkeypatch):
+    triples, llm, prompt, temp = _run(model, "spec_diverge", monkeypatch)
+    assert _p_value(triples, llm, prompt, temp) < 1e-6
