@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from treeverify.engine.sequence import Sequence
-from treeverify.models.shipped import SHIPPED_DRAFTERS, shipped_dir
+from treeverify.models.shipped import SHIPPED_DRAFTERS, own_drafter, shipped_dir
 from treeverify.spec.ngram import NgramDrafter
 
 
@@ -119,8 +119,6 @@ def resolve_drafter(path: str | None, model: str) -> str:
     (tiny-code -> tiny-code-dflash), else the weight-free n-gram drafter."""
     if path is not None:
         return path
-    from treeverify.models.shipped import own_drafter
-
     return own_drafter(model) or "ngram"
 
 
