@@ -100,11 +100,15 @@ class LLM:
         )
         log.info("%s", self.startup["kv"])
         t0 = self._phase("kv_alloc", t0)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+        # Every EOS id: the tokenizer's, config.json's and generation_config.json's (int or list).
+        eos = getattr(self.tokenizer, "eos_token_ids", None) or [
+            getattr(self.tokenizer, "eos_token_id", None)
+        ]
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size, eos_token_id=eos,
+            chunked_prefill_size=chunked_prefill_size,
+            eos_token_ids=[e for e in eos if e is not None],
             detokenize=self.tokenizer.decode,
         )  # fmt: skip
         budget = speculative_ddtree_budget if speculative_algorithm else 0
