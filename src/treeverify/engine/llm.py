@@ -26,6 +26,7 @@ from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.engine.drafters import make_source
 from treeverify.engine.kv_cache import KVCache
+from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
 from treeverify.engine.sampler import TokenLogprobs, sample
@@ -84,6 +85,8 @@ class LLM:
                                                              seed=seed)  # fmt: skip
         self.model.eval().fuse_for_inference()
         t0 = self._phase("load", t0)
+        # Penalty / logit_bias tables (one row per running request), before the KV pool sizing.
+        self.processor = LogitsProcessor(max_num_seqs, self.config.vocab_size, self.device)
         spec = self.model.kv_cache_spec()
         if num_pages is None and on_gpu:
             sizing = size_kv_pool(spec, dtype, page_size, mem_fraction_static, self.device)
@@ -126,7 +129,7 @@ class LLM:
             self.spec = SpeculativeDecoder(
                 self.block_manager, self.cache, self.config.vocab_size,
                 algorithm=speculative_algorithm, budget=speculative_ddtree_budget,
-                depth=speculative_num_draft_tokens, source=source,
+                depth=speculative_num_draft_tokens, source=source, processor=self.processor,
             )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._next_id = 0
@@ -170,9 +173,14 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:  # fmt: skip
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = params or SamplingParams()
+        vocab = self.config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "
+                             f"vocabulary (0..{vocab - 1})")  # fmt: skip
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         self._next_id += 1
-        seq = self.scheduler.add(Sequence(rid, ids, params or SamplingParams()))
+        seq = self.scheduler.add(Sequence(rid, ids, params))
         self._logprobs[rid] = []
         return seq
 
@@ -195,8 +203,8 @@ class LLM:
         plain = [i for i, s in enumerate(batch.sampled) if s.request_id not in trees]
         out: list[int | list[int]] = [0] * len(rows)
         if plain:
-            toks, infos = sample(torch.cat([rows[i] for i in plain]),
-                                 [batch.sampled[i] for i in plain])  # fmt: skip
+            toks, infos = self._sample(torch.cat([rows[i] for i in plain]),
+                                       [batch.sampled[i] for i in plain])  # fmt: skip
             for i, tok, info in zip(plain, toks, infos, strict=True):
                 out[i] = tok
                 self._logprobs[batch.sampled[i].request_id].append(info)
@@ -208,6 +216,7 @@ class LLM:
                                        strict=True):  # fmt: skip
                 out[at[seq.request_id]] = toks
                 paths[seq.request_id] = path
+            self._keep_round_logprobs(tb)
         if self.spec is not None and self.runner.hidden is not None:
             self._observe(batch, trees, paths, self.runner.hidden)
         return out
@@ -227,6 +236,7 @@ class LLM:
         host_seconds = time.perf_counter() - t0  # on a GPU only the launch
         stats.phase_seconds["verify"] += host_seconds
         out = self.spec.accept_batch(tb, logits)  # reads the results: the forward is done
+        self._keep_round_logprobs(tb)
         stats.forward_seconds += ev[0].elapsed_time(ev[1]) / 1e3 if on_gpu else host_seconds
         hidden = self.runner.hidden
         if hidden is not None:
@@ -235,6 +245,18 @@ class LLM:
                 idx = torch.tensor(tb.paths[i], device=hidden.device)
                 self.spec.source.observe(c.seq.request_id, c.start, per_seq[i, idx])
         return out
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Plain decoding's tokens for (N, V) rows, after penalties / logit_bias if any asks."""
+        if self.processor.needed(seqs):
+            rows = self.processor.rows(seqs)
+            logits = self.processor.apply(logits[:, None, :], rows)[:, 0]  # (N, V)
+        return sample(logits, seqs)
+
+    def _keep_round_logprobs(self, tb) -> None:
+        for seq, infos in zip(tb.seqs, tb.logprobs, strict=True):
+            if infos is not None:
+                self._logprobs[seq.request_id].extend(infos)
 
     def _observe(self, batch: ScheduledBatch, trees: dict, paths: dict,
                  hidden: torch.Tensor) -> None:  # fmt: skip
@@ -257,6 +279,7 @@ class LLM:
             return []
         tokens = self.run_batch(batch)
         finished = self.scheduler.postprocess(batch, tokens)
+        self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.spec is not None:
             for seq in finished:
                 self.spec.source.forget(seq.request_id)
@@ -319,6 +342,6 @@ class LLM:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(
             seq.output_token_ids
         )  # fmt: skip
+        lps = self._logprobs.pop(seq.request_id, [])[: seq.num_output_tokens]  # a stop cuts a round
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             text, seq.finish_reason,
-                             self._logprobs.pop(seq.request_id, []))  # fmt: skip
+                             text, seq.finish_reason, lps)  # fmt: skip
