@@ -29,7 +29,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
-from treeverify.engine.sampler import TokenLogprobs, sample
+from treeverify.engine.sampler import TokenLogprobs, sample, token_logprobs
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
@@ -46,6 +46,8 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: one per prompt token, the first with logprob None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -132,6 +134,7 @@ class LLM:
                 depth=speculative_num_draft_tokens, source=source, processor=self.processor,
             )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
         self.warmup()
         t0 = self._phase("warmup", t0)
@@ -182,6 +185,8 @@ class LLM:
         self._next_id += 1
         seq = self.scheduler.add(Sequence(rid, ids, params))
         self._logprobs[rid] = []
+        if params.prompt_logprobs is not None:  # the first prompt token has no logprob
+            self._prompt_logprobs[rid] = [TokenLogprobs(ids[0], None, [])]
         return seq
 
     # ---- the step loop -------------------------------------------------------------------------
@@ -197,7 +202,12 @@ class LLM:
         # A step mixing trees with prefill or plain decodes: host copies of the trees.
         trees = tb.to_spec_trees() if tb is not None else {}
         t0 = time.perf_counter()
-        rows = self.runner.run(batch, trees)  # per sampled sequence: (1 or T, V)
+        want_prompt = {c.seq.request_id: len(lps) - 1 for c in batch.prefills
+                       if len(lps := self._prompt_logprobs.get(c.seq.request_id, ())) and
+                       len(lps) < c.seq.num_prompt_tokens}  # fmt: skip
+        rows = self.runner.run(batch, trees, want_prompt)  # per sampled sequence: (1 or T, V)
+        if want_prompt:
+            self._keep_prompt_logprobs(batch)
         if trees:  # the round's verify phase is this step's forward
             self.spec.stats.phase_seconds["verify"] += time.perf_counter() - t0
         plain = [i for i, s in enumerate(batch.sampled) if s.request_id not in trees]
@@ -253,6 +263,17 @@ class LLM:
             logits = self.processor.apply(logits[:, None, :], rows)[:, 0]  # (N, V)
         return sample(logits, seqs)
 
+    def _keep_prompt_logprobs(self, batch: ScheduledBatch) -> None:
+        """Prompt tokens' logprobs from this step's prefill rows: the model's own distribution
+        (no penalties, no logit_bias), position p's row for prompt token p + 1."""
+        seqs = {c.seq.request_id: c.seq for c in batch.prefills}
+        for rid, (first, logits) in self.runner.prompt_logits.items():
+            seq = seqs[rid]
+            targets = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+            self._prompt_logprobs[rid].extend(
+                token_logprobs(logits, targets, seq.sampling_params.prompt_logprobs)
+            )
+
     def _keep_round_logprobs(self, tb) -> None:
         for seq, infos in zip(tb.seqs, tb.logprobs, strict=True):
             if infos is not None:
@@ -303,6 +324,10 @@ class LLM:
         """Logprobs of the tokens a running request has produced so far (for streaming)."""
         return self._logprobs.get(request_id, [])
 
+    def prompt_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
+        """A request's prompt logprobs (complete once its first token or its finish is out)."""
+        return self._prompt_logprobs.get(request_id)
+
     def recover_after_failed_step(self) -> None:
         """After `step()` raised mid-batch: forget the batch so scheduling can continue."""
         self.scheduler.discard_in_flight()
@@ -344,4 +369,5 @@ class LLM:
         )  # fmt: skip
         lps = self._logprobs.pop(seq.request_id, [])[: seq.num_output_tokens]  # a stop cuts a round
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             text, seq.finish_reason, lps)  # fmt: skip
+                             text, seq.finish_reason, lps,
+                             self._prompt_logprobs.pop(seq.request_id, None))  # fmt: skip

@@ -256,7 +256,10 @@ class Scheduler:
         for seq, toks in zip(sampled, new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            for tok in [toks] if isinstance(toks, int) else list(toks):
+            if seq.sampling_params.max_tokens == 0:  # the prompt only (its logprobs): keep none
+                seq.output_text = ""
+                seq.finish("length")
+            for tok in [] if seq.is_finished else [toks] if isinstance(toks, int) else list(toks):
                 seq.output_token_ids.append(tok)
                 if self._check_stop(seq, tok):
                     break
