@@ -90,11 +90,17 @@ def test_processed_logits_equal_float64_recomputation(plain_llm, case):
                 assert tid not in o.token_ids  # banned
 
 
-@pytest.mark.parametrize("alg,budget,depth", [("DDTREE", 8, 4), ("CHAIN", 6, 6)])
-def test_speculative_equals_plain_with_penalties(case, alg, budget, depth):
+# the last: small pages and chunks, so rounds share steps with prefill and requests get
+# preempted (their rows released, then rebuilt from their tokens)
+TIGHT = dict(num_pages=40, page_size=4, chunked_prefill_size=8, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("alg,budget,depth,tight", [
+    ("DDTREE", 8, 4, False), ("CHAIN", 6, 6, False), ("DDTREE", 8, 4, True)])  # fmt: skip
+def test_speculative_equals_plain_with_penalties(case, alg, budget, depth, tight):
     params, plain = case
     llm = LLM("tiny-llama", speculative_algorithm=alg, speculative_ddtree_budget=budget,
-              speculative_num_draft_tokens=depth)  # fmt: skip
+              speculative_num_draft_tokens=depth, **(TIGHT if tight else {}))  # fmt: skip
     # one request without processing in the same batches: it takes the null row
     extra = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS * 2 + [PROMPTS[0]], params + [extra])
@@ -107,6 +113,24 @@ def test_speculative_equals_plain_with_penalties(case, alg, budget, depth):
             assert [i for i, _ in a.top] == [i for i, _ in b.top]
             assert max(abs(u - v) for (_, u), (_, v) in zip(a.top, b.top, strict=True)) < 1e-4
     assert len(llm.processor._free) == llm.processor.null_row  # every row given back
+    assert llm.block_manager.num_free_pages == llm.block_manager.num_pages
+
+
+def test_sampled_speculative_logprobs_are_the_processed_target_rows(plain_llm):
+    """Sampled rounds (the lossless walk): each committed token's reported logprob is the
+    processed target distribution's at its own prefix (float64 full forward)."""
+    rng = random.Random()
+    p = SamplingParams(temperature=0.8, seed=rng.randrange(1 << 30), max_tokens=16,
+                       ignore_eos=True, logprobs=2, frequency_penalty=rng.uniform(-1, 0),
+                       logit_bias={rng.randrange(256): 3.0})  # fmt: skip
+    llm = LLM("tiny-llama", **SPEC)
+    outs = llm.generate(PROMPTS, p)
+    assert llm.spec.stats.rounds > 0
+    for o in outs:
+        assert [lp.token_id for lp in o.logprobs] == o.token_ids
+        for t, lp in enumerate(o.logprobs):
+            x = _processed64(plain_llm, o.prompt_token_ids, o.token_ids[:t], p)
+            assert abs(lp.logprob - float(torch.log_softmax(x, -1)[o.token_ids[t]])) < 1e-4
 
 
 def test_tree_nodes_need_their_own_path_counted(plain_llm, monkeypatch):
