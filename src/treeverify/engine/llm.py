@@ -27,9 +27,10 @@ from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.engine.drafters import make_source
 from treeverify.engine.kv_cache import KVCache
+from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
-from treeverify.engine.sampler import TokenLogprobs, sample
+from treeverify.engine.sampler import TokenLogprobs, sample, token_logprobs
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
@@ -46,6 +47,8 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: one per prompt token, the first with logprob None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -85,6 +88,8 @@ class LLM:
                                                              seed=seed)  # fmt: skip
         self.model.eval().fuse_for_inference()
         t0 = self._phase("load", t0)
+        # Penalty / logit_bias tables (one row per running request), before the KV pool sizing.
+        self.processor = LogitsProcessor(max_num_seqs, self.config.vocab_size, self.device)
         spec = self.model.kv_cache_spec()
         if num_pages is None and on_gpu:
             sizing = size_kv_pool(spec, dtype, page_size, mem_fraction_static, self.device)
@@ -101,11 +106,15 @@ class LLM:
         )
         log.info("%s", self.startup["kv"])
         t0 = self._phase("kv_alloc", t0)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+        # Every EOS id: the tokenizer's, config.json's and generation_config.json's (int or list).
+        eos = getattr(self.tokenizer, "eos_token_ids", None) or [
+            getattr(self.tokenizer, "eos_token_id", None)
+        ]
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size, eos_token_id=eos,
+            chunked_prefill_size=chunked_prefill_size,
+            eos_token_ids=[e for e in eos if e is not None],
             detokenize=self.tokenizer.decode,
         )  # fmt: skip
         budget = speculative_ddtree_budget if speculative_algorithm else 0
@@ -123,9 +132,10 @@ class LLM:
             self.spec = SpeculativeDecoder(
                 self.block_manager, self.cache, self.config.vocab_size,
                 algorithm=speculative_algorithm, budget=speculative_ddtree_budget,
-                depth=speculative_num_draft_tokens, source=source,
+                depth=speculative_num_draft_tokens, source=source, processor=self.processor,
             )  # fmt: skip
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
         self.planted_fault = faults.install(self)  # TEST ONLY; None unless TREEVERIFY_FAULT
         self.warmup()
@@ -168,10 +178,17 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:  # fmt: skip
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = params or SamplingParams()
+        vocab = self.config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "
+                             f"vocabulary (0..{vocab - 1})")  # fmt: skip
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         self._next_id += 1
-        seq = self.scheduler.add(Sequence(rid, ids, params or SamplingParams()))
+        seq = self.scheduler.add(Sequence(rid, ids, params))
         self._logprobs[rid] = []
+        if params.prompt_logprobs is not None:  # the first prompt token has no logprob
+            self._prompt_logprobs[rid] = [TokenLogprobs(ids[0], None, [])]
         return seq
 
     # ---- the step loop -------------------------------------------------------------------------
@@ -187,14 +204,19 @@ class LLM:
         # A step mixing trees with prefill or plain decodes: host copies of the trees.
         trees = tb.to_spec_trees() if tb is not None else {}
         t0 = time.perf_counter()
-        rows = self.runner.run(batch, trees)  # per sampled sequence: (1 or T, V)
+        want_prompt = {c.seq.request_id: len(lps) - 1 for c in batch.prefills
+                       if len(lps := self._prompt_logprobs.get(c.seq.request_id, ())) and
+                       len(lps) < c.seq.num_prompt_tokens}  # fmt: skip
+        rows = self.runner.run(batch, trees, want_prompt)  # per sampled sequence: (1 or T, V)
+        if want_prompt:
+            self._keep_prompt_logprobs(batch)
         if trees:  # the round's verify phase is this step's forward
             self.spec.stats.phase_seconds["verify"] += time.perf_counter() - t0
         plain = [i for i, s in enumerate(batch.sampled) if s.request_id not in trees]
         out: list[int | list[int]] = [0] * len(rows)
         if plain:
-            toks, infos = sample(torch.cat([rows[i] for i in plain]),
-                                 [batch.sampled[i] for i in plain])  # fmt: skip
+            toks, infos = self._sample(torch.cat([rows[i] for i in plain]),
+                                       [batch.sampled[i] for i in plain])  # fmt: skip
             for i, tok, info in zip(plain, toks, infos, strict=True):
                 out[i] = tok
                 self._logprobs[batch.sampled[i].request_id].append(info)
@@ -206,6 +228,7 @@ class LLM:
                                        strict=True):  # fmt: skip
                 out[at[seq.request_id]] = toks
                 paths[seq.request_id] = path
+            self._keep_round_logprobs(tb)
         if self.spec is not None and self.runner.hidden is not None:
             self._observe(batch, trees, paths, self.runner.hidden)
         return out
@@ -225,6 +248,7 @@ class LLM:
         host_seconds = time.perf_counter() - t0  # on a GPU only the launch
         stats.phase_seconds["verify"] += host_seconds
         out = self.spec.accept_batch(tb, logits)  # reads the results: the forward is done
+        self._keep_round_logprobs(tb)
         stats.forward_seconds += ev[0].elapsed_time(ev[1]) / 1e3 if on_gpu else host_seconds
         hidden = self.runner.hidden
         if hidden is not None:
@@ -233,6 +257,29 @@ class LLM:
                 idx = torch.tensor(tb.paths[i], device=hidden.device)
                 self.spec.source.observe(c.seq.request_id, c.start, per_seq[i, idx])
         return out
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Plain decoding's tokens for (N, V) rows, after penalties / logit_bias if any asks."""
+        if self.processor.needed(seqs):
+            rows = self.processor.rows(seqs)
+            logits = self.processor.apply(logits[:, None, :], rows)[:, 0]  # (N, V)
+        return sample(logits, seqs)
+
+    def _keep_prompt_logprobs(self, batch: ScheduledBatch) -> None:
+        """Prompt tokens' logprobs from this step's prefill rows: the model's own distribution
+        (no penalties, no logit_bias), position p's row for prompt token p + 1."""
+        seqs = {c.seq.request_id: c.seq for c in batch.prefills}
+        for rid, (first, logits) in self.runner.prompt_logits.items():
+            seq = seqs[rid]
+            targets = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+            self._prompt_logprobs[rid].extend(
+                token_logprobs(logits, targets, seq.sampling_params.prompt_logprobs)
+            )
+
+    def _keep_round_logprobs(self, tb) -> None:
+        for seq, infos in zip(tb.seqs, tb.logprobs, strict=True):
+            if infos is not None:
+                self._logprobs[seq.request_id].extend(infos)
 
     def _observe(self, batch: ScheduledBatch, trees: dict, paths: dict,
                  hidden: torch.Tensor) -> None:  # fmt: skip
@@ -255,6 +302,7 @@ class LLM:
             return []
         tokens = self.run_batch(batch)
         finished = self.scheduler.postprocess(batch, tokens)
+        self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.spec is not None:
             for seq in finished:
                 self.spec.source.forget(seq.request_id)
@@ -277,6 +325,10 @@ class LLM:
     def logprobs_so_far(self, request_id: str) -> list[TokenLogprobs | None]:
         """Logprobs of the tokens a running request has produced so far (for streaming)."""
         return self._logprobs.get(request_id, [])
+
+    def prompt_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
+        """A request's prompt logprobs (complete once its first token or its finish is out)."""
+        return self._prompt_logprobs.get(request_id)
 
     def recover_after_failed_step(self) -> None:
         """After `step()` raised mid-batch: forget the batch so scheduling can continue."""
@@ -317,6 +369,7 @@ class LLM:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(
             seq.output_token_ids
         )  # fmt: skip
+        lps = self._logprobs.pop(seq.request_id, [])[: seq.num_output_tokens]  # a stop cuts a round
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             text, seq.finish_reason,
-                             self._logprobs.pop(seq.request_id, []))  # fmt: skip
+                             text, seq.finish_reason, lps,
+                             self._prompt_logprobs.pop(seq.request_id, None))  # fmt: skip

@@ -26,7 +26,8 @@ from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.captured_fn import CapturedFn
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
-from treeverify.engine.sampler import filters, request_generator
+from treeverify.engine.logits_processor import LogitsProcessor
+from treeverify.engine.sampler import TokenLogprobs, filters, request_generator, token_logprobs
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
 
@@ -56,6 +57,8 @@ class TreeBatch:
     max_depth: int
     started: float  # perf_counter at the round's start
     paths: list[list[int]] = field(default_factory=list)  # after accept: committed nodes
+    # after accept, per sequence: its committed tokens' logprobs (None unless it asked)
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
 
     @property
     def nodes(self) -> int:
@@ -102,6 +105,7 @@ class SpeculativeDecoder:
         budget: int = 16,
         depth: int = 4,
         source: NgramSource | DFlashSource | None = None,
+        processor: LogitsProcessor | None = None,
     ):
         if algorithm not in ("DDTREE", "CHAIN"):
             raise ValueError(f"algorithm: expected DDTREE or CHAIN, got {algorithm!r}")
@@ -112,6 +116,7 @@ class SpeculativeDecoder:
         self.source = source or NgramSource(vocab_size)
         self.drafter_name = self.source.name
         self.vocab_size = vocab_size
+        self.processor = processor  # penalties / logit_bias, shared with plain decoding
         self._build: CapturedFn | None = None  # set by capture() on a GPU
         self._accept: CapturedFn | None = None  # greedy walk + K/V move, likewise
         self._max_depth = depth
@@ -160,9 +165,9 @@ class SpeculativeDecoder:
         return now
 
     def wants(self, seq: Sequence) -> bool:
-        """Per-request opt-out; logprob requests run plain decoding (one token per step)."""
-        p = seq.sampling_params
-        return p.speculative and p.logprobs is None
+        """The per-request opt-out (logprobs, penalties and logit_bias are all served
+        speculatively, equal to plain decoding)."""
+        return seq.sampling_params.speculative
 
     def draft_batch(self, seqs: list[Sequence], device: torch.device) -> TreeBatch | None:
         """Reserve N-1 slots per sequence (those whose pages fit), draft all of them in one
@@ -221,6 +226,10 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         b, n = tb.tokens.shape
         logits = logits.view(b, n, -1)  # (B, N, V)
+        if self.processor is not None and self.processor.needed(tb.seqs):
+            # each node with the counts of the committed tokens plus its own path's
+            logits = self.processor.apply(logits, self.processor.rows(tb.seqs), tb.tokens,
+                                          tb.parents, tb.max_depth)  # fmt: skip
         greedy = all(s.sampling_params.temperature == 0 for s in tb.seqs)
         self._max_depth = tb.max_depth
         if greedy and self._accept is not None:
@@ -242,12 +251,17 @@ class SpeculativeDecoder:
         k = (packed.shape[1] - 2) // 2
         host = packed.tolist()  # the round's one device->host read
         out = []
-        for seq, row in zip(tb.seqs, host, strict=True):
+        for i, (seq, row) in enumerate(zip(tb.seqs, host, strict=True)):
             m = row[0]
             self.bm.commit(seq, m - 1)
             toks = row[2 : 2 + m][1:] + [row[1]]
             out.append(toks)
             tb.paths.append(row[2 + k : 2 + k + m])
+            # Lossless acceptance drew committed token j from the row of path node j: its
+            # logprobs are that row's (the rows were processed as plain decoding's are).
+            want = seq.sampling_params.logprobs
+            tb.logprobs.append(None if want is None else token_logprobs(
+                logits[i, tb.paths[-1]], toks, want))  # fmt: skip
             self.stats.rounds += 1
             self.stats.committed += len(toks)
             self.stats.histogram[len(toks)] = self.stats.histogram.get(len(toks), 0) + 1

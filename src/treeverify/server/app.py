@@ -107,7 +107,7 @@ def create_app(
 
     async def _run(req, request, prompts, items, prefix, chat, want_logprobs):
         job = serving.submit(items, prefix)
-        choices = [Choice(i, len(ids)) for i, (ids, _) in enumerate(items)]
+        choices = serving.choices(req, items)
         if req.stream:
             gen = serving.stream(job, choices, prompts, req, chat, want_logprobs)
             return StreamingResponse(gen, media_type="text/event-stream")
