@@ -20,7 +20,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--model-path",
         dest="model",
         default="tiny-llama",
-        help="tiny-llama, tiny-kimi, or a local Hugging Face directory",
+        help="tiny-llama, tiny-kimi, smollm2-135m (extra: smollm2), or a local Hugging Face "
+        "directory",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from typing import Any
 
@@ -71,6 +72,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
 
     from treeverify.engine.cuda_graphs import GraphCaptureError
     from treeverify.engine.llm import LLM
+    from treeverify.models.gguf_loader import MissingPackageError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.monotonic()
@@ -102,6 +104,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     except GraphCaptureError as exc:
         log.error("startup: %s", exc)
         raise SystemExit(1) from exc
+    except MissingPackageError as exc:  # an optional model's package: one line, no traceback
+        print(f"treeverify serve: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     st = llm.startup
     log.info("startup: model load done in %s s", st.get("load_seconds"))
     log.info("startup: %s (allocated in %s s)", st["kv"], st.get("kv_alloc_seconds"))
