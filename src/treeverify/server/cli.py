@@ -72,6 +72,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="tree nodes besides the root (up to 1024)",
     )
     p.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DDTREE: choose each step's tree budget (0 = plain decoding, powers of two up to "
+        "--speculative-ddtree-budget) from measured acceptance and the step cost measured at "
+        "startup (default: on for DDTREE; docs/ddtree.md)",
+    )
+    p.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
         default=4,
@@ -139,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.mem_fraction_static < 1.0:
         print(f"--mem-fraction-static: must be in (0, 1), got {args.mem_fraction_static}",
               file=sys.stderr)  # fmt: skip
+        return 64
+    if args.speculative_adaptive and args.speculative_algorithm != "DDTREE":
+        print("--speculative-adaptive: needs --speculative-algorithm DDTREE", file=sys.stderr)
         return 64
     try:
         import fastapi  # noqa: F401

@@ -97,6 +97,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
             speculative_ddtree_budget=args.speculative_ddtree_budget,
             speculative_num_draft_tokens=args.speculative_num_draft_tokens,
             speculative_draft_model_path=args.speculative_draft_model_path,
+            speculative_adaptive=args.speculative_adaptive,
             mem_fraction_static=args.mem_fraction_static,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
