@@ -90,6 +90,9 @@ def test_serve_rejects_bad_values(capsys):
     assert "--mem-fraction-static" in capsys.readouterr().err
     assert cli.run(_parse(cli, ["serve", "--cuda-graph-max-bs", "0"])) == 64
     assert "--cuda-graph-max-bs" in capsys.readouterr().err
+    chain = ["serve", "--speculative-algorithm", "CHAIN", "--speculative-adaptive"]
+    assert cli.run(_parse(cli, chain)) == 64
+    assert "--speculative-adaptive" in capsys.readouterr().err
 
 
 def test_serve_gpu_flag_defaults():
@@ -97,6 +100,8 @@ def test_serve_gpu_flag_defaults():
     assert args.mem_fraction_static == 0.88 and not args.disable_cuda_graph
     assert args.cuda_graph_max_bs is None and args.num_pages is None  # sized on the GPU
     assert args.attention_backend == "auto" and args.speculative_draft_model_path == "ngram"
+    assert args.speculative_adaptive is None  # on for DDTREE
+    assert _parse(cli, ["serve", "--no-speculative-adaptive"]).speculative_adaptive is False
 
 
 def test_percentiles():
