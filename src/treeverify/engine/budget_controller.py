@@ -164,7 +164,7 @@ class BudgetController:
         self.requests: dict[str, _Request] = {}
         self.global_curve: dict[int, DecayedMean] = {}
         self.current = self.buckets[-1]  # start at the top: one round measures every budget
-        self.since_switch = 0
+        self.since_switch = self.cfg.min_dwell  # the first choice need not wait out a dwell
         self.since_explore = 0
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
