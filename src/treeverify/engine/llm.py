@@ -24,6 +24,7 @@ import torch
 
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
+from treeverify.engine.budget_calibration import calibrate, make_controller
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.engine.drafters import make_source
 from treeverify.engine.kv_cache import KVCache
@@ -69,6 +70,10 @@ class LLM:
         speculative_ddtree_budget: int = 16,  # tree nodes besides the root
         speculative_num_draft_tokens: int = 4,  # depth L
         speculative_draft_model_path: str = "ngram",  # "ngram" or a DFlash drafter directory
+        # Per-step budget from measured acceptance and cost, 0 (plain) included, up to
+        # speculative_ddtree_budget; None: on for DDTREE (engine/budget_controller.py).
+        speculative_adaptive: bool | None = None,
+        speculative_cost_seconds: dict[int, float] | None = None,  # fixed, instead of measured
         mem_fraction_static: float = 0.88,
         cuda_graph_max_bs: int | None = None,  # None: min(max_num_seqs, 32)
         disable_cuda_graph: bool = False,
@@ -134,6 +139,13 @@ class LLM:
                 algorithm=speculative_algorithm, budget=speculative_ddtree_budget,
                 depth=speculative_num_draft_tokens, source=source, processor=self.processor,
             )  # fmt: skip
+        self.controller = make_controller(
+            speculative_algorithm,
+            speculative_adaptive,
+            speculative_ddtree_budget,
+            speculative_cost_seconds,
+        )
+        self._step_budget: int | None = None  # the last step's budget when it was decode-only
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
@@ -142,7 +154,7 @@ class LLM:
         t0 = self._phase("warmup", t0)
         self.cuda_graph_buckets: list[tuple[int, int]] = []
         max_bs = min(cuda_graph_max_bs or 32, max_num_seqs)
-        tokens = [1] + ([self.spec.tree_tokens] if self.spec is not None else [])
+        tokens = [1] + self._tree_buckets()
         rows_cap = max(max_num_batched_tokens, max(tokens))
         buckets = [(b, n) for n in tokens for b in batch_buckets(max_bs)
                    if b * n <= rows_cap or b == 1]  # fmt: skip
@@ -154,12 +166,27 @@ class LLM:
             self.cuda_graph_buckets = buckets
             self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
             if self.spec is not None:  # the round's build (and drafter) per batch bucket
-                self.spec.capture(batch_buckets(max_bs), self.device)
+                self.spec.capture(batch_buckets(max_bs), self.device, self._spec_budgets())
             t0 = self._phase("capture", t0)
         elif on_gpu:
             log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")
+        if self.controller is not None:
+            calibrate(self)
+            t0 = self._phase("calibrate", t0)
         if on_gpu:
             self.startup["memory"] = check_headroom(self.device)
+
+    def _spec_budgets(self) -> list[int]:
+        """Budgets a round may use: the controller's nonzero buckets, or the configured one."""
+        if self.controller is not None:
+            return [b for b in self.controller.buckets if b > 0]
+        return [self.spec.budget]
+
+    def _tree_buckets(self) -> list[int]:
+        """Verify-graph token counts per sequence, one per budget (none without speculation)."""
+        if self.spec is None:
+            return []
+        return sorted({self.spec.nodes_for(b) for b in self._spec_budgets()})
 
     def _phase(self, name: str, t0: float) -> float:
         now = time.perf_counter()
@@ -196,11 +223,20 @@ class LLM:
         """One forward for the batch: a token per plain sequence, a round's tokens per
         speculating one; logprobs kept per request."""
         tb = None
+        self._step_budget = None
         if self.spec is not None:
             want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
-            tb = self.spec.draft_batch(want, self.device) if want else None
+            budget = self.spec.budget
+            if want and self.controller is not None:
+                budget = self.controller.choose([s.request_id for s in want])
+            tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
+            if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):
+                decoding = len(want) == len(batch.decodes)  # every sequence at this budget
+                self._step_budget = budget if decoding else None
         if tb is not None and len(tb.seqs) == len(batch.chunks):
-            return self._run_round(batch, tb)
+            out = self._run_round(batch, tb)
+            self._observe_paths(tb)
+            return out
         # A step mixing trees with prefill or plain decodes: host copies of the trees.
         trees = tb.to_spec_trees() if tb is not None else {}
         t0 = time.perf_counter()
@@ -231,7 +267,15 @@ class LLM:
             self._keep_round_logprobs(tb)
         if self.spec is not None and self.runner.hidden is not None:
             self._observe(batch, trees, paths, self.runner.hidden)
+        if tb is not None:
+            self._observe_paths(tb)
         return out
+
+    def _observe_paths(self, tb) -> None:
+        """Hand the controller each round's accepted node indices (its free acceptance curve)."""
+        if self.controller is not None:
+            for seq, path in zip(tb.seqs, tb.paths, strict=True):
+                self.controller.observe_round(seq.request_id, tb.budget, path)
 
     def _run_round(self, batch: ScheduledBatch, tb) -> list[list[int]]:
         """A step that is one speculative round for every sequence in it: verify forward
@@ -300,12 +344,18 @@ class LLM:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        t0 = time.perf_counter()
         tokens = self.run_batch(batch)
+        if self.controller is not None and self._step_budget is not None:  # decode-only step
+            self.controller.observe_step(len(batch.decodes), self._step_budget,
+                                         time.perf_counter() - t0)  # fmt: skip
         finished = self.scheduler.postprocess(batch, tokens)
         self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.spec is not None:
             for seq in finished:
                 self.spec.source.forget(seq.request_id)
+                if self.controller is not None:
+                    self.controller.forget(seq.request_id)
         for seq, toks in zip(batch.sampled, tokens, strict=True):
             if isinstance(toks, list) and not seq.is_finished:
                 seq.num_cached_tokens += len(toks) - 1  # the accepted nodes' K/V, moved in place
@@ -344,6 +394,7 @@ class LLM:
             "algorithm": self.spec.algorithm,
             "drafter": self.spec.drafter_name,
             "budget": self.spec.budget,
+            "adaptive": None if self.controller is None else self.controller.info(),
             "num_draft_tokens": self.spec.depth,
             "rounds": st.rounds,
             "avg_spec_accept_length": round(st.avg_accept_length, 4),

