@@ -42,19 +42,22 @@ def _write_dir(directory, config_eos, generation_eos) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({}))
 
 
-def _first_new(tokens: list[int], start: int) -> int:
-    """Index of the first token at or after `start` not seen before it."""
-    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+def _first_new(tokens: list[int], start: int) -> int | None:
+    """Index of the first token at or after `start` not seen before it (None: none is)."""
+    return next((i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i]), None)
 
 
 @pytest.mark.parametrize("layout", ["generation_list", "config_list", "config_int"])
 def test_every_eos_id_stops(tmp_path, layout):
     rng = random.Random()
-    prompt = [rng.randrange(256) for _ in range(rng.randrange(3, 9))]
     run = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM("tiny-llama").generate([prompt], run)[0].token_ids
-    first = _first_new(plain, rng.randrange(2, 8))
-    second = _first_new(plain, first + 1)
+    engine = LLM("tiny-llama")
+    second = None
+    while second is None:  # a fresh prompt whose output has two tokens it had not shown yet
+        prompt = [rng.randrange(256) for _ in range(rng.randrange(3, 9))]
+        plain = engine.generate([prompt], run)[0].token_ids
+        first = _first_new(plain, rng.randrange(2, 8))
+        second = None if first is None else _first_new(plain, first + 1)
     stop_at = min(first, second)
     config_eos, generation_eos = {
         "generation_list": (257, [plain[second], plain[first]]),
