@@ -80,6 +80,21 @@ def test_openai_client_with_and_without_the_key(server):
         bad.models.list()
 
 
+def test_bench_serve_sends_the_key(server, monkeypatch, capsys):
+    import argparse
+
+    from treeverify.server import bench_serve
+
+    p = argparse.ArgumentParser()
+    bench_serve.add_parser(p.add_subparsers())
+    argv = ["serve", "--url", server.url, "--concurrency", "1", "--num-requests", "2"]
+    args = p.parse_args([*argv, "--max-tokens", "2", "--quiet"])
+    monkeypatch.delenv("TREEVERIFY_API_KEY", raising=False)
+    assert bench_serve.run(args) == 3  # no key: the server's models list is refused
+    monkeypatch.setenv("TREEVERIFY_API_KEY", KEY)
+    assert bench_serve.run(args) == 0, capsys.readouterr().err
+
+
 def test_the_key_is_never_shown(server):
     info = httpx.get(server.url + "/server_info", headers=server.headers, timeout=10)
     assert KEY not in info.text and info.json()["server_args"]["api_key"] == "<redacted>"

@@ -106,6 +106,10 @@ def create_app(
         )
 
     async def _run(req, request, prompts, items, prefix, chat, want_logprobs):
+        if req.stream_options is not None and not req.stream:  # would be ignored: refuse
+            raise RequestError(
+                400, "stream_options: only allowed with stream: true", "stream_options"
+            )
         job = serving.submit(items, prefix)
         choices = [Choice(i, len(ids)) for i, (ids, _) in enumerate(items)]
         if req.stream:
