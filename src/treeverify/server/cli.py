@@ -57,8 +57,8 @@ def _tp_size(value: str) -> int:
     if n > 1:
         raise argparse.ArgumentTypeError(
             f"{n}: treeverify serve runs one GPU (tensor parallelism is not built in); to serve "
-            "over several GPUs run SGLang with treeverify's kernels (treeverify.kernels.sglang, "
-            "see README 'SGLang')"
+            "over several GPUs run SGLang (--tp-size N) with treeverify's verify kernel: "
+            "treeverify.kernels.sglang is a drop-in for its target-verify attention"
         )
     return n
 

@@ -115,7 +115,7 @@ class EngineLoop:
         return not self._draining and self._thread.is_alive()
 
     def in_flight(self) -> int:
-        """Requests added and not yet finished (commands still queued not counted)."""
+        """Requests added and not yet finished; +1 while commands still wait in the queue."""
         return len(self._active) + (0 if self._commands.empty() else 1)
 
     def heartbeat_age(self) -> float:

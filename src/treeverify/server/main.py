@@ -114,8 +114,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     except MissingPackageError as exc:  # an optional model's package: one line, no traceback
         print(f"treeverify serve: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except (FileNotFoundError, ValueError) as exc:  # a broken model directory: one line, exit 2
-        log.error("startup: cannot load --model %s: %s", args.model, exc)
+    except (FileNotFoundError, ValueError) as exc:  # a broken model directory, a bad flag value
+        log.error("startup: cannot start (--model %s): %s", args.model, exc)
         raise SystemExit(2) from None
     template = getattr(args, "chat_template_text", None)
     if template is not None:
