@@ -82,9 +82,9 @@ def readiness(target, client: Client, report: Report, o: Options, deadline: floa
                 READY_PROMPT, 4, extra={"ignore_eos": True}, read=min(o.read_timeout, left)
             )
             detail = (
-                f"ready: model {client.model!r} answered a {len(c.text)}-character completion "
-                f"(finish {c.finish_reason}) in {c.seconds:.2f} s; {time.monotonic() - t0:.1f} s, "
-                f"{tries} tr{'y' if tries == 1 else 'ies'}"
+                f"ready: model {client.model!r} completed (HTTP 200, {len(c.text)} chars, finish "
+                f"{c.finish_reason}) in {c.seconds:.2f} s; {time.monotonic() - t0:.1f} s after "
+                f"start, {tries} tr{'y' if tries == 1 else 'ies'}"
             )
             return ProbeResult("readiness", "pass", detail, data={"text": c.text}), c
         except httpx.TransportError as exc:
