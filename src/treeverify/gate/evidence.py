@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from treeverify.gate.client import Client, Completion
+from treeverify.gate.client import Client, Completion, HttpError
 from treeverify.gate.compare import spelled
 
 TOP_K = 5
@@ -76,7 +76,7 @@ def _prompt_ids(client: Client, prompt: str) -> list[int] | None:
     """The prompt's token ids where the server echoes them with ``token_ids`` (else None)."""
     try:
         c = client.complete(prompt, 1, logprobs=0, extra={"echo": True})
-    except Exception:  # an optional capability: any refusal just means "not available"
+    except HttpError:  # an optional capability: a refusal just means "not available"
         return None
     n, ids = c.prompt_tokens, c.token_ids
     if n and ids and len(ids) == n + 1:
