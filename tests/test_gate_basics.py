@@ -274,3 +274,17 @@ def test_g_test_false_alarm_rate_and_power():
     greedy = [0] * 6
     greedy[int(np.argmax(probs))] = 200
     assert g_test_pvalue(greedy, list(probs)) < 1e-4
+
+
+def test_compare_text_spells_partial_characters_from_bytes_keys():
+    """Tokens shown as U+FFFD are spelled from their own top-k entry in OpenAI's bytes: form."""
+    ref = _c(["A", "\ufffd", "\ufffd", "B"], [-0.1, -0.2, -0.3, -0.5], [{}] * 4)
+    ref["text"] = "A\u00e9B"
+    ref["top_logprobs"] = [
+        {"A": -0.1},
+        {"bytes:\\xc3": -0.2, "bytes:\\xc4": -2.0},
+        {"bytes:\\xa9": -0.3},
+        {"B": -0.5, "C": -0.52},
+    ]
+    assert compare_text(ref, "A\u00e9C", margin=0.1).ok
+    assert not compare_text(ref, "A\u00e8B").ok
