@@ -169,6 +169,7 @@ def test_other_modes_and_attributes_go_to_the_fallback():
     assert calls.count("init_forward_metadata_out_graph") == 4 and "forward" in calls
     assert backend.needs_cpu_seq_lens is True and backend.support_triton() == "support_triton"
     assert backend.verify_mask is None  # the worker writes a fresh FULL_MASK
+    assert backend.get_verify_buffers_to_fill_after_draft() == [None, None]  # not the fallback's
 
 
 def test_verify_errors_name_the_cause():

@@ -89,6 +89,11 @@ class TreeverifyAttnBackend:
     verify_mask = None
     supports_ragged_verify_graph = False
 
+    def get_verify_buffers_to_fill_after_draft(self):
+        """No buffer of ours for the drafter to write (older releases' hook): the worker's mask
+        tensor is read when the verify metadata is written."""
+        return [None, None]
+
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         """Nothing to do: the mask is converted when the verify metadata is written."""
 
