@@ -107,6 +107,10 @@ def test_verify_forward_equals_brute_force(mla, page_size):
     case = make_verify_case(rng, page_size=page_size, mla=mla, n=n, prefix=prefix, d=kw["d"],
                             dv=16, layers=2)  # fmt: skip
     backend = _backend(kw)
+    if rng.random() < 0.5:  # draft slots not yet in req_to_token: out_cache_loc alone says them
+        for b, row in enumerate(case.batch.req_pool_indices.tolist()):
+            table = case.batch.req_to_token_pool.req_to_token
+            table[row, prefix[b] : prefix[b] + n] = rng.randrange(table.shape[1])
     backend.init_forward_metadata(case.batch)
     for layer_id in (0, 1):  # one metadata fill serves every layer
         _run_verify(backend, case, _layer(layer_id, 0.1 + layer_id), 4, kw["d"], mla, seed)

@@ -140,7 +140,10 @@ class TreeverifyAttnBackend:
             plan = self._eager_plans[bucket] = self._new_plan(bucket, n)
         return plan
 
-    def _fill(self, req_pool_indices, seq_lens, spec_info, req_to_token, *, capture: bool):
+    def _fill(
+        self, req_pool_indices, seq_lens, spec_info, req_to_token, *, capture: bool,
+        out_cache_loc=None,
+    ):  # fmt: skip
         n = draft_tokens_per_request(spec_info)
         mask = getattr(spec_info, "custom_mask", None)
         if mask is None:
@@ -152,6 +155,7 @@ class TreeverifyAttnBackend:
         fill_verify_metadata(
             plan, req_to_token=table, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
             custom_mask=mask, n=n, page_size=self.geometry.page_size, mask_mode=self.mask_mode,
+            out_cache_loc=out_cache_loc,
         )  # fmt: skip
         self._active = plan
 
@@ -160,6 +164,7 @@ class TreeverifyAttnBackend:
         self._fill(
             forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.spec_info,
             getattr(pool, "req_to_token", None), capture=capture,
+            out_cache_loc=getattr(forward_batch, "out_cache_loc", None),
         )  # fmt: skip
 
     # -- metadata hooks ------------------------------------------------------------------------

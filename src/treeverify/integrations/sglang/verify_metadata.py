@@ -143,6 +143,7 @@ def fill_verify_metadata(
     n: int,  # draft tokens per request (tree nodes, root included)
     page_size: int,
     mask_mode: str = FULL_MASK,
+    out_cache_loc: Tensor | None = None,  # (B*N,) the draft tokens' slots
 ) -> None:
     """Write one verify step's metadata into ``plan``'s fixed buffers (device ops only).
 
@@ -162,6 +163,14 @@ def fill_verify_metadata(
         block_table_from_req_to_token(req_to_token, req_pool_indices, page_size, pages)
     )
     plan.block_table[bsz:].zero_()
+    if out_cache_loc is not None and out_cache_loc.numel() == total:
+        # The draft tokens' pages from their own slots, so the table does not depend on SGLang
+        # having written them into req_to_token before this hook (it does for EAGLE; the same
+        # values then). Position P_b + i lies on page (P_b + i) // page_size.
+        pos = seq_lens.long().view(bsz, 1) + torch.arange(n, device=seq_lens.device)  # (B, N)
+        col = (pos // page_size).clamp(max=pages - 1)
+        page = torch.div(out_cache_loc.view(bsz, n), page_size, rounding_mode="floor")
+        plan.block_table[:bsz].scatter_(1, col, page.to(torch.int32))
     plan.prefix_lens[:bsz].copy_(seq_lens)
     plan.prefix_lens[bsz:].zero_()
     step = torch.arange(plan.qo_indptr.shape[0], device=plan.qo_indptr.device) * n
