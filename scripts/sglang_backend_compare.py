@@ -198,7 +198,18 @@ def build_runner(step: Step, shape, page_size: int, n: int, ctx: int) -> Permiss
         chunked_prefill_size=8192, page_size=page_size, speculative_attention_mode="prefill",
     )  # fmt: skip
     pool = SimpleNamespace(req_to_token=step.req_to_token, size=step.req_to_token.shape[0])
+    translator = None
+    translator_cls = _real("sglang.srt.mem_cache.kv_index_translator", "KVIndexTranslator")
+    if translator_cls is not None:  # a plain pool's translator: the identity, as SGLang builds it
+        try:
+            translator = translator_cls(
+                req_to_token=step.req_to_token, token_to_kv_pool_allocator=None,
+                token_to_kv_pool=step.pool, page_size=page_size, device="cuda",
+            )  # fmt: skip
+        except Exception as exc:
+            HARNESS["KVIndexTranslator()"] = f"failed ({type(exc).__name__}: {exc})"
     return Permissive(
+        kv_index_translator=translator,
         model_config=model_config, server_args=server_args, req_to_token_pool=pool,
         token_to_kv_pool=step.pool, sliding_window_size=None, hybrid_gdn_config=None,
         kimi_linear_config=None, linear_attn_model_spec=None, device="cuda", gpu_id=0,
@@ -248,6 +259,10 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dic
 
     row: dict = {"backend": name}
     backend = make_backend()
+    translator = getattr(step, "translator", None)
+    for target in (backend, getattr(backend, "fallback", None)):  # the runner binds it in SGLang
+        if target is not None and getattr(target, "kv_index_translator", None) is None:
+            target.kv_index_translator = translator
     rng = random.Random(seed)
     torch.manual_seed(seed)
     mask, ref_in = step.draw(rng)
@@ -303,6 +318,7 @@ def run(args) -> dict:
         for page_size in [int(p) for p in args.pages.split(",")]:
             step = Step(args.batch, args.n, args.max_prefix, page_size, shape, args.ctx)
             runner = build_runner(step, shape, page_size, args.n, args.ctx)
+            step.translator = runner.kv_index_translator
             layer = build_layer(shape, scale)
             makers = {
                 "sglang_triton": lambda r=runner: triton_cls(r),
