@@ -218,7 +218,7 @@ def _emulate_converter(mask, kv_indptr, mask_indptr, qo_indptr, batch, words, ca
 
 @pytest.mark.parametrize("mode", [FULL_MASK, QLEN_ONLY])
 def test_gpu_converter_inputs_read_the_right_bytes_even_padded(mode):
-    from treeverify.integrations.sglang.verify_metadata import kernel_indptrs
+    from treeverify.integrations.sglang.verify_metadata import mask_indptrs
 
     rng = random.Random(random.randrange(2**31))
     n, prefix = rng.randint(1, 40), [rng.randint(0, 30) for _ in range(3)]
@@ -234,6 +234,6 @@ def test_gpu_converter_inputs_read_the_right_bytes_even_padded(mode):
     plens = torch.tensor(prefix + [1, 1], dtype=torch.int32)
     qo = torch.arange(6, dtype=torch.int32) * n
     kv_indptr, mask_indptr = torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)
-    kernel_indptrs(plens, n, mask.numel(), mode, kv_indptr, mask_indptr)
+    mask_indptrs(plens, n, mask.numel(), mode, kv_indptr, mask_indptr)
     got = _emulate_converter(mask, kv_indptr, mask_indptr, qo, 5, 2, 5 * n)
     assert torch.equal(got[: 3 * n, :n], want)
