@@ -240,9 +240,11 @@ class LLM:
         # A step mixing trees with prefill or plain decodes: host copies of the trees.
         trees = tb.to_spec_trees() if tb is not None else {}
         t0 = time.perf_counter()
-        want_prompt = {c.seq.request_id: len(lps) - 1 for c in batch.prefills
-                       if len(lps := self._prompt_logprobs.get(c.seq.request_id, ())) and
-                       len(lps) < c.seq.num_prompt_tokens}  # fmt: skip
+        want_prompt = {}  # request id -> first prompt position whose row it still needs
+        for c in batch.prefills:
+            lps = self._prompt_logprobs.get(c.seq.request_id)
+            if lps is not None and len(lps) < c.seq.num_prompt_tokens:
+                want_prompt[c.seq.request_id] = len(lps) - 1
         rows = self.runner.run(batch, trees, want_prompt)  # per sampled sequence: (1 or T, V)
         if want_prompt:
             self._keep_prompt_logprobs(batch)
