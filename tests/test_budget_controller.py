@@ -175,3 +175,13 @@ def test_bad_config_is_a_value_error():
         ControllerConfig(decay=1.0)
     with pytest.raises(ValueError, match="buckets"):
         BudgetController((4, 8))
+
+
+def test_per_request_state_is_bounded(monkeypatch):
+    import treeverify.engine.budget_controller as bc
+
+    monkeypatch.setattr(bc, "MAX_TRACKED_REQUESTS", 3)
+    ctl = synthetic({0: 1.0, 4: 1.0})
+    for i in range(5):
+        ctl.observe_round(f"r{i}", 4, [0, 1])
+    assert list(ctl.requests) == ["r2", "r3", "r4"]

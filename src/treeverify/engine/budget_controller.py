@@ -31,6 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
+MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
+
+
 def budget_buckets(max_budget: int, smallest: int = 4) -> tuple[int, ...]:
     """0, then powers of two from `smallest` below `max_budget`, then `max_budget` itself."""
     if max_budget < 1:
@@ -242,6 +245,8 @@ class BudgetController:
     def observe_round(self, request_id: str, budget: int, path: list[int]) -> None:
         """A verified round at `budget`: path = accepted node indices, root (0) first."""
         below = tuple(b for b in self.buckets if 0 < b <= budget)
+        if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
+            del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
         for b, a in accepted_at_budgets(path, below).items():
             req.curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
