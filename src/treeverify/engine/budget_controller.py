@@ -30,7 +30,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-
 MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
 
 
