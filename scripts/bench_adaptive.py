@@ -67,13 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=2, help="timed runs per cell (best kept)")
     p.add_argument("--out", default="bench_results")
     args = p.parse_args(argv)
+    commit = _commit()  # the code this run imported
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    commit += "-dirty" if dirty else ""
     rows = adaptive_vs_fixed(
         args.model, workloads=args.workloads.split(","), max_tokens=args.max_tokens,
         budgets=tuple(int(b) for b in args.budgets.split(",")), depth=args.depth,
         device=args.device, chat=args.chat, repeat=args.repeat,
     )  # fmt: skip
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    commit = _commit()
     dev = "cpu" if args.device == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
     result = {
         "date": date, "commit": commit, "device": _cpu() if dev == "cpu" else dev,

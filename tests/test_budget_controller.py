@@ -98,14 +98,14 @@ def test_hysteresis_keeps_the_budget_within_the_margin():
 
 
 def test_switch_needs_dwell_and_confirmation():
-    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=5, confirm=3, explore_every=1000)
+    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=5, confirm=3, explore_every=1000, explore_max=1000)
     ctl.current, ctl.since_switch = 4, 0  # as if it had just switched to 4
     ctl.observe_round("r", 4, [0])  # nothing accepted: plain is better
     chosen = [ctl.choose(["r"]) for _ in range(5)]
     assert chosen == [4] * 5  # five steps at 4 (the dwell) before the switch
     assert ctl.choose(["r"]) == 0 and ctl.switches == 1
 
-    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=0, confirm=3, explore_every=1000)
+    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=0, confirm=3, explore_every=1000, explore_max=1000)
     ctl.current = 4
     ctl.observe_round("r", 4, [0])
     assert [ctl.choose(["r"]) for _ in range(4)] == [4, 4, 0, 0]  # 3 consecutive wins
@@ -175,3 +175,24 @@ def test_bad_config_is_a_value_error():
         ControllerConfig(decay=1.0)
     with pytest.raises(ValueError, match="buckets"):
         BudgetController((4, 8))
+
+
+def test_per_request_state_is_bounded(monkeypatch):
+    import treeverify.engine.budget_controller as bc
+
+    monkeypatch.setattr(bc, "MAX_TRACKED_REQUESTS", 3)
+    ctl = synthetic({0: 1.0, 4: 1.0})
+    for i in range(5):
+        ctl.observe_round(f"r{i}", 4, [0, 1])
+    assert list(ctl.requests) == ["r2", "r3", "r4"]
+
+
+def test_probes_back_off_scale_with_cost_and_restart_for_new_requests():
+    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0)
+    feed(ctl, "r", {4: 0}, 200)  # never accepted: at 0, probing less and less often
+    probes = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 200)) if b == 4]
+    gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
+    assert gaps and all(g == 32 for g in gaps)  # backed off to explore_max
+    ctl.observe_round("r", 4, [0])
+    chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2
+    assert 4 in chosen[:9]

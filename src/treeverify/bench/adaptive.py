@@ -75,6 +75,8 @@ def adaptive_vs_fixed(model: str, *, workloads: list[str] | None = None, max_tok
                     row["steps_by_budget"] = st["adaptive"]["steps_by_budget"]
                     row["cost_seconds_batch1"] = st["adaptive"]["cost_seconds_batch1"]
             rows.append(row)
+            print(f"[bench adaptive] {model} {wl} {name}: {row['tokens_per_s']} tok/s",
+                  flush=True)  # fmt: skip
         del llm
     _compare(rows)
     return rows

@@ -17,9 +17,12 @@ per-node samples give the same cut, so the estimate is unbiased). Requests start
 engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own.
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
-decisions and at least `min_dwell` steps at the current budget. Exploration: every
-`explore_every` steps below the largest bucket, one step runs one bucket up, so budgets above the
-current one (never measured by the free curve) get fresh evidence and a batch at 0 can come back.
+decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
+bucket, now and then one step runs one bucket up, so budgets above the current one (never
+measured by the free curve) get fresh evidence and a batch at 0 can come back. The interval is
+`explore_every` steps times cost(up) / cost(current) (a probe that costs 4 plain steps comes 4x
+less often), doubled after each probe that changed nothing, up to `explore_max` steps, and back
+to the start when a request without its own measurements joins (new text, maybe predictable).
 
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
@@ -29,6 +32,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
 
 
 def budget_buckets(max_budget: int, smallest: int = 4) -> tuple[int, ...]:
@@ -82,7 +87,8 @@ class ControllerConfig:
     switch_margin: float = 0.05  # R(best) must beat R(current) by this fraction ...
     confirm: int = 2  # ... on this many consecutive decisions ...
     min_dwell: int = 8  # ... after at least this many steps at the current budget
-    explore_every: int = 16  # steps between one-bucket-up probes below the largest bucket
+    explore_every: int = 16  # steps between one-bucket-up probes below the largest bucket ...
+    explore_max: int = 256  # ... backing off to at most this many while probes change nothing
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay < 1.0:
@@ -93,6 +99,8 @@ class ControllerConfig:
             raise ValueError("switch_margin, prior_rounds: expected >= 0")
         if self.confirm < 1 or self.min_dwell < 0 or self.explore_every < 1:
             raise ValueError("confirm, explore_every: expected >= 1; min_dwell >= 0")
+        if self.explore_max < self.explore_every:
+            raise ValueError("explore_max: expected >= explore_every")
 
 
 class CostModel:
@@ -166,6 +174,8 @@ class BudgetController:
         self.current = self.buckets[-1]  # start at the top: one round measures every budget
         self.since_switch = self.cfg.min_dwell  # the first choice need not wait out a dwell
         self.since_explore = 0
+        self._explore_interval = float(self.cfg.explore_every)  # before the cost ratio
+        self._switches_at_probe = 0
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
@@ -214,14 +224,28 @@ class BudgetController:
             self._consider(best, known[best], rates[cur])
         self.since_switch += 1
         self.since_explore += 1
+        if any(rid not in self.requests for rid in request_ids):
+            self._explore_interval = float(self.cfg.explore_every)
         i = self.buckets.index(self.current)
         up = self.buckets[i + 1] if i + 1 < len(self.buckets) else None
-        due = self.since_explore >= self.cfg.explore_every
-        if up is not None and (due or rates.get(up) is None):
-            self.since_explore = 0
-            self.explorations += 1
+        if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):
+            self._probed()
             return self._count(up)  # one step one bucket up; `current` stays
         return self._count(self.current)
+
+    def _explore_due(self, n: int, up: int) -> bool:
+        here, there = self.cost.estimate(n, self.current), self.cost.estimate(n, up)
+        ratio = max(1.0, there / here) if here and there else 1.0
+        return self.since_explore >= min(self.cfg.explore_max, self._explore_interval * ratio)
+
+    def _probed(self) -> None:
+        if self.explorations and self.switches == self._switches_at_probe:  # changed nothing
+            self._explore_interval = min(2 * self._explore_interval, float(self.cfg.explore_max))
+        else:
+            self._explore_interval = float(self.cfg.explore_every)
+        self._switches_at_probe = self.switches
+        self.since_explore = 0
+        self.explorations += 1
 
     def _consider(self, best: int, best_rate: float, cur_rate: float) -> None:
         if best == self.current or best_rate <= (1 + self.cfg.switch_margin) * cur_rate:
@@ -242,6 +266,8 @@ class BudgetController:
     def observe_round(self, request_id: str, budget: int, path: list[int]) -> None:
         """A verified round at `budget`: path = accepted node indices, root (0) first."""
         below = tuple(b for b in self.buckets if 0 < b <= budget)
+        if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
+            del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
         for b, a in accepted_at_budgets(path, below).items():
             req.curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
