@@ -48,5 +48,8 @@ def test_prompt_logprobs_equal_a_full_forward_across_chunks_and_preemption():
             assert lps[i].token_id == ids[i]
             assert abs(lps[i].logprob - float(ref[i - 1, ids[i]])) < 1e-4
             k = sp.prompt_logprobs
-            assert [t for t, _ in lps[i].top] == ref[i - 1].topk(k).indices.tolist()[:k]
+            best = ref[i - 1].topk(k).values.tolist()  # ids may swap at near-ties: values
+            assert len(lps[i].top) == k
+            for j, (t, v) in enumerate(lps[i].top):
+                assert abs(v - float(ref[i - 1, t])) < 1e-4 and abs(v - best[j]) < 1e-4
     assert llm.block_manager.num_free_pages == llm.block_manager.num_pages
