@@ -90,6 +90,10 @@ def row(llm: LLM, name: str, outs, secs: float, plain) -> dict:
         )
     if plain is not None:
         r["identical_to_plain"] = outs == plain
+        firsts = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+                  for a, b in zip(outs, plain, strict=True)]  # fmt: skip
+        r["diverged_requests"] = sum(f is not None for f in firsts)
+        r["first_divergence"] = min((f for f in firsts if f is not None), default=None)
     return r
 
 
@@ -126,8 +130,8 @@ def run_speed(args, block: int) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
     texts = {"code": code_prompts(args.code_prompts, args.n),
              "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
-    cfgs = configs(args, block, [args.budget])
-    cfgs.append((f"DDTREE(ngram) b={args.budget}", "DDTREE", "ngram", args.budget,
+    cfgs = configs(args, block, [int(b) for b in args.budget.split(",")])
+    cfgs.append((f"DDTREE(ngram) b={args.ngram_budget}", "DDTREE", "ngram", args.ngram_budget,
                  args.ngram_depth))  # fmt: skip
     rows, plain = [], {}
     for name, algo, drafter, budget, depth in cfgs:
@@ -158,7 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=16, help="prompts per text")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens per prompt")
     p.add_argument("--budgets", default="8,16,32,64,128,256")
-    p.add_argument("--budget", type=int, default=32, help="speed: the DDTREE budget")
+    p.add_argument("--budget", default="32", help="speed: DDTREE(dflash) budgets, comma list")
+    p.add_argument("--ngram-budget", type=int, default=32)
     p.add_argument("--ngram-depth", type=int, default=8)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--num-pages", type=int, default=2048)

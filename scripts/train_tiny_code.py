@@ -125,6 +125,20 @@ def middle_window(text: str, chars: int) -> str:
     return text[start : start + chars]
 
 
+def corpus_split(max_files, holdout_pct, max_heldout_bytes, max_train_bytes):
+    """(all files, training texts, held-out texts, held-out packages); the training texts in
+    content-hash order (a fixed shuffle), capped at max_train_bytes characters."""
+    files = collect_files(max_files)
+    train_texts, held_texts, held_pkgs = split_by_package(files, holdout_pct, max_heldout_bytes)
+    kept, size = [], 0
+    for text in sorted(train_texts, key=lambda s: hashlib.sha256(s.encode()).digest()):
+        if size + len(text) > max_train_bytes:
+            break
+        kept.append(text)
+        size += len(text)
+    return files, kept, held_texts, held_pkgs
+
+
 # ---- 2. tokenizer ------------------------------------------------------------------------------
 
 
@@ -193,15 +207,22 @@ class Attn(nn.Module):
         self.v_proj = nn.Linear(d, hkv * hd, bias=False)
         self.o_proj = nn.Linear(hq * hd, d, bias=False)
 
-    def forward(self, x, cos, sin):  # x (B, S, d)
+    def forward(self, x, cos, sin, cache: dict | None = None):  # x (B, S, d)
+        """cache (generation): {"k", "v": (B, total, Hkv, D), "start": int}; this call's K/V
+        are stored at start.. and the queries see everything cached up to them."""
         b, s, _ = x.shape
         q = rotate(self.q_proj(x).view(b, s, self.hq, self.hd), cos, sin)
         k = rotate(self.k_proj(x).view(b, s, self.hkv, self.hd), cos, sin)
         v = self.v_proj(x).view(b, s, self.hkv, self.hd)
+        if cache is not None:
+            end = cache["start"] + s
+            cache["k"][:, cache["start"] : end] = k
+            cache["v"][:, cache["start"] : end] = v
+            k, v = cache["k"][:, :end], cache["v"][:, :end]
         rep = self.hq // self.hkv
         k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)  # (B, S, Hq, D)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)  # fmt: skip
+                                           v.transpose(1, 2), is_causal=s > 1)  # fmt: skip
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -235,8 +256,8 @@ class Block(nn.Module):
         self.input_layernorm = Norm(d, c["rms_norm_eps"])
         self.post_attention_layernorm = Norm(d, c["rms_norm_eps"])
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -263,19 +284,41 @@ class TrainLlama(nn.Module):
             elif p.dim() == 2 and "embed" not in name:
                 p.data.normal_(0.0, 0.02)
 
-    def forward(self, ids, taps: list[int] | None = None, last_only: bool = False):
-        cos, sin = rope_tables(ids.shape[1], self.c["head_dim"], self.c["rope_theta"], ids.device)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # (S, 1, D/2)
+    def forward(self, ids, taps: list[int] | None = None, last_only: bool = False,
+                caches: list[dict] | None = None):  # fmt: skip
+        start = caches[0]["start"] if caches else 0
+        cos, sin = rope_tables(start + ids.shape[1], self.c["head_dim"], self.c["rope_theta"],
+                               ids.device)  # fmt: skip
+        cos, sin = cos[start:, None, :], sin[start:, None, :]  # (S, 1, D/2)
         x = self.model.embed_tokens(ids)
         tapped = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, caches[i] if caches else None)
             if taps and i in taps:
                 tapped.append(x)
         if last_only:
             x = x[:, -1:]
         logits = F.linear(self.model.norm(x), self.model.embed_tokens.weight)  # tied head
         return (logits, torch.cat(tapped, -1)) if taps else logits
+
+    @torch.no_grad()
+    def greedy(self, ids: torch.Tensor, new: int, dtype=torch.bfloat16) -> torch.Tensor:
+        """(B, P) -> (B, P + new): greedy continuation with a K/V cache."""
+        b, p = ids.shape
+        c, dev = self.c, ids.device
+        shape = (b, p + new, c["num_key_value_heads"], c["head_dim"])
+        caches = [{"k": torch.zeros(shape, dtype=dtype, device=dev),
+                   "v": torch.zeros(shape, dtype=dtype, device=dev), "start": 0}
+                  for _ in range(c["num_hidden_layers"])]  # fmt: skip
+        out, x = [ids], ids
+        for _ in range(new):
+            with torch.autocast(dev.type, dtype, enabled=dev.type == "cuda"):
+                logits = self(x, last_only=True, caches=caches)
+            for cache in caches:
+                cache["start"] += x.shape[1]
+            x = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+            out.append(x)
+        return torch.cat(out, 1)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", torch.bfloat16).contiguous()
@@ -429,17 +472,10 @@ def main(argv=None) -> int:
                      "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
 
     t = time.perf_counter()
-    files = collect_files(max_files)
-    train_texts, held_texts, held_pkgs = split_by_package(
-        files, args.holdout_pct, args.max_heldout_bytes
+    files, train_texts, held_texts, held_pkgs = corpus_split(
+        max_files, args.holdout_pct, args.max_heldout_bytes, args.max_train_bytes
     )
-    kept, size = [], 0
-    for text in sorted(train_texts, key=lambda s: hashlib.sha256(s.encode()).digest()):
-        if size + len(text) > args.max_train_bytes:
-            break
-        kept.append(text)
-        size += len(text)
-    train_texts = kept
+    size = sum(len(x) for x in train_texts)
     corpus = {"roots": [str(r) for r in source_roots()], "unique_files": len(files),
               "train_files": len(train_texts), "train_chars": size,
               "heldout_files": len(held_texts), "heldout_packages": held_pkgs,

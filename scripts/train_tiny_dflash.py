@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny_code import load_train_llama, random_windows, rotate  # noqa: E402
+from train_tiny_code import (  # noqa: E402
+    corpus_split,
+    encode_stream,
+    load_train_llama,
+    random_windows,
+    rotate,
+)
 
 from treeverify.models.config import RopeConfig  # noqa: E402
 from treeverify.spec.dflash import DFlashDrafter  # noqa: E402
@@ -41,20 +47,31 @@ def log(msg: str) -> None:
     print(f"[train_tiny_dflash {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-@torch.no_grad()
 def greedy_continuations(target, prompts: torch.Tensor, new: int, batch: int) -> torch.Tensor:
-    """(N, P) prompts -> (N, P + new) with the target's greedy tokens (full recompute per step:
-    simple, and cheap at this size)."""
-    out = []
+    """(N, P) prompts -> (N, P + new) with the target's greedy tokens."""
     dev = next(target.parameters()).device
-    for i in range(0, len(prompts), batch):
-        x = prompts[i : i + batch].to(dev)
-        for _ in range(new):
-            with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-                nxt = target(x, last_only=True)[:, -1].argmax(-1)
-            x = torch.cat([x, nxt[:, None]], 1)
-        out.append(x.cpu())
-    return torch.cat(out)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return torch.cat([target.greedy(prompts[i : i + batch].to(dev), new, dtype).cpu()
+                      for i in range(0, len(prompts), batch)])  # fmt: skip
+
+
+def load_streams(args) -> dict:
+    """The training token stream train_tiny_code saved, or (no such file: a fresh machine) the
+    same corpus split re-read from disk and encoded with the target's tokenizer."""
+    path = args.streams or args.target.parent / (args.target.name + "-work") / "streams.pt"
+    if path.is_file():
+        return torch.load(path)
+    from tokenizers import Tokenizer
+
+    log(f"{path} not found: re-reading the corpus ({args.corpus_bytes} characters)")
+    _, train_texts, _, _ = corpus_split(
+        1500 if args.smoke else None,
+        30.0 if args.smoke else 6.0,
+        200_000 if args.smoke else 3_000_000,
+        args.corpus_bytes,
+    )  # fmt: skip (train_tiny_code's defaults: the same held-out packages stay out)
+    tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    return {"train": encode_stream(tok, train_texts)}
 
 
 def draft_forward(drafter: DFlashDrafter, embed_w, feats, tokens, anchors):
@@ -121,26 +138,49 @@ def block_loss(logits, tokens, anchors, gamma: float):
     return loss, chain
 
 
+@torch.no_grad()
+def validate(drafter, target, val, taps, lo, gamma, g) -> tuple[float, float]:
+    """Loss and greedy chain tau (accepted prefix + 1) on continuations never trained on."""
+    drafter.eval()
+    dev = next(drafter.parameters()).device
+    losses, taus = [], []
+    for i in range(0, len(val), 32):
+        tokens = val[i : i + 32].to(dev)
+        s = tokens.shape[1]
+        anchors = torch.stack([lo + torch.randperm(s - 1 - lo, generator=g)[:32]
+                               for _ in range(len(tokens))]).to(dev)  # fmt: skip
+        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+            _, feats = target(tokens, taps=taps)
+            logits = draft_forward(drafter, target.model.embed_tokens.weight, feats, tokens,
+                                   anchors)  # fmt: skip
+        loss, chain = block_loss(logits, tokens, anchors, gamma)
+        losses.append(loss.item())
+        taus.append(chain.item() + 1)
+    drafter.train()
+    return round(sum(losses) / len(losses), 4), round(sum(taus) / len(taus), 3)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--streams", type=Path, default=None, help="default: TARGET-work/streams.pt")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--corpus-bytes", type=int, default=40_000_000, help="without --streams")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--taps", default="1,4,7", help="target layers whose outputs are the context")
-    p.add_argument("--prompts", type=int, default=6144, help="greedy continuations to generate")
+    p.add_argument("--prompts", type=int, default=65536, help="greedy continuations to generate")
     p.add_argument("--prompt-len", type=int, default=96)
     p.add_argument("--new-tokens", type=int, default=160)
-    p.add_argument("--gen-batch", type=int, default=1024)
+    p.add_argument("--gen-batch", type=int, default=8192)
     p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--max-seconds", type=float, default=120.0)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--anchors", type=int, default=48)
+    p.add_argument("--max-seconds", type=float, default=200.0)
+    p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--log-every", type=int, default=250)
+    p.add_argument("--log-every", type=int, default=500)
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.prompt_len, args.new_tokens, args.gen_batch = 16, 32, 24, 8
@@ -150,13 +190,16 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_train_llama(args.target, dev).eval().requires_grad_(False)
     tc = target.c
-    streams = torch.load(args.streams or args.target.parent / (args.target.name + "-work")
-                         / "streams.pt")  # fmt: skip
+    streams = load_streams(args)
     g = torch.Generator().manual_seed(args.seed + 2)
 
     t0 = time.perf_counter()
-    prompts = random_windows(streams["train"], args.prompts, args.prompt_len, g)
+    stream = streams["train"]
+    cut = len(stream) * 19 // 20  # validation prompts come from the last 5%, never trained on
+    prompts = random_windows(stream[:cut], args.prompts, args.prompt_len, g)
     seqs = greedy_continuations(target, prompts, args.new_tokens, args.gen_batch)  # (N, S)
+    val_prompts = random_windows(stream[cut:], 256 if not args.smoke else 4, args.prompt_len, g)
+    val = greedy_continuations(target, val_prompts, args.new_tokens, args.gen_batch)
     gen_s = time.perf_counter() - t0
     log(f"{len(seqs)} greedy continuations of {args.new_tokens} tokens in {gen_s:.0f} s")
 
@@ -204,9 +247,11 @@ def main(argv=None) -> int:
         opt.step()
         step += 1
         if step % args.log_every == 0 or step == 1:
-            curve.append((step, round(loss.item(), 4), round(chain.item() + 1, 3)))
-            log(f"step {step} loss {loss.item():.4f} greedy chain tau {chain.item() + 1:.2f} "
-                f"lr {lr:.2e} {time.perf_counter() - t0:.0f} s")  # fmt: skip
+            vl, vt = validate(drafter, target, val, taps, lo, gamma, g) if step > 1 else (0, 0)
+            curve.append((step, round(loss.item(), 4), round(chain.item() + 1, 3), vl, vt))
+            log(f"step {step} loss {loss.item():.4f} chain tau {chain.item() + 1:.2f} | "
+                f"validation loss {vl} chain tau {vt} | lr {lr:.2e} "
+                f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     secs = time.perf_counter() - t0
     drafter = drafter.to(torch.bfloat16).eval()
     save_dflash(drafter, args.out)

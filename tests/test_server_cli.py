@@ -116,7 +116,7 @@ def test_serve_gpu_flag_defaults():
     args = _parse(cli, ["serve"])
     assert args.mem_fraction_static == 0.88 and not args.disable_cuda_graph
     assert args.cuda_graph_max_bs is None and args.num_pages is None  # sized on the GPU
-    assert args.attention_backend == "auto" and args.speculative_draft_model_path == "ngram"
+    assert args.attention_backend == "auto" and args.speculative_draft_model_path is None
     assert args.speculative_adaptive is None  # on for DDTREE
     assert _parse(cli, ["serve", "--no-speculative-adaptive"]).speculative_adaptive is False
 

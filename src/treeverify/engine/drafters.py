@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from treeverify.engine.sequence import Sequence
+from treeverify.models.shipped import SHIPPED_DRAFTERS, shipped_dir
 from treeverify.spec.ngram import NgramDrafter
 
 
@@ -88,7 +89,8 @@ class DFlashSource:
 def make_source(
     path: str, model: torch.nn.Module, config, dtype, device
 ) -> NgramSource | DFlashSource:
-    """ "ngram", "tiny-dflash" (a seeded drafter for tiny targets, tests) or a DFlash directory."""
+    """ "ngram", "tiny-dflash" (a seeded drafter for tiny targets, tests), a shipped drafter
+    ("tiny-code-dflash") or a DFlash directory."""
     if path == "ngram":
         return NgramSource(config.vocab_size)
     from treeverify.spec.dflash_io import load_dflash, tiny_dflash
@@ -97,15 +99,34 @@ def make_source(
     if path == "tiny-dflash":
         drafter = tiny_dflash(config, target_embed=embed, target_lm_head=head, dtype=dtype)
         drafter = drafter.to(device)
-    elif Path(path).is_dir():
-        drafter = load_dflash(path, embed, head, dtype=dtype, device=device)
+    elif shipped_dir(path) is not None or Path(path).is_dir():
+        directory = shipped_dir(path) or path
+        drafter = load_dflash(directory, embed, head, dtype=dtype, device=device)
     else:
         raise ValueError(
-            f"speculative_draft_model_path: expected 'ngram', 'tiny-dflash' or a DFlash "
-            f"directory, got {path!r}"
+            f"speculative_draft_model_path: expected 'ngram', 'tiny-dflash', a shipped drafter "
+            f"({', '.join(SHIPPED_DRAFTERS)}) or a DFlash directory, got {path!r}"
         )
     bad = [i for i in drafter.target_layer_ids if not 0 <= i < config.num_hidden_layers]
     if bad:
         raise ValueError(f"speculative_draft_model_path: the drafter taps target layers {bad} "
                          f"outside 0..{config.num_hidden_layers - 1}")  # fmt: skip
     return DFlashSource(drafter.eval())
+
+
+def resolve_drafter(path: str | None, model: str) -> str:
+    """The drafter to use when speculating: `path` if given, else the model's own shipped drafter
+    (tiny-code -> tiny-code-dflash), else the weight-free n-gram drafter."""
+    if path is not None:
+        return path
+    from treeverify.models.shipped import own_drafter
+
+    return own_drafter(model) or "ngram"
+
+
+def default_depth(source: NgramSource | DFlashSource) -> int:
+    """Draft depth when none is given: a DFlash drafter's whole block (block_size - 1), the
+    n-gram drafter's 4."""
+    if isinstance(source, DFlashSource):
+        return source.drafter.block_size - 1
+    return 4

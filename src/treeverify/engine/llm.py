@@ -26,7 +26,7 @@ from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
 from treeverify.engine.cuda_graphs import batch_buckets
-from treeverify.engine.drafters import make_source
+from treeverify.engine.drafters import default_depth, make_source, resolve_drafter
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
@@ -68,8 +68,10 @@ class LLM:
         seed: int = 0,
         speculative_algorithm: str | None = None,  # "DDTREE" | "CHAIN" | None
         speculative_ddtree_budget: int = 16,  # tree nodes besides the root
-        speculative_num_draft_tokens: int = 4,  # depth L
-        speculative_draft_model_path: str = "ngram",  # "ngram" or a DFlash drafter directory
+        speculative_num_draft_tokens: int | None = None,  # depth L; None: DFlash block-1, else 4
+        # "ngram", a shipped drafter name, a DFlash directory; None: the model's own shipped
+        # drafter if it has one (tiny-code -> tiny-code-dflash), else "ngram"
+        speculative_draft_model_path: str | None = None,
         # Per-step budget from measured acceptance and cost, 0 (plain) included, up to
         # speculative_ddtree_budget; None: on for DDTREE (engine/budget_controller.py).
         speculative_adaptive: bool | None = None,
@@ -131,8 +133,13 @@ class LLM:
         )  # fmt: skip
         self.spec = None
         if speculative_algorithm:
-            source = make_source(speculative_draft_model_path, self.model, self.config, dtype,
-                                 self.device)  # fmt: skip
+            drafter = resolve_drafter(speculative_draft_model_path, model)
+            source = make_source(drafter, self.model, self.config, dtype, self.device)
+            if speculative_draft_model_path is None:
+                log.info("speculative drafter: %s (%s)", drafter, "the model's own"
+                         if drafter != "ngram" else "the model ships none")  # fmt: skip
+            if speculative_num_draft_tokens is None:
+                speculative_num_draft_tokens = default_depth(source)
             self.model.capture_layers = frozenset(source.target_layer_ids)
             self.spec = SpeculativeDecoder(
                 self.block_manager, self.cache, self.config.vocab_size,

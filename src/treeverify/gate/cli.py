@@ -1,7 +1,7 @@
 """``treeverify gate [run|record|check]``: the deployment gate's command line.
 
 Targets: ``--url URL`` (HTTP only), ``--launch CMD`` (a process it starts and watches), ``--unit
-NAME`` (systemd), or none: it launches ``treeverify serve --model tiny-llama`` on a free port
+NAME`` (systemd), or none: it launches ``treeverify serve --model tiny-code`` on a free port
 (``--serve-args`` adds flags), gates it and stops it. Exit codes: 0 pass, 1 performance
 regression, 2 correctness failure, 3 gate/infrastructure error, 4 unit failed / crash-looping /
 launched process died, 5 hung or timed out, 64 usage error.
@@ -87,7 +87,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="run: the gate (default); record: write a golden file from a known-good "
         "deployment; check: the gate against --golden (required)",
     )
-    t = p.add_argument_group("target (default: launch treeverify serve on tiny-llama)")
+    t = p.add_argument_group("target (default: launch treeverify serve on tiny-code)")
     t.add_argument("--url", help="the service's base URL (with --unit: default :30000)")
     t.add_argument("--launch", metavar="CMD", help="start CMD, watch it, scan its output")
     t.add_argument("--unit", metavar="NAME", help="systemd unit to watch (systemctl/journalctl)")

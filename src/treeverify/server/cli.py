@@ -4,7 +4,7 @@ GPU-only flags (--mem-fraction-static, --cuda-graph-max-bs, --disable-cuda-graph
 the CPU too and have no effect there (the CPU engine is eager, with --num-pages pages); every flag
 is recorded in /server_info (the API key redacted) so a deployment can pass SGLang-style arguments
 unchanged. Bad values are usage errors: serve's usage and exit 2, from argparse itself.
-Also runnable alone: ``python -m treeverify.server.cli serve --model tiny-llama --port 30000``.
+Also runnable alone: ``python -m treeverify.server.cli serve --model tiny-code --port 30000``.
 """
 
 from __future__ import annotations
@@ -98,10 +98,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--model",
         "--model-path",
         dest="model",
-        default="tiny-llama",
-        help="a built-in model (tiny-llama, tiny-kimi, smollm2-135m with the smollm2 extra, ...), "
-        "a local Hugging Face directory, or a hub id (org/name) already in the local Hugging Face "
-        "cache (never downloaded)",
+        default="tiny-code",
+        help="a built-in model (tiny-code: trained on Python, shipped; tiny-llama, tiny-kimi: "
+        "seeded, for tests; smollm2-135m with the smollm2 extra), a local Hugging Face "
+        "directory, or a hub id (org/name) already in the local Hugging Face cache (never "
+        "downloaded)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=at_least_0, default=30000, help="TCP port")
@@ -168,14 +169,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
-        default=4,
-        help="draft depth L (positions proposed per round)",
+        help="draft depth L (positions proposed per round; default: a DFlash drafter's block "
+        "size - 1, the n-gram drafter's 4)",
     )
     p.add_argument(
         "--speculative-draft-model-path",
-        default="ngram",
         help="the drafter: 'ngram' (weight-free), a DFlash drafter directory (published "
-        "format), or 'tiny-dflash' (seeded, for tiny-llama tests)",
+        "format), 'tiny-code-dflash' (shipped), or 'tiny-dflash' (seeded, for tiny-llama tests); "
+        "default: the model's own shipped drafter (tiny-code -> tiny-code-dflash), else ngram",
     )
     p.add_argument(
         "--default-max-tokens",
