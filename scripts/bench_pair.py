@@ -44,7 +44,8 @@ def prose_prompts(path: Path, n: int) -> list[str]:
     return [paras[i % len(paras)] for i in range(n)]
 
 
-def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_seqs: int) -> LLM:
+def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_seqs: int,
+           adaptive: bool = False) -> LLM:  # fmt: skip
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
     if algo:
@@ -54,6 +55,8 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
             speculative_num_draft_tokens=depth,
             speculative_draft_model_path=drafter,
         )
+    if algo == "DDTREE":  # a fixed budget unless this config measures the adaptive one
+        kw["speculative_adaptive"] = adaptive
     return LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
                cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
                max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
@@ -97,6 +100,37 @@ def row(llm: LLM, name: str, outs, secs: float, plain) -> dict:
     return r
 
 
+class DivergenceJudge:
+    """Where a speculative output differs from plain decoding, is it a near-tie? The target in
+    fp32 (eager, PyTorch attention: neither run's kernels) scores the two tokens at the first
+    differing position after prompt + common prefix; the gap (nats) is reported per request. A
+    bf16 engine may flip a near-tie between two batch shapes; a real bug shows a large gap."""
+
+    def __init__(self, args):
+        from treeverify.models import TorchAttention, load_model
+
+        dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+        _, self.model, self.tok = load_model(args.target, dtype=torch.float32, device=dev)
+        self.attention, self.dev = TorchAttention(), dev
+
+    @torch.inference_mode()
+    def gaps(self, prompts: list, plain: list[list[int]], outs: list[list[int]]) -> list[dict]:
+        found = []
+        for prompt, a, b in zip(prompts, plain, outs, strict=True):
+            i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+            if i is None:
+                continue
+            ids = (self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)) + a[:i]
+            t = torch.tensor(ids, device=self.dev)
+            logits = self.model(t, torch.arange(len(ids), device=self.dev),
+                                attention=self.attention)[-1].float()  # fmt: skip
+            lp = torch.log_softmax(logits, -1)
+            found.append({"position": i, "plain": a[i], "spec": b[i],
+                          "gap_nats": round(float(lp[a[i]] - lp[b[i]]), 5),
+                          "fp32_argmax": int(lp.argmax())})  # fmt: skip
+        return found
+
+
 def free(llm) -> None:
     del llm
     gc.collect()
@@ -105,10 +139,11 @@ def free(llm) -> None:
 
 
 def configs(args, block: int, budgets: list[int]):
-    """(name, algorithm, drafter, budget, depth): plain first (the reference)."""
-    out = [("none", None, "ngram", 1, 1), (f"CHAIN(dflash) depth {block - 1}", "CHAIN",
-           args.drafter, block - 1, block - 1)]  # fmt: skip
-    out += [(f"DDTREE(dflash) b={b}", "DDTREE", args.drafter, b, block - 1) for b in budgets]
+    """(name, algorithm, drafter, budget, depth, adaptive): plain first (the reference)."""
+    out = [("none", None, "ngram", 1, 1, False), (f"CHAIN(dflash) depth {block - 1}", "CHAIN",
+           args.drafter, block - 1, block - 1, False)]  # fmt: skip
+    out += [(f"DDTREE(dflash) b={b}", "DDTREE", args.drafter, b, block - 1, False)
+            for b in budgets]  # fmt: skip
     return out
 
 
@@ -116,8 +151,8 @@ def run_accept(args, block: int) -> list[dict]:
     prompts = code_prompts(args.code_prompts, args.n)
     budgets = [int(b) for b in args.budgets.split(",")]
     rows, plain = [], None
-    for name, algo, drafter, budget, depth in configs(args, block, budgets):
-        llm = engine(args, algo, drafter, budget, depth, len(prompts))
+    for name, algo, drafter, budget, depth, adaptive in configs(args, block, budgets):
+        llm = engine(args, algo, drafter, budget, depth, len(prompts), adaptive)
         outs, secs = timed(llm, prompts, len(prompts), args.tokens)
         rows.append(row(llm, name, outs, secs, plain) | {"batch": len(prompts), "text": "code"})
         plain = outs if plain is None else plain
@@ -132,15 +167,24 @@ def run_speed(args, block: int) -> list[dict]:
              "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
     cfgs = configs(args, block, [int(b) for b in args.budget.split(",")])
     cfgs.append((f"DDTREE(ngram) b={args.ngram_budget}", "DDTREE", "ngram", args.ngram_budget,
-                 args.ngram_depth))  # fmt: skip
+                 args.ngram_depth, False))  # fmt: skip
+    if args.adaptive:  # the controller picks each step's budget in {0, 4, ..., args.adaptive}
+        cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive}", "DDTREE", args.drafter,
+                     args.adaptive, block - 1, True))  # fmt: skip
     rows, plain = [], {}
-    for name, algo, drafter, budget, depth in cfgs:
-        llm = engine(args, algo, drafter, budget, depth, max(batches))
+    judge = None if args.no_judge else DivergenceJudge(args)
+    for name, algo, drafter, budget, depth, adaptive in cfgs:
+        llm = engine(args, algo, drafter, budget, depth, max(batches), adaptive)
         for text, prompts in texts.items():
             for b in batches:
                 outs, secs = timed(llm, prompts, b, args.tokens)
                 key = (text, b)
                 r = row(llm, name, outs, secs, plain.get(key)) | {"batch": b, "text": text}
+                if llm.controller is not None:  # the budgets the controller ran, by steps
+                    r["steps_by_budget"] = dict(llm.controller.steps_by_budget)
+                    llm.controller.steps_by_budget = dict.fromkeys(llm.controller.buckets, 0)
+                if r.get("diverged_requests") and judge is not None:
+                    r["divergence_gaps"] = judge.gaps(prompts, plain[key], outs)
                 rows.append(r)
                 plain.setdefault(key, outs)
                 print(json.dumps(r), flush=True)
@@ -165,6 +209,15 @@ def main(argv=None) -> int:
     p.add_argument("--budget", default="32", help="speed: DDTREE(dflash) budgets, comma list")
     p.add_argument("--ngram-budget", type=int, default=32)
     p.add_argument("--ngram-depth", type=int, default=8)
+    p.add_argument(
+        "--adaptive",
+        type=int,
+        default=0,
+        help="speed: also DDTREE(dflash) with the adaptive budget up to this (0: off)",
+    )
+    p.add_argument(
+        "--no-judge", action="store_true", help="skip the fp32 near-tie check of divergences"
+    )
     p.add_argument("--batches", default="1,8")
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--no-graphs", action="store_true")

@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import torch
 
 from treeverify.bench.kernel import _git_commit, _rel_err
-from treeverify.kernels.bits import pack_bits
 from treeverify.kernels.reference import tree_attention_reference
+from treeverify.spec import parents_to_tree_mask, to_sglang_verify
 
 HARNESS: dict[str, str] = {}
 SHAPES = {  # name: (Hq, Hkv, Dqk, Dv, mla) per GPU, as the grid's models
@@ -115,8 +115,8 @@ class Step:
         self.max_prefix = max_prefix
 
     def draw(self, rng: random.Random):
-        """New prefixes, pages, trees and data, written in place; returns the custom mask and
-        the reference inputs (block table, parents)."""
+        """New prefixes, pages, trees and data, written in place; returns SGLang's custom mask
+        and the reference's metadata (block table, prefix lengths, qo_indptr, tree bits)."""
         bsz, n, ps = self.bsz, self.n, self.ps
         prefix = [rng.randint(1, self.max_prefix) for _ in range(bsz)]
         free = list(range(1, self.num_pages))
@@ -137,23 +137,16 @@ class Step:
             t.normal_()
         if self.pool.v is None:  # MLA: V is the first Dv columns of the K row
             self.v.copy_(self.k[..., : self.v.shape[-1]])
-        parents = [[-1] + [rng.randrange(i) for i in range(1, n)] for _ in range(bsz)]
-        dense = torch.zeros(bsz, n, n, dtype=torch.bool)
-        for b, row in enumerate(parents):
-            for i in range(n):
-                j = i
-                while j >= 0:
-                    dense[b, i, j] = True
-                    j = row[j]
-        flat = [torch.cat([torch.ones(n, prefix[b], dtype=torch.bool), dense[b]], 1).reshape(-1)
-                for b in range(bsz)]  # fmt: skip
+        parents = torch.tensor([[-1] + [rng.randrange(i) for i in range(1, n)] for _ in range(bsz)])
+        plen = torch.tensor(prefix)
+        layout = to_sglang_verify(parents, plen, mask_capacity=int(n * (plen.sum() + bsz * n)))
         width = max(len(p) for p in table)
         block_table = torch.tensor([p + [0] * (width - len(p)) for p in table], dtype=torch.int32)
-        return torch.cat(flat).cuda(), {
+        return layout.custom_mask.bool().cuda(), {  # bool, as the EAGLE worker hands it over
             "block_table": block_table.cuda(),
-            "prefix_lens": torch.tensor(prefix, dtype=torch.int32, device="cuda"),
-            "qo_indptr": torch.arange(0, (bsz + 1) * n, n, dtype=torch.int32, device="cuda"),
-            "tree_mask": pack_bits(dense.reshape(bsz * n, n)).cuda(),
+            "prefix_lens": plen.to("cuda", torch.int32),
+            "qo_indptr": layout.qo_indptr.cuda(),
+            "tree_mask": parents_to_tree_mask(parents).cuda(),
         }
 
     def reference(self, ref_inputs, scale):
@@ -198,7 +191,18 @@ def build_runner(step: Step, shape, page_size: int, n: int, ctx: int) -> Permiss
         chunked_prefill_size=8192, page_size=page_size, speculative_attention_mode="prefill",
     )  # fmt: skip
     pool = SimpleNamespace(req_to_token=step.req_to_token, size=step.req_to_token.shape[0])
+    translator = None
+    translator_cls = _real("sglang.srt.mem_cache.kv_index_translator", "KVIndexTranslator")
+    if translator_cls is not None:  # a plain pool's translator: the identity, as SGLang builds it
+        try:
+            translator = translator_cls(
+                req_to_token=step.req_to_token, token_to_kv_pool_allocator=None,
+                token_to_kv_pool=step.pool, page_size=page_size, device="cuda",
+            )  # fmt: skip
+        except Exception as exc:
+            HARNESS["KVIndexTranslator()"] = f"failed ({type(exc).__name__}: {exc})"
     return Permissive(
+        kv_index_translator=translator,
         model_config=model_config, server_args=server_args, req_to_token_pool=pool,
         token_to_kv_pool=step.pool, sliding_window_size=None, hybrid_gdn_config=None,
         kimi_linear_config=None, linear_attn_model_spec=None, device="cuda", gpu_id=0,
@@ -248,6 +252,10 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dic
 
     row: dict = {"backend": name}
     backend = make_backend()
+    translator = getattr(step, "translator", None)
+    for target in (backend, getattr(backend, "fallback", None)):  # the runner binds it in SGLang
+        if target is not None and getattr(target, "kv_index_translator", None) is None:
+            target.kv_index_translator = translator
     rng = random.Random(seed)
     torch.manual_seed(seed)
     mask, ref_in = step.draw(rng)
@@ -303,6 +311,7 @@ def run(args) -> dict:
         for page_size in [int(p) for p in args.pages.split(",")]:
             step = Step(args.batch, args.n, args.max_prefix, page_size, shape, args.ctx)
             runner = build_runner(step, shape, page_size, args.n, args.ctx)
+            step.translator = runner.kv_index_translator
             layer = build_layer(shape, scale)
             makers = {
                 "sglang_triton": lambda r=runner: triton_cls(r),

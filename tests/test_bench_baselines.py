@@ -37,3 +37,37 @@ def test_unknown_baseline_is_a_value_error(monkeypatch):
     with pytest.raises(ValueError, match="unknown baseline"):
         baselines.time_baseline("cutlass", None, {}, 16, 1, 1)
     assert baselines.geomean([2.0, 8.0]) == pytest.approx(4.0) and baselines.geomean([]) is None
+
+
+@pytest.mark.parametrize(
+    "script", ["sglang_kernel_compare.py", "sglang_backend_compare.py", "sglang_cost_model.py"]
+)
+def test_gpu_sglang_scripts_import_without_sglang_or_a_gpu(script, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # top level only: main() is not run
+    assert callable(module.main)
+
+
+def test_cost_model_fits_the_measured_grid(capsys, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("_cost", root / "scripts/sglang_cost_model.py")
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    grid = root / "bench_results/2026-11-29-h200-cuda-v7-grid.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--grid", str(grid)])
+    assert cost.main() == 0
+    out = capsys.readouterr().out
+    assert "TP8 fit (8 heads, 18 rows)" in out and "| 1024 (1025) |" in out
+    import json
+
+    t0, rate, worst, n = cost.fit(json.loads(grid.read_text())["rows"], 8)
+    assert n == 18 and worst < 0.2 and 10e-6 < t0 < 40e-6 and 2e14 < rate < 4e14

@@ -1,7 +1,8 @@
 """Sampled speculation is lossless in the engine: over many seeded requests, the tokens a DDTree
 round commits follow the target model's own distribution (chi-square against the exact
 probabilities computed from the model), and a planted wrong bonus token fails the same test
-(negative control). Fixed seeds: the outcome is deterministic, not flaky.
+(negative control). Fixed seeds: the outcome is deterministic, not flaky. Also with the adaptive
+budget switching between tree sizes (rounds at budget 4 and 8 in one run).
 
 Two pairs: tiny-llama (random weights) with the n-gram drafter, on its own greedy continuation of
 a sentence (a 2-cycle, so the n-gram trees are often accepted and the walk, not only the bonus
@@ -43,12 +44,18 @@ def _probs(llm: LLM, ids: list[int], temp: float) -> torch.Tensor:
     return torch.softmax(logits.double() / temp, -1)  # (V,)
 
 
-def _run(model: str, fault: str | None, monkeypatch):
+def _run(model: str, fault: str | None, monkeypatch, adaptive: bool = False):
     if fault:
         monkeypatch.setenv("TREEVERIFY_FAULT", fault)
     temp, text, kw = CASES[model]
+    # Adaptive: a given cost curve that favours budget 4 once acceptance is measured, and no
+    # dwell, so the first round of each batch runs at 8 and the next ones at 4. Fixed: budget 8.
+    costs = {0: 1.0, 4: 0.5, 8: 1.0} if adaptive else None
     llm = LLM(model, max_num_seqs=256, speculative_algorithm="DDTREE",
-              speculative_ddtree_budget=8, **kw)  # fmt: skip
+              speculative_ddtree_budget=8, speculative_adaptive=adaptive,
+              speculative_cost_seconds=costs, **kw)  # fmt: skip
+    if adaptive:
+        llm.controller.cfg.min_dwell, llm.controller.cfg.confirm = 0, 1
     prompt = _prompt(llm, text)
     params = [SamplingParams(temperature=temp, seed=s, max_tokens=3, ignore_eos=True)
               for s in range(N)]  # fmt: skip
@@ -76,11 +83,13 @@ def _p_value(triples, llm, prompt, temp) -> float:
     return float(scipy_stats.chisquare(obs, exp).pvalue)
 
 
-@pytest.mark.parametrize("model", list(CASES))
-def test_spec_rounds_commit_target_samples(model, monkeypatch):
-    triples, llm, prompt, temp = _run(model, None, monkeypatch)
+@pytest.mark.parametrize("model, adaptive", [(m, False) for m in CASES] + [("tiny-llama", True)])
+def test_spec_rounds_commit_target_samples(model, adaptive, monkeypatch):
+    triples, llm, prompt, temp = _run(model, None, monkeypatch, adaptive)
     hist = llm.spec.stats.histogram
     assert sum(n for k, n in hist.items() if k >= 2) > N // 10  # trees accepted, not only bonuses
+    if adaptive:
+        assert llm.controller.steps_by_budget[4] > 0 and llm.controller.steps_by_budget[8] > 0
     assert _p_value(triples, llm, prompt, temp) > 1e-4
 
 

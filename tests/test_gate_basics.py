@@ -274,3 +274,34 @@ def test_g_test_false_alarm_rate_and_power():
     greedy = [0] * 6
     greedy[int(np.argmax(probs))] = 200
     assert g_test_pvalue(greedy, list(probs)) < 1e-4
+
+
+def test_compare_text_spells_partial_characters_from_bytes_keys():
+    """Tokens shown as U+FFFD are spelled from their own top-k entry in OpenAI's bytes: form."""
+    ref = _c(["A", "\ufffd", "\ufffd", "B"], [-0.1, -0.2, -0.3, -0.5], [{}] * 4)
+    ref["text"] = "A\u00e9B"
+    ref["top_logprobs"] = [
+        {"A": -0.1},
+        {"bytes:\\xc3": -0.2, "bytes:\\xc4": -2.0},
+        {"bytes:\\xa9": -0.3},
+        {"B": -0.5, "C": -0.52},
+    ]
+    assert compare_text(ref, "A\u00e9C", margin=0.1).ok
+    assert not compare_text(ref, "A\u00e8B").ok
+
+
+def test_concurrency_sizes_from_server_info():
+    """Our server lists (batch, tokens) graph buckets: every batch size and the one past it, up to
+    the largest + 1 (within max running requests); without /server_info, --max-concurrency."""
+    from treeverify.gate.probes import concurrency_sizes, concurrency_top
+    from treeverify.gate.probing import Ctx
+
+    buckets = [[b, n] for n in (1, 9) for b in (1, 2, 4, 8, 16, 24)]
+    info = {"cuda_graph": {"buckets": buckets}, "server_args": {"max_running_requests": 64}}
+    ctx = Ctx(None, None, 0.1, 0.25, 30, server_info=info)
+    assert concurrency_top(ctx)[0] == 25
+    assert concurrency_sizes(ctx) == [1, 2, 3, 4, 5, 8, 9, 13, 16, 17, 24, 25]
+    ctx.server_info = {"server_args": {"max_running_requests": 20}}
+    assert concurrency_sizes(ctx) == [1, 3, 8, 13, 17, 20]
+    ctx.server_info, ctx.max_concurrency = None, 12
+    assert concurrency_sizes(ctx) == [1, 3, 8, 12]

@@ -5,7 +5,9 @@ request waits at most what is left of the budget."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
 import time
 
 import httpx
@@ -71,3 +73,26 @@ def test_hang_after_third_completion_ends_within_timeout(server, tmp_path):
     assert failed and failed[-1]["code"] == 5
     assert "--timeout" in failed[-1]["detail"] or "budget" in failed[-1]["detail"]
     assert proxy.completions > 3  # it really got past readiness and then hung
+
+
+def test_launched_server_ignoring_sigterm_is_killed_within_the_budget(tmp_path):
+    script = tmp_path / "stubborn.py"
+    pidfile = tmp_path / "pid"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+        "print('loading', flush=True)\ntime.sleep(600)\n"
+    )
+    budget = random.uniform(2.0, 3.0)
+    t0 = time.monotonic()
+    rc = cli.main(
+        ["--launch", f"{sys.executable} {script} --port 9", "--timeout", f"{budget:.2f}"]
+        + ["--ready-timeout", "600", "--interval", "0.2", "--quiet"]
+    )
+    took = time.monotonic() - t0
+    assert rc == 5
+    assert took < budget + 2 * runner.GRACE + SLACK, took
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # SIGKILLed and reaped, not left behind

@@ -84,7 +84,7 @@ def test_full_gate_catches(fault, code, golden, monkeypatch, tmp_path, capsys):
             "--serve-args",
             SERVE_ARGS,
             "--ready-timeout",
-            "12",
+            "25",  # a start takes ~3-13 s on a loaded 2-core box; capture_hang waits this out
             "--interval",
             "0.5",
             "--json",
@@ -103,7 +103,8 @@ def test_full_gate_catches(fault, code, golden, monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize(("fault", "code"), FAULTS)
 def test_smoke_mode(fault, code, monkeypatch, tmp_path):
-    """The seed's loop (interval/tries shortened): records whether it notices the fault."""
+    """The seed's loop (interval/tries shortened; 20 s covers a slow start on a loaded CI box):
+    records whether it notices the fault."""
     _skip_unless_planted(fault)
     monkeypatch.setenv("TREEVERIFY_FAULT", fault)
     rc = cli.main(
@@ -115,7 +116,7 @@ def test_smoke_mode(fault, code, monkeypatch, tmp_path):
             "--interval",
             "0.5",
             "--tries",
-            "12",
+            "40",
             "--quiet",
         ]
     )

@@ -57,7 +57,8 @@ def test_three_healthy_runs_pass(server, tmp_path, capsys):
             assert names[probe] == "pass", report
         assert names["copy"] == "skip"  # random weights do not copy
         ready = report["probes"][0]["detail"]
-        assert ready.startswith("ready: model 'tiny-llama' answered") and " s, " in ready
+        assert ready.startswith("ready: model 'tiny-llama' completed (HTTP 200")
+        assert "after start" in ready
         conc = next(p for p in report["probes"] if p["name"] == "concurrency")
         assert max(conc["data"]["sizes"]) == 64  # the server's --max-running-requests
         suite = ET.parse(x).getroot().find("testsuite")

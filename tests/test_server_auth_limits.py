@@ -80,6 +80,21 @@ def test_openai_client_with_and_without_the_key(server):
         bad.models.list()
 
 
+def test_bench_serve_sends_the_key(server, monkeypatch, capsys):
+    import argparse
+
+    from treeverify.server import bench_serve
+
+    p = argparse.ArgumentParser()
+    bench_serve.add_parser(p.add_subparsers())
+    argv = ["serve", "--url", server.url, "--concurrency", "1", "--num-requests", "2"]
+    args = p.parse_args([*argv, "--max-tokens", "2", "--quiet"])
+    monkeypatch.delenv("TREEVERIFY_API_KEY", raising=False)
+    assert bench_serve.run(args) == 3  # no key: the server's models list is refused
+    monkeypatch.setenv("TREEVERIFY_API_KEY", KEY)
+    assert bench_serve.run(args) == 0, capsys.readouterr().err
+
+
 def test_the_key_is_never_shown(server):
     info = httpx.get(server.url + "/server_info", headers=server.headers, timeout=10)
     assert KEY not in info.text and info.json()["server_args"]["api_key"] == "<redacted>"
@@ -209,13 +224,19 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(server):
 
 
 # ---- drain ---------------------------------------------------------------------------------------
+def _prompt_tokens_submitted(srv) -> float:
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("treeverify_prompt_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_drain_answers_503_while_in_flight_requests_finish():
     srv = ServerProcess(
         ["--model", "tiny-llama", "--shutdown-grace", "30"], env={"TREEVERIFY_TEST_HOOKS": "1"}
     ).start()
     try:
         finish: list[str] = []
-        first = threading.Event()
 
         def stream() -> None:
             body = {"prompt": "x", "max_tokens": 40, "stream": True, "ignore_eos": True}
@@ -224,15 +245,18 @@ def test_drain_answers_503_while_in_flight_requests_finish():
                     if not line.startswith("data:") or line.endswith("[DONE]"):
                         continue
                     choice = json.loads(line[5:])["choices"][0]
-                    first.set()
                     if choice["finish_reason"]:
                         finish.append(choice["finish_reason"])
 
+        # Freeze the engine loop first: the request is then surely in flight, not yet done.
+        assert httpx.post(srv.url + "/_test/stall", timeout=10).status_code == 200
         t = threading.Thread(target=stream)
         t.start()
-        assert first.wait(20)
-        assert httpx.post(srv.url + "/_test/stall", timeout=10).status_code == 200
-        srv.proc.send_signal(15)  # SIGTERM while the request is in flight (held by the stall)
+        deadline = time.monotonic() + 20
+        while _prompt_tokens_submitted(srv) == 0:  # the handler has handed it to the engine
+            assert time.monotonic() < deadline, "the request was never submitted"
+            time.sleep(0.05)
+        srv.proc.send_signal(15)  # SIGTERM while the request is in flight
         deadline = time.monotonic() + 10
         while httpx.get(srv.url + "/health", timeout=5).status_code != 503:
             assert time.monotonic() < deadline, "health never turned 503 after SIGTERM"

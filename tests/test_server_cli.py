@@ -106,11 +106,19 @@ def test_serve_rejects_bad_values(capsys, argv, flag):
     assert flag in err and " serve [-h]" in err  # serve's usage, not the top level's
 
 
+def test_serve_adaptive_needs_ddtree(capsys):
+    chain = ["serve", "--speculative-algorithm", "CHAIN", "--speculative-adaptive"]
+    assert cli.run(_parse(cli, chain)) == 2
+    assert "--speculative-adaptive" in capsys.readouterr().err
+
+
 def test_serve_gpu_flag_defaults():
     args = _parse(cli, ["serve"])
     assert args.mem_fraction_static == 0.88 and not args.disable_cuda_graph
     assert args.cuda_graph_max_bs is None and args.num_pages is None  # sized on the GPU
     assert args.attention_backend == "auto" and args.speculative_draft_model_path is None
+    assert args.speculative_adaptive is None  # on for DDTREE
+    assert _parse(cli, ["serve", "--no-speculative-adaptive"]).speculative_adaptive is False
 
 
 def test_percentiles():

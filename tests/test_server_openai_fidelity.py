@@ -48,6 +48,7 @@ REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 

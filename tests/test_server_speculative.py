@@ -1,6 +1,7 @@
 """`treeverify serve --speculative-algorithm DDTREE` (real subprocess, tiny-llama, n-gram
 drafter): greedy answers equal a plain server's, streamed and not, with and without the
-per-request opt-out; /server_info reports the acceptance statistics."""
+per-request opt-out, adaptive budget on and off; /server_info and /metrics report the
+acceptance statistics and the budgets chosen."""
 
 from __future__ import annotations
 
@@ -55,3 +56,16 @@ def test_speculative_server_matches_plain_server():
             metrics
         )
         assert "treeverify_spec_accept_length" in metrics
+        # the adaptive budget (on by default for DDTREE): buckets up to --speculative-ddtree-budget
+        adaptive = info["adaptive"]
+        assert adaptive["buckets"] == [0, 4, 8] and adaptive["current"] in (0, 4, 8)
+        assert set(adaptive["cost_seconds_batch1"]) == {"0", "4", "8"}  # measured at startup
+        steps = adaptive["steps_by_budget"]
+        assert sum(steps.values()) >= info["rounds"] and steps["8"] > 0
+        for budget, n in steps.items():
+            line = f'treeverify_spec_budget_steps_total{{budget="{budget}",model="tiny-llama"}}'
+            assert f"{line} {float(n)}" in metrics
+    with ServerProcess(args + ["--no-speculative-adaptive"]) as fixed:
+        assert _answers(fixed.url) == expected
+        info = httpx.get(fixed.url + "/server_info", timeout=10).json()["speculative"]
+        assert info["adaptive"] is None and info["rounds"] > 0

@@ -107,6 +107,10 @@ def test_verify_forward_equals_brute_force(mla, page_size):
     case = make_verify_case(rng, page_size=page_size, mla=mla, n=n, prefix=prefix, d=kw["d"],
                             dv=16, layers=2)  # fmt: skip
     backend = _backend(kw)
+    if rng.random() < 0.5:  # draft slots not yet in req_to_token: out_cache_loc alone says them
+        for b, row in enumerate(case.batch.req_pool_indices.tolist()):
+            table = case.batch.req_to_token_pool.req_to_token
+            table[row, prefix[b] : prefix[b] + n] = rng.randrange(table.shape[1])
     backend.init_forward_metadata(case.batch)
     for layer_id in (0, 1):  # one metadata fill serves every layer
         _run_verify(backend, case, _layer(layer_id, 0.1 + layer_id), 4, kw["d"], mla, seed)
@@ -140,9 +144,11 @@ def test_graph_hooks_refill_fixed_buffers_across_replays():
     b.seq_lens = torch.cat([b.seq_lens, b.seq_lens.new_ones(2)])  # SGLang's fill value 1
     backend.init_forward_metadata_out_graph(b)
     assert plan.prefix_lens.tolist() == [5, 40, 1, 1]
-    with pytest.raises(ValueError, match="no captured verify graph holds 5"):
-        big = make_verify_case(rng, page_size=16, mla=False, n=n, prefix=[3] * 5)
-        backend.init_forward_metadata_out_graph(big.batch)
+    # A batch no captured graph holds (SGLang runs it eagerly) gets an eager plan.
+    big = make_verify_case(rng, page_size=16, mla=False, n=n, prefix=[3, 60, 7, 0, 33])
+    backend.init_forward_metadata_out_graph(big.batch)
+    assert backend._active is not plan and backend._active.max_batch == 8
+    _run_verify(backend, big, _layer(), 4, 16, False, 1)
 
 
 def test_other_modes_and_attributes_go_to_the_fallback():
@@ -167,6 +173,7 @@ def test_other_modes_and_attributes_go_to_the_fallback():
     assert calls.count("init_forward_metadata_out_graph") == 4 and "forward" in calls
     assert backend.needs_cpu_seq_lens is True and backend.support_triton() == "support_triton"
     assert backend.verify_mask is None  # the worker writes a fresh FULL_MASK
+    assert backend.get_verify_buffers_to_fill_after_draft() == [None, None]  # not the fallback's
 
 
 def test_verify_errors_name_the_cause():
@@ -211,7 +218,7 @@ def _emulate_converter(mask, kv_indptr, mask_indptr, qo_indptr, batch, words, ca
 
 @pytest.mark.parametrize("mode", [FULL_MASK, QLEN_ONLY])
 def test_gpu_converter_inputs_read_the_right_bytes_even_padded(mode):
-    from treeverify.integrations.sglang.verify_metadata import kernel_indptrs
+    from treeverify.integrations.sglang.verify_metadata import mask_indptrs
 
     rng = random.Random(random.randrange(2**31))
     n, prefix = rng.randint(1, 40), [rng.randint(0, 30) for _ in range(3)]
@@ -227,6 +234,6 @@ def test_gpu_converter_inputs_read_the_right_bytes_even_padded(mode):
     plens = torch.tensor(prefix + [1, 1], dtype=torch.int32)
     qo = torch.arange(6, dtype=torch.int32) * n
     kv_indptr, mask_indptr = torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)
-    kernel_indptrs(plens, n, mask.numel(), mode, kv_indptr, mask_indptr)
+    mask_indptrs(plens, n, mask.numel(), mode, kv_indptr, mask_indptr)
     got = _emulate_converter(mask, kv_indptr, mask_indptr, qo, 5, 2, 5 * n)
     assert torch.equal(got[: 3 * n, :n], want)

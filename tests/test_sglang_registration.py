@@ -136,6 +136,11 @@ def test_factory_refuses_a_bad_fallback(monkeypatch):
         monkeypatch.setenv("TREEVERIFY_SGLANG_FALLBACK", bad)
         with pytest.raises(ValueError, match="not a stock SGLang attention backend"):
             backends[BACKEND_NAME](_runner(mla=False))
+    monkeypatch.setenv("TREEVERIFY_SGLANG_FALLBACK", "triton")
+    translating = _runner(mla=False)
+    translating.kv_index_translator = SimpleNamespace(is_translating=True)
+    with pytest.raises(ValueError, match="translates KV ids"):
+        backends[BACKEND_NAME](translating)
     monkeypatch.setenv("TREEVERIFY_SGLANG_KERNEL", "fast")
     with pytest.raises(ValueError, match="TREEVERIFY_SGLANG_KERNEL"):
         from treeverify import env

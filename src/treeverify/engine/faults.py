@@ -95,8 +95,8 @@ def _wrap_runner_logits(runner, over: int) -> None:
     run, run_trees = runner.run, runner.run_trees
 
     @functools.wraps(run)
-    def faulty_run(batch, trees=None):
-        rows = run(batch, trees)
+    def faulty_run(batch, *args, **kwargs):
+        rows = run(batch, *args, **kwargs)
         if len(batch.chunks) > over:
             rows = [r.roll(7, dims=-1) for r in rows]
         return rows

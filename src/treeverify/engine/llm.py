@@ -24,12 +24,14 @@ import torch
 
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
+from treeverify.engine.budget_calibration import calibrate, make_controller
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.engine.drafters import default_depth, make_source, resolve_drafter
 from treeverify.engine.kv_cache import KVCache
+from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
-from treeverify.engine.sampler import TokenLogprobs, sample
+from treeverify.engine.sampler import TokenLogprobs, sample, token_logprobs
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
@@ -46,6 +48,8 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: one per prompt token, the first with logprob None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -68,6 +72,10 @@ class LLM:
         # "ngram", a shipped drafter name, a DFlash directory; None: the model's own shipped
         # drafter if it has one (tiny-code -> tiny-code-dflash), else "ngram"
         speculative_draft_model_path: str | None = None,
+        # Per-step budget from measured acceptance and cost, 0 (plain) included, up to
+        # speculative_ddtree_budget; None: on for DDTREE (engine/budget_controller.py).
+        speculative_adaptive: bool | None = None,
+        speculative_cost_seconds: dict[int, float] | None = None,  # fixed, instead of measured
         mem_fraction_static: float = 0.88,
         cuda_graph_max_bs: int | None = None,  # None: min(max_num_seqs, 32)
         disable_cuda_graph: bool = False,
@@ -87,6 +95,8 @@ class LLM:
                                                              seed=seed)  # fmt: skip
         self.model.eval().fuse_for_inference()
         t0 = self._phase("load", t0)
+        # Penalty / logit_bias tables (one row per running request), before the KV pool sizing.
+        self.processor = LogitsProcessor(max_num_seqs, self.config.vocab_size, self.device)
         spec = self.model.kv_cache_spec()
         if num_pages is None and on_gpu:
             sizing = size_kv_pool(spec, dtype, page_size, mem_fraction_static, self.device)
@@ -103,11 +113,15 @@ class LLM:
         )
         log.info("%s", self.startup["kv"])
         t0 = self._phase("kv_alloc", t0)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+        # Every EOS id: the tokenizer's, config.json's and generation_config.json's (int or list).
+        eos = getattr(self.tokenizer, "eos_token_ids", None) or [
+            getattr(self.tokenizer, "eos_token_id", None)
+        ]
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size, eos_token_id=eos,
+            chunked_prefill_size=chunked_prefill_size,
+            eos_token_ids=[e for e in eos if e is not None],
             detokenize=self.tokenizer.decode,
         )  # fmt: skip
         budget = speculative_ddtree_budget if speculative_algorithm else 0
@@ -130,16 +144,24 @@ class LLM:
             self.spec = SpeculativeDecoder(
                 self.block_manager, self.cache, self.config.vocab_size,
                 algorithm=speculative_algorithm, budget=speculative_ddtree_budget,
-                depth=speculative_num_draft_tokens, source=source,
+                depth=speculative_num_draft_tokens, source=source, processor=self.processor,
             )  # fmt: skip
+        self.controller = make_controller(
+            speculative_algorithm,
+            speculative_adaptive,
+            speculative_ddtree_budget,
+            speculative_cost_seconds,
+        )
+        self._step_budget: int | None = None  # the last step's budget when it was decode-only
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
         self.planted_fault = faults.install(self)  # TEST ONLY; None unless TREEVERIFY_FAULT
         self.warmup()
         t0 = self._phase("warmup", t0)
         self.cuda_graph_buckets: list[tuple[int, int]] = []
         max_bs = min(cuda_graph_max_bs or 32, max_num_seqs)
-        tokens = [1] + ([self.spec.tree_tokens] if self.spec is not None else [])
+        tokens = [1] + self._tree_buckets()
         rows_cap = max(max_num_batched_tokens, max(tokens))
         buckets = [(b, n) for n in tokens for b in batch_buckets(max_bs)
                    if b * n <= rows_cap or b == 1]  # fmt: skip
@@ -151,12 +173,27 @@ class LLM:
             self.cuda_graph_buckets = buckets
             self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
             if self.spec is not None:  # the round's build (and drafter) per batch bucket
-                self.spec.capture(batch_buckets(max_bs), self.device)
+                self.spec.capture(batch_buckets(max_bs), self.device, self._spec_budgets())
             t0 = self._phase("capture", t0)
         elif on_gpu:
             log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")
+        if self.controller is not None:
+            calibrate(self)
+            t0 = self._phase("calibrate", t0)
         if on_gpu:
             self.startup["memory"] = check_headroom(self.device)
+
+    def _spec_budgets(self) -> list[int]:
+        """Budgets a round may use: the controller's nonzero buckets, or the configured one."""
+        if self.controller is not None:
+            return [b for b in self.controller.buckets if b > 0]
+        return [self.spec.budget]
+
+    def _tree_buckets(self) -> list[int]:
+        """Verify-graph token counts per sequence, one per budget (none without speculation)."""
+        if self.spec is None:
+            return []
+        return sorted({self.spec.nodes_for(b) for b in self._spec_budgets()})
 
     def _phase(self, name: str, t0: float) -> float:
         now = time.perf_counter()
@@ -175,10 +212,17 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:  # fmt: skip
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = params or SamplingParams()
+        vocab = self.config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "
+                             f"vocabulary (0..{vocab - 1})")  # fmt: skip
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         self._next_id += 1
-        seq = self.scheduler.add(Sequence(rid, ids, params or SamplingParams()))
+        seq = self.scheduler.add(Sequence(rid, ids, params))
         self._logprobs[rid] = []
+        if params.prompt_logprobs is not None:  # the first prompt token has no logprob
+            self._prompt_logprobs[rid] = [TokenLogprobs(ids[0], None, [])]
         return seq
 
     # ---- the step loop -------------------------------------------------------------------------
@@ -186,22 +230,38 @@ class LLM:
         """One forward for the batch: a token per plain sequence, a round's tokens per
         speculating one; logprobs kept per request."""
         tb = None
+        self._step_budget = None
         if self.spec is not None:
             want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
-            tb = self.spec.draft_batch(want, self.device) if want else None
+            budget = self.spec.budget
+            if want and self.controller is not None:
+                budget = self.controller.choose([s.request_id for s in want])
+            tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
+            if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):
+                decoding = len(want) == len(batch.decodes)  # every sequence at this budget
+                self._step_budget = budget if decoding else None
         if tb is not None and len(tb.seqs) == len(batch.chunks):
-            return self._run_round(batch, tb)
+            out = self._run_round(batch, tb)
+            self._observe_paths(tb)
+            return out
         # A step mixing trees with prefill or plain decodes: host copies of the trees.
         trees = tb.to_spec_trees() if tb is not None else {}
         t0 = time.perf_counter()
-        rows = self.runner.run(batch, trees)  # per sampled sequence: (1 or T, V)
+        want_prompt = {}  # request id -> first prompt position whose row it still needs
+        for c in batch.prefills:
+            lps = self._prompt_logprobs.get(c.seq.request_id)
+            if lps is not None and len(lps) < c.seq.num_prompt_tokens:
+                want_prompt[c.seq.request_id] = len(lps) - 1
+        rows = self.runner.run(batch, trees, want_prompt)  # per sampled sequence: (1 or T, V)
+        if want_prompt:
+            self._keep_prompt_logprobs(batch)
         if trees:  # the round's verify phase is this step's forward
             self.spec.stats.phase_seconds["verify"] += time.perf_counter() - t0
         plain = [i for i, s in enumerate(batch.sampled) if s.request_id not in trees]
         out: list[int | list[int]] = [0] * len(rows)
         if plain:
-            toks, infos = sample(torch.cat([rows[i] for i in plain]),
-                                 [batch.sampled[i] for i in plain])  # fmt: skip
+            toks, infos = self._sample(torch.cat([rows[i] for i in plain]),
+                                       [batch.sampled[i] for i in plain])  # fmt: skip
             for i, tok, info in zip(plain, toks, infos, strict=True):
                 out[i] = tok
                 self._logprobs[batch.sampled[i].request_id].append(info)
@@ -213,9 +273,18 @@ class LLM:
                                        strict=True):  # fmt: skip
                 out[at[seq.request_id]] = toks
                 paths[seq.request_id] = path
+            self._keep_round_logprobs(tb)
         if self.spec is not None and self.runner.hidden is not None:
             self._observe(batch, trees, paths, self.runner.hidden)
+        if tb is not None:
+            self._observe_paths(tb)
         return out
+
+    def _observe_paths(self, tb) -> None:
+        """Hand the controller each round's accepted node indices (its free acceptance curve)."""
+        if self.controller is not None:
+            for seq, path in zip(tb.seqs, tb.paths, strict=True):
+                self.controller.observe_round(seq.request_id, tb.budget, path)
 
     def _run_round(self, batch: ScheduledBatch, tb) -> list[list[int]]:
         """A step that is one speculative round for every sequence in it: verify forward
@@ -232,6 +301,7 @@ class LLM:
         host_seconds = time.perf_counter() - t0  # on a GPU only the launch
         stats.phase_seconds["verify"] += host_seconds
         out = self.spec.accept_batch(tb, logits)  # reads the results: the forward is done
+        self._keep_round_logprobs(tb)
         stats.forward_seconds += ev[0].elapsed_time(ev[1]) / 1e3 if on_gpu else host_seconds
         hidden = self.runner.hidden
         if hidden is not None:
@@ -240,6 +310,29 @@ class LLM:
                 idx = torch.tensor(tb.paths[i], device=hidden.device)
                 self.spec.source.observe(c.seq.request_id, c.start, per_seq[i, idx])
         return out
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Plain decoding's tokens for (N, V) rows, after penalties / logit_bias if any asks."""
+        if self.processor.needed(seqs):
+            rows = self.processor.rows(seqs)
+            logits = self.processor.apply(logits[:, None, :], rows)[:, 0]  # (N, V)
+        return sample(logits, seqs)
+
+    def _keep_prompt_logprobs(self, batch: ScheduledBatch) -> None:
+        """Prompt tokens' logprobs from this step's prefill rows: the model's own distribution
+        (no penalties, no logit_bias), position p's row for prompt token p + 1."""
+        seqs = {c.seq.request_id: c.seq for c in batch.prefills}
+        for rid, (first, logits) in self.runner.prompt_logits.items():
+            seq = seqs[rid]
+            targets = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+            self._prompt_logprobs[rid].extend(
+                token_logprobs(logits, targets, seq.sampling_params.prompt_logprobs)
+            )
+
+    def _keep_round_logprobs(self, tb) -> None:
+        for seq, infos in zip(tb.seqs, tb.logprobs, strict=True):
+            if infos is not None:
+                self._logprobs[seq.request_id].extend(infos)
 
     def _observe(self, batch: ScheduledBatch, trees: dict, paths: dict,
                  hidden: torch.Tensor) -> None:  # fmt: skip
@@ -260,11 +353,18 @@ class LLM:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        t0 = time.perf_counter()
         tokens = self.run_batch(batch)
+        if self.controller is not None and self._step_budget is not None:  # decode-only step
+            self.controller.observe_step(len(batch.decodes), self._step_budget,
+                                         time.perf_counter() - t0)  # fmt: skip
         finished = self.scheduler.postprocess(batch, tokens)
+        self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.spec is not None:
             for seq in finished:
                 self.spec.source.forget(seq.request_id)
+                if self.controller is not None:
+                    self.controller.forget(seq.request_id)
         for seq, toks in zip(batch.sampled, tokens, strict=True):
             if isinstance(toks, list) and not seq.is_finished:
                 seq.num_cached_tokens += len(toks) - 1  # the accepted nodes' K/V, moved in place
@@ -285,6 +385,10 @@ class LLM:
         """Logprobs of the tokens a running request has produced so far (for streaming)."""
         return self._logprobs.get(request_id, [])
 
+    def prompt_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
+        """A request's prompt logprobs (complete once its first token or its finish is out)."""
+        return self._prompt_logprobs.get(request_id)
+
     def recover_after_failed_step(self) -> None:
         """After `step()` raised mid-batch: forget the batch so scheduling can continue."""
         self.scheduler.discard_in_flight()
@@ -299,6 +403,7 @@ class LLM:
             "algorithm": self.spec.algorithm,
             "drafter": self.spec.drafter_name,
             "budget": self.spec.budget,
+            "adaptive": None if self.controller is None else self.controller.info(),
             "num_draft_tokens": self.spec.depth,
             "rounds": st.rounds,
             "avg_spec_accept_length": round(st.avg_accept_length, 4),
@@ -324,6 +429,7 @@ class LLM:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(
             seq.output_token_ids
         )  # fmt: skip
+        lps = self._logprobs.pop(seq.request_id, [])[: seq.num_output_tokens]  # a stop cuts a round
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             text, seq.finish_reason,
-                             self._logprobs.pop(seq.request_id, []))  # fmt: skip
+                             text, seq.finish_reason, lps,
+                             self._prompt_logprobs.pop(seq.request_id, None))  # fmt: skip

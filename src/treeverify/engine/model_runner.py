@@ -37,6 +37,7 @@ class ModelRunner:
         # to the graph buckets, captured or not); empty: the engine's full-capacity plans.
         self.plan_batch_sizes: list[int] = []
         self.hidden: torch.Tensor | None = None  # (T, F) of the last step, when captured
+        self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}  # see `run`
         self._moe_layers = [m for m in model.modules() if hasattr(m, "n_experts")]
         self.attention = PagedAttention(
             cache, max_batch=max_num_seqs, max_chunk=max_chunk,
@@ -129,18 +130,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: ScheduledBatch, trees: dict[str, SpecTree] | None = None
+        self,
+        batch: ScheduledBatch,
+        trees: dict[str, SpecTree] | None = None,
+        prompt_from: dict[str, int] | None = None,
     ) -> list[torch.Tensor]:
         """One forward over the batch. A decode chunk whose sequence has a speculative tree runs
         the tree's nodes instead (positions P + depth, slots P + i, its ancestor mask).
 
         Returns per sampled sequence (batch.sampled order) its logits rows: the last token's
         (1, V), or every tree node's (T, V). `self.hidden` then holds the model's captured layer
-        outputs for every token of the step (T, F), or None.
+        outputs for every token of the step (T, F), or None. `prompt_from` maps a request id to
+        the first prompt position whose logits it still needs (prompt logprobs): the rows of its
+        chunk from there that predict a prompt token land in `self.prompt_logits`
+        {request id: (first position, (M, V) logits)}.
         """
         trees = trees or {}
+        prompt_from = prompt_from or {}
+        self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         ids, pos, slots, qlens, masks, rows = [], [], [], [], [], []
         spans = []  # (first logits row, rows) per sampled sequence
+        prompt_spans = []  # (request id, first position, first logits row, rows)
         for c in batch.chunks:
             tree = trees.get(c.seq.request_id)
             base = len(ids)
@@ -153,6 +163,13 @@ class ModelRunner:
                 if c.samples:
                     spans.append((len(rows), 1))
                     rows.append(base + c.num_tokens - 1)
+                rid = c.seq.request_id
+                if rid in prompt_from:  # position p predicts prompt token p + 1
+                    lo = max(c.start, prompt_from[rid])
+                    hi = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
+                    if hi > lo:
+                        prompt_spans.append((rid, lo, len(rows), hi - lo))
+                        rows += range(base + lo - c.start, base + hi - c.start)
             else:
                 n = len(tree.tokens)
                 ids += tree.tokens
@@ -174,7 +191,7 @@ class ModelRunner:
             masks,
         )
         dev = self.device
-        if bucket is not None:  # every token is a logits row, in order
+        if bucket is not None:  # every token is a logits row, in order (decodes: no prompt rows)
             logits = self.graphs.replay(bucket, to_device(torch.tensor(ids), dev),
                                         to_device(torch.tensor(pos), dev))  # fmt: skip
             self.hidden = getattr(self.model, "captured", None)
@@ -193,4 +210,5 @@ class ModelRunner:
         finally:
             self._moe_impl(moe)
         self.hidden = getattr(self.model, "captured", None)
+        self.prompt_logits = {rid: (p, logits[a : a + n]) for rid, p, a, n in prompt_spans}
         return [logits[a : a + n] for a, n in spans]

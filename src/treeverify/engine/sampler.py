@@ -18,7 +18,7 @@ from treeverify.spec.accept import sample_per_node
 @dataclass
 class TokenLogprobs:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing precedes it)
     top: list[tuple[int, float]]  # the k most likely (token, logprob), best first
 
 
@@ -59,18 +59,27 @@ def sample(
         )[0, 0]  # fmt: skip
     tokens = chosen.tolist()
     infos: list[TokenLogprobs | None] = [None] * len(seqs)
-    wanted = [row for row, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
-    if not wanted:
-        return tokens, infos
-    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)  # (W, V)
-    for i, row in enumerate(wanted):
-        k = seqs[row].sampling_params.logprobs
-        top = torch.topk(logprobs[i], k=min(k, logprobs.shape[-1])) if k else None
-        infos[row] = TokenLogprobs(
-            token_id=tokens[row],
-            logprob=float(logprobs[i, tokens[row]]),
-            top=[]
-            if top is None
-            else list(zip(top.indices.tolist(), top.values.tolist(), strict=True)),  # fmt: skip
-        )
+    for row, seq in enumerate(seqs):
+        k = seq.sampling_params.logprobs
+        if k is not None:
+            infos[row] = token_logprobs(logits[row : row + 1], [tokens[row]], k)[0]
     return tokens, infos
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # (M, V) the (processed) logits each token was drawn from
+    token_ids: list[int],  # (M,)
+    k: int,  # alternatives per token
+) -> list[TokenLogprobs]:
+    """Each token's logprob under its row's softmax and the row's k most likely tokens (one
+    device->host read). Plain and speculative decoding both report through here."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
+    ids = torch.tensor(token_ids, dtype=torch.int64).to(logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0]  # (M,)
+    top = torch.topk(logprobs, k=min(k, logprobs.shape[-1])) if k else None
+    if top is None:
+        return [TokenLogprobs(t, v, []) for t, v in zip(token_ids, chosen.tolist(), strict=True)]
+    host = torch.cat((chosen[:, None], top.values), 1).tolist()
+    idx = top.indices.tolist()
+    return [TokenLogprobs(t, h[0], list(zip(i, h[1:], strict=True)))
+            for t, h, i in zip(token_ids, host, idx, strict=True)]  # fmt: skip

@@ -118,6 +118,7 @@ class Scheduler:
         chunked_prefill_size: int | None = None,
         eos_token_id: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        eos_token_ids: Iterable[int] = (),  # every EOS id (config + generation_config)
     ) -> None:
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -135,7 +136,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill_size = chunked_prefill_size or max_num_batched_tokens
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids) | (
+            frozenset() if eos_token_id is None else {eos_token_id}
+        )
         self.detokenize = detokenize
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
@@ -253,7 +256,10 @@ class Scheduler:
         for seq, toks in zip(sampled, new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            for tok in [toks] if isinstance(toks, int) else list(toks):
+            if seq.sampling_params.max_tokens == 0:  # the prompt only (its logprobs): keep none
+                seq.output_text = ""
+                seq.finish("length")
+            for tok in [] if seq.is_finished else [toks] if isinstance(toks, int) else list(toks):
                 seq.output_token_ids.append(tok)
                 if self._check_stop(seq, tok):
                     break
@@ -295,7 +301,7 @@ class Scheduler:
     def _check_stop(self, seq: Sequence, tok: int) -> bool:
         """Finish ``seq`` if its newest token ``tok`` ends it; True if it did."""
         sp = seq.sampling_params
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id):
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
             seq.stop_token_id = tok
             if self.detokenize is not None:
                 seq.output_text = self.detokenize(seq.output_token_ids[:-1])

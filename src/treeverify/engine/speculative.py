@@ -26,7 +26,8 @@ from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.captured_fn import CapturedFn
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
-from treeverify.engine.sampler import filters, request_generator
+from treeverify.engine.logits_processor import LogitsProcessor
+from treeverify.engine.sampler import TokenLogprobs, filters, request_generator, token_logprobs
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
 
@@ -55,7 +56,10 @@ class TreeBatch:
     mask: torch.Tensor  # (B*N, W) int32 ancestor-or-self bits
     max_depth: int
     started: float  # perf_counter at the round's start
+    budget: int = 0  # this round's tree budget (nodes besides the root)
     paths: list[list[int]] = field(default_factory=list)  # after accept: committed nodes
+    # after accept, per sequence: its committed tokens' logprobs (None unless it asked)
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
 
     @property
     def nodes(self) -> int:
@@ -102,6 +106,7 @@ class SpeculativeDecoder:
         budget: int = 16,
         depth: int = 4,
         source: NgramSource | DFlashSource | None = None,
+        processor: LogitsProcessor | None = None,
     ):
         if algorithm not in ("DDTREE", "CHAIN"):
             raise ValueError(f"algorithm: expected DDTREE or CHAIN, got {algorithm!r}")
@@ -112,20 +117,29 @@ class SpeculativeDecoder:
         self.source = source or NgramSource(vocab_size)
         self.drafter_name = self.source.name
         self.vocab_size = vocab_size
-        self._build: CapturedFn | None = None  # set by capture() on a GPU
-        self._accept: CapturedFn | None = None  # greedy walk + K/V move, likewise
+        self.processor = processor  # penalties / logit_bias, shared with plain decoding
+        # Set by capture() on a GPU, per budget (each a graph bucket): the build + mask compile,
+        # and the greedy walk + K/V move (keyed by the tree's node count).
+        self._build: dict[int, CapturedFn] = {}
+        self._accept: dict[int, CapturedFn] = {}
         self._max_depth = depth
         self.reset_stats()
 
-    def capture(self, batch_sizes: list[int], device: torch.device) -> None:
+    def capture(self, batch_sizes: list[int], device: torch.device,
+                budgets: list[int] | None = None) -> None:  # fmt: skip
         """Capture the DDTree build + mask compile and the greedy accept + K/V move per batch
-        bucket: one replay each instead of ~100 small launches per round. (The drafter runs
-        eagerly: the n-gram search is host work, DFlash's propose is not captured yet.)"""
-        n, depth, v = self.tree_tokens, self.depth, self.vocab_size
+        bucket and per budget (default: the configured one): one replay each instead of ~100
+        small launches per round. (The drafter runs eagerly: the n-gram search is host work,
+        DFlash's propose is not captured yet.)"""
+        for budget in budgets or [self.budget]:
+            self._capture_budget(batch_sizes, device, budget)
+
+    def _capture_budget(self, batch_sizes: list[int], device: torch.device, budget: int) -> None:
+        n, depth, v = self.nodes_for(budget), self.depth, self.vocab_size
         if self.algorithm == "DDTREE":
 
             def build(logits, roots):
-                tree = build_tree(logits, self.budget, roots)
+                tree = build_tree(logits, budget, roots)
                 mask = parents_to_tree_mask(tree.parents, max_depth=depth)  # (B*N, W)
                 return tree.tokens, tree.parents, tree.depths, mask
 
@@ -133,7 +147,8 @@ class SpeculativeDecoder:
                 return (torch.zeros(b, depth, v, device=device),
                         torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
 
-            self._build = CapturedFn(build, example, batch_sizes, rows_per_item=(1, 1, 1, n))
+            self._build[budget] = CapturedFn(build, example, batch_sizes,
+                                             rows_per_item=(1, 1, 1, n))  # fmt: skip
         self._max_depth = n - 1 if self.algorithm == "CHAIN" else depth
         scratch = self.cache.scratch_slot
 
@@ -141,18 +156,22 @@ class SpeculativeDecoder:
             z = torch.zeros(b, n, dtype=torch.int64, device=device)
             return z, z - 1, z.clone(), z + scratch
 
-        self._accept = CapturedFn(self._greedy_accept_move, example_accept, batch_sizes,
-                                  rows_per_item=(1,))  # fmt: skip
+        self._accept[n] = CapturedFn(self._greedy_accept_move, example_accept, batch_sizes,
+                                     rows_per_item=(1,))  # fmt: skip
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(histogram={}, phase_seconds=dict.fromkeys(PHASES, 0.0))
 
     @property
     def tree_tokens(self) -> int:
-        """Nodes of every round's tree, root included (the captured verify bucket's n)."""
+        """Nodes of a round's tree at the configured (largest) budget, root included."""
+        return self.nodes_for(self.budget)
+
+    def nodes_for(self, budget: int) -> int:
+        """Nodes of a budget-`budget` round's tree, root included (its verify bucket's n)."""
         if self.algorithm == "CHAIN":
-            return 1 + min(self.depth, self.budget)
-        return 1 + self.budget  # build_tree's fixed width (padding nodes when fewer paths exist)
+            return 1 + min(self.depth, budget)
+        return 1 + budget  # build_tree's fixed width (padding nodes when fewer paths exist)
 
     def _time(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
@@ -160,15 +179,20 @@ class SpeculativeDecoder:
         return now
 
     def wants(self, seq: Sequence) -> bool:
-        """Per-request opt-out; logprob requests run plain decoding (one token per step)."""
-        p = seq.sampling_params
-        return p.speculative and p.logprobs is None
+        """The per-request opt-out (logprobs, penalties and logit_bias are all served
+        speculatively, equal to plain decoding)."""
+        return seq.sampling_params.speculative
 
-    def draft_batch(self, seqs: list[Sequence], device: torch.device) -> TreeBatch | None:
+    def draft_batch(self, seqs: list[Sequence], device: torch.device,
+                    budget: int | None = None) -> TreeBatch | None:  # fmt: skip
         """Reserve N-1 slots per sequence (those whose pages fit), draft all of them in one
-        drafter call and build every tree in one batched, sync-free `build_tree`."""
+        drafter call and build every tree in one batched, sync-free `build_tree`. `budget`:
+        this round's (1..the configured one; default the configured one)."""
         t_start = time.perf_counter()
-        n = self.tree_tokens
+        budget = self.budget if budget is None else budget
+        if not 1 <= budget <= self.budget:
+            raise ValueError(f"budget: expected 1..{self.budget}, got {budget}")
+        n = self.nodes_for(budget)
         chosen = []
         for seq in seqs:
             if self.bm.can_allocate(seq, n - 1):
@@ -185,17 +209,17 @@ class SpeculativeDecoder:
             idx = torch.arange(n, device=device)
             parents = (idx - 1).expand(len(chosen), n).contiguous()  # (B, N)
             depths = idx.expand(len(chosen), n).contiguous()
-        elif self._build is not None:
-            tokens, parents, depths, mask = self._build(logits, roots)  # one graph replay
+        elif budget in self._build:
+            tokens, parents, depths, mask = self._build[budget](logits, roots)  # one replay
         else:
-            tree = build_tree(logits, self.budget, roots)
+            tree = build_tree(logits, budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
         slots = torch.tensor([[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)]
                               for s in chosen], dtype=torch.int64).to(device)  # fmt: skip
-        if self.algorithm == "CHAIN" or self._build is None:
+        if self.algorithm == "CHAIN" or budget not in self._build:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
-        return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start)
+        return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start, budget)
 
     def _move_and_pack(self, tokens, parents, slots, path, length, bonus) -> torch.Tensor:
         """Move the accepted nodes' K/V to positions P+1.. (one fixed-shape gather/scatter per
@@ -221,10 +245,14 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         b, n = tb.tokens.shape
         logits = logits.view(b, n, -1)  # (B, N, V)
+        if self.processor is not None and self.processor.needed(tb.seqs):
+            # each node with the counts of the committed tokens plus its own path's
+            logits = self.processor.apply(logits, self.processor.rows(tb.seqs), tb.tokens,
+                                          tb.parents, tb.max_depth)  # fmt: skip
         greedy = all(s.sampling_params.temperature == 0 for s in tb.seqs)
         self._max_depth = tb.max_depth
-        if greedy and self._accept is not None:
-            packed = self._accept(tb.tokens, tb.parents, logits.argmax(-1), tb.slots)[0]
+        if greedy and n in self._accept:
+            packed = self._accept[n](tb.tokens, tb.parents, logits.argmax(-1), tb.slots)[0]
         else:
             acc = accept_greedy(tb.tokens, tb.parents, logits.argmax(-1), max_depth=tb.max_depth)
             path, length, bonus = acc.path.clone(), acc.length.clone(), acc.bonus.clone()
@@ -242,12 +270,17 @@ class SpeculativeDecoder:
         k = (packed.shape[1] - 2) // 2
         host = packed.tolist()  # the round's one device->host read
         out = []
-        for seq, row in zip(tb.seqs, host, strict=True):
+        for i, (seq, row) in enumerate(zip(tb.seqs, host, strict=True)):
             m = row[0]
             self.bm.commit(seq, m - 1)
             toks = row[2 : 2 + m][1:] + [row[1]]
             out.append(toks)
             tb.paths.append(row[2 + k : 2 + k + m])
+            # Lossless acceptance drew committed token j from the row of path node j: its
+            # logprobs are that row's (the rows were processed as plain decoding's are).
+            want = seq.sampling_params.logprobs
+            tb.logprobs.append(None if want is None else token_logprobs(
+                logits[i, tb.paths[-1]], toks, want))  # fmt: skip
             self.stats.rounds += 1
             self.stats.committed += len(toks)
             self.stats.histogram[len(toks)] = self.stats.histogram.get(len(toks), 0) + 1

@@ -150,6 +150,22 @@ def token_bytes(tok: str) -> bytes | None:
     return tok.encode("utf-8")
 
 
+def spelled(d) -> list[bytes | None]:
+    """Each chosen token's bytes. A token shown as U+FFFD is looked up in its own top-k, where a
+    server may key it in OpenAI's ``bytes:`` form: the entry with the chosen token's logprob."""
+    toks = _tokens(d)
+    out = []
+    for i, tok in enumerate(toks):
+        b = token_bytes(tok)
+        if b is None:
+            lp, top = _get(d, "token_logprobs", i), _get(d, "top_logprobs", i)
+            if lp is not None and isinstance(top, dict):
+                same = [k for k, v in top.items() if v == lp and token_bytes(k) is not None]
+                b = token_bytes(same[0]) if len(same) == 1 else None
+        out.append(b)
+    return out
+
+
 def compare_text(ref, text: str, margin: float = DEFAULT_MARGIN) -> Outcome:
     """A response without logprobs (the production path: servers may route logprob requests
     differently, e.g. without speculation) against a reference with top-k logprobs. One-sided
@@ -162,7 +178,7 @@ def compare_text(ref, text: str, margin: float = DEFAULT_MARGIN) -> Outcome:
     if text == ref_text:
         return Outcome(True, "identical text")
     toks = _tokens(ref)
-    raw = [token_bytes(t) for t in toks]
+    raw = spelled(ref)
     if None in raw or _get(ref, "top_logprobs", 0) is None:
         return Outcome(False, f"text differs: expected {ref_text!r}, got {text!r}")
     have = text.encode("utf-8")

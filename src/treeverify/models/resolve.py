@@ -18,10 +18,11 @@ class ModelNotFound(Exception):
 
 
 def _builtin_names() -> list[str]:
+    from treeverify.models.gguf_loader import GGUF_MODELS
     from treeverify.models.shipped import SHIPPED_MODELS
     from treeverify.models.tiny import TINY_MODELS
 
-    return sorted((*TINY_MODELS, *SHIPPED_MODELS))
+    return sorted((*TINY_MODELS, *GGUF_MODELS, *SHIPPED_MODELS))
 
 
 def resolve_model(name: str) -> str:

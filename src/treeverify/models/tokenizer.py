@@ -130,7 +130,8 @@ def _token_content(v: Any) -> str | None:
 
 
 class HFTokenizer:
-    """tokenizer.json through `tokenizers`; specials, chat template: tokenizer_config.json."""
+    """tokenizer.json through `tokenizers`; specials, chat template: tokenizer_config.json
+    (or `from_tokenizer`: a built `tokenizers.Tokenizer` and its specials)."""
 
     def __init__(self, directory: str | Path, eos_token_ids: list[int] | None = None):
         directory = Path(directory)
@@ -141,22 +142,45 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError as exc:
             raise RuntimeError("tokenizer: the 'tokenizers' package is required") from exc
-        self._tok = Tokenizer.from_file(str(path))
-        self._byte_level = _is_byte_level(self._tok)
         cfg_path = directory / "tokenizer_config.json"
         tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        jinja_file = directory / TEMPLATE_FILE
+        jinja_file = directory / TEMPLATE_FILE  # transformers >= 4.43 keeps it beside the tokenizer
         if jinja_file.is_file():
-            self.chat_template: str | None = jinja_file.read_text(encoding="utf-8")
+            template: str | None = jinja_file.read_text(encoding="utf-8")
         else:
-            self.chat_template = _default_template(tcfg.get("chat_template"))
-        self.bos_token = _token_content(tcfg.get("bos_token"))
-        self.eos_token = _token_content(tcfg.get("eos_token"))
+            template = _default_template(tcfg.get("chat_template"))
+        self._setup(
+            Tokenizer.from_file(str(path)),
+            chat_template=template,
+            bos_token=_token_content(tcfg.get("bos_token")),
+            eos_token=_token_content(tcfg.get("eos_token")),
+            pad_token=_token_content(tcfg.get("pad_token")),
+            add_bos=bool(tcfg.get("add_bos_token", False)),
+            eos_token_ids=eos_token_ids,
+        )
+
+    @classmethod
+    def from_tokenizer(cls, tok, *, chat_template: str | None, bos_token: str | None,
+                       eos_token: str | None, pad_token: str | None, add_bos: bool,
+                       eos_token_ids: list[int] | None = None) -> HFTokenizer:  # fmt: skip
+        """From a built `tokenizers.Tokenizer` and its specials (e.g. a GGUF file's metadata)."""
+        self = cls.__new__(cls)
+        self._setup(tok, chat_template=_default_template(chat_template), bos_token=bos_token,
+                    eos_token=eos_token, pad_token=pad_token, add_bos=add_bos,
+                    eos_token_ids=eos_token_ids)  # fmt: skip
+        return self
+
+    def _setup(self, tok, *, chat_template, bos_token, eos_token, pad_token, add_bos,
+               eos_token_ids) -> None:  # fmt: skip
+        self._tok = tok
+        self._byte_level = _is_byte_level(tok)
+        self.chat_template: str | None = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = self._id(self.bos_token)
         self.eos_token_id = self._id(self.eos_token)
-        pad = self._id(_token_content(tcfg.get("pad_token")))
+        pad = self._id(pad_token)
         self.pad_token_id = pad if pad is not None else self.eos_token_id
-        self.add_bos = bool(tcfg.get("add_bos_token", False))
+        self.add_bos = add_bos
         ids = list(eos_token_ids or [])
         if self.eos_token_id is not None and self.eos_token_id not in ids:
             ids.append(self.eos_token_id)

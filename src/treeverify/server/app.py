@@ -86,7 +86,7 @@ def create_app(
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)
     async def completions(req: P.CompletionRequest, request: Request):
         serving.check_model(req.model)
-        prompts = serving.completion_prompts(req)
+        prompts = await asyncio.to_thread(serving.completion_prompts, req)  # off the loop
         items = serving.make_params(req, prompts, req.logprobs, req.max_tokens, "prompt")
         return await _run(
             req, request, prompts, items, "cmpl", chat=False, want_logprobs=req.logprobs is not None
@@ -97,7 +97,7 @@ def create_app(
         serving.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-        prompts = [serving.chat_prompt(req)]
+        prompts = [await asyncio.to_thread(serving.chat_prompt, req)]  # tokenizing: off the loop
         lp = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         items = serving.make_params(req, prompts, lp, max_tokens, "messages")
@@ -106,8 +106,12 @@ def create_app(
         )
 
     async def _run(req, request, prompts, items, prefix, chat, want_logprobs):
+        if req.stream_options is not None and not req.stream:  # would be ignored: refuse
+            raise RequestError(
+                400, "stream_options: only allowed with stream: true", "stream_options"
+            )
         job = serving.submit(items, prefix)
-        choices = [Choice(i, len(ids)) for i, (ids, _) in enumerate(items)]
+        choices = serving.choices(req, items)
         if req.stream:
             gen = serving.stream(job, choices, prompts, req, chat, want_logprobs)
             return StreamingResponse(gen, media_type="text/event-stream")

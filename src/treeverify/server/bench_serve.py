@@ -4,7 +4,8 @@ For each concurrency level of the sweep, ``--num-requests`` streamed /v1/complet
 run with at most that many in flight; each records time to first token (TTFT), the gaps between
 streamed chunks (inter-token latency, ITL, per token when a chunk carries several) and its
 end-to-end time. Per level: p50/p90/p99 of each, output tokens/s, requests/s, failures. Works
-against treeverify, SGLang or vLLM (it only speaks the OpenAI API).
+against treeverify, SGLang or vLLM (it only speaks the OpenAI API). A server with an API key:
+set TREEVERIFY_API_KEY, sent as the bearer token.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import math
 import sys
 import time
 from typing import Any
+
+from treeverify import env
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -100,7 +103,13 @@ async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_level(
-    url: str, body: dict[str, Any], concurrency: int, num: int, timeout: float, progress
+    url: str,
+    body: dict[str, Any],
+    concurrency: int,
+    num: int,
+    timeout: float,
+    progress,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     import httpx
 
@@ -108,7 +117,7 @@ async def run_level(
     done = 0
     limits = httpx.Limits(max_connections=concurrency + 2)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
 
         async def guarded() -> dict[str, Any]:
             nonlocal done
@@ -158,10 +167,13 @@ def run(args: argparse.Namespace) -> int:
         print("--concurrency, --num-requests and --max-tokens must be >= 1", file=sys.stderr)
         return 64
     url = args.url.rstrip("/")
+    key = env.api_key()  # a server started with a key wants it on every request
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     model = args.model
     if model is None:
         try:
-            model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+            model = r.json()["data"][0]["id"]
         except Exception as exc:
             print(f"treeverify bench serve: cannot list models at {url}: {exc}", file=sys.stderr)
             return 3
@@ -182,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
 
     rows = []
     for c in levels:
-        rows.append(asyncio.run(run_level(url, body, c, args.num_requests, args.timeout, progress)))
+        level = run_level(url, body, c, args.num_requests, args.timeout, progress, headers)
+        rows.append(asyncio.run(level))
         if not args.quiet:
             print(file=sys.stderr)
     print(

@@ -57,8 +57,8 @@ def _tp_size(value: str) -> int:
     if n > 1:
         raise argparse.ArgumentTypeError(
             f"{n}: treeverify serve runs one GPU (tensor parallelism is not built in); to serve "
-            "over several GPUs run SGLang with treeverify's kernels (treeverify.kernels.sglang, "
-            "see README 'SGLang')"
+            "over several GPUs run SGLang (--tp-size N) with treeverify's verify kernel: "
+            "treeverify.kernels.sglang is a drop-in for its target-verify attention"
         )
     return n
 
@@ -100,8 +100,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         dest="model",
         default="tiny-code",
         help="a built-in model (tiny-code: trained on Python, shipped; tiny-llama, tiny-kimi: "
-        "seeded, for tests), a local Hugging Face directory, or "
-        "a hub id (org/name) already in the local Hugging Face cache (never downloaded)",
+        "seeded, for tests; smollm2-135m with the smollm2 extra), a local Hugging Face "
+        "directory, or a hub id (org/name) already in the local Hugging Face cache (never "
+        "downloaded)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=at_least_0, default=30000, help="TCP port")
@@ -156,6 +157,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="tree nodes besides the root (up to 1024)",
+    )
+    p.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DDTREE: choose each step's tree budget (0 = plain decoding, powers of two up to "
+        "--speculative-ddtree-budget) from measured acceptance and the step cost measured at "
+        "startup (default: on for DDTREE; docs/ddtree.md)",
     )
     p.add_argument(
         "--speculative-num-draft-tokens",
@@ -248,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("treeverify.server").setLevel(args.log_level.upper())
     if args.api_key is None:
         args.api_key = env.api_key()
+    if args.speculative_adaptive and args.speculative_algorithm != "DDTREE":
+        print("treeverify serve: --speculative-adaptive: needs --speculative-algorithm DDTREE",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

@@ -40,6 +40,7 @@ class Event:
     text: str | None = None  # final text (stop strings cut), on the finishing event
     error: str | None = None
     error_status: int = 400  # 400: the engine refused the request; 500: a step failed
+    prompt_logprobs: list[Any] | None = None  # on a choice's first event, when asked for
 
 
 @dataclass
@@ -114,7 +115,7 @@ class EngineLoop:
         return not self._draining and self._thread.is_alive()
 
     def in_flight(self) -> int:
-        """Requests added and not yet finished (commands still queued not counted)."""
+        """Requests added and not yet finished; +1 while commands still wait in the queue."""
         return len(self._active) + (0 if self._commands.empty() else 1)
 
     def heartbeat_age(self) -> float:
@@ -210,7 +211,8 @@ class EngineLoop:
         self.llm.scheduler.abort(rid)
         out = self.llm.output(act.seq)
         self.stats.aborted_requests += 1
-        self._flush(act, out.logprobs, finish_reason="abort", text=out.text)
+        self._flush(act, out.logprobs, finish_reason="abort", text=out.text,
+                    prompt_logprobs=out.prompt_logprobs)  # fmt: skip
 
     def _step(self) -> None:
         try:
@@ -226,14 +228,16 @@ class EngineLoop:
             if rid in done:
                 continue
             if len(act.seq.output_token_ids) > act.sent:
-                self._flush(act, self.llm.logprobs_so_far(rid))
+                self._flush(act, self.llm.logprobs_so_far(rid),
+                            prompt_logprobs=self.llm.prompt_logprobs(rid))  # fmt: skip
         for seq in finished:
             act = self._active.pop(seq.request_id, None)
             if act is None:
                 continue
             out = self.llm.output(seq)
             self.stats.finished_requests += 1
-            self._flush(act, out.logprobs, finish_reason=out.finish_reason, text=out.text)
+            self._flush(act, out.logprobs, finish_reason=out.finish_reason, text=out.text,
+                        prompt_logprobs=out.prompt_logprobs)  # fmt: skip
 
     def _flush(
         self,
@@ -241,6 +245,7 @@ class EngineLoop:
         logprobs: list[Any],
         finish_reason: str | None = None,
         text: str | None = None,
+        prompt_logprobs: list[Any] | None = None,
     ) -> None:
         """Send the tokens of ``act`` not yet sent, with the finish (one event: the final text
         must arrive with the token that ended the request, so stop strings are never streamed)."""
@@ -249,9 +254,11 @@ class EngineLoop:
             return
         lps = list(logprobs[act.sent : act.sent + len(toks)])
         lps += [None] * (len(toks) - len(lps))
+        first = act.sent == 0  # the prompt's logprobs (complete by now) go with the first event
         act.sent += len(toks)
         self.stats.generated_tokens += len(toks)
-        self._emit(act.job, Event(act.index, toks, lps, finish_reason, text))
+        self._emit(act.job, Event(act.index, toks, lps, finish_reason, text,
+                                  prompt_logprobs=prompt_logprobs if first else None))  # fmt: skip
 
     def _fail_all(self, message: str) -> None:
         for rid, act in list(self._active.items()):

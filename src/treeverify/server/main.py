@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -74,6 +75,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
 
     from treeverify.engine.cuda_graphs import GraphCaptureError
     from treeverify.engine.llm import LLM
+    from treeverify.models.gguf_loader import MissingPackageError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -101,6 +103,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
             speculative_ddtree_budget=args.speculative_ddtree_budget,
             speculative_num_draft_tokens=args.speculative_num_draft_tokens,
             speculative_draft_model_path=args.speculative_draft_model_path,
+            speculative_adaptive=args.speculative_adaptive,
             mem_fraction_static=args.mem_fraction_static,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
@@ -108,8 +111,11 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     except GraphCaptureError as exc:
         log.error("startup: %s", exc)
         raise SystemExit(1) from exc
-    except (FileNotFoundError, ValueError) as exc:  # a broken model directory: one line, exit 2
-        log.error("startup: cannot load --model %s: %s", args.model, exc)
+    except MissingPackageError as exc:  # an optional model's package: one line, no traceback
+        print(f"treeverify serve: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except (FileNotFoundError, ValueError) as exc:  # a broken model directory, a bad flag value
+        log.error("startup: cannot start (--model %s): %s", args.model, exc)
         raise SystemExit(2) from None
     template = getattr(args, "chat_template_text", None)
     if template is not None:

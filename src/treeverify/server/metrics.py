@@ -88,6 +88,20 @@ class Metrics:
             registry=r,
         )
 
+        self.spec_budget_steps = Gauge(
+            "treeverify_spec_budget_steps_total",
+            "Decode steps of speculating requests by the tree budget the adaptive controller "
+            "chose (0: plain decoding), since start",
+            ["model", "budget"],
+            registry=r,
+        )
+        self.spec_budget_current = Gauge(
+            "treeverify_spec_budget_current",
+            "The adaptive controller's current tree budget (0: plain decoding)",
+            ["model"],
+            registry=r,
+        )
+
     def observe_tokens(self, n: int, dt: float | None, first: bool) -> None:
         """``n`` tokens came ``dt`` s after the previous event (or the request, if first)."""
         self.generation_tokens.labels(self.model_name).inc(n)
@@ -113,4 +127,9 @@ class Metrics:
                 self.spec_phase.labels(m, phase).set(secs)
             self.spec_round.labels(m, "round").set(stats.spec.get("round_seconds", 0.0))
             self.spec_round.labels(m, "verify_forward").set(stats.spec.get("forward_seconds", 0.0))
+            adaptive = stats.spec.get("adaptive")
+            if adaptive:
+                for budget, steps in adaptive["steps_by_budget"].items():
+                    self.spec_budget_steps.labels(m, budget).set(steps)
+                self.spec_budget_current.labels(m).set(adaptive["current"])
         return generate_latest(self.registry)

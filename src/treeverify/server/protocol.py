@@ -33,7 +33,7 @@ class _SamplingFields(_Request, StopBounds):
     """Fields shared by completions and chat requests."""
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0, description="0: only with echo")
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1, description="extension; 0 or -1: off")
@@ -49,6 +49,11 @@ class _SamplingFields(_Request, StopBounds):
         "server runs it (--speculative-algorithm)",
     )
     ignore_eos: bool = Field(default=False, description="extension (SGLang/vLLM)")
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> bias in -100..100, at most 300"
+    )
 
 
 class CompletionRequest(_SamplingFields, CompletionUnsupported):
@@ -93,8 +98,8 @@ class CompletionLogprobs(BaseModel):
     token_ids: list[int] = Field(
         default_factory=list, description="extension: the chosen token id of each position"
     )
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: echo's first
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

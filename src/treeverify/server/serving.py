@@ -44,6 +44,9 @@ class Choice:
     text: str | None = None
     sent_text: str = ""
     last_event: float | None = None
+    echo: str | None = None  # completions with echo: the prompt's text, sent before the reply
+    prompt_logprobs: list[Any] | None = None  # echo with logprobs: the prompt tokens'
+    echo_sent: bool = False
 
 
 class Serving:
@@ -134,6 +137,16 @@ class Serving:
             )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         ctx = self.context_length
+        echo = bool(getattr(req, "echo", False))
+        bias = req.logit_bias or {}
+        for key in bias:
+            if self.vocab_size is not None and key.isdigit() and int(key) >= self.vocab_size:
+                raise RequestError(
+                    400,
+                    f"logit_bias: token id {key} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})",
+                    "logit_bias",
+                )
         items = []
         for ids in prompts:
             if len(ids) >= ctx:
@@ -146,6 +159,11 @@ class Serving:
             room = ctx - len(ids)  # without max_tokens: the rest of the context, as OpenAI
             cap = min(self.default_max_tokens or room, room)
             mt = max_tokens if max_tokens is not None else cap
+            if mt == 0 and not echo:
+                raise RequestError(
+                    400, "max_tokens: 0 is allowed only with echo (the prompt's logprobs)",
+                    "max_tokens",
+                )  # fmt: skip
             if len(ids) + mt > ctx:
                 raise RequestError(
                     400,
@@ -165,12 +183,22 @@ class Serving:
                         logprobs=logprobs,
                         ignore_eos=req.ignore_eos,
                         speculative=bool(req.speculative),
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
+                        logit_bias=bias,
+                        prompt_logprobs=logprobs if echo else None,
                     )
                 except ValueError as exc:
                     msg = str(exc)
-                    raise RequestError(400, msg, msg.split(" ", 1)[0]) from exc
+                    raise RequestError(400, msg, msg.split(" ", 1)[0].rstrip(":")) from exc
                 items.append((ids, sp))
         return items
+
+    def choices(self, req: Any, items: list[tuple[list[int], SamplingParams]]) -> list[Choice]:
+        """The response's choices; with ``echo`` each starts with its prompt's text."""
+        echo = bool(getattr(req, "echo", False))
+        return [Choice(i, len(ids), echo=self.tok.decode(ids) if echo else None)
+                for i, (ids, _) in enumerate(items)]  # fmt: skip
 
     def submit(self, items: list[tuple[list[int], SamplingParams]], prefix: str) -> Job:
         try:
@@ -194,6 +222,8 @@ class Serving:
             c.last_event = now
             c.token_ids += ev.token_ids
             c.logprobs += ev.logprobs
+        if ev.prompt_logprobs is not None:
+            c.prompt_logprobs = ev.prompt_logprobs
         if ev.finish_reason is not None:
             c.finish_reason, c.text = ev.finish_reason, ev.text or ""
 
@@ -253,7 +283,9 @@ class Serving:
             out.token_ids.append(lp.token_id)
             out.token_logprobs.append(lp.logprob)
             keys = distinct_keys(self.tok, [t for t, _ in lp.top])
-            out.top_logprobs.append({keys[t]: v for t, v in lp.top})
+            out.top_logprobs.append(  # None for echo's first prompt token, as OpenAI
+                None if lp.logprob is None else {keys[t]: v for t, v in lp.top}
+            )
             out.text_offset.append(pos)
             pos += len(s)
         return out
@@ -317,6 +349,9 @@ class Serving:
                     yield "data: [DONE]\n\n"
                     return
                 c = choices[ev.index]
+                if c.echo is not None and not c.echo_sent:  # the prompt first, as OpenAI
+                    c.echo_sent = True
+                    yield self._echo_chunk(rid, created, c, want_logprobs)
                 delta = self.text_delta(c, stop)
                 lps = [x for x in ev.logprobs if x is not None] if want_logprobs else []
                 if not delta and not lps and ev.finish_reason is None:
@@ -338,6 +373,13 @@ class Serving:
         finally:
             if not done:
                 self.engine.abort(job)
+
+    def _echo_chunk(self, rid: str, created: int, c: Choice, want_logprobs: bool) -> str:
+        lps = self.completion_logprobs(c.prompt_logprobs or []) if want_logprobs else None
+        ch = P.CompletionChoice(index=c.index, text=c.echo or "", logprobs=lps)
+        return P.chunk_json(
+            P.CompletionChunk(id=rid, created=created, model=self.model_name, choices=[ch])
+        )
 
     def _chat_chunk(self, rid: str, created: int, choices: list) -> P.ChatCompletionChunk:
         return P.ChatCompletionChunk(
@@ -362,11 +404,12 @@ class Serving:
                 finish_reason=finish,
             )
             return P.chunk_json(self._chat_chunk(rid, created, [ch]))
+        offset = len(c.echo or "") + len(c.sent_text) - len(delta)
         ch = P.CompletionChoice(
             index=c.index,
             text=delta,
             finish_reason=finish,
-            logprobs=self.completion_logprobs(lps, len(c.sent_text) - len(delta)) if lps else None,
+            logprobs=self.completion_logprobs(lps, offset) if lps else None,
         )
         return P.chunk_json(
             P.CompletionChunk(id=rid, created=created, model=self.model_name, choices=[ch])
@@ -384,9 +427,11 @@ class Serving:
             choices=[
                 P.CompletionChoice(
                     index=c.index,
-                    text=c.text or "",
+                    text=(c.echo or "") + (c.text or ""),
                     finish_reason=c.finish_reason,
-                    logprobs=self.completion_logprobs(c.logprobs) if want_logprobs else None,
+                    logprobs=self.completion_logprobs((c.prompt_logprobs or []) + c.logprobs)
+                    if want_logprobs
+                    else None,
                 )
                 for c in choices
             ],

@@ -89,6 +89,11 @@ class TreeverifyAttnBackend:
     verify_mask = None
     supports_ragged_verify_graph = False
 
+    def get_verify_buffers_to_fill_after_draft(self):
+        """No buffer of ours for the drafter to write (older releases' hook): the worker's mask
+        tensor is read when the verify metadata is written."""
+        return [None, None]
+
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         """Nothing to do: the mask is converted when the verify metadata is written."""
 
@@ -114,27 +119,31 @@ class TreeverifyAttnBackend:
         log.info("treeverify: verify plan for %d requests x %d tokens", max_batch, n)
         return plan
 
-    def _plan_for(self, batch: int, n: int, *, graph: bool, capture: bool):
-        if graph:
-            if capture and batch not in self._graph_plans:
+    def _plan_for(self, batch: int, n: int, *, capture: bool):
+        """The plan a verify batch's metadata goes into.
+
+        At capture: the captured batch size's own plan (made now, outside the graph). Otherwise
+        (a replay, or an eager step: SGLang 0.5.23 also runs the out-of-graph hook eagerly) the
+        smallest captured size that holds the batch, which is the graph a padded replay runs;
+        a batch no graph holds gets an eager plan per power-of-two bucket.
+        """
+        if capture:
+            if batch not in self._graph_plans or self._graph_plans[batch].max_tree < n:
                 self._graph_plans[batch] = self._new_plan(batch, n)
-            # Replays may come unpadded: the graph of the smallest captured size >= batch runs.
-            fits = [b for b in self._graph_plans if b >= batch]
-            if not fits:
-                raise ValueError(f"forward_batch: no captured verify graph holds {batch} requests")
-            plan = self._graph_plans[min(fits)]
-        else:
-            bucket = 1 << max(0, batch - 1).bit_length()
-            plan = self._eager_plans.get(bucket)
-            if plan is None or plan.max_tree < n:
-                plan = self._eager_plans[bucket] = self._new_plan(bucket, n)
-        if plan.max_tree < n:
-            raise ValueError(
-                f"spec_info: {n} draft tokens exceed the captured width {plan.max_tree}"
-            )
+            return self._graph_plans[batch]
+        fits = [b for b, p in self._graph_plans.items() if b >= batch and p.max_tree >= n]
+        if fits:
+            return self._graph_plans[min(fits)]
+        bucket = 1 << max(0, batch - 1).bit_length()
+        plan = self._eager_plans.get(bucket)
+        if plan is None or plan.max_tree < n:
+            plan = self._eager_plans[bucket] = self._new_plan(bucket, n)
         return plan
 
-    def _fill(self, req_pool_indices, seq_lens, spec_info, req_to_token, *, graph, capture):
+    def _fill(
+        self, req_pool_indices, seq_lens, spec_info, req_to_token, *, capture: bool,
+        out_cache_loc=None,
+    ):  # fmt: skip
         n = draft_tokens_per_request(spec_info)
         mask = getattr(spec_info, "custom_mask", None)
         if mask is None:
@@ -142,30 +151,32 @@ class TreeverifyAttnBackend:
         table = req_to_token if req_to_token is not None else self.req_to_token
         if table is None:
             raise ValueError("req_to_token: neither the batch nor the backend has one")
-        plan = self._plan_for(req_pool_indices.shape[0], n, graph=graph, capture=capture)
+        plan = self._plan_for(req_pool_indices.shape[0], n, capture=capture)
         fill_verify_metadata(
             plan, req_to_token=table, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
             custom_mask=mask, n=n, page_size=self.geometry.page_size, mask_mode=self.mask_mode,
+            out_cache_loc=out_cache_loc,
         )  # fmt: skip
         self._active = plan
 
-    def _fill_from_batch(self, forward_batch, *, graph: bool, capture: bool = False) -> None:
+    def _fill_from_batch(self, forward_batch, *, capture: bool = False) -> None:
         pool = getattr(forward_batch, "req_to_token_pool", None)
         self._fill(
             forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.spec_info,
-            getattr(pool, "req_to_token", None), graph=graph, capture=capture,
+            getattr(pool, "req_to_token", None), capture=capture,
+            out_cache_loc=getattr(forward_batch, "out_cache_loc", None),
         )  # fmt: skip
 
     # -- metadata hooks ------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
         if _is_verify(forward_batch.forward_mode):
-            self._fill_from_batch(forward_batch, graph=False)
+            self._fill_from_batch(forward_batch)
         else:
             self.fallback.init_forward_metadata(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         if _is_verify(forward_batch.forward_mode):
-            self._fill_from_batch(forward_batch, graph=True, capture=in_capture)
+            self._fill_from_batch(forward_batch, capture=in_capture)
         else:
             self.fallback.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
@@ -185,8 +196,7 @@ class TreeverifyAttnBackend:
         self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
     ) -> None:
         if _is_verify(forward_mode):
-            self._fill(req_pool_indices[:bs], seq_lens[:bs], spec_info, None, graph=True,
-                       capture=True)  # fmt: skip
+            self._fill(req_pool_indices[:bs], seq_lens[:bs], spec_info, None, capture=True)
         else:
             self.fallback.init_forward_metadata_capture_cuda_graph(
                 bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
@@ -197,8 +207,7 @@ class TreeverifyAttnBackend:
         seq_lens_cpu=None, *args, **kwargs,
     ) -> None:  # fmt: skip
         if _is_verify(forward_mode):
-            self._fill(req_pool_indices[:bs], seq_lens[:bs], spec_info, None, graph=True,
-                       capture=False)  # fmt: skip
+            self._fill(req_pool_indices[:bs], seq_lens[:bs], spec_info, None, capture=False)
         else:
             self.fallback.init_forward_metadata_replay_cuda_graph(
                 bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode,

@@ -46,6 +46,12 @@ def build_backend(runner, fallback: str | None = None, kernel: str | None = None
             f"(SGLang hands outside backends the concatenated 576-wide q/k); use one of "
             f"{list(MLA_FALLBACKS)}"
         )
+    translator = getattr(runner, "kv_index_translator", None)
+    if getattr(translator, "is_translating", False):
+        raise ValueError(
+            "token_to_kv_pool: this pool translates KV ids (unified hybrid / fused draft pool); "
+            "treeverify's verify reads req_to_token as physical slots and supports plain pools"
+        )
     inner = registry.ATTENTION_BACKENDS[name](runner)
     log.info("treeverify: target-verify on treeverify (%s), other modes on %s", kernel, name)
     return TreeverifyAttnBackend(

@@ -22,45 +22,29 @@ import ctypes
 import torch
 from torch import Tensor
 
-from treeverify.kernels.bits import pack_bits
+from treeverify.spec.sglang_layout import sglang_mask_to_tree_mask
 
 FULL_MASK = "full"  # SGLang's TreeMaskMode.FULL_MASK: [N, P+N] per request
 QLEN_ONLY = "qlen"  # SGLang's TreeMaskMode.QLEN_ONLY: [N, N] per request
 MASK_MODES = (FULL_MASK, QLEN_ONLY)
 
 
-def sglang_tree_block(custom_mask: Tensor, seq_lens: Tensor, n: int, mode: str) -> Tensor:
-    """The ``(B, N, N)`` bool ancestor-or-self blocks of SGLang's flat verify mask.
+def sglang_mask_to_bits(custom_mask: Tensor, seq_lens: Tensor, n: int, mode: str) -> Tensor:
+    """SGLang's flat verify mask -> our packed ``(B*N, ceil(N/32))`` int32 ``tree_mask``.
 
-    ``custom_mask``: flat bool/uint8 in ``mode``'s layout; ``seq_lens``: ``(B,)`` prefix lengths
-    (only FULL_MASK reads them). Offsets are recomputed from ``seq_lens`` (SGLang's mask_indptr
-    is their cumsum), so no host value is needed.
+    ``seq_lens``: ``(B,)`` prefix lengths (only FULL_MASK's layout depends on them). The offsets
+    are recomputed on the device (SGLang's mask_indptr is their cumsum), so no host value is
+    needed; requests past the mask's end (a padded graph batch) read inside it.
     """
     if mode not in MASK_MODES:
         raise ValueError(f"mode: expected one of {MASK_MODES}, got {mode!r}")
-    dev = custom_mask.device
     bsz = seq_lens.shape[0]
-    b = torch.arange(bsz, device=dev, dtype=torch.int64).view(bsz, 1, 1)
-    i = torch.arange(n, device=dev, dtype=torch.int64).view(1, n, 1)
-    j = torch.arange(n, device=dev, dtype=torch.int64).view(1, 1, n)
-    if mode == QLEN_ONLY:
-        flat = b * (n * n) + i * n + j  # (B, N, N)
-    else:
-        plen = seq_lens.to(device=dev, dtype=torch.int64)  # (B,)
-        before = torch.cumsum(plen, 0) - plen  # (B,) exclusive cumsum
-        start = b * (n * n) + n * before.view(bsz, 1, 1)  # (B, 1, 1)
-        row_len = plen.view(bsz, 1, 1) + n
-        flat = start + i * row_len + plen.view(bsz, 1, 1) + j  # (B, N, N)
-    # A graph replay may pad the batch past the requests the mask was built for: those rows
-    # read the mask's last entry instead of out of bounds (their output is never used).
-    flat = flat.clamp(max=custom_mask.numel() - 1)
-    return custom_mask.reshape(-1)[flat] != 0
-
-
-def sglang_mask_to_bits(custom_mask: Tensor, seq_lens: Tensor, n: int, mode: str) -> Tensor:
-    """SGLang's flat verify mask -> our packed ``(B*N, ceil(N/32))`` int32 ``tree_mask``."""
-    block = sglang_tree_block(custom_mask, seq_lens, n, mode)  # (B, N, N)
-    return pack_bits(block).reshape(-1, (n + 31) // 32)
+    dev = custom_mask.device
+    kv_indptr = torch.zeros(bsz + 1, dtype=torch.int32, device=dev)
+    mask_indptr = torch.zeros(bsz + 1, dtype=torch.int64, device=dev)
+    mask_indptrs(seq_lens.to(dev), n, custom_mask.numel(), mode, kv_indptr, mask_indptr)
+    plen = kv_indptr[1:] - kv_indptr[:-1]  # (B,): the layout's prefix columns (0 for QLEN_ONLY)
+    return sglang_mask_to_tree_mask(custom_mask, mask_indptr, plen, n)
 
 
 def block_table_from_req_to_token(
@@ -77,11 +61,11 @@ def block_table_from_req_to_token(
     return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
 
 
-def kernel_indptrs(
+def mask_indptrs(
     prefix_lens: Tensor, n: int, mask_numel: int, mode: str, kv_indptr: Tensor, mask_indptr: Tensor
 ) -> None:
-    """The converter kernel's ``kv_indptr`` (int32) and ``mask_indptr`` (int64), ``(B+1,)``,
-    written in place from ``prefix_lens (B,)`` (padding requests 0).
+    """``kv_indptr`` (int32) and ``mask_indptr`` (int64), ``(B+1,)``, of SGLang's mask layout
+    ``mode``, written in place from ``prefix_lens (B,)`` (padding requests 0).
 
     A graph replay may pad the batch past the requests the mask was built for: each request's
     start is clamped so its ``N * (P + N)`` bytes stay inside the mask (real requests already do;
@@ -120,7 +104,7 @@ def _bits_on_gpu(plan, custom_mask: Tensor, n: int, mode: str) -> bool:
             torch.zeros(m, dtype=torch.int64, device=plan.prefix_lens.device),
         )
     kv_indptr, mask_indptr = bufs
-    kernel_indptrs(plan.prefix_lens, n, custom_mask.numel(), mode, kv_indptr, mask_indptr)
+    mask_indptrs(plan.prefix_lens, n, custom_mask.numel(), mode, kv_indptr, mask_indptr)
     mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
     args = [
         ctypes.c_void_p(mask.data_ptr()), ctypes.c_void_p(mask_indptr.data_ptr()),
@@ -143,6 +127,7 @@ def fill_verify_metadata(
     n: int,  # draft tokens per request (tree nodes, root included)
     page_size: int,
     mask_mode: str = FULL_MASK,
+    out_cache_loc: Tensor | None = None,  # (B*N,) the draft tokens' slots
 ) -> None:
     """Write one verify step's metadata into ``plan``'s fixed buffers (device ops only).
 
@@ -162,6 +147,14 @@ def fill_verify_metadata(
         block_table_from_req_to_token(req_to_token, req_pool_indices, page_size, pages)
     )
     plan.block_table[bsz:].zero_()
+    if out_cache_loc is not None and out_cache_loc.numel() == total:
+        # The draft tokens' pages from their own slots, so the table does not depend on SGLang
+        # having written them into req_to_token before this hook (it does for EAGLE; the same
+        # values then). Position P_b + i lies on page (P_b + i) // page_size.
+        pos = seq_lens.long().view(bsz, 1) + torch.arange(n, device=seq_lens.device)  # (B, N)
+        col = (pos // page_size).clamp(max=pages - 1)
+        page = torch.div(out_cache_loc.view(bsz, n), page_size, rounding_mode="floor")
+        plan.block_table[:bsz].scatter_(1, col, page.to(torch.int32))
     plan.prefix_lens[:bsz].copy_(seq_lens)
     plan.prefix_lens[bsz:].zero_()
     step = torch.arange(plan.qo_indptr.shape[0], device=plan.qo_indptr.device) * n

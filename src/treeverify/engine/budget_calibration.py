@@ -1,0 +1,76 @@
+"""Startup for the adaptive budget: which engines get a controller, and the cost curve measured
+on this device before the first request (a few timed decode steps of one request per bucket,
+through the same step loop, graphs and drafter that serving uses)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+from treeverify.engine.budget_controller import BudgetController, CostModel, budget_buckets
+from treeverify.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from treeverify.engine.llm import LLM
+
+WARM_STEPS = 2  # the prefill and a bucket's first decode step (one-time allocations) go untimed
+TIMED_STEPS = 3  # median of these per bucket
+
+
+def make_controller(
+    algorithm: str | None,
+    adaptive: bool | None,
+    max_budget: int,
+    cost_seconds: dict[int, float] | None = None,
+) -> BudgetController | None:
+    """A controller for DDTREE unless adaptive is False; CHAIN has no budget buckets.
+    `cost_seconds`: a fixed cost curve (seconds per step at batch 1 for every bucket) instead
+    of the one `calibrate` measures."""
+    if adaptive and algorithm != "DDTREE":
+        raise ValueError(f"speculative_adaptive: needs speculative_algorithm DDTREE, got "
+                         f"{algorithm!r}")  # fmt: skip
+    if algorithm != "DDTREE" or adaptive is False:
+        return None
+    buckets = budget_buckets(max_budget)
+    if cost_seconds is None:
+        return BudgetController(buckets)
+    if missing := [b for b in buckets if b not in cost_seconds]:
+        raise ValueError(f"speculative_cost_seconds: no cost for budget(s) {missing} (buckets "
+                         f"{list(buckets)})")  # fmt: skip
+    return BudgetController(buckets, CostModel.given(cost_seconds))
+
+
+def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
+    """Seconds per decode step of one request at every bucket; seeds the controller's cost
+    table (batch size 1; other sizes borrow its shape until measured) and returns it."""
+    ctl = llm.controller
+    if ctl.cost.frozen:  # a given curve
+        return {b: ctl.cost.estimate(1, b) for b in ctl.buckets}
+    vocab = llm.config.vocab_size
+    prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
+    per_bucket: dict[int, float] = {}
+    for budget in ctl.buckets:
+        ctl.pinned = budget
+        params = SamplingParams(temperature=0, max_tokens=(WARM_STEPS + TIMED_STEPS + 2) *
+                                (budget + 2), ignore_eos=True)  # fmt: skip
+        seq = llm.add_request(prompt, params, request_id=f"calibrate-{budget}")
+        times = []
+        while not seq.is_finished and len(times) < WARM_STEPS + TIMED_STEPS:
+            t0 = time.perf_counter()
+            llm.step()
+            times.append(time.perf_counter() - t0)
+        if not seq.is_finished:
+            llm.scheduler.abort(seq.request_id)
+            llm.spec.source.forget(seq.request_id)
+        llm.output(seq)  # drops its logprob bookkeeping
+        per_bucket[budget] = statistics.median(times[WARM_STEPS:] or times)
+    ctl.pinned = None
+    ctl.cost.table.clear()  # the timed steps above fed it warm-up steps too
+    for budget, seconds in per_bucket.items():
+        ctl.observe_step(1, budget, seconds)
+    ctl.reset()
+    llm.spec.reset_stats()
+    llm._next_id = 0
+    llm.startup["budget_cost_seconds"] = {str(b): round(s, 6) for b, s in per_bucket.items()}
+    return per_bucket

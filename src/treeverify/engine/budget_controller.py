@@ -1,0 +1,295 @@
+"""The adaptive tree budget: each round's budget, 0 (plain decoding) included, from measured
+acceptance and measured cost, so that speculation never loses to plain decoding.
+
+Objective (docs/ddtree.md, "Adaptive budget"): for the n speculating requests of a step, with one
+budget B per step drawn from a few graph buckets (0, 4, 8, 16, ..., the configured maximum),
+
+    R(B) = sum_r (1 + A_r(B)) / cost(n, B),        R(0) = n / cost(n, 0),
+
+expected committed tokens per second. A_r(B) is request r's expected accepted drafts in a budget-B
+tree; cost(n, B) the measured seconds of one step at that batch size and budget.
+
+A_r(B) is an exponentially decayed mean over r's rounds, and every round measures it at every
+budget at or below the one used, for free: the budget-B' tree is exactly the first B' nodes of
+the larger tree (spec/tree.py), node indices grow along a path, so the walk in the smaller tree
+is the accepted path cut at its first node index > B' (exact at T=0; for sampled walks the same
+per-node samples give the same cut, so the estimate is unbiased). Requests start from the
+engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own.
+
+Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
+decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
+bucket, now and then one step runs one bucket up, so budgets above the current one (never
+measured by the free curve) get fresh evidence and a batch at 0 can come back. The interval is
+`explore_every` steps times cost(up) / cost(current) (a probe that costs 4 plain steps comes 4x
+less often), doubled after each probe that changed nothing, up to `explore_max` steps, and back
+to the start when a request without its own measurements joins (new text, maybe predictable).
+
+Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
+
+
+def budget_buckets(max_budget: int, smallest: int = 4) -> tuple[int, ...]:
+    """0, then powers of two from `smallest` below `max_budget`, then `max_budget` itself."""
+    if max_budget < 1:
+        raise ValueError(f"max_budget: expected >= 1, got {max_budget}")
+    out, b = [0], smallest
+    while b < max_budget:
+        out.append(b)
+        b *= 2
+    out.append(max_budget)
+    return tuple(out)
+
+
+def accepted_at_budgets(path: list[int], buckets: tuple[int, ...]) -> dict[int, int]:
+    """Accepted drafts each (smaller) budget would have had: path = node indices along the
+    accepted path, root (0) first; the budget-B tree holds nodes 0..B."""
+    out = {}
+    for b in buckets:
+        n = 0
+        for node in path[1:]:
+            if node > b:
+                break
+            n += 1
+        out[b] = n
+    return out
+
+
+class DecayedMean:
+    """sum(w_i x_i) / sum(w_i), older observations down-weighted by `decay` per new one."""
+
+    __slots__ = ("num", "den")
+
+    def __init__(self) -> None:
+        self.num = self.den = 0.0
+
+    def add(self, x: float, decay: float) -> None:
+        self.num = self.num * decay + x
+        self.den = self.den * decay + 1.0
+
+    @property
+    def value(self) -> float | None:
+        return self.num / self.den if self.den else None
+
+
+@dataclass
+class ControllerConfig:
+    decay: float = 0.9  # acceptance: ~10 rounds of memory per request
+    prior_rounds: float = 2.0  # weight of the engine-wide curve in a request's estimate
+    cost_window: int = 9  # step cost: median of the last this many steps (robust to a stall)
+    switch_margin: float = 0.05  # R(best) must beat R(current) by this fraction ...
+    confirm: int = 2  # ... on this many consecutive decisions ...
+    min_dwell: int = 8  # ... after at least this many steps at the current budget
+    explore_every: int = 16  # steps between one-bucket-up probes below the largest bucket ...
+    explore_max: int = 256  # ... backing off to at most this many while probes change nothing
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay < 1.0:
+            raise ValueError(f"decay: expected in (0, 1), got {self.decay}")
+        if self.cost_window < 1:
+            raise ValueError(f"cost_window: expected >= 1, got {self.cost_window}")
+        if self.switch_margin < 0 or self.prior_rounds < 0:
+            raise ValueError("switch_margin, prior_rounds: expected >= 0")
+        if self.confirm < 1 or self.min_dwell < 0 or self.explore_every < 1:
+            raise ValueError("confirm, explore_every: expected >= 1; min_dwell >= 0")
+        if self.explore_max < self.explore_every:
+            raise ValueError("explore_max: expected >= explore_every")
+
+
+class CostModel:
+    """Seconds per step by (batch size, budget): the median of the last `window` measured steps
+    (a context switch or a stall moves a median little). A batch size not measured yet borrows
+    the nearest measured one's value, scaled by the plain-step ratio when both have one (so only
+    the budgets' relative cost is borrowed). `frozen`: a given curve, never updated."""
+
+    def __init__(self, window: int = 9, frozen: bool = False):
+        self.window, self.frozen = window, frozen
+        self.table: dict[tuple[int, int], deque[float]] = {}
+
+    @classmethod
+    def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
+        """A fixed curve at batch size 1 (a cost file, or a test's synthetic curve)."""
+        m = cls(window=1)
+        for b, sec in seconds_by_budget.items():
+            if not sec > 0:
+                raise ValueError(f"cost of budget {b}: expected seconds > 0, got {sec}")
+            m.table[(1, int(b))] = deque([float(sec)], maxlen=1)
+        m.frozen = True
+        return m
+
+    def observe(self, n: int, budget: int, seconds: float) -> None:
+        if seconds > 0 and not self.frozen:
+            self.table.setdefault((n, budget), deque(maxlen=self.window)).append(seconds)
+
+    def _value(self, key: tuple[int, int]) -> float | None:
+        q = self.table.get(key)
+        return statistics.median(q) if q else None
+
+    def estimate(self, n: int, budget: int) -> float | None:
+        own = self._value((n, budget))
+        if own is not None:
+            return own
+        sizes = sorted({m for m, b in self.table if b == budget}, key=lambda m: (abs(m - n), m))
+        if not sizes:
+            return None
+        m = sizes[0]
+        base = self._value((m, budget))
+        here, there = self._value((n, 0)), self._value((m, 0))
+        if here is not None and there is not None:
+            return base * here / there
+        return base
+
+    def curve(self, n: int = 1) -> dict[int, float]:
+        """Seconds per step at batch size n, by budget (for /server_info)."""
+        return {b: round(self._value((m, b)), 6) for (m, b) in sorted(self.table) if m == n}
+
+
+@dataclass
+class _Request:
+    curve: dict[int, DecayedMean] = field(default_factory=dict)
+
+
+class BudgetController:
+    def __init__(self, buckets: tuple[int, ...], cost: CostModel | None = None,
+                 config: ControllerConfig | None = None):  # fmt: skip
+        if not buckets or buckets[0] != 0 or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets: expected increasing, starting at 0, got {buckets}")
+        self.buckets = tuple(buckets)
+        self.cfg = config or ControllerConfig()
+        self.cost = cost or CostModel(self.cfg.cost_window)
+        self.pinned: int | None = None  # calibration: every step at this budget
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget acceptance and decisions (the cost table stays)."""
+        self.requests: dict[str, _Request] = {}
+        self.global_curve: dict[int, DecayedMean] = {}
+        self.current = self.buckets[-1]  # start at the top: one round measures every budget
+        self.since_switch = self.cfg.min_dwell  # the first choice need not wait out a dwell
+        self.since_explore = 0
+        self._explore_interval = float(self.cfg.explore_every)  # before the cost ratio
+        self._switches_at_probe = 0
+        self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
+        self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
+        self.switches = 0
+        self.explorations = 0
+
+    # ---- estimates -----------------------------------------------------------------------------
+    def accept_estimate(self, request_id: str, budget: int) -> float | None:
+        """A_r(B): the request's decayed mean shrunk toward the engine-wide one; None when
+        neither was ever measured at B."""
+        if budget == 0:
+            return 0.0
+        g = self.global_curve.get(budget)
+        own = self.requests.get(request_id)
+        mine = own.curve.get(budget) if own else None
+        if mine is None or not mine.den:
+            return g.value if g is not None else None
+        if g is None or not g.den:
+            return mine.value
+        k = self.cfg.prior_rounds
+        return (mine.num + k * g.value) / (mine.den + k)
+
+    def rate(self, request_ids: list[str], budget: int) -> float | None:
+        """R(B) in committed tokens per second for these requests in one step; None when the
+        cost or some request's acceptance at B is unknown."""
+        cost = self.cost.estimate(len(request_ids), budget)
+        if cost is None:
+            return None
+        total = 0.0
+        for rid in request_ids:
+            a = self.accept_estimate(rid, budget)
+            if a is None:
+                return None
+            total += 1.0 + a
+        return total / cost
+
+    # ---- the decision --------------------------------------------------------------------------
+    def choose(self, request_ids: list[str]) -> int:
+        """The budget for this step's speculating requests (0: decode them plainly)."""
+        if self.pinned is not None:
+            return self._count(self.pinned)
+        rates = {b: self.rate(request_ids, b) for b in self.buckets}
+        known = {b: r for b, r in rates.items() if r is not None}
+        cur = self.current
+        if known and rates.get(cur) is not None:
+            best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
+            self._consider(best, known[best], rates[cur])
+        self.since_switch += 1
+        self.since_explore += 1
+        if any(rid not in self.requests for rid in request_ids):
+            self._explore_interval = float(self.cfg.explore_every)
+        i = self.buckets.index(self.current)
+        up = self.buckets[i + 1] if i + 1 < len(self.buckets) else None
+        if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):
+            self._probed()
+            return self._count(up)  # one step one bucket up; `current` stays
+        return self._count(self.current)
+
+    def _explore_due(self, n: int, up: int) -> bool:
+        here, there = self.cost.estimate(n, self.current), self.cost.estimate(n, up)
+        ratio = max(1.0, there / here) if here and there else 1.0
+        return self.since_explore >= min(self.cfg.explore_max, self._explore_interval * ratio)
+
+    def _probed(self) -> None:
+        if self.explorations and self.switches == self._switches_at_probe:  # changed nothing
+            self._explore_interval = min(2 * self._explore_interval, float(self.cfg.explore_max))
+        else:
+            self._explore_interval = float(self.cfg.explore_every)
+        self._switches_at_probe = self.switches
+        self.since_explore = 0
+        self.explorations += 1
+
+    def _consider(self, best: int, best_rate: float, cur_rate: float) -> None:
+        if best == self.current or best_rate <= (1 + self.cfg.switch_margin) * cur_rate:
+            self._pending = None
+            return
+        wins = self._pending[1] + 1 if self._pending and self._pending[0] == best else 1
+        self._pending = (best, wins)
+        if wins >= self.cfg.confirm and self.since_switch >= self.cfg.min_dwell:
+            self.current, self._pending = best, None
+            self.since_switch = 0
+            self.switches += 1
+
+    def _count(self, budget: int) -> int:
+        self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
+        return budget
+
+    # ---- feedback ------------------------------------------------------------------------------
+    def observe_round(self, request_id: str, budget: int, path: list[int]) -> None:
+        """A verified round at `budget`: path = accepted node indices, root (0) first."""
+        below = tuple(b for b in self.buckets if 0 < b <= budget)
+        if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
+            del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
+        req = self.requests.setdefault(request_id, _Request())
+        for b, a in accepted_at_budgets(path, below).items():
+            req.curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
+            self.global_curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
+
+    def observe_step(self, n: int, budget: int, seconds: float) -> None:
+        """Wall seconds of one decode-only step of n requests at `budget`."""
+        self.cost.observe(n, budget, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def info(self) -> dict:
+        """For /server_info."""
+        return {
+            "buckets": list(self.buckets),
+            "current": self.current,
+            "steps_by_budget": {str(b): c for b, c in sorted(self.steps_by_budget.items())},
+            "switches": self.switches,
+            "explorations": self.explorations,
+            "accept_curve": {
+                str(b): round(m.value, 4) for b, m in sorted(self.global_curve.items()) if m.den
+            },  # fmt: skip
+            "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
+        }

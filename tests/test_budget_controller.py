@@ -1,0 +1,198 @@
+"""The adaptive budget controller's math on synthetic acceptance and cost (no engine, no timing):
+the free acceptance curve, the decayed means, R(B), hysteresis, exploration, cost borrowing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treeverify.engine.budget_controller import (
+    BudgetController,
+    ControllerConfig,
+    CostModel,
+    accepted_at_budgets,
+    budget_buckets,
+)
+
+
+def test_buckets():
+    assert budget_buckets(16) == (0, 4, 8, 16)
+    assert budget_buckets(48) == (0, 4, 8, 16, 32, 48)
+    assert budget_buckets(3) == (0, 3)
+    with pytest.raises(ValueError, match="max_budget"):
+        budget_buckets(0)
+
+
+def test_free_curve_cuts_the_path_at_the_first_node_outside_the_smaller_tree():
+    rng = random.Random()
+    for _ in range(200):
+        path = [0]
+        for _ in range(rng.randint(0, 8)):
+            path.append(path[-1] + rng.randint(1, 9))  # indices grow along a path
+        buckets = (0, 4, 8, 16, 32, 64)
+        got = accepted_at_budgets(path, buckets)
+        for b in buckets:
+            want = 0
+            while want + 1 < len(path) and path[want + 1] <= b:
+                want += 1
+            assert got[b] == want
+        assert all(got[a] <= got[b] for a, b in zip(buckets[:-1], buckets[1:], strict=True))
+
+
+def synthetic(costs: dict[int, float], **cfg) -> BudgetController:
+    buckets = tuple(sorted(costs))
+    return BudgetController(buckets, CostModel.given(costs), ControllerConfig(**cfg))
+
+
+def feed(ctl: BudgetController, rid: str, accepted: dict[int, int], steps: int) -> list[int]:
+    """Run `steps` decisions for one request whose rounds accept `accepted[b]` drafts in a
+    budget-b tree (a path whose node indices make exactly that free curve)."""
+    chosen = []
+    for _ in range(steps):
+        b = ctl.choose([rid])
+        chosen.append(b)
+        if b:
+            ctl.observe_round(rid, b, path_for(accepted, b))
+    return chosen
+
+
+def path_for(accepted: dict[int, int], budget: int) -> list[int]:
+    """A root-first path of node indices whose cut at every bucket <= budget is accepted[b]:
+    the nodes first counted at bucket b get indices just above the previous bucket."""
+    path, lo = [0], 0
+    for b in sorted(k for k in accepted if 0 < k <= budget):
+        need = accepted[b] - (len(path) - 1)
+        path += list(range(lo + 1, lo + 1 + need))
+        lo = b
+    return path
+
+
+def test_falls_back_to_plain_when_drafts_are_never_accepted():
+    ctl = synthetic({0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}, min_dwell=4, explore_every=10)
+    chosen = feed(ctl, "r", {4: 0, 8: 0, 16: 0}, 60)
+    assert ctl.current == 0
+    tail = chosen[20:]
+    assert tail.count(0) >= 0.85 * len(tail)  # plain, with a probe one bucket up now and then
+    assert set(tail) <= {0, 4}
+    assert ctl.rate(["r"], 0) > ctl.rate(["r"], 4)
+
+
+def test_grows_to_the_best_budget_when_acceptance_is_high():
+    costs = {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.5}
+    accepted = {4: 3, 8: 5, 16: 6}  # R: 1, 3.6, 5.0, 4.67 -> 8 is best
+    ctl = synthetic(costs, min_dwell=2)
+    ctl.current = 0  # start from plain: exploration must find its way up
+    feed(ctl, "r", accepted, 120)
+    assert ctl.current == 8
+    assert ctl.rate(["r"], 8) == pytest.approx(6 / 1.2)
+
+
+def test_hysteresis_keeps_the_budget_within_the_margin():
+    # 4 and 8 within 3% of each other: no flapping between them once settled.
+    ctl = synthetic({0: 1.0, 4: 1.0, 8: 1.03}, switch_margin=0.05, min_dwell=2)
+    feed(ctl, "r", {4: 3, 8: 3}, 30)
+    settled, switches = ctl.current, ctl.switches
+    feed(ctl, "r", {4: 3, 8: 3}, 100)
+    assert ctl.current == settled and ctl.switches == switches
+
+
+def test_switch_needs_dwell_and_confirmation():
+    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=5, confirm=3, explore_every=1000, explore_max=1000)
+    ctl.current, ctl.since_switch = 4, 0  # as if it had just switched to 4
+    ctl.observe_round("r", 4, [0])  # nothing accepted: plain is better
+    chosen = [ctl.choose(["r"]) for _ in range(5)]
+    assert chosen == [4] * 5  # five steps at 4 (the dwell) before the switch
+    assert ctl.choose(["r"]) == 0 and ctl.switches == 1
+
+    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=0, confirm=3, explore_every=1000, explore_max=1000)
+    ctl.current = 4
+    ctl.observe_round("r", 4, [0])
+    assert [ctl.choose(["r"]) for _ in range(4)] == [4, 4, 0, 0]  # 3 consecutive wins
+
+
+def test_the_first_choice_needs_no_dwell():
+    ctl = synthetic({0: 1.0, 4: 1.1, 8: 1.5}, min_dwell=50, confirm=1)
+    assert ctl.choose(["r"]) == 8  # nothing measured yet: the top, which measures every budget
+    ctl.observe_round("r", 8, [0, 1, 2, 3, 9])  # 3 accepted at 4, 4 at 8
+    assert ctl.choose(["r"]) == 4  # R: 1.0, 3.64, 3.33
+
+
+def test_requests_start_from_the_engine_wide_curve_and_move_to_their_own():
+    ctl = synthetic({0: 1.0, 8: 1.0}, prior_rounds=2.0)
+    for _ in range(20):
+        ctl.observe_round("old", 8, [0, 1, 2, 3, 4])  # 4 accepted
+    assert ctl.accept_estimate("new", 8) == pytest.approx(4.0)
+    ctl.observe_round("new", 8, [0])  # the new request accepts nothing
+    est = ctl.accept_estimate("new", 8)
+    assert 0 < est < 4.0
+    ctl.forget("new")
+    assert ctl.accept_estimate("new", 8) == pytest.approx(ctl.global_curve[8].value)
+
+
+def test_decayed_mean_forgets_old_rounds():
+    ctl = synthetic({0: 1.0, 4: 1.0}, decay=0.5, prior_rounds=0.0)
+    for _ in range(10):
+        ctl.observe_round("r", 4, [0, 1, 2, 3, 4])
+    for _ in range(10):
+        ctl.observe_round("r", 4, [0])
+    assert ctl.accept_estimate("r", 4) < 0.01
+
+
+def test_batch_rate_sums_requests_over_the_batch_cost():
+    ctl = synthetic({0: 1.0, 4: 2.0})
+    ctl.observe_round("a", 4, [0, 1, 2, 3])  # 3
+    ctl.observe_round("b", 4, [0, 1])  # 1
+    ctl.cfg.prior_rounds = 0.0
+    assert ctl.rate(["a", "b"], 4) == pytest.approx((4 + 2) / 2.0)
+    assert ctl.rate(["a", "b"], 0) == pytest.approx(2 / 1.0)
+
+
+def test_cost_model_median_and_borrowing():
+    m = CostModel(window=5)
+    for s in (1.0, 1.1, 9.0, 1.0, 1.2):  # one stall
+        m.observe(1, 4, s)
+    assert m.estimate(1, 4) == pytest.approx(1.1)
+    m.observe(1, 0, 0.5)
+    m.observe(8, 0, 2.0)
+    assert m.estimate(8, 4) == pytest.approx(1.1 * 2.0 / 0.5)  # batch 1's curve, scaled
+    assert m.estimate(1, 16) is None
+    with pytest.raises(ValueError, match="budget 4"):
+        CostModel.given({0: 1.0, 4: 0.0})
+
+
+def test_pinned_budget_and_info():
+    ctl = synthetic({0: 1.0, 4: 1.0, 8: 1.0})
+    ctl.pinned = 4
+    assert [ctl.choose(["r"]) for _ in range(3)] == [4, 4, 4]
+    info = ctl.info()
+    assert info["buckets"] == [0, 4, 8] and info["steps_by_budget"]["4"] == 3
+    assert info["cost_seconds_batch1"] == {"0": 1.0, "4": 1.0, "8": 1.0}
+
+
+def test_bad_config_is_a_value_error():
+    with pytest.raises(ValueError, match="decay"):
+        ControllerConfig(decay=1.0)
+    with pytest.raises(ValueError, match="buckets"):
+        BudgetController((4, 8))
+
+
+def test_per_request_state_is_bounded(monkeypatch):
+    import treeverify.engine.budget_controller as bc
+
+    monkeypatch.setattr(bc, "MAX_TRACKED_REQUESTS", 3)
+    ctl = synthetic({0: 1.0, 4: 1.0})
+    for i in range(5):
+        ctl.observe_round(f"r{i}", 4, [0, 1])
+    assert list(ctl.requests) == ["r2", "r3", "r4"]
+
+
+def test_probes_back_off_scale_with_cost_and_restart_for_new_requests():
+    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0)
+    feed(ctl, "r", {4: 0}, 200)  # never accepted: at 0, probing less and less often
+    probes = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 200)) if b == 4]
+    gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
+    assert gaps and all(g == 32 for g in gaps)  # backed off to explore_max
+    ctl.observe_round("r", 4, [0])
+    chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2
+    assert 4 in chosen[:9]

@@ -1,0 +1,81 @@
+"""The adaptive tree budget in the engine (tiny-llama, n-gram drafter, CPU): it falls back to plain
+decoding where drafts are never accepted, comes back up where they are, and greedy output stays
+identical to plain decoding whatever budgets it picks. The cost curve is given (synthetic), not
+timed, so the decisions depend on measured acceptance only."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+COSTS = {0: 1.0, 4: 1.2, 8: 1.3, 16: 1.5}  # seconds per step at batch 1, by budget
+
+
+def adaptive_llm(**kw) -> LLM:
+    return LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+               speculative_num_draft_tokens=6, speculative_cost_seconds=COSTS, **kw)  # fmt: skip
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ,.") for _ in range(n))
+
+
+def repeating_text(rng: random.Random) -> str:
+    words = rng.sample(["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"], 5)
+    return " ".join(words * 8)
+
+
+def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
+    rng = random.Random()
+    llm = adaptive_llm()
+    ctl = llm.controller
+    assert ctl.buckets == (0, 4, 8, 16) and ctl.cost.frozen
+    # Sampled at T=1 from a random-weight model: the n-gram drafter never guesses right.
+    llm.generate([random_text(rng, 40)],
+                 SamplingParams(temperature=1.0, seed=rng.randrange(1 << 30), max_tokens=80,
+                                ignore_eos=True))  # fmt: skip
+    assert ctl.current == 0
+    assert ctl.steps_by_budget[0] >= 40
+    assert max(ctl.global_curve[b].value for b in (4, 8, 16)) < 0.2
+    # A repeating prompt, greedy: exploration one bucket up finds the drafts accepted.
+    before = dict(ctl.steps_by_budget)
+    llm.generate([repeating_text(rng)], SamplingParams(temperature=0, max_tokens=160,
+                                                       ignore_eos=True))  # fmt: skip
+    assert ctl.current > 0
+    spec_steps = sum(ctl.steps_by_budget[b] - before[b] for b in (4, 8, 16))
+    assert spec_steps > ctl.steps_by_budget[0] - before[0]
+    info = llm.spec_stats["adaptive"]
+    assert info["current"] == ctl.current and info["switches"] >= 2
+    assert info["accept_curve"]["4"] > 0.5
+
+
+@pytest.mark.parametrize("costs", ["given", "measured"])
+def test_greedy_output_equals_plain(costs):
+    rng = random.Random()
+    prompts = [repeating_text(rng), random_text(rng, 30), repeating_text(rng) + " " + "x" * 5]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny-llama").generate(prompts, sp)]
+    kw = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+              speculative_num_draft_tokens=4)  # fmt: skip
+    llm = adaptive_llm() if costs == "given" else LLM("tiny-llama", **kw)
+    if costs == "measured":  # calibrated at startup: every bucket timed once
+        assert set(llm.startup["budget_cost_seconds"]) == {"0", "4", "8", "16"}
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want  # batched
+    for p, w in zip(prompts, want, strict=True):  # alone: other budgets, other batch sizes
+        assert llm.generate([p], sp)[0].token_ids == w
+    assert sum(llm.controller.steps_by_budget.values()) > 0
+
+
+def test_adaptive_off_and_chain_refusal():
+    llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+              speculative_adaptive=False)  # fmt: skip
+    assert llm.controller is None and llm.spec_stats["adaptive"] is None
+    with pytest.raises(ValueError, match="speculative_adaptive"):
+        LLM("tiny-llama", speculative_algorithm="CHAIN", speculative_adaptive=True)
+    with pytest.raises(ValueError, match="speculative_cost_seconds"):
+        LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+            speculative_cost_seconds={0: 1.0, 4: 1.0})  # fmt: skip
