@@ -21,7 +21,7 @@ PROMPTS = [
     "def f(x):\n    return x\ndef g(x):\n",
 ]
 SPEC = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
-            speculative_num_draft_tokens=4)  # fmt: skip
+            speculative_num_draft_tokens=4, speculative_adaptive=False)  # fmt: skip
 
 
 KW = dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=4)
@@ -119,7 +119,8 @@ TIGHT = dict(num_pages=40, page_size=4, chunked_prefill_size=8, max_num_batched_
 def test_speculative_equals_plain_with_penalties(case, alg, budget, depth, tight):
     params, plain = case
     llm = LLM("tiny-llama", speculative_algorithm=alg, speculative_ddtree_budget=budget,
-              speculative_num_draft_tokens=depth, **(TIGHT if tight else {}))  # fmt: skip
+              speculative_num_draft_tokens=depth, **(TIGHT if tight else {}),
+              speculative_adaptive=False if alg == "DDTREE" else None)  # fmt: skip
     # one request without processing in the same batches: it takes the null row
     extra = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS * 2 + [PROMPTS[0]], params + [extra])

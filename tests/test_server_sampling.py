@@ -22,7 +22,7 @@ from treeverify.server.testing import ServerProcess  # noqa: E402
 
 ARGS = ["--model", "tiny-llama", "--chunked-prefill-size", "7"]
 SPEC = ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "8",
-        "--speculative-num-draft-tokens", "4"]  # fmt: skip
+        "--speculative-num-draft-tokens", "4", "--no-speculative-adaptive"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
