@@ -1,0 +1,47 @@
+"""Host time of plain decode steps with speculation configured but the adaptive budget at 0, next
+to a plain engine (cProfile, one GPU or the CPU): what a budget-0 step pays beyond plain decoding.
+
+    PYTHONPATH=src python3 scripts/profile_budget0.py [--model tiny-code] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="tiny-code")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=128)
+    a = p.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    costs = {0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}  # budget 0 always wins: only plain steps run
+    spec = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+                speculative_adaptive=True, speculative_cost_seconds=costs)  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
+    prompts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(a.batch)]
+    for name, kw in (("plain", {}), ("budget0", spec)):
+        llm = LLM(a.model, device=dev, num_pages=512, max_num_seqs=a.batch, **kw)
+        llm.generate(prompts, sp)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        llm.generate(prompts, sp)
+        prof.disable()
+        dt = time.perf_counter() - t0
+        print(f"== {name}: {dt:.3f} s, {a.batch * a.tokens / dt:.0f} tok/s")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        del llm
+
+
+if __name__ == "__main__":
+    main()
