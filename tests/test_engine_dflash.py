@@ -42,7 +42,7 @@ def test_dflash_context_tracks_the_cache():
     seq = llm.add_request(prompts(1, seed=3)[0], sp)
     for _ in range(4):
         llm.step()
-    ctx = llm.spec.source.context[seq.request_id]  # (cached, F)
+    ctx = llm.spec.source.rows(seq.request_id)  # (cached, F)
     assert ctx.shape[0] == seq.num_cached_tokens
     ids = torch.tensor(seq.all_token_ids[: seq.num_cached_tokens])
     with torch.inference_mode():
@@ -80,3 +80,27 @@ def test_rounds_in_steps_mixed_with_prefill_stay_lossless(drafter, monkeypatch):
         llm.step()
     assert mixed, "no step mixed trees with prefill"
     assert [first.output_token_ids, second.output_token_ids] == want
+
+
+def test_dflash_source_joins_observed_rows_lazily():
+    """Observed chunks are kept as a list and joined when read (or every MAX_PENDING chunks);
+    a chunk starting before the end drops the rows past its start (recomputed or rejected)."""
+    from types import SimpleNamespace
+
+    from treeverify.engine.drafters import DFlashSource
+
+    src = DFlashSource(SimpleNamespace(target_layer_ids=[0]))
+    rows = torch.randn(200, 4)  # (positions, F)
+    src.observe("r", 0, rows[:3])
+    src.observe("r", 3, rows[3:4].clone())
+    assert torch.equal(src.rows("r"), rows[:4])
+    src.observe("r", 2, rows[2:6])  # rows 2.. seen again: the old 2, 3 are dropped
+    assert torch.equal(src.rows("r"), rows[:6])
+    with pytest.raises(RuntimeError, match="chunk starts at 9"):
+        src.observe("r", 9, rows[9:10])
+    for i in range(6, 6 + DFlashSource.MAX_PENDING):
+        src.observe("r", i, rows[i : i + 1])
+    assert not src._pending.get("r")  # joined once MAX_PENDING chunks were waiting
+    assert torch.equal(src.rows("r"), rows[: 6 + DFlashSource.MAX_PENDING])
+    src.forget("r")
+    assert src.context == {} and src.rows("r") is None

@@ -45,31 +45,55 @@ class NgramSource:
 class DFlashSource:
     name = "dflash"
 
+    MAX_PENDING = 64  # observed chunks kept as a list before they are joined (bounds memory)
+
     def __init__(self, drafter, window: int = 2048):
         self.drafter = drafter
         self.target_layer_ids = list(drafter.target_layer_ids)
         self.window = window
-        self.context: dict[str, torch.Tensor] = {}  # request -> (cached tokens, F)
+        # request -> joined rows (cached tokens, F), plus chunks observed since (joined lazily:
+        # a plain decode step, e.g. at adaptive budget 0, then costs a list append, not a cat
+        # of the whole context per request)
+        self.context: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, list[torch.Tensor]] = {}
+        self._rows: dict[str, int] = {}
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """Rows for cache positions start.. (earlier rows past `start` were recomputed or
-        rejected: dropped)."""
-        have = self.context.get(request_id)
-        kept = have[:start] if have is not None else hidden[:0]
-        if kept.shape[0] != start:
-            raise RuntimeError(f"dflash context of {request_id}: {kept.shape[0]} rows, "
+        rejected: dropped). `hidden` must not be overwritten later (the caller copies graph
+        outputs once per step)."""
+        have = self._rows.get(request_id, 0)
+        if start > have:
+            raise RuntimeError(f"dflash context of {request_id}: {have} rows, "
                                f"chunk starts at {start}")  # fmt: skip
-        self.context[request_id] = torch.cat((kept, hidden))
+        if start < have:
+            self.context[request_id] = self.rows(request_id)[:start]
+        parts = self._pending.setdefault(request_id, [])
+        parts.append(hidden)
+        self._rows[request_id] = start + hidden.shape[0]
+        if len(parts) >= self.MAX_PENDING:
+            self.rows(request_id)
+
+    def rows(self, request_id: str) -> torch.Tensor | None:
+        """The request's context rows (cached tokens, F), joined now if chunks are pending."""
+        parts = self._pending.pop(request_id, None)
+        have = self.context.get(request_id)
+        if parts:
+            have = torch.cat(parts if have is None else [have, *parts])
+            self.context[request_id] = have
+        return have
 
     def forget(self, request_id: str) -> None:
         self.context.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        self._rows.pop(request_id, None)
 
     @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
         """(B, L, V): every sequence's last `window` context rows, padded, in one drafter call."""
         ctxs = []
         for seq in seqs:
-            ctx = self.context.get(seq.request_id)
+            ctx = self.rows(seq.request_id)
             if ctx is None or ctx.shape[0] == 0:
                 raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
             ctxs.append(ctx[-self.window :])  # (C_b, F)

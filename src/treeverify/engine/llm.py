@@ -338,6 +338,7 @@ class LLM:
                  hidden: torch.Tensor) -> None:  # fmt: skip
         """Hand the drafter the target's hidden states of the tokens this step committed to the
         cache: a chunk's tokens, or a tree's root and accepted path."""
+        hidden = hidden.clone()  # one copy per step: a graph replay overwrites its output
         row = 0
         for c in batch.chunks:
             tree = trees.get(c.seq.request_id)
