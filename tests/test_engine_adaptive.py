@@ -76,6 +76,8 @@ def test_adaptive_off_and_chain_refusal():
     assert llm.controller is None and llm.spec_stats["adaptive"] is None
     with pytest.raises(ValueError, match="speculative_adaptive"):
         LLM("tiny-llama", speculative_algorithm="CHAIN", speculative_adaptive=True)
+    with pytest.raises(ValueError, match="speculative_cost_clock"):
+        LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_cost_clock="cpu")
     with pytest.raises(ValueError, match="speculative_cost_seconds"):
         LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
             speculative_cost_seconds={0: 1.0, 4: 1.0})  # fmt: skip

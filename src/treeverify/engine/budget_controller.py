@@ -30,9 +30,13 @@ Torch-free: the engine feeds it paths and step times; tests feed it synthetic cu
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+# "wall": elapsed time (serving). "process": CPU seconds of this process, for a benchmark on a CPU
+# shared with other work, where wall time measures the neighbours (use one torch thread).
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
 
 
@@ -165,6 +169,7 @@ class BudgetController:
         self.cfg = config or ControllerConfig()
         self.cost = cost or CostModel(self.cfg.cost_window)
         self.pinned: int | None = None  # calibration: every step at this budget
+        self.clock = time.perf_counter  # what step costs are measured with (see CLOCKS)
         self.reset()
 
     def reset(self) -> None:
