@@ -99,20 +99,20 @@ def test_hysteresis_keeps_the_budget_within_the_margin():
 
 def test_switch_needs_dwell_and_confirmation():
     ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=5, confirm=3, explore_every=1000, explore_max=1000)
-    ctl.current, ctl.since_switch = 4, 0  # as if it had just switched to 4
+    ctl.current, ctl.switches = 4, 1  # as if it had just switched to 4
     ctl.observe_round("r", 4, [0])  # nothing accepted: plain is better
     chosen = [ctl.choose(["r"]) for _ in range(5)]
     assert chosen == [4] * 5  # five steps at 4 (the dwell) before the switch
-    assert ctl.choose(["r"]) == 0 and ctl.switches == 1
+    assert ctl.choose(["r"]) == 0 and ctl.switches == 2
 
     ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=0, confirm=3, explore_every=1000, explore_max=1000)
-    ctl.current = 4
+    ctl.current, ctl.switches = 4, 1
     ctl.observe_round("r", 4, [0])
     assert [ctl.choose(["r"]) for _ in range(4)] == [4, 4, 0, 0]  # 3 consecutive wins
 
 
-def test_the_first_choice_needs_no_dwell():
-    ctl = synthetic({0: 1.0, 4: 1.1, 8: 1.5}, min_dwell=50, confirm=1)
+def test_the_first_choice_needs_no_dwell_nor_confirmation():
+    ctl = synthetic({0: 1.0, 4: 1.1, 8: 1.5}, min_dwell=50, confirm=5)
     assert ctl.choose(["r"]) == 8  # nothing measured yet: the top, which measures every budget
     ctl.observe_round("r", 8, [0, 1, 2, 3, 9])  # 3 accepted at 4, 4 at 8
     assert ctl.choose(["r"]) == 4  # R: 1.0, 3.64, 3.33

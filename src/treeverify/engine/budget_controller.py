@@ -177,7 +177,7 @@ class BudgetController:
         self.requests: dict[str, _Request] = {}
         self.global_curve: dict[int, DecayedMean] = {}
         self.current = self.buckets[-1]  # start at the top: one round measures every budget
-        self.since_switch = self.cfg.min_dwell  # the first choice need not wait out a dwell
+        self.since_switch = 0
         self.since_explore = 0
         self._explore_interval = float(self.cfg.explore_every)  # before the cost ratio
         self._switches_at_probe = 0
@@ -258,7 +258,8 @@ class BudgetController:
             return
         wins = self._pending[1] + 1 if self._pending and self._pending[0] == best else 1
         self._pending = (best, wins)
-        if wins >= self.cfg.confirm and self.since_switch >= self.cfg.min_dwell:
+        first = self.switches == 0  # leaving the start: one round has measured every budget
+        if first or (wins >= self.cfg.confirm and self.since_switch >= self.cfg.min_dwell):
             self.current, self._pending = best, None
             self.since_switch = 0
             self.switches += 1
