@@ -47,7 +47,11 @@ def table(rows: list[dict]) -> str:
         cells = []
         for c in configs:
             r = by[c]
-            acc = f" (τ {r['avg_accept_length']:.2f})" if "avg_accept_length" in r else ""
+            acc = ""
+            if r.get("rounds"):
+                acc = f" (τ {r['avg_accept_length']:.2f})"
+            elif "rounds" in r:
+                acc = " (no rounds)"
             cells.append(f"{r['tokens_per_s']:.2f}{acc}")
         a = by["adaptive"]
         steps = ", ".join(f"{b}: {n}" for b, n in a.get("steps_by_budget", {}).items() if n)
