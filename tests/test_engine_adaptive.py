@@ -42,12 +42,13 @@ def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
     assert ctl.steps_by_budget[0] >= 40
     assert max(ctl.global_curve[b].value for b in (4, 8, 16)) < 0.2
     # A repeating prompt, greedy: exploration one bucket up finds the drafts accepted.
-    before = dict(ctl.steps_by_budget)
+    before, committed = dict(ctl.steps_by_budget), llm.spec.stats.committed
     llm.generate([repeating_text(rng)], SamplingParams(temperature=0, max_tokens=160,
                                                        ignore_eos=True))  # fmt: skip
     assert ctl.current > 0
-    spec_steps = sum(ctl.steps_by_budget[b] - before[b] for b in (4, 8, 16))
-    assert spec_steps > ctl.steps_by_budget[0] - before[0]
+    # Most tokens came from speculative rounds (the model's own loop is what the drafter sees).
+    plain_steps = ctl.steps_by_budget[0] - before[0]
+    assert llm.spec.stats.committed - committed > 2 * plain_steps
     info = llm.spec_stats["adaptive"]
     assert info["current"] == ctl.current and info["switches"] >= 2
     assert info["accept_curve"]["4"] > 0.5
