@@ -127,7 +127,16 @@ def test_requests_start_from_the_engine_wide_curve_and_move_to_their_own():
     est = ctl.accept_estimate("new", 8)
     assert 0 < est < 4.0
     ctl.forget("new")
-    assert ctl.accept_estimate("new", 8) == pytest.approx(ctl.global_curve[8].value)
+    assert ctl.accept_estimate("new", 8) == pytest.approx(ctl.global_estimate(8))
+
+
+def test_a_stale_larger_bucket_follows_a_drop_below_it():
+    ctl = synthetic({0: 1.0, 4: 1.0, 8: 1.0}, decay=0.5, prior_rounds=0.0)
+    ctl.observe_round("r", 8, [0, 1, 2, 3, 6])  # A(4) 3, A(8) 4: the gain of 8 is 1
+    for _ in range(10):
+        ctl.observe_round("r", 4, [0])  # then at 4 only, nothing accepted
+    assert ctl.accept_estimate("r", 4) < 0.01
+    assert ctl.accept_estimate("r", 8) == pytest.approx(1.0 + ctl.accept_estimate("r", 4))
 
 
 def test_decayed_mean_forgets_old_rounds():

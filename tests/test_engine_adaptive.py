@@ -40,7 +40,7 @@ def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
                                 ignore_eos=True))  # fmt: skip
     assert ctl.current == 0
     assert ctl.steps_by_budget[0] >= 40
-    assert max(ctl.global_curve[b].value for b in (4, 8, 16)) < 0.5  # chance hits only
+    assert ctl.global_estimate(16) < 0.5  # chance hits only
     # A repeating prompt, greedy: exploration one bucket up finds the drafts accepted.
     before, committed = dict(ctl.steps_by_budget), llm.spec.stats.committed
     llm.generate([repeating_text(rng)], SamplingParams(temperature=0, max_tokens=160,

@@ -9,12 +9,16 @@ budget B per step drawn from a few graph buckets (0, 4, 8, 16, ..., the configur
 expected committed tokens per second. A_r(B) is request r's expected accepted drafts in a budget-B
 tree; cost(n, B) the measured seconds of one step at that batch size and budget.
 
-A_r(B) is an exponentially decayed mean over r's rounds, and every round measures it at every
-budget at or below the one used, for free: the budget-B' tree is exactly the first B' nodes of
-the larger tree (spec/tree.py), node indices grow along a path, so the walk in the smaller tree
-is the accepted path cut at its first node index > B' (exact at T=0; for sampled walks the same
-per-node samples give the same cut, so the estimate is unbiased). Requests start from the
-engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own.
+A_r(B) is the sum, over the buckets up to B, of each bucket's gain over the bucket below (accepted
+drafts it adds), each an exponentially decayed mean over r's rounds. Every round measures the
+gains of every bucket at or below the one used, for free: the budget-B' tree is exactly the first
+B' nodes of the larger tree (spec/tree.py), node indices grow along a path, so the walk in the
+smaller tree is the accepted path cut at its first node index > B' (exact at T=0; for sampled
+walks the same per-node samples give the same cut, so the estimate is unbiased). Requests start
+from the engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own. Keeping gains, not
+levels, matters: a bucket above the current one is not measured while the controller stays below
+it, and a stale level there would outlive a drop in predictability that the fresh levels below
+show (and pull the budget up); a stale gain rides on the fresh levels below it.
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
 decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
@@ -188,13 +192,27 @@ class BudgetController:
 
     # ---- estimates -----------------------------------------------------------------------------
     def accept_estimate(self, request_id: str, budget: int) -> float | None:
-        """A_r(B): the request's decayed mean shrunk toward the engine-wide one; None when
-        neither was ever measured at B."""
-        if budget == 0:
-            return 0.0
-        g = self.global_curve.get(budget)
-        own = self.requests.get(request_id)
-        mine = own.curve.get(budget) if own else None
+        """A_r(B) = the sum of the estimated gains of each bucket up to B over the one below;
+        None when some bucket up to B was never measured."""
+        return self._sum_gains(self.requests.get(request_id), budget)
+
+    def global_estimate(self, budget: int) -> float | None:
+        """The engine-wide A(B) (what a request with no rounds of its own starts from)."""
+        return self._sum_gains(None, budget)
+
+    def _sum_gains(self, own: _Request | None, budget: int) -> float | None:
+        total = 0.0
+        for b in self.buckets[1:]:
+            if b > budget:
+                break
+            gain = self._gain(own.curve.get(b) if own else None, self.global_curve.get(b))
+            if gain is None:
+                return None
+            total += gain
+        return total
+
+    def _gain(self, mine: DecayedMean | None, g: DecayedMean | None) -> float | None:
+        """A request's decayed mean of one bucket's gain, shrunk toward the engine-wide one."""
         if mine is None or not mine.den:
             return g.value if g is not None else None
         if g is None or not g.den:
@@ -275,9 +293,11 @@ class BudgetController:
         if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
-        for b, a in accepted_at_budgets(path, below).items():
-            req.curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
-            self.global_curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
+        prev = 0
+        for b, a in accepted_at_budgets(path, below).items():  # the gain of b over the bucket below
+            req.curve.setdefault(b, DecayedMean()).add(a - prev, self.cfg.decay)
+            self.global_curve.setdefault(b, DecayedMean()).add(a - prev, self.cfg.decay)
+            prev = a
 
     def observe_step(self, n: int, budget: int, seconds: float) -> None:
         """Wall seconds of one decode-only step of n requests at `budget`."""
@@ -295,7 +315,9 @@ class BudgetController:
             "switches": self.switches,
             "explorations": self.explorations,
             "accept_curve": {
-                str(b): round(m.value, 4) for b, m in sorted(self.global_curve.items()) if m.den
+                str(b): round(a, 4)
+                for b in self.buckets[1:]
+                if (a := self.global_estimate(b)) is not None
             },  # fmt: skip
             "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
         }
