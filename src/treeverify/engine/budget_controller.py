@@ -15,10 +15,10 @@ gains of every bucket at or below the one used, for free: the budget-B' tree is 
 B' nodes of the larger tree (spec/tree.py), node indices grow along a path, so the walk in the
 smaller tree is the accepted path cut at its first node index > B' (exact at T=0; for sampled
 walks the same per-node samples give the same cut, so the estimate is unbiased). Requests start
-from the engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own. Keeping gains, not
-levels, matters: a bucket above the current one is not measured while the controller stays below
-it, and a stale level there would outlive a drop in predictability that the fresh levels below
-show (and pull the budget up); a stale gain rides on the fresh levels below it.
+from the engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own. Keeping
+gains, not levels, matters: a bucket above the current one is not measured while the controller
+stays below it, and a stale level there would outlive a drop in predictability that the fresh
+levels below show (and pull the budget up); a stale gain rides on the fresh levels below it.
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
 decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
