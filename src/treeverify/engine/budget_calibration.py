@@ -70,7 +70,7 @@ def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
         llm.output(seq)  # drops its logprob bookkeeping
         per_bucket[budget] = statistics.median(times[WARM_STEPS:] or times)
     ctl.pinned = None
-    ctl.cost.table.clear()  # the timed steps above fed it warm-up steps too
+    ctl.cost.clear()  # the timed steps above fed it warm-up steps too
     for budget, seconds in per_bucket.items():
         ctl.observe_step(1, budget, seconds)
     ctl.reset()

@@ -120,6 +120,7 @@ class CostModel:
     def __init__(self, window: int = 9, frozen: bool = False):
         self.window, self.frozen = window, frozen
         self.table: dict[tuple[int, int], deque[float]] = {}
+        self._median: dict[tuple[int, int], float] = {}  # kept current: read every step
 
     @classmethod
     def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
@@ -129,16 +130,22 @@ class CostModel:
             if not sec > 0:
                 raise ValueError(f"cost of budget {b}: expected seconds > 0, got {sec}")
             m.table[(1, int(b))] = deque([float(sec)], maxlen=1)
+            m._median[(1, int(b))] = float(sec)
         m.frozen = True
         return m
 
     def observe(self, n: int, budget: int, seconds: float) -> None:
         if seconds > 0 and not self.frozen:
-            self.table.setdefault((n, budget), deque(maxlen=self.window)).append(seconds)
+            q = self.table.setdefault((n, budget), deque(maxlen=self.window))
+            q.append(seconds)
+            self._median[(n, budget)] = statistics.median(q)
+
+    def clear(self) -> None:
+        self.table.clear()
+        self._median.clear()
 
     def _value(self, key: tuple[int, int]) -> float | None:
-        q = self.table.get(key)
-        return statistics.median(q) if q else None
+        return self._median.get(key)
 
     def estimate(self, n: int, budget: int) -> float | None:
         own = self._value((n, budget))
