@@ -99,20 +99,20 @@ def test_hysteresis_keeps_the_budget_within_the_margin():
 
 def test_switch_needs_dwell_and_confirmation():
     ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=5, confirm=3, explore_every=1000, explore_max=1000)
-    ctl.current, ctl.since_switch = 4, 0  # as if it had just switched to 4
+    ctl.current, ctl.switches = 4, 1  # as if it had just switched to 4
     ctl.observe_round("r", 4, [0])  # nothing accepted: plain is better
     chosen = [ctl.choose(["r"]) for _ in range(5)]
     assert chosen == [4] * 5  # five steps at 4 (the dwell) before the switch
-    assert ctl.choose(["r"]) == 0 and ctl.switches == 1
+    assert ctl.choose(["r"]) == 0 and ctl.switches == 2
 
     ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=0, confirm=3, explore_every=1000, explore_max=1000)
-    ctl.current = 4
+    ctl.current, ctl.switches = 4, 1
     ctl.observe_round("r", 4, [0])
     assert [ctl.choose(["r"]) for _ in range(4)] == [4, 4, 0, 0]  # 3 consecutive wins
 
 
-def test_the_first_choice_needs_no_dwell():
-    ctl = synthetic({0: 1.0, 4: 1.1, 8: 1.5}, min_dwell=50, confirm=1)
+def test_the_first_choice_needs_no_dwell_nor_confirmation():
+    ctl = synthetic({0: 1.0, 4: 1.1, 8: 1.5}, min_dwell=50, confirm=5)
     assert ctl.choose(["r"]) == 8  # nothing measured yet: the top, which measures every budget
     ctl.observe_round("r", 8, [0, 1, 2, 3, 9])  # 3 accepted at 4, 4 at 8
     assert ctl.choose(["r"]) == 4  # R: 1.0, 3.64, 3.33
@@ -127,7 +127,16 @@ def test_requests_start_from_the_engine_wide_curve_and_move_to_their_own():
     est = ctl.accept_estimate("new", 8)
     assert 0 < est < 4.0
     ctl.forget("new")
-    assert ctl.accept_estimate("new", 8) == pytest.approx(ctl.global_curve[8].value)
+    assert ctl.accept_estimate("new", 8) == pytest.approx(ctl.global_estimate(8))
+
+
+def test_a_stale_larger_bucket_follows_a_drop_below_it():
+    ctl = synthetic({0: 1.0, 4: 1.0, 8: 1.0}, decay=0.5, prior_rounds=0.0)
+    ctl.observe_round("r", 8, [0, 1, 2, 3, 6])  # A(4) 3, A(8) 4: the gain of 8 is 1
+    for _ in range(10):
+        ctl.observe_round("r", 4, [0])  # then at 4 only, nothing accepted
+    assert ctl.accept_estimate("r", 4) < 0.01
+    assert ctl.accept_estimate("r", 8) == pytest.approx(1.0 + ctl.accept_estimate("r", 4))
 
 
 def test_decayed_mean_forgets_old_rounds():

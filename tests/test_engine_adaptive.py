@@ -29,6 +29,14 @@ def repeating_text(rng: random.Random) -> str:
     return " ".join(words * 8)
 
 
+def in_its_loop(llm: LLM, text: str) -> list[int]:
+    """The prompt plus the model's own greedy continuation: a random-weight model soon repeats
+    itself, so from here on its output is predictable for the n-gram drafter."""
+    ids = llm.tokenizer.encode(text)
+    plain = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, speculative=False)
+    return ids + llm.generate([ids], plain)[0].token_ids
+
+
 def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
     rng = random.Random()
     llm = adaptive_llm()
@@ -40,14 +48,18 @@ def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
                                 ignore_eos=True))  # fmt: skip
     assert ctl.current == 0
     assert ctl.steps_by_budget[0] >= 40
-    assert max(ctl.global_curve[b].value for b in (4, 8, 16)) < 0.2
-    # A repeating prompt, greedy: exploration one bucket up finds the drafts accepted.
-    before = dict(ctl.steps_by_budget)
-    llm.generate([repeating_text(rng)], SamplingParams(temperature=0, max_tokens=160,
-                                                       ignore_eos=True))  # fmt: skip
+    assert ctl.global_estimate(16) < 0.5  # chance hits only
+    # Predictable text, greedy: a probe one bucket up finds the drafts accepted.
+    # (A probe may land where the loop changes phase and find nothing: cap the back-off at 16
+    # steps so a few probes come in this short run.)
+    ctl.cfg.explore_max = 16
+    prompt = in_its_loop(llm, repeating_text(rng))
+    before, committed = dict(ctl.steps_by_budget), llm.spec.stats.committed
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
     assert ctl.current > 0
-    spec_steps = sum(ctl.steps_by_budget[b] - before[b] for b in (4, 8, 16))
-    assert spec_steps > ctl.steps_by_budget[0] - before[0]
+    plain_steps = ctl.steps_by_budget[0] - before[0]
+    assert plain_steps <= 90  # one of the first five probes brings it back
+    assert llm.spec.stats.committed - committed > plain_steps  # most tokens from rounds
     info = llm.spec_stats["adaptive"]
     assert info["current"] == ctl.current and info["switches"] >= 2
     assert info["accept_curve"]["4"] > 0.5
@@ -76,6 +88,8 @@ def test_adaptive_off_and_chain_refusal():
     assert llm.controller is None and llm.spec_stats["adaptive"] is None
     with pytest.raises(ValueError, match="speculative_adaptive"):
         LLM("tiny-llama", speculative_algorithm="CHAIN", speculative_adaptive=True)
+    with pytest.raises(ValueError, match="speculative_cost_clock"):
+        LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_cost_clock="cpu")
     with pytest.raises(ValueError, match="speculative_cost_seconds"):
         LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
             speculative_cost_seconds={0: 1.0, 4: 1.0})  # fmt: skip

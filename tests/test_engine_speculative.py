@@ -32,13 +32,10 @@ def model_and_plain(request):
 )
 def test_speculative_greedy_equals_plain(model_and_plain, alg, budget, depth):
     model, plain = model_and_plain
-    llm = LLM(
-        model,
-        speculative_algorithm=alg,
-        speculative_ddtree_budget=budget,
-        speculative_num_draft_tokens=depth,
-        speculative_adaptive=False if alg == "DDTREE" else None,
-    )  # this budget, always
+    # A fixed budget: every step a round (the adaptive budget: test_engine_adaptive.py).
+    llm = LLM(model, speculative_algorithm=alg, speculative_ddtree_budget=budget,
+              speculative_num_draft_tokens=depth,
+              speculative_adaptive=False if alg == "DDTREE" else None)  # fmt: skip
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
     stats = llm.spec.stats
     assert stats.rounds > 0 and sum(stats.histogram.values()) == stats.rounds

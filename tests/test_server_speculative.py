@@ -38,11 +38,12 @@ def test_speculative_server_matches_plain_server():
         assert info["speculative"] == {"enabled": False}
     args = ["--model", "tiny-llama", "--speculative-algorithm", "DDTREE",
             "--speculative-ddtree-budget", "8", "--speculative-num-draft-tokens", "4"]  # fmt: skip
-    with ServerProcess(args) as spec:
+    with ServerProcess(args + ["--no-speculative-adaptive"]) as spec:  # every step a round
         assert _answers(spec.url) == expected
         assert _answers(spec.url, speculative=False) == expected
         info = httpx.get(spec.url + "/server_info", timeout=10).json()["speculative"]
         assert info["enabled"] and info["algorithm"] == "DDTREE" and info["budget"] == 8
+        assert info["adaptive"] is None
         assert info["rounds"] > 0 and info["avg_spec_accept_length"] > 1.0
         assert sum(info["accept_length_histogram"].values()) == info["rounds"]
         assert set(info["phase_seconds"]) == {"draft", "build", "verify", "accept", "commit"}
@@ -56,16 +57,19 @@ def test_speculative_server_matches_plain_server():
             metrics
         )
         assert "treeverify_spec_accept_length" in metrics
-        # the adaptive budget (on by default for DDTREE): buckets up to --speculative-ddtree-budget
+    # The adaptive budget (on by default for DDTREE): buckets up to --speculative-ddtree-budget;
+    # it starts at the top, so the first step of the first request is a budget-8 round.
+    with ServerProcess(args) as adaptive_server:
+        assert _answers(adaptive_server.url) == expected
+        info = httpx.get(adaptive_server.url + "/server_info", timeout=10).json()["speculative"]
         adaptive = info["adaptive"]
         assert adaptive["buckets"] == [0, 4, 8] and adaptive["current"] in (0, 4, 8)
         assert set(adaptive["cost_seconds_batch1"]) == {"0", "4", "8"}  # measured at startup
         steps = adaptive["steps_by_budget"]
-        assert sum(steps.values()) >= info["rounds"] and steps["8"] > 0
+        assert steps["8"] > 0 and sum(steps.values()) >= info["rounds"] > 0
+        metrics = httpx.get(adaptive_server.url + "/metrics", timeout=10).text
         for budget, n in steps.items():
             line = f'treeverify_spec_budget_steps_total{{budget="{budget}",model="tiny-llama"}}'
             assert f"{line} {float(n)}" in metrics
-    with ServerProcess(args + ["--no-speculative-adaptive"]) as fixed:
-        assert _answers(fixed.url) == expected
-        info = httpx.get(fixed.url + "/server_info", timeout=10).json()["speculative"]
-        assert info["adaptive"] is None and info["rounds"] > 0
+        current = float(adaptive["current"])
+        assert f'treeverify_spec_budget_current{{model="tiny-llama"}} {current}\n' in metrics

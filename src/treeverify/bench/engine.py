@@ -154,7 +154,8 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
 
     llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=True,
               max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * (max(budgets) + 1),
-              speculative_algorithm="DDTREE", speculative_ddtree_budget=max(budgets))  # fmt: skip
+              speculative_algorithm="DDTREE", speculative_ddtree_budget=max(budgets),
+              speculative_adaptive=False)  # fmt: skip
     rows = []
     runner, cache = llm.runner, llm.cache
     ps = cache.page_size
@@ -191,12 +192,14 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
                       depth: int = 4, num_pages: int = 4096, graphs: bool = True,
                       drafter: str = "ngram") -> list[dict]:  # fmt: skip
     """Tokens/s of no speculation vs CHAIN vs DDTREE (n-gram drafter) on repetitive prompts;
-    per-phase round time; outputs compared to the plain run (greedy, first divergence)."""
+    per-phase round time; outputs compared to the plain run (greedy, first divergence).
+    "DDTREE" is the fixed budget; "DDTREE+adaptive" the per-step budget up to it."""
     rows, plain = [], None
     prompts = repetitive_prompts(batch, prompt_len, seed=3)
     for algo in algorithms:
         kw = {} if algo == "none" else dict(
-            speculative_algorithm=algo, speculative_ddtree_budget=budget,
+            speculative_algorithm=algo.split("+")[0], speculative_ddtree_budget=budget,
+            speculative_adaptive=algo.endswith("+adaptive") if "DDTREE" in algo else None,
             speculative_num_draft_tokens=depth, speculative_draft_model_path=drafter)  # fmt: skip
         llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
                   max_num_seqs=max(batch, 1), cuda_graph_max_bs=max(batch, 1), **kw)  # fmt: skip
@@ -219,6 +222,8 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
             plain = outs
         else:
             st = llm.spec_stats
+            if st["adaptive"] is not None:
+                row["steps_by_budget"] = st["adaptive"]["steps_by_budget"]
             row.update(avg_accept_length=st["avg_spec_accept_length"], rounds=st["rounds"],
                        phase_seconds=st["phase_seconds"], round_seconds=st["round_seconds"],
                        forward_seconds=st["forward_seconds"],
@@ -259,7 +264,8 @@ def run_suites(suites: list[str], models: dict[str, str]) -> dict:
                 elif suite == "verify":
                     rows += verify_forward(model)
                 elif suite == "spec":
-                    rows += speculative_speed(model)
+                    rows += speculative_speed(model, algorithms=("none", "CHAIN", "DDTREE",
+                                                                 "DDTREE+adaptive"))  # fmt: skip
                     rows += speculative_speed(model, batch=8, max_tokens=128)
                     if model == "tiny-llama":  # the seeded DFlash drafter fits tiny-llama only
                         rows += speculative_speed(model, algorithms=("none", "DDTREE"),

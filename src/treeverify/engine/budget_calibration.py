@@ -5,10 +5,9 @@ through the same step loop, graphs and drafter that serving uses)."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import TYPE_CHECKING
 
-from treeverify.engine.budget_controller import BudgetController, CostModel, budget_buckets
+from treeverify.engine.budget_controller import CLOCKS, BudgetController, CostModel, budget_buckets
 from treeverify.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,10 +22,13 @@ def make_controller(
     adaptive: bool | None,
     max_budget: int,
     cost_seconds: dict[int, float] | None = None,
+    clock: str = "wall",
 ) -> BudgetController | None:
     """A controller for DDTREE unless adaptive is False; CHAIN has no budget buckets.
     `cost_seconds`: a fixed cost curve (seconds per step at batch 1 for every bucket) instead
-    of the one `calibrate` measures."""
+    of the one `calibrate` measures; `clock`: "wall" or "process" (budget_controller.CLOCKS)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"speculative_cost_clock: expected one of {list(CLOCKS)}, got {clock!r}")
     if adaptive and algorithm != "DDTREE":
         raise ValueError(f"speculative_adaptive: needs speculative_algorithm DDTREE, got "
                          f"{algorithm!r}")  # fmt: skip
@@ -34,7 +36,9 @@ def make_controller(
         return None
     buckets = budget_buckets(max_budget)
     if cost_seconds is None:
-        return BudgetController(buckets)
+        ctl = BudgetController(buckets)
+        ctl.clock = CLOCKS[clock]
+        return ctl
     if missing := [b for b in buckets if b not in cost_seconds]:
         raise ValueError(f"speculative_cost_seconds: no cost for budget(s) {missing} (buckets "
                          f"{list(buckets)})")  # fmt: skip
@@ -57,16 +61,16 @@ def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
         seq = llm.add_request(prompt, params, request_id=f"calibrate-{budget}")
         times = []
         while not seq.is_finished and len(times) < WARM_STEPS + TIMED_STEPS:
-            t0 = time.perf_counter()
+            t0 = ctl.clock()
             llm.step()
-            times.append(time.perf_counter() - t0)
+            times.append(ctl.clock() - t0)
         if not seq.is_finished:
             llm.scheduler.abort(seq.request_id)
             llm.spec.source.forget(seq.request_id)
         llm.output(seq)  # drops its logprob bookkeeping
         per_bucket[budget] = statistics.median(times[WARM_STEPS:] or times)
     ctl.pinned = None
-    ctl.cost.table.clear()  # the timed steps above fed it warm-up steps too
+    ctl.cost.clear()  # the timed steps above fed it warm-up steps too
     for budget, seconds in per_bucket.items():
         ctl.observe_step(1, budget, seconds)
     ctl.reset()

@@ -9,12 +9,16 @@ budget B per step drawn from a few graph buckets (0, 4, 8, 16, ..., the configur
 expected committed tokens per second. A_r(B) is request r's expected accepted drafts in a budget-B
 tree; cost(n, B) the measured seconds of one step at that batch size and budget.
 
-A_r(B) is an exponentially decayed mean over r's rounds, and every round measures it at every
-budget at or below the one used, for free: the budget-B' tree is exactly the first B' nodes of
-the larger tree (spec/tree.py), node indices grow along a path, so the walk in the smaller tree
-is the accepted path cut at its first node index > B' (exact at T=0; for sampled walks the same
-per-node samples give the same cut, so the estimate is unbiased). Requests start from the
-engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own.
+A_r(B) is the sum, over the buckets up to B, of each bucket's gain over the bucket below (accepted
+drafts it adds), each an exponentially decayed mean over r's rounds. Every round measures the
+gains of every bucket at or below the one used, for free: the budget-B' tree is exactly the first
+B' nodes of the larger tree (spec/tree.py), node indices grow along a path, so the walk in the
+smaller tree is the accepted path cut at its first node index > B' (exact at T=0; for sampled
+walks the same per-node samples give the same cut, so the estimate is unbiased). Requests start
+from the engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own. Keeping
+gains, not levels, matters: a bucket above the current one is not measured while the controller
+stays below it, and a stale level there would outlive a drop in predictability that the fresh
+levels below show (and pull the budget up); a stale gain rides on the fresh levels below it.
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
 decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
@@ -30,9 +34,13 @@ Torch-free: the engine feeds it paths and step times; tests feed it synthetic cu
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+# "wall": elapsed time (serving). "process": CPU seconds of this process, for a benchmark on a CPU
+# shared with other work, where wall time measures the neighbours (use one torch thread).
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
 
 
@@ -112,6 +120,7 @@ class CostModel:
     def __init__(self, window: int = 9, frozen: bool = False):
         self.window, self.frozen = window, frozen
         self.table: dict[tuple[int, int], deque[float]] = {}
+        self._median: dict[tuple[int, int], float] = {}  # kept current: read every step
 
     @classmethod
     def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
@@ -121,16 +130,22 @@ class CostModel:
             if not sec > 0:
                 raise ValueError(f"cost of budget {b}: expected seconds > 0, got {sec}")
             m.table[(1, int(b))] = deque([float(sec)], maxlen=1)
+            m._median[(1, int(b))] = float(sec)
         m.frozen = True
         return m
 
     def observe(self, n: int, budget: int, seconds: float) -> None:
         if seconds > 0 and not self.frozen:
-            self.table.setdefault((n, budget), deque(maxlen=self.window)).append(seconds)
+            q = self.table.setdefault((n, budget), deque(maxlen=self.window))
+            q.append(seconds)
+            self._median[(n, budget)] = statistics.median(q)
+
+    def clear(self) -> None:
+        self.table.clear()
+        self._median.clear()
 
     def _value(self, key: tuple[int, int]) -> float | None:
-        q = self.table.get(key)
-        return statistics.median(q) if q else None
+        return self._median.get(key)
 
     def estimate(self, n: int, budget: int) -> float | None:
         own = self._value((n, budget))
@@ -165,6 +180,7 @@ class BudgetController:
         self.cfg = config or ControllerConfig()
         self.cost = cost or CostModel(self.cfg.cost_window)
         self.pinned: int | None = None  # calibration: every step at this budget
+        self.clock = time.perf_counter  # what step costs are measured with (see CLOCKS)
         self.reset()
 
     def reset(self) -> None:
@@ -172,7 +188,7 @@ class BudgetController:
         self.requests: dict[str, _Request] = {}
         self.global_curve: dict[int, DecayedMean] = {}
         self.current = self.buckets[-1]  # start at the top: one round measures every budget
-        self.since_switch = self.cfg.min_dwell  # the first choice need not wait out a dwell
+        self.since_switch = 0
         self.since_explore = 0
         self._explore_interval = float(self.cfg.explore_every)  # before the cost ratio
         self._switches_at_probe = 0
@@ -183,13 +199,27 @@ class BudgetController:
 
     # ---- estimates -----------------------------------------------------------------------------
     def accept_estimate(self, request_id: str, budget: int) -> float | None:
-        """A_r(B): the request's decayed mean shrunk toward the engine-wide one; None when
-        neither was ever measured at B."""
-        if budget == 0:
-            return 0.0
-        g = self.global_curve.get(budget)
-        own = self.requests.get(request_id)
-        mine = own.curve.get(budget) if own else None
+        """A_r(B) = the sum of the estimated gains of each bucket up to B over the one below;
+        None when some bucket up to B was never measured."""
+        return self._sum_gains(self.requests.get(request_id), budget)
+
+    def global_estimate(self, budget: int) -> float | None:
+        """The engine-wide A(B) (what a request with no rounds of its own starts from)."""
+        return self._sum_gains(None, budget)
+
+    def _sum_gains(self, own: _Request | None, budget: int) -> float | None:
+        total = 0.0
+        for b in self.buckets[1:]:
+            if b > budget:
+                break
+            gain = self._gain(own.curve.get(b) if own else None, self.global_curve.get(b))
+            if gain is None:
+                return None
+            total += gain
+        return total
+
+    def _gain(self, mine: DecayedMean | None, g: DecayedMean | None) -> float | None:
+        """A request's decayed mean of one bucket's gain, shrunk toward the engine-wide one."""
         if mine is None or not mine.den:
             return g.value if g is not None else None
         if g is None or not g.den:
@@ -253,7 +283,8 @@ class BudgetController:
             return
         wins = self._pending[1] + 1 if self._pending and self._pending[0] == best else 1
         self._pending = (best, wins)
-        if wins >= self.cfg.confirm and self.since_switch >= self.cfg.min_dwell:
+        first = self.switches == 0  # leaving the start: one round has measured every budget
+        if first or (wins >= self.cfg.confirm and self.since_switch >= self.cfg.min_dwell):
             self.current, self._pending = best, None
             self.since_switch = 0
             self.switches += 1
@@ -269,9 +300,11 @@ class BudgetController:
         if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
-        for b, a in accepted_at_budgets(path, below).items():
-            req.curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
-            self.global_curve.setdefault(b, DecayedMean()).add(a, self.cfg.decay)
+        prev = 0
+        for b, a in accepted_at_budgets(path, below).items():  # the gain of b over the bucket below
+            req.curve.setdefault(b, DecayedMean()).add(a - prev, self.cfg.decay)
+            self.global_curve.setdefault(b, DecayedMean()).add(a - prev, self.cfg.decay)
+            prev = a
 
     def observe_step(self, n: int, budget: int, seconds: float) -> None:
         """Wall seconds of one decode-only step of n requests at `budget`."""
@@ -289,7 +322,9 @@ class BudgetController:
             "switches": self.switches,
             "explorations": self.explorations,
             "accept_curve": {
-                str(b): round(m.value, 4) for b, m in sorted(self.global_curve.items()) if m.den
+                str(b): round(a, 4)
+                for b in self.buckets[1:]
+                if (a := self.global_estimate(b)) is not None
             },  # fmt: skip
             "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
         }

@@ -76,6 +76,7 @@ class LLM:
         # speculative_ddtree_budget; None: on for DDTREE (engine/budget_controller.py).
         speculative_adaptive: bool | None = None,
         speculative_cost_seconds: dict[int, float] | None = None,  # fixed, instead of measured
+        speculative_cost_clock: str = "wall",  # or "process" (budget_controller.CLOCKS)
         mem_fraction_static: float = 0.88,
         cuda_graph_max_bs: int | None = None,  # None: min(max_num_seqs, 32)
         disable_cuda_graph: bool = False,
@@ -151,6 +152,7 @@ class LLM:
             speculative_adaptive,
             speculative_ddtree_budget,
             speculative_cost_seconds,
+            speculative_cost_clock,
         )
         self._step_budget: int | None = None  # the last step's budget when it was decode-only
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
@@ -354,11 +356,11 @@ class LLM:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        t0 = time.perf_counter()
+        clock = self.controller.clock if self.controller is not None else time.perf_counter
+        t0 = clock()
         tokens = self.run_batch(batch)
         if self.controller is not None and self._step_budget is not None:  # decode-only step
-            self.controller.observe_step(len(batch.decodes), self._step_budget,
-                                         time.perf_counter() - t0)  # fmt: skip
+            self.controller.observe_step(len(batch.decodes), self._step_budget, clock() - t0)
         finished = self.scheduler.postprocess(batch, tokens)
         self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.spec is not None:
