@@ -177,6 +177,9 @@ def run_speed(args, block: int) -> list[dict]:
     if args.adaptive:  # the controller picks each step's budget in {0, 4, ..., args.adaptive}
         cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive}", "DDTREE", args.drafter,
                      args.adaptive, block - 1, True))  # fmt: skip
+    # plain decoding again, last: the first engine of a process can run slower (clocks, caches),
+    # and a ratio against a slow baseline flatters every other config
+    cfgs.append(("none (again)", None, "ngram", 1, 1, False))
     rows, plain = [], {}
     judge = None if args.no_judge else DivergenceJudge(args)
     for name, algo, drafter, budget, depth, adaptive in cfgs:
@@ -196,9 +199,14 @@ def run_speed(args, block: int) -> list[dict]:
                 print(json.dumps(r), flush=True)
         free(llm)
     for r in rows:  # speedups against plain decoding of the same text and batch
-        base = next(x for x in rows if x["config"] == "none" and x["text"] == r["text"]
-                    and x["batch"] == r["batch"])  # fmt: skip
-        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+        base = max(
+            x["tokens_per_s"]
+            for x in rows
+            if x["config"].startswith("none")
+            and x["text"] == r["text"]
+            and x["batch"] == r["batch"]
+        )  # the faster plain
+        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base, 3)
     return rows
 
 
