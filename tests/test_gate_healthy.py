@@ -109,5 +109,8 @@ def test_latency_regression_exits_1(server, recorded, tmp_path):
     assert rc == 1, report["probes"]
     assert [p["name"] for p in report["probes"] if p["verdict"] == "fail"] == ["latency"]
     # generous defaults: the same golden with the default factor/slack passes
-    rc = cli.main(["check", "--url", server.url, "--golden", str(golden), "--quiet"])
-    assert rc == 0
+    j2 = tmp_path / "r2.json"
+    rc = cli.main(["check", "--url", server.url, "--golden", str(golden), "--quiet",
+                   "--json", str(j2)])  # fmt: skip
+    bad = [p for p in json.loads(j2.read_text())["probes"] if p["verdict"] == "fail"]
+    assert rc == 0, bad
