@@ -23,6 +23,7 @@ from treeverify.gate import probes, runner, smoke, targets
 from treeverify.gate.codes import ExitCode
 from treeverify.gate.compare import DEFAULT_LOGPROB_ATOL, DEFAULT_MARGIN
 from treeverify.gate.report import ProbeResult, Report
+from treeverify.strict_args import own_unknown_flags
 
 EXIT_CODES = """exit codes:
   0   pass
@@ -60,25 +61,11 @@ def _usage_exit(parser: argparse.ArgumentParser):
     return error
 
 
-def _strict(parser: argparse.ArgumentParser):
-    """Unknown flags are this parser's usage error (64), even as a subcommand (a parent parser
-    would otherwise report them itself, with argparse's exit status 2)."""
-    known = parser.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        ns, extras = known(args, namespace)
-        if extras:
-            parser.error(f"unrecognized arguments: {' '.join(extras)}")
-        return ns, extras
-
-    return parse_known_args
-
-
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.formatter_class = _Help
     p.epilog = EXIT_CODES
     p.error = _usage_exit(p)
-    p.parse_known_args = _strict(p)
+    own_unknown_flags(p)  # the gate's usage error, exit 64
     p.add_argument(
         "action",
         nargs="?",

@@ -98,28 +98,30 @@ class Tally:
         the two tokens more than the margin apart the swap is real whatever the server under test
         says (a faulty server must not vouch for its own fault)."""
         out = compare(ref, cur, self.ctx.margin, self.ctx.logprob_atol)
-        if out.ok:
-            if out.divergence is not None:
-                self.notes.append(f"{label}: {out.detail}")
-            return
-        if out.kind != "swap":
-            self.failures.append(f"{label}: {out.detail}")
+        if self._settled(label, out):
             return
         i = out.divergence
         ids = cur.token_ids
         b = (cur.tokens[i], ids[i] if ids and i < len(ids) else None)
         self._decide(label, prompt, ref, i, b, out.detail, trusted)
 
+    def _settled(self, label: str, out) -> bool:
+        """Record a pass (noting a tolerated divergence) or a failure that is not a token swap;
+        False: a swap, which needs the server's evidence."""
+        if out.ok:
+            if out.divergence is not None:
+                self.notes.append(f"{label}: {out.detail}")
+            return True
+        if out.kind != "swap":
+            self.failures.append(f"{label}: {out.detail}")
+            return True
+        return False
+
     def agree_text(self, label: str, prompt, ref, text: str, trusted: bool = False) -> None:
         """A response without logprobs against a reference with them (one-sided rule)."""
         out = compare_text(ref, text, self.ctx.margin)
         label = f"{label} (no logprobs)"
-        if out.ok:
-            if out.divergence is not None:
-                self.notes.append(f"{label}: {out.detail}")
-            return
-        if out.kind != "swap":
-            self.failures.append(f"{label}: {out.detail}")
+        if self._settled(label, out):
             return
         # the other side's token: the top-k entry its text continues with (else unknown)
         b = (out.other, None)

@@ -14,6 +14,7 @@ import logging
 import sys
 
 from treeverify.server.guards import DEFAULT_MAX_REQUEST_BYTES
+from treeverify.strict_args import own_unknown_flags
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -71,20 +72,6 @@ def _log_level(value: str) -> str:
     return value
 
 
-def _unknown_flags_are_errors(parser: argparse.ArgumentParser):
-    """An unknown flag is serve's usage error (serve's usage, exit 2); left to the parent
-    parser it would print the top level's usage instead."""
-    known = parser.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        ns, extras = known(args, namespace)
-        if extras:
-            parser.error(f"unrecognized arguments: {' '.join(extras)}")
-        return ns, extras
-
-    return parse_known_args
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
@@ -92,7 +79,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions).",
         formatter_class=_HelpFormatter,
     )
-    p.parse_known_args = _unknown_flags_are_errors(p)
+    own_unknown_flags(p)  # serve's usage, exit 2
     pos, at_least_0 = _int_at_least(1), _int_at_least(0)
     p.add_argument(
         "--model",
