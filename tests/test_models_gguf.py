@@ -43,7 +43,7 @@ def random_text(rng: random.Random, n: int) -> str:
 
 
 def test_config_and_tokenizer_from_metadata(llm):
-    cfg, tok = llm.config, llm.tokenizer
+    cfg, tok = llm.model_config, llm.tokenizer
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (30, 576, 9)
     assert cfg.num_key_value_heads == 3 and cfg.tie_word_embeddings
     assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
@@ -76,7 +76,7 @@ def test_unpermute_rotary_rows_restores_hf_order():
 
 
 def hf_model(llm) -> torch.nn.Module:
-    c = llm.config
+    c = llm.model_config
     hf_cfg = transformers.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,

@@ -277,6 +277,11 @@ def test_server_info(server):
     assert info["context_length"] == CTX and info["kv_capacity_tokens"] >= CTX
     assert info["cuda_graph"]["buckets"] == [] and info["speculative"]["enabled"] is False
     assert info["stats"]["generated_tokens"] >= 0 and "version" in info
+    cfg = info["engine_config"]  # the engine's resolved knobs and derived sizes
+    assert cfg["model"] == "tiny-llama" and cfg["device"] == "cpu" and cfg["dtype"] == "float32"
+    assert cfg["num_pages"] == info["num_pages"] and cfg["page_size"] == info["page_size"]
+    assert cfg["derived"]["capacity_tokens"] == info["kv_capacity_tokens"]
+    assert cfg["derived"]["tree_sizes"] == [] and cfg["speculative_algorithm"] is None
 
 
 def test_bench_serve_against_server(server, tmp_path):

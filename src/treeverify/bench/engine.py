@@ -66,7 +66,7 @@ def graphs_vs_eager(model: str, *, batches=(1, 3, 8), prompt_len=48, max_tokens=
     for graphs in (False, True):
         llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
                   **llm_kw)  # fmt: skip
-        vocab = llm.config.vocab_size
+        vocab = llm.vocab_size
         for b in batches:
             prompts = _prompts(b, prompt_len, seed=b, vocab=vocab)
             sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
@@ -99,7 +99,7 @@ def _weight_bytes(llm: LLM) -> int:
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
-    cfg = llm.config
+    cfg = llm.model_config
     if hasattr(cfg, "n_routed_experts"):  # read only k of E experts per MoE layer (batch 1)
         per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * embed.element_size()
         moe_layers = sum(1 for m in model.modules() if hasattr(m, "n_experts"))
@@ -114,7 +114,7 @@ def decode_speed(model: str, *, batch: int, prompt_len: int = 512, steps: int = 
     llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
               cuda_graph_max_bs=max(batch, 1), max_num_seqs=max(batch, 1), **llm_kw)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    for p in _prompts(batch, prompt_len, seed=7, vocab=llm.config.vocab_size):
+    for p in _prompts(batch, prompt_len, seed=7, vocab=llm.vocab_size):
         llm.add_request(p, sp)
     while any(s.num_output_tokens == 0 for s in llm.scheduler.running + llm.scheduler.waiting):
         llm.step()  # prefill (and the first token)
@@ -160,7 +160,7 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
     runner, cache = llm.runner, llm.cache
     ps = cache.page_size
     for budget in budgets:
-        n = budget + 1
+        n = llm.config.tree_size_for(budget)  # budget + 1 (DDTree's fixed width)
         for b in batches:
             graphs = CudaGraphs(llm.model, runner.attention, buckets=[(b, n)])
             graphs.capture()

@@ -7,42 +7,30 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from treeverify.engine.budget_controller import CLOCKS, BudgetController, CostModel, budget_buckets
+from treeverify.engine.budget_controller import CLOCKS, BudgetController, CostModel
 from treeverify.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from treeverify.engine.config import EngineConfig
     from treeverify.engine.llm import LLM
 
 WARM_STEPS = 2  # the prefill and a bucket's first decode step (one-time allocations) go untimed
 TIMED_STEPS = 3  # median of these per bucket
 
 
-def make_controller(
-    algorithm: str | None,
-    adaptive: bool | None,
-    max_budget: int,
-    cost_seconds: dict[int, float] | None = None,
-    clock: str = "wall",
-) -> BudgetController | None:
-    """A controller for DDTREE unless adaptive is False; CHAIN has no budget buckets.
-    `cost_seconds`: a fixed cost curve (seconds per step at batch 1 for every bucket) instead
-    of the one `calibrate` measures; `clock`: "wall" or "process" (budget_controller.CLOCKS)."""
-    if clock not in CLOCKS:
-        raise ValueError(f"speculative_cost_clock: expected one of {list(CLOCKS)}, got {clock!r}")
-    if adaptive and algorithm != "DDTREE":
-        raise ValueError(f"speculative_adaptive: needs speculative_algorithm DDTREE, got "
-                         f"{algorithm!r}")  # fmt: skip
-    if algorithm != "DDTREE" or adaptive is False:
+def make_controller(config: EngineConfig) -> BudgetController | None:
+    """A controller for DDTREE unless speculative_adaptive is False; CHAIN has no budget buckets.
+    `speculative_cost_seconds`: a fixed cost curve (seconds per step at batch 1 for every bucket)
+    instead of the one `calibrate` measures; `speculative_cost_clock`: "wall" or "process"
+    (budget_controller.CLOCKS). The values were validated by the config."""
+    if not config.adaptive:
         return None
-    buckets = budget_buckets(max_budget)
-    if cost_seconds is None:
-        ctl = BudgetController(buckets)
-        ctl.clock = CLOCKS[clock]
+    costs = config.speculative_cost_seconds
+    if costs is None:
+        ctl = BudgetController(config.budget_buckets)
+        ctl.clock = CLOCKS[config.speculative_cost_clock]
         return ctl
-    if missing := [b for b in buckets if b not in cost_seconds]:
-        raise ValueError(f"speculative_cost_seconds: no cost for budget(s) {missing} (buckets "
-                         f"{list(buckets)})")  # fmt: skip
-    return BudgetController(buckets, CostModel.given(cost_seconds))
+    return BudgetController(config.budget_buckets, CostModel.given(dict(costs)))
 
 
 def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
@@ -51,7 +39,7 @@ def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
     ctl = llm.controller
     if ctl.cost.frozen:  # a given curve
         return {b: ctl.cost.estimate(1, b) for b in ctl.buckets}
-    vocab = llm.config.vocab_size
+    vocab = llm.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
     per_bucket: dict[int, float] = {}
     for budget in ctl.buckets:

@@ -53,7 +53,7 @@ def install(llm) -> str | None:
     elif name == "garbage_after":
         _wrap_garbage_after(llm, n)
     elif name == "spec_diverge" and llm.spec is not None:
-        _wrap_diverge_bonus(llm.spec, llm.config.vocab_size)
+        _wrap_diverge_bonus(llm.spec, llm.vocab_size)
     return name
 
 
@@ -112,7 +112,7 @@ def _wrap_runner_logits(runner, over: int) -> None:
 def _wrap_garbage_after(llm, n: int) -> None:
     """Every output token from a request's n-th on is replaced (plain and speculative steps)."""
     run_batch = llm.run_batch
-    vocab = llm.config.vocab_size
+    vocab = llm.vocab_size
 
     def garble(tok: int) -> int:
         return (tok * 7919 + 13) % vocab

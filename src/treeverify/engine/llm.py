@@ -16,6 +16,7 @@ engine is eager with `num_pages` pages (default 512).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
-from treeverify.engine.cuda_graphs import batch_buckets
+from treeverify.engine.config import EngineConfig
 from treeverify.engine.drafters import default_depth, make_source, resolve_drafter
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
@@ -53,63 +54,40 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "tiny-llama",
-        *,
-        num_pages: int | None = None,  # None: 512 on CPU, from mem_fraction_static on a GPU
-        page_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        chunked_prefill_size: int | None = None,
-        attention_backend: str = "auto",  # auto: cuda on a GPU, torch on the CPU
-        device: str = "cpu",
-        dtype: torch.dtype | None = None,  # None: bf16 on a GPU, fp32 on the CPU
-        seed: int = 0,
-        speculative_algorithm: str | None = None,  # "DDTREE" | "CHAIN" | None
-        speculative_ddtree_budget: int = 16,  # tree nodes besides the root
-        speculative_num_draft_tokens: int | None = None,  # depth L; None: DFlash block-1, else 4
-        # "ngram", a shipped drafter name, a DFlash directory; None: the model's own shipped
-        # drafter if it has one (tiny-code -> tiny-code-dflash), else "ngram"
-        speculative_draft_model_path: str | None = None,
-        # Per-step budget from measured acceptance and cost, 0 (plain) included, up to
-        # speculative_ddtree_budget; None: on for DDTREE (engine/budget_controller.py).
-        speculative_adaptive: bool | None = None,
-        speculative_cost_seconds: dict[int, float] | None = None,  # fixed, instead of measured
-        speculative_cost_clock: str = "wall",  # or "process" (budget_controller.CLOCKS)
-        mem_fraction_static: float = 0.88,
-        cuda_graph_max_bs: int | None = None,  # None: min(max_num_seqs, 32)
-        disable_cuda_graph: bool = False,
-    ):
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **knobs) -> None:  # fmt: skip
+        """`LLM("tiny-llama", speculative_algorithm="DDTREE", ...)` or `LLM(config=cfg)`: every
+        knob is an `EngineConfig` field (same names and defaults); knobs given with a config
+        override its values. Bad values: ValueError naming the knob, before anything loads."""
         from treeverify.models import load_model
 
-        self.device = torch.device(device)
-        on_gpu = self.device.type == "cuda"
-        if dtype is None:
-            dtype = torch.bfloat16 if on_gpu else torch.float32
-        if attention_backend == "auto":
-            attention_backend = "cuda" if on_gpu else "torch"
-        self.attention_backend = attention_backend
+        if unknown := sorted(set(knobs) - {f.name for f in dataclasses.fields(EngineConfig)}):
+            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+        if model is not None:
+            knobs["model"] = model
+        config = EngineConfig(**knobs) if config is None else dataclasses.replace(config, **knobs)
+        self.config = config  # resolved below: num_pages (GPU sizing), draft depth (drafter)
+        dtype, on_gpu = config.dtype, config.on_gpu
         self.startup: dict = {}
         t0 = time.perf_counter()
-        self.config, self.model, self.tokenizer = load_model(model, dtype=dtype, device=device,
-                                                             seed=seed)  # fmt: skip
+        self.model_config, self.model, self.tokenizer = load_model(
+            config.model, dtype=dtype, device=config.device, seed=config.seed)  # fmt: skip
         self.model.eval().fuse_for_inference()
         t0 = self._phase("load", t0)
         # Penalty / logit_bias tables (one row per running request), before the KV pool sizing.
-        self.processor = LogitsProcessor(max_num_seqs, self.config.vocab_size, self.device)
+        self.processor = LogitsProcessor(config.max_num_seqs, self.vocab_size, self.device)
         spec = self.model.kv_cache_spec()
-        if num_pages is None and on_gpu:
-            sizing = size_kv_pool(spec, dtype, page_size, mem_fraction_static, self.device)
-            num_pages = sizing.num_pages
+        if config.num_pages is None:  # a GPU: what fits in mem_fraction_static
+            sizing = size_kv_pool(spec, dtype, config.page_size, config.mem_fraction_static,
+                                  self.device)  # fmt: skip
+            self.config = config = config.resolved(num_pages=sizing.num_pages)
             self.startup["kv"] = sizing.describe()
-        elif num_pages is None:
-            num_pages = 512
+        num_pages, page_size = config.num_pages, config.page_size
         self.block_manager = BlockManager(num_pages, page_size)
-        self.cache = KVCache(num_pages, page_size, device, spec=spec, dtype=dtype)
+        self.cache = KVCache(num_pages, page_size, self.device, spec=spec, dtype=dtype)
         self.startup.setdefault(
             "kv",
-            f"KV cache: {num_pages * page_size} tokens, {self.cache.bytes / 1024**3:.3f} GiB "
+            f"KV cache: {config.capacity_tokens} tokens, {self.cache.bytes / 1024**3:.3f} GiB "
             f"({num_pages} pages, given)",
         )
         log.info("%s", self.startup["kv"])
@@ -119,41 +97,36 @@ class LLM:
             getattr(self.tokenizer, "eos_token_id", None)
         ]
         self.scheduler = Scheduler(
-            self.block_manager, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size,
+            self.block_manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            chunked_prefill_size=config.chunked_prefill_size,
             eos_token_ids=[e for e in eos if e is not None],
             detokenize=self.tokenizer.decode,
         )  # fmt: skip
-        budget = speculative_ddtree_budget if speculative_algorithm else 0
-        chunk = min(chunked_prefill_size or max_num_batched_tokens, max_num_batched_tokens)
         self.runner = ModelRunner(
-            self.model, self.cache, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens + max_num_seqs * budget,
-            max_chunk=max(chunk, budget + 1), attention_backend=attention_backend,
+            self.model, self.cache, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_forward_tokens, max_chunk=config.max_chunk,
+            attention_backend=config.attention_backend,
         )  # fmt: skip
         self.spec = None
-        if speculative_algorithm:
-            drafter = resolve_drafter(speculative_draft_model_path, model)
-            source = make_source(drafter, self.model, self.config, dtype, self.device)
-            if speculative_draft_model_path is None:
+        if config.speculating:
+            path = config.speculative_draft_model_path
+            drafter = resolve_drafter(path, config.model)
+            source = make_source(drafter, self.model, self.model_config, dtype, self.device)
+            if path is None:
                 log.info("speculative drafter: %s (%s)", drafter, "the model's own"
                          if drafter != "ngram" else "the model ships none")  # fmt: skip
-            if speculative_num_draft_tokens is None:
-                speculative_num_draft_tokens = default_depth(source)
+            if config.speculative_num_draft_tokens is None:
+                self.config = config = config.resolved(
+                    speculative_num_draft_tokens=default_depth(source))  # fmt: skip
             self.model.capture_layers = frozenset(source.target_layer_ids)
             self.spec = SpeculativeDecoder(
-                self.block_manager, self.cache, self.config.vocab_size,
-                algorithm=speculative_algorithm, budget=speculative_ddtree_budget,
-                depth=speculative_num_draft_tokens, source=source, processor=self.processor,
+                self.block_manager, self.cache, self.vocab_size,
+                algorithm=config.speculative_algorithm, budget=config.speculative_ddtree_budget,
+                depth=config.speculative_num_draft_tokens, source=source,
+                processor=self.processor,
             )  # fmt: skip
-        self.controller = make_controller(
-            speculative_algorithm,
-            speculative_adaptive,
-            speculative_ddtree_budget,
-            speculative_cost_seconds,
-            speculative_cost_clock,
-        )
+        self.controller = make_controller(config)
         self._step_budget: int | None = None  # the last step's budget when it was decode-only
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -162,20 +135,17 @@ class LLM:
         self.warmup()
         t0 = self._phase("warmup", t0)
         self.cuda_graph_buckets: list[tuple[int, int]] = []
-        max_bs = min(cuda_graph_max_bs or 32, max_num_seqs)
-        tokens = [1] + self._tree_buckets()
-        rows_cap = max(max_num_batched_tokens, max(tokens))
-        buckets = [(b, n) for n in tokens for b in batch_buckets(max_bs)
-                   if b * n <= rows_cap or b == 1]  # fmt: skip
+        buckets = list(config.graph_buckets)
         if on_gpu:  # decode steps plan per bucket, graphs or not: the same split-KV layout
-            self.runner.plan_batch_sizes = batch_buckets(max_bs)
-        if on_gpu and disable_cuda_graph:
+            self.runner.plan_batch_sizes = list(config.graph_batch_sizes)
+        if on_gpu and config.disable_cuda_graph:
             self.runner.prepare_plans(buckets)
-        if on_gpu and not disable_cuda_graph:
+        if on_gpu and not config.disable_cuda_graph:
             self.cuda_graph_buckets = buckets
             self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
             if self.spec is not None:  # the round's build (and drafter) per batch bucket
-                self.spec.capture(batch_buckets(max_bs), self.device, self._spec_budgets())
+                self.spec.capture(list(config.graph_batch_sizes), self.device,
+                                  list(config.spec_budgets))  # fmt: skip
             t0 = self._phase("capture", t0)
         elif on_gpu:
             log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")
@@ -185,17 +155,23 @@ class LLM:
         if on_gpu:
             self.startup["memory"] = check_headroom(self.device)
 
-    def _spec_budgets(self) -> list[int]:
-        """Budgets a round may use: the controller's nonzero buckets, or the configured one."""
-        if self.controller is not None:
-            return [b for b in self.controller.buckets if b > 0]
-        return [self.spec.budget]
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
 
-    def _tree_buckets(self) -> list[int]:
-        """Verify-graph token counts per sequence, one per budget (none without speculation)."""
-        if self.spec is None:
-            return []
-        return sorted({self.spec.nodes_for(b) for b in self._spec_budgets()})
+    @property
+    def attention_backend(self) -> str:
+        """The backend attention runs on ("auto" resolved: cuda on a GPU, torch on the CPU)."""
+        return self.config.attention_backend
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV slots in the pool: the longest prompt + max_tokens one request can have."""
+        return self.config.capacity_tokens
 
     def _phase(self, name: str, t0: float) -> float:
         now = time.perf_counter()
@@ -215,7 +191,7 @@ class LLM:
                     request_id: str | None = None) -> Sequence:  # fmt: skip
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = params or SamplingParams()
-        vocab = self.config.vocab_size
+        vocab = self.vocab_size
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "
                              f"vocabulary (0..{vocab - 1})")  # fmt: skip

@@ -24,6 +24,7 @@ import torch
 
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.captured_fn import CapturedFn
+from treeverify.engine.config import tree_nodes
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
@@ -169,9 +170,7 @@ class SpeculativeDecoder:
 
     def nodes_for(self, budget: int) -> int:
         """Nodes of a budget-`budget` round's tree, root included (its verify bucket's n)."""
-        if self.algorithm == "CHAIN":
-            return 1 + min(self.depth, budget)
-        return 1 + budget  # build_tree's fixed width (padding nodes when fewer paths exist)
+        return tree_nodes(self.algorithm, budget, self.depth)
 
     def _time(self, phase: str, t0: float) -> float:
         now = time.perf_counter()

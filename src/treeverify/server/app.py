@@ -179,19 +179,19 @@ def create_app(
     async def server_info():
         s = engine.stats
         llm = engine.llm
-        bm = llm.block_manager
+        cfg = llm.config
+        spec = llm.spec_stats
         out = {
             "version": __version__,
             "served_model_name": served_model_name,
             "context_length": context_length,
-            "attention_backend": getattr(llm, "attention_backend", None),
-            "kv_capacity_tokens": bm.capacity_tokens,
-            "num_pages": bm.num_pages,
-            "page_size": bm.page_size,
-            "cuda_graph": getattr(llm, "cuda_graph_info", {"enabled": False}),
-            "speculative": {"enabled": False}
-            if getattr(llm, "spec_stats", None) is None
-            else {"enabled": True, **llm.spec_stats},
+            "attention_backend": cfg.attention_backend,
+            "kv_capacity_tokens": cfg.capacity_tokens,
+            "num_pages": cfg.num_pages,
+            "page_size": cfg.page_size,
+            "engine_config": cfg.to_json(),  # every knob, resolved, and the derived sizes
+            "cuda_graph": llm.cuda_graph_info,
+            "speculative": {"enabled": False} if spec is None else {"enabled": True, **spec},
             "uptime_s": round(time.time() - started, 3),
             "stats": {
                 "running": s.running,

@@ -62,7 +62,7 @@ class Serving:
     ) -> None:
         self.engine = engine
         self.tok = engine.llm.tokenizer
-        self.vocab_size = int(getattr(engine.llm.config, "vocab_size", 0)) or None
+        self.vocab_size: int = engine.llm.vocab_size
         self.model_name = model_name
         self.context_length = context_length
         self.metrics = metrics
