@@ -72,8 +72,7 @@ def timed(llm: LLM, prompts: list, batch: int, tokens: int,
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(repeat):
-        if llm.spec is not None:
-            llm.spec.reset_stats()
+        llm.reset_stats()  # counters of this pass only (steps per budget included)
         sync()
         t0 = time.perf_counter()
         outs = []
@@ -88,8 +87,8 @@ def row(llm: LLM, name: str, outs, secs: float, plain) -> dict:
     toks = sum(len(o) for o in outs)
     r = {"config": name, "tokens": toks, "seconds": round(secs, 3),
          "tokens_per_s": round(toks / secs, 1)}  # fmt: skip
-    if llm.spec is not None:
-        st = llm.spec_stats
+    st = llm.spec_stats
+    if st is not None:
         r.update(
             accept_length=st["avg_spec_accept_length"],
             rounds=st["rounds"],
@@ -189,9 +188,10 @@ def run_speed(args, block: int) -> list[dict]:
                 outs, secs = timed(llm, prompts, b, args.tokens, args.repeat)
                 key = (text, b)
                 r = row(llm, name, outs, secs, plain.get(key)) | {"batch": b, "text": text}
-                if llm.controller is not None:  # the budgets the controller ran, by steps
-                    r["steps_by_budget"] = dict(llm.controller.steps_by_budget)
-                    llm.controller.steps_by_budget = dict.fromkeys(llm.controller.buckets, 0)
+                adaptive = (llm.spec_stats or {}).get("adaptive")
+                if adaptive is not None:  # the budgets the controller ran, by steps (last pass)
+                    r["steps_by_budget"] = {int(b): c for b, c in
+                                            adaptive["steps_by_budget"].items()}  # fmt: skip
                 if r.get("diverged_requests") and judge is not None:
                     r["divergence_gaps"] = judge.gaps(prompts, plain[key], outs)
                 rows.append(r)

@@ -18,13 +18,13 @@ llm = LLM(model, device="cuda", num_pages=2048, cuda_graph_max_bs=max(batch, 1),
           max_num_seqs=max(batch, 1))  # fmt: skip
 sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 llm.generate([list(range(100, 612))] * batch, sp)
-step = llm.runner.graphs.steps[llm.runner.graphs.bucket_for(batch, 1)]
+graph = llm.captured_graph(batch)
 for _ in range(5):
-    step.graph.replay()
+    graph.replay()
 torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(10):
-        step.graph.replay()
+        graph.replay()
     torch.cuda.synchronize()
 events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
 events.sort(key=lambda e: -e.device_time_total)

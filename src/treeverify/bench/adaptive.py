@@ -70,13 +70,10 @@ def adaptive_vs_fixed(
                 text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
             sp = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=7)
             llm.generate([text], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-            if llm.controller is not None:  # cold: keep the cost curve, forget acceptance
-                llm.controller.reset()
+            llm.reset_stats(forget_acceptance=True)  # cold: the cost curve kept
             runs = []  # (clock seconds, wall seconds) per run: the first cold, the rest warm
             for _ in range(repeat):
-                if llm.spec is not None:
-                    llm.spec.reset_stats()
-                steps0 = dict(llm.controller.steps_by_budget) if llm.controller else {}
+                llm.reset_stats()  # counters (and steps per budget) of this run only
                 t0, w0 = tick(), time.perf_counter()
                 out = llm.generate([text], sp)[0]
                 runs.append((tick() - t0, time.perf_counter() - w0))
@@ -87,13 +84,12 @@ def adaptive_vs_fixed(
                    "wall_seconds": round(wall, 3), "tokens_per_s": round(n / secs, 3),
                    "cold_tokens_per_s": round(n / runs[0][0], 3),
                    "startup_seconds": round(startup, 2), "token_ids": out.token_ids}  # fmt: skip
-            if llm.spec is not None:  # the last run's
-                st = llm.spec_stats
+            st = llm.spec_stats
+            if st is not None:  # the last run's
                 row["avg_accept_length"] = st["avg_spec_accept_length"]
                 row["rounds"] = st["rounds"]
                 if st["adaptive"] is not None:
-                    steps = st["adaptive"]["steps_by_budget"].items()
-                    row["steps_by_budget"] = {b: c - steps0.get(int(b), 0) for b, c in steps}
+                    row["steps_by_budget"] = dict(st["adaptive"]["steps_by_budget"])
                     row["cost_seconds_batch1"] = st["adaptive"]["cost_seconds_batch1"]
             rows.append(row)
             print(f"[bench adaptive] {model} {wl} {name}: {row['tokens_per_s']} tok/s",

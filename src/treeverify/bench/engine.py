@@ -90,7 +90,7 @@ def graphs_vs_eager(model: str, *, batches=(1, 3, 8), prompt_len=48, max_tokens=
 def _weight_bytes(llm: LLM) -> int:
     """Bytes of weights one decode step reads: every parameter once, the input embedding
     only if it is the LM head too (tied); for MoE, only the k routed experts of each layer."""
-    model = llm.model
+    model = llm.forward_parts().model
     seen, total = set(), 0
     embed = model.model.embed_tokens.weight
     tied = model.lm_head.weight is embed
@@ -114,19 +114,20 @@ def decode_speed(model: str, *, batch: int, prompt_len: int = 512, steps: int = 
     llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
               cuda_graph_max_bs=max(batch, 1), max_num_seqs=max(batch, 1), **llm_kw)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    for p in _prompts(batch, prompt_len, seed=7, vocab=llm.vocab_size):
-        llm.add_request(p, sp)
-    while any(s.num_output_tokens == 0 for s in llm.scheduler.running + llm.scheduler.waiting):
+    seqs = [llm.add_request(p, sp) for p in _prompts(batch, prompt_len, seed=7,
+                                                     vocab=llm.vocab_size)]  # fmt: skip
+    while any(s.num_output_tokens == 0 for s in seqs):
         llm.step()  # prefill (and the first token)
     torch.cuda.synchronize()
     n, t0 = 0, time.perf_counter()
-    while llm.scheduler.has_unfinished():
+    while llm.has_unfinished():
         llm.step()
         n += 1
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3 / max(n, 1)
     mid_ctx = prompt_len + steps // 2
-    kv = bytes_per_token(llm.model.kv_cache_spec(), next(llm.model.parameters()).dtype)
+    model = llm.forward_parts().model
+    kv = bytes_per_token(model.kv_cache_spec(), next(model.parameters()).dtype)
     moved = _weight_bytes(llm) + batch * mid_ctx * kv
     floor_ms = moved / HBM_BYTES_PER_S * 1e3
     row = {
@@ -136,9 +137,9 @@ def decode_speed(model: str, *, batch: int, prompt_len: int = 512, steps: int = 
         "bytes_per_step": moved, "roofline_ms": round(floor_ms, 4),
         "engine_pct_of_roofline": round(100 * floor_ms / step_ms, 1),
     }  # fmt: skip
-    if graphs and llm.runner.graphs is not None:
-        bucket = llm.runner.graphs.bucket_for(batch, 1)
-        fwd = median_replay_seconds(llm.runner.graphs.steps[bucket].graph, 50) * 1e3
+    graph = llm.captured_graph(batch) if graphs else None
+    if graph is not None:
+        fwd = median_replay_seconds(graph, 50) * 1e3
         row.update(forward_ms=round(fwd, 4),
                    forward_pct_of_roofline=round(100 * floor_ms / fwd, 1))  # fmt: skip
     _free(llm)
@@ -157,12 +158,12 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
               speculative_algorithm="DDTREE", speculative_ddtree_budget=max(budgets),
               speculative_adaptive=False)  # fmt: skip
     rows = []
-    runner, cache = llm.runner, llm.cache
-    ps = cache.page_size
+    parts = llm.forward_parts()
+    attention, ps = parts.attention, parts.cache.page_size
     for budget in budgets:
         n = llm.config.tree_size_for(budget)  # budget + 1 (DDTree's fixed width)
         for b in batches:
-            graphs = CudaGraphs(llm.model, runner.attention, buckets=[(b, n)])
+            graphs = CudaGraphs(parts.model, attention, buckets=[(b, n)])
             graphs.capture()
             pages_per = (prefix + n + ps - 1) // ps
             tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(b)]
@@ -173,12 +174,12 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
                 par = (torch.rand(n, generator=g) * torch.arange(n)).long()  # (n,) parent < i
                 par[0] = -1
                 masks.append(parents_to_tree_mask(par[None]))  # (n, W)
-            runner.attention.select((b, n))
-            runner.attention.plan(slots, tables, [prefix] * b, [n] * b, masks)
+            attention.select((b, n))
+            attention.plan(slots, tables, [prefix] * b, [n] * b, masks)
             graph = graphs.steps[(b, n)].graph
             graph.replay()  # the first replay after planning, untimed
             ms = median_replay_seconds(graph, 20) * 1e3
-            runner.attention.forget((b, n))
+            attention.forget((b, n))
             rows.append({"model": model, "batch": b, "budget": budget, "prefix": prefix,
                          "verify_forward_ms": round(ms, 4)})  # fmt: skip
             del graphs
@@ -206,8 +207,7 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                             logprobs=2 if algo == "none" else None)  # fmt: skip
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        if llm.spec is not None:
-            llm.spec.reset_stats()
+        llm.reset_stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp)

@@ -53,8 +53,7 @@ def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
             llm.step()
             times.append(ctl.clock() - t0)
         if not seq.is_finished:
-            llm.scheduler.abort(seq.request_id)
-            llm.spec.source.forget(seq.request_id)
+            llm.abort(seq.request_id)
         llm.output(seq)  # drops its logprob bookkeeping
         per_bucket[budget] = statistics.median(times[WARM_STEPS:] or times)
     ctl.pinned = None

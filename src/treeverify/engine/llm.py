@@ -28,6 +28,7 @@ from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
 from treeverify.engine.config import EngineConfig
 from treeverify.engine.drafters import default_depth, make_source, resolve_drafter
+from treeverify.engine.introspection import Introspection
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
@@ -53,7 +54,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
-class LLM:
+class LLM(Introspection):
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  **knobs) -> None:  # fmt: skip
         """`LLM("tiny-llama", speculative_algorithm="DDTREE", ...)` or `LLM(config=cfg)`: every
@@ -356,7 +357,7 @@ class LLM:
     ) -> list[RequestOutput]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        while self.scheduler.has_unfinished():
+        while self.has_unfinished():
             self.step()
         return [self.output(s) for s in seqs]
 
@@ -368,41 +369,25 @@ class LLM:
         """A request's prompt logprobs (complete once its first token or its finish is out)."""
         return self._prompt_logprobs.get(request_id)
 
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running (a `step()` has work)."""
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request with reason 'abort': its KV pages freed, its drafter context and
+        acceptance history dropped; `output(seq)` still gives what it produced. False when it is
+        not in flight (finished already, or unknown)."""
+        if not self.scheduler.abort(request_id):
+            return False
+        if self.spec is not None:
+            self.spec.source.forget(request_id)
+        if self.controller is not None:
+            self.controller.forget(request_id)
+        return True
+
     def recover_after_failed_step(self) -> None:
         """After `step()` raised mid-batch: forget the batch so scheduling can continue."""
         self.scheduler.discard_in_flight()
-
-    @property
-    def spec_stats(self) -> dict | None:
-        """Speculation counters for /server_info, or None when speculation is off."""
-        if self.spec is None:
-            return None
-        st = self.spec.stats
-        return {
-            "algorithm": self.spec.algorithm,
-            "drafter": self.spec.drafter_name,
-            "budget": self.spec.budget,
-            "adaptive": None if self.controller is None else self.controller.info(),
-            "num_draft_tokens": self.spec.depth,
-            "rounds": st.rounds,
-            "avg_spec_accept_length": round(st.avg_accept_length, 4),
-            "accept_length_histogram": dict(sorted(st.histogram.items())),
-            "phase_seconds": {k: round(v, 6) for k, v in st.phase_seconds.items()},
-            # whole batched rounds: wall time, the verify forwards' device time, the rest's share
-            "round_seconds": round(st.round_seconds, 6),
-            "forward_seconds": round(st.forward_seconds, 6),
-            "outside_forward_share": round(1 - st.forward_seconds / st.round_seconds, 4)
-            if st.round_seconds
-            else None,
-        }
-
-    @property
-    def cuda_graph_info(self) -> dict:
-        """For /server_info: what was captured, how long it took, replays so far."""
-        if self.runner.graphs is None:
-            why = "disabled" if self.device.type == "cuda" else "CPU (eager)"
-            return {"enabled": False, "buckets": [], "reason": why}
-        return self.runner.graphs.info
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(

@@ -22,9 +22,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treeverify.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from treeverify.engine.llm import LLM
 
 log = logging.getLogger("treeverify.server")
 
@@ -82,7 +85,7 @@ class Stats:
 class EngineLoop:
     """Owns ``llm`` on a daemon thread; other threads use ``submit`` and ``abort`` only."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
@@ -92,7 +95,7 @@ class EngineLoop:
         self._draining = False
         self._abort_all_at: float | None = None
         self.heartbeat = time.monotonic()
-        self.stats = Stats(num_pages=llm.block_manager.num_pages)
+        self.stats = Stats(num_pages=llm.config.num_pages)
         self._last_moe = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -170,7 +173,7 @@ class EngineLoop:
         if self._abort_all_at is not None and time.monotonic() >= self._abort_all_at:
             for rid in list(self._active):
                 self._abort_one(rid)
-        if self._active and self.llm.scheduler.has_unfinished():
+        if self._active and self.llm.has_unfinished():
             self._step()
         else:
             time.sleep(IDLE_SLEEP_S)
@@ -208,7 +211,7 @@ class EngineLoop:
         act = self._active.pop(rid, None)
         if act is None:
             return
-        self.llm.scheduler.abort(rid)
+        self.llm.abort(rid)
         out = self.llm.output(act.seq)
         self.stats.aborted_requests += 1
         self._flush(act, out.logprobs, finish_reason="abort", text=out.text,
@@ -264,7 +267,7 @@ class EngineLoop:
         for rid, act in list(self._active.items()):
             self._active.pop(rid)
             try:
-                self.llm.scheduler.abort(rid)
+                self.llm.abort(rid)
                 self.llm.output(act.seq)
             except Exception:  # the scheduler may be mid-batch after a failed step
                 log.exception("could not abort %s", rid)
@@ -280,27 +283,14 @@ class EngineLoop:
             job.loop.call_soon_threadsafe(job.queue.put_nowait, event)
 
     def _update_stats(self) -> None:
-        sched, bm = self.llm.scheduler, self.llm.block_manager
         s = self.stats
-        s.running, s.waiting = len(sched.running), len(sched.waiting)
-        s.used_pages = bm.num_used_pages
+        use = self.llm.usage()
+        s.running, s.waiting, s.used_pages = use.running, use.waiting, use.used_pages
         s.spec = self.llm.spec_stats
         now = time.monotonic()
-        if now - self._last_moe >= 1.0:
+        if now - self._last_moe >= 1.0:  # reading the device counters syncs: once a second
             self._last_moe = now
-            s.moe_imbalance = _moe_imbalance(self.llm.model)
-
-
-def _moe_imbalance(model: Any) -> float | None:
-    """max/mean tokens per expert, worst MoE layer; None when the model has no MoE counts."""
-    counts = getattr(model, "moe_expert_counts", None)
-    if counts is None:
-        return None
-    c = counts.float()
-    mean = c.mean(-1)
-    ratio = c.amax(-1) / mean.clamp_min(1e-9)
-    ratio = ratio[mean > 0]
-    return float(ratio.max()) if ratio.numel() else 0.0
+            s.moe_imbalance = self.llm.moe_imbalance()
 
 
 def _planted_first_request_crash() -> None:

@@ -134,7 +134,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
     else:
         log.info("startup: graph capture skipped (%s)", llm.cuda_graph_info.get("reason"))
     _phase("engine init", t0)
-    capacity = llm.block_manager.capacity_tokens
+    capacity = llm.capacity_tokens
     model_ctx = int(getattr(llm.model_config, "max_position_embeddings", capacity))
     ctx = min(args.context_length or model_ctx, model_ctx, capacity)
     if args.context_length and args.context_length > ctx:
