@@ -154,7 +154,7 @@ class BlockManager:
             self.ref_counts[page] += 1
         child.block_table = table
         child.num_slots = parent.num_slots
-        child.num_cached_tokens = min(parent.num_cached_tokens, parent.num_slots)
+        child.mark_cached(min(parent.num_cached_tokens, parent.num_slots, child.num_tokens))
         self._owners.add(child.request_id)
         return copies
 

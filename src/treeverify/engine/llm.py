@@ -338,16 +338,15 @@ class LLM(Introspection):
         tokens = self.run_batch(batch)
         if self.controller is not None and self._step_budget is not None:  # decode-only step
             self.controller.observe_step(len(batch.decodes), self._step_budget, clock() - t0)
-        finished = self.scheduler.postprocess(batch, tokens)
+        # a round's accepted nodes (all its tokens but the bonus) have their K/V in place
+        ahead = [len(t) - 1 if isinstance(t, list) else 0 for t in tokens]
+        finished = self.scheduler.postprocess(batch, tokens, ahead)
         self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.spec is not None:
             for seq in finished:
                 self.spec.source.forget(seq.request_id)
                 if self.controller is not None:
                     self.controller.forget(seq.request_id)
-        for seq, toks in zip(batch.sampled, tokens, strict=True):
-            if isinstance(toks, list) and not seq.is_finished:
-                seq.num_cached_tokens += len(toks) - 1  # the accepted nodes' K/V, moved in place
         return finished
 
     def generate(

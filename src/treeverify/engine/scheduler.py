@@ -232,13 +232,20 @@ class Scheduler:
         self._in_flight = None
 
     def postprocess(
-        self, batch: ScheduledBatch, new_tokens: Iterable[int | list[int]]
+        self,
+        batch: ScheduledBatch,
+        new_tokens: Iterable[int | list[int]],
+        kv_ahead: Iterable[int] | None = None,
     ) -> list[Sequence]:
         """Record the step: KV written, sampled tokens appended, stops applied.
 
         ``new_tokens`` has one entry per ``batch.sampled`` sequence, in that order: a token id, or
-        a list of them (a speculative round's accepted tokens). Returns the sequences that
-        finished in this step (their pages are freed).
+        a list of them (a speculative round's accepted tokens). ``kv_ahead`` (default all 0), in
+        the same order: how many of those new tokens already have their K/V in the pool (a
+        round's accepted nodes, moved in place: len(tokens) - 1; the bonus never has). Returns
+        the sequences that finished in this step (their pages are freed).
+
+        With ``_preempt``, the only place ``num_cached_tokens`` changes (``Sequence.mark_cached``).
         """
         if batch is not self._in_flight:
             raise ValueError("postprocess: this batch is not the one schedule() last returned")
@@ -248,12 +255,16 @@ class Scheduler:
             raise ValueError(
                 f"postprocess: {len(new_tokens)} token entries for {len(sampled)} sampled sequences"
             )
+        ahead = [0] * len(sampled) if kv_ahead is None else list(kv_ahead)
+        if len(ahead) != len(sampled):
+            raise ValueError(f"postprocess: kv_ahead has {len(ahead)} entries for "
+                             f"{len(sampled)} sampled sequences")  # fmt: skip
         self._in_flight = None
         for c in batch.chunks:
             if c.seq.status is SequenceStatus.RUNNING:  # skip sequences aborted meanwhile
-                c.seq.num_cached_tokens = c.start + c.num_tokens
+                c.seq.mark_cached(c.start + c.num_tokens)
         finished = []
-        for seq, toks in zip(sampled, new_tokens, strict=True):
+        for seq, toks, kv in zip(sampled, new_tokens, ahead, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             if seq.sampling_params.max_tokens == 0:  # the prompt only (its logprobs): keep none
@@ -268,6 +279,8 @@ class Scheduler:
                 self.block_manager.free(seq)
                 del self._by_id[seq.request_id]
                 finished.append(seq)
+            elif kv:
+                seq.mark_cached(seq.num_cached_tokens + kv)
         return finished
 
     # ---- internals -------------------------------------------------------------------------
@@ -292,7 +305,7 @@ class Scheduler:
         batch._drop(seq)
         self.block_manager.free(seq)
         self.running.remove(seq)
-        seq.num_cached_tokens = 0
+        seq.mark_cached(0)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_arrival)

@@ -5,6 +5,11 @@ KV progress is a single number, ``num_cached_tokens``: the first that many token
 through the model ("prefill"); a sequence in decode has exactly one such token, the one it sampled
 last. A preempted sequence drops its pages and sets the number back to 0, so resuming it is a
 prefill of prompt + generated tokens (recompute-style preemption).
+
+One writer: ``num_cached_tokens`` is read-only; ``mark_cached`` is the only way to change it, and
+only the scheduler calls it (what a step computed, a round's accepted nodes, a preemption) and
+the block manager's ``fork`` (a child starts with its parent's KV). tests/test_engine_ownership.py
+fails on any other write.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class Sequence:
         self.arrival = arrival  # FIFO rank, assigned by the scheduler on add()
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
-        self.num_cached_tokens = 0
+        self._num_cached_tokens = 0  # see num_cached_tokens / mark_cached
         self.block_table: list[int] = []  # page ids, on cpu
         self.num_slots = 0
         self.num_reserved_slots = 0
@@ -86,6 +91,20 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens at the front of ``all_token_ids`` whose K/V are in the pool."""
+        return self._num_cached_tokens
+
+    def mark_cached(self, n: int) -> None:
+        """Set ``num_cached_tokens`` (its only writer; callers: the scheduler, BlockManager.fork).
+        ValueError unless 0 <= n <= the tokens known and the slots held."""
+        if not isinstance(n, int) or not 0 <= n <= min(self.num_tokens, self.num_slots):
+            raise ValueError(f"{self.request_id!r}: num_cached_tokens {n!r} outside 0.."
+                             f"{min(self.num_tokens, self.num_slots)} (tokens {self.num_tokens}, "
+                             f"slots {self.num_slots})")  # fmt: skip
+        self._num_cached_tokens = n
 
     @property
     def num_uncached_tokens(self) -> int:
