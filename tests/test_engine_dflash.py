@@ -59,13 +59,18 @@ def test_bad_draft_model_path_is_named():
 @pytest.mark.parametrize("drafter", ["ngram", "tiny-dflash"])
 def test_rounds_in_steps_mixed_with_prefill_stay_lossless(drafter, monkeypatch):
     """A request arriving mid-generation puts prefill chunks into speculating steps: those trees
-    run from host copies through the generic forward and the same batched acceptance."""
-    from treeverify.engine import speculative
+    run in the same forward as the chunks and go through the same batched acceptance."""
+    from treeverify.engine.model_runner import ModelRunner
 
     mixed = []
-    real = speculative.TreeBatch.to_spec_trees
-    monkeypatch.setattr(speculative.TreeBatch, "to_spec_trees",
-                        lambda self: mixed.append(1) or real(self))  # fmt: skip
+    real = ModelRunner.run
+
+    def spy(self, batch, tb=None, *args, **kwargs):
+        if tb is not None and batch.prefills:
+            mixed.append(1)
+        return real(self, batch, tb, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "run", spy)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ps = [list(range(65, 80)) * 3, list(range(70, 90)) * 4]
     want = [o.token_ids for o in LLM("tiny-llama", num_pages=128).generate(ps, sp)]

@@ -156,7 +156,7 @@ def test_decode_step_forward_never_waits_for_the_gpu():
     assert len(batch.chunks) == 2 and all(c.num_tokens == 1 for c in batch.chunks)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        rows = llm.runner.run(batch)
+        rows = llm.runner.run(batch).per_sequence()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert llm.runner.graphs.replays > 0 and len(rows) == 2

@@ -20,6 +20,7 @@ into the graphs, reading a fixed device buffer that every step's plan() refills)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -92,21 +93,16 @@ class _FaultyAttention(PagedAttention):
 
 def _wrap_runner_logits(runner, over: int) -> None:
     """Logits of steps with more than `over` sequences are rolled (after any graph replay)."""
-    run, run_trees = runner.run, runner.run_trees
+    run = runner.run
 
     @functools.wraps(run)
     def faulty_run(batch, *args, **kwargs):
-        rows = run(batch, *args, **kwargs)
+        out = run(batch, *args, **kwargs)
         if len(batch.chunks) > over:
-            rows = [r.roll(7, dims=-1) for r in rows]
-        return rows
+            out = dataclasses.replace(out, logits=out.logits.roll(7, dims=-1))
+        return out
 
-    @functools.wraps(run_trees)
-    def faulty_run_trees(batch, tb):
-        logits = run_trees(batch, tb)
-        return logits.roll(7, dims=-1) if len(batch.chunks) > over else logits
-
-    runner.run, runner.run_trees = faulty_run, faulty_run_trees
+    runner.run = faulty_run
 
 
 def _wrap_garbage_after(llm, n: int) -> None:

@@ -3,9 +3,12 @@
     llm = LLM("tiny-llama")
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
 
-One step is three lines: `batch = scheduler.schedule()`, `tokens = runner.run(batch)`,
-`scheduler.postprocess(batch, tokens)`. Attention goes through `PagedAttention`: a
-`TreeAttentionPlan` over the paged cache.
+One step: `batch = scheduler.schedule()`, the speculating sequences' trees drafted (`tb`), one
+forward `runner.run(batch, tb)` over everything the step mixes, tokens sampled or accepted,
+`scheduler.postprocess(batch, tokens, kv_ahead)`. Attention goes through `PagedAttention`: a
+`TreeAttentionPlan` over the paged cache. Every knob is an `EngineConfig` (`llm.config`).
+The server and the benchmarks use the facade (`add_request`, `step`, `abort`, `has_unfinished`,
+`output`, and engine/introspection.py's reports), never the parts.
 
 Startup on a GPU: load the weights; size the KV pool from `mem_fraction_static` (unless
 `num_pages` is given) and allocate it; a warmup forward; capture CUDA graphs of the decode step
@@ -223,15 +226,16 @@ class LLM(Introspection):
             out = self._run_round(batch, tb)
             self._observe_paths(tb)
             return out
-        # A step mixing trees with prefill or plain decodes: host copies of the trees.
-        trees = tb.to_spec_trees() if tb is not None else {}
+        # A step mixing trees with prefill or plain decodes: the same forward, each tree in its
+        # sequence's place.
+        trees = {s.request_id: tb.nodes for s in tb.seqs} if tb is not None else {}
         t0 = time.perf_counter()
         want_prompt = {}  # request id -> first prompt position whose row it still needs
         for c in batch.prefills:
             lps = self._prompt_logprobs.get(c.seq.request_id)
             if lps is not None and len(lps) < c.seq.num_prompt_tokens:
                 want_prompt[c.seq.request_id] = len(lps) - 1
-        rows = self.runner.run(batch, trees, want_prompt)  # per sampled sequence: (1 or T, V)
+        rows = self.runner.run(batch, tb, want_prompt).per_sequence()  # each (1 or N, V)
         if want_prompt:
             self._keep_prompt_logprobs(batch)
         if trees:  # the round's verify phase is this step's forward
@@ -274,7 +278,7 @@ class LLM(Introspection):
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             ev[0].record()
         t0 = time.perf_counter()
-        logits = self.runner.run_trees(batch, tb)  # (B*N, V)
+        logits = self.runner.run(batch, tb).logits  # (B*N, V), tb's order
         if on_gpu:
             ev[1].record()
         host_seconds = time.perf_counter() - t0  # on a GPU only the launch
@@ -313,7 +317,7 @@ class LLM(Introspection):
             if infos is not None:
                 self._logprobs[seq.request_id].extend(infos)
 
-    def _observe(self, batch: ScheduledBatch, trees: dict, paths: dict,
+    def _observe(self, batch: ScheduledBatch, trees: dict[str, int], paths: dict,
                  hidden: torch.Tensor) -> None:  # fmt: skip
         """Hand the drafter the target's hidden states of the tokens this step committed to the
         cache: a chunk's tokens, or a tree's root and accepted path."""
@@ -321,7 +325,7 @@ class LLM(Introspection):
         row = 0
         for c in batch.chunks:
             tree = trees.get(c.seq.request_id)
-            n = c.num_tokens if tree is None else len(tree.tokens)
+            n = c.num_tokens if tree is None else tree  # a tree: its node count
             if tree is None:
                 self.spec.source.observe(c.seq.request_id, c.start, hidden[row : row + n])
             else:

@@ -1,13 +1,16 @@
-"""ModelRunner: turns a scheduled batch into tensors, plans attention, runs the model, samples.
+"""ModelRunner: turns a scheduled batch into tensors, plans attention, runs the model.
 
 It owns the model, the paged KV cache and the attention plans; the scheduler and block manager
-(torch-free) decide what runs and where its KV lives. A step whose chunks are all decodes (or all
-speculative trees of one size) replays a captured CUDA graph of its bucket when graphs were
-captured (`capture_graphs`); any other step (prefill, mixed) runs eagerly over the same
-attention seam.
+(torch-free) decide what runs and where its KV lives. One forward, `run`, serves every step: its
+`StepBatch` (engine/step_batch.py) lays out prefill chunks, decodes and speculative trees alike.
+A step whose chunks are all decodes (or all speculative trees of one size) replays a captured
+CUDA graph of its bucket when graphs were captured (`capture_graphs`); any other step (prefill,
+mixed) runs eagerly over the same attention seam.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,8 +18,11 @@ from treeverify.engine.cuda_graphs import CudaGraphs
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
 from treeverify.engine.scheduler import ScheduledBatch
-from treeverify.engine.speculative import SpecTree
+from treeverify.engine.step_batch import StepBatch, StepLogits
 from treeverify.kernels.staging import to_device
+
+if TYPE_CHECKING:
+    from treeverify.engine.speculative import TreeBatch
 
 
 class ModelRunner:
@@ -78,21 +84,6 @@ class ModelRunner:
             return None
         return (b, n)
 
-    @staticmethod
-    def _decode_shaped(batch: ScheduledBatch, qlens: list[int], trees) -> bool:
-        """Every chunk one sampled decode, or every chunk a tree of the same size."""
-        if not batch.chunks or any(q != qlens[0] for q in qlens):
-            return False
-        if not all(c.samples for c in batch.chunks):
-            return False
-        return qlens[0] == 1 or len(trees) == len(batch.chunks)
-
-    def _bucket(self, batch: ScheduledBatch, qlens: list[int], trees) -> tuple[int, int] | None:
-        """A captured bucket for this step, or None (eager)."""
-        if self.graphs is None or not self._decode_shaped(batch, qlens, trees):
-            return None
-        return self.graphs.bucket_for(len(batch.chunks), qlens[0])
-
     def _moe_impl(self, impl: str | None) -> str | None:
         """Set the MoE layers' impl (None: leave it); returns the previous one to restore."""
         layers = self._moe_layers
@@ -104,111 +95,55 @@ class ModelRunner:
         return before
 
     @torch.inference_mode()
-    def run_trees(self, batch: ScheduledBatch, tb) -> torch.Tensor:
-        """A step whose every chunk is a speculating sequence's tree (`TreeBatch`, device
-        tensors): no host copy of the trees. Returns logits (B*N, V) for every node."""
-        b, n = tb.tokens.shape
-        starts = [c.start for c in batch.chunks]
-        pos = (to_device(torch.tensor(starts), self.device)[:, None] + tb.depths).reshape(
-            -1
-        )  # (B*N,)
-        ids = tb.tokens.reshape(-1)  # (B*N,)
-        bucket = None if self.graphs is None else self.graphs.bucket_for(b, n)
-        self.attention.select(bucket or self._plan_bucket(b, n))
-        self.attention.plan(tb.slots.reshape(-1), [c.seq.block_table for c in batch.chunks],
-                            starts, [n] * b, mask=tb.mask)  # fmt: skip
-        if bucket is not None:
-            logits = self.graphs.replay(bucket, ids, pos)
-        else:
-            moe = self._moe_impl("graph" if self.device.type == "cuda" else None)
-            try:
-                logits = self.model(ids, pos, attention=self.attention)  # (B*N, V)
-            finally:
-                self._moe_impl(moe)
-        self.hidden = getattr(self.model, "captured", None)
-        return logits
-
-    @torch.inference_mode()
     def run(
         self,
         batch: ScheduledBatch,
-        trees: dict[str, SpecTree] | None = None,
+        tb: TreeBatch | None = None,
         prompt_from: dict[str, int] | None = None,
-    ) -> list[torch.Tensor]:
-        """One forward over the batch. A decode chunk whose sequence has a speculative tree runs
-        the tree's nodes instead (positions P + depth, slots P + i, its ancestor mask).
+    ) -> StepLogits:
+        """One forward over the batch, whatever it mixes: prefill chunks, plain decodes, and the
+        speculative trees of `tb` (each in its sequence's decode chunk's place: positions
+        P + depth, slots P + i, its ancestor mask; built on the device, never copied to the host).
+        A decode-shaped step (every chunk one token, or every chunk a tree of one size) replays
+        its bucket's graph when one was captured, else runs eagerly with the bucket's plans.
 
-        Returns per sampled sequence (batch.sampled order) its logits rows: the last token's
-        (1, V), or every tree node's (T, V). `self.hidden` then holds the model's captured layer
-        outputs for every token of the step (T, F), or None. `prompt_from` maps a request id to
-        the first prompt position whose logits it still needs (prompt logprobs): the rows of its
-        chunk from there that predict a prompt token land in `self.prompt_logits`
-        {request id: (first position, (M, V) logits)}.
+        Returns the logits rows per sampled sequence (`StepLogits.spans`, batch.sampled order):
+        the last token's, or every tree node's; for a step of trees only, `logits` is (B*N, V) in
+        `tb` order. `self.hidden` then holds the model's captured layer outputs for every token
+        of the step (T, F), or None. `prompt_from` maps a request id to the first prompt position
+        whose logits it still needs (prompt logprobs): the rows of its chunk from there that
+        predict a prompt token land in `self.prompt_logits` {request id: (first position,
+        (M, V) logits)}.
         """
-        trees = trees or {}
-        prompt_from = prompt_from or {}
+        step = StepBatch.build(batch, tb, self.device, prompt_from)
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
-        ids, pos, slots, qlens, masks, rows = [], [], [], [], [], []
-        spans = []  # (first logits row, rows) per sampled sequence
-        prompt_spans = []  # (request id, first position, first logits row, rows)
-        for c in batch.chunks:
-            tree = trees.get(c.seq.request_id)
-            base = len(ids)
-            if tree is None:
-                ids += c.token_ids
-                pos += list(range(c.start, c.start + c.num_tokens))
-                slots += c.slots
-                qlens.append(c.num_tokens)
-                masks.append(None)
-                if c.samples:
-                    spans.append((len(rows), 1))
-                    rows.append(base + c.num_tokens - 1)
-                rid = c.seq.request_id
-                if rid in prompt_from:  # position p predicts prompt token p + 1
-                    lo = max(c.start, prompt_from[rid])
-                    hi = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
-                    if hi > lo:
-                        prompt_spans.append((rid, lo, len(rows), hi - lo))
-                        rows += range(base + lo - c.start, base + hi - c.start)
-            else:
-                n = len(tree.tokens)
-                ids += tree.tokens
-                pos += [c.start + d for d in tree.depths]
-                slots += tree.slots
-                qlens.append(n)
-                masks.append(tree.mask)
-                spans.append((len(rows), n))
-                rows += range(base, base + n)
-        bucket = self._bucket(batch, qlens, trees)
-        decode = self._decode_shaped(batch, qlens, trees)
-        self.attention.select(bucket or (self._plan_bucket(len(qlens), qlens[0]) if decode
-                                         else None))  # fmt: skip
-        self.attention.plan(
-            torch.tensor(slots, dtype=torch.int64),
-            [c.seq.block_table for c in batch.chunks],
-            [c.start for c in batch.chunks],
-            qlens,
-            masks,
-        )
-        dev = self.device
-        if bucket is not None:  # every token is a logits row, in order (decodes: no prompt rows)
-            logits = self.graphs.replay(bucket, to_device(torch.tensor(ids), dev),
-                                        to_device(torch.tensor(pos), dev))  # fmt: skip
+        qlens, dev = step.query_lens, self.device
+        bucket = None
+        if step.decode_shaped and self.graphs is not None:
+            bucket = self.graphs.bucket_for(len(qlens), qlens[0])
+        self.attention.select(bucket or (self._plan_bucket(len(qlens), qlens[0])
+                                         if step.decode_shaped else None))  # fmt: skip
+        self.attention.plan(step.slots, step.block_tables, step.prefix_lens, qlens,
+                            mask=step.mask)  # fmt: skip
+        if bucket is not None:  # every token is a logits row, in order (no prompt rows)
+            logits = self.graphs.replay(bucket, step.ids, step.positions)
             self.hidden = getattr(self.model, "captured", None)
-            return [logits[a : a + n] for a, n in spans]
-        # On a GPU an eager decode routes MoE as the captured graphs do, so turning graphs off
-        # changes no kernel choice but the padding.
-        moe = self._moe_impl("graph" if dev.type == "cuda" and self._decode_shaped(
-            batch, qlens, trees) else None)  # fmt: skip
+            return StepLogits(logits, step.spans)
+        # On a GPU an eager decode-shaped step routes MoE as the captured graphs do, so turning
+        # graphs off changes no kernel choice but the padding.
+        moe = self._moe_impl("graph" if dev.type == "cuda" and step.decode_shaped else None)
+        rows = step.logits_rows
         try:
             logits = self.model(
-                to_device(torch.tensor(ids, dtype=torch.int64), dev),  # (T,)
-                to_device(torch.tensor(pos, dtype=torch.int64), dev),  # (T,)
-                attention=self.attention,
-                logits_indices=to_device(torch.tensor(rows, dtype=torch.int64), dev),  # (N,)
-            )  # (N, V)
+                step.ids,
+                step.positions,
+                attention=self.attention,  # (T,), (T,)
+                logits_indices=None
+                if rows is None
+                else to_device(torch.tensor(rows, dtype=torch.int64), dev),  # (R,)
+            )  # (R, V)
         finally:
             self._moe_impl(moe)
         self.hidden = getattr(self.model, "captured", None)
-        self.prompt_logits = {rid: (p, logits[a : a + n]) for rid, p, a, n in prompt_spans}
-        return [logits[a : a + n] for a, n in spans]
+        self.prompt_logits = {rid: (p, logits[a : a + n]) for rid, p, a, n in step.prompt_spans}
+        return StepLogits(logits, step.spans)

@@ -8,8 +8,9 @@ compiled on the device; the model verifies every node in one forward (a captured
 (batch, N) bucket); the walks accept the longest paths the target agrees with, on the device;
 the accepted nodes' K/V move to contiguous positions in one gather/scatter per cache tensor; one
 host read returns the committed tokens, and the reservations are committed (rejected slots
-freed). A step that mixes trees with prefill runs the trees from host copies
-(`TreeBatch.to_spec_trees`) and accepts them with the same `accept_batch`.
+freed). A step that mixes trees with prefill runs them in the same forward (engine/step_batch.py
+puts each tree in its sequence's place, on the device) and accepts them with the same
+`accept_batch`.
 
 The root of each tree is the sequence's last token (not yet in the KV cache), so a round commits
 `accepted nodes + 1` tokens (the bonus comes from the target at the last accepted node).
@@ -34,17 +35,6 @@ from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_t
 
 
 @dataclass
-class SpecTree:
-    """A sequence's tree for this step (host lists; node 0 = the root = its last token)."""
-
-    tokens: list[int]  # (T,)
-    parents: list[int]  # (T,), parents[0] = -1
-    depths: list[int]  # (T,)
-    slots: list[int]  # (T,) KV slot of each node: node i at position P + i
-    mask: torch.Tensor  # (T, W) int32 ancestor-or-self bits
-
-
-@dataclass
 class TreeBatch:
     """The round's trees for B speculating sequences, on the device, fixed size N = budget + 1
     per tree (DDTree's padding nodes, when fewer rank paths exist, are never accepted)."""
@@ -65,17 +55,6 @@ class TreeBatch:
     @property
     def nodes(self) -> int:
         return self.tokens.shape[1]
-
-    def to_spec_trees(self) -> dict[str, SpecTree]:
-        """Host copies per sequence (one read), for a step that mixes trees with prefill."""
-        b, n = self.tokens.shape
-        host = torch.cat((self.tokens, self.parents, self.depths, self.slots)).tolist()
-        out = {}
-        for i, seq in enumerate(self.seqs):
-            tree_mask = self.mask[i * n : (i + 1) * n]  # (N, W)
-            out[seq.request_id] = SpecTree(host[i], host[b + i], host[2 * b + i], host[3 * b + i],
-                                           tree_mask)  # fmt: skip
-        return out
 
 
 PHASES = ("draft", "build", "verify", "accept", "commit")
