@@ -214,8 +214,7 @@ class SpeculativeDecoder:
         else:
             tree = build_tree(logits, budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
-        slots = torch.tensor([[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)]
-                              for s in chosen], dtype=torch.int64).to(device)  # fmt: skip
+        slots = self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n).to(device)
         if self.algorithm == "CHAIN" or budget not in self._build:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
