@@ -144,7 +144,10 @@ def free(llm) -> None:
 
 
 def configs(args, block: int, budgets: list[int]):
-    """(name, algorithm, drafter, budget, depth, adaptive): plain first (the reference)."""
+    """(name, algorithm, drafter, budget, depth, adaptive): plain first (the reference); no
+    DFlash configs with `--drafter none` (a target without a drafter, e.g. smollm2-135m)."""
+    if args.drafter == "none":
+        return [("none", None, "ngram", 1, 1, False)]
     out = [("none", None, "ngram", 1, 1, False), (f"CHAIN(dflash) depth {block - 1}", "CHAIN",
            args.drafter, block - 1, block - 1, False)]  # fmt: skip
     out += [(f"DDTREE(dflash) b={b}", "DDTREE", args.drafter, b, block - 1, False)
@@ -214,7 +217,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=("accept", "speed"))
     p.add_argument("--target", default="tiny-code", help="model name or directory")
-    p.add_argument("--drafter", default=str(DATA / "tiny-code-dflash"))
+    p.add_argument(
+        "--drafter",
+        default=str(DATA / "tiny-code-dflash"),
+        help="DFlash drafter directory; 'none': n-gram configs only",
+    )
     p.add_argument("--code-prompts", type=Path, default=DATA / "tiny-code" / "heldout.json")
     p.add_argument("--prose", type=Path, default=PROSE)
     p.add_argument("--n", type=int, default=16, help="prompts per text")
@@ -239,8 +246,12 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
     p.add_argument("--json", type=Path, required=True)
     args = p.parse_args(argv)
-    block = json.loads((Path(args.drafter) / "config.json").read_text())
-    block = block.get("block_size") or block["dflash_config"]["block_size"]
+    block = 0
+    if args.drafter != "none":
+        block = json.loads((Path(args.drafter) / "config.json").read_text())
+        block = block.get("block_size") or block["dflash_config"]["block_size"]
+    elif args.adaptive or args.mode == "accept":
+        p.error("--drafter none: only `speed` without --adaptive (the DFlash configs need one)")
     t0 = time.perf_counter()
     rows = run_accept(args, block) if args.mode == "accept" else run_speed(args, block)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"

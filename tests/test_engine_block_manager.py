@@ -274,3 +274,27 @@ def test_sampling_params_validation():
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+def test_span_slots_equal_slot_per_position():
+    """Random page sizes, fragmented pages (interleaved growth of several sequences), spans that
+    cross pages: the vectorised slots equal `slot` position by position; out of range is named."""
+    import random
+
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    bm = BlockManager(num_pages=400, page_size=rng.choice([1, 4, 16]))
+    seqs = [seq(f"r{i}", rng.randint(1, 30)) for i in range(5)]
+    for s in seqs:
+        bm.allocate(s)
+    for _ in range(40):  # interleaved growth: page tables are not contiguous
+        s = rng.choice(seqs)
+        bm.append_slots(s, rng.randint(1, 9))
+    n = rng.randint(1, 12)
+    firsts = [rng.randint(0, max(0, s.num_slots - n)) for s in seqs]
+    use = [(s, f) for s, f in zip(seqs, firsts, strict=True) if f + n <= s.num_slots]
+    got = bm.span_slots([s for s, _ in use], [f for _, f in use], n).tolist()
+    want = [[bm.slot(s, f + i) for i in range(n)] for s, f in use]
+    assert got == want, seed
+    with pytest.raises(ValueError, match="'r0': positions"):
+        bm.span_slots([seqs[0]], [seqs[0].num_slots - n + 1], n)

@@ -30,24 +30,25 @@ def test_dflash_speculation_is_lossless(algorithm):
     assert got == want
     st = llm.spec_stats
     assert st["drafter"] == "dflash" and st["rounds"] > 0
-    assert llm.spec.source.context == {}  # finished requests' states are dropped
+    assert len(llm.spec.source.context) == 0  # finished requests' states are dropped
 
 
 def test_dflash_context_tracks_the_cache():
-    """Mid-generation, the drafter holds one hidden row per cached token, equal to the target's
-    own layer outputs for that prefix computed from scratch."""
+    """Mid-generation, the drafter holds keys/values for every cached token, equal to those of
+    the target's own layer outputs for that prefix computed from scratch."""
     llm = LLM("tiny-llama", num_pages=128, speculative_algorithm="DDTREE",
               speculative_ddtree_budget=8, speculative_draft_model_path="tiny-dflash")  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     seq = llm.add_request(prompts(1, seed=3)[0], sp)
     for _ in range(4):
         llm.step()
-    ctx = llm.spec.source.rows(seq.request_id)  # (cached, F)
-    assert ctx.shape[0] == seq.num_cached_tokens
+    kv, first = llm.spec.source.context.keys_values(seq.request_id)  # (cached, nl, 2, Hkv, D)
+    assert first == 0 and kv.shape[0] == seq.num_cached_tokens
     ids = torch.tensor(seq.all_token_ids[: seq.num_cached_tokens])
     with torch.inference_mode():
         llm.model(ids, torch.arange(len(ids)))
-    torch.testing.assert_close(ctx, llm.model.captured, rtol=1e-4, atol=1e-4)
+        want = llm.spec.source.drafter.context_kv(llm.model.captured, torch.arange(len(ids)))
+    torch.testing.assert_close(kv, want, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_draft_model_path_is_named():
@@ -85,27 +86,3 @@ def test_rounds_in_steps_mixed_with_prefill_stay_lossless(drafter, monkeypatch):
         llm.step()
     assert mixed, "no step mixed trees with prefill"
     assert [first.output_token_ids, second.output_token_ids] == want
-
-
-def test_dflash_source_joins_observed_rows_lazily():
-    """Observed chunks are kept as a list and joined when read (or every MAX_PENDING chunks);
-    a chunk starting before the end drops the rows past its start (recomputed or rejected)."""
-    from types import SimpleNamespace
-
-    from treeverify.engine.drafters import DFlashSource
-
-    src = DFlashSource(SimpleNamespace(target_layer_ids=[0]))
-    rows = torch.randn(200, 4)  # (positions, F)
-    src.observe("r", 0, rows[:3])
-    src.observe("r", 3, rows[3:4].clone())
-    assert torch.equal(src.rows("r"), rows[:4])
-    src.observe("r", 2, rows[2:6])  # rows 2.. seen again: the old 2, 3 are dropped
-    assert torch.equal(src.rows("r"), rows[:6])
-    with pytest.raises(RuntimeError, match="chunk starts at 9"):
-        src.observe("r", 9, rows[9:10])
-    for i in range(6, 6 + DFlashSource.MAX_PENDING):
-        src.observe("r", i, rows[i : i + 1])
-    assert not src._pending.get("r")  # joined once MAX_PENDING chunks were waiting
-    assert torch.equal(src.rows("r"), rows[: 6 + DFlashSource.MAX_PENDING])
-    src.forget("r")
-    assert src.context == {} and src.rows("r") is None

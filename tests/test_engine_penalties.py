@@ -53,9 +53,11 @@ def plain_llm():
 
 @pytest.fixture(scope="module")
 def case(plain_llm):
-    rng = random.Random()
+    seed = random.randrange(2**32)  # fresh penalties each run; the seed is in any failure
+    rng = random.Random(seed)
     first = plain_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1))
     params = _params(rng, [o.token_ids[0] for o in first])
+    print(f"penalty seed {seed}")
     return params, plain_llm.generate(PROMPTS * 2, params)
 
 
@@ -125,7 +127,10 @@ def test_speculative_equals_plain_with_penalties(case, alg, budget, depth, tight
     extra = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS * 2 + [PROMPTS[0]], params + [extra])
     assert [o.token_ids for o in outs[:-1]] == [o.token_ids for o in plain]
-    assert llm.spec.stats.avg_accept_length > 1.3  # trees were accepted, not only bonuses
+    # trees were accepted, not only bonuses: over 12 seeds, 16-34 rounds committed more than
+    # one token (mean accept length 1.17-1.73 with the penalties drawn, so no bound on the mean)
+    hist = llm.spec.stats.histogram
+    assert sum(n for k, n in hist.items() if k > 1) >= 8, hist
     for o, ref in zip(outs, plain, strict=False):
         assert [lp.token_id for lp in o.logprobs] == ref.token_ids
         for a, b in zip(o.logprobs, ref.logprobs, strict=True):

@@ -32,6 +32,7 @@ FAULTS = [
     ("first_request_crash", 4),
     ("garbage_after:6", 2),
     ("spec_diverge", 2),
+    ("spec_greedy_sampled", 2),  # only the speculation probe's seeded sampled on vs off
     ("batch_over:16", 2),  # caught only by concurrency above 16 (the server's max running)
 ]
 SMOKE: dict[str, dict] = {}  # fault -> smoke outcome, filled by test_smoke_mode

@@ -15,8 +15,12 @@ of a partly filled last page, so no sequence ever writes into a page another one
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
 
 from .sequence import Sequence
+
+if TYPE_CHECKING:  # annotations only: this module runs without torch
+    import torch
 
 
 class BlockManager:
@@ -66,6 +70,25 @@ class BlockManager:
             )
         page = seq.block_table[position // self.page_size]
         return page * self.page_size + position % self.page_size
+
+    def span_slots(self, seqs: list[Sequence], firsts: list[int], n: int) -> torch.Tensor:
+        """(B, n) int64 on the host: the slots of positions firsts[b] .. firsts[b] + n - 1 of
+        each sequence, equal to `slot` per position; a round's N slots per sequence in a few
+        tensor ops instead of B * N Python calls (N reaches 1025)."""
+        import torch  # here: the rest of the block manager stays importable without torch
+
+        ps = self.page_size
+        pages = []
+        for seq, first in zip(seqs, firsts, strict=True):
+            if first < 0 or first + n > seq.num_slots:
+                raise ValueError(f"{seq.request_id!r}: positions {first}..{first + n - 1} have "
+                                 f"no slots (num_slots={seq.num_slots})")  # fmt: skip
+            pages.append(seq.block_table[first // ps : (first + n - 1) // ps + 1])
+        width = max(len(p) for p in pages)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int64)
+        start = torch.tensor(firsts, dtype=torch.int64)[:, None]  # (B, 1)
+        pos = start + torch.arange(n, dtype=torch.int64)[None, :]  # (B, n)
+        return table.gather(1, pos // ps - start // ps) * ps + pos % ps
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate(self, seq: Sequence, n: int | None = None) -> list[int]:

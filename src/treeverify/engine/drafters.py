@@ -3,10 +3,11 @@
     source.propose_batch(seqs, depth, device) -> (B, L, V) fp32 logits on the device
     source.observe(request_id, start, hidden)   the target's hidden states of committed tokens
 
-`NgramSource` needs nothing from the target. `DFlashSource` keeps, per sequence, the target's
-hidden states (the configured layers' outputs, concatenated) of every token in its KV cache,
-appended as chunks and accepted tree paths commit; the drafter runs on the last `window` of them
-with the sequence's last token (the round's root, not yet in the cache) as block position 0.
+`NgramSource` needs nothing from the target. `DFlashSource` is handed, per sequence, the target's
+hidden states (the configured layers' outputs, concatenated) of every token its KV cache gains,
+as chunks and accepted tree paths commit; it keeps the drafter's keys/values of them
+(`DraftContextCache`: each row projected once) and drafts from the last `window` of them with the
+sequence's last token (the round's root, not yet in the cache) as block position 0.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.sequence import Sequence
 from treeverify.models.shipped import SHIPPED_DRAFTERS, own_drafter, shipped_dir
 from treeverify.spec.ngram import NgramDrafter
@@ -45,69 +47,49 @@ class NgramSource:
 class DFlashSource:
     name = "dflash"
 
-    MAX_PENDING = 64  # observed chunks kept as a list before they are joined (bounds memory)
-
     def __init__(self, drafter, window: int = 2048):
         self.drafter = drafter
         self.target_layer_ids = list(drafter.target_layer_ids)
         self.window = window
-        # request -> joined rows (cached tokens, F), plus chunks observed since (joined lazily:
-        # a plain decode step, e.g. at adaptive budget 0, then costs a list append, not a cat
-        # of the whole context per request)
-        self.context: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, list[torch.Tensor]] = {}
-        self._rows: dict[str, int] = {}
+        self.context = DraftContextCache(drafter, window)  # request -> keys/values of its rows
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """Rows for cache positions start.. (earlier rows past `start` were recomputed or
         rejected: dropped). `hidden` must not be overwritten later (the caller copies graph
         outputs once per step)."""
-        have = self._rows.get(request_id, 0)
-        if start > have:
-            raise RuntimeError(f"dflash context of {request_id}: {have} rows, "
-                               f"chunk starts at {start}")  # fmt: skip
-        if start < have:
-            self.context[request_id] = self.rows(request_id)[:start]
-        parts = self._pending.setdefault(request_id, [])
-        parts.append(hidden)
-        self._rows[request_id] = start + hidden.shape[0]
-        if len(parts) >= self.MAX_PENDING:
-            self.rows(request_id)
-
-    def rows(self, request_id: str) -> torch.Tensor | None:
-        """The request's context rows (cached tokens, F), joined now if chunks are pending."""
-        parts = self._pending.pop(request_id, None)
-        have = self.context.get(request_id)
-        if parts:
-            have = torch.cat(parts if have is None else [have, *parts])
-            self.context[request_id] = have
-        return have
+        self.context.observe(request_id, start, hidden)
 
     def forget(self, request_id: str) -> None:
-        self.context.pop(request_id, None)
-        self._pending.pop(request_id, None)
-        self._rows.pop(request_id, None)
+        self.context.forget(request_id)
 
     @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
-        """(B, L, V): every sequence's last `window` context rows, padded, in one drafter call."""
-        ctxs = []
+        """(B, L, V): every sequence's last `window` context rows' keys/values (rows committed
+        since its last round projected first, all sequences in one call), padded, one draft."""
+        self.context.project([s.request_id for s in seqs])
+        kvs, firsts = [], []
         for seq in seqs:
-            ctx = self.rows(seq.request_id)
-            if ctx is None or ctx.shape[0] == 0:
+            held = self.context.keys_values(seq.request_id)
+            if held is None:
                 raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
-            ctxs.append(ctx[-self.window :])  # (C_b, F)
-        dev = ctxs[0].device
-        padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)  # (B, C, F)
-        lens = [c.shape[0] for c in ctxs]
+            kv, first = held  # (C_b, n_layers, 2, Hkv, D), position of row 0
+            if first + kv.shape[0] != seq.num_cached_tokens:
+                raise RuntimeError(
+                    f"dflash context of {seq.request_id}: rows end at position "
+                    f"{first + kv.shape[0]}, the cache holds {seq.num_cached_tokens} tokens"
+                )
+            kvs.append(kv)
+            firsts.append(first)
+        dev = kvs[0].device
+        padded = torch.nn.utils.rnn.pad_sequence(kvs, batch_first=True)  # (B, C, nl, 2, Hkv, D)
         meta = torch.tensor(
             [
-                lens,
+                [kv.shape[0] for kv in kvs],
                 [s.last_token_id for s in seqs],
-                [s.num_cached_tokens - n for s, n in zip(seqs, lens, strict=True)],
+                [s.num_cached_tokens for s in seqs],
             ],
-        ).to(dev)  # (3, B): context lengths, roots, positions of context row 0
-        return self.drafter.propose(padded, meta[0], meta[1], depth, context_start=meta[2])
+        ).to(dev)  # (3, B): context lengths, roots, the blocks' first positions
+        return self.drafter.propose_from_kv(padded, meta[0], meta[1], meta[2], depth)
 
 
 def make_source(

@@ -13,6 +13,7 @@ into the graphs, reading a fixed device buffer that every step's plan() refills)
 | batch_over:N        | logits corrupted in steps of more than N sequences     | ModelRunner.run* |
 | garbage_after:N     | every output token after a request's N-th is garbage   | LLM.run_batch    |
 | spec_diverge        | speculative rounds commit a wrong bonus token          | accept_batch     |
+| spec_greedy_sampled | sampled requests' rounds use greedy acceptance         | accept_batch     |
 | capture_crash       | the server exits non-zero in the graph-capture phase   | server startup   |
 | capture_hang        | the server hangs in that phase, never ready            | server startup   |
 | first_request_crash | the server process dies on its first HTTP completion   | server loop      |
@@ -29,7 +30,8 @@ from treeverify import env
 from treeverify.engine.paged_attention import PagedAttention
 
 MERGE_BUG_PREFIX = 256  # the split chunk a broken merge would show beyond
-ENGINE_FAULTS = ("attn_past", "merge_bug", "batch_over", "garbage_after", "spec_diverge")
+ENGINE_FAULTS = ("attn_past", "merge_bug", "batch_over", "garbage_after", "spec_diverge",
+                 "spec_greedy_sampled")  # fmt: skip
 
 
 def active(name: str) -> int | None:
@@ -55,6 +57,8 @@ def install(llm) -> str | None:
         _wrap_garbage_after(llm, n)
     elif name == "spec_diverge" and llm.spec is not None:
         _wrap_diverge_bonus(llm.spec, llm.vocab_size)
+    elif name == "spec_greedy_sampled" and llm.spec is not None:
+        _wrap_greedy_sampled(llm.spec)
     return name
 
 
@@ -134,5 +138,24 @@ def _wrap_diverge_bonus(spec, vocab: int) -> None:
     @functools.wraps(accept_batch)
     def faulty_accept_batch(tb, logits):
         return [toks[:-1] + [(toks[-1] + 1) % vocab] for toks in accept_batch(tb, logits)]
+
+    spec.accept_batch = faulty_accept_batch
+
+
+def _wrap_greedy_sampled(spec) -> None:
+    """Rounds of sampled requests are accepted greedily (target argmax walk, argmax bonus): the
+    classic bug that keeps first tokens right (they come from prefill) and collapses the rest."""
+    accept_batch = spec.accept_batch
+
+    @functools.wraps(accept_batch)
+    def faulty_accept_batch(tb, logits):
+        real = [s.sampling_params for s in tb.seqs]
+        for s in tb.seqs:
+            s.sampling_params = dataclasses.replace(s.sampling_params, temperature=0.0)
+        try:
+            return accept_batch(tb, logits)
+        finally:
+            for s, p in zip(tb.seqs, real, strict=True):
+                s.sampling_params = p
 
     spec.accept_batch = faulty_accept_batch

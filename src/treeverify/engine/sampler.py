@@ -22,14 +22,26 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # the k most likely (token, logprob), best first
 
 
-def request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
-    """The generator of a request's next draw, seeded by (its seed or id, its position): draws
-    do not depend on batch neighbours, and a seeded request is reproducible."""
+def request_generator(seq: Sequence, device: torch.device, position: int | None = None):
+    """The generator of a request's draw for the token at `position` (default: its next one),
+    seeded by (its seed or id, that position): draws do not depend on batch neighbours or on
+    speculation, and a seeded request is reproducible."""
     p = seq.sampling_params
     base = p.seed if p.seed is not None else hash(seq.request_id) & 0x7FFFFFFF
+    at = seq.num_tokens if position is None else position
     return torch.Generator(device=device).manual_seed(
-        (base * 1_000_003 + seq.num_tokens) & 0x7FFF_FFFF_FFFF_FFFF
+        (base * 1_000_003 + at) & 0x7FFF_FFFF_FFFF_FFFF
     )
+
+
+def position_noise(seq: Sequence, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """(count, V) uniform draws: row d is what plain decoding draws for the token d places after
+    the sequence's last one (a speculative round gives it to every node at depth d)."""
+    return torch.cat([
+        torch.rand((1, 1, vocab), generator=request_generator(seq, device, seq.num_tokens + d),
+                   device=device, dtype=torch.float32)[0]
+        for d in range(count)
+    ])  # fmt: skip
 
 
 def filters(seq: Sequence, vocab: int) -> tuple[float, float | None, int | None]:

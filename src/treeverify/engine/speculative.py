@@ -29,7 +29,7 @@ from treeverify.engine.config import tree_nodes
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
-from treeverify.engine.sampler import TokenLogprobs, filters, request_generator, token_logprobs
+from treeverify.engine.sampler import TokenLogprobs, filters, position_noise, token_logprobs
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
 
@@ -192,8 +192,7 @@ class SpeculativeDecoder:
         else:
             tree = build_tree(logits, budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
-        slots = torch.tensor([[self.bm.slot(s, s.num_tokens - 1 + i) for i in range(n)]
-                              for s in chosen], dtype=torch.int64).to(device)  # fmt: skip
+        slots = self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n).to(device)
         if self.algorithm == "CHAIN" or budget not in self._build:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
@@ -237,10 +236,13 @@ class SpeculativeDecoder:
             for i, seq in enumerate(tb.seqs):  # sampled requests: their own walk, on the device
                 if seq.sampling_params.temperature == 0:
                     continue
+                # node at depth d: plain decoding's draw for the token d places on, so the
+                # committed tokens are exactly plain sampled decoding's (tree-independent)
+                per_depth = position_noise(seq, tb.max_depth + 1, logits.shape[-1], logits.device)
                 one = accept_sampled(
                     tb.tokens[i : i + 1], tb.parents[i : i + 1], logits[i : i + 1],
-                    *filters(seq, logits.shape[-1]), request_generator(seq, logits.device),
-                    max_depth=tb.max_depth,
+                    *filters(seq, logits.shape[-1]), max_depth=tb.max_depth,
+                    noise=per_depth[tb.depths[i]][None],  # (1, N, V)
                 )  # fmt: skip
                 path[i], length[i], bonus[i] = one.path[0], one.length[0], one.bonus[0]
             packed = self._move_and_pack(tb.tokens, tb.parents, tb.slots, path, length, bonus)

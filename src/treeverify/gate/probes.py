@@ -197,11 +197,48 @@ def speculation(ctx: Ctx) -> ProbeResult:
             off = greedy(ctx, p, 24, speculative=False)
             t.agree(f"{p[:24]!r}", p, off, greedy(ctx, p, 24))
             t.agree_text(f"{p[:24]!r}", p, off, plain(ctx, p, 24).text)
+        _sampled_on_vs_off(ctx, t)
+        how += f"; seeded sampling on vs off, {len(SAMPLED_PROMPTS)} prompts"
     else:
         return ProbeResult(
             "speculation", "skip", "speculation not enabled (/server_info) and no --baseline-url"
         )
     return t.verdict("speculation", f"{len(prompts)} prompts greedy-equal ({how})")
+
+
+SAMPLED_PROMPTS = G.SUITE_PROMPTS[:6]
+SAMPLED_TOKENS = 24
+EARLY = 4  # a divergence within a request's first EARLY tokens counts as early
+
+
+def _sampled_on_vs_off(ctx: Ctx, t: Tally) -> None:
+    """Seeded sampled requests commit the same tokens with speculation on and off (each tree
+    node uses plain decoding's draw for its position: docs/sampling.md). In fp32 they agree
+    exactly; a bf16 verify forward can flip a near-tie of the perturbed scores (the gate cannot
+    see those scores), rarely and late. A broken sampled acceptance (greedy acceptance at
+    temperature > 0, drafts committed unchecked, a wrong distribution) diverges within the first
+    rounds of most requests: that is the failure, when half or more of the prompts diverge early."""
+    early, notes = [], []
+    for i, p in enumerate(SAMPLED_PROMPTS):
+        extra = {"temperature": 0.8, "top_p": 0.95, "seed": 7919 + i, "ignore_eos": True}
+        off = ctx.client.complete(p, SAMPLED_TOKENS, logprobs=1,
+                                  extra={**extra, "speculative": False})  # fmt: skip
+        on = ctx.client.complete(p, SAMPLED_TOKENS, logprobs=1, extra=extra)
+        a, b = off.token_ids or off.tokens or [], on.token_ids or on.tokens or []
+        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if at is None and len(a) != len(b):
+            at = min(len(a), len(b))
+        if at is None:
+            continue
+        said = (f"{p[:24]!r}: sampled seed {extra['seed']} diverges at token {at}: "
+                f"off {a[at : at + 3]} vs on {b[at : at + 3]}")  # fmt: skip
+        (early if at < EARLY else notes).append(said)
+    t.notes += notes
+    if 2 * len(early) >= len(SAMPLED_PROMPTS):
+        head = f"seeded sampling with speculation on differs from off early in {len(early)} of "
+        t.failures.append(f"{head}{len(SAMPLED_PROMPTS)} prompts: " + "; ".join(early))
+    else:
+        t.notes += early
 
 
 def measure_latency(ctx: Ctx) -> dict:

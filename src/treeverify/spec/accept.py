@@ -107,6 +107,7 @@ def sample_per_node(
     top_p: Tensor | float | None = None,
     top_k: Tensor | int | None = None,
     generator: torch.Generator | None = None,
+    noise: Tensor | None = None,
 ) -> Tensor:
     """One independent token per node from the (filtered) target distribution: ``(B, T)`` int64.
 
@@ -116,6 +117,8 @@ def sample_per_node(
     off; ties at the cut are kept), and sampled by the Gumbel-max trick with ``torch.rand``
     (no ``multinomial``, which can sync on CUDA).  ``temperature[b] == 0`` means argmax of the raw
     logits for that request.  ``None`` for ``top_p``/``top_k`` skips the sort entirely.
+    ``noise`` (B, T, V) uniform [0, 1): the draws to use instead of ``torch.rand`` (nodes at the
+    same depth may share theirs: only one node per depth is ever on the accepted path).
     """
     bsz, t, v = target_logits.shape
     dev = target_logits.device
@@ -144,7 +147,12 @@ def sample_per_node(
             pth = sorted_logits.gather(-1, n_keep - 1)
             keep_min = torch.maximum(keep_min, pth)
         scaled = torch.where(scaled >= keep_min, scaled, neg_inf)
-    u = torch.rand(scaled.shape, generator=generator, device=dev, dtype=torch.float32)
+    if noise is None:
+        u = torch.rand(scaled.shape, generator=generator, device=dev, dtype=torch.float32)
+    else:
+        if noise.shape != scaled.shape:
+            raise ValueError(f"noise: expected {tuple(scaled.shape)}, got {tuple(noise.shape)}")
+        u = noise.to(device=dev, dtype=torch.float32)
     gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
     sampled = (scaled + gumbel).argmax(dim=-1)  # (B, T)
     argmax = logits.argmax(dim=-1)
@@ -160,6 +168,7 @@ def accept_sampled(
     top_k: Tensor | int | None = None,
     generator: torch.Generator | None = None,
     max_depth: int | None = None,
+    noise: Tensor | None = None,
 ) -> Acceptance:
     """DDTree's lossless sample-and-walk acceptance.
 
@@ -169,6 +178,11 @@ def accept_sampled(
     committed prefix: the token committed after node ``cur`` is ``sample[cur]`` whether or not a
     child matches it, and samples at different nodes are independent.  ``temperature == 0`` for a
     request gives exactly ``accept_greedy`` with the target argmax for it.
+
+    ``noise`` (B, N, V): per-node uniform draws (see ``sample_per_node``). The engine gives every
+    node the draw that plain decoding would use for the token at that node's position, so a seeded
+    request commits exactly plain decoding's tokens whatever trees the drafter proposes: the path
+    holds one node per depth, and each depth's draw is independent of the ones that chose it.
     """
-    sample = sample_per_node(target_logits, temperature, top_p, top_k, generator)
+    sample = sample_per_node(target_logits, temperature, top_p, top_k, generator, noise)
     return walk_tree(tokens, parents, sample, max_depth)

@@ -40,7 +40,11 @@ from treeverify.spec.dflash_config import DFlashConfig
 
 
 class DFlashAttention(nn.Module):
-    """Block queries over [context rows; block rows] keys/values, non-causal, GQA."""
+    """Block queries over [context rows; block rows] keys/values, non-causal, GQA.
+
+    A context row's key and value depend on that row alone (its projected features and its
+    position), so they can be computed once, when the row is committed, and kept (`context_kv`);
+    a round then projects only the block (`forward`)."""
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -54,31 +58,38 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
+    def keys_values(
+        self,
+        rows: torch.Tensor,  # (R, H) projected context rows, or the normed block
+        cos: torch.Tensor,  # (R, D/2) rotary tables at the rows' positions
+        sin: torch.Tensor,  # (R, D/2)
+    ) -> torch.Tensor:  # (R, 2, Hkv, D): rotated keys, values
+        r = rows.shape[0]
+        k = self.k_norm(self.k_proj(rows).view(r, self.hkv, self.d))  # (R, Hkv, D)
+        k = apply_rope(k, cos, sin)
+        v = self.v_proj(rows).view(r, self.hkv, self.d)  # (R, Hkv, D)
+        return torch.stack((k, v), dim=1)
+
     def forward(
         self,
         x: torch.Tensor,  # (B, T, H) the block, after the layer's input norm
-        ctx: torch.Tensor,  # (B, C, H) projected context rows
-        cos: torch.Tensor,  # (B, C + T, D/2) rotary cos for keys [context; block]
-        sin: torch.Tensor,  # (B, C + T, D/2)
+        ctx_kv: torch.Tensor,  # (B, C, 2, Hkv, D) the context rows' keys/values (keys_values)
+        cos: torch.Tensor,  # (B, T, D/2) rotary cos at the block's positions
+        sin: torch.Tensor,  # (B, T, D/2)
         bias: torch.Tensor,  # (B, 1, 1, C + T) fp32: 0 for visible keys, -inf for padding
     ) -> torch.Tensor:  # (B, T, H)
         b, t, _ = x.shape
-        s = ctx.shape[1] + t
         g = self.hq // self.hkv
-        kv_in = torch.cat([ctx, x], dim=1)  # (B, S, H)
-        q = self.q_norm(self.q_proj(x).view(b, t, self.hq, self.d))  # (B, T, Hq, D)
-        k = self.k_norm(self.k_proj(kv_in).view(b, s, self.hkv, self.d))  # (B, S, Hkv, D)
-        v = self.v_proj(kv_in).view(b, s, self.hkv, self.d)  # (B, S, Hkv, D)
-        cos_k, sin_k = cos.reshape(b * s, -1), sin.reshape(b * s, -1)  # (B*S, D/2) keys
-        cos_q = cos[:, s - t :].reshape(b * t, -1)  # (B*T, D/2) queries: the block rows
-        sin_q = sin[:, s - t :].reshape(b * t, -1)  # (B*T, D/2)
-        q = apply_rope(q.reshape(b * t, self.hq, self.d), cos_q, sin_q)  # (B*T, Hq, D)
-        k = apply_rope(k.reshape(b * s, self.hkv, self.d), cos_k, sin_k)  # (B*S, Hkv, D)
+        cos_q, sin_q = cos.reshape(b * t, -1), sin.reshape(b * t, -1)  # (B*T, D/2)
+        q = self.q_norm(self.q_proj(x).view(b * t, self.hq, self.d))  # (B*T, Hq, D)
+        q = apply_rope(q, cos_q, sin_q)
+        blk_kv = self.keys_values(x.reshape(b * t, -1), cos_q, sin_q).view(b, t, 2, self.hkv, -1)
+        kv = torch.cat((ctx_kv.to(x.dtype), blk_kv), dim=1)  # (B, S = C + T, 2, Hkv, D)
         # Query head h reads KV head h // g: group the g query heads of a KV head together.
         qg = q.view(b, t, self.hkv, g, self.d).permute(0, 2, 3, 1, 4)  # (B, Hkv, g, T, D)
         qg = qg.reshape(b, self.hkv, g * t, self.d).float()  # (B, Hkv, g*T, D)
-        kg = k.view(b, s, self.hkv, self.d).transpose(1, 2).float()  # (B, Hkv, S, D)
-        vg = v.transpose(1, 2).float()  # (B, Hkv, S, D)
+        kg = kv[:, :, 0].transpose(1, 2).float()  # (B, Hkv, S, D)
+        vg = kv[:, :, 1].transpose(1, 2).float()  # (B, Hkv, S, D)
         scores = torch.matmul(qg, kg.transpose(-1, -2)) * self.sm_scale + bias  # (B, Hkv, g*T, S)
         o = torch.matmul(scores.softmax(dim=-1), vg)  # (B, Hkv, g*T, D)
         o = o.view(b, self.hkv, g, t, self.d).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, g, D)
@@ -93,8 +104,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin, bias):  # x (B, T, H) -> (B, T, H)
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, bias)
+    def forward(self, x, ctx_kv, cos, sin, bias):  # x (B, T, H) -> (B, T, H)
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -177,9 +188,6 @@ class DFlashDrafter(nn.Module):
         The full block is always run (the drafter was trained on full blocks); only the first
         `depth` predictions are projected to the vocabulary.
         """
-        if self._target is None:
-            raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
-        embed, lm_head = self._target
         cfg = self.config
         if context_hidden.dim() != 3 or context_hidden.shape[-1] != cfg.context_features:
             raise ValueError(
@@ -196,16 +204,57 @@ class DFlashDrafter(nn.Module):
             )
         if not 1 <= depth <= self.block_size - 1:
             raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
-        t = self.block_size
         device = context_hidden.device
-        dtype = self.fc.weight.dtype
-
-        # Context rows: zero the padding (so nothing it holds reaches the math), project.
+        # Zero the padding (whatever it holds, nothing of it reaches the math), then every
+        # row's keys/values at its position p0 + row.
         rows = torch.arange(c, device=device)  # (C,)
         lens = context_lens.to(device=device, dtype=torch.long)  # (B,)
         ctx_valid = rows[None, :] < lens[:, None]  # (B, C)
-        feats = context_hidden.to(dtype).masked_fill(~ctx_valid[:, :, None], 0.0)  # (B, C, F)
-        ctx = self.hidden_norm(self.fc(feats))  # (B, C, H)
+        feats = context_hidden.masked_fill(~ctx_valid[:, :, None], 0.0)  # (B, C, F)
+        if context_start is None:
+            p0 = torch.zeros(b, dtype=torch.long, device=device)  # (B,)
+        else:
+            p0 = context_start.to(device=device, dtype=torch.long)  # (B,)
+        ctx_pos = p0[:, None] + rows[None, :]  # (B, C)
+        kv = self.context_kv(feats.reshape(b * c, -1), ctx_pos.reshape(-1))  # (B*C, nl, 2, ..)
+        return self.propose_from_kv(kv.view(b, c, *kv.shape[1:]), lens, last_tokens,
+                                    p0 + lens, depth)  # fmt: skip
+
+    def context_kv(
+        self,
+        features: torch.Tensor,  # (R, F) target hidden states of committed tokens
+        positions: torch.Tensor,  # (R,) int: their positions
+    ) -> torch.Tensor:  # (R, n_layers, 2, Hkv, D): every layer's rotated keys and values
+        """The part of a draft that depends on one context row only: computed once per committed
+        token and kept by the caller (the engine's DraftContextCache), not once per round."""
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(features.to(dtype)))  # (R, H)
+        cos, sin = self.rope(positions.to(device=features.device, dtype=torch.long).reshape(-1))
+        return torch.stack([layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers],
+                           dim=1)  # fmt: skip
+
+    def propose_from_kv(
+        self,
+        ctx_kv: torch.Tensor,  # (B, C, n_layers, 2, Hkv, D) left-aligned context keys/values
+        context_lens: torch.Tensor,  # (B,) int: valid context rows per sequence
+        last_tokens: torch.Tensor,  # (B,) int64: the last committed token (block position 0)
+        block_start: torch.Tensor,  # (B,) int: the position of the block's first row
+        depth: int,  # L, 1 <= L <= block_size - 1
+    ) -> torch.Tensor:  # (B, L, V) fp32 logits for the next L positions
+        """`propose` from context keys/values already computed by `context_kv`; rows past
+        context_lens[b] are masked out of attention (they must be finite)."""
+        if self._target is None:
+            raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
+        if not 1 <= depth <= self.block_size - 1:
+            raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
+        embed, lm_head = self._target
+        cfg = self.config
+        b, c = ctx_kv.shape[:2]
+        t = self.block_size
+        device = ctx_kv.device
+        dtype = self.fc.weight.dtype
+        lens = context_lens.to(device=device, dtype=torch.long)  # (B,)
+        ctx_valid = torch.arange(c, device=device)[None, :] < lens[:, None]  # (B, C)
 
         # The block: [last token, MASK x (T-1)] through the target's embedding table.
         masks = torch.full((b, t - 1), self.mask_token_id, dtype=torch.long, device=device)
@@ -214,24 +263,19 @@ class DFlashDrafter(nn.Module):
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
 
-        # Positions: context rows from p0, the block right after each sequence's valid rows.
-        if context_start is None:
-            p0 = torch.zeros(b, dtype=torch.long, device=device)  # (B,)
-        else:
-            p0 = context_start.to(device=device, dtype=torch.long)  # (B,)
-        ctx_pos = p0[:, None] + rows[None, :]  # (B, C)
-        blk_pos = (p0 + lens)[:, None] + torch.arange(t, device=device)[None, :]  # (B, T)
-        pos = torch.cat([ctx_pos, blk_pos], dim=1)  # (B, S = C + T)
-        cos, sin = self.rope(pos.reshape(-1))  # (B*S, D/2) each
-        cos, sin = cos.view(b, c + t, -1), sin.view(b, c + t, -1)  # (B, S, D/2)
+        # The block right after each sequence's context.
+        start = block_start.to(device=device, dtype=torch.long)  # (B,)
+        blk_pos = start[:, None] + torch.arange(t, device=device)[None, :]  # (B, T)
+        cos, sin = self.rope(blk_pos.reshape(-1))  # (B*T, D/2) each
+        cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)  # (B, T, D/2)
 
         # Keys visible to every block query: the valid context rows and the whole block.
         key_valid = torch.cat([ctx_valid, ctx_valid.new_ones(b, t)], dim=1)  # (B, S)
         bias = torch.zeros(b, 1, 1, c + t, dtype=torch.float32, device=device)
         bias = bias.masked_fill(~key_valid[:, None, None, :], float("-inf"))  # (B, 1, 1, S)
 
-        for layer in self.layers:
-            x = layer(x, ctx, cos, sin, bias)  # (B, T, H)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx_kv[:, :, i], cos, sin, bias)  # (B, T, H)
         h = self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
         logits = lm_head(h.to(lm_head.weight.dtype)).float()  # (B, L, V)
         if cfg.output_multiplier != 1.0:

@@ -1,0 +1,114 @@
+"""DraftContextCache (CPU, fp32, the seeded tiny DFlash drafter on tiny-llama): the keys/values it
+holds equal the drafter's own `context_kv` of the rows observed, through chunks, rejections,
+restarts, the pending-list bound and window compaction; a draft from them equals the stateless
+`propose` over the same context."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from treeverify.engine.draft_context import DraftContextCache
+from treeverify.models.tiny import build_tiny
+from treeverify.spec.dflash_io import tiny_dflash
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    cfg, model, _ = build_tiny("tiny-llama", seed=0)
+    return tiny_dflash(cfg, seed=1, target_embed=model.model.embed_tokens,
+                       target_lm_head=model.lm_head).eval()  # fmt: skip
+
+
+def _expected(drafter, rows: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
+    """context_kv of the last `window` of `rows` (positions 0..), and the first position."""
+    first = max(0, rows.shape[0] - window)
+    with torch.inference_mode():
+        kv = drafter.context_kv(rows[first:], torch.arange(first, rows.shape[0]))
+    return kv, first
+
+
+def test_random_chunks_rejections_and_restarts_match_from_scratch(drafter):
+    """A random history of chunk appends, rejections (a chunk starting before the end) and
+    restarts from 0, read at random moments; a small window forces compaction and skipping."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    window = rng.choice([7, 16, 40])
+    cache = DraftContextCache(drafter, window)
+    feats = drafter.config.context_features
+    truth = torch.empty(0, feats)  # the rows the target holds now, positions 0..
+    with torch.inference_mode():
+        for _ in range(120):
+            end = truth.shape[0]
+            start = rng.choice([end] * 6 + [max(0, end - rng.randint(1, 4))] + [0])
+            n = rng.choice([1, 1, 1, 2, 3, 5, rng.randint(1, 3 * window)])
+            new = torch.randn(n, feats, generator=gen)
+            cache.observe("r", start, new)
+            truth = torch.cat([truth[:start], new])
+            assert cache.end("r") == truth.shape[0], seed
+            if rng.random() < 0.3:
+                kv, first = cache.keys_values("r")
+                want, want_first = _expected(drafter, truth, window)
+                assert first == want_first, seed
+                torch.testing.assert_close(kv, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+    held = cache._ctx["r"]
+    bound = 2 * (window + DraftContextCache.SLACK) + 3 * window  # + one chunk
+    assert held.kv.shape[0] <= bound  # bounded by the window, not by the history
+
+
+def test_pending_chunks_are_bounded(drafter):
+    cache = DraftContextCache(drafter, 1024)
+    feats = drafter.config.context_features
+    with torch.inference_mode():
+        for i in range(DraftContextCache.MAX_PENDING):
+            cache.observe("r", i, torch.randn(1, feats))
+    ctx = cache._ctx["r"]
+    assert not ctx.pending and ctx.n == DraftContextCache.MAX_PENDING  # projected at the bound
+
+
+def test_errors_name_the_request_and_positions(drafter):
+    cache = DraftContextCache(drafter, 16)
+    feats = drafter.config.context_features
+    cache.observe("r", 0, torch.randn(3, feats))
+    with pytest.raises(RuntimeError, match="r: 3 rows, chunk starts at 9"):
+        cache.observe("r", 9, torch.randn(1, feats))
+    with pytest.raises(ValueError, match="window"):
+        DraftContextCache(drafter, 0)
+    cache.forget("r")
+    assert "r" not in cache and cache.keys_values("r") is None
+
+
+def test_batched_draft_from_cache_equals_stateless_propose(drafter):
+    """Several requests, contexts of different lengths (some past the window): DFlashSource's
+    draft equals `propose` on each one's last `window` hidden rows at their positions."""
+    from types import SimpleNamespace
+
+    from treeverify.engine.drafters import DFlashSource
+
+    seed = random.randrange(2**32)
+    gen = torch.Generator().manual_seed(seed)
+    window = 24
+    src = DFlashSource(drafter, window=window)
+    feats = drafter.config.context_features
+    lens = [5, 24, 31, 60]
+    rows = [torch.randn(n, feats, generator=gen) for n in lens]
+    seqs = []
+    for i, r in enumerate(rows):
+        for s in range(0, r.shape[0], 9):  # observed in chunks of 9
+            src.observe(f"q{i}", s, r[s : s + 9])
+        root = int(torch.randint(0, 256, (1,), generator=gen))
+        seqs.append(SimpleNamespace(request_id=f"q{i}", num_cached_tokens=r.shape[0],
+                                    last_token_id=root))  # fmt: skip
+    got = src.propose_batch(seqs, 5, torch.device("cpu"))  # (B, 5, V)
+    with torch.inference_mode():
+        for b, (r, s) in enumerate(zip(rows, seqs, strict=True)):
+            c = min(window, r.shape[0])
+            want = drafter.propose(r[-c:][None], torch.tensor([c]), torch.tensor([s.last_token_id]),
+                                   5, context_start=torch.tensor([r.shape[0] - c]))  # fmt: skip
+            torch.testing.assert_close(got[b], want[0], rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
+    bad = SimpleNamespace(request_id="q0", num_cached_tokens=6, last_token_id=1)
+    with pytest.raises(RuntimeError, match="q0: rows end at position 5, the cache holds 6"):
+        src.propose_batch([bad], 5, torch.device("cpu"))
