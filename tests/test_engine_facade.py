@@ -100,7 +100,8 @@ def test_abort_drops_the_drafter_and_controller_state():
     forgotten = []
     for part in (llm.spec.source, llm.controller):  # spies: whatever they keep per request
         part.forget = lambda rid, part=part, f=part.forget: (forgotten.append((part, rid)), f(rid))
-    seq = llm.add_request(_prompts(1)[0], SamplingParams(temperature=0, max_tokens=30))
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seq = llm.add_request(_prompts(1)[0], sp)
     for _ in range(3):
         llm.step()
     assert llm.abort(seq.request_id)
@@ -108,8 +109,9 @@ def test_abort_drops_the_drafter_and_controller_state():
 
 
 def test_reports_and_reset_stats():
+    # a given cost curve where a round is cheaper than a plain step: the controller speculates
     llm = LLM("tiny-llama", num_pages=64, speculative_algorithm="DDTREE",
-              speculative_ddtree_budget=4)  # fmt: skip
+              speculative_ddtree_budget=4, speculative_cost_seconds={0: 1.0, 4: 0.5})  # fmt: skip
     rep = list(range(60, 70)) * 4  # repetitive: the n-gram drafter proposes, rounds run
     llm.generate([rep], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     st = llm.spec_stats
