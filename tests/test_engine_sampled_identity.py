@@ -25,7 +25,10 @@ def _params(rng: random.Random, n: int) -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize("model,prompts,spec", [
-    ("tiny-code", CODE, dict(speculative_algorithm="DDTREE")),  # own drafter, adaptive
+    # own drafter, adaptive; a given cost curve where every round costs half a plain step, so
+    # the controller speculates however loaded the machine is (a measured CPU curve may not)
+    ("tiny-code", CODE, dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+                             speculative_cost_seconds={0: 1.0, 4: 0.5, 8: 0.5, 16: 0.5})),
     ("tiny-code", CODE, dict(speculative_algorithm="CHAIN")),
     ("tiny-llama", REPEAT, dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
                                 speculative_adaptive=False)),
