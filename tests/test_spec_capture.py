@@ -12,7 +12,8 @@ import treeverify.spec as spec
 
 SPEC_DIR = Path(spec.__file__).resolve().parent
 # Modules that must run inside CUDA graphs (tree_oracle.py is the host test oracle).
-CAPTURE_SAFE = ["tree.py", "_chain_triton.py", "mask.py", "accept.py", "sglang_layout.py"]
+CAPTURE_SAFE = ["tree.py", "tree_heap.py", "_chain_triton.py", "mask.py", "accept.py",
+                "sglang_layout.py"]  # fmt: skip
 SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "multinomial", "synchronize"}
 SYNCING_CALLS = {
     ("torch", "tensor"),
@@ -161,3 +162,42 @@ def test_triton_chain_matches_torch_and_heap() -> None:
         for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
             assert torch.equal(getattr(a, f), getattr(b, f)), f
             assert torch.equal(getattr(a, f), getattr(c, f)), f
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_heap_kernel_matches_host_heap_and_beam() -> None:
+    """The one-launch heap (kernels/cuda/ddtree_heap.cu) against the host heap and the beam
+    search, node for node: ties (integer logits), full budgets (1024), fewer rank paths than the
+    budget (padding slots), deep and shallow drafts; outputs poisoned first."""
+    pytest.importorskip("cuda.bindings.driver")
+    from treeverify.spec.tree_heap import build_tree_heap
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(11)
+    cases = [(1, 15, 8192, 16), (8, 15, 8192, 64), (3, 4, 3, 40), (2, 1, 50, 7), (4, 16, 700, 1024),
+             (1, 8, 2, 1024)]  # fmt: skip
+    for _ in range(10):
+        cases.append((int(torch.randint(1, 9, (1,), generator=gen)),
+                      int(torch.randint(1, 17, (1,), generator=gen)),
+                      int(torch.randint(2, 3000, (1,), generator=gen)),
+                      int(torch.randint(1, 400, (1,), generator=gen))))  # fmt: skip
+    for i, (bsz, n_depth, vocab, budget) in enumerate(cases):
+        if i % 2:
+            logits = torch.randint(0, 3, (bsz, n_depth, vocab), generator=gen).float()
+        else:
+            logits = torch.randn(bsz, n_depth, vocab, generator=gen) * 3
+        logits = logits.to(dev)
+        roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
+        lp, ids = spec.draft_topk(logits, min(budget, vocab))
+        heap = build_tree_heap(lp, ids, budget, roots)
+        host = spec.build_tree_host_from_topk(lp, ids, budget, roots)
+        beam = spec.build_tree_from_topk(lp, ids, budget, roots, backend="torch")
+        for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
+            assert torch.equal(getattr(heap, f), getattr(host, f)), (f, bsz, n_depth, vocab, budget)
+            assert torch.equal(getattr(heap, f), getattr(beam, f)), (f, bsz, n_depth, vocab, budget)
+    # "auto" on CUDA is the heap; "heap" on CPU tensors is refused with the argument named.
+    auto = spec.build_tree(logits, budget, roots)
+    assert torch.equal(auto.parents, heap.parents)
+    with pytest.raises(ValueError, match="lp"):
+        build_tree_heap(lp.cpu(), ids.cpu(), budget, roots.cpu())

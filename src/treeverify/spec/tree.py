@@ -167,6 +167,9 @@ def build_tree(
     return build_tree_from_topk(lp, ids, budget, root_tokens, backend=backend)
 
 
+BACKENDS = ("auto", "heap", "torch", "triton")
+
+
 def sibling_chain(prev_score: Tensor, a: Tensor, use_triton: bool = False) -> Tensor:
     """Every candidate's heap value: ``prev_score (B, W)`` parents, ``a (B, K)`` the depth's
     log-probs -> ``(B, W, K)`` with ``[:, :, 0] = parent + a[0]`` and
@@ -203,11 +206,18 @@ def build_tree_from_topk(
     """``build_tree`` on precomputed tables: ``lp (B, L, K)`` fp32 sorted descending, ``<= 0``,
     finite; ``ids (B, L, K)`` the matching token ids.  Capture-safe: no host reads, static shapes.
 
-    ``backend`` picks the sibling-chain implementation: ``"torch"``, ``"triton"`` (CUDA only) or
-    ``"auto"`` (Triton on CUDA when it imports, else PyTorch).  Results are identical.
+    ``backend``: ``"heap"`` (CUDA: the literal heap, one kernel launch; ``tree_heap.py``), the
+    beam search below with the sibling chain in ``"torch"`` or ``"triton"`` (CUDA), or ``"auto"``
+    (the heap on CUDA when cuda-python is installed, else the beam with Triton on CUDA, else
+    PyTorch).  All give identical trees.
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "heap" or (backend == "auto" and lp.is_cuda):
+        from . import tree_heap  # imports DraftTree from here
+
+        if backend == "heap" or (budget <= tree_heap.MAX_BUDGET and tree_heap.available()):
+            return tree_heap.build_tree_heap(lp, ids, budget, root_tokens)
     use_triton = backend == "triton" or (backend == "auto" and lp.is_cuda and _triton_available())
     if use_triton and not lp.is_cuda:
         raise ValueError("backend='triton' needs CUDA tensors")

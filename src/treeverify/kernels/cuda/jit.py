@@ -85,13 +85,9 @@ def nvrtc_version() -> str:
 
 
 def _options(arch: str, variant: Variant) -> list[str]:
-    opts = [
-        f"-arch={arch}",
-        "-std=c++17",
-        "--use_fast_math",
-        "-default-device",
-        "--ptxas-options=-v",
-    ]
+    opts = [f"-arch={arch}", "-std=c++17", "-default-device", "--ptxas-options=-v"]
+    if getattr(variant, "fast_math", True):  # kernels whose rounding is a contract opt out
+        opts.append("--use_fast_math")
     opts += [f"-D{d}" for d in variant.defines]
     if variant.smem_bytes:  # the kernel static_asserts its layout needs exactly this much
         opts.append(f"-DTV_EXPECT_SMEM={variant.smem_bytes}")
@@ -137,9 +133,15 @@ def _program_log(prog) -> str:
     return buf.decode(errors="replace").rstrip("\x00 \n")
 
 
+def _source_path(variant: Variant) -> Path:
+    """tree_attention.cu, unless the variant names another file beside it."""
+    return KERNEL_DIR / getattr(variant, "source_file", SOURCE_PATH.name)
+
+
 def _compile_now(source: str, arch: str, variant: Variant, opts: list[str]) -> dict:
     nvrtc = _nvrtc()
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"tree_attention.cu", 0, [], [])
+    name = _source_path(variant).name.encode()
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name, 0, [], [])
     _check(err, "create")
     try:
         _check(nvrtc.nvrtcAddNameExpression(prog, variant.expr.encode())[0], "name expression")
@@ -171,7 +173,7 @@ def compile_variant(variant: Variant, arch: str, *, use_cache: bool = True) -> C
     with _lock:
         if use_cache and key_mem in _memory_cache:
             return _memory_cache[key_mem]
-    source = SOURCE_PATH.read_text()
+    source = _source_path(variant).read_text()
     opts = _options(arch, variant)
     # The key covers every header next to the source, so editing one invalidates the cache.
     headers = "".join(p.read_text() for p in sorted(KERNEL_DIR.glob("*.cuh")))

@@ -172,7 +172,23 @@ class MaskVariant:
     defines: tuple[str, ...] = ("TV_SGLANG_MASK_KERNEL",)
 
 
-Variant = FwdVariant | MlaSm90Variant | GqaSm90Variant | MergeVariant | MaskVariant
+@dataclass(frozen=True)
+class DDTreeHeapVariant:
+    """ddtree_heap_build (ddtree_heap.cu, not tree_attention.cu): DDTree's best-first heap, one
+    CTA per request. Exact fp32 rounding, so no fast math (no FMA, no flush-to-zero)."""
+
+    name: str = "ddtree_heap"
+    expr: str = "treeverify::ddtree_heap_build"
+    threads: int = 32
+    smem_bytes: int = 0  # static shared memory only
+    defines: tuple[str, ...] = ()
+    source_file: str = "ddtree_heap.cu"
+    fast_math: bool = False
+
+
+Variant = (
+    FwdVariant | MlaSm90Variant | GqaSm90Variant | MergeVariant | MaskVariant | DDTreeHeapVariant
+)
 
 
 def fwd_variant(
@@ -244,4 +260,5 @@ def all_variants(arch: str) -> list[Variant]:
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
     out.append(MaskVariant())
+    out.append(DDTreeHeapVariant())
     return out

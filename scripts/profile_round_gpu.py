@@ -1,0 +1,117 @@
+"""Where a speculative round's time goes on the GPU (torch.profiler over steady-state steps):
+wall ms per step, GPU kernel ms per step (busy share), kernels, host->device syncs and
+device->host copies per step, the engine's own phase seconds, the top CUDA kernels and the top
+host ops by self time. Plain decoding, CHAIN and DDTREE (fixed budget) on the trained pair at
+batch 1 and 8.
+Usage (GPU machine, repo root): PYTHONPATH=src python3 scripts/profile_round_gpu.py --json F"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+DATA = Path(__file__).resolve().parent.parent / "src/treeverify/models/data"
+DEVICE = "cuda"
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def prompts(n: int) -> list[str]:
+    return json.loads((DATA / "tiny-code/heldout.json").read_text())["prompts"][:n]
+
+
+def build(algo: str | None, batch: int, budget: int) -> LLM:
+    kw = {}
+    if algo:
+        kw = dict(speculative_algorithm=algo, speculative_ddtree_budget=budget)
+        if algo == "DDTREE":
+            kw["speculative_adaptive"] = False
+    return LLM("tiny-code", device=DEVICE, num_pages=4096, max_num_seqs=batch,
+               cuda_graph_max_bs=batch, **kw)  # fmt: skip
+
+
+def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: int) -> dict:
+    llm = build(algo, batch, budget)
+    sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    for p in prompts(batch):
+        llm.add_request(p, sp)
+    for _ in range(20):  # prefill + warm rounds
+        llm.step()
+    llm.reset_stats()
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in gpu)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+
+    def count(names) -> int:
+        return sum(e.count for e in cpu if any(n in e.key for n in names))
+
+    stats = llm.spec_stats or {}
+    out = {
+        "config": name, "batch": batch, "steps": steps,
+        "wall_ms_per_step": round(wall * 1e3 / steps, 4),
+        "gpu_kernel_ms_per_step": round(gpu_us / 1e3 / steps, 4),
+        "gpu_busy_share": round(gpu_us / 1e6 / wall, 4),
+        "kernels_per_step": round(sum(e.count for e in gpu) / steps, 1),
+        "syncs_per_step": round(count(SYNC_OPS) / steps, 2),
+        "memcpy_calls_per_step": round(count(("cudaMemcpyAsync", "cudaMemcpy ")) / steps, 2),
+        "graph_launches_per_step": round(count(("cudaGraphLaunch",)) / steps, 2),
+        "accept_length": stats.get("avg_spec_accept_length"),
+        "outside_forward_share": stats.get("outside_forward_share"),
+        "phase_seconds": stats.get("phase_seconds"),
+        "top_cuda": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3 / steps, 4))
+                     for e in sorted(gpu, key=lambda e: -e.self_device_time_total)[:15]],
+        "top_host": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3 / steps, 4))
+                     for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:25]],
+    }  # fmt: skip
+    print(f"--- {name} b={batch}: {out['wall_ms_per_step']} ms/step wall, "
+          f"{out['gpu_kernel_ms_per_step']} ms GPU ({out['gpu_busy_share']:.0%}), "
+          f"{out['kernels_per_step']} kernels, {out['syncs_per_step']} syncs, "
+          f"{out['memcpy_calls_per_step']} memcpys, {out['graph_launches_per_step']} graphs, "
+          f"accept {out['accept_length']}, phases {out['phase_seconds']}")  # fmt: skip
+    for k, n, ms in out["top_cuda"][:10]:
+        print(f"   gpu {ms:8.4f} ms/step  x{n:<6} {k}")
+    for k, n, ms in out["top_host"][:18]:
+        print(f"   cpu {ms:8.4f} ms/step  x{n:<6} {k}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--cpu", action="store_true", help="a dry run of the script on the CPU")
+    args = ap.parse_args()
+    if args.cpu:
+        global DEVICE
+        DEVICE = "cpu"
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for name, algo, budget in (("none", None, 0), ("CHAIN", "CHAIN", 15),
+                                   ("DDTREE-16", "DDTREE", 16)):  # fmt: skip
+            rows.append(profile_config(name, algo, b, budget, args.steps))
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+// DDTree draft-tree construction (Algorithm 1) as the literal best-first heap, one CTA per
+// request, on the device: one launch replaces the batched beam search's ~40 small kernels per
+// depth (spec/tree.py). Node for node equal to spec/tree_oracle.py (the host heap):
+//   * keys are (logw desc, ranks tuple asc); ranks tuples are unique, so the pop order is the
+//     same for any correct priority queue;
+//   * each logw is computed with the oracle's fp32 operations, correctly rounded, no FMA and no
+//     flush-to-zero (compiled without --use_fast_math; __fadd_rn/__fsub_rn are never fused):
+//       sibling: fl(fl(logw - lp[d-1][r]) + lp[d-1][r+1]),  first child: fl(logw + lp[d][0]);
+//   * a ranks tuple is never stored: a candidate is (parent node, rank, depth), and two tuples
+//     compare by climbing the popped nodes' parent links to their first difference (O(depth),
+//     only on exactly equal logw, which the n-gram drafter's flat distributions produce often).
+// Thread 0 runs the heap in shared memory; the others only write the padding slots first.
+
+namespace treeverify {
+
+// NVRTC has no <cstdint> without a host toolchain: the fixed-width types it would give.
+using int16_t = short;
+using int64_t = long long;
+static_assert(sizeof(int16_t) == 2 && sizeof(int64_t) == 8, "fixed-width types");
+
+constexpr int kHeapMaxBudget = 1024;  // the verify kernels' largest tree is 1025 nodes
+
+struct HeapEntry {
+  float logw;
+  int16_t parent;  // popped node index (0 = the root)
+  int16_t rank;    // r: this node is the r-th most likely token at its depth
+  int16_t depth;   // 1-based
+};
+
+struct HeapTree {  // the popped nodes, index = pop order (0 = the root)
+  int16_t parent[kHeapMaxBudget + 1];
+  int16_t rank[kHeapMaxBudget + 1];
+  int16_t depth[kHeapMaxBudget + 1];
+};
+
+// Is candidate a's ranks tuple lexicographically smaller than b's (a prefix is smaller)?
+__device__ __forceinline__ bool ranks_less(const HeapTree& t, HeapEntry a, HeapEntry b) {
+  int pa = a.parent, pb = b.parent, ra = a.rank, rb = b.rank, da = a.depth, db = b.depth;
+  while (da > db) { ra = t.rank[pa]; pa = t.parent[pa]; --da; }
+  while (db > da) { rb = t.rank[pb]; pb = t.parent[pb]; --db; }
+  while (pa != pb) {  // equal depths: climb until both hang under the same node
+    ra = t.rank[pa]; pa = t.parent[pa];
+    rb = t.rank[pb]; pb = t.parent[pb];
+  }
+  if (ra != rb) return ra < rb;
+  return a.depth < b.depth;  // one is a prefix of the other
+}
+
+// The heap's order: larger logw first, then the smaller ranks tuple.
+__device__ __forceinline__ bool pops_before(const HeapTree& t, HeapEntry a, HeapEntry b) {
+  if (a.logw != b.logw) return a.logw > b.logw;
+  return ranks_less(t, a, b);
+}
+
+__device__ __forceinline__ void heap_push(HeapEntry* heap, int& size, const HeapTree& t,
+                                          HeapEntry e) {
+  int i = size++;
+  while (i > 0) {
+    int up = (i - 1) >> 1;
+    if (!pops_before(t, e, heap[up])) break;
+    heap[i] = heap[up];
+    i = up;
+  }
+  heap[i] = e;
+}
+
+__device__ __forceinline__ HeapEntry heap_pop(HeapEntry* heap, int& size, const HeapTree& t) {
+  HeapEntry top = heap[0];
+  HeapEntry last = heap[--size];
+  int i = 0;
+  while (true) {
+    int c = 2 * i + 1;
+    if (c >= size) break;
+    if (c + 1 < size && pops_before(t, heap[c + 1], heap[c])) ++c;
+    if (!pops_before(t, heap[c], last)) break;
+    heap[i] = heap[c];
+    i = c;
+  }
+  if (size > 0) heap[i] = last;
+  return top;
+}
+
+// lp (B, L, K) fp32 sorted descending per (b, depth), ids (B, L, K) int64, roots (B,) int64.
+// Outputs (B, budget + 1): tokens, parents (-1 root/padding), depths, scores (-inf padding);
+// num_nodes (B,) = 1 + popped nodes.
+__global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* __restrict__ ids,
+                                  const int64_t* __restrict__ roots, int L, int K, int budget,
+                                  int64_t* __restrict__ tokens, int64_t* __restrict__ parents,
+                                  int64_t* __restrict__ depths, float* __restrict__ scores,
+                                  int64_t* __restrict__ num_nodes) {
+  __shared__ HeapEntry heap[kHeapMaxBudget + 2];
+  __shared__ HeapTree tree;
+  const int b = blockIdx.x;
+  const int slots = budget + 1;
+  const float* tab = lp + static_cast<int64_t>(b) * L * K;  // (L, K)
+  const int64_t* idt = ids + static_cast<int64_t>(b) * L * K;
+  int64_t* tok = tokens + static_cast<int64_t>(b) * slots;
+  int64_t* par = parents + static_cast<int64_t>(b) * slots;
+  int64_t* dep = depths + static_cast<int64_t>(b) * slots;
+  float* sc = scores + static_cast<int64_t>(b) * slots;
+
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // padding unless popped below
+    tok[i] = 0;
+    par[i] = -1;
+    dep[i] = 0;
+    sc[i] = -__int_as_float(0x7f800000);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+
+  tok[0] = roots[b];
+  sc[0] = 0.0f;
+  tree.parent[0] = -1;
+  tree.rank[0] = 0;
+  tree.depth[0] = 0;
+  int size = 0;
+  heap_push(heap, size, tree, HeapEntry{tab[0], 0, 0, 1});  // the seed: lp[0][0] exactly
+  int n = 0;
+  while (size > 0 && n < budget) {
+    HeapEntry e = heap_pop(heap, size, tree);
+    ++n;
+    tree.parent[n] = e.parent;
+    tree.rank[n] = e.rank;
+    tree.depth[n] = e.depth;
+    const float* row = tab + (e.depth - 1) * K;
+    tok[n] = idt[(e.depth - 1) * K + e.rank];
+    par[n] = e.parent;
+    dep[n] = e.depth;
+    sc[n] = e.logw;
+    if (e.rank + 1 < K) {
+      float sib = __fadd_rn(__fsub_rn(e.logw, row[e.rank]), row[e.rank + 1]);
+      heap_push(heap, size, tree,
+                HeapEntry{sib, e.parent, static_cast<int16_t>(e.rank + 1), e.depth});
+    }
+    if (e.depth < L) {
+      float child = __fadd_rn(e.logw, tab[e.depth * K]);
+      heap_push(heap, size, tree,
+                HeapEntry{child, static_cast<int16_t>(n), 0, static_cast<int16_t>(e.depth + 1)});
+    }
+  }
+  num_nodes[b] = n + 1;
+}
+
+}  // namespace treeverify
