@@ -48,7 +48,7 @@ def main() -> int:
             row = {"batch": bsz, "budget": budget, "depth": 15}
             for backend in ("heap", "triton"):
 
-                def build(backend=backend):
+                def build(backend=backend, lp=lp, ids=ids, budget=budget, roots=roots):
                     t = build_tree_from_topk(lp, ids, budget, roots, backend=backend)
                     parents_to_tree_mask(t.parents, max_depth=15)
 
