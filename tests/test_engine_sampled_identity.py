@@ -41,6 +41,9 @@ def test_seeded_sampled_speculation_equals_plain_sampling(model, prompts, spec):
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain], f"seed {seed}"
     hist = llm.spec.stats.histogram
-    assert sum(n for k, n in hist.items() if k > 1) >= 3, hist  # trees were accepted
+    assert sum(hist.values()) >= 3, hist  # speculative rounds ran
+    if model == "tiny-code":  # the trained pair accepts trees whatever was sampled; a random
+        # model's sampled text rarely repeats, so the n-gram case may accept only the bonus
+        assert sum(n for k, n in hist.items() if k > 1) >= 3, hist
     again = llm.generate(prompts[::-1], params[::-1])  # other batch order, warm controller
     assert [o.token_ids for o in again] == [o.token_ids for o in plain][::-1], f"seed {seed}"
