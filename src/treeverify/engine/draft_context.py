@@ -30,6 +30,7 @@ class _Context:
     first: int = 0  # position of kv row 0
     n: int = 0  # projected rows held
     pending: list[torch.Tensor] = field(default_factory=list)  # (rows_i, F) each, in order
+    pending_rows: int = 0  # sum of the pending chunks' rows (read every step: kept, not summed)
 
     @property
     def projected_end(self) -> int:
@@ -38,7 +39,11 @@ class _Context:
     @property
     def end(self) -> int:
         """One past the last observed position."""
-        return self.projected_end + sum(p.shape[0] for p in self.pending)
+        return self.projected_end + self.pending_rows
+
+    def set_pending(self, chunks: list[torch.Tensor]) -> None:
+        self.pending = chunks
+        self.pending_rows = sum(c.shape[0] for c in chunks)
 
 
 class DraftContextCache:
@@ -77,6 +82,7 @@ class DraftContextCache:
         if start < end:
             self._truncate(ctx, start)
         ctx.pending.append(hidden)
+        ctx.pending_rows += hidden.shape[0]
         if len(ctx.pending) >= self.MAX_PENDING:
             self.project([request_id])
 
@@ -84,11 +90,13 @@ class DraftContextCache:
         if start >= ctx.projected_end:  # only pending rows go
             keep = start - ctx.projected_end
             joined = torch.cat(ctx.pending)[:keep] if keep else None
-            ctx.pending = [] if joined is None else [joined]
+            ctx.set_pending([] if joined is None else [joined])
         elif start >= ctx.first:
-            ctx.n, ctx.pending = start - ctx.first, []
+            ctx.n = start - ctx.first
+            ctx.set_pending([])
         else:  # before the rows held (a restart from scratch): nothing older is kept
-            ctx.first, ctx.n, ctx.pending = start, 0, []
+            ctx.first, ctx.n = start, 0
+            ctx.set_pending([])
 
     @torch.inference_mode()
     def project(self, request_ids: list[str]) -> None:
@@ -111,7 +119,7 @@ class DraftContextCache:
         dev = feats[0].device
         kv = self.drafter.context_kv(torch.cat(feats), torch.cat(positions).to(dev))  # (R, ...)
         for (_, ctx), part in zip(todo, kv.split(spans), strict=True):
-            ctx.pending = []
+            ctx.set_pending([])
             self._append(ctx, part)
 
     def _append(self, ctx: _Context, rows: torch.Tensor) -> None:
