@@ -63,10 +63,12 @@ Candidates at depth ``d`` are ``(beam parent j, rank r)`` for ``r < K_d = min(K,
   (preorder = lexicographic order with prefixes first), computed with subtree sizes bottom-up and
   exclusive sums top-down.  One ``topk`` of ``budget`` over all beam nodes gives the pop order.
 
-Cost (H200, CUDA-graph replay, L=15, V=151936, Triton chain, 2026-11-29): budget 16: 1.2-1.5 ms,
-64: 1.6-2.2 ms, 256: 3.2-5.1 ms, 1024: 7.6 ms (B=1) to 37 ms (B=32), for B in 1..32.  Most of it
-is the per-depth ``topk`` over ``W_{d-1} * K_d`` int64 keys and ~40 small kernels per depth; a
-fused per-depth kernel is the next step if the tree build shows up in a round's profile.
+Cost (H200, CUDA-graph replay with the mask compile, L=15, V=8192, 2026-12-01,
+``scripts/bench_tree_build.py``): this beam search with the Triton chain takes 1.27 / 1.60 / 3.28
+/ 7.70 ms at budgets 16 / 64 / 256 / 1024 (B=1; 37 ms at B=32, budget 1024): ~40 small kernels
+per depth.  On CUDA ``build_tree`` therefore runs the literal heap instead, one launch
+(``tree_heap.py``, kernels/cuda/ddtree_heap.cu): 0.05 / 0.11 / 0.42 / 1.71 ms (B=1), nearly flat
+in B.  The beam stays the CPU path and a second, independent implementation for the tests.
 
 Inputs must be finite; ``draft_topk`` clamps log-probs to ``[LOGPROB_FLOOR, 0]`` so ``-inf``
 logits (masked vocabulary) give very unlikely but finite paths and never NaN.
