@@ -41,6 +41,7 @@ from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
 from treeverify.engine.speculative import SpeculativeDecoder
+from treeverify.kernels.staging import to_device
 
 log = logging.getLogger("treeverify.engine")
 
@@ -287,11 +288,12 @@ class LLM(Introspection):
         self._keep_round_logprobs(tb)
         stats.forward_seconds += ev[0].elapsed_time(ev[1]) / 1e3 if on_gpu else host_seconds
         hidden = self.runner.hidden
-        if hidden is not None:
-            per_seq = hidden.view(len(tb.seqs), tb.nodes, -1)  # (B, N, F)
-            for i, c in enumerate(batch.chunks):
-                idx = torch.tensor(tb.paths[i], device=hidden.device)
-                self.spec.source.observe(c.seq.request_id, c.start, per_seq[i, idx])
+        if hidden is not None:  # (B*N, F): each tree's accepted path, in one gather
+            rows = [i * tb.nodes + node for i, path in enumerate(tb.paths) for node in path]
+            kept = hidden[to_device(torch.tensor(rows), hidden.device)]  # (sum paths, F)
+            for c, part in zip(batch.chunks, kept.split([len(p) for p in tb.paths]),
+                               strict=True):  # fmt: skip
+                self.spec.source.observe(c.seq.request_id, c.start, part)
         return out
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
@@ -322,16 +324,21 @@ class LLM(Introspection):
         """Hand the drafter the target's hidden states of the tokens this step committed to the
         cache: a chunk's tokens, or a tree's root and accepted path."""
         hidden = hidden.clone()  # one copy per step: a graph replay overwrites its output
-        row = 0
+        row, tree_rows = 0, []
         for c in batch.chunks:
             tree = trees.get(c.seq.request_id)
             n = c.num_tokens if tree is None else tree  # a tree: its node count
             if tree is None:
                 self.spec.source.observe(c.seq.request_id, c.start, hidden[row : row + n])
             else:
-                path = torch.tensor(paths[c.seq.request_id], device=hidden.device) + row
-                self.spec.source.observe(c.seq.request_id, c.start, hidden[path])
+                tree_rows.append((c, [row + node for node in paths[c.seq.request_id]]))
             row += n
+        if tree_rows:  # every tree's accepted path in one gather (one upload, no sync)
+            flat = [r for _, rows in tree_rows for r in rows]
+            kept = hidden[to_device(torch.tensor(flat), hidden.device)]  # (sum paths, F)
+            for (c, _), part in zip(tree_rows, kept.split([len(r) for _, r in tree_rows]),
+                                       strict=True):  # fmt: skip
+                self.spec.source.observe(c.seq.request_id, c.start, part)
 
     def step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
