@@ -145,6 +145,29 @@ def test_replay_equals_eager_and_reads_each_round(setup, b):
         assert torch.equal(third[1:], second[1:])
 
 
+def test_meta_staging_never_reuses_a_buffer_still_being_copied(setup, monkeypatch):
+    """While the last meta copy is (said to be) still queued, the reused pinned buffer is left
+    alone and a fresh one is staged: same results, still no sync."""
+    drafter, graphs = setup
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+
+    class StillQueued:
+        def query(self) -> bool:
+            return False
+
+        def record(self) -> None:
+            pass
+
+    kvs, tokens, starts = _random_round(drafter, 3, rng)
+    _replay(graphs, kvs, tokens, starts, 15)  # the reused buffer now holds this round's meta
+    held = graphs.meta_host.clone()
+    monkeypatch.setattr(graphs, "_staged", StillQueued())
+    kvs2, tokens2, starts2 = _random_round(drafter, 3, rng)
+    got = _replay(graphs, kvs2, tokens2, starts2, 15)
+    assert torch.equal(graphs.meta_host, held)  # untouched
+    _check(drafter, graphs, kvs2, tokens2, starts2, 15, got, "fresh staging buffer")
+
+
 def test_uncaptured_cases_fall_back(setup):
     """None (the caller drafts eagerly) for a batch past every bucket, a context longer than W,
     a depth not captured."""
