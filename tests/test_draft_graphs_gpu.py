@@ -182,9 +182,11 @@ def test_uncaptured_cases_fall_back(setup):
     assert graphs.replays == replays
 
 
-def test_tiny_code_engine_drafts_through_the_graphs_same_tokens():
-    """tiny-code + its DFlash drafter, DDTREE at a fixed budget: greedy tokens with CUDA graphs
-    (the draft replayed) equal those without (`disable_cuda_graph`), batched and alone."""
+@pytest.mark.parametrize("algorithm,budget,depth", [("DDTREE", 16, 15), ("CHAIN", 8, 8)])
+def test_tiny_code_engine_drafts_through_the_graphs_same_tokens(algorithm, budget, depth):
+    """tiny-code + its DFlash drafter at a fixed budget: greedy tokens with CUDA graphs (the
+    draft replayed) equal those without (`disable_cuda_graph`), batched and alone. DDTREE drafts
+    the whole block's 15 positions; CHAIN of budget 8 drafts 8 (its chain's length)."""
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
@@ -193,7 +195,7 @@ def test_tiny_code_engine_drafts_through_the_graphs_same_tokens():
     outs = {}
     for graphs in (True, False):
         llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=4,
-                  speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+                  speculative_algorithm=algorithm, speculative_ddtree_budget=budget,
                   speculative_adaptive=False, disable_cuda_graph=not graphs)  # fmt: skip
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, sp)]  # batch 3 (bucket 4)
         outs[graphs].append(llm.generate(prompts[:1], sp)[0].token_ids)  # batch 1
@@ -201,7 +203,7 @@ def test_tiny_code_engine_drafts_through_the_graphs_same_tokens():
         info = llm.cuda_graph_info
         if graphs:
             # W: the window (2048) capped at tiny-code's 1024 positions
-            assert info["draft"]["context_width"] == 1024 and info["draft"]["depths"] == [15]
+            assert info["draft"]["context_width"] == 1024 and info["draft"]["depths"] == [depth]
             assert info["draft"]["replays"] > 0, info
             assert llm.spec.source.graphs.replays == info["draft"]["replays"]
         else:
