@@ -7,7 +7,11 @@
 hidden states (the configured layers' outputs, concatenated) of every token its KV cache gains,
 as chunks and accepted tree paths commit; it keeps the drafter's keys/values of them
 (`DraftContextCache`: each row projected once) and drafts from the last `window` of them with the
-sequence's last token (the round's root, not yet in the cache) as block position 0.
+sequence's last token (the round's root, not yet in the cache) as block position 0. On a GPU with
+CUDA graphs, `DFlashSource.capture` captures the draft forward per batch bucket
+(engine/draft_graphs.py): a round is then the context projection, one copy per request into the
+fixed input buffer, and one replay; otherwise (CPU, no graphs, a batch past every bucket, a
+context past the captured width) it runs eagerly over the contexts padded to the longest.
 """
 
 from __future__ import annotations
@@ -52,6 +56,18 @@ class DFlashSource:
         self.target_layer_ids = list(drafter.target_layer_ids)
         self.window = window
         self.context = DraftContextCache(drafter, window)  # request -> keys/values of its rows
+        self.graphs = None  # DraftGraphs once captured (a GPU with CUDA graphs)
+
+    def capture(self, batch_sizes: list[int], depths: list[int], max_context: int,
+                device: torch.device) -> list[dict]:  # fmt: skip
+        """Capture the draft forward per batch bucket and depth over contexts of at most
+        min(window, max_context) rows (a context never holds more than the target's max
+        context); returns the per-bucket report."""
+        from treeverify.engine.draft_graphs import DraftGraphs
+
+        width = min(self.window, max_context)
+        self.graphs = DraftGraphs(self.drafter, batch_sizes, depths, width, device)
+        return self.graphs.report
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """Rows for cache positions start.. (earlier rows past `start` were recomputed or
@@ -65,7 +81,9 @@ class DFlashSource:
     @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
         """(B, L, V): every sequence's last `window` context rows' keys/values (rows committed
-        since its last round projected first, all sequences in one call), padded, one draft."""
+        since its last round projected first, all sequences in one call), one draft: a graph
+        replay when captured (the result is then a view of the graph's output, overwritten by
+        the next round), else eager over the contexts padded to the longest."""
         self.context.project([s.request_id for s in seqs])
         kvs, firsts = [], []
         for seq in seqs:
@@ -80,6 +98,11 @@ class DFlashSource:
                 )
             kvs.append(kv)
             firsts.append(first)
+        if self.graphs is not None:
+            tokens, starts = [s.last_token_id for s in seqs], [s.num_cached_tokens for s in seqs]
+            logits = self.graphs.propose(kvs, tokens, starts, depth)
+            if logits is not None:
+                return logits
         dev = kvs[0].device
         padded = torch.nn.utils.rnn.pad_sequence(kvs, batch_first=True)  # (B, C, nl, 2, Hkv, D)
         meta = torch.tensor(

@@ -107,11 +107,16 @@ class Introspection:
 
     @property
     def cuda_graph_info(self) -> dict:
-        """For /server_info: what was captured, how long it took, replays so far."""
+        """For /server_info: what was captured, how long it took, replays so far (the DFlash
+        draft's graphs under "draft")."""
         if self.runner.graphs is None:
             why = "disabled" if self.config.on_gpu else "CPU (eager)"
             return {"enabled": False, "buckets": [], "reason": why}
-        return self.runner.graphs.info
+        info = dict(self.runner.graphs.info)
+        draft = None if self.spec is None else getattr(self.spec.source, "graphs", None)
+        if draft is not None:
+            info["draft"] = draft.info
+        return info
 
     # ---- benchmark hooks -------------------------------------------------------------------------
     def captured_graph(

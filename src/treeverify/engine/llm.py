@@ -30,7 +30,7 @@ from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
 from treeverify.engine.config import EngineConfig
-from treeverify.engine.drafters import default_depth, make_source, resolve_drafter
+from treeverify.engine.drafters import DFlashSource, default_depth, make_source, resolve_drafter
 from treeverify.engine.introspection import Introspection
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
@@ -148,9 +148,13 @@ class LLM(Introspection):
         if on_gpu and not config.disable_cuda_graph:
             self.cuda_graph_buckets = buckets
             self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
-            if self.spec is not None:  # the round's build (and drafter) per batch bucket
-                self.spec.capture(list(config.graph_batch_sizes), self.device,
-                                  list(config.spec_budgets))  # fmt: skip
+            if self.spec is not None:  # the round's draft (DFlash), build, accept per bucket
+                bs, budgets = list(config.graph_batch_sizes), list(config.spec_budgets)
+                self.spec.capture(bs, self.device, budgets)
+                if isinstance(source := self.spec.source, DFlashSource):  # contexts <= max ctx
+                    ctx = min(config.capacity_tokens, self.model_config.max_position_embeddings)
+                    depths = [self.spec.draft_depth(b) for b in budgets]
+                    self.startup["draft_graphs"] = source.capture(bs, depths, ctx, self.device)
             t0 = self._phase("capture", t0)
         elif on_gpu:
             log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")

@@ -109,8 +109,9 @@ class SpeculativeDecoder:
                 budgets: list[int] | None = None) -> None:  # fmt: skip
         """Capture the DDTree build + mask compile and the greedy accept + K/V move per batch
         bucket and per budget (default: the configured one): one replay each instead of ~100
-        small launches per round. (The drafter runs eagerly: the n-gram search is host work,
-        DFlash's propose is not captured yet.)"""
+        small launches per round. (The drafter is not captured here: the n-gram search is host
+        work; DFlash's draft forward is captured by `DFlashSource.capture` at the depths
+        `draft_depth` gives, engine/draft_graphs.py.)"""
         for budget in budgets or [self.budget]:
             self._capture_budget(batch_sizes, device, budget)
 
@@ -151,6 +152,11 @@ class SpeculativeDecoder:
         """Nodes of a budget-`budget` round's tree, root included (its verify bucket's n)."""
         return tree_nodes(self.algorithm, budget, self.depth)
 
+    def draft_depth(self, budget: int) -> int:
+        """L, the positions a budget-`budget` round drafts: the configured depth (DDTREE), the
+        chain's length (CHAIN)."""
+        return self.nodes_for(budget) - 1 if self.algorithm == "CHAIN" else self.depth
+
     def _time(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
         self.stats.phase_seconds[phase] += now - t0
@@ -178,7 +184,7 @@ class SpeculativeDecoder:
                 chosen.append(seq)
         if not chosen:
             return None
-        depth = n - 1 if self.algorithm == "CHAIN" else self.depth
+        depth = self.draft_depth(budget)
         logits = self.source.propose_batch(chosen, depth, device)  # (B, L, V)
         t0 = self._time("draft", t_start)
         roots = torch.tensor([s.last_token_id for s in chosen], dtype=torch.int64).to(device)
