@@ -22,6 +22,7 @@ import torch
 
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.sequence import Sequence
+from treeverify.kernels.staging import to_device
 from treeverify.models.shipped import SHIPPED_DRAFTERS, own_drafter, shipped_dir
 from treeverify.spec.ngram import NgramDrafter
 
@@ -111,7 +112,8 @@ class DFlashSource:
                 [s.last_token_id for s in seqs],
                 [s.num_cached_tokens for s in seqs],
             ],
-        ).to(dev)  # (3, B): context lengths, roots, the blocks' first positions
+        )
+        meta = to_device(meta, dev)  # (3, B): context lengths, roots, the blocks' first positions
         return self.drafter.propose_from_kv(padded, meta[0], meta[1], meta[2], depth)
 
 

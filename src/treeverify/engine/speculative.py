@@ -31,6 +31,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.sampler import TokenLogprobs, filters, position_noise, token_logprobs
 from treeverify.engine.sequence import Sequence
+from treeverify.kernels.staging import to_device
 from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
 
 
@@ -187,7 +188,8 @@ class SpeculativeDecoder:
         depth = self.draft_depth(budget)
         logits = self.source.propose_batch(chosen, depth, device)  # (B, L, V)
         t0 = self._time("draft", t_start)
-        roots = torch.tensor([s.last_token_id for s in chosen], dtype=torch.int64).to(device)
+        roots = to_device(torch.tensor([s.last_token_id for s in chosen], dtype=torch.int64),
+                          device)  # (B,) pinned, non-blocking: no stream sync  # fmt: skip
         if self.algorithm == "CHAIN":  # one path: the top token at each depth
             tokens = torch.cat((roots[:, None], logits.argmax(-1)), dim=1)  # (B, N)
             idx = torch.arange(n, device=device)
@@ -198,7 +200,8 @@ class SpeculativeDecoder:
         else:
             tree = build_tree(logits, budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
-        slots = self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n).to(device)
+        slots = to_device(self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n),
+                          device)  # (B, N)  # fmt: skip
         if self.algorithm == "CHAIN" or budget not in self._build:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
