@@ -205,3 +205,30 @@ def test_probes_back_off_scale_with_cost_and_restart_for_new_requests():
     ctl.observe_round("r", 4, [0])
     chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2
     assert 4 in chosen[:9]
+
+
+def test_kept_rate_sums_follow_every_round_and_forget():
+    """R(B)'s per-request sums are kept between steps (plain steps read them every step): a new
+    round, a forgotten request and a new cost all show in the next rate; fresh random paths."""
+    rng = random.Random()
+    c = BudgetController((0, 4, 8), CostModel.given({0: 1.0, 4: 1.5, 8: 2.0}))
+    ids = ["a", "b"]
+
+    def fresh(budget: int) -> float:  # the same sum computed from scratch
+        return sum(1.0 + c.accept_estimate(r, budget) for r in ids) / c.cost.estimate(2, budget)
+
+    for rid in ids:
+        c.observe_round(rid, 8, [0, 1, 5])
+    for _ in range(20):
+        before = c.rate(ids, 8)
+        assert before == pytest.approx(fresh(8))
+        path = [0]
+        for _ in range(rng.randint(0, 3)):
+            path.append(path[-1] + rng.randint(1, 3))
+        c.observe_round(rng.choice(ids), 8, path)
+        assert c.rate(ids, 8) == pytest.approx(fresh(8))
+    c.forget("b")
+    assert c.rate(ids, 8) == pytest.approx(fresh(8))
+    c.cost.frozen = False
+    c.cost.observe(2, 8, 10.0)  # a measured cost at this batch size replaces the borrowed one
+    assert c.rate(ids, 8) == pytest.approx(fresh(8))

@@ -121,6 +121,7 @@ class CostModel:
         self.window, self.frozen = window, frozen
         self.table: dict[tuple[int, int], deque[float]] = {}
         self._median: dict[tuple[int, int], float] = {}  # kept current: read every step
+        self._nearest: dict[tuple[int, int], int | None] = {}  # (n, budget) -> measured size
 
     @classmethod
     def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
@@ -136,6 +137,8 @@ class CostModel:
 
     def observe(self, n: int, budget: int, seconds: float) -> None:
         if seconds > 0 and not self.frozen:
+            if (n, budget) not in self.table:
+                self._nearest.clear()  # a new measured size: nearest sizes may change
             q = self.table.setdefault((n, budget), deque(maxlen=self.window))
             q.append(seconds)
             self._median[(n, budget)] = statistics.median(q)
@@ -143,6 +146,7 @@ class CostModel:
     def clear(self) -> None:
         self.table.clear()
         self._median.clear()
+        self._nearest.clear()
 
     def _value(self, key: tuple[int, int]) -> float | None:
         return self._median.get(key)
@@ -151,10 +155,13 @@ class CostModel:
         own = self._value((n, budget))
         if own is not None:
             return own
-        sizes = sorted({m for m, b in self.table if b == budget}, key=lambda m: (abs(m - n), m))
-        if not sizes:
+        m = self._nearest.get((n, budget), -1)
+        if m == -1:  # not looked up since the table last gained a key (read every step)
+            sizes = [s for s, b in self.table if b == budget]
+            m = min(sizes, key=lambda s: (abs(s - n), s)) if sizes else None
+            self._nearest[(n, budget)] = m
+        if m is None:
             return None
-        m = sizes[0]
         base = self._value((m, budget))
         here, there = self._value((n, 0)), self._value((m, 0))
         if here is not None and there is not None:
@@ -187,6 +194,9 @@ class BudgetController:
         """Forget acceptance and decisions (the cost table stays)."""
         self.requests: dict[str, _Request] = {}
         self.global_curve: dict[int, DecayedMean] = {}
+        # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
+        # observed (plain steps at budget 0 observe none), so kept and read every step
+        self._accept_sums: dict[tuple[str, ...], dict[int, float | None]] = {}
         self.current = self.buckets[-1]  # start at the top: one round measures every budget
         self.since_switch = 0
         self.since_explore = 0
@@ -233,13 +243,20 @@ class BudgetController:
         cost = self.cost.estimate(len(request_ids), budget)
         if cost is None:
             return None
-        total = 0.0
-        for rid in request_ids:
-            a = self.accept_estimate(rid, budget)
-            if a is None:
-                return None
-            total += 1.0 + a
-        return total / cost
+        if len(self._accept_sums) > 64:  # batches come and go between rounds: stay small
+            self._accept_sums.clear()
+        sums = self._accept_sums.setdefault(tuple(request_ids), {})
+        if budget not in sums:
+            total = 0.0
+            for rid in request_ids:
+                a = self.accept_estimate(rid, budget)
+                if a is None:
+                    total = None
+                    break
+                total += 1.0 + a
+            sums[budget] = total
+        total = sums[budget]
+        return None if total is None else total / cost
 
     # ---- the decision --------------------------------------------------------------------------
     def choose(self, request_ids: list[str]) -> int:
@@ -300,6 +317,7 @@ class BudgetController:
         if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
+        self._accept_sums.clear()  # every estimate may move (the engine-wide curve does)
         prev = 0
         for b, a in accepted_at_budgets(path, below).items():  # the gain of b over the bucket below
             req.curve.setdefault(b, DecayedMean()).add(a - prev, self.cfg.decay)
@@ -312,6 +330,7 @@ class BudgetController:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self._accept_sums.clear()
 
     def info(self) -> dict:
         """For /server_info."""
