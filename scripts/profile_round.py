@@ -15,7 +15,8 @@ from treeverify.engine.sampling_params import SamplingParams
 
 model = sys.argv[1] if len(sys.argv) > 1 else "random:llama-1b"
 llm = LLM(model, device="cuda", num_pages=2048, cuda_graph_max_bs=1, max_num_seqs=1,
-          speculative_algorithm="DDTREE", speculative_ddtree_budget=16)  # fmt: skip
+          speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+          speculative_adaptive=False)  # fmt: skip
 llm.add_request(repetitive_prompts(1, 256, 3)[0],
                 SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))  # fmt: skip
 for _ in range(5):
@@ -27,4 +28,5 @@ for _ in range(100):
     llm.step()
 prof.disable()
 print(llm.spec_stats)
-pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+pstats.Stats(prof).sort_stats("cumulative").print_stats("treeverify", 40)

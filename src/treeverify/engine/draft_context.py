@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeverify.kernels.staging import to_device
+
 
 @dataclass
 class _Context:
@@ -117,7 +119,8 @@ class DraftContextCache:
             positions.append(torch.arange(begin, begin + rows.shape[0]))
             spans.append(rows.shape[0])
         dev = feats[0].device
-        kv = self.drafter.context_kv(torch.cat(feats), torch.cat(positions).to(dev))  # (R, ...)
+        pos = to_device(torch.cat(positions), dev)  # (R,) pinned, non-blocking: no sync
+        kv = self.drafter.context_kv(torch.cat(feats), pos)  # (R, n_layers, 2, Hkv, D)
         for (_, ctx), part in zip(todo, kv.split(spans), strict=True):
             ctx.set_pending([])
             self._append(ctx, part)
