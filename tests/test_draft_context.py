@@ -5,6 +5,7 @@ restarts, the pending-list bound and window compaction; a draft from them equals
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -26,26 +27,47 @@ def _expected(drafter, rows: torch.Tensor, window: int) -> tuple[torch.Tensor, i
     """context_kv of the last `window` of `rows` (positions 0..), and the first position."""
     first = max(0, rows.shape[0] - window)
     with torch.inference_mode():
-        kv = drafter.context_kv(rows[first:], torch.arange(first, rows.shape[0]))
+        pos = torch.arange(first, rows.shape[0], device=rows.device)
+        kv = drafter.context_kv(rows[first:], pos)
     return kv, first
 
 
-def test_random_chunks_rejections_and_restarts_match_from_scratch(drafter):
+@pytest.mark.parametrize(
+    "captured",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_random_chunks_rejections_and_restarts_match_from_scratch(drafter, captured):
     """A random history of chunk appends, rejections (a chunk starting before the end) and
-    restarts from 0, read at random moments; a small window forces compaction and skipping."""
+    restarts from 0, read at random moments; a small window forces compaction and skipping.
+    `captured`: on a GPU, the projection replayed from CUDA graphs per row bucket (chunks past
+    the largest bucket run eagerly)."""
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     window = rng.choice([7, 16, 40])
+    dev = torch.device("cuda" if captured else "cpu")
+    if captured:
+        drafter = copy.deepcopy(drafter).to(dev)
     cache = DraftContextCache(drafter, window)
+    if captured:
+        cache.capture_projection(dev, max_rows=24)  # buckets 16, 32
     feats = drafter.config.context_features
-    truth = torch.empty(0, feats)  # the rows the target holds now, positions 0..
+    truth = torch.empty(0, feats, device=dev)  # the rows the target holds now, positions 0..
     with torch.inference_mode():
         for _ in range(120):
             end = truth.shape[0]
             start = rng.choice([end] * 6 + [max(0, end - rng.randint(1, 4))] + [0])
             n = rng.choice([1, 1, 1, 2, 3, 5, rng.randint(1, 3 * window)])
-            new = torch.randn(n, feats, generator=gen)
+            new = torch.randn(n, feats, generator=gen).to(dev)
             cache.observe("r", start, new)
             truth = torch.cat([truth[:start], new])
             assert cache.end("r") == truth.shape[0], seed

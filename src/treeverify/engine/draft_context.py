@@ -60,6 +60,29 @@ class DraftContextCache:
         self.drafter = drafter
         self.window = window
         self._ctx: dict[str, _Context] = {}
+        self._captured = None  # CapturedFn of drafter.context_kv by row count, on a GPU
+
+    def capture_projection(self, device: torch.device, max_rows: int) -> None:
+        """Capture `context_kv` per row-count bucket (16, 32, .. up to `max_rows`: a round's
+        committed rows, at most batch x (depth + 1)): rows are independent, so padded rows
+        change nothing; a projection of more rows (a prefill, a long run of plain steps) runs
+        eagerly. ~25 small launches per round become one replay."""
+        from treeverify.engine.captured_fn import CapturedFn
+
+        buckets, r = [], 16
+        while r < 2 * max_rows:
+            buckets.append(r)
+            r *= 2
+        cfg = self.drafter.config
+        dtype = self.drafter.fc.weight.dtype
+
+        def example(rows: int):
+            return (torch.zeros(rows, cfg.context_features, dtype=dtype, device=device),
+                    torch.zeros(rows, dtype=torch.int64, device=device))  # fmt: skip
+
+        with torch.no_grad():  # no autograd records in the graph (plain tensors, not inference)
+            self._captured = CapturedFn(lambda f, p: (self.drafter.context_kv(f, p),), example,
+                                        buckets, rows_per_item=(1,))  # fmt: skip
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ctx
@@ -120,7 +143,11 @@ class DraftContextCache:
             spans.append(rows.shape[0])
         dev = feats[0].device
         pos = to_device(torch.cat(positions), dev)  # (R,) pinned, non-blocking: no sync
-        kv = self.drafter.context_kv(torch.cat(feats), pos)  # (R, n_layers, 2, Hkv, D)
+        feats = torch.cat(feats)  # (R, F)
+        if self._captured is not None:  # a view of the graph's output: copied out below
+            kv = self._captured(feats, pos)[0]
+        else:
+            kv = self.drafter.context_kv(feats, pos)  # (R, n_layers, 2, Hkv, D)
         for (_, ctx), part in zip(todo, kv.split(spans), strict=True):
             ctx.set_pending([])
             self._append(ctx, part)

@@ -68,6 +68,7 @@ class DFlashSource:
 
         width = min(self.window, max_context)
         self.graphs = DraftGraphs(self.drafter, batch_sizes, depths, width, device)
+        self.context.capture_projection(device, max_rows=max(batch_sizes) * (max(depths) + 1))
         return self.graphs.report
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
