@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import json
 import random
@@ -160,14 +162,59 @@ class Step:
         )  # fmt: skip
 
 
+STUB_NAMES: set[str] = set()  # sgl_kernel names SGLang touched while importing
+
+
+class _Placeholder:
+    """Stands in for an sgl_kernel object at import time (module-level tables read attributes
+    of it); calling it raises, so no stubbed kernel can run unnoticed."""
+
+    def __init__(self, path: str):
+        self._path = path
+        STUB_NAMES.add(path)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(f"{self._path}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"{self._path}: sgl_kernel is stubbed in this harness")
+
+
+class _SglKernelStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports `sgl_kernel` and any submodule as modules of placeholders."""
+
+    def find_spec(self, name, path, target=None):
+        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = type(sys)(spec.name)
+        module.__path__ = []
+
+        def placeholder(attr):  # PEP 562: names the module does not define
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _Placeholder(f"{spec.name}.{attr}")
+
+        module.__getattr__ = placeholder
+        return module
+
+    def exec_module(self, module):
+        if module.__name__ == "sgl_kernel.utils":
+            module.is_arch_support_pdl = lambda: False
+
+
 def _ensure_sglang_imports() -> None:
     """Stub what this harness may stand in for, recording each substitution."""
-    if importlib.util.find_spec("sgl_kernel") is None:  # CUDA-only import in triton_backend
-        stub = type(sys)("sgl_kernel")
-        stub.utils = type(sys)("sgl_kernel.utils")
-        stub.utils.is_arch_support_pdl = lambda: False
-        sys.modules.update({"sgl_kernel": stub, "sgl_kernel.utils": stub.utils})
-        HARNESS["sgl_kernel"] = "not installed: stubbed (utils.is_arch_support_pdl -> False)"
+    if importlib.util.find_spec("sgl_kernel") is None:  # CUDA-only imports across sglang.srt
+        sys.meta_path.insert(0, _SglKernelStub())
+        HARNESS["sgl_kernel"] = (
+            "not installed: stubbed (utils.is_arch_support_pdl -> False; any other name is a "
+            "placeholder that raises if called: see sgl_kernel_names)"
+        )
     dp = importlib.import_module("sglang.srt.layers.dp_attention")
     try:
         dp.get_attention_tp_size()
@@ -339,7 +386,8 @@ def run(args) -> dict:
     return {"commit": _git_commit(), "gpu": torch.cuda.get_device_name(),
             "command": " ".join(sys.argv), "sglang_version": importlib.import_module(
                 "sglang").__version__, "harness": HARNESS,
-            "runner_defaults": sorted(defaulted), "rows": rows}  # fmt: skip
+            "sgl_kernel_names": sorted(STUB_NAMES), "runner_defaults": sorted(defaulted),
+            "rows": rows}  # fmt: skip
 
 
 def main() -> int:
