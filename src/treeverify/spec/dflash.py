@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treeverify.models.layers import MLP, RMSNorm, Rope, apply_rope, rope_inv_freq
+from treeverify.models.layers import MLP, RMSNorm, Rope, apply_rope_tables, rope_inv_freq
 from treeverify.spec.dflash_config import DFlashConfig
 
 
@@ -61,12 +61,12 @@ class DFlashAttention(nn.Module):
     def keys_values(
         self,
         rows: torch.Tensor,  # (R, H) projected context rows, or the normed block
-        cos: torch.Tensor,  # (R, D/2) rotary tables at the rows' positions
-        sin: torch.Tensor,  # (R, D/2)
+        cos2: torch.Tensor,  # (R, D) Rope.rotate_half_tables at the rows' positions
+        sin2: torch.Tensor,  # (R, D)
     ) -> torch.Tensor:  # (R, 2, Hkv, D): rotated keys, values
         r = rows.shape[0]
         k = self.k_norm(self.k_proj(rows).view(r, self.hkv, self.d))  # (R, Hkv, D)
-        k = apply_rope(k, cos, sin)
+        k = apply_rope_tables(k, cos2, sin2)
         v = self.v_proj(rows).view(r, self.hkv, self.d)  # (R, Hkv, D)
         return torch.stack((k, v), dim=1)
 
@@ -74,15 +74,15 @@ class DFlashAttention(nn.Module):
         self,
         x: torch.Tensor,  # (B, T, H) the block, after the layer's input norm
         ctx_kv: torch.Tensor,  # (B, C, 2, Hkv, D) the context rows' keys/values (keys_values)
-        cos: torch.Tensor,  # (B, T, D/2) rotary cos at the block's positions
-        sin: torch.Tensor,  # (B, T, D/2)
+        cos2: torch.Tensor,  # (B, T, D) rotate-half tables at the block's positions
+        sin2: torch.Tensor,  # (B, T, D)
         bias: torch.Tensor,  # (B, 1, 1, C + T) fp32: 0 for visible keys, -inf for padding
     ) -> torch.Tensor:  # (B, T, H)
         b, t, _ = x.shape
         g = self.hq // self.hkv
-        cos_q, sin_q = cos.reshape(b * t, -1), sin.reshape(b * t, -1)  # (B*T, D/2)
+        cos_q, sin_q = cos2.reshape(b * t, -1), sin2.reshape(b * t, -1)  # (B*T, D)
         q = self.q_norm(self.q_proj(x).view(b * t, self.hq, self.d))  # (B*T, Hq, D)
-        q = apply_rope(q, cos_q, sin_q)
+        q = apply_rope_tables(q, cos_q, sin_q)
         blk_kv = self.keys_values(x.reshape(b * t, -1), cos_q, sin_q).view(b, t, 2, self.hkv, -1)
         kv = torch.cat((ctx_kv.to(x.dtype), blk_kv), dim=1)  # (B, S = C + T, 2, Hkv, D)
         # Query head h reads KV head h // g: group the g query heads of a KV head together.
@@ -104,8 +104,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx_kv, cos, sin, bias):  # x (B, T, H) -> (B, T, H)
-        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, bias)
+    def forward(self, x, ctx_kv, cos2, sin2, bias):  # x (B, T, H) -> (B, T, H)
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos2, sin2, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -229,8 +229,9 @@ class DFlashDrafter(nn.Module):
         token and kept by the caller (the engine's DraftContextCache), not once per round."""
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(features.to(dtype)))  # (R, H)
-        cos, sin = self.rope(positions.to(device=features.device, dtype=torch.long).reshape(-1))
-        return torch.stack([layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers],
+        pos = positions.to(device=features.device, dtype=torch.long).reshape(-1)  # (R,)
+        cos2, sin2 = self.rope.rotate_half_tables(pos, ctx.dtype)  # (R, D) each, once
+        return torch.stack([layer.self_attn.keys_values(ctx, cos2, sin2) for layer in self.layers],
                            dim=1)  # fmt: skip
 
     def propose_from_kv(
@@ -266,8 +267,8 @@ class DFlashDrafter(nn.Module):
         # The block right after each sequence's context.
         start = block_start.to(device=device, dtype=torch.long)  # (B,)
         blk_pos = start[:, None] + torch.arange(t, device=device)[None, :]  # (B, T)
-        cos, sin = self.rope(blk_pos.reshape(-1))  # (B*T, D/2) each
-        cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)  # (B, T, D/2)
+        cos2, sin2 = self.rope.rotate_half_tables(blk_pos.reshape(-1), dtype)  # (B*T, D) each
+        cos2, sin2 = cos2.view(b, t, -1), sin2.view(b, t, -1)  # (B, T, D)
 
         # Keys visible to every block query: the valid context rows and the whole block.
         key_valid = torch.cat([ctx_valid, ctx_valid.new_ones(b, t)], dim=1)  # (B, S)
@@ -275,7 +276,7 @@ class DFlashDrafter(nn.Module):
         bias = bias.masked_fill(~key_valid[:, None, None, :], float("-inf"))  # (B, 1, 1, S)
 
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx_kv[:, :, i], cos, sin, bias)  # (B, T, H)
+            x = layer(x, ctx_kv[:, :, i], cos2, sin2, bias)  # (B, T, H)
         h = self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
         logits = lm_head(h.to(lm_head.weight.dtype)).float()  # (B, L, V)
         if cfg.output_multiplier != 1.0:
