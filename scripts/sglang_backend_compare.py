@@ -2,11 +2,13 @@
 TritonAttnBackend on SGLang's batch objects in TARGET_VERIFY mode, eager and in a captured CUDA
 graph replayed with new metadata (new prefixes, trees and pages of the same batch size).
 
-The smallest honest harness, not a ModelRunner: real `ForwardBatch`, `ForwardMode`,
+The smallest honest harness, not a ModelRunner: SGLang's process config published as a
+scheduler process publishes it (publish_server_args); real `ForwardBatch`, `ForwardMode`,
 `EagleVerifyInput`, `RadixAttention` and `TritonAttnBackend` where they construct; a runner
 namespace with the attributes Triton's constructor reads (any it reads beyond those is None and
 listed in the JSON under `runner_defaults`); a plain token pool with SGLang's pool methods. What
-was substituted is recorded in the JSON (`harness`). UNRUN as of this commit.
+was published and substituted is recorded in the JSON (`harness`). Construction was checked on
+a CPU with CUDA faked (DEVICE="cpu"); not yet run on a GPU.
 
     python scripts/sglang_backend_compare.py --json out.json [--pages 1,16] [--replays 3]
 """
@@ -31,6 +33,8 @@ from treeverify.kernels.reference import tree_attention_reference
 from treeverify.spec import parents_to_tree_mask, to_sglang_verify
 
 HARNESS: dict[str, str] = {}
+DEVICE = "cuda"  # where the harness puts its tensors (a CPU construction check sets "cpu")
+TOPK = 4  # EAGLE tree branching: topk > 1 is the tree verify treeverify owns
 SHAPES = {  # name: (Hq, Hkv, Dqk, Dv, mla) per GPU, as the grid's models
     "llama8b": (32, 8, 128, 128, False),
     "kimi_tp8": (8, 1, 576, 512, True),
@@ -51,8 +55,8 @@ class Pool:
     """A token pool with SGLang's pool methods: K (and V unless MLA) per layer, [slots, H, D]."""
 
     def __init__(self, slots, hkv, dqk, dv, mla, dtype):
-        self.k = torch.zeros(slots, hkv, dqk, dtype=dtype, device="cuda")
-        self.v = None if mla else torch.zeros(slots, hkv, dv, dtype=dtype, device="cuda")
+        self.k = torch.zeros(slots, hkv, dqk, dtype=dtype, device=DEVICE)
+        self.v = None if mla else torch.zeros(slots, hkv, dv, dtype=dtype, device=DEVICE)
         self.dv, self.start_layer, self.size = dv, 0, slots
 
     def get_key_buffer(self, layer_id):
@@ -107,13 +111,13 @@ class Step:
         pages = bsz * -(-(max_prefix + n) // page_size) + 2
         self.pool = Pool(pages * page_size, hkv, dqk, dv, mla, torch.bfloat16)
         self.num_pages = pages
-        self.req_to_token = torch.zeros(bsz + 1, ctx, dtype=torch.int32, device="cuda")
-        self.req_pool_indices = torch.arange(1, bsz + 1, dtype=torch.int64, device="cuda")
-        self.seq_lens = torch.zeros(bsz, dtype=torch.int64, device="cuda")
-        self.out_cache_loc = torch.zeros(bsz * n, dtype=torch.int64, device="cuda")
-        self.q = torch.zeros(bsz * n, hq, dqk, dtype=torch.bfloat16, device="cuda")
-        self.k = torch.zeros(bsz * n, hkv, dqk, dtype=torch.bfloat16, device="cuda")
-        self.v = torch.zeros(bsz * n, hkv, dv, dtype=torch.bfloat16, device="cuda")
+        self.req_to_token = torch.zeros(bsz + 1, ctx, dtype=torch.int32, device=DEVICE)
+        self.req_pool_indices = torch.arange(1, bsz + 1, dtype=torch.int64, device=DEVICE)
+        self.seq_lens = torch.zeros(bsz, dtype=torch.int64, device=DEVICE)
+        self.out_cache_loc = torch.zeros(bsz * n, dtype=torch.int64, device=DEVICE)
+        self.q = torch.zeros(bsz * n, hq, dqk, dtype=torch.bfloat16, device=DEVICE)
+        self.k = torch.zeros(bsz * n, hkv, dqk, dtype=torch.bfloat16, device=DEVICE)
+        self.v = torch.zeros(bsz * n, hkv, dv, dtype=torch.bfloat16, device=DEVICE)
         self.max_prefix = max_prefix
 
     def draw(self, rng: random.Random):
@@ -132,8 +136,8 @@ class Step:
             table.append(pages)
             t = torch.arange(prefix[b] + n)
             slots = torch.tensor(pages)[t // ps] * ps + t % ps
-            self.req_to_token[b + 1, : len(slots)] = slots.to("cuda", torch.int32)
-            self.out_cache_loc[b * n : (b + 1) * n] = slots[prefix[b] :].cuda()
+            self.req_to_token[b + 1, : len(slots)] = slots.to(DEVICE, torch.int32)
+            self.out_cache_loc[b * n : (b + 1) * n] = slots[prefix[b] :].to(DEVICE)
         self.seq_lens.copy_(torch.tensor(prefix))
         for t in (self.q, self.k, self.v):
             t.normal_()
@@ -144,11 +148,11 @@ class Step:
         layout = to_sglang_verify(parents, plen, mask_capacity=int(n * (plen.sum() + bsz * n)))
         width = max(len(p) for p in table)
         block_table = torch.tensor([p + [0] * (width - len(p)) for p in table], dtype=torch.int32)
-        return layout.custom_mask.bool().cuda(), {  # bool, as the EAGLE worker hands it over
-            "block_table": block_table.cuda(),
-            "prefix_lens": plen.to("cuda", torch.int32),
-            "qo_indptr": layout.qo_indptr.cuda(),
-            "tree_mask": parents_to_tree_mask(parents).cuda(),
+        return layout.custom_mask.bool().to(DEVICE), {  # bool, as the EAGLE worker hands it over
+            "block_table": block_table.to(DEVICE),
+            "prefix_lens": plen.to(DEVICE, torch.int32),
+            "qo_indptr": layout.qo_indptr.to(DEVICE),
+            "tree_mask": parents_to_tree_mask(parents).to(DEVICE),
         }
 
     def reference(self, ref_inputs, scale):
@@ -215,27 +219,84 @@ def _ensure_sglang_imports() -> None:
             "not installed: stubbed (utils.is_arch_support_pdl -> False; any other name is a "
             "placeholder that raises if called: see sgl_kernel_names)"
         )
-    dp = importlib.import_module("sglang.srt.layers.dp_attention")
-    try:
-        dp.get_attention_tp_size()
-    except Exception as exc:  # no distributed state in this process
-        dp.get_attention_tp_size = lambda: 1
-        HARNESS["get_attention_tp_size"] = f"uninitialised ({type(exc).__name__}): patched to 1"
+
+
+def publish_server_args(page_size: int, n: int, ctx: int):
+    """Publish SGLang's process-wide config (its RuntimeContext) the way a scheduler process
+    does: `publish(ServerArgs(...), role="scheduler")` with the launcher's placement (WORLD rank
+    0, GPU 0, TP 1). SGLang 0.5.23's backends read their settings from it (get_exec(),
+    get_spec(), get_schedule(), get_parallel()), not from the runner. model_path "dummy", as in
+    SGLang's own tests: its resolution pipeline then stops before the model-dependent hooks (no
+    config download, no GPU memory probe), so the published leaves are these fields and
+    ServerArgs' defaults; the runner's model config below stands in for the model. Returns the
+    published ServerArgs; records what was published and the leaves the backends read."""
+    server_args_cls = _real("sglang.srt.server_args", "ServerArgs")
+    if server_args_cls is None:
+        raise ImportError(HARNESS["sglang.srt.server_args.ServerArgs"])
+    ctx_mod = importlib.import_module("sglang.srt.runtime_context")
+    fields = dict(
+        model_path="dummy", attention_backend="triton", page_size=page_size,
+        context_length=ctx, speculative_algorithm="EAGLE", speculative_num_steps=1,
+        speculative_eagle_topk=TOPK, speculative_num_draft_tokens=n, device=DEVICE,
+    )  # fmt: skip
+    server_args = server_args_cls(**fields)
+    ctx_mod.reset_context()  # last publish wins; start from nothing each shape
+    ctx_mod.publish(server_args, role="scheduler", ranks=ctx_mod.SpawnRanks(world_rank=0, gpu_id=0))
+    exec_, spec, sched, par = (ctx_mod.get_exec(), ctx_mod.get_spec(), ctx_mod.get_schedule(),
+                               ctx_mod.get_parallel())  # fmt: skip
+    read = {  # the leaves TritonAttnBackend's constructor reads, as resolved
+        "spec.speculative_num_draft_tokens": spec.speculative_num_draft_tokens,
+        "spec.speculative_num_steps": spec.speculative_num_steps,
+        "spec.speculative_eagle_topk": spec.speculative_eagle_topk,
+        "schedule.page_size": sched.page_size,
+        "schedule.chunked_prefill_size": sched.chunked_prefill_size,
+        "exec.kernel.triton_attention_num_kv_splits": exec_.kernel.triton_attention_num_kv_splits,
+        "exec.kernel.triton_attention_split_tile_size":
+            exec_.kernel.triton_attention_split_tile_size,
+        "exec.kernel.enable_lean_attention": exec_.kernel.enable_lean_attention,
+        "exec.deterministic.enable_deterministic_inference":
+            exec_.deterministic.enable_deterministic_inference,
+        "parallel.attn_tp_size": par.attn_tp_size, "parallel.attn_dcp_size": par.attn_dcp_size,
+    }  # fmt: skip
+    HARNESS["publish()"] = (
+        "runtime_context.publish(ServerArgs(**published_fields), role='scheduler', "
+        "ranks=SpawnRanks(world_rank=0, gpu_id=0)) per shape/page size; see published_*"
+    )
+    HARNESS.setdefault("published_fields", {})[f"page_size={page_size}"] = repr(fields)
+    HARNESS.setdefault("published_read", {})[f"page_size={page_size}"] = repr(read)
+    return server_args
+
+
+def _hf_config(shape, ctx: int):
+    """A transformers config of the shape's family (no weights): SGLang's backends probe its type
+    for hybrid/linear-attention models. Llama for GQA, DeepSeek-V3 for MLA (latent 512 + rope
+    64), heads as on one GPU."""
+    hq, hkv, dqk, dv, mla = shape
+    transformers = importlib.import_module("transformers")
+    if mla:
+        config = transformers.DeepseekV3Config(
+            num_attention_heads=hq, num_key_value_heads=hq, kv_lora_rank=dv,
+            qk_rope_head_dim=dqk - dv, max_position_embeddings=ctx,
+        )  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(
+            num_attention_heads=hq, num_key_value_heads=hkv, head_dim=dqk,
+            hidden_size=hq * dqk, max_position_embeddings=ctx,
+        )  # fmt: skip
+    HARNESS[f"hf_config[{'mla' if mla else 'gqa'}]"] = f"transformers.{type(config).__name__}"
+    return config
 
 
 def build_runner(step: Step, shape, page_size: int, n: int, ctx: int) -> Permissive:
     hq, hkv, dqk, dv, mla = shape
+    server_args = publish_server_args(page_size, n, ctx)
     arch_enum = _real("sglang.srt.configs.model_config", "AttentionArch")
     arch = getattr(arch_enum, "MLA" if mla else "MHA", None) if arch_enum else None
     model_config = Permissive(
-        num_attention_heads=hq, get_num_kv_heads=lambda tp: hkv, attention_arch=arch,
-        v_head_dim=dv, swa_v_head_dim=dv, context_len=ctx, is_encoder_decoder=False,
-    )  # fmt: skip
-    server_args = Permissive(
-        speculative_num_draft_tokens=n, speculative_num_steps=1, speculative_eagle_topk=4,
-        triton_attention_num_kv_splits=8, triton_attention_split_tile_size=None,
-        enable_deterministic_inference=False, disable_cuda_graph=False,
-        chunked_prefill_size=8192, page_size=page_size, speculative_attention_mode="prefill",
+        num_attention_heads=hq, get_max_num_attention_heads=lambda: hq, head_dim=dqk,
+        get_num_kv_heads=lambda tp, dcp=1: hkv, attention_arch=arch, v_head_dim=dv,
+        swa_v_head_dim=dv, context_len=ctx, is_encoder_decoder=False, is_draft_model=False,
+        hf_config=_hf_config(shape, ctx),
     )  # fmt: skip
     pool = SimpleNamespace(req_to_token=step.req_to_token, size=step.req_to_token.shape[0])
     translator = None
@@ -244,17 +305,30 @@ def build_runner(step: Step, shape, page_size: int, n: int, ctx: int) -> Permiss
         try:
             translator = translator_cls(
                 req_to_token=step.req_to_token, token_to_kv_pool_allocator=None,
-                token_to_kv_pool=step.pool, page_size=page_size, device="cuda",
+                token_to_kv_pool=step.pool, page_size=page_size, device=DEVICE,
             )  # fmt: skip
         except Exception as exc:
             HARNESS["KVIndexTranslator()"] = f"failed ({type(exc).__name__}: {exc})"
-    return Permissive(
+    spec_cls = _real("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm")
+    runner = Permissive(
         kv_index_translator=translator,
         model_config=model_config, server_args=server_args, req_to_token_pool=pool,
         token_to_kv_pool=step.pool, sliding_window_size=None, hybrid_gdn_config=None,
-        kimi_linear_config=None, linear_attn_model_spec=None, device="cuda", gpu_id=0,
-        page_size=page_size, use_mla_backend=mla, dtype=torch.bfloat16,
+        kimi_linear_config=None, linear_attn_model_spec=None, device=DEVICE, gpu_id=0,
+        page_size=page_size, use_mla_backend=mla, dtype=torch.bfloat16, is_draft_worker=False,
+        spec_algorithm=spec_cls.from_string("EAGLE") if spec_cls else None,
     )  # fmt: skip
+    resolve = _real("sglang.srt.speculative.spec_utils", "resolve_num_tokens_per_req")
+    if resolve is not None:  # what ModelRunner's method returns for a speculative target runner
+        runner.decode_num_tokens_per_req = lambda num_draft_tokens=None: resolve(
+            phase="target_verify", spec_algorithm=runner.spec_algorithm, is_draft_worker=False,
+            num_draft_tokens=num_draft_tokens,
+        )  # fmt: skip
+        HARNESS["runner.decode_num_tokens_per_req"] = (
+            "spec_utils.resolve_num_tokens_per_req(phase='target_verify', EAGLE, target), as "
+            "ModelRunner.decode_num_tokens_per_req answers for a speculative target"
+        )
+    return runner
 
 
 def build_layer(shape, scale: float):
@@ -276,14 +350,16 @@ def build_batch(step: Step, mask: torch.Tensor, backend):
     fb_cls = _real("sglang.srt.model_executor.forward_batch_info", "ForwardBatch")
     mode = _real("sglang.srt.model_executor.forward_batch_info", "ForwardMode").TARGET_VERIFY
     verify_cls = _real("sglang.srt.speculative.eagle_info", "EagleVerifyInput")
-    spec = dict(custom_mask=mask, draft_token_num=step.n, topk=4, spec_steps=1)
+    # num_tokens_per_req as EagleVerifyInput.__post_init__ fills it (not run here)
+    spec = dict(custom_mask=mask, draft_token_num=step.n, num_tokens_per_req=step.n, topk=TOPK,
+                spec_steps=1)  # fmt: skip
     spec_info = _dataclass_instance(verify_cls, **spec) if verify_cls else Permissive(**spec)
     fields = dict(
         forward_mode=mode, batch_size=step.bsz, req_pool_indices=step.req_pool_indices,
         seq_lens=step.seq_lens, seq_lens_cpu=step.seq_lens.cpu(),
         seq_lens_sum=int(step.seq_lens.sum()), out_cache_loc=step.out_cache_loc,
-        input_ids=torch.zeros(step.bsz * step.n, dtype=torch.int64, device="cuda"),
-        positions=torch.zeros(step.bsz * step.n, dtype=torch.int64, device="cuda"),
+        input_ids=torch.zeros(step.bsz * step.n, dtype=torch.int64, device=DEVICE),
+        positions=torch.zeros(step.bsz * step.n, dtype=torch.int64, device=DEVICE),
         req_to_token_pool=SimpleNamespace(req_to_token=step.req_to_token),
         token_to_kv_pool=step.pool, spec_info=spec_info, attn_backend=backend,
     )  # fmt: skip
@@ -375,8 +451,6 @@ def run(args) -> dict:
                 print(json.dumps(row), flush=True)
             defaulted |= runner.__dict__.get("_defaulted", set())
             defaulted |= {f"model_config.{a}" for a in runner.model_config.__dict__.get(
-                "_defaulted", set())}  # fmt: skip
-            defaulted |= {f"server_args.{a}" for a in runner.server_args.__dict__.get(
                 "_defaulted", set())}  # fmt: skip
     for r in rows:
         twin = [o for o in rows if o["backend"] == "sglang_triton" and o["shape"] == r["shape"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_fakes import Mode, brute_force_attention, make_verify_case, naive_full_mask
-from treeverify.integrations.sglang.backend import TreeverifyAttnBackend
+from treeverify.integrations.sglang.backend import TreeverifyAttnBackend, draft_tokens_per_request
 from treeverify.integrations.sglang.geometry import VerifyGeometry
 from treeverify.integrations.sglang.verify_metadata import (
     FULL_MASK,
@@ -200,6 +200,15 @@ def test_verify_errors_name_the_cause():
         VerifyGeometry(num_qo_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=8, mla=False,
                        page_size=1, max_context_len=8, dtype=torch.float8_e4m3fn,
                        device=torch.device("cpu"))  # fmt: skip
+
+
+def test_draft_tokens_per_request_skips_sglangs_unfilled_minus_one():
+    n = random.randint(2, 64)
+    # EagleVerifyInput's num_tokens_per_req defaults to -1 until its __post_init__ fills it in
+    assert draft_tokens_per_request(SimpleNamespace(num_tokens_per_req=-1, draft_token_num=n)) == n
+    assert draft_tokens_per_request(SimpleNamespace(num_tokens_per_req=n, draft_token_num=3)) == n
+    with pytest.raises(ValueError, match="spec_info"):
+        draft_tokens_per_request(SimpleNamespace(num_tokens_per_req=-1, draft_token_num=None))
 
 
 def _emulate_converter(mask, kv_indptr, mask_indptr, qo_indptr, batch, words, cap):

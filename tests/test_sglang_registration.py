@@ -84,7 +84,7 @@ def _fake_sglang(monkeypatch, version="0.5.23", tp=2):
         add_attention_backend_choices=choices.extend)  # fmt: skip
     mod("sglang.srt.arg_groups.speculative_hook",
         _PAGE_TREE_SPEC_BACKENDS=("flashinfer", "fa3", "triton"))  # fmt: skip
-    mod("sglang.srt.layers.dp_attention", get_attention_tp_size=lambda: tp)
+    mod("sglang.srt.runtime_context", get_parallel=lambda: SimpleNamespace(attn_tp_size=tp))
     return backends, choices, stock, made
 
 

@@ -40,7 +40,7 @@ def draft_tokens_per_request(spec_info) -> int:
     """N, the verified tokens per request, from an EAGLE/DDTree verify input."""
     for name in ("num_tokens_per_req", "draft_token_num"):
         value = getattr(spec_info, name, None)
-        if value:
+        if value is not None and int(value) > 0:  # SGLang's -1 means "not filled in yet"
             return int(value)
     raise ValueError(
         "spec_info: a target-verify batch needs num_tokens_per_req or draft_token_num, got "

@@ -49,7 +49,9 @@ def geometry_from_runner(runner) -> VerifyGeometry:
     The KV pool is the ground truth for head counts and dims on this rank; the query heads come
     from the model config divided by the attention TP size.
     """
-    from sglang.srt.layers.dp_attention import get_attention_tp_size
+    # SGLang 0.5.23 keeps the attention TP width in its process context (published at startup);
+    # dp_attention.get_attention_tp_size of older releases is gone.
+    from sglang.srt.runtime_context import get_parallel
 
     pool = runner.token_to_kv_pool
     first = getattr(pool, "start_layer", 0) or 0
@@ -59,7 +61,7 @@ def geometry_from_runner(runner) -> VerifyGeometry:
     # value buffer is a view of its key buffer (SGLang's MLATokenToKVPool).
     shared = v_buf.untyped_storage().data_ptr() == k_buf.untyped_storage().data_ptr()
     mla = shared or bool(getattr(runner, "use_mla_backend", False))
-    hq = runner.model_config.num_attention_heads // get_attention_tp_size()
+    hq = runner.model_config.num_attention_heads // get_parallel().attn_tp_size
     args = getattr(runner, "server_args", None)
     n = getattr(args, "speculative_num_draft_tokens", None)
     return VerifyGeometry(
