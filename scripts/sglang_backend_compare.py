@@ -3,7 +3,7 @@ TritonAttnBackend on SGLang's batch objects in TARGET_VERIFY mode, eager and in 
 graph replayed with new metadata (new prefixes, trees and pages of the same batch size).
 
 The smallest honest harness, not a ModelRunner: SGLang's process config published as a
-scheduler process publishes it (publish_server_args); real `ForwardBatch`, `ForwardMode`,
+scheduler process publishes it (bench/sglang_context.py); real `ForwardBatch`, `ForwardMode`,
 `EagleVerifyInput`, `RadixAttention` and `TritonAttnBackend` where they construct; a runner
 namespace with the attributes Triton's constructor reads (any it reads beyond those is None and
 listed in the JSON under `runner_defaults`); a plain token pool with SGLang's pool methods. What
@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import random
 import sys
@@ -29,6 +26,12 @@ from types import SimpleNamespace
 import torch
 
 from treeverify.bench.kernel import _git_commit, _rel_err
+from treeverify.bench.sglang_context import (
+    STUB_NAMES,
+    hf_config_for,
+    publish_server_args,
+    stub_sgl_kernel_if_absent,
+)
 from treeverify.kernels.reference import tree_attention_reference
 from treeverify.spec import parents_to_tree_mask, to_sglang_verify
 
@@ -166,137 +169,18 @@ class Step:
         )  # fmt: skip
 
 
-STUB_NAMES: set[str] = set()  # sgl_kernel names SGLang touched while importing
-
-
-class _Placeholder:
-    """Stands in for an sgl_kernel object at import time (module-level tables read attributes
-    of it); calling it raises, so no stubbed kernel can run unnoticed."""
-
-    def __init__(self, path: str):
-        self._path = path
-        STUB_NAMES.add(path)
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Placeholder(f"{self._path}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        raise NotImplementedError(f"{self._path}: sgl_kernel is stubbed in this harness")
-
-
-class _SglKernelStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports `sgl_kernel` and any submodule as modules of placeholders."""
-
-    def find_spec(self, name, path, target=None):
-        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = type(sys)(spec.name)
-        module.__path__ = []
-
-        def placeholder(attr):  # PEP 562: names the module does not define
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _Placeholder(f"{spec.name}.{attr}")
-
-        module.__getattr__ = placeholder
-        return module
-
-    def exec_module(self, module):
-        if module.__name__ == "sgl_kernel.utils":
-            module.is_arch_support_pdl = lambda: False
-
-
-def _ensure_sglang_imports() -> None:
-    """Stub what this harness may stand in for, recording each substitution."""
-    if importlib.util.find_spec("sgl_kernel") is None:  # CUDA-only imports across sglang.srt
-        sys.meta_path.insert(0, _SglKernelStub())
-        HARNESS["sgl_kernel"] = (
-            "not installed: stubbed (utils.is_arch_support_pdl -> False; any other name is a "
-            "placeholder that raises if called: see sgl_kernel_names)"
-        )
-
-
-def publish_server_args(page_size: int, n: int, ctx: int):
-    """Publish SGLang's process-wide config (its RuntimeContext) the way a scheduler process
-    does: `publish(ServerArgs(...), role="scheduler")` with the launcher's placement (WORLD rank
-    0, GPU 0, TP 1). SGLang 0.5.23's backends read their settings from it (get_exec(),
-    get_spec(), get_schedule(), get_parallel()), not from the runner. model_path "dummy", as in
-    SGLang's own tests: its resolution pipeline then stops before the model-dependent hooks (no
-    config download, no GPU memory probe), so the published leaves are these fields and
-    ServerArgs' defaults; the runner's model config below stands in for the model. Returns the
-    published ServerArgs; records what was published and the leaves the backends read."""
-    server_args_cls = _real("sglang.srt.server_args", "ServerArgs")
-    if server_args_cls is None:
-        raise ImportError(HARNESS["sglang.srt.server_args.ServerArgs"])
-    ctx_mod = importlib.import_module("sglang.srt.runtime_context")
-    fields = dict(
-        model_path="dummy", attention_backend="triton", page_size=page_size,
-        context_length=ctx, speculative_algorithm="EAGLE", speculative_num_steps=1,
-        speculative_eagle_topk=TOPK, speculative_num_draft_tokens=n, device=DEVICE,
-    )  # fmt: skip
-    server_args = server_args_cls(**fields)
-    ctx_mod.reset_context()  # last publish wins; start from nothing each shape
-    ctx_mod.publish(server_args, role="scheduler", ranks=ctx_mod.SpawnRanks(world_rank=0, gpu_id=0))
-    exec_, spec, sched, par = (ctx_mod.get_exec(), ctx_mod.get_spec(), ctx_mod.get_schedule(),
-                               ctx_mod.get_parallel())  # fmt: skip
-    read = {  # the leaves TritonAttnBackend's constructor reads, as resolved
-        "spec.speculative_num_draft_tokens": spec.speculative_num_draft_tokens,
-        "spec.speculative_num_steps": spec.speculative_num_steps,
-        "spec.speculative_eagle_topk": spec.speculative_eagle_topk,
-        "schedule.page_size": sched.page_size,
-        "schedule.chunked_prefill_size": sched.chunked_prefill_size,
-        "exec.kernel.triton_attention_num_kv_splits": exec_.kernel.triton_attention_num_kv_splits,
-        "exec.kernel.triton_attention_split_tile_size":
-            exec_.kernel.triton_attention_split_tile_size,
-        "exec.kernel.enable_lean_attention": exec_.kernel.enable_lean_attention,
-        "exec.deterministic.enable_deterministic_inference":
-            exec_.deterministic.enable_deterministic_inference,
-        "parallel.attn_tp_size": par.attn_tp_size, "parallel.attn_dcp_size": par.attn_dcp_size,
-    }  # fmt: skip
-    HARNESS["publish()"] = (
-        "runtime_context.publish(ServerArgs(**published_fields), role='scheduler', "
-        "ranks=SpawnRanks(world_rank=0, gpu_id=0)) per shape/page size; see published_*"
-    )
-    HARNESS.setdefault("published_fields", {})[f"page_size={page_size}"] = repr(fields)
-    HARNESS.setdefault("published_read", {})[f"page_size={page_size}"] = repr(read)
-    return server_args
-
-
-def _hf_config(shape, ctx: int):
-    """A transformers config of the shape's family (no weights): SGLang's backends probe its type
-    for hybrid/linear-attention models. Llama for GQA, DeepSeek-V3 for MLA (latent 512 + rope
-    64), heads as on one GPU."""
-    hq, hkv, dqk, dv, mla = shape
-    transformers = importlib.import_module("transformers")
-    if mla:
-        config = transformers.DeepseekV3Config(
-            num_attention_heads=hq, num_key_value_heads=hq, kv_lora_rank=dv,
-            qk_rope_head_dim=dqk - dv, max_position_embeddings=ctx,
-        )  # fmt: skip
-    else:
-        config = transformers.LlamaConfig(
-            num_attention_heads=hq, num_key_value_heads=hkv, head_dim=dqk,
-            hidden_size=hq * dqk, max_position_embeddings=ctx,
-        )  # fmt: skip
-    HARNESS[f"hf_config[{'mla' if mla else 'gqa'}]"] = f"transformers.{type(config).__name__}"
-    return config
-
-
 def build_runner(step: Step, shape, page_size: int, n: int, ctx: int) -> Permissive:
     hq, hkv, dqk, dv, mla = shape
-    server_args = publish_server_args(page_size, n, ctx)
+    server_args = publish_server_args(
+        HARNESS, page_size=page_size, n=n, ctx=ctx, topk=TOPK, device=DEVICE
+    )
     arch_enum = _real("sglang.srt.configs.model_config", "AttentionArch")
     arch = getattr(arch_enum, "MLA" if mla else "MHA", None) if arch_enum else None
     model_config = Permissive(
         num_attention_heads=hq, get_max_num_attention_heads=lambda: hq, head_dim=dqk,
         get_num_kv_heads=lambda tp, dcp=1: hkv, attention_arch=arch, v_head_dim=dv,
         swa_v_head_dim=dv, context_len=ctx, is_encoder_decoder=False, is_draft_model=False,
-        hf_config=_hf_config(shape, ctx),
+        hf_config=hf_config_for(HARNESS, shape, ctx),
     )  # fmt: skip
     pool = SimpleNamespace(req_to_token=step.req_to_token, size=step.req_to_token.shape[0])
     translator = None
@@ -418,7 +302,7 @@ def run(args) -> dict:
     from treeverify.integrations.sglang import install
     from treeverify.integrations.sglang.registry import build_backend
 
-    _ensure_sglang_imports()
+    stub_sgl_kernel_if_absent(HARNESS)
     try:  # the registration path as SGLang would run it; the comparison does not depend on it
         install()
         HARNESS["install()"] = "ok"
