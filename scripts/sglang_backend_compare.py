@@ -72,6 +72,8 @@ class Pool:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
+        if hasattr(loc, "loc"):  # SGLang 0.5.23 passes a KVWriteLoc: a plain pool writes
+            loc = loc.full_loc if loc.full_loc is not None else loc.loc  # its full-attn loc
         self.k[loc] = cache_k.view(-1, *self.k.shape[1:])
         if self.v is not None:
             self.v[loc] = cache_v.view(-1, *self.v.shape[1:])
