@@ -8,7 +8,7 @@ scheduler process publishes it (bench/sglang_context.py); real `ForwardBatch`, `
 namespace with the attributes Triton's constructor reads (any it reads beyond those is None and
 listed in the JSON under `runner_defaults`); a plain token pool with SGLang's pool methods. What
 was published and substituted is recorded in the JSON (`harness`). Construction was checked on
-a CPU with CUDA faked (DEVICE="cpu"); not yet run on a GPU.
+a CPU with CUDA faked (DEVICE="cpu"); run on the H200 2026-12-01 (docs/sglang.md, part (b)).
 
     python scripts/sglang_backend_compare.py --json out.json [--pages 1,16] [--replays 3]
 """

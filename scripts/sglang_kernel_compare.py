@@ -5,7 +5,8 @@ For each grid case (shared/bench/cases.json: GQA llama8b, MLA kimi TP8/TP1) at p
 16: one `make_inputs` batch, re-expressed in SGLang's layout over the same cache memory
 (bench/sglang_inputs.py); every implementation's output against the reference (rel err) and ours
 against SGLang's directly; each timed by CUDA-graph replay (median), efficiency vs the grid floor.
-Writes JSON (one row per case x page size) and prints a table. UNRUN as of this commit.
+Writes JSON (one row per case x page size) and prints a table. Run on the H200 2026-12-01
+(docs/sglang.md, part (a)).
 
     python scripts/sglang_kernel_compare.py --json out.json [--only kimi] [--pages 1,16]
 """
