@@ -199,8 +199,10 @@ def run_speed(args, block: int) -> list[dict]:
                     r["steps_by_budget"] = {int(b): c for b, c in
                                             adaptive["steps_by_budget"].items()}  # fmt: skip
                     # what the controller believed: why it chose those budgets
-                    r["controller"] = {k: adaptive.get(k) for k in (
-                        "accept_curve", "cost_seconds_batch1", "switches", "explorations")}
+                    r["controller"] = {
+                        k: adaptive.get(k)
+                        for k in ("accept_curve", "cost_seconds_batch1", "switches", "explorations")
+                    }
                     r["controller"][f"cost_seconds_batch{b}"] = llm.controller.cost.curve(b)
                 if r.get("diverged_requests") and judge is not None:
                     r["divergence_gaps"] = judge.gaps(prompts, plain[key], outs)
