@@ -210,3 +210,48 @@ def test_tiny_code_engine_drafts_through_the_graphs_same_tokens(algorithm, budge
             assert "draft" not in info and llm.spec.source.graphs is None
         del llm
     assert outs[True] == outs[False], f"seed {seed}"
+
+
+def test_steady_state_round_reads_the_device_once_and_never_else_syncs(monkeypatch):
+    """Issue 14's round contract, end to end on the engine (tiny-code + its DFlash drafter,
+    DDTREE at a fixed budget, CUDA graphs, two requests): a steady-state step, from scheduling
+    through draft, tree build, verify, accept, K/V moves, commit and the drafter's context
+    upkeep, runs under torch.cuda.set_sync_debug_mode("error") (any host<->device sync raises)
+    except for the round's one intended read, the packed results' `tolist()`, which is counted:
+    exactly one per step. (Sync debug mode sees the syncs PyTorch itself issues, not every
+    driver call; torch.profiler's syncs per step in scripts/profile_round_gpu.py is the check
+    from the other side.)"""
+    heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
+    llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=2,
+              speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+              speculative_adaptive=False)  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    llm.generate([heldout[0][:300]], SamplingParams(temperature=0, max_tokens=32))  # warm
+    seqs = [llm.add_request(p[:300], sp) for p in heldout[1:3]]
+    while any(s.num_output_tokens < 8 for s in seqs):  # prefills done, rounds running
+        llm.step()
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def read_once(t):  # a device read is the intended one: allowed, counted
+        if not t.is_cuda:
+            return tolist(t)
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            reads.append(tuple(t.shape))
+            return tolist(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", read_once)
+    rounds = llm.spec_stats["rounds"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):
+            assert not any(s.is_finished for s in seqs)
+            llm.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(reads) == 6, reads  # one read per step, each the (B, 2 + 2K) packed results
+    assert all(shape[0] == 2 for shape in reads), reads
+    assert llm.spec_stats["rounds"] == rounds + 12  # two requests' rounds per step
