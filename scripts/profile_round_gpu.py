@@ -1,8 +1,8 @@
 """Where a speculative round's time goes on the GPU (torch.profiler over steady-state steps):
 wall ms per step, GPU kernel ms per step (busy share), kernels, host->device syncs and
 device->host copies per step, the engine's own phase seconds, the top CUDA kernels and the top
-host ops by self time. Plain decoding, CHAIN and DDTREE (fixed budget) on the trained pair at
-batch 1 and 8.
+host ops by self time. Plain decoding, CHAIN, DDTREE (fixed budget) and the adaptive DDTREE
+engine held at budget 0 and at 64 on the trained pair at batch 1 and 8.
 Usage (GPU machine, repo root): PYTHONPATH=src python3 scripts/profile_round_gpu.py --json F"""
 
 from __future__ import annotations
@@ -27,18 +27,34 @@ def prompts(n: int) -> list[str]:
     return json.loads((DATA / "tiny-code/heldout.json").read_text())["prompts"][:n]
 
 
-def build(algo: str | None, batch: int, budget: int) -> LLM:
+def build(algo: str | None, batch: int, budget: int, pinned: int | None = None) -> LLM:
+    """`pinned`: an adaptive DDTREE engine (calibrated, controller on) held at that budget."""
     kw = {}
     if algo:
         kw = dict(speculative_algorithm=algo, speculative_ddtree_budget=budget)
         if algo == "DDTREE":
-            kw["speculative_adaptive"] = False
-    return LLM("tiny-code", device=DEVICE, num_pages=4096, max_num_seqs=batch,
-               cuda_graph_max_bs=batch, **kw)  # fmt: skip
+            kw["speculative_adaptive"] = pinned is not None
+    llm = LLM("tiny-code", device=DEVICE, num_pages=4096, max_num_seqs=batch,
+              cuda_graph_max_bs=batch, **kw)  # fmt: skip
+    if pinned is not None:
+        llm.controller.pinned = pinned
+    return llm
 
 
-def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: int) -> dict:
-    llm = build(algo, batch, budget)
+# name: (algorithm, budget, adaptive controller pinned at); "DDTREE-adaptive@0" is the adaptive
+# engine's plain steps (budget 0), to compare with "none"'s
+CONFIGS = {
+    "none": (None, 0, None),
+    "CHAIN": ("CHAIN", 15, None),
+    "DDTREE-16": ("DDTREE", 16, None),
+    "DDTREE-adaptive@0": ("DDTREE", 64, 0),
+    "DDTREE-adaptive@64": ("DDTREE", 64, 64),
+}
+
+
+def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: int,
+                   pinned: int | None = None) -> dict:  # fmt: skip
+    llm = build(algo, batch, budget, pinned)
     sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
     for p in prompts(batch):
         llm.add_request(p, sp)
@@ -97,6 +113,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS)
+    )
     ap.add_argument("--cpu", action="store_true", help="a dry run of the script on the CPU")
     args = ap.parse_args()
     if args.cpu:
@@ -104,9 +123,9 @@ def main() -> int:
         DEVICE = "cpu"
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
-        for name, algo, budget in (("none", None, 0), ("CHAIN", "CHAIN", 15),
-                                   ("DDTREE-16", "DDTREE", 16)):  # fmt: skip
-            rows.append(profile_config(name, algo, b, budget, args.steps))
+        for name in args.configs.split(","):
+            algo, budget, pinned = CONFIGS[name]
+            rows.append(profile_config(name, algo, b, budget, args.steps, pinned))
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
     args.json.write_text(json.dumps(rows, indent=1))
