@@ -20,10 +20,12 @@ import gc
 import json
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from treeverify.bench.kernel import _git_commit
 from treeverify.engine.budget_controller import CLOCKS
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
@@ -275,7 +277,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = run_accept(args, block) if args.mode == "accept" else run_speed(args, block)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
-    result = {"mode": args.mode, "device": dev, "target": args.target, "drafter": args.drafter,
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "commit": _git_commit(), "command": " ".join(sys.argv),
+              "mode": args.mode, "device": dev, "target": args.target, "drafter": args.drafter,
               "prompts_per_text": args.n, "tokens_per_prompt": args.tokens,
               "graphs": not args.no_graphs, "torch": torch.__version__, "clock": args.clock,
               "torch_threads": torch.get_num_threads(), "rows": rows,
