@@ -93,3 +93,38 @@ def test_adaptive_off_and_chain_refusal():
     with pytest.raises(ValueError, match="speculative_cost_seconds"):
         LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
             speculative_cost_seconds={0: 1.0, 4: 1.0})  # fmt: skip
+
+
+def test_speculative_budget_pins_rounds_the_controller_would_not_run():
+    """A request's speculative_budget bypasses the controller: on unpredictable sampled text the
+    controller decodes plainly (budget 0), but a pinned request runs every step as a round at
+    its budget, and its tokens equal plain decoding's (sampling is lossless, seeded). Budgets
+    the engine did not capture, a pin with speculative=False and a pin on an engine without
+    speculation are ValueErrors naming the field."""
+    rng = random.Random()
+    llm = adaptive_llm()
+    text = random_text(rng, 40)
+    seed = rng.randrange(1 << 30)
+
+    def sampled(**kw) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True, **kw)
+
+    want = llm.generate([text], sampled(speculative=False))[0].token_ids
+    llm.generate([random_text(rng, 40)], sampled())  # the controller learns: drafts never pay
+    assert llm.controller.current == 0
+    rounds, committed = llm.spec.stats.rounds, llm.spec.stats.committed
+    assert llm.generate([text], sampled(speculative_budget=8))[0].token_ids == want
+    assert llm.spec.stats.rounds - rounds >= 40 // 7  # at most 1 + depth 6 tokens per round
+    # every token after the prefill's first came from a round (the ones past max_tokens are
+    # committed, then cut)
+    assert llm.spec.stats.committed - committed >= 39
+    for bad, match in [(5, r"speculative_budget: expected one of \[4, 8, 16\], got 5"),
+                       (32, "speculative_budget: expected one of")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            llm.add_request(text, sampled(speculative_budget=bad))
+    with pytest.raises(ValueError, match="speculative_budget: set together with speculative"):
+        sampled(speculative_budget=8, speculative=False)
+    with pytest.raises(ValueError, match="speculative_budget: expected an int >= 1"):
+        sampled(speculative_budget=0)
+    with pytest.raises(ValueError, match="speculative_budget: this engine runs no speculative"):
+        LLM("tiny-llama").add_request(text, sampled(speculative_budget=8))

@@ -73,3 +73,20 @@ def test_speculative_server_matches_plain_server():
             assert f"{line} {float(n)}" in metrics
         current = float(adaptive["current"])
         assert f'treeverify_spec_budget_current{{model="tiny-llama"}} {current}\n' in metrics
+        # speculative_budget pins a request's rounds (the gate's speculation probe uses it):
+        # same answers, and every step of those requests is a round (<= 1 + 4 tokens each)
+        rounds = info["rounds"]
+        assert _answers(adaptive_server.url, speculative_budget=8) == expected
+        info = httpx.get(adaptive_server.url + "/server_info", timeout=10).json()["speculative"]
+        assert info["rounds"] - rounds >= 2 * len(PROMPTS) * -(-23 // 5)
+        for bad in (5, 0, "8", True):
+            r = httpx.post(adaptive_server.url + "/v1/completions", timeout=10,
+                           json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2,
+                                 "speculative_budget": bad})  # fmt: skip
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == "speculative_budget", r.text
+        r = httpx.post(adaptive_server.url + "/v1/completions", timeout=10,
+                       json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2,
+                             "speculative_budget": 8, "speculative": False})  # fmt: skip
+        assert r.status_code == 400 and "speculative=false" in r.text, r.text
+        assert httpx.get(adaptive_server.url + "/health", timeout=10).status_code == 200

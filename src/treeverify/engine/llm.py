@@ -200,10 +200,7 @@ class LLM(Introspection):
                     request_id: str | None = None) -> Sequence:  # fmt: skip
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = params or SamplingParams()
-        vocab = self.vocab_size
-        if any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "
-                             f"vocabulary (0..{vocab - 1})")  # fmt: skip
+        self.check_params(params)
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         self._next_id += 1
         seq = self.scheduler.add(Sequence(rid, ids, params))
@@ -211,6 +208,22 @@ class LLM(Introspection):
         if params.prompt_logprobs is not None:  # the first prompt token has no logprob
             self._prompt_logprobs[rid] = [TokenLogprobs(ids[0], None, [])]
         return seq
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What a request may ask of this engine beyond SamplingParams' own checks: logit_bias
+        ids in the vocabulary, a speculative_budget among the budgets it captured. Raises
+        ValueError naming the field (the server turns it into a 400)."""
+        vocab = self.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "
+                             f"vocabulary (0..{vocab - 1})")  # fmt: skip
+        if params.speculative_budget is not None:
+            budgets = self.config.spec_budgets
+            if not budgets:
+                raise ValueError("speculative_budget: this engine runs no speculative decoding")
+            if params.speculative_budget not in budgets:
+                raise ValueError(f"speculative_budget: expected one of {list(budgets)}, got "
+                                 f"{params.speculative_budget}")  # fmt: skip
 
     # ---- the step loop -------------------------------------------------------------------------
     def run_batch(self, batch: ScheduledBatch) -> list[int | list[int]]:
@@ -221,7 +234,10 @@ class LLM(Introspection):
         if self.spec is not None:
             want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
             budget = self.spec.budget
-            if want and self.controller is not None:
+            pinned = [p for s in want if (p := s.sampling_params.speculative_budget) is not None]
+            if pinned:  # a request pinned its budget (SamplingParams.speculative_budget)
+                budget = max(pinned)
+            elif want and self.controller is not None:
                 budget = self.controller.choose([s.request_id for s in want])
             tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
             if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):

@@ -18,7 +18,11 @@ class SamplingParams:
     sampling reproducible on its own; logprobs asks for that many top alternatives per token
     (None: no logprobs at all, 0: only the sampled token's); ignore_eos keeps generating past the
     model's EOS token (``stop_token_ids`` still apply); speculative=False opts this request out
-    of speculative decoding when the engine runs it.
+    of speculative decoding when the engine runs it; speculative_budget pins the tree budget of
+    the rounds that carry this request (one of the engine's budgets), bypassing the adaptive
+    controller: for checks that must exercise speculation (the gate's speculation probe), since
+    the controller may otherwise decode plainly. Output never depends on it (greedy equals plain
+    decoding; sampling is lossless), only speed does.
 
     presence_penalty / frequency_penalty (OpenAI's meaning, -2..2) lower a token's logit by
     ``frequency * count + presence * (count > 0)``, count = its occurrences among the generated
@@ -40,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     speculative: bool = True
+    speculative_budget: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -48,6 +53,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
+        if self.speculative_budget is not None:
+            if not _is_int(self.speculative_budget) or self.speculative_budget < 1:
+                raise ValueError(f"speculative_budget: expected an int >= 1, got "
+                                 f"{self.speculative_budget!r}")  # fmt: skip
+            if not self.speculative:
+                raise ValueError("speculative_budget: set together with speculative=false")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

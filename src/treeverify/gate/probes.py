@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from treeverify.gate import chat, copying, sampled
 from treeverify.gate import golden as G
+from treeverify.gate.client import HttpError
 from treeverify.gate.codes import ExitCode
 from treeverify.gate.probing import Ctx, Fail, Tally, greedy, plain, run_probe
 from treeverify.gate.report import ProbeResult
@@ -192,13 +193,26 @@ def speculation(ctx: Ctx) -> ProbeResult:
             t.agree(f"{p[:24]!r}", p, ref, greedy(ctx, p, 24), trusted=True)
             t.agree_text(f"{p[:24]!r}", p, ref, plain(ctx, p, 24).text, trusted=True)
     elif spec.get("enabled"):
-        how = "per-request speculative on vs off"
+        pin = _pin_budget(ctx, spec, prompts[0], t)
+        how = "per-request speculative on vs off" + (
+            f", on pinned at budget {pin['speculative_budget']}" if pin else "")  # fmt: skip
+        rounds = spec.get("rounds")
         for p in prompts:
             off = greedy(ctx, p, 24, speculative=False)
-            t.agree(f"{p[:24]!r}", p, off, greedy(ctx, p, 24))
-            t.agree_text(f"{p[:24]!r}", p, off, plain(ctx, p, 24).text)
-        _sampled_on_vs_off(ctx, t)
+            t.agree(f"{p[:24]!r}", p, off, greedy(ctx, p, 24, **pin))
+            t.agree_text(f"{p[:24]!r}", p, off, plain(ctx, p, 24, **pin).text)
+        _sampled_on_vs_off(ctx, t, pin)
         how += f"; seeded sampling on vs off, {len(SAMPLED_PROMPTS)} prompts"
+        after = ((ctx.client.server_info() or {}).get("speculative") or {}).get("rounds")
+        if isinstance(rounds, int) and isinstance(after, int):
+            how += f"; {after - rounds} speculative rounds ran"
+            if after == rounds:  # every "on" request decoded plainly: nothing was compared
+                t.failures.append(
+                    "no speculative round ran during the probe (/server_info speculative.rounds "
+                    f"stayed {rounds}"
+                    + (f" with the budget pinned at {pin['speculative_budget']}" if pin else "")
+                    + "): speculation is enabled but never ran, so nothing was verified"
+                )
     else:
         return ProbeResult(
             "speculation", "skip", "speculation not enabled (/server_info) and no --baseline-url"
@@ -211,7 +225,25 @@ SAMPLED_TOKENS = 24
 EARLY = 4  # a divergence within a request's first EARLY tokens counts as early
 
 
-def _sampled_on_vs_off(ctx: Ctx, t: Tally) -> None:
+def _pin_budget(ctx: Ctx, spec: dict, prompt: str, t: Tally) -> dict:
+    """{"speculative_budget": B} with the server's largest budget, when it takes the field:
+    an adaptive controller may decode these short probe requests plainly (budget 0), and the
+    comparison would then check nothing. A server without the field answers 400: no pin."""
+    budget = spec.get("budget")
+    if not isinstance(budget, int) or budget < 1:
+        return {}
+    pin = {"speculative_budget": budget}
+    try:
+        plain(ctx, prompt, 2, **pin)
+    except HttpError as exc:
+        if exc.status != 400:
+            raise
+        t.notes.append(f"the server refused speculative_budget ({str(exc)[:80]}): not pinned")
+        return {}
+    return pin
+
+
+def _sampled_on_vs_off(ctx: Ctx, t: Tally, pin: dict | None = None) -> None:
     """Seeded sampled requests commit the same tokens with speculation on and off (each tree
     node uses plain decoding's draw for its position: docs/sampling.md). In fp32 they agree
     exactly; a bf16 verify forward can flip a near-tie of the perturbed scores (the gate cannot
@@ -223,7 +255,7 @@ def _sampled_on_vs_off(ctx: Ctx, t: Tally) -> None:
         extra = {"temperature": 0.8, "top_p": 0.95, "seed": 7919 + i, "ignore_eos": True}
         off = ctx.client.complete(p, SAMPLED_TOKENS, logprobs=1,
                                   extra={**extra, "speculative": False})  # fmt: skip
-        on = ctx.client.complete(p, SAMPLED_TOKENS, logprobs=1, extra=extra)
+        on = ctx.client.complete(p, SAMPLED_TOKENS, logprobs=1, extra={**extra, **(pin or {})})
         a, b = off.token_ids or off.tokens or [], on.token_ids or on.tokens or []
         at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if at is None and len(a) != len(b):

@@ -1,9 +1,10 @@
 """OpenAI wire format: request and response models for /v1/completions and /v1/chat/completions.
 
-Field names follow the OpenAI API; ``top_k`` and ``speculative`` are extensions (as in SGLang and
-vLLM). Requests are validated strictly (a string is not an int) so a bad field is a 400 naming it,
-never a surprise deep in the engine. Unknown fields are a 400 naming them, as OpenAI answers; known
-OpenAI fields the server does not implement are declared in unsupported.py and refused there.
+Field names follow the OpenAI API; ``top_k``, ``speculative`` and ``speculative_budget`` are
+extensions (the first two as in SGLang and vLLM). Requests are validated strictly (a string is not
+an int) so a bad field is a 400 naming it, never a surprise deep in the engine. Unknown fields are
+a 400 naming them, as OpenAI answers; known OpenAI fields the server does not implement are
+declared in unsupported.py and refused there.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class _SamplingFields(_Request, StopBounds):
         default=True,
         description="extension: false opts this request out of speculative decoding when the "
         "server runs it (--speculative-algorithm)",
+    )
+    speculative_budget: int | None = Field(
+        default=None,
+        description="extension: pin the tree budget of this request's rounds to one of the "
+        "server's budgets (/server_info speculative.adaptive.buckets, or its budget), bypassing "
+        "the adaptive controller; output does not depend on it, only speed",
     )
     ignore_eos: bool = Field(default=False, description="extension (SGLang/vLLM)")
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)

@@ -183,11 +183,13 @@ class Serving:
                         logprobs=logprobs,
                         ignore_eos=req.ignore_eos,
                         speculative=bool(req.speculative),
+                        speculative_budget=req.speculative_budget,
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty,
                         logit_bias=bias,
                         prompt_logprobs=logprobs if echo else None,
                     )
+                    self.engine.llm.check_params(sp)
                 except ValueError as exc:
                     msg = str(exc)
                     raise RequestError(400, msg, msg.split(" ", 1)[0].rstrip(":")) from exc
