@@ -13,6 +13,7 @@ budget. Checked against the engine: the positions where the fixed-budget run sta
 must give the accept lengths the engine measured there (`check` in the JSON).
 
     PYTHONPATH=src python scripts/record_accept_traces.py --json traces.json [--n 8 --tokens 128]
+        [--skip 8]  (prompts 8.. : a second set, to check a tuning on traces it was not tuned on)
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--n", type=int, default=8, help="prompts per text")
+    ap.add_argument("--skip", type=int, default=0, help="start at this prompt (a held-out set)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=64, help="the largest budget traced")
     args = ap.parse_args()
@@ -99,8 +101,9 @@ def main() -> int:
     llm = LLM("tiny-code", device="cpu", num_pages=1024, max_num_seqs=1,
               speculative_algorithm="DDTREE", speculative_ddtree_budget=args.budget,
               speculative_adaptive=False)  # fmt: skip
-    texts = {"code": code_prompts(DATA / "tiny-code" / "heldout.json", args.n),
-             "prose": prose_prompts(PROSE, args.n)}  # fmt: skip
+    texts = {"code": code_prompts(DATA / "tiny-code" / "heldout.json", args.skip + args.n),
+             "prose": prose_prompts(PROSE, args.skip + args.n)}  # fmt: skip
+    texts = {k: v[args.skip :] for k, v in texts.items()}
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "commit": _git_commit(), "command": " ".join(sys.argv), "target": "tiny-code",
            "drafter": "tiny-code-dflash", "budget": args.budget, "depth": llm.spec.depth,

@@ -68,14 +68,28 @@ def path_for(accepted: dict[int, int], budget: int) -> list[int]:
     return path
 
 
-def test_falls_back_to_plain_when_drafts_are_never_accepted():
-    ctl = synthetic({0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}, min_dwell=4, explore_every=10)
+@pytest.mark.parametrize(("probe", "probed"), [("top", 16), ("up", 4)])
+def test_falls_back_to_plain_when_drafts_are_never_accepted(probe, probed):
+    ctl = synthetic({0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}, min_dwell=4, explore_every=10, probe=probe)
     chosen = feed(ctl, "r", {4: 0, 8: 0, 16: 0}, 60)
     assert ctl.current == 0
     tail = chosen[20:]
-    assert tail.count(0) >= 0.85 * len(tail)  # plain, with a probe one bucket up now and then
-    assert set(tail) <= {0, 4}
+    assert tail.count(0) >= 0.85 * len(tail)  # plain, with a probe now and then ...
+    assert set(tail) <= {0, probed}  # ... at the largest bucket, or one bucket up
     assert ctl.rate(["r"], 0) > ctl.rate(["r"], 4)
+
+
+@pytest.mark.parametrize(("probe", "ends_at"), [("top", 16), ("up", 0)])
+def test_a_probe_at_the_top_sees_what_only_a_large_tree_accepts(probe, ends_at):
+    """After a stretch at 0, the text turns predictable for a large tree only (a budget-4 or -8
+    tree still accepts nothing): a probe at the largest bucket measures that in one round and
+    the controller goes there; probes one bucket up measure nothing new and it stays plain."""
+    costs = {0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}  # R(16) = 7 / 1.6 = 4.4 tokens per unit vs 1
+    ctl = synthetic(costs, min_dwell=4, explore_every=10, explore_max=40, probe=probe)
+    feed(ctl, "r", {4: 0, 8: 0, 16: 0}, 60)
+    assert ctl.current == 0
+    feed(ctl, "r", {4: 0, 8: 0, 16: 6}, 120)
+    assert ctl.current == ends_at
 
 
 def test_grows_to_the_best_budget_when_acceptance_is_high():

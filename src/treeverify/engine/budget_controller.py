@@ -22,11 +22,16 @@ levels below show (and pull the budget up); a stale gain rides on the fresh leve
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
 decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
-bucket, now and then one step runs one bucket up, so budgets above the current one (never
-measured by the free curve) get fresh evidence and a batch at 0 can come back. The interval is
-`explore_every` steps times cost(up) / cost(current) (a probe that costs 4 plain steps comes 4x
-less often), doubled after each probe that changed nothing, up to `explore_max` steps, and back
-to the start when a request without its own measurements joins (new text, maybe predictable).
+bucket, now and then one step runs the largest bucket (`probe="top"`; "up": one bucket up), so
+budgets above the current one (never measured by the free curve) get fresh evidence and a batch
+at 0 can come back. A probe at the top measures every bucket's gain in one round (the free
+curve), one bucket up only its own: replayed on recorded tiny-code traces at the H200's step
+costs (scripts/sim_adaptive.py), probing one bucket up left the controller at 0 through most of
+a code generation (0.77x of the best fixed budget), probing the top recovered most of that.
+The interval is `explore_every` steps times cost(probe) / cost(current) (a probe that costs 4
+plain steps comes 4x less often), doubled after each probe that changed nothing, up to
+`explore_max` steps, and back to the start when a request without its own measurements joins
+(new text, maybe predictable).
 
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
@@ -89,13 +94,14 @@ class DecayedMean:
 
 @dataclass
 class ControllerConfig:
-    decay: float = 0.9  # acceptance: ~10 rounds of memory per request
-    prior_rounds: float = 2.0  # weight of the engine-wide curve in a request's estimate
+    decay: float = 0.95  # acceptance: ~20 rounds of memory per request
+    prior_rounds: float = 8.0  # weight of the engine-wide curve in a request's estimate
     cost_window: int = 9  # step cost: median of the last this many steps (robust to a stall)
     switch_margin: float = 0.05  # R(best) must beat R(current) by this fraction ...
     confirm: int = 2  # ... on this many consecutive decisions ...
     min_dwell: int = 8  # ... after at least this many steps at the current budget
-    explore_every: int = 16  # steps between one-bucket-up probes below the largest bucket ...
+    probe: str = "top"  # what an exploration step runs: the largest bucket, or "up" one bucket
+    explore_every: int = 16  # steps between probes below the largest bucket ...
     explore_max: int = 256  # ... backing off to at most this many while probes change nothing
 
     def __post_init__(self) -> None:
@@ -107,6 +113,8 @@ class ControllerConfig:
             raise ValueError("switch_margin, prior_rounds: expected >= 0")
         if self.confirm < 1 or self.min_dwell < 0 or self.explore_every < 1:
             raise ValueError("confirm, explore_every: expected >= 1; min_dwell >= 0")
+        if self.probe not in ("top", "up"):
+            raise ValueError(f"probe: expected 'top' or 'up', got {self.probe!r}")
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")
 
@@ -274,10 +282,12 @@ class BudgetController:
         if any(rid not in self.requests for rid in request_ids):
             self._explore_interval = float(self.cfg.explore_every)
         i = self.buckets.index(self.current)
-        up = self.buckets[i + 1] if i + 1 < len(self.buckets) else None
+        up = None
+        if i + 1 < len(self.buckets):
+            up = self.buckets[-1] if self.cfg.probe == "top" else self.buckets[i + 1]
         if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):
             self._probed()
-            return self._count(up)  # one step one bucket up; `current` stays
+            return self._count(up)  # one step at the probe's budget; `current` stays
         return self._count(self.current)
 
     def _explore_due(self, n: int, up: int) -> bool:

@@ -1,0 +1,123 @@
+"""Replay the adaptive budget controller offline on recorded acceptance traces
+(scripts/record_accept_traces.py) with a given cost per step, against every fixed budget: which
+budgets it picks and the tokens/s that follow, in milliseconds of CPU instead of a GPU session.
+
+The traces give, for every position of each prompt's greedy generation, the accepted path of a
+largest-budget tree; a budget-B round there accepts that path cut at its first node index > B
+(the budget-B tree is the first B nodes of the larger one). A plain step commits one token. The
+controller (engine/budget_controller.py, unchanged) sees exactly what the engine feeds it:
+`choose` per step, `observe_round` per round, `forget` when a request ends; requests run one
+after another (batch 1), as bench_pair's b=1 rows. Costs are given, not measured, so the replay
+shows the decision rule's quality apart from timing noise. A synthetic "unpredictable" text
+(8 requests whose rounds accept nothing but a lucky draft in ten) is replayed too: there the
+controller must stay near plain decoding.
+
+    PYTHONPATH=src python scripts/sim_adaptive.py --traces T.json --costs '0:0.63,16:1.61,...'
+        [--tokens 128] [--set decay=0.95 --set min_dwell=4 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+from treeverify.engine.budget_controller import (
+    BudgetController,
+    ControllerConfig,
+    CostModel,
+    budget_buckets,
+)
+
+# Seconds per step at batch 1 on the H200 (docs/performance.md, 2026-12-01): plain decoding
+# 0.63 ms (bench_pair, 92e498b), a budget-16 DDTREE(dflash) round 1.61 ms (the same run: 3.74
+# committed per round at 2317 tok/s); the other budgets scaled from the round profile (budget 64
+# ~2% over 16, f9ca876), budgets 4 and 8 taken as 16's less 2%. Approximate: see --costs.
+H200_COSTS = {0: 0.63e-3, 4: 1.58e-3, 8: 1.58e-3, 16: 1.61e-3, 32: 1.63e-3, 64: 1.65e-3}
+
+
+def cut(path: list[int], budget: int) -> list[int]:
+    """The budget-`budget` tree's walk: the larger tree's path up to its first node > budget."""
+    out = []
+    for node in path:
+        if node > budget:
+            break
+        out.append(node)
+    return out
+
+
+def replay(traces: list[dict], tokens: int, costs: dict[int, float], policy) -> dict:
+    """Generate `tokens` per prompt under `policy` (a fixed budget, or a BudgetController);
+    returns tokens, seconds, rounds and steps by budget."""
+    seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
+    for k, trace in enumerate(traces):
+        paths, rid, made, p = trace["paths"], f"r{k}", 0, 0
+        while made < tokens and p < len(paths):
+            budget = policy.choose([rid]) if isinstance(policy, BudgetController) else policy
+            steps[budget] = steps.get(budget, 0) + 1
+            seconds += costs[budget]
+            if budget == 0:
+                n = 1
+            else:
+                walk = cut(paths[p], budget)
+                n = len(walk)  # accepted drafts + the bonus token
+                rounds += 1
+                if isinstance(policy, BudgetController):
+                    policy.observe_round(rid, budget, walk)
+            made += n
+            p += n
+        committed_total += made
+        if isinstance(policy, BudgetController):
+            policy.forget(rid)
+    return {"tokens": committed_total, "seconds": round(seconds, 6),
+            "tokens_per_s": round(committed_total / seconds, 1), "rounds": rounds,
+            "steps_by_budget": dict(sorted(steps.items()))}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", type=Path, required=True)
+    ap.add_argument("--costs", help="budget:seconds,... (default: the H200's, see H200_COSTS)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--set", action="append", default=[], help="ControllerConfig field=value")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    costs = H200_COSTS
+    if args.costs:
+        costs = {int(b): float(s) for b, s in (kv.split(":") for kv in args.costs.split(","))}
+    data = json.loads(args.traces.read_text())
+    rng = random.Random(0)  # and text no drafter predicts: the root alone, a lucky draft in 10
+    data["texts"]["unpredictable"] = [
+        {"paths": [[0] if rng.random() > 0.1 else [0, 1] for _ in range(2 * args.tokens)]}
+        for _ in range(8)
+    ]
+    buckets = budget_buckets(max(costs))
+    cfg = ControllerConfig()
+    for kv in args.set:
+        name, value = kv.split("=")
+        kind = type(getattr(cfg, name))
+        cfg = dataclasses.replace(cfg, **{name: kind(value)})
+    out = {"traces": str(args.traces), "costs": costs, "controller": dataclasses.asdict(cfg),
+           "texts": {}}  # fmt: skip
+    for text, traces in data["texts"].items():
+        rows = {f"fixed {b}": replay(traces, args.tokens, costs, b) for b in buckets}
+        ctl = BudgetController(buckets, CostModel.given(costs), cfg)
+        rows["adaptive"] = replay(traces, args.tokens, costs, ctl)
+        plain = rows["fixed 0"]["tokens_per_s"]
+        best = max((r for k, r in rows.items() if k != "adaptive"), key=lambda r: r["tokens_per_s"])
+        print(f"--- {text} (plain {plain} tok/s)")
+        for name, r in rows.items():
+            r["speedup_vs_plain"] = round(r["tokens_per_s"] / plain, 3)
+            mark = " <- best fixed" if r is best else ""
+            print(f"  {name:10s} {r['tokens_per_s']:9.1f} tok/s {r['speedup_vs_plain']:6.3f}x "
+                  f"steps {r['steps_by_budget']}{mark}")  # fmt: skip
+        out["texts"][text] = rows
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
