@@ -68,24 +68,43 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
 
 
 def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
-          clock=time.perf_counter) -> tuple[list[list[int]], float]:  # fmt: skip
-    """Greedy outputs of all prompts, `batch` at a time, and the seconds it took: the best of
-    `repeat` passes (host-bound steps jitter; each pass starts with fresh requests). Spec stats
-    are those of the last pass."""
+          clock=time.perf_counter, queue: bool = False) -> tuple[list, float, float]:  # fmt: skip
+    """Greedy outputs of all prompts, at most `batch` running at once, the seconds it took (the
+    best of `repeat` passes: host-bound steps jitter; each pass starts with fresh requests) and
+    the batch occupancy (running requests per step / batch, mean over the last pass's steps).
+
+    Groups (default): `batch` prompts start together and the next group starts when all have
+    finished, as a fixed-size batch job. Speculation makes requests of equal length finish at
+    different steps, so a group's last steps run part-empty (plain decoding's never do): the
+    occupancy says how much. `queue`: a new prompt joins as soon as one finishes (a server's
+    continuous batching); the batch then stays full until the prompts run out. Spec stats are
+    those of the last pass."""
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
-    best = float("inf")
+    best, occupancy = float("inf"), 1.0
     for _ in range(repeat):
         llm.reset_stats()  # counters of this pass only (steps per budget included)
         sync()
         t0 = clock()
-        outs = []
-        for i in range(0, len(prompts), batch):
-            outs += [o.token_ids for o in llm.generate(prompts[i : i + batch], sp)]
+        seqs, running, steps, busy = [None] * len(prompts), [], 0, 0
+        nxt = 0
+        while nxt < len(prompts) or running:
+            if queue or not running:  # refill: at once (queue), or when the group is done
+                while nxt < len(prompts) and len(running) < batch:
+                    seqs[nxt] = llm.add_request(prompts[nxt], sp)
+                    running.append(seqs[nxt])
+                    nxt += 1
+            llm.step()
+            steps += 1
+            busy += len(running)
+            running = [q for q in running if not q.is_finished]
         sync()
-        best = min(best, clock() - t0)
-    return outs, best
+        secs = clock() - t0
+        outs = [llm.output(q).token_ids for q in seqs]
+        if secs < best:
+            best, occupancy = secs, busy / (steps * batch)
+    return outs, best, occupancy
 
 
 def row(llm: LLM, name: str, outs, secs: float, plain) -> dict:
@@ -166,7 +185,7 @@ def run_accept(args, block: int) -> list[dict]:
     rows, plain = [], None
     for name, algo, drafter, budget, depth, adaptive in configs(args, block, budgets):
         llm = engine(args, algo, drafter, budget, depth, len(prompts), adaptive)
-        outs, secs = timed(llm, prompts, len(prompts), args.tokens)
+        outs, secs, _ = timed(llm, prompts, len(prompts), args.tokens)
         rows.append(row(llm, name, outs, secs, plain) | {"batch": len(prompts), "text": "code"})
         plain = outs if plain is None else plain
         print(json.dumps(rows[-1]), flush=True)
@@ -193,9 +212,11 @@ def run_speed(args, block: int) -> list[dict]:
         llm = engine(args, algo, drafter, budget, depth, max(batches), adaptive)
         for text, prompts in texts.items():
             for b in batches:
-                outs, secs = timed(llm, prompts, b, args.tokens, args.repeat, CLOCKS[args.clock])
+                outs, secs, occupancy = timed(llm, prompts, b, args.tokens, args.repeat,
+                                              CLOCKS[args.clock], args.queue)  # fmt: skip
                 key = (text, b)
                 r = row(llm, name, outs, secs, plain.get(key)) | {"batch": b, "text": text}
+                r["occupancy"] = round(occupancy, 3)
                 adaptive = (llm.spec_stats or {}).get("adaptive")
                 if adaptive is not None:  # the budgets the controller ran, by steps (last pass)
                     r["steps_by_budget"] = {int(b): c for b, c in
@@ -252,6 +273,12 @@ def main(argv=None) -> int:
         "--no-judge", action="store_true", help="skip the fp32 near-tie check of divergences"
     )
     p.add_argument("--batches", default="1,8")
+    p.add_argument(
+        "--queue",
+        action="store_true",
+        help="speed: a new prompt joins as one finishes (continuous batching) instead of groups "
+        "of --batches prompts; use --n > the batch so the batch stays full",
+    )
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
@@ -279,7 +306,8 @@ def main(argv=None) -> int:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "commit": _git_commit(), "command": " ".join(sys.argv),
-              "mode": args.mode, "device": dev, "target": args.target, "drafter": args.drafter,
+              "mode": args.mode, "queue": args.queue, "device": dev, "target": args.target,
+              "drafter": args.drafter,
               "prompts_per_text": args.n, "tokens_per_prompt": args.tokens,
               "graphs": not args.no_graphs, "torch": torch.__version__, "clock": args.clock,
               "torch_threads": torch.get_num_threads(), "rows": rows,
