@@ -7,7 +7,9 @@ FaultProxy faults (one at a time):
 - ``greedy``         temperature forced to 0 (a server that ignores temperature);
 - ``chat_from:URL``  chat answered by another server (another model);
 - ``long_garbage:N`` completions whose prompt is over N tokens answered with deterministic
-                     garbage of the same length (non-streamed responses).
+                     garbage of the same length (non-streamed responses);
+- ``no_spec``        every request sent with ``"speculative": false`` (and no
+                     ``speculative_budget``): speculation silently off while /server_info says on.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class _ProxyHandler(_Handler):
                 return
         if name == "greedy" and isinstance(body, dict) and "temperature" in body:
             body["temperature"] = 0
+        if name == "no_spec" and isinstance(body, dict):
+            body.pop("speculative_budget", None)
+            body["speculative"] = False
         if name == "chat_from" and path == "/v1/chat/completions":
             upstream = arg
             body.pop("model", None)

@@ -5,7 +5,9 @@ caught by the probe made for it, with exit 2; the same path without the fault pa
 - chat answered by another model (tiny-kimi behind tiny-llama's chat route): the chat probe
   and the oracle, against a golden recorded on the healthy server;
 - deterministic garbage for prompts over 1,500 tokens: the long-context copy probe, on a
-  copying stand-in model (the random-weight tiny models cannot copy; the probe skips them).
+  copying stand-in model (the random-weight tiny models cannot copy; the probe skips them);
+- speculation silently off (every request sent with "speculative": false) on a server whose
+  /server_info says it speculates: the speculation probe, which counts the rounds it caused.
 """
 
 from __future__ import annotations
@@ -91,3 +93,22 @@ def test_copy_probe_skips_a_model_that_cannot_copy(llama, tmp_path):
     rc, report = _gate(llama.url, tmp_path, "--only", "copy")
     p = _verdicts(report)["copy"]
     assert rc == 0 and p["verdict"] == "skip" and "does not copy" in p["detail"]
+
+
+@pytest.mark.parametrize("fault", ["none", "no_spec"])
+def test_speculation_that_never_runs_is_caught(fault, tmp_path):
+    """With the fault every "on" request decodes plainly, so on equals off and the comparisons
+    pass vacuously; the probe pins its requests' budget and counts the server's rounds, so it
+    fails. Without the fault the same probe passes (the pinned rounds ran)."""
+    args = ["--model", "tiny-llama", "--context-length", "512", "--speculative-algorithm",
+            "DDTREE", "--speculative-ddtree-budget", "8",
+            "--speculative-num-draft-tokens", "4"]  # fmt: skip
+    with ServerProcess(args) as srv, FaultProxy(srv.url, fault) as proxy:
+        rc, report = _gate(proxy.url, tmp_path, "--only", "speculation")
+    p = _verdicts(report)["speculation"]
+    if fault == "none":
+        assert rc == 0 and p["verdict"] == "pass", p
+        assert "pinned at budget 8" in p["detail"] and "speculative rounds ran" in p["detail"], p
+    else:
+        assert rc == 2 and p["verdict"] == "fail", p
+        assert "no speculative round ran" in p["detail"], p
