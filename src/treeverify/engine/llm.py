@@ -308,12 +308,10 @@ class LLM(Introspection):
         self._keep_round_logprobs(tb)
         stats.forward_seconds += ev[0].elapsed_time(ev[1]) / 1e3 if on_gpu else host_seconds
         hidden = self.runner.hidden
-        if hidden is not None:  # (B*N, F): each tree's accepted path, in one gather
-            rows = [i * tb.nodes + node for i, path in enumerate(tb.paths) for node in path]
-            kept = hidden[to_device(torch.tensor(rows), hidden.device)]  # (sum paths, F)
-            for c, part in zip(batch.chunks, kept.split([len(p) for p in tb.paths]),
-                               strict=True):  # fmt: skip
-                self.spec.source.observe(c.seq.request_id, c.start, part)
+        if hidden is not None:  # (B*N, F), tb's order: tree i's rows start at i * N
+            pairs = zip(batch.chunks, tb.paths, strict=True)
+            self._observe_rows(hidden, [(c, [i * tb.nodes + node for node in path])
+                                        for i, (c, path) in enumerate(pairs)])  # fmt: skip
         return out
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
@@ -353,12 +351,17 @@ class LLM(Introspection):
             else:
                 tree_rows.append((c, [row + node for node in paths[c.seq.request_id]]))
             row += n
-        if tree_rows:  # every tree's accepted path in one gather (one upload, no sync)
-            flat = [r for _, rows in tree_rows for r in rows]
-            kept = hidden[to_device(torch.tensor(flat), hidden.device)]  # (sum paths, F)
-            for (c, _), part in zip(tree_rows, kept.split([len(r) for _, r in tree_rows]),
-                                       strict=True):  # fmt: skip
-                self.spec.source.observe(c.seq.request_id, c.start, part)
+        if tree_rows:
+            self._observe_rows(hidden, tree_rows)
+
+    def _observe_rows(self, hidden: torch.Tensor, parts: list[tuple]) -> None:
+        """Hand the drafter each (chunk, its rows of `hidden`): a tree's root and accepted path.
+        Every part's rows in one gather (one pinned upload, no sync; the gather copies, so a
+        later graph replay cannot overwrite what the drafter keeps)."""
+        flat = [r for _, rows in parts for r in rows]
+        kept = hidden[to_device(torch.tensor(flat), hidden.device)]  # (sum rows, F)
+        for (c, _), part in zip(parts, kept.split([len(r) for _, r in parts]), strict=True):
+            self.spec.source.observe(c.seq.request_id, c.start, part)
 
     def step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
