@@ -9,7 +9,9 @@ FaultProxy faults (one at a time):
 - ``long_garbage:N`` completions whose prompt is over N tokens answered with deterministic
                      garbage of the same length (non-streamed responses);
 - ``no_spec``        every request sent with ``"speculative": false`` (and no
-                     ``speculative_budget``): speculation silently off while /server_info says on.
+                     ``speculative_budget``): speculation silently off while /server_info says on;
+- ``no_pinned``      only requests that pin ``speculative_budget`` sent with
+                     ``"speculative": false``: other traffic still runs rounds.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class _ProxyHandler(_Handler):
                 return
         if name == "greedy" and isinstance(body, dict) and "temperature" in body:
             body["temperature"] = 0
-        if name == "no_spec" and isinstance(body, dict):
+        pinned = isinstance(body, dict) and "speculative_budget" in body
+        if (name == "no_spec" and isinstance(body, dict)) or (name == "no_pinned" and pinned):
             body.pop("speculative_budget", None)
             body["speculative"] = False
         if name == "chat_from" and path == "/v1/chat/completions":

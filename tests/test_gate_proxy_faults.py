@@ -95,16 +95,18 @@ def test_copy_probe_skips_a_model_that_cannot_copy(llama, tmp_path):
     assert rc == 0 and p["verdict"] == "skip" and "does not copy" in p["detail"]
 
 
-@pytest.mark.parametrize("fault", ["none", "no_spec"])
+@pytest.mark.parametrize("fault", ["none", "no_spec", "no_pinned"])
 def test_speculation_that_never_runs_is_caught(fault, tmp_path):
-    """With the fault every "on" request decodes plainly, so on equals off and the comparisons
+    """With a fault every "on" request decodes plainly, so on equals off and the comparisons
     pass vacuously; the probe pins its requests' budget and counts the server's rounds, so it
-    fails. Without the fault the same probe passes (the pinned rounds ran)."""
+    fails. `no_pinned` leaves the other probes' traffic speculating (the determinism probe runs
+    first and the adaptive controller starts with a round): the count must be the probe's own.
+    Without a fault the same probe passes (the pinned rounds ran)."""
     args = ["--model", "tiny-llama", "--context-length", "512", "--speculative-algorithm",
             "DDTREE", "--speculative-ddtree-budget", "8",
             "--speculative-num-draft-tokens", "4"]  # fmt: skip
     with ServerProcess(args) as srv, FaultProxy(srv.url, fault) as proxy:
-        rc, report = _gate(proxy.url, tmp_path, "--only", "speculation")
+        rc, report = _gate(proxy.url, tmp_path, "--only", "determinism,speculation")
     p = _verdicts(report)["speculation"]
     if fault == "none":
         assert rc == 0 and p["verdict"] == "pass", p

@@ -196,14 +196,14 @@ def speculation(ctx: Ctx) -> ProbeResult:
         pin = _pin_budget(ctx, spec, prompts[0], t)
         how = "per-request speculative on vs off" + (
             f", on pinned at budget {pin['speculative_budget']}" if pin else "")  # fmt: skip
-        rounds = spec.get("rounds")
+        rounds = _rounds(ctx)  # now: earlier probes' requests (and the pin check) ran rounds too
         for p in prompts:
             off = greedy(ctx, p, 24, speculative=False)
             t.agree(f"{p[:24]!r}", p, off, greedy(ctx, p, 24, **pin))
             t.agree_text(f"{p[:24]!r}", p, off, plain(ctx, p, 24, **pin).text)
         _sampled_on_vs_off(ctx, t, pin)
         how += f"; seeded sampling on vs off, {len(SAMPLED_PROMPTS)} prompts"
-        after = ((ctx.client.server_info() or {}).get("speculative") or {}).get("rounds")
+        after = _rounds(ctx)
         if isinstance(rounds, int) and isinstance(after, int):
             how += f"; {after - rounds} speculative rounds ran"
             if after == rounds:  # every "on" request decoded plainly: nothing was compared
@@ -223,6 +223,11 @@ def speculation(ctx: Ctx) -> ProbeResult:
 SAMPLED_PROMPTS = G.SUITE_PROMPTS[:6]
 SAMPLED_TOKENS = 24
 EARLY = 4  # a divergence within a request's first EARLY tokens counts as early
+
+
+def _rounds(ctx: Ctx) -> int | None:
+    """The server's speculative rounds so far (/server_info), None if it does not say."""
+    return ((ctx.client.server_info() or {}).get("speculative") or {}).get("rounds")
 
 
 def _pin_budget(ctx: Ctx, spec: dict, prompt: str, t: Tally) -> dict:
