@@ -82,6 +82,13 @@ def main() -> int:
     ap.add_argument("--costs", help="budget:seconds,... (default: the H200's, see H200_COSTS)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--set", action="append", default=[], help="ControllerConfig field=value")
+    ap.add_argument(
+        "--then",
+        type=Path,
+        help="another traces file: also replay ONE controller "
+        "through this file's code, the unpredictable text, then --then's first 8 "
+        "code prompts (does it fall back, and come back?)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     costs = H200_COSTS
@@ -114,6 +121,20 @@ def main() -> int:
             print(f"  {name:10s} {r['tokens_per_s']:9.1f} tok/s {r['speedup_vs_plain']:6.3f}x "
                   f"steps {r['steps_by_budget']}{mark}")  # fmt: skip
         out["texts"][text] = rows
+    if args.then:
+        later = json.loads(args.then.read_text())["texts"]["code"][:8]
+        segments = [
+            ("code", data["texts"]["code"]),
+            ("unpredictable", data["texts"]["unpredictable"]),
+            ("code (--then)", later),
+        ]
+        ctl = BudgetController(buckets, CostModel.given(costs), cfg)
+        out["sequence"] = {}
+        for name, traces in segments:  # one controller throughout
+            plain = replay(traces, args.tokens, costs, 0)["tokens_per_s"]
+            got = replay(traces, args.tokens, costs, ctl)["tokens_per_s"]
+            out["sequence"][name] = round(got / plain, 3)
+        print("--- one controller through", out["sequence"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
