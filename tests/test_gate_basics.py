@@ -173,6 +173,25 @@ def test_launch_crash_exits_4_with_signature(tmp_path):
     assert "exited with 3" in detail and "illegal memory access" in detail
 
 
+def test_launch_refusal_shows_the_processes_last_lines(tmp_path):
+    """A server that refuses to start with one line on stderr (a missing package, a bad model)
+    matches no crash signature; the verdict must still say why, not only the exit status."""
+    script = tmp_path / "refuse.py"
+    script.write_text(
+        "import sys\nprint('starting', flush=True)\n"
+        "print('treeverify serve: needs fastapi and uvicorn (No module named x)', file=sys.stderr)\n"
+        "sys.exit(2)\n"
+    )
+    j = tmp_path / "r.json"
+    rc = cli.main(
+        ["--launch", f"{sys.executable} {script}", "--url", "http://127.0.0.1:9"]
+        + ["--interval", "0.1", "--timeout", "20", "--quiet", "--json", str(j)]
+    )
+    assert rc == 4
+    detail = json.loads(j.read_text())["probes"][0]["detail"]
+    assert "exited with 2" in detail and "needs fastapi and uvicorn" in detail, detail
+
+
 def test_launch_hang_exits_5_and_is_stopped(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\nprint('loading', flush=True)\ntime.sleep(600)\n")

@@ -99,6 +99,9 @@ class LaunchTarget:
         summary = signatures.summarize(self.found)
         if summary:
             detail += f"; {summary}"
+        tail = [line for line in self.log_tail(40) if line.strip()][-3:]
+        if tail:  # a one-line refusal (missing package, bad flag) matches no signature
+            detail += "; last output: " + " | ".join(tail)
         return Down(ExitCode.UNIT_FAILED, detail)
 
     def state(self) -> str:
