@@ -2,13 +2,17 @@
 wall ms per step, GPU kernel ms per step (busy share), kernels, host->device syncs and
 device->host copies per step, the engine's own phase seconds, the top CUDA kernels and the top
 host ops by self time. Plain decoding, CHAIN, DDTREE (fixed budget) and the adaptive DDTREE
-engine held at budget 0 and at 64 on the trained pair at batch 1 and 8.
+engine held at budget 0 and at 64 on the trained pair at batch 1 and 8. Before the profiled
+steps, the same number of steps runs unprofiled (wall and phase ms per step: the profiler
+inflates host time) and once under cProfile (the Python functions where the host time goes).
 Usage (GPU machine, repo root): PYTHONPATH=src python3 scripts/profile_round_gpu.py --json F"""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -60,8 +64,10 @@ def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: 
         llm.add_request(p, sp)
     for _ in range(20):  # prefill + warm rounds
         llm.step()
-    llm.reset_stats()
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    plain_wall, plain_phases = unprofiled(llm, steps, sync)
+    host_functions = python_hotspots(llm, steps, sync)
+    llm.reset_stats()
     sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -82,6 +88,9 @@ def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: 
     out = {
         "config": name, "batch": batch, "steps": steps,
         "wall_ms_per_step": round(wall * 1e3 / steps, 4),
+        "unprofiled_wall_ms_per_step": plain_wall,
+        "unprofiled_phase_ms_per_step": plain_phases,
+        "python_hotspots": host_functions,
         "gpu_kernel_ms_per_step": round(gpu_us / 1e3 / steps, 4),
         "gpu_busy_share": round(gpu_us / 1e6 / wall, 4),
         "kernels_per_step": round(sum(e.count for e in gpu) / steps, 1),
@@ -96,6 +105,9 @@ def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: 
         "top_host": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3 / steps, 4))
                      for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:25]],
     }  # fmt: skip
+    print(f"--- {name} b={batch}: unprofiled {plain_wall} ms/step, phases {plain_phases}")
+    for fn, calls, tot, cum in host_functions[:12]:
+        print(f"   py  tottime {tot:7.4f} cumtime {cum:7.4f} ms/step  x{calls:<5} {fn}")
     print(f"--- {name} b={batch}: {out['wall_ms_per_step']} ms/step wall, "
           f"{out['gpu_kernel_ms_per_step']} ms GPU ({out['gpu_busy_share']:.0%}), "
           f"{out['kernels_per_step']} kernels, {out['syncs_per_step']} syncs, "
@@ -106,6 +118,36 @@ def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: 
     for k, n, ms in out["top_host"][:18]:
         print(f"   cpu {ms:8.4f} ms/step  x{n:<6} {k}")
     return out
+
+
+def unprofiled(llm: LLM, steps: int, sync) -> tuple[float, dict | None]:
+    """Wall ms per step and the engine's phase ms per step, no profiler attached."""
+    llm.reset_stats()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    sync()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    phases = (llm.spec_stats or {}).get("phase_seconds")
+    per_step = {k: round(v * 1e3 / steps, 4) for k, v in phases.items()} if phases else None
+    return round(wall, 4), per_step
+
+
+def python_hotspots(llm: LLM, steps: int, sync, top: int = 30) -> list:
+    """(function, calls per step, tottime ms/step, cumtime ms/step) by own time, cProfile'd
+    (it slows Python calls, not the C++ ops: read shares, not absolute times)."""
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for _ in range(steps):
+        llm.step()
+    sync()
+    prof.disable()
+    st = pstats.Stats(prof).stats  # {(file, line, fn): (cc, nc, tt, ct, callers)}
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{Path(f).name}:{ln}({fn})", round(nc / steps, 2), round(tt * 1e3 / steps, 4),
+             round(ct * 1e3 / steps, 4)) for (f, ln, fn), (_, nc, tt, ct, _) in rows]  # fmt: skip
 
 
 def main() -> int:
