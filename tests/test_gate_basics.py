@@ -179,7 +179,8 @@ def test_launch_refusal_shows_the_processes_last_lines(tmp_path):
     script = tmp_path / "refuse.py"
     script.write_text(
         "import sys\nprint('starting', flush=True)\n"
-        "print('treeverify serve: needs fastapi and uvicorn (No module named x)', file=sys.stderr)\n"
+        "print('treeverify serve: needs fastapi and uvicorn (No module named x)',"
+        " file=sys.stderr)\n"
         "sys.exit(2)\n"
     )
     j = tmp_path / "r.json"

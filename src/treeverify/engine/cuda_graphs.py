@@ -2,9 +2,11 @@
 
 A decode step is the bucket (B, 1); a speculative verify step over trees of n nodes is (B, n).
 Each graph replays the whole model forward over fixed input buffers (token ids, positions, the
-valid-row mask) and the bucket's own `TreeAttentionPlan`s, whose metadata `PagedAttention.plan()`
-rewrites in place before every replay. Padding requests are empty trees to the kernels, their K/V
-rows go to the cache's scratch slot, and they are left out of the MoE counters.
+valid-row mask, KV slots) and the bucket's own `TreeAttentionPlan`s. A step's inputs are staged
+in the bucket's `StepStage` (engine/step_stage.py: one pinned buffer, one copy) and the graph's
+first nodes unpack them into those buffers, so a replayed step costs the host a few numpy writes,
+one copy and one launch. Padding requests are empty trees to the kernels, their K/V rows go to the
+cache's scratch slot, and they are left out of the MoE counters.
 
 Capture happens once at startup, largest bucket first, into one shared memory pool; a failure
 raises `GraphCaptureError` naming the bucket (the server refuses to start; there is no silent
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from treeverify.engine.paged_attention import PagedAttention
+from treeverify.engine.step_stage import StepStage
 from treeverify.progress import progress
 
 log = logging.getLogger("treeverify.engine")
@@ -52,6 +55,7 @@ class CudaGraphs:
         model: torch.nn.Module,
         attention: PagedAttention,
         buckets: list[tuple[int, int]],  # (B, n): n = 1 plain decode, budget+1 a DDTree round
+        max_pages: int | None = None,  # pages a request can hold (default: the whole pool)
     ):
         if not buckets:
             raise ValueError("buckets: expected at least one (batch, tokens) bucket")
@@ -62,7 +66,9 @@ class CudaGraphs:
         self.ids = torch.zeros(rows, dtype=torch.int64, device=dev)  # (rows,)
         self.pos = torch.zeros(rows, dtype=torch.int64, device=dev)  # (rows,)
         self.valid = torch.zeros(rows, dtype=torch.bool, device=dev)  # (rows,)
+        self.max_pages = min(max_pages or attention.max_pages, attention.max_pages)
         self.steps: dict[tuple[int, int], CapturedStep] = {}
+        self.stages: dict[tuple[int, int], StepStage] = {}
         self.pool = None
         self.replays = 0
 
@@ -103,8 +109,10 @@ class CudaGraphs:
             with torch.cuda.stream(side):  # warmup: plans, kernels, cuBLAS handles made here
                 self.forward_rows(rows)
             torch.cuda.current_stream().wait_stream(side)
+            stage = self._stage(batch, n)  # holds the scratch plan just made
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
+                self._unpack(stage, batch, n)
                 logits = self.forward_rows(rows)  # (rows, V)
             self.pool = graph.pool()
             torch.cuda.synchronize()
@@ -120,6 +128,36 @@ class CudaGraphs:
                  step.seconds)  # fmt: skip
         return step
 
+    def _targets(self, batch: int, n: int) -> list[tuple[str, torch.Tensor]]:
+        """(stage field, the fixed buffer it fills) for one bucket: the graphs' inputs, the KV
+        slots and every attention plan's metadata (the table transposed, as staged)."""
+        rows = batch * n
+        out = [("ids", self.ids[:rows]), ("pos", self.pos[:rows]), ("valid", self.valid[:rows]),
+               ("slots", self.attention.slots[:rows])]  # fmt: skip
+        for p in self.attention.plans_for((batch, n)):
+            out += [("prefix", p.prefix_lens), ("qo", p.qo_indptr),
+                    ("mask", p.tree_mask[:rows]),
+                    ("table", p.block_table[:, : self.max_pages].t())]  # fmt: skip
+        return out
+
+    def _stage(self, batch: int, n: int) -> StepStage:
+        """The bucket's stage, its device twin loaded with the buffers' current contents."""
+        plans = self.attention.plans_for((batch, n))
+        words = plans[0].words if plans else 1
+        stage = StepStage(batch, n, words, self.max_pages, self.attention.cache.scratch_slot,
+                          self.attention.cache.device)  # fmt: skip
+        views = stage.device_views()
+        for field, buf in self._targets(batch, n):
+            views[field].copy_(buf)
+        self.stages[(batch, n)] = stage
+        return stage
+
+    def _unpack(self, stage: StepStage, batch: int, n: int) -> None:
+        """Captured at the start of the bucket's graph: the staged inputs into their buffers."""
+        views = stage.device_views()
+        for field, buf in self._targets(batch, n):
+            buf.copy_(views[field])
+
     # ---- replay --------------------------------------------------------------------------------
     def bucket_for(self, num_requests: int, n: int) -> tuple[int, int] | None:
         """The smallest captured bucket that holds `num_requests` requests of n tokens."""
@@ -128,25 +166,12 @@ class CudaGraphs:
                 return (b, n)
         return None
 
-    def replay(
-        self,
-        bucket: tuple[int, int],
-        ids: torch.Tensor,  # (T,) int64, host or device
-        pos: torch.Tensor,  # (T,) int64
-    ) -> torch.Tensor:  # (T, V) fp32, a view of the graph's output
-        """Inputs into the fixed buffers, replay; the attention plans must already be planned
-        (`attention.select(bucket)` + `attention.plan(...)`)."""
+    def replay(self, bucket: tuple[int, int], batch: int) -> torch.Tensor:
+        """Replay a bucket whose stage holds this step's inputs (`stages[bucket].write_*`) for
+        `batch` requests; returns their (batch * n, V) fp32 logits, a view of the graph's
+        output."""
         step = self.steps[bucket]
-        t = ids.shape[0]
-        rows = bucket[0] * bucket[1]
-        if t > rows:
-            raise ValueError(f"ids: {t} tokens exceed bucket {bucket} ({rows} rows)")
-        self.ids[:t].copy_(ids, non_blocking=True)
-        self.ids[t:rows].zero_()
-        self.pos[:t].copy_(pos, non_blocking=True)
-        self.pos[t:rows].zero_()
-        self.valid[:t].fill_(True)
-        self.valid[t:rows].fill_(False)
+        t = batch * bucket[1]
         step.graph.replay()
         if step.hidden is not None:
             self.model.captured = step.hidden[:t]

@@ -147,7 +147,9 @@ class LLM(Introspection):
             self.runner.prepare_plans(buckets)
         if on_gpu and not config.disable_cuda_graph:
             self.cuda_graph_buckets = buckets
-            self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
+            self.startup["graphs"] = self.runner.capture_graphs(
+                self.cuda_graph_buckets, self.model_config.max_position_embeddings
+            )
             if self.spec is not None:  # the round's draft (DFlash), build, accept per bucket
                 bs, budgets = list(config.graph_batch_sizes), list(config.spec_budgets)
                 self.spec.capture(bs, self.device, budgets)

@@ -51,10 +51,16 @@ class ModelRunner:
             context_length=cache.num_pages * cache.page_size, backend=attention_backend,
         )  # fmt: skip
 
-    def capture_graphs(self, buckets: list[tuple[int, int]]) -> list[dict]:
+    def capture_graphs(self, buckets: list[tuple[int, int]],
+                       max_context: int | None = None) -> list[dict]:  # fmt: skip
         """Capture the decode (and tree) forwards per (batch, tokens) bucket; GraphCaptureError
-        on failure."""
-        self.graphs = CudaGraphs(self.model, self.attention, buckets=buckets)
+        on failure. `max_context`: the most tokens a request holds (its pages bound the staged
+        page table; default: the whole pool)."""
+        pages = None
+        if max_context is not None:
+            largest = max(n for _, n in buckets)  # a round reserves its tree past the context
+            pages = -(-(max_context + largest) // self.cache.page_size) + 1
+        self.graphs = CudaGraphs(self.model, self.attention, buckets=buckets, max_pages=pages)
         moe = self._moe_impl("graph")  # sync-free MoE routing inside the graphs
         try:
             return self.graphs.capture()
@@ -83,6 +89,24 @@ class ModelRunner:
         if b is None or b * n > self.attention.max_total_q or n > self.attention.max_chunk:
             return None
         return (b, n)
+
+    def _replay_decodes(self, batch: ScheduledBatch) -> StepLogits | None:
+        """A step of plain decodes only (one sampled token per chunk) that a captured bucket
+        holds: its inputs straight from the scheduler's chunks into the bucket's stage, one
+        copy, one replay. None: not such a step (the general path runs it)."""
+        chunks = batch.chunks
+        if not chunks or any(c.num_tokens != 1 or not c.samples for c in chunks):
+            return None
+        bucket = self.graphs.bucket_for(len(chunks), 1)
+        if bucket is None or max(len(c.seq.block_table) for c in chunks) > self.graphs.max_pages:
+            return None
+        self.attention.select(bucket)
+        self.graphs.stages[bucket].write_decodes(
+            [c.token_ids[0] for c in chunks], [c.start for c in chunks],
+            [c.slots[0] for c in chunks], [c.seq.block_table for c in chunks])  # fmt: skip
+        logits = self.graphs.replay(bucket, len(chunks))  # (B, V)
+        self.hidden = getattr(self.model, "captured", None)
+        return StepLogits(logits, [(i, 1) for i in range(len(chunks))])
 
     def _moe_impl(self, impl: str | None) -> str | None:
         """Set the MoE layers' impl (None: leave it); returns the previous one to restore."""
@@ -115,20 +139,29 @@ class ModelRunner:
         predict a prompt token land in `self.prompt_logits` {request id: (first position,
         (M, V) logits)}.
         """
-        step = StepBatch.build(batch, tb, self.device, prompt_from)
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        if tb is None and self.graphs is not None:
+            staged = self._replay_decodes(batch)
+            if staged is not None:
+                return staged
+        step = StepBatch.build(batch, tb, self.device, prompt_from)
         qlens, dev = step.query_lens, self.device
         bucket = None
         if step.decode_shaped and self.graphs is not None:
             bucket = self.graphs.bucket_for(len(qlens), qlens[0])
+            if max(len(t) for t in step.block_tables) > self.graphs.max_pages:
+                bucket = None  # past the staged page table (a context past the model's): eager
         self.attention.select(bucket or (self._plan_bucket(len(qlens), qlens[0])
                                          if step.decode_shaped else None))  # fmt: skip
-        self.attention.plan(step.slots, step.block_tables, step.prefix_lens, qlens,
-                            mask=step.mask)  # fmt: skip
-        if bucket is not None:  # every token is a logits row, in order (no prompt rows)
-            logits = self.graphs.replay(bucket, step.ids, step.positions)
+        if bucket is not None:  # trees only: every token is a logits row, in order
+            self.graphs.stages[bucket].write_device_step(
+                step.prefix_lens, step.block_tables, step.ids, step.positions, step.slots,
+                step.mask)  # fmt: skip
+            logits = self.graphs.replay(bucket, len(qlens))
             self.hidden = getattr(self.model, "captured", None)
             return StepLogits(logits, step.spans)
+        self.attention.plan(step.slots, step.block_tables, step.prefix_lens, qlens,
+                            mask=step.mask)  # fmt: skip
         # On a GPU an eager decode-shaped step routes MoE as the captured graphs do, so turning
         # graphs off changes no kernel choice but the padding.
         moe = self._moe_impl("graph" if dev.type == "cuda" and step.decode_shaped else None)

@@ -147,6 +147,10 @@ class PagedAttention:
             self._plans[key] = plan
         return plan
 
+    def plans_for(self, bucket: tuple[int, int]) -> list[TreeAttentionPlan]:
+        """The plans of a graph bucket (one per attention shape of the model)."""
+        return [p for (b, _), p in self._plans.items() if b == bucket]
+
     def plan_scratch(self, batch: int, n: int) -> None:
         """Plan B chains of n tokens over the scratch page only: what a capture or a warmup
         forward runs, touching no request's K/V."""

@@ -1,0 +1,84 @@
+"""What each CUDA graph of a speculative round costs on its own (GPU machine): kernel nodes,
+GPU time per replay (back-to-back replays, CUDA events: kernels plus the gaps between them) and
+host time of the replay call (queue drained first, so the call is not waiting for room).
+tiny-code + its DFlash drafter, DDTREE budget 16, batch 1 by default.
+Usage (repo root): PYTHONPATH=src python3 scripts/graph_costs_gpu.py --json F"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from treeverify.engine.llm import LLM
+
+
+def nodes(graph: torch.cuda.CUDAGraph) -> int | None:
+    """Kernel/memcpy/memset nodes of a captured graph (cuda-python), None if unavailable."""
+    try:
+        from cuda.bindings import runtime as rt
+
+        raw = graph.raw_cuda_graph()
+        err, _, count = rt.cudaGraphGetNodes(raw, numNodes=0)
+        return int(count) if int(err) == 0 else None
+    except Exception:  # noqa: BLE001 - an optional census
+        return None
+
+
+def cost(graph: torch.cuda.CUDAGraph, reps: int = 200) -> dict:
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    gpu_ms = a.elapsed_time(b) / reps
+    host = []
+    for _ in range(50):  # one call at a time on an idle queue: the launch's own host cost
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    host.sort()
+    return {"nodes": nodes(graph), "gpu_ms_per_replay": round(gpu_ms, 4),
+            "host_ms_per_launch_median": round(host[len(host) // 2] * 1e3, 4)}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--budget", type=int, default=16)
+    args = ap.parse_args()
+    llm = LLM("tiny-code", device="cuda", num_pages=4096, max_num_seqs=args.batch,
+              cuda_graph_max_bs=args.batch, speculative_algorithm="DDTREE",
+              speculative_ddtree_budget=args.budget)  # fmt: skip
+    b, spec = args.batch, llm.spec
+    n = spec.nodes_for(args.budget)
+    graphs = {
+        "decode forward (b, 1)": llm.runner.graphs.steps[(b, 1)].graph,
+        f"verify forward (b, {n})": llm.runner.graphs.steps[(b, n)].graph,
+        "DFlash draft": spec.source.graphs.graphs[(spec.draft_depth(args.budget), b)][0],
+        "tree build + mask": spec._build[args.budget].graphs[b][0],
+        "greedy accept + K/V move": spec._accept[n].graphs[b][0],
+        "context projection (16 rows)": spec.source.context._captured.graphs[16][0],
+    }
+    rows = []
+    for name, g in graphs.items():
+        r = {"graph": name, **cost(g)}
+        rows.append(r)
+        print(f"{name:32s} nodes {r['nodes']!s:>5}  GPU {r['gpu_ms_per_replay']:.4f} ms/replay"
+              f"  host {r['host_ms_per_launch_median']:.4f} ms/launch")  # fmt: skip
+    args.json.write_text(json.dumps({"batch": b, "budget": args.budget, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""One graph bucket's step inputs, staged in one pinned host buffer and copied in one transfer.
+
+A replayed step reads its inputs from fixed device buffers: token ids, positions, valid rows (the
+graphs'), KV slots (the attention seam's) and each attention plan's metadata (prefix lengths,
+qo_indptr, tree mask, page table). Filling them one by one costs the host ~25 torch ops and ~10
+copies per step, more than a small model's whole forward on the GPU. Here the host writes all of
+them with numpy into one pinned buffer, one non-blocking copy moves it to the device twin, and
+the bucket's captured graph begins by unpacking the twin into the fixed buffers (copy kernels
+inside the graph, no host cost):
+
+    int64  ids (R) | positions (R) | slots (R)                                R = B * n rows
+    int32  prefix lens (B) | qo_indptr (B+1) | valid (R) | mask (R, words) | page table^T (P, B)
+
+The page table is stored transposed so that the pages in use, the first w of P, are a prefix of
+the buffer: the copy stops there. Rows of the table past w keep stale page ids, which no kernel
+reads (a request reads the pages under its prefix + tree only). A tree round's ids, positions and
+mask are on the device already: `write_device_step` stages the host part, and device copies fill
+the rest of the twin after the transfer (same stream, so in order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StepStage:
+    def __init__(self, batch: int, n: int, words: int, pages: int, scratch_slot: int,
+                 device: torch.device):  # fmt: skip
+        self.batch, self.n, self.words, self.pages = batch, n, words, pages
+        self.rows = rows = batch * n
+        self.scratch_slot = scratch_slot
+        self._n64 = 3 * rows  # int64 values, stored as 2 int32 each
+        self._o32 = {}  # int32 offsets (past the int64 part)
+        off = 2 * self._n64
+        for name, size in (("prefix", batch), ("qo", batch + 1), ("valid", rows),
+                           ("mask", rows * words), ("table", pages * batch)):  # fmt: skip
+            self._o32[name] = (off, off + size)
+            off += size
+        self.size = off
+        self._pin = torch.device(device).type == "cuda"  # (a CPU stage: the tests' twin)
+        self.host = torch.zeros(off, dtype=torch.int32, pin_memory=self._pin)
+        self.dev = torch.zeros(off, dtype=torch.int32, device=device)
+        self._views(self.host.numpy())
+        self._copied = torch.cuda.Event() if self._pin else None  # the last copy enqueued
+        if self._copied is not None:
+            self._copied.record()
+        self._dv = self.device_views()
+
+    def _views(self, h: np.ndarray) -> None:
+        """numpy views of a host buffer: writes without a torch op per value."""
+        r = self.rows
+        h64 = h[: 2 * self._n64].view(np.int64)
+        self.h_ids, self.h_pos, self.h_slots = h64[:r], h64[r : 2 * r], h64[2 * r : 3 * r]
+        part = {k: h[a:b] for k, (a, b) in self._o32.items()}
+        self.h_prefix, self.h_qo, self.h_valid = part["prefix"], part["qo"], part["valid"]
+        self.h_mask = part["mask"].reshape(r, self.words)  # (R, words)
+        self.h_table = part["table"].reshape(self.pages, self.batch)  # (P, B) transposed
+        self._h = h
+
+    def device_views(self) -> dict[str, torch.Tensor]:
+        """The device twin, typed and shaped: what a captured graph unpacks from."""
+        r, d = self.rows, self.dev
+        d64 = d[: 2 * self._n64].view(torch.int64)
+        part = {k: d[a:b] for k, (a, b) in self._o32.items()}
+        return {
+            "ids": d64[:r], "pos": d64[r : 2 * r], "slots": d64[2 * r : 3 * r],
+            "prefix": part["prefix"], "qo": part["qo"], "valid": part["valid"],
+            "mask": part["mask"].view(r, self.words),  # (R, words)
+            "table": part["table"].view(self.pages, self.batch),  # (P, B)
+        }  # fmt: skip
+
+    def _fresh_if_busy(self) -> None:
+        """The host buffer is rewritten only once its last copy ran; if that copy is still
+        queued (the engine reads every step's results first, so it never is), stage into a
+        fresh pinned buffer instead (kept by the caching host allocator until its copy ran)."""
+        if self._copied is not None and not self._copied.query():
+            self.host = torch.zeros(self.size, dtype=torch.int32, pin_memory=True)
+            self._views(self.host.numpy())
+
+    def _write_common(self, block_tables: list[list[int]], starts: list[int], n: int) -> int:
+        """Prefix lens, qo_indptr, valid rows and page table of b requests of n rows each
+        (padding requests: empty trees); returns w, the page-table rows in use."""
+        b = len(starts)
+        if b > self.batch:
+            raise ValueError(f"batch: {b} requests exceed the bucket's {self.batch}")
+        w = max(len(t) for t in block_tables)
+        if w > self.pages:
+            raise ValueError(f"block_tables: {w} pages exceed the staged {self.pages}")
+        self.h_prefix[:b] = starts
+        self.h_prefix[b:] = 0
+        self.h_qo[: b + 1] = np.arange(0, (b + 1) * n, n)
+        self.h_qo[b + 1 :] = b * n
+        self.h_valid[: b * n] = 1
+        self.h_valid[b * n :] = 0
+        table = self.h_table
+        table[:w] = 0  # padding requests' columns too
+        for i, pages in enumerate(block_tables):
+            table[: len(pages), i] = pages
+        return w
+
+    def write_decodes(self, tokens: list[int], starts: list[int], slots: list[int],
+                      block_tables: list[list[int]]) -> None:  # fmt: skip
+        """b plain decodes (n = 1): token, position (= its prefix length), slot, pages."""
+        self._fresh_if_busy()
+        b = len(tokens)
+        w = self._write_common(block_tables, starts, 1)
+        self.h_ids[:b], self.h_pos[:b], self.h_slots[:b] = tokens, starts, slots
+        self.h_ids[b:], self.h_pos[b:], self.h_slots[b:] = 0, 0, self.scratch_slot
+        self.h_mask[:b, 0] = 1  # a decode row sees itself (bit 0)
+        self.h_mask[b:] = 0
+        self._copy(w)
+
+    def write_device_step(self, starts: list[int], block_tables: list[list[int]],
+                          ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                          mask: torch.Tensor) -> None:  # fmt: skip
+        """b requests of n rows each whose ids, positions, mask (and maybe slots) are on the
+        device already (a tree round's): the host part is staged and copied, then device copies
+        fill the rest of the twin. ids, pos, slots (b*n,) int64; mask (b*n, W) int32."""
+        self._fresh_if_busy()
+        b, n, v = len(starts), self.n, self._dv
+        w = self._write_common(block_tables, starts, n)
+        rows = b * n
+        self.h_ids[rows:], self.h_pos[rows:] = 0, 0
+        self.h_mask[:] = 0  # the trees' words are copied in below; the rest stays clear
+        self.h_slots[rows:] = self.scratch_slot
+        if not slots.is_cuda:
+            self.h_slots[:rows] = slots.numpy()
+        self._copy(w)
+        v["ids"][:rows].copy_(ids)
+        v["pos"][:rows].copy_(pos)
+        v["mask"][:rows, : mask.shape[1]].copy_(mask)
+        if slots.is_cuda:
+            v["slots"][:rows].copy_(slots)
+
+    def _copy(self, w: int) -> None:
+        end = self._o32["table"][0] + w * self.batch  # through the table rows in use
+        self.dev[:end].copy_(self.host[:end], non_blocking=self._pin)
+        if self._copied is not None:
+            self._copied.record()

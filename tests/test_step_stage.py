@@ -1,0 +1,85 @@
+"""The staged step inputs (engine/step_stage.py) against the general path, on the CPU.
+
+A replayed CUDA-graph step reads everything from a bucket's `StepStage`, unpacked by the graph's
+first nodes. Here the same unpack runs eagerly (no GPU needed): a real decode batch staged and
+unpacked must give the same logits as the general path's `PagedAttention.plan` + forward, and
+the stage's fields must hold exactly the layout the kernels expect, padding included. The GPU
+tests (test_engine_gpu.py) run the captured version against eager decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeverify.engine.cuda_graphs import CudaGraphs
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+from treeverify.engine.step_stage import StepStage
+
+
+def test_decodes_fill_every_field_and_pad_the_rest():
+    stage = StepStage(batch=4, n=1, words=1, pages=6, scratch_slot=999, device=torch.device("cpu"))
+    v = stage.device_views()
+    for t in v.values():
+        t.fill_(-7)  # poison: every field the step uses must be written
+    stage.write_decodes([11, 12, 13], [5, 17, 2], [37, 81, 3], [[2, 3], [4, 5], [9]])
+    assert v["ids"].tolist() == [11, 12, 13, 0]
+    assert v["pos"].tolist() == [5, 17, 2, 0] and v["prefix"].tolist() == [5, 17, 2, 0]
+    assert v["slots"].tolist() == [37, 81, 3, 999]  # padding rows write to the scratch slot
+    assert v["qo"].tolist() == [0, 1, 2, 3, 3]  # the padding request is an empty tree
+    assert v["valid"].tolist() == [1, 1, 1, 0]
+    assert v["mask"][:, 0].tolist() == [1, 1, 1, 0]
+    table = v["table"].t()  # (B, pages)
+    assert table[:, :2].tolist() == [[2, 3], [4, 5], [9, 0], [0, 0]]
+    # only the page rows in use are copied: the rest keeps what it held (read by no kernel)
+    assert (table[:, 2:] == -7).all()
+
+
+def test_device_step_stages_host_part_and_copies_device_rows():
+    stage = StepStage(batch=2, n=3, words=1, pages=4, scratch_slot=50, device=torch.device("cpu"))
+    v = stage.device_views()
+    for t in v.values():
+        t.fill_(-7)
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    pos = torch.tensor([4, 5, 5, 9, 10, 11])
+    slots = torch.tensor([20, 21, 22, 30, 31, 32])
+    mask = torch.tensor([[1], [3], [5], [1], [3], [7]], dtype=torch.int32)
+    stage.write_device_step([4, 9], [[1, 2], [3]], ids, pos, slots, mask)
+    assert v["ids"].tolist() == ids.tolist() and v["pos"].tolist() == pos.tolist()
+    assert v["slots"].tolist() == slots.tolist() and v["mask"].equal(mask)
+    assert v["qo"].tolist() == [0, 3, 6] and v["prefix"].tolist() == [4, 9]
+    assert v["valid"].tolist() == [1] * 6
+
+
+def test_staged_unpack_gives_the_general_paths_logits():
+    """A real decode batch of a real engine (tiny-llama, CPU): staged + unpacked + forward over
+    the bucket equals the general path (plan from the chunks + forward), row for row."""
+    llm = LLM("tiny-llama", device="cpu", num_pages=64, max_num_seqs=4)
+    llm.runner.plan_batch_sizes = [4]  # decode steps use the bucket's plans, as on a GPU
+    g = torch.Generator().manual_seed(3)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for n in (9, 23, 40):
+        llm.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), sp)
+    for _ in range(3):  # prefill, then decodes
+        llm.step()
+    batch = llm.scheduler.schedule()
+    chunks = batch.chunks
+    assert len(chunks) == 3 and all(c.num_tokens == 1 for c in chunks)
+    runner, att = llm.runner, llm.runner.attention
+    bucket = (4, 1)
+    want = runner.run(batch).per_sequence()  # the general path (eager, the bucket's plans)
+    want = torch.cat([w.clone() for w in want])  # (3, V)
+    graphs = CudaGraphs(llm.model, att, buckets=[bucket], max_pages=8)
+    assert att.bucket == bucket and att.plans_for(bucket)
+    stage = graphs._stage(*bucket)
+    tables = [c.seq.block_table for c in chunks]
+    stage.write_decodes([c.token_ids[0] for c in chunks], [c.start for c in chunks],
+                        [c.slots[0] for c in chunks], tables)  # fmt: skip
+    with torch.inference_mode():  # the plans were made (as in a capture) in inference mode
+        for p in att.plans_for(bucket):  # poison the plans: the unpack must rewrite them
+            for t in (p.prefix_lens, p.qo_indptr, p.tree_mask, p.block_table):
+                t.fill_(-1)
+        graphs.ids.fill_(-1)
+        graphs._unpack(stage, *bucket)
+        got = graphs.forward_rows(4)[:3]  # (3, V)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
