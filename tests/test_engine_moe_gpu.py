@@ -30,8 +30,9 @@ def llm():
     torch.cuda.empty_cache()
 
 
-def plan_random_trees(llm, batch: int, n: int, prefix: int, seed: int) -> torch.Tensor:
-    """Plan `batch` random trees of n nodes after `prefix` cached tokens; returns ids (B*n,)."""
+def plan_random_trees(llm, batch: int, n: int, prefix: int, seed: int):
+    """Plan `batch` random trees of n nodes after `prefix` cached tokens (the eager plans);
+    returns what a graph's stage needs too: ids (B*n,), page tables, slots, mask (B*n, W)."""
     ps = llm.cache.page_size
     pages_per = (prefix + n + ps - 1) // ps
     tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(batch)]
@@ -45,7 +46,8 @@ def plan_random_trees(llm, batch: int, n: int, prefix: int, seed: int) -> torch.
     llm.runner.attention.select((batch, n))
     llm.runner.attention.plan(slots, tables, [prefix] * batch, [n] * batch, masks)
     vocab = llm.model.config.vocab_size
-    return torch.randint(0, vocab, (batch * n,), generator=g).cuda()  # (B*n,)
+    ids = torch.randint(0, vocab, (batch * n,), generator=g).cuda()  # (B*n,)
+    return ids, tables, slots, torch.cat(masks).cuda()  # mask (B*n, W)
 
 
 @pytest.mark.parametrize("impl", ["grouped", "graph", "grouped_mm", "gather", "dense"])
@@ -64,9 +66,11 @@ def test_verify_bucket_captures_and_replays_like_eager(llm, impl, batch):
         llm.model.set_moe_impl(eager_impl)
         outs = []
         for seed in (1, 2):
-            ids = plan_random_trees(llm, batch, n, prefix=200, seed=seed)
+            ids, tables, slots, mask = plan_random_trees(llm, batch, n, prefix=200, seed=seed)
             pos = torch.arange(n, device="cuda").repeat(batch) + 200  # (B*n,) chain positions
-            got = graphs.replay((batch, n), ids, pos).clone()  # (B*n, V)
+            graphs.stages[(batch, n)].write_device_step([200] * batch, tables, ids, pos, slots,
+                                                        mask)  # fmt: skip
+            got = graphs.replay((batch, n), batch).clone()  # (B*n, V)
             valid = torch.ones_like(ids, dtype=torch.bool)
             want = llm.model(ids, pos, attention=llm.runner.attention, token_valid=valid)
             assert torch.isfinite(got).all()

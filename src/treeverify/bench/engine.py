@@ -174,10 +174,12 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
                 par = (torch.rand(n, generator=g) * torch.arange(n)).long()  # (n,) parent < i
                 par[0] = -1
                 masks.append(parents_to_tree_mask(par[None]))  # (n, W)
-            attention.select((b, n))
-            attention.plan(slots, tables, [prefix] * b, [n] * b, masks)
+            ids = torch.zeros(b * n, dtype=torch.int64, device="cuda")  # (B*n,)
+            pos = torch.arange(n, device="cuda").repeat(b) + prefix  # (B*n,)
+            graphs.stages[(b, n)].write_device_step([prefix] * b, tables, ids, pos, slots,
+                                                    torch.cat(masks).cuda())  # fmt: skip
             graph = graphs.steps[(b, n)].graph
-            graph.replay()  # the first replay after planning, untimed
+            graph.replay()  # the first replay after staging, untimed
             ms = median_replay_seconds(graph, 20) * 1e3
             attention.forget((b, n))
             rows.append({"model": model, "batch": b, "budget": budget, "prefix": prefix,
