@@ -68,8 +68,8 @@ def test_verify_bucket_captures_and_replays_like_eager(llm, impl, batch):
         for seed in (1, 2):
             ids, tables, slots, mask = plan_random_trees(llm, batch, n, prefix=200, seed=seed)
             pos = torch.arange(n, device="cuda").repeat(batch) + 200  # (B*n,) chain positions
-            graphs.stages[(batch, n)].write_device_step([200] * batch, tables, ids, pos, slots,
-                                                        mask)  # fmt: skip
+            graphs.stages[(batch, n)].write_device_step([200] * batch, tables, ids, slots, mask,
+                                                        pos=pos)  # fmt: skip
             got = graphs.replay((batch, n), batch).clone()  # (B*n, V)
             valid = torch.ones_like(ids, dtype=torch.bool)
             want = llm.model(ids, pos, attention=llm.runner.attention, token_valid=valid)

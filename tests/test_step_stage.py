@@ -44,7 +44,7 @@ def test_device_step_stages_host_part_and_copies_device_rows():
     pos = torch.tensor([4, 5, 5, 9, 10, 11])
     slots = torch.tensor([20, 21, 22, 30, 31, 32])
     mask = torch.tensor([[1], [3], [5], [1], [3], [7]], dtype=torch.int32)
-    stage.write_device_step([4, 9], [[1, 2], [3]], ids, pos, slots, mask)
+    stage.write_device_step([4, 9], [[1, 2], [3]], ids, slots, mask, pos=pos)
     assert v["ids"].tolist() == ids.tolist() and v["pos"].tolist() == pos.tolist()
     assert v["slots"].tolist() == slots.tolist() and v["mask"].equal(mask)
     assert v["qo"].tolist() == [0, 3, 6] and v["prefix"].tolist() == [4, 9]
@@ -83,3 +83,50 @@ def test_staged_unpack_gives_the_general_paths_logits():
         graphs._unpack(stage, *bucket)
         got = graphs.forward_rows(4)[:3]  # (3, V)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_staged_round_gives_the_general_paths_logits(monkeypatch):
+    """A real DDTREE round (tiny-llama, n-gram drafter, CPU): `ModelRunner._replay_round` stages
+    the TreeBatch (positions computed from the staged prefixes) and the unpacked forward equals
+    the general path's (StepBatch + plan), for every tree node."""
+    llm = LLM("tiny-llama", device="cpu", num_pages=64, max_num_seqs=4,
+              speculative_algorithm="DDTREE", speculative_ddtree_budget=4)  # fmt: skip
+    runner, att = llm.runner, llm.runner.attention
+    runner.plan_batch_sizes = [4]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for k in range(3):
+        llm.add_request(list(range(10 + k, 30 + k)) * 2, sp)  # repetitive: n-gram drafts
+    for _ in range(2):
+        llm.step()
+    batch = llm.scheduler.schedule()
+    assert batch.chunks and all(c.num_tokens == 1 for c in batch.chunks)
+    tb = llm.spec.draft_batch([c.seq for c in batch.chunks], llm.device)
+    n = tb.nodes
+    want = runner.run(batch, tb).logits.clone()  # (B*N, V) the general path
+    bucket = (4, n)
+    assert att.bucket == bucket and tb.slots_host is not None
+    graphs = CudaGraphs(llm.model, att, buckets=[bucket], max_pages=8)
+    stage = graphs._stage(*bucket)
+
+    def replay(bucket_, b):  # what the captured graph runs, eagerly
+        with torch.inference_mode():
+            for p in att.plans_for(bucket_):
+                for t in (p.prefix_lens, p.qo_indptr, p.tree_mask, p.block_table):
+                    t.fill_(-1)
+            graphs.pos.fill_(-1)
+            graphs._unpack(stage, *bucket_)
+            return graphs.forward_rows(bucket_[0] * bucket_[1])[: b * bucket_[1]]
+
+    monkeypatch.setattr(graphs, "replay", replay)
+    runner.graphs = graphs
+
+    def no_step_batch(*a, **k):
+        raise AssertionError("a whole round must not build a StepBatch")
+
+    monkeypatch.setattr("treeverify.engine.model_runner.StepBatch.build", no_step_batch)
+    got = runner.run(batch, tb).logits  # (B*N, V) through _replay_round
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    b = len(batch.chunks)
+    starts = torch.tensor([c.start for c in batch.chunks])
+    assert stage.device_views()["pos"][: b * n].view(b, n).equal(starts[:, None] + tb.depths)

@@ -176,8 +176,8 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
                 masks.append(parents_to_tree_mask(par[None]))  # (n, W)
             ids = torch.zeros(b * n, dtype=torch.int64, device="cuda")  # (B*n,)
             pos = torch.arange(n, device="cuda").repeat(b) + prefix  # (B*n,)
-            graphs.stages[(b, n)].write_device_step([prefix] * b, tables, ids, pos, slots,
-                                                    torch.cat(masks).cuda())  # fmt: skip
+            graphs.stages[(b, n)].write_device_step([prefix] * b, tables, ids, slots,
+                                                    torch.cat(masks).cuda(), pos=pos)  # fmt: skip
             graph = graphs.steps[(b, n)].graph
             graph.replay()  # the first replay after staging, untimed
             ms = median_replay_seconds(graph, 20) * 1e3

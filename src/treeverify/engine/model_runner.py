@@ -108,6 +108,26 @@ class ModelRunner:
         self.hidden = getattr(self.model, "captured", None)
         return StepLogits(logits, [(i, 1) for i in range(len(chunks))])
 
+    def _replay_round(self, batch: ScheduledBatch, tb: TreeBatch) -> StepLogits | None:
+        """A step that is one speculative round for every chunk, in the TreeBatch's order: the
+        trees (ids, mask on the device; slots from the host) go straight into the bucket's stage
+        (positions = prefix + depth, computed there). None: not such a step."""
+        chunks, n = batch.chunks, tb.nodes
+        if len(chunks) != len(tb.seqs) or any(c.seq is not s for c, s in
+                                              zip(chunks, tb.seqs, strict=True)):  # fmt: skip
+            return None
+        bucket = self.graphs.bucket_for(len(chunks), n)
+        tables = [c.seq.block_table for c in chunks]
+        if bucket is None or tb.slots_host is None or max(map(len, tables)) > self.graphs.max_pages:
+            return None
+        self.attention.select(bucket)
+        self.graphs.stages[bucket].write_device_step(
+            [c.start for c in chunks], tables, tb.tokens, tb.slots_host, tb.mask,
+            depths=tb.depths)  # fmt: skip
+        logits = self.graphs.replay(bucket, len(chunks))  # (B*N, V), tb's order
+        self.hidden = getattr(self.model, "captured", None)
+        return StepLogits(logits, [(i * n, n) for i in range(len(chunks))])
+
     def _moe_impl(self, impl: str | None) -> str | None:
         """Set the MoE layers' impl (None: leave it); returns the previous one to restore."""
         layers = self._moe_layers
@@ -140,8 +160,8 @@ class ModelRunner:
         (M, V) logits)}.
         """
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
-        if tb is None and self.graphs is not None:
-            staged = self._replay_decodes(batch)
+        if self.graphs is not None and not prompt_from:
+            staged = self._replay_decodes(batch) if tb is None else self._replay_round(batch, tb)
             if staged is not None:
                 return staged
         step = StepBatch.build(batch, tb, self.device, prompt_from)
@@ -155,8 +175,8 @@ class ModelRunner:
                                          if step.decode_shaped else None))  # fmt: skip
         if bucket is not None:  # trees only: every token is a logits row, in order
             self.graphs.stages[bucket].write_device_step(
-                step.prefix_lens, step.block_tables, step.ids, step.positions, step.slots,
-                step.mask)  # fmt: skip
+                step.prefix_lens, step.block_tables, step.ids, step.slots, step.mask,
+                pos=step.positions)  # fmt: skip
             logits = self.graphs.replay(bucket, len(qlens))
             self.hidden = getattr(self.model, "captured", None)
             return StepLogits(logits, step.spans)

@@ -49,6 +49,7 @@ class TreeBatch:
     max_depth: int
     started: float  # perf_counter at the round's start
     budget: int = 0  # this round's tree budget (nodes besides the root)
+    slots_host: torch.Tensor | None = None  # (B, N) int64 `slots` on the host (staged as is)
     paths: list[list[int]] = field(default_factory=list)  # after accept: committed nodes
     # after accept, per sequence: its committed tokens' logprobs (None unless it asked)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
@@ -200,12 +201,13 @@ class SpeculativeDecoder:
         else:
             tree = build_tree(logits, budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
-        slots = to_device(self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n),
-                          device)  # (B, N)  # fmt: skip
+        slots_host = self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n)  # (B, N)
+        slots = to_device(slots_host, device)  # (B, N)
         if self.algorithm == "CHAIN" or budget not in self._build:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
-        return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start, budget)
+        return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start, budget,
+                         slots_host=slots_host)  # fmt: skip
 
     def _move_and_pack(self, tokens, parents, slots, path, length, bonus) -> torch.Tensor:
         """Move the accepted nodes' K/V to positions P+1.. (one fixed-shape gather/scatter per

@@ -112,11 +112,13 @@ class StepStage:
         self._copy(w)
 
     def write_device_step(self, starts: list[int], block_tables: list[list[int]],
-                          ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                          mask: torch.Tensor) -> None:  # fmt: skip
-        """b requests of n rows each whose ids, positions, mask (and maybe slots) are on the
-        device already (a tree round's): the host part is staged and copied, then device copies
-        fill the rest of the twin. ids, pos, slots (b*n,) int64; mask (b*n, W) int32."""
+                          ids: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, *,
+                          pos: torch.Tensor | None = None,
+                          depths: torch.Tensor | None = None) -> None:  # fmt: skip
+        """b requests of n rows each whose ids and mask (and maybe slots) are on the device
+        already (a tree round's): the host part is staged and copied, then device ops fill the
+        rest of the twin. ids (b*n,) int64; slots (b*n,) int64, host or device; mask (b*n, W)
+        int32; positions either given (pos (b*n,)) or prefix + depth (depths (b, n))."""
         self._fresh_if_busy()
         b, n, v = len(starts), self.n, self._dv
         w = self._write_common(block_tables, starts, n)
@@ -125,13 +127,16 @@ class StepStage:
         self.h_mask[:] = 0  # the trees' words are copied in below; the rest stays clear
         self.h_slots[rows:] = self.scratch_slot
         if not slots.is_cuda:
-            self.h_slots[:rows] = slots.numpy()
+            self.h_slots[:rows] = slots.reshape(-1).numpy()
         self._copy(w)
-        v["ids"][:rows].copy_(ids)
-        v["pos"][:rows].copy_(pos)
+        v["ids"][:rows].copy_(ids.reshape(-1))
+        if pos is not None:
+            v["pos"][:rows].copy_(pos)
+        else:  # after the copy (same stream): the staged prefix lengths are on the device
+            torch.add(depths, v["prefix"][:b, None], out=v["pos"][:rows].view(b, n))
         v["mask"][:rows, : mask.shape[1]].copy_(mask)
         if slots.is_cuda:
-            v["slots"][:rows].copy_(slots)
+            v["slots"][:rows].copy_(slots.reshape(-1))
 
     def _copy(self, w: int) -> None:
         end = self._o32["table"][0] + w * self.batch  # through the table rows in use
