@@ -138,3 +138,37 @@ def test_prepare_plans_touches_only_the_scratch_page():
         assert torch.equal(llm.cache.k[layer][:-1], k) and torch.equal(llm.cache.v[layer][:-1], v)
     buckets = {key[0] for key in llm.runner.attention._plans}
     assert {(2, 1), (1, 5)} <= buckets and llm.runner.attention.bucket is None
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-kimi"])
+def test_stacked_cache_moves_every_layer_like_per_layer_moves(name):
+    """A spec whose layers share a row shape gets one tensor per K (V) for all layers; a round's
+    move (a path whose sources overlap its destinations, as accepted paths do) then equals the
+    per-layer move of an unstacked cache, on random contents, every layer and slot."""
+    _, model, _ = load_model(name)
+    spec = model.kv_cache_spec()
+    stacked = KVCache(6, 4, spec=spec, dtype=torch.float32)
+    assert stacked._stacked is not None
+    plain = KVCache(6, 4)  # lazily allocated per layer: the per-layer path
+    g = torch.Generator().manual_seed(1)
+    for layer, kc in stacked.k.items():
+        kc.copy_(torch.randn(kc.shape, generator=g))
+        vc = stacked.v[layer]
+        if vc is not None:
+            vc.copy_(torch.randn(vc.shape, generator=g))
+        plain._allocate(layer, kc.shape[2:], None if vc is None else vc.shape[2:],
+                        kc.dtype, kc.dtype)  # fmt: skip
+        plain.k[layer].copy_(kc)
+        if vc is not None:
+            plain.v[layer].copy_(vc)
+    # path nodes 0, 2, 3 of a tree at slots 9.. : node 2 -> slot 10, node 3 -> slot 11
+    src, dst = torch.tensor([9, 11, 12]), torch.tensor([9, 10, 11])
+    rows = {layer: k.reshape(-1, *k.shape[2:]).clone() for layer, k in stacked.k.items()}
+    stacked.move_slots(src, dst)
+    plain.move_slots(src, dst)
+    for layer in stacked.k:
+        assert stacked.k[layer].equal(plain.k[layer]), layer
+        if stacked.v[layer] is not None:
+            assert stacked.v[layer].equal(plain.v[layer]), layer
+        moved = stacked.k[layer].reshape(-1, *stacked.k[layer].shape[2:])
+        assert moved[10].equal(rows[layer][11]) and moved[11].equal(rows[layer][12])

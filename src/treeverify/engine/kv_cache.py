@@ -45,11 +45,17 @@ class KVCache:
         self.device = torch.device(device)
         self.k: dict[int, torch.Tensor] = {}  # layer -> (pages+1, page_size, Hkv, Dqk)
         self.v: dict[int, torch.Tensor | None] = {}  # layer -> (pages+1, page_size, Hkv, Dv)|None
+        # Every layer's K (V) as one tensor (L, pages+1, page_size, ...) when all layers share a
+        # row shape: a round's K/V move is then one gather + one scatter for all layers.
+        self._stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
         if spec is not None:
             if dtype is None:
                 raise ValueError("dtype: required with spec (the cache is allocated now)")
-            for layer, (k_row, v_row) in enumerate(spec):
-                self._allocate(layer, k_row, v_row, dtype, dtype)
+            if len(set(spec)) == 1:
+                self._allocate_stacked(len(spec), *spec[0], dtype)
+            else:
+                for layer, (k_row, v_row) in enumerate(spec):
+                    self._allocate(layer, k_row, v_row, dtype, dtype)
 
     @property
     def scratch_slot(self) -> int:
@@ -65,6 +71,16 @@ class KVCache:
             if v_row is None
             else torch.zeros((pages, self.page_size, *v_row), dtype=v_dtype, device=self.device)
         )
+
+    def _allocate_stacked(self, layers: int, k_row, v_row, dtype) -> None:
+        shape = (layers, self.num_pages + 1, self.page_size)  # + the scratch page
+        k = torch.zeros((*shape, *k_row), dtype=dtype, device=self.device)
+        v = None if v_row is None else torch.zeros((*shape, *v_row), dtype=dtype,
+                                                   device=self.device)  # fmt: skip
+        self._stacked = (k, v)
+        for layer in range(layers):  # contiguous per-layer views: the kernels see no change
+            self.k[layer] = k[layer]
+            self.v[layer] = None if v is None else v[layer]
 
     def write(
         self,
@@ -88,6 +104,12 @@ class KVCache:
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """`move` for device index tensors (K,) int64: no host sync, fixed shapes (capturable).
         dst[i] == src[i] rows are left as they are."""
+        if self._stacked is not None:  # all layers at once
+            for whole in self._stacked:
+                if whole is not None:
+                    flat = whole.view(whole.shape[0], -1, *whole.shape[3:])  # (L, slots, ...)
+                    flat[:, dst] = flat[:, src]  # gathers into a temporary before scattering
+            return
         for layer, kc in self.k.items():
             flat = kc.view(-1, *kc.shape[2:])
             flat[dst] = flat[src]  # gathers into a temporary before scattering
