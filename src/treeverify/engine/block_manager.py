@@ -75,7 +75,8 @@ class BlockManager:
         """(B, n) int64 on the host: the slots of positions firsts[b] .. firsts[b] + n - 1 of
         each sequence, equal to `slot` per position; a round's N slots per sequence in a few
         tensor ops instead of B * N Python calls (N reaches 1025)."""
-        import torch  # here: the rest of the block manager stays importable without torch
+        import numpy as np  # here: the rest of the block manager stays importable without them
+        import torch
 
         ps = self.page_size
         pages = []
@@ -85,10 +86,14 @@ class BlockManager:
                                  f"no slots (num_slots={seq.num_slots})")  # fmt: skip
             pages.append(seq.block_table[first // ps : (first + n - 1) // ps + 1])
         width = max(len(p) for p in pages)
-        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int64)
-        start = torch.tensor(firsts, dtype=torch.int64)[:, None]  # (B, 1)
-        pos = start + torch.arange(n, dtype=torch.int64)[None, :]  # (B, n)
-        return table.gather(1, pos // ps - start // ps) * ps + pos % ps
+        table = np.zeros((len(pages), width), dtype=np.int64)  # (B, pages spanned)
+        for b, p in enumerate(pages):
+            table[b, : len(p)] = p
+        start = np.asarray(firsts, dtype=np.int64)[:, None]  # (B, 1)
+        pos = start + np.arange(n, dtype=np.int64)[None, :]  # (B, n)
+        # numpy, not torch: ~1 us per op on the host instead of ~5-10 (this runs every round)
+        slots = np.take_along_axis(table, pos // ps - start // ps, axis=1) * ps + pos % ps
+        return torch.from_numpy(slots)
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate(self, seq: Sequence, n: int | None = None) -> list[int]:
@@ -225,7 +230,8 @@ class BlockManager:
             seq.block_table.append(page)
         start = seq.num_slots
         seq.num_slots += n
-        return [self.slot(seq, p) for p in range(start, start + n)]
+        ps, table = self.page_size, seq.block_table  # `slot` per position, without its checks
+        return [table[p // ps] * ps + p % ps for p in range(start, start + n)]
 
     def _release(self, page: int) -> bool:
         if self.ref_counts[page] <= 0:

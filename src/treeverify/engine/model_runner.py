@@ -121,9 +121,11 @@ class ModelRunner:
         if bucket is None or tb.slots_host is None or max(map(len, tables)) > self.graphs.max_pages:
             return None
         self.attention.select(bucket)
-        self.graphs.stages[bucket].write_device_step(
-            [c.start for c in chunks], tables, tb.tokens, tb.slots_host, tb.mask,
-            depths=tb.depths)  # fmt: skip
+        stage = self.graphs.stages[bucket]
+        stage.write_device_step([c.start for c in chunks], tables, tb.tokens, tb.slots_host,
+                                tb.mask, depths=tb.depths)  # fmt: skip
+        if tb.slots is None:  # the accept's K/V move reads the staged copy (this round's)
+            tb.slots = stage.views["slots"][: len(chunks) * n].view(len(chunks), n)
         logits = self.graphs.replay(bucket, len(chunks))  # (B*N, V), tb's order
         self.hidden = getattr(self.model, "captured", None)
         return StepLogits(logits, [(i * n, n) for i in range(len(chunks))])

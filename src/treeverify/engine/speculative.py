@@ -44,7 +44,8 @@ class TreeBatch:
     tokens: torch.Tensor  # (B, N) int64, node 0 = the root = each sequence's last token
     parents: torch.Tensor  # (B, N) int64, -1 for roots and padding
     depths: torch.Tensor  # (B, N) int64
-    slots: torch.Tensor  # (B, N) int64: node i at position P_b + i
+    slots: torch.Tensor | None  # (B, N) int64 on the device: node i at position P_b + i;
+    # None until needed (`device_slots`): a staged verify step leaves it in its stage's twin
     mask: torch.Tensor  # (B*N, W) int32 ancestor-or-self bits
     max_depth: int
     started: float  # perf_counter at the round's start
@@ -57,6 +58,12 @@ class TreeBatch:
     @property
     def nodes(self) -> int:
         return self.tokens.shape[1]
+
+    def device_slots(self) -> torch.Tensor:
+        """(B, N) slots on the device: the staged verify step's copy, else one upload."""
+        if self.slots is None:
+            self.slots = to_device(self.slots_host, self.tokens.device)
+        return self.slots
 
 
 PHASES = ("draft", "build", "verify", "accept", "commit")
@@ -202,11 +209,10 @@ class SpeculativeDecoder:
             tree = build_tree(logits, budget, roots)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
         slots_host = self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n)  # (B, N)
-        slots = to_device(slots_host, device)  # (B, N)
         if self.algorithm == "CHAIN" or budget not in self._build:
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
-        return TreeBatch(chosen, tokens, parents, depths, slots, mask, depth, t_start, budget,
+        return TreeBatch(chosen, tokens, parents, depths, None, mask, depth, t_start, budget,
                          slots_host=slots_host)  # fmt: skip
 
     def _move_and_pack(self, tokens, parents, slots, path, length, bonus) -> torch.Tensor:
@@ -240,7 +246,8 @@ class SpeculativeDecoder:
         greedy = all(s.sampling_params.temperature == 0 for s in tb.seqs)
         self._max_depth = tb.max_depth
         if greedy and n in self._accept:
-            packed = self._accept[n](tb.tokens, tb.parents, logits.argmax(-1), tb.slots)[0]
+            packed = self._accept[n](tb.tokens, tb.parents, logits.argmax(-1),
+                                     tb.device_slots())[0]  # fmt: skip
         else:
             acc = accept_greedy(tb.tokens, tb.parents, logits.argmax(-1), max_depth=tb.max_depth)
             path, length, bonus = acc.path.clone(), acc.length.clone(), acc.bonus.clone()
@@ -256,7 +263,8 @@ class SpeculativeDecoder:
                     noise=per_depth[tb.depths[i]][None],  # (1, N, V)
                 )  # fmt: skip
                 path[i], length[i], bonus[i] = one.path[0], one.length[0], one.bonus[0]
-            packed = self._move_and_pack(tb.tokens, tb.parents, tb.slots, path, length, bonus)
+            packed = self._move_and_pack(tb.tokens, tb.parents, tb.device_slots(), path, length,
+                                         bonus)  # fmt: skip
         t0 = self._time("accept", t0)
         k = (packed.shape[1] - 2) // 2
         host = packed.tolist()  # the round's one device->host read

@@ -89,7 +89,7 @@ class StepBatch:
                 starts = to_device(torch.tensor([s for _, s in run]), device)  # (k,)
                 ids.append(tb.tokens[i0 : i0 + k].reshape(-1))
                 pos.append((starts[:, None] + tb.depths[i0 : i0 + k]).reshape(-1))
-                slots.append(tb.slots[i0 : i0 + k].reshape(-1))
+                slots.append(tb.device_slots()[i0 : i0 + k].reshape(-1))
                 tree_rows.append((total - k * n_tree, i0, k))
                 run.clear()
 

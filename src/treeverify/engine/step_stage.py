@@ -41,13 +41,13 @@ class StepStage:
         self._pin = torch.device(device).type == "cuda"  # (a CPU stage: the tests' twin)
         self.host = torch.zeros(off, dtype=torch.int32, pin_memory=self._pin)
         self.dev = torch.zeros(off, dtype=torch.int32, device=device)
-        self._views(self.host.numpy())
+        self._host_views(self.host.numpy())
         self._copied = torch.cuda.Event() if self._pin else None  # the last copy enqueued
         if self._copied is not None:
             self._copied.record()
-        self._dv = self.device_views()
+        self.views = self.device_views()
 
-    def _views(self, h: np.ndarray) -> None:
+    def _host_views(self, h: np.ndarray) -> None:
         """numpy views of a host buffer: writes without a torch op per value."""
         r = self.rows
         h64 = h[: 2 * self._n64].view(np.int64)
@@ -76,7 +76,7 @@ class StepStage:
         fresh pinned buffer instead (kept by the caching host allocator until its copy ran)."""
         if self._copied is not None and not self._copied.query():
             self.host = torch.zeros(self.size, dtype=torch.int32, pin_memory=True)
-            self._views(self.host.numpy())
+            self._host_views(self.host.numpy())
 
     def _write_common(self, block_tables: list[list[int]], starts: list[int], n: int) -> int:
         """Prefix lens, qo_indptr, valid rows and page table of b requests of n rows each
@@ -120,7 +120,7 @@ class StepStage:
         rest of the twin. ids (b*n,) int64; slots (b*n,) int64, host or device; mask (b*n, W)
         int32; positions either given (pos (b*n,)) or prefix + depth (depths (b, n))."""
         self._fresh_if_busy()
-        b, n, v = len(starts), self.n, self._dv
+        b, n, v = len(starts), self.n, self.views
         w = self._write_common(block_tables, starts, n)
         rows = b * n
         self.h_ids[rows:], self.h_pos[rows:] = 0, 0
