@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -193,16 +194,41 @@ def run_accept(args, block: int) -> list[dict]:
     return rows
 
 
-def run_speed(args, block: int) -> list[dict]:
-    batches = [int(b) for b in args.batches.split(",")]
-    texts = {"code": code_prompts(args.code_prompts, args.n),
-             "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
+def speed_configs(args, block: int) -> list[tuple]:
+    """speed's configs, plain decoding first."""
     cfgs = configs(args, block, [int(b) for b in args.budget.split(",")])
     cfgs.append((f"DDTREE(ngram) b={args.ngram_budget}", "DDTREE", "ngram", args.ngram_budget,
                  args.ngram_depth, False))  # fmt: skip
     if args.adaptive:  # the controller picks each step's budget in {0, 4, ..., args.adaptive}
         cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive}", "DDTREE", args.drafter,
                      args.adaptive, block - 1, True))  # fmt: skip
+    return cfgs
+
+
+def describe(llm: LLM, name: str, outs, secs: float, plain, b: int, text: str,
+             occupancy: float, judge, prompts) -> dict:  # fmt: skip
+    """One row: tokens/s, the engine's spec stats and controller view, the greedy check."""
+    r = row(llm, name, outs, secs, plain) | {"batch": b, "text": text}
+    r["occupancy"] = round(occupancy, 3)
+    adaptive = (llm.spec_stats or {}).get("adaptive")
+    if adaptive is not None:  # the budgets the controller ran, by steps (last pass)
+        r["steps_by_budget"] = {int(k): c for k, c in adaptive["steps_by_budget"].items()}
+        # what the controller believed: why it chose those budgets
+        r["controller"] = {k: adaptive.get(k) for k in ("accept_curve", "cost_seconds_batch1",
+                                                         "switches", "explorations")}  # fmt: skip
+        r["controller"][f"cost_seconds_batch{b}"] = llm.controller.cost.curve(b)
+    if r.get("diverged_requests") and judge is not None:
+        r["divergence_gaps"] = judge.gaps(prompts, plain, outs)
+    return r
+
+
+def run_speed(args, block: int) -> list[dict]:
+    if args.interleave:
+        return run_speed_interleaved(args, block)
+    batches = [int(b) for b in args.batches.split(",")]
+    texts = {"code": code_prompts(args.code_prompts, args.n),
+             "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
+    cfgs = speed_configs(args, block)
     # plain decoding again, last: the first engine of a process can run slower (clocks, caches),
     # and a ratio against a slow baseline flatters every other config
     cfgs.append(("none (again)", None, "ngram", 1, 1, False))
@@ -215,20 +241,8 @@ def run_speed(args, block: int) -> list[dict]:
                 outs, secs, occupancy = timed(llm, prompts, b, args.tokens, args.repeat,
                                               CLOCKS[args.clock], args.queue)  # fmt: skip
                 key = (text, b)
-                r = row(llm, name, outs, secs, plain.get(key)) | {"batch": b, "text": text}
-                r["occupancy"] = round(occupancy, 3)
-                adaptive = (llm.spec_stats or {}).get("adaptive")
-                if adaptive is not None:  # the budgets the controller ran, by steps (last pass)
-                    r["steps_by_budget"] = {int(b): c for b, c in
-                                            adaptive["steps_by_budget"].items()}  # fmt: skip
-                    # what the controller believed: why it chose those budgets
-                    r["controller"] = {
-                        k: adaptive.get(k)
-                        for k in ("accept_curve", "cost_seconds_batch1", "switches", "explorations")
-                    }
-                    r["controller"][f"cost_seconds_batch{b}"] = llm.controller.cost.curve(b)
-                if r.get("diverged_requests") and judge is not None:
-                    r["divergence_gaps"] = judge.gaps(prompts, plain[key], outs)
+                r = describe(llm, name, outs, secs, plain.get(key), b, text, occupancy, judge,
+                             prompts)  # fmt: skip
                 rows.append(r)
                 plain.setdefault(key, outs)
                 print(json.dumps(r), flush=True)
@@ -242,6 +256,53 @@ def run_speed(args, block: int) -> list[dict]:
             and x["batch"] == r["batch"]
         )  # the faster plain
         r["speedup_vs_plain"] = round(r["tokens_per_s"] / base, 3)
+    return rows
+
+
+def run_speed_interleaved(args, block: int) -> list[dict]:
+    """Every engine alive at once; each pass runs every config back to back (the order rotated
+    per pass), so a slow stretch of the machine hits all configs alike. Per config: the median
+    tokens/s over passes, every pass's figure, and `speedup_vs_plain` = the median over passes
+    of the ratio to plain decoding's time in the same pass (paired)."""
+    batches = [int(b) for b in args.batches.split(",")]
+    texts = {"code": code_prompts(args.code_prompts, args.n),
+             "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
+    cfgs = speed_configs(args, block)
+    engines = [engine(args, algo, drafter, budget, depth, max(batches), adaptive)
+               for _, algo, drafter, budget, depth, adaptive in cfgs]  # fmt: skip
+    judge = None if args.no_judge else DivergenceJudge(args)
+    rows = []
+    for text, prompts in texts.items():
+        for b in batches:
+            secs = {c[0]: [] for c in cfgs}
+            last = {}
+            for p in range(args.repeat):
+                k = p % len(cfgs)
+                for (name, *_), llm in list(zip(cfgs, engines, strict=True))[k:] + list(
+                        zip(cfgs, engines, strict=True))[:k]:  # fmt: skip
+                    outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
+                                                CLOCKS[args.clock], args.queue)  # fmt: skip
+                    secs[name].append(s_)
+                    last[name] = (outs, occupancy)
+            plain_name = cfgs[0][0]
+            plain_outs = last[plain_name][0]
+            for (name, *_), llm in zip(cfgs, engines, strict=True):
+                outs, occupancy = last[name]
+                med = statistics.median(secs[name])
+                r = describe(llm, name, outs, med, None if name == plain_name else plain_outs,
+                             b, text, occupancy, judge, prompts)  # fmt: skip
+                toks = r["tokens"]
+                r["passes_tokens_per_s"] = [round(toks / x, 1) for x in secs[name]]
+                r["speedup_vs_plain"] = round(
+                    statistics.median(
+                        [q / x for q, x in zip(secs[plain_name], secs[name], strict=True)]
+                    ),
+                    3,
+                )
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    for llm in engines:
+        free(llm)
     return rows
 
 
@@ -268,7 +329,14 @@ def main(argv=None) -> int:
         default=0,
         help="speed: also DDTREE(dflash) with the adaptive budget up to this (0: off)",
     )
-    p.add_argument("--repeat", type=int, default=1, help="speed: best of this many passes")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="speed: best of this many passes (--interleave: the median)")  # fmt: skip
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="speed: every engine alive at once, each pass running every config back to back; "
+        "medians and pass-paired ratios to plain decoding (host-bound steps jitter)",
+    )
     p.add_argument(
         "--no-judge", action="store_true", help="skip the fp32 near-tie check of divergences"
     )
@@ -306,7 +374,8 @@ def main(argv=None) -> int:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "commit": _git_commit(), "command": " ".join(sys.argv),
-              "mode": args.mode, "queue": args.queue, "device": dev, "target": args.target,
+              "mode": args.mode, "queue": args.queue, "interleave": args.interleave,
+              "device": dev, "target": args.target,
               "drafter": args.drafter,
               "prompts_per_text": args.n, "tokens_per_prompt": args.tokens,
               "graphs": not args.no_graphs, "torch": torch.__version__, "clock": args.clock,
