@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from treeverify.bench.kernel import _git_commit
 from treeverify.engine.llm import LLM
 
 
@@ -76,7 +79,11 @@ def main() -> int:
         rows.append(r)
         print(f"{name:32s} nodes {r['nodes']!s:>5}  GPU {r['gpu_ms_per_replay']:.4f} ms/replay"
               f"  host {r['host_ms_per_launch_median']:.4f} ms/launch")  # fmt: skip
-    args.json.write_text(json.dumps({"batch": b, "budget": args.budget, "rows": rows}, indent=1))
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "commit": _git_commit(),
+            "command": " ".join(sys.argv)}  # fmt: skip
+    args.json.write_text(json.dumps(meta | {"batch": b, "budget": args.budget, "rows": rows},
+                                    indent=1))  # fmt: skip
     return 0
 
 

@@ -13,12 +13,15 @@ import argparse
 import cProfile
 import json
 import pstats
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from treeverify.bench.kernel import _git_commit
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
 
@@ -170,7 +173,10 @@ def main() -> int:
             rows.append(profile_config(name, algo, b, budget, args.steps, pinned))
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    args.json.write_text(json.dumps(rows, indent=1))
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+            "commit": _git_commit(), "command": " ".join(sys.argv)}  # fmt: skip
+    args.json.write_text(json.dumps(meta | {"rows": rows}, indent=1))
     return 0
 
 
