@@ -130,3 +130,29 @@ def test_staged_round_gives_the_general_paths_logits(monkeypatch):
     b = len(batch.chunks)
     starts = torch.tensor([c.start for c in batch.chunks])
     assert stage.device_views()["pos"][: b * n].view(b, n).equal(starts[:, None] + tb.depths)
+
+
+def test_a_request_past_the_staged_page_table_runs_eagerly(monkeypatch):
+    """The stage holds page tables up to the pages a request of the model's context can need;
+    a request past that (the LLM API does not bound contexts by the model's) must not reach the
+    graph: its step runs on the general path, with the same logits."""
+    llm = LLM("tiny-llama", device="cpu", num_pages=64, max_num_seqs=4)
+    llm.runner.plan_batch_sizes = [4]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    llm.add_request(torch.randint(0, 256, (70,), generator=g).tolist(), sp)  # 5 pages of 16
+    llm.add_request(torch.randint(0, 256, (9,), generator=g).tolist(), sp)
+    llm.step()
+    batch = llm.scheduler.schedule()
+    assert all(c.num_tokens == 1 for c in batch.chunks)
+    want = torch.cat([w.clone() for w in llm.runner.run(batch).per_sequence()])
+    graphs = CudaGraphs(llm.model, llm.runner.attention, buckets=[(4, 1)], max_pages=3)
+    graphs._stage(4, 1)
+
+    def replay(bucket, b):
+        raise AssertionError("a request with more pages than staged must not replay")
+
+    monkeypatch.setattr(graphs, "replay", replay)
+    llm.runner.graphs = graphs
+    got = torch.cat(llm.runner.run(batch).per_sequence())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
