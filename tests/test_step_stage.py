@@ -156,3 +156,36 @@ def test_a_request_past_the_staged_page_table_runs_eagerly(monkeypatch):
     llm.runner.graphs = graphs
     got = torch.cat(llm.runner.run(batch).per_sequence())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_shaped_step_off_the_fast_path_is_staged_with_its_chain_mask(monkeypatch):
+    """A step of one-token chunks that the fast path leaves alone (a request still collecting
+    prompt logprobs, e.g. its last prefill chunk is one token) goes through StepBatch and the
+    bucket's stage: it has no tree mask, so each row must see itself, as in plain decoding."""
+    llm = LLM("tiny-llama", device="cpu", num_pages=64, max_num_seqs=4)
+    llm.runner.plan_batch_sizes = [4]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    g = torch.Generator().manual_seed(6)
+    for n in (12, 30):
+        llm.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), sp)
+    llm.step()
+    batch = llm.scheduler.schedule()
+    assert all(c.num_tokens == 1 for c in batch.chunks)
+    runner, att = llm.runner, llm.runner.attention
+    want = torch.cat([w.clone() for w in runner.run(batch).per_sequence()])
+    graphs = CudaGraphs(llm.model, att, buckets=[(4, 1)], max_pages=8)
+    stage = graphs._stage(4, 1)
+    used = []
+
+    def replay(bucket, b):  # the captured graph's work, eagerly
+        used.append(bucket)
+        with torch.inference_mode():
+            graphs._unpack(stage, *bucket)
+            return graphs.forward_rows(bucket[0] * bucket[1])[: b * bucket[1]]
+
+    monkeypatch.setattr(graphs, "replay", replay)
+    runner.graphs = graphs
+    rid = batch.chunks[0].seq.request_id
+    got = torch.cat(runner.run(batch, None, {rid: 0}).per_sequence())
+    assert used == [(4, 1)]  # staged through StepBatch, not the fast path, and replayed
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -175,9 +175,13 @@ class ModelRunner:
                 bucket = None  # past the staged page table (a context past the model's): eager
         self.attention.select(bucket or (self._plan_bucket(len(qlens), qlens[0])
                                          if step.decode_shaped else None))  # fmt: skip
-        if bucket is not None:  # trees only: every token is a logits row, in order
+        if bucket is not None:  # every token is a logits row, in order
+            # no trees: one-token chunks off the fast path (a request collecting prompt
+            # logprobs), each row sees itself
+            mask = step.mask if step.mask is not None else torch.ones(
+                len(qlens), 1, dtype=torch.int32, device=dev)  # (T, 1)  # fmt: skip
             self.graphs.stages[bucket].write_device_step(
-                step.prefix_lens, step.block_tables, step.ids, step.slots, step.mask,
+                step.prefix_lens, step.block_tables, step.ids, step.slots, mask,
                 pos=step.positions)  # fmt: skip
             logits = self.graphs.replay(bucket, len(qlens))
             self.hidden = getattr(self.model, "captured", None)
