@@ -163,9 +163,11 @@ def verify_forward(model: str, *, budgets=(16, 32, 64, 128, 256, 512, 1024), bat
     for budget in budgets:
         n = llm.config.tree_size_for(budget)  # budget + 1 (DDTree's fixed width)
         for b in batches:
-            graphs = CudaGraphs(parts.model, attention, buckets=[(b, n)])
-            graphs.capture()
             pages_per = (prefix + n + ps - 1) // ps
+            # the stage's page table sized as the engine sizes it (a request's pages at most),
+            # not the whole pool: the graph unpacks all of it every replay
+            graphs = CudaGraphs(parts.model, attention, buckets=[(b, n)], max_pages=pages_per + 1)
+            graphs.capture()
             tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(b)]
             slots = torch.tensor([t[0] * ps + prefix + j for t in tables for j in range(n)])
             g = torch.Generator().manual_seed(budget * 100 + b)
