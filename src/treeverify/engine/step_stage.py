@@ -56,7 +56,6 @@ class StepStage:
         self.h_prefix, self.h_qo, self.h_valid = part["prefix"], part["qo"], part["valid"]
         self.h_mask = part["mask"].reshape(r, self.words)  # (R, words)
         self.h_table = part["table"].reshape(self.pages, self.batch)  # (P, B) transposed
-        self._h = h
 
     def device_views(self) -> dict[str, torch.Tensor]:
         """The device twin, typed and shaped: what a captured graph unpacks from."""
