@@ -19,7 +19,7 @@ from treeverify.engine.step_stage import StepStage
 
 def test_decodes_fill_every_field_and_pad_the_rest():
     stage = StepStage(batch=4, n=1, words=1, pages=6, scratch_slot=999, device=torch.device("cpu"))
-    v = stage.device_views()
+    v = stage.views
     for t in v.values():
         t.fill_(-7)  # poison: every field the step uses must be written
     stage.write_decodes([11, 12, 13], [5, 17, 2], [37, 81, 3], [[2, 3], [4, 5], [9]])
@@ -37,7 +37,7 @@ def test_decodes_fill_every_field_and_pad_the_rest():
 
 def test_device_step_stages_host_part_and_copies_device_rows():
     stage = StepStage(batch=2, n=3, words=1, pages=4, scratch_slot=50, device=torch.device("cpu"))
-    v = stage.device_views()
+    v = stage.views
     for t in v.values():
         t.fill_(-7)
     ids = torch.tensor([5, 6, 7, 8, 9, 10])
@@ -129,7 +129,7 @@ def test_staged_round_gives_the_general_paths_logits(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     b = len(batch.chunks)
     starts = torch.tensor([c.start for c in batch.chunks])
-    assert stage.device_views()["pos"][: b * n].view(b, n).equal(starts[:, None] + tb.depths)
+    assert stage.views["pos"][: b * n].view(b, n).equal(starts[:, None] + tb.depths)
 
 
 def test_a_request_past_the_staged_page_table_runs_eagerly(monkeypatch):
@@ -159,9 +159,9 @@ def test_a_request_past_the_staged_page_table_runs_eagerly(monkeypatch):
 
 
 def test_a_decode_shaped_step_off_the_fast_path_is_staged_with_its_chain_mask(monkeypatch):
-    """A step of one-token chunks that the fast path leaves alone (a request still collecting
-    prompt logprobs, e.g. its last prefill chunk is one token) goes through StepBatch and the
-    bucket's stage: it has no tree mask, so each row must see itself, as in plain decoding."""
+    """A step of one-token chunks while a request still collects prompt logprobs (its last
+    prefill chunk is one token) has no prompt rows to keep: it is staged like any decode step
+    (it once went through StepBatch and failed there on its missing tree mask)."""
     llm = LLM("tiny-llama", device="cpu", num_pages=64, max_num_seqs=4)
     llm.runner.plan_batch_sizes = [4]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -187,5 +187,5 @@ def test_a_decode_shaped_step_off_the_fast_path_is_staged_with_its_chain_mask(mo
     runner.graphs = graphs
     rid = batch.chunks[0].seq.request_id
     got = torch.cat(runner.run(batch, None, {rid: 0}).per_sequence())
-    assert used == [(4, 1)]  # staged through StepBatch, not the fast path, and replayed
+    assert used == [(4, 1)]  # staged and replayed, not run eagerly
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -146,21 +146,25 @@ class CudaGraphs:
         words = plans[0].words if plans else 1
         stage = StepStage(batch, n, words, self.max_pages, self.attention.cache.scratch_slot,
                           self.attention.cache.device)  # fmt: skip
-        views = stage.device_views()
         for field, buf in self._targets(batch, n):
-            views[field].copy_(buf)
+            stage.views[field].copy_(buf)
         self.stages[(batch, n)] = stage
         return stage
 
     def _unpack(self, stage: StepStage, batch: int, n: int) -> None:
         """Captured at the start of the bucket's graph: the staged inputs into their buffers."""
-        views = stage.device_views()
         for field, buf in self._targets(batch, n):
-            buf.copy_(views[field])
+            buf.copy_(stage.views[field])
 
     # ---- replay --------------------------------------------------------------------------------
-    def bucket_for(self, num_requests: int, n: int) -> tuple[int, int] | None:
-        """The smallest captured bucket that holds `num_requests` requests of n tokens."""
+    def bucket_for(
+        self, num_requests: int, n: int, block_tables: list[list[int]] | None = None
+    ) -> tuple[int, int] | None:
+        """The smallest captured bucket that holds `num_requests` requests of n tokens (and,
+        given, their page tables: at most `max_pages` pages each, what a stage holds; a context
+        past the model's runs eagerly)."""
+        if block_tables is not None and max(map(len, block_tables)) > self.max_pages:
+            return None
         for b, m in self.buckets:  # sorted by (n, B)
             if m == n and b >= num_requests:
                 return (b, n)

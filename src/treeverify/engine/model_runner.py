@@ -91,22 +91,20 @@ class ModelRunner:
         return (b, n)
 
     def _replay_decodes(self, batch: ScheduledBatch) -> StepLogits | None:
-        """A step of plain decodes only (one sampled token per chunk) that a captured bucket
-        holds: its inputs straight from the scheduler's chunks into the bucket's stage, one
-        copy, one replay. None: not such a step (the general path runs it)."""
+        """A step of plain decodes only (one sampled token per chunk: no prompt logprob rows
+        either) that a captured bucket holds: its inputs straight from the scheduler's chunks
+        into the bucket's stage, one copy, one replay. None: not such a step."""
         chunks = batch.chunks
         if not chunks or any(c.num_tokens != 1 or not c.samples for c in chunks):
             return None
-        bucket = self.graphs.bucket_for(len(chunks), 1)
-        if bucket is None or max(len(c.seq.block_table) for c in chunks) > self.graphs.max_pages:
+        tables = [c.seq.block_table for c in chunks]
+        bucket = self.graphs.bucket_for(len(chunks), 1, tables)
+        if bucket is None:
             return None
-        self.attention.select(bucket)
-        self.graphs.stages[bucket].write_decodes(
-            [c.token_ids[0] for c in chunks], [c.start for c in chunks],
-            [c.slots[0] for c in chunks], [c.seq.block_table for c in chunks])  # fmt: skip
-        logits = self.graphs.replay(bucket, len(chunks))  # (B, V)
-        self.hidden = getattr(self.model, "captured", None)
-        return StepLogits(logits, [(i, 1) for i in range(len(chunks))])
+        self.graphs.stages[bucket].write_decodes([c.token_ids[0] for c in chunks],
+                                                 [c.start for c in chunks],
+                                                 [c.slots[0] for c in chunks], tables)  # fmt: skip
+        return self._replay(bucket, len(chunks))
 
     def _replay_round(self, batch: ScheduledBatch, tb: TreeBatch) -> StepLogits | None:
         """A step that is one speculative round for every chunk, in the TreeBatch's order: the
@@ -116,19 +114,24 @@ class ModelRunner:
         if len(chunks) != len(tb.seqs) or any(c.seq is not s for c, s in
                                               zip(chunks, tb.seqs, strict=True)):  # fmt: skip
             return None
-        bucket = self.graphs.bucket_for(len(chunks), n)
         tables = [c.seq.block_table for c in chunks]
-        if bucket is None or tb.slots_host is None or max(map(len, tables)) > self.graphs.max_pages:
+        bucket = self.graphs.bucket_for(len(chunks), n, tables)
+        if bucket is None or tb.slots_host is None:
             return None
-        self.attention.select(bucket)
         stage = self.graphs.stages[bucket]
         stage.write_device_step([c.start for c in chunks], tables, tb.tokens, tb.slots_host,
                                 tb.mask, depths=tb.depths)  # fmt: skip
         if tb.slots is None:  # the accept's K/V move reads the staged copy (this round's)
             tb.slots = stage.views["slots"][: len(chunks) * n].view(len(chunks), n)
-        logits = self.graphs.replay(bucket, len(chunks))  # (B*N, V), tb's order
+        return self._replay(bucket, len(chunks))
+
+    def _replay(self, bucket: tuple[int, int], batch: int) -> StepLogits:
+        """Replay a bucket whose stage holds this step: `batch` requests of n rows, each row a
+        logits row, in order."""
+        n = bucket[1]
+        logits = self.graphs.replay(bucket, batch)  # (batch * n, V)
         self.hidden = getattr(self.model, "captured", None)
-        return StepLogits(logits, [(i * n, n) for i in range(len(chunks))])
+        return StepLogits(logits, [(i * n, n) for i in range(batch)])
 
     def _moe_impl(self, impl: str | None) -> str | None:
         """Set the MoE layers' impl (None: leave it); returns the previous one to restore."""
@@ -162,30 +165,24 @@ class ModelRunner:
         (M, V) logits)}.
         """
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
-        if self.graphs is not None and not prompt_from:
+        if self.graphs is not None:
             staged = self._replay_decodes(batch) if tb is None else self._replay_round(batch, tb)
             if staged is not None:
                 return staged
         step = StepBatch.build(batch, tb, self.device, prompt_from)
         qlens, dev = step.query_lens, self.device
         bucket = None
-        if step.decode_shaped and self.graphs is not None:
-            bucket = self.graphs.bucket_for(len(qlens), qlens[0])
-            if max(len(t) for t in step.block_tables) > self.graphs.max_pages:
-                bucket = None  # past the staged page table (a context past the model's): eager
-        self.attention.select(bucket or (self._plan_bucket(len(qlens), qlens[0])
-                                         if step.decode_shaped else None))  # fmt: skip
+        if step.decode_shaped and self.graphs is not None:  # decodes were staged above: trees
+            bucket = self.graphs.bucket_for(len(qlens), qlens[0], step.block_tables)
         if bucket is not None:  # every token is a logits row, in order
-            # no trees: one-token chunks off the fast path (a request collecting prompt
-            # logprobs), each row sees itself
-            mask = step.mask if step.mask is not None else torch.ones(
-                len(qlens), 1, dtype=torch.int32, device=dev)  # (T, 1)  # fmt: skip
             self.graphs.stages[bucket].write_device_step(
-                step.prefix_lens, step.block_tables, step.ids, step.slots, mask,
+                step.prefix_lens, step.block_tables, step.ids, step.slots, step.mask,
                 pos=step.positions)  # fmt: skip
             logits = self.graphs.replay(bucket, len(qlens))
             self.hidden = getattr(self.model, "captured", None)
             return StepLogits(logits, step.spans)
+        self.attention.select(self._plan_bucket(len(qlens), qlens[0])
+                              if step.decode_shaped else None)  # fmt: skip
         self.attention.plan(step.slots, step.block_tables, step.prefix_lens, qlens,
                             mask=step.mask)  # fmt: skip
         # On a GPU an eager decode-shaped step routes MoE as the captured graphs do, so turning

@@ -45,7 +45,7 @@ class StepStage:
         self._copied = torch.cuda.Event() if self._pin else None  # the last copy enqueued
         if self._copied is not None:
             self._copied.record()
-        self.views = self.device_views()
+        self.views = self._device_views()  # the twin, typed and shaped
 
     def _host_views(self, h: np.ndarray) -> None:
         """numpy views of a host buffer: writes without a torch op per value."""
@@ -57,7 +57,7 @@ class StepStage:
         self.h_mask = part["mask"].reshape(r, self.words)  # (R, words)
         self.h_table = part["table"].reshape(self.pages, self.batch)  # (P, B) transposed
 
-    def device_views(self) -> dict[str, torch.Tensor]:
+    def _device_views(self) -> dict[str, torch.Tensor]:
         """The device twin, typed and shaped: what a captured graph unpacks from."""
         r, d = self.rows, self.dev
         d64 = d[: 2 * self._n64].view(torch.int64)
