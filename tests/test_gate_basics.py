@@ -156,40 +156,40 @@ def test_import_without_torch():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_launch_crash_exits_4_with_signature(tmp_path):
-    script = tmp_path / "crash.py"
-    script.write_text(
-        "import sys, time\ntime.sleep(0.3)\nprint('Capturing CUDA graphs')\n"
-        "print('RuntimeError: CUDA error: an illegal memory access was encountered', flush=True)\n"
-        "sys.exit(3)\n"
-    )
+def launch_script(tmp_path, source: str) -> tuple[int, str]:
+    """Gate a launched script that never serves: (exit code, the readiness verdict's detail)."""
+    script = tmp_path / "server.py"
+    script.write_text(source)
     j = tmp_path / "r.json"
     rc = cli.main(
         ["--launch", f"{sys.executable} {script}", "--url", "http://127.0.0.1:9"]
         + ["--interval", "0.1", "--timeout", "20", "--quiet", "--json", str(j)]
     )
+    return rc, json.loads(j.read_text())["probes"][0]["detail"]
+
+
+def test_launch_crash_exits_4_with_signature(tmp_path):
+    rc, detail = launch_script(
+        tmp_path,
+        "import sys, time\ntime.sleep(0.3)\nprint('Capturing CUDA graphs')\n"
+        "print('RuntimeError: CUDA error: an illegal memory access was encountered', flush=True)\n"
+        "sys.exit(3)\n",
+    )
     assert rc == 4
-    detail = json.loads(j.read_text())["probes"][0]["detail"]
     assert "exited with 3" in detail and "illegal memory access" in detail
 
 
 def test_launch_refusal_shows_the_processes_last_lines(tmp_path):
     """A server that refuses to start with one line on stderr (a missing package, a bad model)
     matches no crash signature; the verdict must still say why, not only the exit status."""
-    script = tmp_path / "refuse.py"
-    script.write_text(
+    rc, detail = launch_script(
+        tmp_path,
         "import sys\nprint('starting', flush=True)\n"
         "print('treeverify serve: needs fastapi and uvicorn (No module named x)',"
         " file=sys.stderr)\n"
-        "sys.exit(2)\n"
-    )
-    j = tmp_path / "r.json"
-    rc = cli.main(
-        ["--launch", f"{sys.executable} {script}", "--url", "http://127.0.0.1:9"]
-        + ["--interval", "0.1", "--timeout", "20", "--quiet", "--json", str(j)]
+        "sys.exit(2)\n",
     )
     assert rc == 4
-    detail = json.loads(j.read_text())["probes"][0]["detail"]
     assert "exited with 2" in detail and "needs fastapi and uvicorn" in detail, detail
 
 
