@@ -276,10 +276,10 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
         for b in batches:
             secs = {c[0]: [] for c in cfgs}
             last = {}
+            pairs = list(zip(cfgs, engines, strict=True))
             for p in range(args.repeat):
-                k = p % len(cfgs)
-                for (name, *_), llm in list(zip(cfgs, engines, strict=True))[k:] + list(
-                        zip(cfgs, engines, strict=True))[:k]:  # fmt: skip
+                k = p % len(pairs)  # each pass starts one config later
+                for (name, *_), llm in pairs[k:] + pairs[:k]:
                     outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
                                                 CLOCKS[args.clock], args.queue)  # fmt: skip
                     secs[name].append(s_)

@@ -1,6 +1,6 @@
-"""What each CUDA graph of a speculative round costs on its own (GPU machine): kernel nodes,
-GPU time per replay (back-to-back replays, CUDA events: kernels plus the gaps between them) and
-host time of the replay call (queue drained first, so the call is not waiting for room).
+"""What each CUDA graph of a speculative round costs on its own (GPU machine): GPU time per
+replay (back-to-back replays between two CUDA events: kernels plus the gaps between them; unlike
+bench.kernel.median_replay_seconds, no sync between replays) and host time of the replay call (queue drained first, so the call is not waiting for room).
 tiny-code + its DFlash drafter, DDTREE budget 16, batch 1 by default.
 Usage (repo root): PYTHONPATH=src python3 scripts/graph_costs_gpu.py --json F"""
 
@@ -17,18 +17,6 @@ import torch
 
 from treeverify.bench.kernel import _git_commit
 from treeverify.engine.llm import LLM
-
-
-def nodes(graph: torch.cuda.CUDAGraph) -> int | None:
-    """Kernel/memcpy/memset nodes of a captured graph (cuda-python), None if unavailable."""
-    try:
-        from cuda.bindings import runtime as rt
-
-        raw = graph.raw_cuda_graph()
-        err, _, count = rt.cudaGraphGetNodes(raw, numNodes=0)
-        return int(count) if int(err) == 0 else None
-    except Exception:  # noqa: BLE001 - an optional census
-        return None
 
 
 def cost(graph: torch.cuda.CUDAGraph, reps: int = 200) -> dict:
@@ -50,7 +38,7 @@ def cost(graph: torch.cuda.CUDAGraph, reps: int = 200) -> dict:
         host.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     host.sort()
-    return {"nodes": nodes(graph), "gpu_ms_per_replay": round(gpu_ms, 4),
+    return {"gpu_ms_per_replay": round(gpu_ms, 4),
             "host_ms_per_launch_median": round(host[len(host) // 2] * 1e3, 4)}  # fmt: skip
 
 
@@ -77,7 +65,7 @@ def main() -> int:
     for name, g in graphs.items():
         r = {"graph": name, **cost(g)}
         rows.append(r)
-        print(f"{name:32s} nodes {r['nodes']!s:>5}  GPU {r['gpu_ms_per_replay']:.4f} ms/replay"
+        print(f"{name:32s} GPU {r['gpu_ms_per_replay']:.4f} ms/replay"
               f"  host {r['host_ms_per_launch_median']:.4f} ms/launch")  # fmt: skip
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "commit": _git_commit(),
