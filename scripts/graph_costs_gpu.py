@@ -1,6 +1,7 @@
 """What each CUDA graph of a speculative round costs on its own (GPU machine): GPU time per
 replay (back-to-back replays between two CUDA events: kernels plus the gaps between them; unlike
-bench.kernel.median_replay_seconds, no sync between replays) and host time of the replay call (queue drained first, so the call is not waiting for room).
+bench.kernel.median_replay_seconds, no sync between replays) and host time of the replay call
+(queue drained first, so the call is not waiting for room).
 tiny-code + its DFlash drafter, DDTREE budget 16, batch 1 by default.
 Usage (repo root): PYTHONPATH=src python3 scripts/graph_costs_gpu.py --json F"""
 
