@@ -49,9 +49,13 @@ def prose_prompts(path: Path, n: int) -> list[str]:
 
 
 def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_seqs: int,
-           adaptive: bool = False) -> LLM:  # fmt: skip
+           adaptive: bool | str = False) -> LLM:  # fmt: skip
+    """`adaptive`: True (the controller picks budgets), False (fixed), or "general" (fixed,
+    every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)."""
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
+    if adaptive == "general":
+        kw["disable_round_graphs"], adaptive = True, False
     if algo:
         kw = dict(
             speculative_algorithm=algo,
@@ -199,6 +203,10 @@ def speed_configs(args, block: int) -> list[tuple]:
     cfgs = configs(args, block, [int(b) for b in args.budget.split(",")])
     cfgs.append((f"DDTREE(ngram) b={args.ngram_budget}", "DDTREE", "ngram", args.ngram_budget,
                  args.ngram_depth, False))  # fmt: skip
+    if args.general:  # the first DDTREE(dflash) budget again, rounds on the general path
+        b = int(args.budget.split(",")[0])
+        cfgs.append((f"DDTREE(dflash) b={b} general path", "DDTREE", args.drafter, b, block - 1,
+                     "general"))  # fmt: skip
     if args.adaptive:  # the controller picks each step's budget in {0, 4, ..., args.adaptive}
         cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive}", "DDTREE", args.drafter,
                      args.adaptive, block - 1, True))  # fmt: skip
@@ -323,6 +331,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget", default="32", help="speed: DDTREE(dflash) budgets, comma list")
     p.add_argument("--ngram-budget", type=int, default=32)
     p.add_argument("--ngram-depth", type=int, default=8)
+    p.add_argument(
+        "--general",
+        action="store_true",
+        help="speed: also the first DDTREE(dflash) budget with whole-round graphs off",
+    )
     p.add_argument(
         "--adaptive",
         type=int,

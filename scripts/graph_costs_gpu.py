@@ -2,7 +2,8 @@
 replay (back-to-back replays between two CUDA events: kernels plus the gaps between them; unlike
 bench.kernel.median_replay_seconds, no sync between replays) and host time of the replay call
 (queue drained first, so the call is not waiting for room).
-tiny-code + its DFlash drafter, DDTREE budget 16, batch 1 by default.
+tiny-code + its DFlash drafter, DDTREE budget 16, batch 1 by default; the whole-round graph
+(engine/round_graphs.py) last, against the sum of its parts.
 Usage (repo root): PYTHONPATH=src python3 scripts/graph_costs_gpu.py --json F"""
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main() -> int:
         "greedy accept + K/V move": spec._accept[n].graphs[b][0],
         "context projection (16 rows)": spec.source.context._captured.graphs[16][0],
     }
+    if llm.rounds is not None:  # all of the above (but the decode) in one graph
+        graphs["whole round (draft .. context rows)"] = llm.rounds.rounds[(b, args.budget)][0]
     rows = []
     for name, g in graphs.items():
         r = {"graph": name, **cost(g)}

@@ -35,10 +35,13 @@ def prompts(n: int) -> list[str]:
 
 
 def build(algo: str | None, batch: int, budget: int, pinned: int | None = None) -> LLM:
-    """`pinned`: an adaptive DDTREE engine (calibrated, controller on) held at that budget."""
+    """`pinned`: an adaptive DDTREE engine (calibrated, controller on) held at that budget.
+    An algorithm "DDTREE-general": DDTREE with whole-round graphs off (the general path)."""
     kw = {}
+    if algo == "DDTREE-general":
+        algo, kw["disable_round_graphs"] = "DDTREE", True
     if algo:
-        kw = dict(speculative_algorithm=algo, speculative_ddtree_budget=budget)
+        kw |= dict(speculative_algorithm=algo, speculative_ddtree_budget=budget)
         if algo == "DDTREE":
             kw["speculative_adaptive"] = pinned is not None
     llm = LLM("tiny-code", device=DEVICE, num_pages=4096, max_num_seqs=batch,
@@ -54,6 +57,7 @@ CONFIGS = {
     "none": (None, 0, None),
     "CHAIN": ("CHAIN", 15, None),
     "DDTREE-16": ("DDTREE", 16, None),
+    "DDTREE-16-general": ("DDTREE-general", 16, None),
     "DDTREE-adaptive@0": ("DDTREE", 64, 0),
     "DDTREE-adaptive@64": ("DDTREE", 64, 64),
 }

@@ -1,7 +1,8 @@
 """DraftContextCache (CPU, fp32, the seeded tiny DFlash drafter on tiny-llama): the keys/values it
-holds equal the drafter's own `context_kv` of the rows observed, through chunks, rejections,
-restarts, the pending-list bound and window compaction; a draft from them equals the stateless
-`propose` over the same context."""
+holds in its rings equal the drafter's own `context_kv` of the rows observed, through chunks,
+rejections, restarts, the pending-list bound and rings wrapping past the window; a draft from
+the rings equals the stateless `propose` over the same context; a fixed store lends the ring of
+the least recently used request when it runs out."""
 
 from __future__ import annotations
 
@@ -76,9 +77,8 @@ def test_random_chunks_rejections_and_restarts_match_from_scratch(drafter, captu
                 want, want_first = _expected(drafter, truth, window)
                 assert first == want_first, seed
                 torch.testing.assert_close(kv, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
-    held = cache._ctx["r"]
-    bound = 2 * (window + DraftContextCache.SLACK) + 3 * window  # + one chunk
-    assert held.kv.shape[0] <= bound  # bounded by the window, not by the history
+    # one ring of window + SLACK rows holds it all: bounded by the window, not by the history
+    assert cache.kv.shape[1] == window + DraftContextCache.SLACK and cache.slots <= 4
 
 
 def test_pending_chunks_are_bounded(drafter):
@@ -88,7 +88,7 @@ def test_pending_chunks_are_bounded(drafter):
         for i in range(DraftContextCache.MAX_PENDING):
             cache.observe("r", i, torch.randn(1, feats))
     ctx = cache._ctx["r"]
-    assert not ctx.pending and ctx.n == DraftContextCache.MAX_PENDING  # projected at the bound
+    assert not ctx.pending and ctx.count == DraftContextCache.MAX_PENDING  # projected at the bound
 
 
 def test_errors_name_the_request_and_positions(drafter):
@@ -134,3 +134,37 @@ def test_batched_draft_from_cache_equals_stateless_propose(drafter):
     bad = SimpleNamespace(request_id="q0", num_cached_tokens=6, last_token_id=1)
     with pytest.raises(RuntimeError, match="q0: rows end at position 5, the cache holds 6"):
         src.propose_batch([bad], 5, torch.device("cpu"))
+
+
+def test_ring_valid_keeps_the_newest_rows_in_any_order():
+    from treeverify.engine.draft_context import ring_valid
+
+    w = 8
+    # not wrapped (end 5, 5 rows): rows 0..4; wrapped (end 19 -> rows 19 % 8 = 3 newest):
+    # the newest 6 positions 13..18 sit in rows 5, 6, 7, 0, 1, 2; nothing held: no row.
+    got = ring_valid(torch.tensor([5, 6, 0]), torch.tensor([5, 19, 7]), w, w)
+    assert got.int().tolist() == [
+        [1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0, 1, 1, 1],
+        [0] * 8,
+    ]
+
+
+def test_fixed_store_lends_the_least_recent_ring(drafter):
+    cache = DraftContextCache(drafter, 16)
+    cache.fix(2, torch.device("cpu"))
+    feats = drafter.config.context_features
+    with torch.inference_mode():
+        for rid in ("a", "b"):
+            cache.observe(rid, 0, torch.randn(5, feats))
+            cache.project([rid])
+        cache.observe("a", 5, torch.randn(1, feats))  # "a" used last: "b" is the oldest
+        cache.observe("c", 0, torch.randn(3, feats))
+        cache.project(["c"])
+    assert cache.evictions == 1 and cache.ring("b") is None  # "b" lost its rows
+    assert cache.ring("a")[1:] == (6, 6) and cache.ring("c")[1:] == (3, 3)
+    with torch.inference_mode():  # an evicted request starts over wherever its next chunk is
+        cache.observe("b", 40, torch.randn(2, feats))
+    assert cache.end("b") == 42
+    with pytest.raises(RuntimeError, match="fix before serving"):
+        cache.fix(4, torch.device("cpu"))

@@ -78,6 +78,9 @@ class EngineConfig:
     mem_fraction_static: float = 0.88
     cuda_graph_max_bs: int | None = None  # None: min(max_num_seqs, 32)
     disable_cuda_graph: bool = False
+    # Greedy DFlash rounds as one replay each (engine/round_graphs.py; eager on the CPU); True:
+    # every round takes the general path (draft, build, verify, accept graphs one by one)
+    disable_round_graphs: bool = False
 
     def __post_init__(self) -> None:
         self._validate()

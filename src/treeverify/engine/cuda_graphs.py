@@ -95,6 +95,21 @@ class CudaGraphs:
         return report
 
     @torch.inference_mode()
+    def prepare_stage(self, batch: int, n: int) -> StepStage:
+        """A bucket's plans (made by one forward over the scratch page) and stage, nothing
+        captured: the CPU's eager whole rounds (engine/round_graphs.py) run the captured body
+        over them."""
+        rows = batch * n
+        try:
+            self.attention.select((batch, n))
+            self.attention.plan_scratch(batch, n)
+            self.valid[:rows].fill_(False)
+            self.forward_rows(rows)
+            return self._stage(batch, n)
+        finally:
+            self.attention.select(None)
+
+    @torch.inference_mode()
     def _capture_one(self, batch: int, n: int) -> CapturedStep:
         t0 = time.perf_counter()
         rows = batch * n

@@ -1,24 +1,39 @@
-"""The DFlash drafter's per-request context: keys/values of committed tokens, computed once.
+"""The DFlash drafter's per-request context: keys/values of committed tokens, computed once, kept
+in one device store that a captured draft reads directly.
 
 A DFlash draft attends from its block to the target's hidden states of the context. Everything a
 context row contributes (fc -> hidden_norm -> each layer's k_proj/k_norm/rope and v_proj) depends
 on that row alone, so it is computed when the row is first needed and kept: a round projects only
 the rows committed since the last round (1 + accepted length), not the whole window again.
 
-Per request the cache holds:
+The rows live in one store, a ring per request:
 
-    kv       (capacity, n_layers, 2, Hkv, D)  rows first .. first + n - 1, in position order
-    pending  [(rows_i, F), ...]               target hidden states observed since, not projected
+    kv   (slots + 1, W, n_layers, 2, Hkv, D)   request r's row for position p at kv[slot_r, p % W];
+                                               the last slot is scratch (padding requests write
+                                               and read it); W = window + SLACK
 
-`observe` only appends to `pending` (a plain decode step, e.g. at adaptive budget 0, costs a list
-append); `project` turns every pending row of a set of requests into keys/values in ONE drafter
-call (rows are independent: one flat (R, F) batch over all requests). Rows older than the window
-(plus SLACK) are never projected, and the buffer is compacted to the last window + SLACK rows once
-it holds twice that, so memory stays O(window) per request.
+and per request, on the host: its slot, `end` (one past the last projected position) and `count`
+(rows held: positions end - count .. end - 1, count <= W). Keys carry their rotary position, so
+the order of rows does not matter to the attention: a draft reads the whole ring of its request
+(`kv[slot]`, one gather, no per-request copy) and masks rows by age (`ring_valid`): the newest
+`window` rows. A captured whole round (engine/round_graphs.py) writes its accepted rows straight
+into the ring and the host only advances `end` and `count` (`advance`).
+
+`observe` only appends to a pending list (a plain decode step, e.g. at adaptive budget 0, costs a
+list append); `project` turns every pending row of a set of requests into keys/values in ONE
+drafter call (rows are independent: one flat (R, F) batch over all requests) and scatters them into
+the rings. Rows older than W are never projected. SLACK rows beyond the window let a few rejected
+or recomputed rows at the end be dropped and still leave a full window.
+
+The store grows by slots while requests come (CPU, before capture); `fix` sizes it once for
+captured graphs (their addresses are baked in), after which a new request takes the slot of the
+least recently used one when none is free (a request that waited long enough to lose its slot,
+a preempted one, is recomputed from its prompt anyway).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -26,22 +41,27 @@ import torch
 from treeverify.kernels.staging import to_device
 
 
+def ring_valid(counts: torch.Tensor, ends: torch.Tensor, width: int, rows: int) -> torch.Tensor:
+    """(B, rows) bool: ring row r of request b holds one of its newest counts[b] positions
+    (those below ends[b]); the ring has `width` rows, the first `rows` of them are read."""
+    r = torch.arange(rows, device=counts.device)  # (rows,)
+    age = torch.remainder(ends[:, None] - 1 - r[None, :], width)  # (B, rows) newest = 0
+    return age < counts[:, None]
+
+
 @dataclass
 class _Context:
-    kv: torch.Tensor | None = None  # (capacity, n_layers, 2, Hkv, D)
-    first: int = 0  # position of kv row 0
-    n: int = 0  # projected rows held
+    slot: int | None = None  # ring in the store; None: evicted (holds nothing)
+    end: int = 0  # one past the last projected position
+    count: int = 0  # projected rows held: positions end - count .. end - 1
     pending: list[torch.Tensor] = field(default_factory=list)  # (rows_i, F) each, in order
     pending_rows: int = 0  # sum of the pending chunks' rows (read every step: kept, not summed)
+    evicted: bool = False  # lost its ring (and rows): the next chunk may start anywhere
 
     @property
-    def projected_end(self) -> int:
-        return self.first + self.n
-
-    @property
-    def end(self) -> int:
+    def observed_end(self) -> int:
         """One past the last observed position."""
-        return self.projected_end + self.pending_rows
+        return self.end + self.pending_rows
 
     def set_pending(self, chunks: list[torch.Tensor]) -> None:
         self.pending = chunks
@@ -59,14 +79,70 @@ class DraftContextCache:
             raise ValueError(f"window: expected >= 1, got {window}")
         self.drafter = drafter
         self.window = window
-        self._ctx: dict[str, _Context] = {}
+        self.width = window + self.SLACK  # W: ring rows per request
+        self._ctx: OrderedDict[str, _Context] = OrderedDict()  # least recently used first
+        self.kv: torch.Tensor | None = None  # (slots + 1, W, n_layers, 2, Hkv, D)
+        self._free: list[int] = []
+        self.fixed = False  # sized for captured graphs: never reallocated
+        self.evictions = 0
         self._captured = None  # CapturedFn of drafter.context_kv by row count, on a GPU
+
+    # ---- the store -----------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[0] - 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.slots
+
+    def _row_shape(self) -> tuple[int, ...]:
+        cfg = self.drafter.config
+        return (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
+
+    def _allocate(self, slots: int, device: torch.device) -> None:
+        """A store of `slots` rings (+ scratch), the held rings copied over. Zeroed: rows never
+        written are finite, and masked out by age anyway."""
+        dtype = self.drafter.fc.weight.dtype
+        kv = torch.zeros((slots + 1, self.width, *self._row_shape()), dtype=dtype, device=device)
+        old = self.slots
+        if self.kv is not None and old:
+            kv[:old] = self.kv[:old]
+        self._free += list(range(slots - 1, old - 1, -1))  # popped from the end: lowest first
+        self.kv = kv
+
+    def fix(self, slots: int, device: torch.device, window: int | None = None) -> None:
+        """Size the store once, for captured graphs (`slots` rings; `window` clips the drafted
+        context, e.g. to the target's max context). Only before any request is held."""
+        if self._ctx:
+            raise RuntimeError("DraftContextCache.fix: requests are held; fix before serving")
+        if window is not None:
+            self.window = max(1, min(self.window, window))
+            self.width = self.window + self.SLACK
+        self.kv, self._free = None, []
+        self._allocate(slots, device)
+        self.fixed = True
+
+    def _acquire(self, ctx: _Context, device: torch.device, keep: set[str]) -> None:
+        if not self._free:
+            if not self.fixed:
+                self._allocate(max(4, 2 * self.slots), device)
+            else:  # the least recently used request outside `keep` gives its ring up
+                victim = next((c for r, c in self._ctx.items()
+                               if r not in keep and c.slot is not None), None)  # fmt: skip
+                if victim is None:
+                    raise RuntimeError("DraftContextCache: no ring free and none to evict")
+                self._free.append(victim.slot)
+                victim.slot, victim.count, victim.evicted = None, 0, True
+                victim.set_pending([])
+                self.evictions += 1
+        ctx.slot = self._free.pop()
 
     def capture_projection(self, device: torch.device, max_rows: int) -> None:
         """Capture `context_kv` per row-count bucket (16, 32, .. up to `max_rows`: a round's
         committed rows, at most batch x (depth + 1)): rows are independent, so padded rows
         change nothing; a projection of more rows (a prefill, a long run of plain steps) runs
-        eagerly. ~25 small launches per round become one replay."""
+        eagerly. ~25 small launches per projection become one replay."""
         from treeverify.engine.captured_fn import CapturedFn
 
         buckets, r = [], 16
@@ -84,6 +160,7 @@ class DraftContextCache:
             self._captured = CapturedFn(lambda f, p: (self.drafter.context_kv(f, p),), example,
                                         buckets, rows_per_item=(1,))  # fmt: skip
 
+    # ---- requests ------------------------------------------------------------------------------
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ctx
 
@@ -93,14 +170,20 @@ class DraftContextCache:
     def end(self, request_id: str) -> int:
         """One past the last position observed for the request (0 if none)."""
         ctx = self._ctx.get(request_id)
-        return 0 if ctx is None else ctx.end
+        return 0 if ctx is None else ctx.observed_end
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """The target's hidden states (rows, F) of positions start.. . Rows already held at or
         past `start` were recomputed or rejected: they are dropped first. `hidden` must not be
         overwritten later (the engine copies graph outputs once per step)."""
-        ctx = self._ctx.setdefault(request_id, _Context())
-        end = ctx.end
+        ctx = self._ctx.get(request_id)
+        if ctx is None:
+            ctx = self._ctx[request_id] = _Context()
+        else:
+            self._ctx.move_to_end(request_id)
+        if ctx.evicted:  # holds nothing: starts over here
+            ctx.end, ctx.evicted = start, False
+        end = ctx.observed_end
         if start > end:
             raise RuntimeError(f"dflash context of {request_id}: {end} rows, "
                                f"chunk starts at {start}")  # fmt: skip
@@ -112,20 +195,19 @@ class DraftContextCache:
             self.project([request_id])
 
     def _truncate(self, ctx: _Context, start: int) -> None:
-        if start >= ctx.projected_end:  # only pending rows go
-            keep = start - ctx.projected_end
+        if start >= ctx.end:  # only pending rows go
+            keep = start - ctx.end
             joined = torch.cat(ctx.pending)[:keep] if keep else None
             ctx.set_pending([] if joined is None else [joined])
-        elif start >= ctx.first:
-            ctx.n = start - ctx.first
-            ctx.set_pending([])
-        else:  # before the rows held (a restart from scratch): nothing older is kept
-            ctx.first, ctx.n = start, 0
+        else:  # projected rows past `start` go (before everything held: all of it)
+            ctx.count = max(0, ctx.count - (ctx.end - start))
+            ctx.end = start
             ctx.set_pending([])
 
     @torch.inference_mode()
     def project(self, request_ids: list[str]) -> None:
-        """Keys/values of every pending row of these requests, in one drafter call."""
+        """Keys/values of every pending row of these requests, in one drafter call, scattered
+        into their rings."""
         todo = [(rid, self._ctx[rid]) for rid in request_ids
                 if rid in self._ctx and self._ctx[rid].pending]  # fmt: skip
         if not todo:
@@ -133,53 +215,100 @@ class DraftContextCache:
         feats, positions, spans = [], [], []
         for _, ctx in todo:
             rows = torch.cat(ctx.pending) if len(ctx.pending) > 1 else ctx.pending[0]  # (R_i, F)
-            begin = ctx.projected_end
-            skip = max(0, rows.shape[0] - self.window - self.SLACK)  # older than ever read
+            begin = ctx.end
+            skip = max(0, rows.shape[0] - self.width)  # older than any ring keeps
             if skip:
-                ctx.first, ctx.n = begin + skip, 0  # everything held is older still
                 begin, rows = begin + skip, rows[skip:]
             feats.append(rows)
             positions.append(torch.arange(begin, begin + rows.shape[0]))
-            spans.append(rows.shape[0])
+            spans.append((begin, rows.shape[0]))
         dev = feats[0].device
-        pos = to_device(torch.cat(positions), dev)  # (R,) pinned, non-blocking: no sync
+        keep = {rid for rid, _ in todo}
+        for _, ctx in todo:
+            if ctx.slot is None:
+                self._acquire(ctx, dev, keep)
+        pos_host = torch.cat(positions)  # (R,)
+        pos = to_device(pos_host, dev)  # (R,) pinned, non-blocking: no sync
         feats = torch.cat(feats)  # (R, F)
-        if self._captured is not None:  # a view of the graph's output: copied out below
+        if self._captured is not None:  # a view of the graph's output: scattered at once
             kv = self._captured(feats, pos)[0]
         else:
             kv = self.drafter.context_kv(feats, pos)  # (R, n_layers, 2, Hkv, D)
-        for (_, ctx), part in zip(todo, kv.split(spans), strict=True):
+        ring = torch.cat([torch.full((n,), ctx.slot * self.width, dtype=torch.int64)
+                          for (_, ctx), (_, n) in zip(todo, spans, strict=True)])  # fmt: skip
+        flat = to_device(ring + pos_host % self.width, dev)  # (R,) rows of the flat store
+        self.kv.view(-1, *self.kv.shape[2:]).index_copy_(0, flat, kv.to(self.kv.dtype))
+        for (_, ctx), (begin, n) in zip(todo, spans, strict=True):
             ctx.set_pending([])
-            self._append(ctx, part)
+            held = ctx.count if begin == ctx.end else 0  # rows skipped: the ring starts over
+            ctx.end, ctx.count = begin + n, min(self.width, held + n)
 
-    def _append(self, ctx: _Context, rows: torch.Tensor) -> None:
-        """rows (r, n_layers, 2, Hkv, D) at positions projected_end.. ."""
-        r = rows.shape[0]
-        keep_max = self.window + self.SLACK
-        if ctx.n + r > 2 * keep_max:  # compact: keep the last `keep_max - r` rows held
-            keep = max(0, keep_max - r)
-            ctx.kv[:keep] = ctx.kv[ctx.n - keep : ctx.n].clone()
-            ctx.first, ctx.n = ctx.first + ctx.n - keep, keep
-        if ctx.kv is None or ctx.n + r > ctx.kv.shape[0]:
-            cap = min(max(64, 2 * (ctx.n + r)), 2 * keep_max)
-            grown = rows.new_empty((max(cap, ctx.n + r), *rows.shape[1:]))
-            if ctx.n:
-                grown[: ctx.n] = ctx.kv[: ctx.n]
-            ctx.kv = grown
-        ctx.kv[ctx.n : ctx.n + r] = rows
-        ctx.n += r
+    def advance(self, request_id: str, rows: int) -> None:
+        """`rows` positions from `end` on were written into the ring on the device (a captured
+        round's accepted rows); nothing may be pending."""
+        ctx = self._ctx[request_id]
+        if ctx.pending:
+            raise RuntimeError(f"dflash context of {request_id}: advance with rows pending")
+        ctx.end += rows
+        ctx.count = min(self.width, ctx.count + rows)
+        self._ctx.move_to_end(request_id)
 
-    def keys_values(self, request_id: str) -> tuple[torch.Tensor, int] | None:
-        """(the last `window` projected rows (C, n_layers, 2, Hkv, D), position of row 0), after
-        projecting what is pending; None when the request has no rows."""
+    def ring(self, request_id: str) -> tuple[int, int, int] | None:
+        """(slot, rows a draft reads (the newest, at most `window`), end) after projecting what
+        is pending; None when the request holds no rows."""
         ctx = self._ctx.get(request_id)
         if ctx is None:
             return None
         self.project([request_id])
-        if ctx.n == 0:
+        if ctx.count == 0 or ctx.slot is None:
             return None
-        c = min(ctx.n, self.window)
-        return ctx.kv[ctx.n - c : ctx.n], ctx.projected_end - c
+        return ctx.slot, min(ctx.count, self.window), ctx.end
+
+    def draft_meta(self, request_ids: list[str], last_tokens: list[int],
+                   batch: int | None = None) -> list[list[int]]:  # fmt: skip
+        """The (4, batch) rows a draft from the rings reads: rows read per request, its root
+        token, its end (the block's first position), its slot; padding requests (up to `batch`):
+        nothing read, the mask token, the scratch ring. RuntimeError naming a request without
+        rows."""
+        counts, ends, slots = [], [], []
+        for rid in request_ids:
+            held = self.ring(rid)
+            if held is None:
+                raise RuntimeError(f"dflash: no target hidden states for {rid}")
+            slots.append(held[0])
+            counts.append(held[1])
+            ends.append(held[2])
+        pad = (batch or len(request_ids)) - len(request_ids)
+        return [counts + [0] * pad, list(last_tokens) + [self.drafter.mask_token_id] * pad,
+                ends + [0] * pad, slots + [self.scratch_slot] * pad]  # fmt: skip
+
+    def draft(self, meta: torch.Tensor, depth: int, rows: int | None = None) -> torch.Tensor:
+        """(B, L, V) draft logits from the rings: meta (4, B) int64 on the device (`draft_meta`);
+        the first `rows` ring rows are read (default all W: what a captured draft reads; fewer
+        when no ring has wrapped past them). Capture-safe: a gather, a mask, one forward."""
+        rows = self.width if rows is None else rows
+        counts, roots, ends, slots = meta  # (B,) each
+        ctx = self.kv[slots, :rows]  # (B, rows, n_layers, 2, Hkv, D)
+        valid = ring_valid(counts, ends, self.width, rows)  # (B, rows)
+        return self.drafter.propose_from_kv(ctx, counts, roots, ends, depth, context_valid=valid)
+
+    def eager_rows(self, ends: list[int]) -> int:
+        """Ring rows an eager draft must read: up to the largest end while no ring wrapped."""
+        top = max(ends)
+        return self.width if top > self.width else max(1, top)
+
+    def keys_values(self, request_id: str) -> tuple[torch.Tensor, int] | None:
+        """(the newest `window` projected rows in position order (C, n_layers, 2, Hkv, D),
+        position of row 0), after projecting what is pending; None when the request has no
+        rows. (A copy: the drafts read the rings in place.)"""
+        held = self.ring(request_id)
+        if held is None:
+            return None
+        slot, c, end = held
+        idx = torch.arange(end - c, end, device=self.kv.device) % self.width  # (C,)
+        return self.kv[slot].index_select(0, idx), end - c
 
     def forget(self, request_id: str) -> None:
-        self._ctx.pop(request_id, None)
+        ctx = self._ctx.pop(request_id, None)
+        if ctx is not None and ctx.slot is not None:
+            self._free.append(ctx.slot)

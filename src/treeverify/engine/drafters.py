@@ -6,12 +6,13 @@
 `NgramSource` needs nothing from the target. `DFlashSource` is handed, per sequence, the target's
 hidden states (the configured layers' outputs, concatenated) of every token its KV cache gains,
 as chunks and accepted tree paths commit; it keeps the drafter's keys/values of them
-(`DraftContextCache`: each row projected once) and drafts from the last `window` of them with the
-sequence's last token (the round's root, not yet in the cache) as block position 0. On a GPU with
-CUDA graphs, `DFlashSource.capture` captures the draft forward per batch bucket
-(engine/draft_graphs.py): a round is then the context projection, one copy per request into the
-fixed input buffer, and one replay; otherwise (CPU, no graphs, a batch past every bucket, a
-context past the captured width) it runs eagerly over the contexts padded to the longest.
+(`DraftContextCache`: each row projected once, into one ring per request in a device store) and
+drafts from the newest `window` of them with the sequence's last token (the round's root, not yet
+in the cache) as block position 0. On a GPU with CUDA graphs, `DFlashSource.capture` fixes the
+store and captures the draft forward per batch bucket (engine/draft_graphs.py): a round is then
+the projection of the rows committed since the last one, one small copy and one replay that reads
+the rings in place; otherwise (CPU, no graphs, a batch past every bucket) the same draft runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ class DFlashSource:
         self.graphs = None  # DraftGraphs once captured (a GPU with CUDA graphs)
 
     def capture(self, batch_sizes: list[int], depths: list[int], max_context: int,
-                device: torch.device) -> list[dict]:  # fmt: skip
-        """Capture the draft forward per batch bucket and depth over contexts of at most
-        min(window, max_context) rows (a context never holds more than the target's max
-        context); returns the per-bucket report."""
+                device: torch.device, max_requests: int) -> list[dict]:  # fmt: skip
+        """Fix the context store (a ring for each of `max_requests` requests, the window clipped
+        to `max_context`: a context never holds more than the target's max context) and capture
+        the draft forward per batch bucket and depth; returns the per-bucket report."""
         from treeverify.engine.draft_graphs import DraftGraphs
 
-        width = min(self.window, max_context)
-        self.graphs = DraftGraphs(self.drafter, batch_sizes, depths, width, device)
+        self.context.fix(max_requests, device, window=max_context)
+        self.graphs = DraftGraphs(self.context, batch_sizes, depths, device)
         self.context.capture_projection(device, max_rows=max(batch_sizes) * (max(depths) + 1))
         return self.graphs.report
 
@@ -82,40 +83,27 @@ class DFlashSource:
 
     @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
-        """(B, L, V): every sequence's last `window` context rows' keys/values (rows committed
-        since its last round projected first, all sequences in one call), one draft: a graph
-        replay when captured (the result is then a view of the graph's output, overwritten by
-        the next round), else eager over the contexts padded to the longest."""
-        self.context.project([s.request_id for s in seqs])
-        kvs, firsts = [], []
-        for seq in seqs:
-            held = self.context.keys_values(seq.request_id)
-            if held is None:
-                raise RuntimeError(f"dflash: no target hidden states for {seq.request_id}")
-            kv, first = held  # (C_b, n_layers, 2, Hkv, D), position of row 0
-            if first + kv.shape[0] != seq.num_cached_tokens:
+        """(B, L, V): every sequence's newest `window` context rows (rows committed since its
+        last round projected first, all sequences in one call), read in place from the rings by
+        one draft: a graph replay when captured (the result is then a view of the graph's
+        output, overwritten by the next round), else eager."""
+        rids = [s.request_id for s in seqs]
+        self.context.project(rids)
+        tokens = [s.last_token_id for s in seqs]
+        meta = self.context.draft_meta(rids, tokens)  # (4, B): rows, roots, ends, slots
+        for seq, end in zip(seqs, meta[2], strict=True):
+            if end != seq.num_cached_tokens:
                 raise RuntimeError(
                     f"dflash context of {seq.request_id}: rows end at position "
-                    f"{first + kv.shape[0]}, the cache holds {seq.num_cached_tokens} tokens"
+                    f"{end}, the cache holds {seq.num_cached_tokens} tokens"
                 )
-            kvs.append(kv)
-            firsts.append(first)
         if self.graphs is not None:
-            tokens, starts = [s.last_token_id for s in seqs], [s.num_cached_tokens for s in seqs]
-            logits = self.graphs.propose(kvs, tokens, starts, depth)
+            logits = self.graphs.propose(rids, tokens, depth)
             if logits is not None:
                 return logits
-        dev = kvs[0].device
-        padded = torch.nn.utils.rnn.pad_sequence(kvs, batch_first=True)  # (B, C, nl, 2, Hkv, D)
-        meta = torch.tensor(
-            [
-                [kv.shape[0] for kv in kvs],
-                [s.last_token_id for s in seqs],
-                [s.num_cached_tokens for s in seqs],
-            ],
-        )
-        meta = to_device(meta, dev)  # (3, B): context lengths, roots, the blocks' first positions
-        return self.drafter.propose_from_kv(padded, meta[0], meta[1], meta[2], depth)
+        dev = self.context.kv.device
+        rows = self.context.eager_rows(meta[2])
+        return self.context.draft(to_device(torch.tensor(meta), dev), depth, rows)
 
 
 def make_source(

@@ -10,9 +10,10 @@ into the graphs, reading a fixed device buffer that every step's plan() refills)
 | ------------------- | ------------------------------------------------------ | ---------------- |
 | attn_past:N         | attention wrong for tokens whose context exceeds N     | PagedAttention   |
 | merge_bug           | like a broken split-KV merge: wrong once prefix > 256  | PagedAttention   |
-| batch_over:N        | logits corrupted in steps of more than N sequences     | ModelRunner.run* |
+| batch_over:N        | logits corrupted in steps of more than N sequences     | ModelRunner.run, |
+|                     | (a whole captured round: its committed tokens)         | commit_rows      |
 | garbage_after:N     | every output token after a request's N-th is garbage   | LLM.run_batch    |
-| spec_diverge        | speculative rounds commit a wrong bonus token          | accept_batch     |
+| spec_diverge        | speculative rounds commit a wrong bonus token          | commit_rows      |
 | spec_greedy_sampled | sampled requests' rounds use greedy acceptance         | accept_batch     |
 | capture_crash       | the server exits non-zero in the graph-capture phase   | server startup   |
 | capture_hang        | the server hangs in that phase, never ready            | server startup   |
@@ -53,6 +54,8 @@ def install(llm) -> str | None:
         _FaultyAttention.adopt(llm.runner.attention, name, n)
     elif name == "batch_over":
         _wrap_runner_logits(llm.runner, n)
+        if llm.spec is not None:  # whole-round graphs never call runner.run
+            _wrap_round_tokens_over(llm.spec, n, llm.vocab_size)
     elif name == "garbage_after":
         _wrap_garbage_after(llm, n)
     elif name == "spec_diverge" and llm.spec is not None:
@@ -109,6 +112,21 @@ def _wrap_runner_logits(runner, over: int) -> None:
     runner.run = faulty_run
 
 
+def _wrap_round_tokens_over(spec, over: int, vocab: int) -> None:
+    """A round of more than `over` sequences commits wrong tokens (what rolled verify logits
+    do to a round that the runner's wrapper cannot reach: a captured whole round)."""
+    commit_rows = spec.commit_rows
+
+    @functools.wraps(commit_rows)
+    def faulty_commit_rows(seqs, rows, paths):
+        out = commit_rows(seqs, rows, paths)
+        if len(seqs) > over:
+            out = [[(t + 7) % vocab for t in toks] for toks in out]
+        return out
+
+    spec.commit_rows = faulty_commit_rows
+
+
 def _wrap_garbage_after(llm, n: int) -> None:
     """Every output token from a request's n-th on is replaced (plain and speculative steps)."""
     run_batch = llm.run_batch
@@ -132,14 +150,15 @@ def _wrap_garbage_after(llm, n: int) -> None:
 
 
 def _wrap_diverge_bonus(spec, vocab: int) -> None:
-    """Each speculative round's bonus token (its last committed token) is off by one."""
-    accept_batch = spec.accept_batch
+    """Each speculative round's bonus token (its last committed token) is off by one (in the
+    host commit that rounds of both paths, general and whole-round graphs, go through)."""
+    commit_rows = spec.commit_rows
 
-    @functools.wraps(accept_batch)
-    def faulty_accept_batch(tb, logits):
-        return [toks[:-1] + [(toks[-1] + 1) % vocab] for toks in accept_batch(tb, logits)]
+    @functools.wraps(commit_rows)
+    def faulty_commit_rows(seqs, rows, paths):
+        return [toks[:-1] + [(toks[-1] + 1) % vocab] for toks in commit_rows(seqs, rows, paths)]
 
-    spec.accept_batch = faulty_accept_batch
+    spec.commit_rows = faulty_commit_rows
 
 
 def _wrap_greedy_sampled(spec) -> None:

@@ -97,7 +97,11 @@ class Introspection:
             "avg_spec_accept_length": round(st.avg_accept_length, 4),
             "accept_length_histogram": dict(sorted(st.histogram.items())),
             "phase_seconds": {k: round(v, 6) for k, v in st.phase_seconds.items()},
-            # whole batched rounds: wall time, the verify forwards' device time, the rest's share
+            # whole-round graph replays (engine/round_graphs.py) and their wall time
+            "whole_round_steps": st.whole_round_steps,
+            "whole_round_seconds": round(st.whole_round_seconds, 6),
+            # rounds of the general path: wall time, the verify forwards' device time, the
+            # rest's share
             "round_seconds": round(st.round_seconds, 6),
             "forward_seconds": round(st.forward_seconds, 6),
             "outside_forward_share": round(1 - st.forward_seconds / st.round_seconds, 4)
@@ -116,6 +120,8 @@ class Introspection:
         draft = None if self.spec is None else getattr(self.spec.source, "graphs", None)
         if draft is not None:
             info["draft"] = draft.info
+        if self.rounds is not None:
+            info["rounds"] = self.rounds.info
         return info
 
     # ---- benchmark hooks -------------------------------------------------------------------------

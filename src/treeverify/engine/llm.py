@@ -36,6 +36,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
+from treeverify.engine.round_graphs import RoundGraphs
 from treeverify.engine.sampler import TokenLogprobs, sample, token_logprobs
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
@@ -132,6 +133,7 @@ class LLM(Introspection):
                 processor=self.processor,
             )  # fmt: skip
         self.controller = make_controller(config)
+        self.rounds: RoundGraphs | None = None  # whole greedy DFlash rounds, once made
         self._step_budget: int | None = None  # the last step's budget when it was decode-only
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -156,15 +158,44 @@ class LLM(Introspection):
                 if isinstance(source := self.spec.source, DFlashSource):  # contexts <= max ctx
                     ctx = min(config.capacity_tokens, self.model_config.max_position_embeddings)
                     depths = [self.spec.draft_depth(b) for b in budgets]
-                    self.startup["draft_graphs"] = source.capture(bs, depths, ctx, self.device)
+                    self.startup["draft_graphs"] = source.capture(
+                        bs, depths, ctx, self.device, max_requests=config.max_num_seqs + 1
+                    )
+            self._make_round_graphs(capture=True)
             t0 = self._phase("capture", t0)
         elif on_gpu:
             log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")
+        if not on_gpu:  # the whole-round body, eagerly: the same round as a GPU's replay
+            self._make_round_graphs(capture=False)
         if self.controller is not None:
             calibrate(self)
             t0 = self._phase("calibrate", t0)
         if on_gpu:
             self.startup["memory"] = check_headroom(self.device)
+
+    def _make_round_graphs(self, capture: bool) -> None:
+        """Whole greedy rounds per (batch bucket, budget) for a DFlash drafter (unless
+        disable_round_graphs): captured on a GPU, over the verify buckets' stages; on the CPU
+        the same body over stages made for it, run eagerly."""
+        cfg = self.config
+        if (self.spec is None or cfg.disable_round_graphs
+                or not isinstance(self.spec.source, DFlashSource)):  # fmt: skip
+            return
+        graphs = self.runner.graphs
+        if graphs is None:  # the CPU: stages (and bucket-sized plans) without graphs
+            from treeverify.engine.cuda_graphs import CudaGraphs
+
+            ctx = self.model_config.max_position_embeddings
+            buckets = [(b, self.spec.nodes_for(u)) for b in cfg.graph_batch_sizes
+                       for u in cfg.spec_budgets]  # fmt: skip
+            pages = -(-(ctx + max(n for _, n in buckets)) // self.cache.page_size) + 1
+            graphs = CudaGraphs(self.model, self.runner.attention, buckets=buckets,
+                                max_pages=pages)  # fmt: skip
+        self.rounds = RoundGraphs(graphs, self.spec, self.spec.source.context,
+                                  list(cfg.graph_batch_sizes), list(cfg.spec_budgets),
+                                  capture=capture, moe_impl=self.runner._moe_impl)  # fmt: skip
+        if capture:
+            self.startup["round_graphs"] = self.rounds.report
 
     @property
     def device(self) -> torch.device:
@@ -241,6 +272,11 @@ class LLM(Introspection):
                 budget = max(pinned)
             elif want and self.controller is not None:
                 budget = self.controller.choose([s.request_id for s in want])
+            if budget and want and len(want) == len(batch.chunks) and not batch.prefills:
+                out = self._whole_round(want, budget)  # every chunk one round: one replay
+                if out is not None:
+                    self._step_budget = budget
+                    return out
             tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
             if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):
                 decoding = len(want) == len(batch.decodes)  # every sequence at this budget
@@ -284,6 +320,39 @@ class LLM(Introspection):
             self._observe(batch, trees, paths, self.runner.hidden)
         if tb is not None:
             self._observe_paths(tb)
+        return out
+
+    def _whole_round(self, seqs: list[Sequence], budget: int) -> list[list[int]] | None:
+        """A round for every sequence of the step as one whole-round replay (greedy, no
+        penalties or logprobs, a bucket that holds it); None: take the general path."""
+        rounds = self.rounds
+        if (
+            rounds is None
+            or self.processor.needed(seqs)
+            or any(
+                s.sampling_params.temperature != 0 or s.sampling_params.logprobs is not None
+                for s in seqs
+            )
+        ):
+            return None
+        stats = self.spec.stats
+        t0 = time.perf_counter()
+        packed = rounds.run(seqs, budget)  # (B, 2 + 2K) on the device
+        if packed is None:
+            return None
+        t1 = time.perf_counter()
+        stats.phase_seconds["verify"] += t1 - t0  # staging + one launch (the round's device work)
+        paths: list[list[int]] = []
+        out = self.spec.commit_rows(seqs, packed.tolist(), paths)  # the round's one read
+        context = self.spec.source.context
+        for seq, path in zip(seqs, paths, strict=True):
+            context.advance(seq.request_id, len(path))  # its accepted rows are in the ring
+            if self.controller is not None:
+                self.controller.observe_round(seq.request_id, budget, path)
+        now = time.perf_counter()
+        stats.phase_seconds["commit"] += now - t1
+        stats.whole_round_steps += 1
+        stats.whole_round_seconds += now - t0
         return out
 
     def _observe_paths(self, tb) -> None:

@@ -76,8 +76,12 @@ class SpecStats:
     histogram: dict[int, int] | None = None
     # Host wall seconds per round phase, summed ("verify" is the step's forward, set by the LLM).
     phase_seconds: dict[str, float] | None = None
-    round_seconds: float = 0.0  # wall time of whole rounds (draft start .. commit end)
+    round_seconds: float = 0.0  # wall time of general-path rounds (draft start .. commit end)
     forward_seconds: float = 0.0  # the rounds' verify forwards: device time (CUDA events)
+    # Whole-round replays (engine/round_graphs.py: no separate verify forward to time), not in
+    # round_seconds: steps and their wall seconds
+    whole_round_steps: int = 0
+    whole_round_seconds: float = 0.0
 
     @property
     def avg_accept_length(self) -> float:
@@ -232,6 +236,26 @@ class SpeculativeDecoder:
         acc = accept_greedy(tokens, parents, posterior, max_depth=self._max_depth)
         return (self._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus),)
 
+    def commit_rows(self, seqs: list[Sequence], rows: list[list[int]],
+                    paths: list[list[int]]) -> list[list[int]]:  # fmt: skip
+        """Commit a round's packed results read back to the host, one row per sequence
+        [m, bonus, committed tokens K, path K]: the block manager keeps m - 1 reserved slots
+        (the accepted nodes, root excluded), each path's m nodes are appended to `paths`.
+        Returns each sequence's committed tokens (accepted nodes + bonus)."""
+        k = (len(rows[0]) - 2) // 2 if rows else 0
+        out = []
+        hist = self.stats.histogram
+        for seq, row in zip(seqs, rows, strict=True):
+            m = row[0]
+            self.bm.commit(seq, m - 1)
+            toks = row[2 : 2 + m][1:] + [row[1]]
+            out.append(toks)
+            paths.append(row[2 + k : 2 + k + m])
+            hist[len(toks)] = hist.get(len(toks), 0) + 1
+            self.stats.committed += len(toks)
+        self.stats.rounds += len(out)
+        return out
+
     def accept_batch(self, tb: TreeBatch, logits: torch.Tensor) -> list[list[int]]:
         """Walk every verified tree (logits (B*N, V)) on the device, move the accepted K/V,
         read the results once, commit on the host. Returns each sequence's committed tokens
@@ -266,23 +290,13 @@ class SpeculativeDecoder:
             packed = self._move_and_pack(tb.tokens, tb.parents, tb.device_slots(), path, length,
                                          bonus)  # fmt: skip
         t0 = self._time("accept", t0)
-        k = (packed.shape[1] - 2) // 2
-        host = packed.tolist()  # the round's one device->host read
-        out = []
-        for i, (seq, row) in enumerate(zip(tb.seqs, host, strict=True)):
-            m = row[0]
-            self.bm.commit(seq, m - 1)
-            toks = row[2 : 2 + m][1:] + [row[1]]
-            out.append(toks)
-            tb.paths.append(row[2 + k : 2 + k + m])
+        out = self.commit_rows(tb.seqs, packed.tolist(), tb.paths)  # the round's one read
+        for i, (seq, toks) in enumerate(zip(tb.seqs, out, strict=True)):
             # Lossless acceptance drew committed token j from the row of path node j: its
             # logprobs are that row's (the rows were processed as plain decoding's are).
             want = seq.sampling_params.logprobs
             tb.logprobs.append(None if want is None else token_logprobs(
-                logits[i, tb.paths[-1]], toks, want))  # fmt: skip
-            self.stats.rounds += 1
-            self.stats.committed += len(toks)
-            self.stats.histogram[len(toks)] = self.stats.histogram.get(len(toks), 0) + 1
+                logits[i, tb.paths[i]], toks, want))  # fmt: skip
         now = self._time("commit", t0)
         self.stats.round_seconds += now - tb.started
         return out

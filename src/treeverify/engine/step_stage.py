@@ -110,6 +110,19 @@ class StepStage:
         self.h_mask[b:] = 0
         self._copy(w)
 
+    def write_round(self, block_tables: list[list[int]], starts: list[int],
+                    slots: np.ndarray) -> None:  # fmt: skip
+        """The host part of a whole captured round (engine/round_graphs.py): b requests of n
+        rows, their slots (b, n); the graph itself writes the trees' ids, positions and mask
+        into the twin after this copy."""
+        self._fresh_if_busy()
+        b, n = len(starts), self.n
+        w = self._write_common(block_tables, starts, n)
+        rows = b * n
+        self.h_slots[:rows] = slots.reshape(-1)
+        self.h_slots[rows:] = self.scratch_slot
+        self._copy(w)
+
     def write_device_step(self, starts: list[int], block_tables: list[list[int]],
                           ids: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, *,
                           pos: torch.Tensor | None = None,

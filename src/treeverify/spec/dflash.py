@@ -246,9 +246,12 @@ class DFlashDrafter(nn.Module):
         last_tokens: torch.Tensor,  # (B,) int64: the last committed token (block position 0)
         block_start: torch.Tensor,  # (B,) int: the position of the block's first row
         depth: int,  # L, 1 <= L <= block_size - 1
+        context_valid: torch.Tensor | None = None,  # (B, C) bool: rows to attend (else < lens)
     ) -> torch.Tensor:  # (B, L, V) fp32 logits for the next L positions
         """`propose` from context keys/values already computed by `context_kv`; rows past
-        context_lens[b] are masked out of attention (they must be finite)."""
+        context_lens[b] are masked out of attention (they must be finite), or, given
+        `context_valid`, the rows it leaves out (a ring of rows in any order: each key carries
+        its rotary position, so the order of rows does not matter)."""
         if self._target is None:
             raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
         if not 1 <= depth <= self.block_size - 1:
@@ -259,8 +262,11 @@ class DFlashDrafter(nn.Module):
         t = self.block_size
         device = ctx_kv.device
         dtype = self.fc.weight.dtype
-        lens = context_lens.to(device=device, dtype=torch.long)  # (B,)
-        ctx_valid = torch.arange(c, device=device)[None, :] < lens[:, None]  # (B, C)
+        if context_valid is None:
+            lens = context_lens.to(device=device, dtype=torch.long)  # (B,)
+            ctx_valid = torch.arange(c, device=device)[None, :] < lens[:, None]  # (B, C)
+        else:
+            ctx_valid = context_valid  # (B, C)
 
         # The block: [last token, MASK x (T-1)] through the target's embedding table.
         masks = torch.full((b, t - 1), self.mask_token_id, dtype=torch.long, device=device)

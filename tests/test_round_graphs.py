@@ -1,0 +1,122 @@
+"""Whole greedy rounds (engine/round_graphs.py) on the CPU: the body a GPU captures, run eagerly,
+against the general path (draft, build, verify, accept one by one) on the trained tiny-code pair.
+
+Two engines with the same requests step in lockstep, one with whole rounds and one without: after
+every step they must hold the same tokens, the same K/V in every committed slot and the same
+drafter context rows (the whole round writes its accepted rows into the rings on the device; the
+general path gathers them on the host and projects them). Rounds the whole-round path must not
+take (sampled, logprobs, penalties) take the general one. The GPU version (captured, replayed)
+is in test_round_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+CODE = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\n\n\ndef list_files(path):\n    for name in os.listdir(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+]
+
+
+def _engine(**kw) -> LLM:
+    kw.setdefault("speculative_algorithm", "DDTREE")
+    return LLM("tiny-code", num_pages=96, max_num_seqs=4, **kw)
+
+
+def _slots(llm: LLM, seq) -> torch.Tensor:
+    ps = llm.cache.page_size
+    pos = torch.arange(seq.num_cached_tokens)
+    table = torch.tensor(seq.block_table)
+    return table[pos // ps] * ps + pos % ps  # (cached,)
+
+
+def _kv_rows(llm: LLM, seq) -> list[torch.Tensor]:
+    s = _slots(llm, seq)
+    out = []
+    for layer in sorted(llm.cache.k):
+        for t in (llm.cache.k[layer], llm.cache.v[layer]):
+            out.append(t.reshape(-1, *t.shape[2:])[s])
+    return out
+
+
+@pytest.mark.parametrize("algorithm,budget", [("DDTREE", 16), ("DDTREE", 5), ("CHAIN", 6)])
+def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget):
+    knobs = dict(speculative_algorithm=algorithm, speculative_ddtree_budget=budget,
+                 speculative_adaptive=False)  # fmt: skip
+    if algorithm == "CHAIN":
+        knobs["speculative_num_draft_tokens"] = budget
+    whole, general = _engine(**knobs), _engine(disable_round_graphs=True, **knobs)
+    assert whole.rounds is not None and general.rounds is None
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    pairs = [(whole.add_request(p, sp), general.add_request(p, sp)) for p in CODE]
+    steps = 0
+    while whole.has_unfinished():
+        whole.step()
+        general.step()
+        steps += 1
+        for a, b in pairs:
+            assert a.output_token_ids == b.output_token_ids, f"step {steps}"
+            assert a.num_cached_tokens == b.num_cached_tokens and a.block_table == b.block_table
+            if a.is_finished:
+                continue
+            for x, y in zip(_kv_rows(whole, a), _kv_rows(general, b), strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"step {steps}")
+            kv_a, first_a = whole.spec.source.context.keys_values(a.request_id)
+            kv_b, first_b = general.spec.source.context.keys_values(b.request_id)
+            assert first_a == first_b
+            torch.testing.assert_close(kv_a, kv_b, rtol=1e-4, atol=1e-4, msg=f"step {steps}")
+    assert not general.has_unfinished()
+    assert whole.rounds.replays > 0  # the rounds took the whole-round path
+    sw, sg = whole.spec_stats, general.spec_stats
+    assert sw["rounds"] == sg["rounds"] and sw["avg_spec_accept_length"] > 1.5  # real drafts
+    assert sw["accept_length_histogram"] == sg["accept_length_histogram"]
+
+
+def test_whole_rounds_equal_plain_greedy_decoding():
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE, sp)]
+    llm = _engine()  # adaptive budgets (the default for DDTREE): every bucket's body
+    got = [o.token_ids for o in llm.generate(CODE, sp)]
+    assert got == want
+    assert llm.rounds.replays > 0
+    assert len(llm.spec.source.context) == 0  # finished requests gave their rings back
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=24, ignore_eos=True),
+    ],
+    ids=["sampled", "logprobs", "penalty"],
+)
+def test_rounds_the_whole_round_cannot_serve_take_the_general_path(params):
+    llm = _engine(speculative_adaptive=False)
+    ref = _engine(speculative_adaptive=False, disable_round_graphs=True)
+    got = llm.generate(CODE[:2], params)
+    want = ref.generate(CODE[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.rounds.replays == 0 and llm.spec_stats["rounds"] > 0
+
+
+def test_ngram_drafts_take_the_general_path():
+    llm = _engine(speculative_draft_model_path="ngram")
+    assert llm.rounds is None  # only a DFlash drafter's rounds are whole graphs
+
+
+def test_spec_diverge_fault_reaches_whole_rounds(monkeypatch):
+    """The planted fault wraps the host commit both paths share: a whole round commits the
+    wrong bonus too, so the gate's probe sees it on the path production runs."""
+    monkeypatch.setenv("TREEVERIFY_FAULT", "spec_diverge")
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE[:1], sp)]
+    llm = _engine(speculative_adaptive=False)
+    got = [o.token_ids for o in llm.generate(CODE[:1], sp)]
+    assert llm.rounds.replays > 0 and got != want

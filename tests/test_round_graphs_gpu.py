@@ -1,0 +1,85 @@
+"""Whole greedy rounds captured as one CUDA graph each (engine/round_graphs.py), on a GPU: the
+tiny-code engine with its trained DFlash drafter produces the same greedy tokens with whole
+rounds, with the general path (draft, build, verify, accept graphs one by one) and with plain
+decoding, batched and alone, at fixed and adaptive budgets, DDTREE and CHAIN; a replay allocates
+nothing. Real CUDA graphs; skipped without a GPU. (The CPU runs the same body eagerly against the
+general path step by step: test_round_graphs.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from treeverify.engine.llm import LLM  # noqa: E402
+from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
+from treeverify.models.shipped import shipped_dir  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _prompts(rng: random.Random, k: int) -> list[str]:
+    heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
+    return [text[: rng.randrange(100, 600)] for text in rng.sample(heldout, k)]
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+             speculative_adaptive=False),
+        dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=32),  # adaptive
+        dict(speculative_algorithm="CHAIN", speculative_ddtree_budget=8,
+             speculative_num_draft_tokens=8),
+    ],
+    ids=["ddtree16", "adaptive32", "chain8"],
+)  # fmt: skip
+def test_whole_rounds_equal_general_path_and_plain_decoding(knobs):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    prompts = _prompts(rng, 3)
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = {}
+    for name, extra in (("whole", {}), ("general", {"disable_round_graphs": True}),
+                        ("plain", None)):  # fmt: skip
+        kw = dict(device="cuda", num_pages=256, cuda_graph_max_bs=4)
+        llm = LLM("tiny-code", **kw) if extra is None else LLM("tiny-code", **kw, **knobs, **extra)
+        outs[name] = [o.token_ids for o in llm.generate(prompts, sp)]  # batch 3 (bucket 4)
+        outs[name].append(llm.generate(prompts[:1], sp)[0].token_ids)  # batch 1
+        if name == "whole":
+            info = llm.cuda_graph_info["rounds"]
+            assert info["captured"] and info["replays"] > 0, info
+            assert llm.spec_stats["whole_round_steps"] == info["replays"]
+            assert llm.spec_stats["avg_spec_accept_length"] > 1.5  # the trained pair drafts
+        del llm
+    assert outs["whole"] == outs["plain"], f"seed {seed}"
+    assert outs["general"] == outs["plain"], f"seed {seed}"
+
+
+def test_a_replay_allocates_nothing():
+    llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=2,
+              speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+              speculative_adaptive=False)  # fmt: skip
+    rng = random.Random(0)
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    seqs = [llm.add_request(p, sp) for p in _prompts(rng, 2)]
+    while any(s.num_output_tokens < 8 for s in seqs):  # prefills done, rounds running
+        llm.step()
+    replays = llm.rounds.replays
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(4):
+        llm.step()
+    torch.cuda.synchronize()
+    assert llm.rounds.replays == replays + 4
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
