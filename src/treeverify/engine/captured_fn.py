@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from treeverify.engine.cuda_graphs import capturing
+
 
 class CapturedFn:
     def __init__(
@@ -37,7 +39,7 @@ class CapturedFn:
                 fn(*inputs)  # warmup: lazy kernels, autotuning, allocator
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 outputs = fn(*inputs)
             self.pool = graph.pool()
             for buf, pad in zip(inputs, pads, strict=True):  # warmup/capture may have written

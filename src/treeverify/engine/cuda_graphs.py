@@ -15,6 +15,8 @@ fallback to eager). Nothing inside a replay syncs with the host or allocates.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +32,24 @@ log = logging.getLogger("treeverify.engine")
 
 class GraphCaptureError(RuntimeError):
     """A bucket's forward could not be captured; the message names the bucket."""
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool=None):
+    """`torch.cuda.graph(graph, pool=pool)` with Python's garbage collector held off: a
+    collection during capture that frees an earlier engine's pinned buffers or events makes CUDA
+    calls a capture forbids, and the capture fails ("operation failed due to a previous error
+    during capture"; seen on the H200 when a test built engines back to back). Garbage is
+    collected first instead (recent torch no longer does so on entering a capture)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -126,7 +146,7 @@ class CudaGraphs:
             torch.cuda.current_stream().wait_stream(side)
             stage = self._stage(batch, n)  # holds the scratch plan just made
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 self._unpack(stage, batch, n)
                 logits = self.forward_rows(rows)  # (rows, V)
             self.pool = graph.pool()

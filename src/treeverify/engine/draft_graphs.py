@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from treeverify.engine.cuda_graphs import GraphCaptureError
+from treeverify.engine.cuda_graphs import GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 
 log = logging.getLogger("treeverify.engine")
@@ -82,7 +82,7 @@ class DraftGraphs:
                 draft()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 out = draft()
             self.pool = graph.pool()
         except Exception as exc:

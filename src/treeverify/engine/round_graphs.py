@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError
+from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy, build_tree, parents_to_tree_mask
@@ -143,7 +143,7 @@ class RoundGraphs:
                 self._body(b, budget)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 packed = self._body(b, budget)
             self.pool = graph.pool()
             torch.cuda.synchronize()
