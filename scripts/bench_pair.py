@@ -57,7 +57,7 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
     if adaptive == "general":
         kw["disable_round_graphs"], adaptive = True, False
     if algo:
-        kw = dict(
+        kw |= dict(
             speculative_algorithm=algo,
             speculative_ddtree_budget=budget,
             speculative_num_draft_tokens=depth,
