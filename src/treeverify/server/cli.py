@@ -130,6 +130,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="GPU: run every step eagerly (no CUDA-graph capture)",
     )
     p.add_argument(
+        "--disable-round-graphs",
+        action="store_true",
+        help="run every speculative round piece by piece (draft, build, verify, accept) instead "
+        "of greedy DFlash rounds as one replay each (a debugging switch)",
+    )
+    p.add_argument(
         "--cuda-graph-max-bs",
         type=pos,
         help="GPU: largest decode batch captured (default min(--max-running-requests, 32))",

@@ -107,6 +107,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
             mem_fraction_static=args.mem_fraction_static,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
+            disable_round_graphs=args.disable_round_graphs,
         )
     except GraphCaptureError as exc:
         log.error("startup: %s", exc)
