@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import treeverify.spec as spec
 SPEC_DIR = Path(spec.__file__).resolve().parent
 # Modules that must run inside CUDA graphs (tree_oracle.py is the host test oracle).
 CAPTURE_SAFE = ["tree.py", "tree_heap.py", "_chain_triton.py", "mask.py", "accept.py",
-                "sglang_layout.py"]  # fmt: skip
+                "sglang_layout.py", "walk_cuda.py"]  # fmt: skip
 SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "multinomial", "synchronize"}
 SYNCING_CALLS = {
     ("torch", "tensor"),
@@ -193,11 +194,53 @@ def test_heap_kernel_matches_host_heap_and_beam() -> None:
         heap = build_tree_heap(lp, ids, budget, roots)
         host = spec.build_tree_host_from_topk(lp, ids, budget, roots)
         beam = spec.build_tree_from_topk(lp, ids, budget, roots, backend="torch")
+        masked = build_tree_heap(lp, ids, budget, roots, with_mask=True)
         for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
             assert torch.equal(getattr(heap, f), getattr(host, f)), (f, bsz, n_depth, vocab, budget)
             assert torch.equal(getattr(heap, f), getattr(beam, f)), (f, bsz, n_depth, vocab, budget)
+            assert torch.equal(getattr(masked, f), getattr(heap, f)), (f, "with_mask")
+        # the same launch's masks: exactly the compiled ones (padding nodes: their own bit)
+        assert heap.mask is None
+        assert torch.equal(masked.mask, spec.parents_to_tree_mask(heap.parents)), (bsz, budget)
     # "auto" on CUDA is the heap; "heap" on CPU tensors is refused with the argument named.
     auto = spec.build_tree(logits, budget, roots)
     assert torch.equal(auto.parents, heap.parents)
     with pytest.raises(ValueError, match="lp"):
         build_tree_heap(lp.cpu(), ids.cpu(), budget, roots.cpu())
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_walk_kernel_equals_walk_tree() -> None:
+    """The one-launch greedy walk (kernels/cuda/ddtree_walk.cu) against the vectorized
+    `walk_tree`, on DDTree trees of budgets 1..1024 whose posteriors follow the tree for a random
+    number of steps (long paths, siblings, padding nodes, depth caps below the tree's depth) and
+    on random posteriors; `accept_greedy` on CUDA takes the kernel."""
+    pytest.importorskip("cuda.bindings.driver")
+    from treeverify.spec.accept import walk_tree
+    from treeverify.spec.walk_cuda import greedy_walk_cuda, usable
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for budget in (1, 4, 16, 17, 64, 300, 1024):
+        for bsz in (1, 5):
+            n_depth = int(torch.randint(1, 16, (1,), generator=gen))
+            vocab = int(torch.randint(2, 50, (1,), generator=gen))
+            logits = (torch.randn(bsz, n_depth, vocab, generator=gen) * 2).to(dev)
+            roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
+            tree = spec.build_tree(logits, budget, roots)
+            t = tree.tokens.shape[1]
+            # a posterior that names a random child of each node (else a random token): walks go
+            # deep; padding nodes (parent -1) never match
+            post = torch.randint(0, vocab, (bsz, t), generator=gen).to(dev)
+            kids = torch.randint(0, t, (bsz, t), generator=gen).to(dev)
+            follow = (tree.parents.gather(1, kids) == torch.arange(t, device=dev)) & (kids > 0)
+            post = torch.where(follow, tree.tokens.gather(1, kids), post)
+            for cap in {n_depth, max(0, n_depth - 2), t - 1}:
+                want = walk_tree(tree.tokens, tree.parents, post, cap)
+                got = greedy_walk_cuda(tree.tokens, tree.parents, post, cap)
+                for f in ("path", "length", "bonus", "last"):
+                    assert torch.equal(getattr(got, f), getattr(want, f)), (f, budget, bsz, cap)
+            assert usable(tree.tokens)
+            via = spec.accept_greedy(tree.tokens, tree.parents, post, n_depth)
+            assert torch.equal(via.path, walk_tree(tree.tokens, tree.parents, post, n_depth).path)

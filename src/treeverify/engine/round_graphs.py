@@ -35,7 +35,8 @@ import torch
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.sequence import Sequence
-from treeverify.spec import accept_greedy, build_tree, parents_to_tree_mask
+from treeverify.engine.speculative import tree_mask
+from treeverify.spec import accept_greedy, build_tree
 
 log = logging.getLogger("treeverify.engine")
 
@@ -104,10 +105,10 @@ class RoundGraphs:
             idx = torch.arange(n, device=self.device)
             parents = (idx - 1).expand(b, n).contiguous()  # (b, n)
             depths = idx.expand(b, n).contiguous()  # (b, n)
-        else:
-            tree = build_tree(logits, budget, roots)
+        else:  # on CUDA the heap kernel writes the mask too (one launch)
+            tree = build_tree(logits, budget, roots, with_mask=True)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (b, n) each
-        mask = parents_to_tree_mask(parents, max_depth=depth)  # (rows, w) int32
+        mask = tree_mask(tree if spec.algorithm != "CHAIN" else None, parents, depth)  # (rows, w)
         stage = graphs.stages[(b, n)]
         v = stage.views
         v["ids"][:rows].copy_(tokens.reshape(-1))

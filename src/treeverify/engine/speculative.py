@@ -32,7 +32,13 @@ from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.sampler import TokenLogprobs, filters, position_noise, token_logprobs
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.staging import to_device
-from treeverify.spec import accept_greedy, accept_sampled, build_tree, parents_to_tree_mask
+from treeverify.spec import (
+    DraftTree,
+    accept_greedy,
+    accept_sampled,
+    build_tree,
+    parents_to_tree_mask,
+)
 
 
 @dataclass
@@ -67,6 +73,14 @@ class TreeBatch:
 
 
 PHASES = ("draft", "build", "verify", "accept", "commit")
+
+
+def tree_mask(tree: DraftTree | None, parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """(B*N, W) int32 ancestor-or-self bits: the ones the tree's builder wrote (the CUDA heap),
+    else compiled from `parents` (B, N)."""
+    if tree is not None and tree.mask is not None:
+        return tree.mask
+    return parents_to_tree_mask(parents, max_depth=max_depth)
 
 
 @dataclass
@@ -133,9 +147,8 @@ class SpeculativeDecoder:
         if self.algorithm == "DDTREE":
 
             def build(logits, roots):
-                tree = build_tree(logits, budget, roots)
-                mask = parents_to_tree_mask(tree.parents, max_depth=depth)  # (B*N, W)
-                return tree.tokens, tree.parents, tree.depths, mask
+                tree = build_tree(logits, budget, roots, with_mask=True)
+                return tree.tokens, tree.parents, tree.depths, tree_mask(tree, tree.parents, depth)
 
             def example(b: int):
                 return (torch.zeros(b, depth, v, device=device),
@@ -210,10 +223,11 @@ class SpeculativeDecoder:
         elif budget in self._build:
             tokens, parents, depths, mask = self._build[budget](logits, roots)  # one replay
         else:
-            tree = build_tree(logits, budget, roots)
+            tree = build_tree(logits, budget, roots, with_mask=True)
             tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
+            mask = tree_mask(tree, parents, depth)  # (B*N, W)
         slots_host = self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n)  # (B, N)
-        if self.algorithm == "CHAIN" or budget not in self._build:
+        if self.algorithm == "CHAIN":
             mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
         return TreeBatch(chosen, tokens, parents, depths, None, mask, depth, t_start, budget,

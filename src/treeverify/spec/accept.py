@@ -89,7 +89,13 @@ def walk_tree(
 def accept_greedy(
     tokens: Tensor, parents: Tensor, posterior: Tensor, max_depth: int | None = None
 ) -> Acceptance:
-    """Greedy (temperature 0) acceptance: ``posterior (B, T)`` is the target argmax per node."""
+    """Greedy (temperature 0) acceptance: ``posterior (B, T)`` is the target argmax per node.
+    On CUDA the walk is one kernel (walk_cuda.py), elsewhere the vectorized `walk_tree`: equal."""
+    from . import walk_cuda
+
+    if walk_cuda.usable(tokens):
+        depth = parents.shape[1] - 1 if max_depth is None else max_depth
+        return walk_cuda.greedy_walk_cuda(tokens, parents, posterior, depth)
     return walk_tree(tokens, parents, posterior, max_depth)
 
 

@@ -113,6 +113,9 @@ class DraftTree:
     depths: Tensor  # (B, budget+1) int64
     num_nodes: Tensor  # (B,) int64
     scores: Tensor  # (B, budget+1) float32: the heap's logw of each node (root 0, padding -inf)
+    # (B*(budget+1), W) int32 ancestor-or-self bits, when the builder wrote them (the CUDA heap
+    # with `with_mask`); else None: `parents_to_tree_mask(parents)` gives the same
+    mask: Tensor | None = None
 
 
 def draft_topk(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -148,7 +151,12 @@ def _key(score: Tensor, lex: Tensor, valid: Tensor) -> Tensor:
 
 
 def build_tree(
-    draft_logits: Tensor, budget: int, root_tokens: Tensor, *, backend: str = "auto"
+    draft_logits: Tensor,
+    budget: int,
+    root_tokens: Tensor,
+    *,
+    backend: str = "auto",
+    with_mask: bool = False,
 ) -> DraftTree:
     """Build the DDTree draft tree for each request on the logits' device.
 
@@ -157,6 +165,8 @@ def build_tree(
         budget: number of draft nodes (the root is not counted), a Python int ``>= 1``.
         root_tokens: ``(B,)`` the root (bonus) token of each request.
         backend: sibling-chain implementation (see ``build_tree_from_topk``).
+        with_mask: let the CUDA heap also write the ancestor-or-self masks (``DraftTree.mask``;
+            other builders leave it None).
 
     Returns:
         A ``DraftTree`` with ``budget + 1`` node slots, identical node for node to
@@ -166,7 +176,8 @@ def build_tree(
         raise ValueError(f"budget must be >= 1, got {budget}")
     k = min(budget, draft_logits.shape[-1])
     lp, ids = draft_topk(draft_logits, k)
-    return build_tree_from_topk(lp, ids, budget, root_tokens, backend=backend)
+    return build_tree_from_topk(lp, ids, budget, root_tokens, backend=backend,
+                                with_mask=with_mask)  # fmt: skip
 
 
 BACKENDS = ("auto", "heap", "torch", "triton")
@@ -203,7 +214,13 @@ def _triton_available() -> bool:
 
 
 def build_tree_from_topk(
-    lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *, backend: str = "auto"
+    lp: Tensor,
+    ids: Tensor,
+    budget: int,
+    root_tokens: Tensor,
+    *,
+    backend: str = "auto",
+    with_mask: bool = False,
 ) -> DraftTree:
     """``build_tree`` on precomputed tables: ``lp (B, L, K)`` fp32 sorted descending, ``<= 0``,
     finite; ``ids (B, L, K)`` the matching token ids.  Capture-safe: no host reads, static shapes.
@@ -219,7 +236,7 @@ def build_tree_from_topk(
         from . import tree_heap  # imports DraftTree from here
 
         if backend == "heap" or (budget <= tree_heap.MAX_BUDGET and tree_heap.available()):
-            return tree_heap.build_tree_heap(lp, ids, budget, root_tokens)
+            return tree_heap.build_tree_heap(lp, ids, budget, root_tokens, with_mask=with_mask)
     use_triton = backend == "triton" or (backend == "auto" and lp.is_cuda and _triton_available())
     if use_triton and not lp.is_cuda:
         raise ValueError("backend='triton' needs CUDA tensors")

@@ -35,9 +35,12 @@ def available(device: torch.device | None = None) -> bool:
     return True
 
 
-def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor) -> DraftTree:
+def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *,
+                    with_mask: bool = False) -> DraftTree:  # fmt: skip
     """``build_tree_from_topk`` on CUDA by the heap kernel: ``lp (B, L, K)`` fp32 sorted
-    descending, ``<= 0`` and finite; ``ids (B, L, K)`` int64; ``root_tokens (B,)``."""
+    descending, ``<= 0`` and finite; ``ids (B, L, K)`` int64; ``root_tokens (B,)``.
+    ``with_mask``: the same launch also writes the trees' ancestor-or-self masks
+    (``DraftTree.mask``, what ``parents_to_tree_mask`` gives)."""
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DDTreeHeapVariant
 
@@ -60,15 +63,18 @@ def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor) -
     depths = torch.empty(bsz, n_slots, dtype=torch.int64, device=dev)
     scores = torch.empty(bsz, n_slots, dtype=torch.float32, device=dev)
     num_nodes = torch.empty(bsz, dtype=torch.int64, device=dev)
+    words = (n_slots + 31) // 32
+    mask = torch.empty(bsz * n_slots, words, dtype=torch.int32, device=dev) if with_mask else None
     if bsz == 0:
-        return DraftTree(tokens, parents, depths, num_nodes, scores)
+        return DraftTree(tokens, parents, depths, num_nodes, scores, mask)
     kernel = load(DDTreeHeapVariant(), dev)
     ptr = ctypes.c_void_p
     args = [ptr(lp.data_ptr()), ptr(ids.data_ptr()), ptr(roots.data_ptr()),
             ctypes.c_int(n_depth), ctypes.c_int(k), ctypes.c_int(budget),
             ptr(tokens.data_ptr()), ptr(parents.data_ptr()), ptr(depths.data_ptr()),
-            ptr(scores.data_ptr()), ptr(num_nodes.data_ptr())]  # fmt: skip
+            ptr(scores.data_ptr()), ptr(num_nodes.data_ptr()),
+            ptr(0 if mask is None else mask.data_ptr()), ctypes.c_int(words)]  # fmt: skip
     with torch.cuda.device(dev):
         kernel.launch((bsz, 1, 1), args, torch.cuda.current_stream(dev).cuda_stream)
     return DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes,
-                     scores=scores)  # fmt: skip
+                     scores=scores, mask=mask)  # fmt: skip

@@ -9,13 +9,18 @@
 //   * a ranks tuple is never stored: a candidate is (parent node, rank, depth), and two tuples
 //     compare by climbing the popped nodes' parent links to their first difference (O(depth),
 //     only on exactly equal logw, which the n-gram drafter's flat distributions produce often).
-// Thread 0 runs the heap in shared memory; the others only write the padding slots first.
+// Thread 0 runs the heap in shared memory; the others only write the padding slots first. With
+// a mask buffer, every thread then writes the ancestor-or-self bits of its nodes by climbing the
+// popped nodes' parent links (parents precede children in pop order), the same bits as
+// spec/mask.py's `parents_to_tree_mask` (padding nodes: their own bit only), so a round needs no
+// separate mask compile (its ~15 pointer-jumping kernels).
 
 namespace treeverify {
 
 // NVRTC has no <cstdint> without a host toolchain: the fixed-width types it would give.
 using int16_t = short;
 using int64_t = long long;
+using uint32_t = unsigned int;
 static_assert(sizeof(int16_t) == 2 && sizeof(int64_t) == 8, "fixed-width types");
 
 constexpr int kHeapMaxBudget = 1024;  // the verify kernels' largest tree is 1025 nodes
@@ -80,35 +85,11 @@ __device__ __forceinline__ HeapEntry heap_pop(HeapEntry* heap, int& size, const 
   return top;
 }
 
-// lp (B, L, K) fp32 sorted descending per (b, depth), ids (B, L, K) int64, roots (B,) int64.
-// Outputs (B, budget + 1): tokens, parents (-1 root/padding), depths, scores (-inf padding);
-// num_nodes (B,) = 1 + popped nodes.
-__global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* __restrict__ ids,
-                                  const int64_t* __restrict__ roots, int L, int K, int budget,
-                                  int64_t* __restrict__ tokens, int64_t* __restrict__ parents,
-                                  int64_t* __restrict__ depths, float* __restrict__ scores,
-                                  int64_t* __restrict__ num_nodes) {
-  __shared__ HeapEntry heap[kHeapMaxBudget + 2];
-  __shared__ HeapTree tree;
-  const int b = blockIdx.x;
-  const int slots = budget + 1;
-  const float* tab = lp + static_cast<int64_t>(b) * L * K;  // (L, K)
-  const int64_t* idt = ids + static_cast<int64_t>(b) * L * K;
-  int64_t* tok = tokens + static_cast<int64_t>(b) * slots;
-  int64_t* par = parents + static_cast<int64_t>(b) * slots;
-  int64_t* dep = depths + static_cast<int64_t>(b) * slots;
-  float* sc = scores + static_cast<int64_t>(b) * slots;
-
-  for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // padding unless popped below
-    tok[i] = 0;
-    par[i] = -1;
-    dep[i] = 0;
-    sc[i] = -__int_as_float(0x7f800000);
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-
-  tok[0] = roots[b];
+// Thread 0's heap: writes nodes 0..n (n = popped, returned) of one request.
+__device__ int heap_build(const float* tab, const int64_t* idt, int64_t root, int L, int K,
+                          int budget, HeapEntry* heap, HeapTree& tree, int64_t* tok,
+                          int64_t* par, int64_t* dep, float* sc) {
+  tok[0] = root;
   sc[0] = 0.0f;
   tree.parent[0] = -1;
   tree.rank[0] = 0;
@@ -138,7 +119,53 @@ __global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* _
                 HeapEntry{child, static_cast<int16_t>(n), 0, static_cast<int16_t>(e.depth + 1)});
     }
   }
-  num_nodes[b] = n + 1;
+  return n;
 }
+
+// lp (B, L, K) fp32 sorted descending per (b, depth), ids (B, L, K) int64, roots (B,) int64.
+// Outputs (B, budget + 1): tokens, parents (-1 root/padding), depths, scores (-inf padding);
+// num_nodes (B,) = 1 + popped nodes; mask (B * (budget + 1), words) ancestor-or-self bits when
+// not null (words >= ceil((budget + 1) / 32)).
+__global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* __restrict__ ids,
+                                  const int64_t* __restrict__ roots, int L, int K, int budget,
+                                  int64_t* __restrict__ tokens, int64_t* __restrict__ parents,
+                                  int64_t* __restrict__ depths, float* __restrict__ scores,
+                                  int64_t* __restrict__ num_nodes, uint32_t* __restrict__ mask,
+                                  int words) {
+  __shared__ HeapEntry heap[kHeapMaxBudget + 2];
+  __shared__ HeapTree tree;
+  __shared__ int popped;
+  const int b = blockIdx.x;
+  const int slots = budget + 1;
+  const float* tab = lp + static_cast<int64_t>(b) * L * K;  // (L, K)
+  const int64_t* idt = ids + static_cast<int64_t>(b) * L * K;
+  int64_t* tok = tokens + static_cast<int64_t>(b) * slots;
+  int64_t* par = parents + static_cast<int64_t>(b) * slots;
+  int64_t* dep = depths + static_cast<int64_t>(b) * slots;
+  float* sc = scores + static_cast<int64_t>(b) * slots;
+
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // padding unless popped below
+    tok[i] = 0;
+    par[i] = -1;
+    dep[i] = 0;
+    sc[i] = -__int_as_float(0x7f800000);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) popped = heap_build(tab, idt, roots[b], L, K, budget, heap, tree, tok,
+                                            par, dep, sc);
+  __syncthreads();
+  if (threadIdx.x == 0) num_nodes[b] = popped + 1;
+  if (mask == nullptr) return;
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // this thread's rows only
+    uint32_t* row = mask + (static_cast<int64_t>(b) * slots + i) * words;
+    for (int w = 0; w < words; ++w) row[w] = 0u;
+    if (i > popped) {  // padding: itself only
+      row[i >> 5] |= 1u << (i & 31);
+      continue;
+    }
+    for (int a = i; a >= 0; a = tree.parent[a]) row[a >> 5] |= 1u << (a & 31);
+  }
+}
+
 
 }  // namespace treeverify

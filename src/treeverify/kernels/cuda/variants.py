@@ -186,8 +186,27 @@ class DDTreeHeapVariant:
     fast_math: bool = False
 
 
+@dataclass(frozen=True)
+class DDTreeWalkVariant:
+    """ddtree_greedy_walk (ddtree_walk.cu): the greedy acceptance walk, one CTA per request."""
+
+    name: str = "ddtree_walk"
+    expr: str = "treeverify::ddtree_greedy_walk"
+    threads: int = 128
+    smem_bytes: int = 0  # static shared memory only
+    defines: tuple[str, ...] = ()
+    source_file: str = "ddtree_walk.cu"
+    fast_math: bool = False
+
+
 Variant = (
-    FwdVariant | MlaSm90Variant | GqaSm90Variant | MergeVariant | MaskVariant | DDTreeHeapVariant
+    FwdVariant
+    | MlaSm90Variant
+    | GqaSm90Variant
+    | MergeVariant
+    | MaskVariant
+    | DDTreeHeapVariant
+    | DDTreeWalkVariant
 )
 
 
@@ -261,4 +280,5 @@ def all_variants(arch: str) -> list[Variant]:
             out.append(MergeVariant(dv, dtype))
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
+    out.append(DDTreeWalkVariant())
     return out

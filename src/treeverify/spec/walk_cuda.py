@@ -1,0 +1,60 @@
+"""The greedy acceptance walk as one CUDA launch (kernels/cuda/ddtree_walk.cu).
+
+`walk_tree` (accept.py) is exact and vectorized but ~25 small kernels (matching, lowest-index
+children, pointer jumping, depths, the path scatter): inside a captured round each costs a few
+microseconds of GPU time whatever its size. The kernel does the same walk in one CTA per request:
+the lowest matching child of every node in parallel, then the chain from the root. Same result
+exactly (tests/test_spec_capture.py compares them on random trees). Capture-safe: no host sync,
+outputs from the caching allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from .accept import Acceptance
+
+MAX_NODES = 1025  # kWalkMaxNodes in ddtree_walk.cu
+
+
+def usable(tokens: Tensor) -> bool:
+    """Whether the kernel can walk these (B, T) trees here: CUDA tensors, cuda-python present,
+    T within the kernel's shared-memory table."""
+    from .tree_heap import available
+
+    return tokens.is_cuda and tokens.shape[1] <= MAX_NODES and available(tokens.device)
+
+
+def greedy_walk_cuda(tokens: Tensor, parents: Tensor, posterior: Tensor,
+                     max_depth: int) -> Acceptance:  # fmt: skip
+    """`walk_tree(tokens, parents, posterior, max_depth)` in one launch: (B, T) int64 each."""
+    from treeverify.kernels.cuda.launch import load
+    from treeverify.kernels.cuda.variants import DDTreeWalkVariant
+
+    if tokens.shape != parents.shape or posterior.shape != parents.shape or parents.dim() != 2:
+        raise ValueError(
+            "tokens, parents, posterior must all be (B, T); got "
+            f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(posterior.shape)}"
+        )
+    bsz, t = parents.shape
+    if not 1 <= t <= MAX_NODES or max_depth < 0:
+        raise ValueError(f"T: expected 1..{MAX_NODES} and max_depth >= 0, got {t}, {max_depth}")
+    dev = parents.device
+    tokens, parents, posterior = (x.to(torch.int64).contiguous()
+                                  for x in (tokens, parents, posterior))  # fmt: skip
+    path = torch.empty(bsz, max_depth + 1, dtype=torch.int64, device=dev)
+    length = torch.empty(bsz, dtype=torch.int64, device=dev)
+    bonus = torch.empty(bsz, dtype=torch.int64, device=dev)
+    last = torch.empty(bsz, dtype=torch.int64, device=dev)
+    if bsz:
+        kernel = load(DDTreeWalkVariant(), dev)
+        ptr = ctypes.c_void_p
+        args = [ptr(tokens.data_ptr()), ptr(parents.data_ptr()), ptr(posterior.data_ptr()),
+                ctypes.c_int(t), ctypes.c_int(max_depth), ptr(path.data_ptr()),
+                ptr(length.data_ptr()), ptr(bonus.data_ptr()), ptr(last.data_ptr())]  # fmt: skip
+        with torch.cuda.device(dev):
+            kernel.launch((bsz, 1, 1), args, torch.cuda.current_stream(dev).cuda_stream)
+    return Acceptance(path=path, length=length, bonus=bonus, last=last)
