@@ -184,6 +184,23 @@ def test_cost_model_median_and_borrowing():
         CostModel.given({0: 1.0, 4: 0.0})
 
 
+def test_cost_model_interpolates_between_measured_batch_sizes():
+    """Batch sizes between two measured ones: linear at that budget (the borrowed shape of
+    batch 1 would put budget 32 at batch 8 barely above 16: a round's GPU work grows with
+    batch x budget); outside them, borrowing as before; a newly measured size re-brackets."""
+    m = CostModel(window=1)
+    for n, c16, c32 in ((1, 1.0, 1.1), (8, 1.2, 2.4), (32, 2.0, 6.0)):
+        m.observe(n, 0, 0.5 * c16)
+        m.observe(n, 16, c16)
+        m.observe(n, 32, c32)
+    assert m.estimate(4, 32) == pytest.approx(1.1 + (2.4 - 1.1) * 3 / 7)
+    assert m.estimate(16, 16) == pytest.approx(1.2 + (2.0 - 1.2) * 8 / 24)
+    assert m.estimate(8, 32) == pytest.approx(2.4)  # measured: its own
+    assert m.estimate(64, 32) == pytest.approx(6.0)  # past every size: the nearest's (borrowed)
+    m.observe(12, 32, 3.0)
+    assert m.estimate(10, 32) == pytest.approx(2.4 + (3.0 - 2.4) * 2 / 4)
+
+
 def test_pinned_budget_and_info():
     ctl = synthetic({0: 1.0, 4: 1.0, 8: 1.0})
     ctl.pinned = 4

@@ -82,6 +82,24 @@ def test_greedy_output_equals_plain(costs):
     assert sum(llm.controller.steps_by_budget.values()) > 0
 
 
+def test_calibration_times_every_bucket_at_each_batch_size():
+    """On a GPU calibration also times batch 8 and the largest graph bucket (the CPU default is
+    batch 1 only): here batch 1 and 3 on the CPU, every bucket at both, in the cost table."""
+    from treeverify.engine.budget_calibration import calibrate
+
+    llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+              speculative_num_draft_tokens=4)  # fmt: skip
+    assert set(llm.startup["budget_cost_seconds_by_batch"]) == {"1"}  # the CPU default
+    per_bucket = calibrate(llm, batch_sizes=(1, 3))
+    by_batch = llm.startup["budget_cost_seconds_by_batch"]
+    assert set(by_batch) == {"1", "3"} and set(by_batch["3"]) == {"0", "4", "8"}
+    assert set(per_bucket) == {0, 4, 8}
+    table = llm.controller.cost.table
+    assert all((n, b) in table for n in (1, 3) for b in (0, 4, 8))
+    assert llm.controller.cost.estimate(2, 8) is not None  # between the two: interpolated
+    assert not llm.has_unfinished() and llm.spec_stats["rounds"] == 0  # its requests are gone
+
+
 def test_adaptive_off_and_chain_refusal():
     llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
               speculative_adaptive=False)  # fmt: skip

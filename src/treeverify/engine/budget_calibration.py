@@ -33,9 +33,24 @@ def make_controller(config: EngineConfig) -> BudgetController | None:
     return BudgetController(config.budget_buckets, CostModel.given(dict(costs)))
 
 
-def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
-    """Seconds per decode step of one request at every bucket; seeds the controller's cost
-    table (batch size 1; other sizes borrow its shape until measured) and returns it.
+def calibration_batches(llm: LLM) -> tuple[int, ...]:
+    """Batch sizes `calibrate` times: 1 on the CPU; on a GPU also 8 and the largest graph bucket
+    (up to max_num_seqs). A round's cost grows with batch x budget on the GPU (the verify forward
+    over B x N tokens) while at batch 1 it is mostly host time and nearly flat in the budget: a
+    batch-8 table borrowed from batch 1's shape put budget 32 barely above 16 and the controller
+    ran 32 at batch 8 on the H200, 0.91x plain where a fixed 16 ran 1.08x (2026-12-01)."""
+    cfg = llm.config
+    if not cfg.on_gpu:
+        return (1,)
+    sizes = {1, 8, max(cfg.graph_batch_sizes)}
+    return tuple(sorted(n for n in sizes if n <= cfg.max_num_seqs))
+
+
+def calibrate(llm: LLM, prompt_len: int = 16,
+              batch_sizes: tuple[int, ...] | None = None) -> dict[int, float]:  # fmt: skip
+    """Seconds per decode step at every bucket, at each of `batch_sizes` requests decoding
+    together (default `calibration_batches`); seeds the controller's cost table (other sizes
+    interpolate between the measured ones) and returns batch 1's curve.
 
     The buckets are timed interleaved (one step at each bucket, pass after pass, through the
     serving step loop), not one bucket after the other: a drift during calibration (GPU clocks
@@ -52,35 +67,55 @@ def calibrate(llm: LLM, prompt_len: int = 16) -> dict[int, float]:
     room = llm.model_config.max_position_embeddings - prompt_len - top - 2  # positions left
     params = SamplingParams(temperature=0, max_tokens=max(1, min(4 * (top + 2), room)),
                             ignore_eos=True)  # fmt: skip
+    per_request = prompt_len + params.max_tokens + top + 1  # KV slots a request may hold
+    measured: dict[int, dict[int, float]] = {}
+    for n in batch_sizes or calibration_batches(llm):
+        if n > 1 and 2 * n * per_request > llm.capacity_tokens:
+            continue  # would not fit beside itself: leave this size to interpolation
+        measured[n] = _time_buckets(llm, n, prompt, params)
+    ctl.pinned = None
+    ctl.cost.clear()  # the steps above fed it warm-up steps too
+    for n, per_bucket in measured.items():
+        for budget, seconds in per_bucket.items():
+            ctl.observe_step(n, budget, seconds)
+    ctl.reset()
+    llm.spec.reset_stats()
+    llm._next_id = 0
+    one = measured.get(1, {})
+    llm.startup["budget_cost_seconds"] = {str(b): round(s, 6) for b, s in one.items()}
+    llm.startup["budget_cost_seconds_by_batch"] = {
+        str(n): {str(b): round(s, 6) for b, s in c.items()} for n, c in measured.items()
+    }
+    return one
+
+
+def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams) -> dict:
+    """Median seconds of a decode-only step of n requests at each bucket (interleaved passes);
+    finished requests are replaced, and steps with a prefill in them are not timed."""
+    ctl = llm.controller
     times: dict[int, list[float]] = {b: [] for b in ctl.buckets}
-    seq, requests = None, 0
+    live: list = []
+    requests = 0
     for timed in [False] * WARM_PASSES + [True] * TIMED_PASSES:
         for budget in ctl.buckets:
             for _ in range(3):  # a new request's first step is its prefill: step again
-                if seq is None or seq.is_finished:
-                    if seq is not None:
-                        llm.output(seq)  # drops its logprob bookkeeping
-                    seq = llm.add_request(prompt, params, request_id=f"calibrate-{requests}")
+                for seq in [s for s in live if s.is_finished]:
+                    llm.output(seq)  # drops its logprob bookkeeping
+                    live.remove(seq)
+                while len(live) < n:
+                    rid = f"calibrate-{n}-{requests}"
+                    live.append(llm.add_request(prompt, params, request_id=rid))
                     requests += 1
                 ctl.pinned = budget
                 t0 = ctl.clock()
                 llm.step()
                 seconds = ctl.clock() - t0
-                if llm._step_budget == budget:  # a decode-only step at this budget
+                if llm._step_budget == budget:  # a decode-only step of them all at this budget
                     if timed:
                         times[budget].append(seconds)
                     break
-    if seq is not None:
+    for seq in live:
         if not seq.is_finished:
             llm.abort(seq.request_id)
         llm.output(seq)
-    ctl.pinned = None
-    per_bucket = {b: statistics.median(t) for b, t in times.items() if t}
-    ctl.cost.clear()  # the steps above fed it warm-up steps too
-    for budget, seconds in per_bucket.items():
-        ctl.observe_step(1, budget, seconds)
-    ctl.reset()
-    llm.spec.reset_stats()
-    llm._next_id = 0
-    llm.startup["budget_cost_seconds"] = {str(b): round(s, 6) for b, s in per_bucket.items()}
-    return per_bucket
+    return {b: statistics.median(t) for b, t in times.items() if t}

@@ -121,15 +121,17 @@ class ControllerConfig:
 
 class CostModel:
     """Seconds per step by (batch size, budget): the median of the last `window` measured steps
-    (a context switch or a stall moves a median little). A batch size not measured yet borrows
-    the nearest measured one's value, scaled by the plain-step ratio when both have one (so only
-    the budgets' relative cost is borrowed). `frozen`: a given curve, never updated."""
+    (a context switch or a stall moves a median little). A batch size not measured yet is
+    interpolated linearly between the measured sizes around it at that budget, else borrows the
+    nearest measured one's value, scaled by the plain-step ratio when both have one (so only the
+    budgets' relative cost is borrowed). `frozen`: a given curve, never updated."""
 
     def __init__(self, window: int = 9, frozen: bool = False):
         self.window, self.frozen = window, frozen
         self.table: dict[tuple[int, int], deque[float]] = {}
         self._median: dict[tuple[int, int], float] = {}  # kept current: read every step
         self._nearest: dict[tuple[int, int], int | None] = {}  # (n, budget) -> measured size
+        self._brackets: dict[tuple[int, int], tuple[int, int] | None] = {}  # measured around n
 
     @classmethod
     def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
@@ -147,14 +149,31 @@ class CostModel:
         if seconds > 0 and not self.frozen:
             if (n, budget) not in self.table:
                 self._nearest.clear()  # a new measured size: nearest sizes may change
+                self._brackets.clear()
             q = self.table.setdefault((n, budget), deque(maxlen=self.window))
             q.append(seconds)
             self._median[(n, budget)] = statistics.median(q)
+
+    def _interpolate(self, n: int, budget: int) -> float | None:
+        """Linear in the batch size between the nearest measured sizes below and above n at
+        this budget (a round's device work grows with batch x budget tokens); None when n is
+        not between two measured sizes."""
+        key = (n, budget)
+        if key not in self._brackets:  # looked up once per table shape (read every step)
+            below = max((m for m, b in self._median if b == budget and m < n), default=None)
+            above = min((m for m, b in self._median if b == budget and m > n), default=None)
+            self._brackets[key] = None if below is None or above is None else (below, above)
+        if self._brackets[key] is None:
+            return None
+        below, above = self._brackets[key]
+        lo, hi = self._median[(below, budget)], self._median[(above, budget)]
+        return lo + (hi - lo) * (n - below) / (above - below)
 
     def clear(self) -> None:
         self.table.clear()
         self._median.clear()
         self._nearest.clear()
+        self._brackets.clear()
 
     def _value(self, key: tuple[int, int]) -> float | None:
         return self._median.get(key)
@@ -163,6 +182,9 @@ class CostModel:
         own = self._value((n, budget))
         if own is not None:
             return own
+        between = self._interpolate(n, budget)
+        if between is not None:
+            return between
         m = self._nearest.get((n, budget), -1)
         if m == -1:  # not looked up since the table last gained a key (read every step)
             sizes = [s for s, b in self.table if b == budget]
