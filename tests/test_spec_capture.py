@@ -14,7 +14,7 @@ import treeverify.spec as spec
 SPEC_DIR = Path(spec.__file__).resolve().parent
 # Modules that must run inside CUDA graphs (tree_oracle.py is the host test oracle).
 CAPTURE_SAFE = ["tree.py", "tree_heap.py", "_chain_triton.py", "mask.py", "accept.py",
-                "sglang_layout.py", "walk_cuda.py"]  # fmt: skip
+                "sglang_layout.py", "walk_cuda.py", "topk_cuda.py"]  # fmt: skip
 SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "multinomial", "synchronize"}
 SYNCING_CALLS = {
     ("torch", "tensor"),
@@ -244,3 +244,39 @@ def test_walk_kernel_equals_walk_tree() -> None:
             assert usable(tree.tokens)
             via = spec.accept_greedy(tree.tokens, tree.parents, post, n_depth)
             assert torch.equal(via.path, walk_tree(tree.tokens, tree.parents, post, n_depth).path)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_topk_kernel_equals_log_softmax_topk() -> None:
+    """The one-launch draft table (kernels/cuda/ddtree_topk.cu) against fp32 log_softmax +
+    torch.topk: the same values (to fp32 rounding of the log-sum-exp) and ids on distinct logits;
+    on integer logits (ties) the same values, distinct ids naming entries of those values, the
+    smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K."""
+    pytest.importorskip("cuda.bindings.driver")
+    from treeverify.spec.topk_cuda import MAX_K, draft_topk_cuda
+    from treeverify.spec.tree import LOGPROB_FLOOR
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cases = ((1, 15, 8192, 16), (3, 4, 50, 32), (2, 1, 2, 2), (1, 7, 50000, 8), (4, 15, 8192, 1))
+    for bsz, n_depth, vocab, k in cases:
+        for ties in (False, True):
+            if ties:
+                logits = torch.randint(0, 4, (bsz, n_depth, vocab), generator=gen).float()
+            else:
+                logits = torch.randn(bsz, n_depth, vocab, generator=gen) * 4
+            logits = logits.to(dev)
+            lp, ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR)
+            full = torch.log_softmax(logits, -1)
+            want_lp, want_ids = torch.topk(full, k, dim=-1)
+            torch.testing.assert_close(lp, want_lp.clamp(max=0.0), rtol=0, atol=2e-6)
+            torch.testing.assert_close(full.gather(-1, ids), want_lp, rtol=0, atol=2e-6)
+            if not ties:
+                assert torch.equal(ids, want_ids), (bsz, n_depth, vocab, k)
+            else:
+                assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # distinct ids
+                same = lp[..., 1:] == lp[..., :-1]  # within a tie: ascending ids
+                assert (ids[..., 1:] > ids[..., :-1])[same].all()
+    via = spec.draft_topk(logits, MAX_K)
+    assert torch.equal(via[1], draft_topk_cuda(logits, MAX_K, LOGPROB_FLOOR)[1])

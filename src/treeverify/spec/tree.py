@@ -122,8 +122,9 @@ def draft_topk(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Per-position top-``k`` draft log-probs and token ids, shared by the tree builders.
 
     ``draft_logits (B, L, V)`` -> ``lp (B, L, k)`` float32 sorted descending and ``ids (B, L, k)``
-    int64.  Log-probs are ``log_softmax`` in fp32, clamped to ``[LOGPROB_FLOOR, 0]``.  Among
-    exactly equal log-probs the id order is whatever ``torch.topk`` gives on this device; both
+    int64.  Log-probs are ``log_softmax`` in fp32, clamped to ``[LOGPROB_FLOOR, 0]``.  On CUDA
+    with ``k <= topk_cuda.MAX_K`` one kernel computes the table (topk_cuda.py).  Among exactly
+    equal log-probs the id order is whatever ``torch.topk`` (or the kernel) gives; both
     ``build_tree`` and ``build_tree_host`` consume the same tables, so that choice never makes them
     differ.
     """
@@ -131,6 +132,10 @@ def draft_topk(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         raise ValueError(f"draft_logits must be (B, L, V), got shape {tuple(draft_logits.shape)}")
     if not 1 <= k <= draft_logits.shape[-1]:
         raise ValueError(f"k must be in [1, V={draft_logits.shape[-1]}], got {k}")
+    from . import topk_cuda
+
+    if topk_cuda.usable(draft_logits, k):  # one launch (topk_cuda.py); ties: smaller id first
+        return topk_cuda.draft_topk_cuda(draft_logits, k, LOGPROB_FLOOR)
     lp_full = torch.log_softmax(draft_logits.float(), dim=-1)  # (B, L, V)
     lp, ids = torch.topk(lp_full, k, dim=-1, largest=True, sorted=True)  # (B, L, k)
     lp = lp.clamp(min=LOGPROB_FLOOR, max=0.0)

@@ -199,6 +199,20 @@ class DDTreeWalkVariant:
     fast_math: bool = False
 
 
+@dataclass(frozen=True)
+class DDTreeTopkVariant:
+    """ddtree_topk (ddtree_topk.cu): the draft table (log-softmax + top-k) for small k, one CTA
+    per (request, depth) row. No fast math: expf/logf as precise as torch's."""
+
+    name: str = "ddtree_topk"
+    expr: str = "treeverify::ddtree_topk"
+    threads: int = 256  # kTopkThreads
+    smem_bytes: int = 0  # static shared memory only
+    defines: tuple[str, ...] = ()
+    source_file: str = "ddtree_topk.cu"
+    fast_math: bool = False
+
+
 Variant = (
     FwdVariant
     | MlaSm90Variant
@@ -207,6 +221,7 @@ Variant = (
     | MaskVariant
     | DDTreeHeapVariant
     | DDTreeWalkVariant
+    | DDTreeTopkVariant
 )
 
 
@@ -281,4 +296,5 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
+    out.append(DDTreeTopkVariant())
     return out

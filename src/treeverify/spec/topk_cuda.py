@@ -1,0 +1,48 @@
+"""DDTree's draft table for small k as one CUDA launch (kernels/cuda/ddtree_topk.cu).
+
+`draft_topk` (tree.py) is fp32 log_softmax + torch.topk; on the H200 torch's radix select took
+49 us for 15 rows of 8192 and k = 16, the largest single kernel of a whole round after the target
+forward's. The kernel computes the same table in one CTA per row: the row's max and log-sum-exp,
+then the k best entries in k block-wide rounds (k x V / 256 loads per thread, so it is used only
+for k <= MAX_K). Ties rank the smaller token id first. Capture-safe: no host sync.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+MAX_K = 32  # beyond, torch.topk: the kernel's rounds grow with k
+
+
+def usable(draft_logits: Tensor, k: int) -> bool:
+    """CUDA tensors, cuda-python present, k small enough for the kernel's rounds."""
+    from .tree_heap import available
+
+    return draft_logits.is_cuda and 1 <= k <= MAX_K and available(draft_logits.device)
+
+
+def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]:
+    """(B, L, V) logits -> (lp (B, L, k) fp32 sorted descending, clamped to [floor, 0],
+    ids (B, L, k) int64): `draft_topk`'s table."""
+    from treeverify.kernels.cuda.launch import load
+    from treeverify.kernels.cuda.variants import DDTreeTopkVariant
+
+    bsz, n_depth, vocab = draft_logits.shape
+    if vocab >= 2**31 or not 1 <= k <= min(MAX_K, vocab):
+        raise ValueError(f"k: expected 1..{min(MAX_K, vocab)}, got {k}")
+    dev = draft_logits.device
+    x = draft_logits.float().contiguous()  # (B, L, V)
+    lp = torch.empty(bsz, n_depth, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(bsz, n_depth, k, dtype=torch.int64, device=dev)
+    rows = bsz * n_depth
+    if rows:
+        kernel = load(DDTreeTopkVariant(), dev)
+        ptr = ctypes.c_void_p
+        args = [ptr(x.data_ptr()), ctypes.c_int(vocab), ctypes.c_int(k), ctypes.c_float(floor),
+                ptr(lp.data_ptr()), ptr(ids.data_ptr())]  # fmt: skip
+        with torch.cuda.device(dev):
+            kernel.launch((rows, 1, 1), args, torch.cuda.current_stream(dev).cuda_stream)
+    return lp, ids
