@@ -42,6 +42,18 @@ def test_planted_faults_break_only_their_class(monkeypatch, healthy, fault, shor
         assert got[0][:6] == healthy[0][:6]  # the first N tokens are still right
 
 
+def test_attn_past_starts_where_the_context_crosses(monkeypatch):
+    """attn_past:N corrupts exactly the rows whose context exceeds N, decode steps included: a
+    56-token prompt's token j comes from a row of context 56 + j, so tokens 0..8 stay right
+    (the rows are picked on the device from the plan's metadata, as in a replayed graph)."""
+    prompt = list(range(3, 59))  # 56 tokens
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = LLM("tiny-llama").generate([prompt], sp)[0].token_ids
+    monkeypatch.setenv("TREEVERIFY_FAULT", "attn_past:64")
+    got = LLM("tiny-llama").generate([prompt], sp)[0].token_ids
+    assert got[:9] == want[:9] and got != want
+
+
 def test_spec_diverge_only_with_speculation(monkeypatch, healthy):
     monkeypatch.setenv("TREEVERIFY_FAULT", "spec_diverge")
     assert _run() == healthy  # plain decoding untouched

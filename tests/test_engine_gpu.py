@@ -130,9 +130,11 @@ def test_planted_fault_runs_under_graphs(monkeypatch):
     """Planted faults (TEST ONLY) are wrappers installed at startup: with one set, CUDA graphs
     stay on and the fault shows through the captured path, only where it should."""
     long, short = prompts(1, length=120, seed=11), prompts(1, length=12, seed=12)
+    mid = prompts(1, length=56, seed=13)
     kw = dict(device="cuda", num_pages=128, cuda_graph_max_bs=2)
     healthy = LLM("tiny-llama", **kw)
     want = [healthy.generate(p, greedy(8))[0].token_ids for p in (long, short)]
+    want_mid = healthy.generate(mid, greedy(16))[0].token_ids
     del healthy
     monkeypatch.setenv("TREEVERIFY_FAULT", "attn_past:64")
     llm = LLM("tiny-llama", **kw)
@@ -141,6 +143,10 @@ def test_planted_fault_runs_under_graphs(monkeypatch):
     assert llm.runner.graphs.replays > 0
     assert got[0] != want[0]  # context > 64: corrupted inside the replayed graphs
     assert got[1] == want[1]  # context <= 64 (12 + 8 tokens): untouched
+    # Crossing 64 during decoding, in staged replays (no plan() call): token j comes from a row
+    # whose context is 56 + j, so tokens 0..8 are right and the fault starts at token 9.
+    got_mid = llm.generate(mid, greedy(16))[0].token_ids
+    assert got_mid[:9] == want_mid[:9] and got_mid != want_mid
 
 
 def test_decode_step_forward_never_waits_for_the_gpu():

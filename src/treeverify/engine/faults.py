@@ -66,36 +66,32 @@ def install(llm) -> str | None:
 
 
 class _FaultyAttention(PagedAttention):
-    """PagedAttention whose output rows chosen at plan() time are corrupted: the choice lives in
-    a fixed device buffer, so a captured forward applies it on every replay."""
+    """PagedAttention whose output rows are corrupted by where they sit: which rows is computed
+    on the device from the plan's own metadata (prefix lengths, qo_indptr), so a captured forward
+    applies it on every replay, whichever way the step's inputs arrived (plan() or a staged
+    unpack, which never calls plan())."""
 
     _fault: str
     _past: int
-    _bad: torch.Tensor  # (max_total_q,) bool, fixed address
 
     @classmethod
     def adopt(cls, attention: PagedAttention, fault: str, past: int) -> None:
         attention.__class__ = cls
         attention._fault, attention._past = fault, past
-        attention._bad = torch.zeros(attention.max_total_q, dtype=torch.bool,
-                                     device=attention.cache.device)  # fmt: skip
-
-    def plan(self, slots, block_tables, prefix_lens, query_lens, tree_masks=None, mask=None):
-        super().plan(slots, block_tables, prefix_lens, query_lens, tree_masks, mask)
-        prefix = torch.repeat_interleave(torch.tensor(prefix_lens), torch.tensor(query_lens))
-        if self._fault == "attn_past":  # context of each row: prefix + its index in the chunk
-            ctx = prefix + torch.cat([torch.arange(1, n + 1) for n in query_lens])  # (T,)
-            bad = ctx > self._past
-        else:
-            bad = prefix > MERGE_BUG_PREFIX  # (T,)
-        self._bad.zero_()
-        self._bad[: bad.shape[0]].copy_(bad)
 
     def __call__(self, layer, q, k, v, sm_scale, v_head_dim=None):
         out = super().__call__(layer, q, k, v, sm_scale, v_head_dim)  # (T, Hq, Dv)
-        bad = self._bad[: out.shape[0], None, None]
+        plan = self._plan_for(q, k, v, sm_scale, v_head_dim)  # the plan that just ran
+        qo, prefix = plan.qo_indptr.long(), plan.prefix_lens.long()  # (B+1,), (B,)
+        rows = torch.arange(out.shape[0], device=out.device)  # (T,)
+        req = torch.searchsorted(qo[1:], rows, right=True).clamp(max=prefix.shape[0] - 1)
+        inside = rows < qo[-1]  # padding rows of a bucket: never
+        if self._fault == "attn_past":  # context of each row: prefix + its index in the chunk
+            bad = inside & (prefix[req] + rows - qo[req] + 1 > self._past)
+        else:
+            bad = inside & (prefix[req] > MERGE_BUG_PREFIX)
         wrong = out.roll(1, dims=-1) if self._fault == "attn_past" else out * 0.25
-        return torch.where(bad, wrong, out)
+        return torch.where(bad[:, None, None], wrong, out)
 
 
 def _wrap_runner_logits(runner, over: int) -> None:
