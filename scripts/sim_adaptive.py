@@ -76,6 +76,52 @@ def replay(traces: list[dict], tokens: int, costs: dict[int, float], policy) -> 
             "steps_by_budget": dict(sorted(steps.items()))}  # fmt: skip
 
 
+def table(costs_by_batch: dict[int, dict[int, float]]) -> CostModel:
+    """A frozen cost model holding each batch size's curve (sizes between interpolate)."""
+    m = CostModel(window=1)
+    for n, curve in costs_by_batch.items():
+        for b, sec in curve.items():
+            m.observe(n, b, sec)
+    m.frozen = True
+    return m
+
+
+def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int) -> dict:
+    """`replay` with `batch` requests decoding together, as bench_pair's b=8 rows: prompts in
+    groups of `batch` starting together; each step one budget for every live request (the
+    controller's `choose` over all of them), costing costs.estimate(live, budget); a request
+    leaves when it has its tokens, so a group's last steps run smaller batches."""
+    seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
+    ctl = policy if isinstance(policy, BudgetController) else None
+    for g in range(0, len(traces), batch):
+        live = {f"r{g + i}": [t["paths"], 0, 0] for i, t in enumerate(traces[g : g + batch])}
+        while live:
+            rids = list(live)
+            budget = ctl.choose(rids) if ctl else policy
+            steps[budget] = steps.get(budget, 0) + 1
+            seconds += costs.estimate(len(rids), budget)
+            for rid in rids:
+                state = live[rid]
+                paths, p, made = state
+                if budget == 0:
+                    n = 1
+                else:
+                    walk = cut(paths[p], budget)
+                    n = len(walk)
+                    rounds += 1
+                    if ctl:
+                        ctl.observe_round(rid, budget, walk)
+                state[1], state[2] = p + n, made + n
+                if state[2] >= tokens or state[1] >= len(paths):
+                    committed_total += state[2]
+                    del live[rid]
+                    if ctl:
+                        ctl.forget(rid)
+    return {"tokens": committed_total, "seconds": round(seconds, 6),
+            "tokens_per_s": round(committed_total / seconds, 1), "rounds": rounds,
+            "steps_by_budget": dict(sorted(steps.items()))}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, required=True)
@@ -88,6 +134,11 @@ def main() -> int:
         help="another traces file: also replay ONE controller "
         "through this file's code, the unpredictable text, then --then's first 8 "
         "code prompts (does it fall back, and come back?)",
+    )
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    ap.add_argument(
+        "--batch-costs",
+        help="budget:seconds,... at --batch (with --batch > 1; batch 1's are --costs)",
     )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -108,10 +159,23 @@ def main() -> int:
         cfg = dataclasses.replace(cfg, **{name: kind(value)})
     out = {"traces": str(args.traces), "costs": costs, "controller": dataclasses.asdict(cfg),
            "texts": {}}  # fmt: skip
+    by_batch = {1: costs}
+    if args.batch > 1:
+        if not args.batch_costs:
+            raise SystemExit("--batch-costs: needed with --batch > 1")
+        by_batch[args.batch] = {int(b): float(x) for b, x in
+                                (kv.split(":") for kv in args.batch_costs.split(","))}  # fmt: skip
+        out["batch"], out["batch_costs"] = args.batch, by_batch[args.batch]
+
+    def run(traces, policy):
+        if args.batch == 1:
+            return replay(traces, args.tokens, costs, policy)
+        return replay_batch(traces, args.tokens, table(by_batch), policy, args.batch)
+
     for text, traces in data["texts"].items():
-        rows = {f"fixed {b}": replay(traces, args.tokens, costs, b) for b in buckets}
-        ctl = BudgetController(buckets, CostModel.given(costs), cfg)
-        rows["adaptive"] = replay(traces, args.tokens, costs, ctl)
+        rows = {f"fixed {b}": run(traces, b) for b in buckets}
+        ctl = BudgetController(buckets, table(by_batch), cfg)
+        rows["adaptive"] = run(traces, ctl)
         plain = rows["fixed 0"]["tokens_per_s"]
         best = max((r for k, r in rows.items() if k != "adaptive"), key=lambda r: r["tokens_per_s"])
         print(f"--- {text} (plain {plain} tok/s)")

@@ -56,3 +56,27 @@ def test_tuned_controller_on_recorded_traces(sim):
         got = sim.replay(traces, 128, costs, ctl)["tokens_per_s"]
         assert got >= 0.95 * plain, text  # never (much) below plain decoding
         assert got >= 0.85 * best, (text, got / best)  # replayed 0.89-0.98 at tuning time
+
+
+def test_batched_replay_accounting_and_the_batch8_table(sim):
+    """--batch: a group of requests steps together at one budget, each step costing the batch's
+    curve (interpolated as the engine's CostModel does), the batch shrinking as requests finish;
+    on the recorded traces with the H200's measured batch-8 curve (bc73abd: a budget-16 round
+    3.5x a plain step), plain decoding is the best fixed budget and the controller stays near
+    it (>= 0.95x)."""
+    traces = [{"paths": [[0, 1, 2]] * 100}, {"paths": [[0, 1, 2]] * 100}, {"paths": [[0]] * 100}]
+    model = sim.table({1: {0: 1.0, 4: 2.0}, 2: {0: 1.5, 4: 3.0}})
+    got = sim.replay_batch(traces, 9, model, 4, batch=2)
+    # group 1: two requests, 3 tokens a round: 3 steps of 2 (3.0 s each); group 2: one request,
+    # 1 token a round: 9 steps of 1 (2.0 s each)
+    assert got["steps_by_budget"] == {4: 12} and got["rounds"] == 6 + 9
+    assert got["seconds"] == pytest.approx(3 * 3.0 + 9 * 2.0) and got["tokens"] == 27
+    data = json.loads(TRACES.read_text())["texts"]
+    one = {0: 0.465e-3, 4: 1.101e-3, 8: 1.049e-3, 16: 1.075e-3, 32: 1.205e-3, 64: 1.014e-3}
+    eight = {0: 0.437e-3, 4: 1.463e-3, 8: 1.42e-3, 16: 1.518e-3, 32: 1.536e-3, 64: 2.532e-3}
+    buckets = budget_buckets(64)
+    for text in ("code", "prose"):
+        plain = sim.replay_batch(data[text], 128, sim.table({1: one, 8: eight}), 0, 8)
+        ctl = BudgetController(buckets, sim.table({1: one, 8: eight}))
+        got = sim.replay_batch(data[text], 128, sim.table({1: one, 8: eight}), ctl, 8)
+        assert got["tokens_per_s"] >= 0.95 * plain["tokens_per_s"], text
