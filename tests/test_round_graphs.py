@@ -45,21 +45,33 @@ def _kv_rows(llm: LLM, seq) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("algorithm,budget", [("DDTREE", 16), ("DDTREE", 5), ("CHAIN", 6)])
-def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget):
+@pytest.mark.parametrize(
+    "algorithm,budget,late",
+    [("DDTREE", 16, False), ("DDTREE", 5, False), ("CHAIN", 6, False), ("DDTREE", 16, True)],
+)
+def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, late):
+    """`late`: the last request arrives while the others decode, so steps mix its prefill
+    chunks with rounds (the whole round replays, the prefill runs its own forward after it)."""
     knobs = dict(speculative_algorithm=algorithm, speculative_ddtree_budget=budget,
                  speculative_adaptive=False)  # fmt: skip
     if algorithm == "CHAIN":
         knobs["speculative_num_draft_tokens"] = budget
-    whole, general = _engine(**knobs), _engine(disable_round_graphs=True, **knobs)
+    extra = dict(chunked_prefill_size=8) if late else {}  # the late prompt over several steps
+    whole, general = _engine(**knobs, **extra), _engine(disable_round_graphs=True, **knobs, **extra)
     assert whole.rounds is not None and general.rounds is None
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    pairs = [(whole.add_request(p, sp), general.add_request(p, sp)) for p in CODE]
-    steps = 0
+    first = CODE[:-1] if late else CODE
+    pairs = [(whole.add_request(p, sp), general.add_request(p, sp)) for p in first]
+    steps, mixed = 0, 0
     while whole.has_unfinished():
+        if late and steps == 3:
+            pairs.append((whole.add_request(CODE[-1], sp), general.add_request(CODE[-1], sp)))
+        replays = whole.rounds.replays
+        prefilling = any(a.num_cached_tokens < a.num_prompt_tokens for a, _ in pairs)
         whole.step()
         general.step()
         steps += 1
+        mixed += prefilling and whole.rounds.replays > replays
         for a, b in pairs:
             assert a.output_token_ids == b.output_token_ids, f"step {steps}"
             assert a.num_cached_tokens == b.num_cached_tokens and a.block_table == b.block_table
@@ -76,6 +88,7 @@ def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget):
     sw, sg = whole.spec_stats, general.spec_stats
     assert sw["rounds"] == sg["rounds"] and sw["avg_spec_accept_length"] > 1.5  # real drafts
     assert sw["accept_length_histogram"] == sg["accept_length_histogram"]
+    assert mixed >= (3 if late else 0)  # steps whose rounds replayed beside prefill chunks
 
 
 def test_whole_rounds_equal_plain_greedy_decoding():

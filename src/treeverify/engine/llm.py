@@ -272,11 +272,15 @@ class LLM(Introspection):
                 budget = max(pinned)
             elif want and self.controller is not None:
                 budget = self.controller.choose([s.request_id for s in want])
-            if budget and want and len(want) == len(batch.chunks) and not batch.prefills:
-                out = self._whole_round(want, budget)  # every chunk one round: one replay
+            if budget and want and len(want) == len(batch.decodes):
+                out = self._whole_round(want, budget)  # every decode one round: one replay
                 if out is not None:
-                    self._step_budget = budget
-                    return out
+                    if not batch.prefills:
+                        self._step_budget = budget
+                        return out
+                    # prefill chunks beside the rounds: their own forward after the replay
+                    # (the step's sampled order is decodes, then prefills)
+                    return out + self._forward(ScheduledBatch(prefills=batch.prefills), None)
             tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
             if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):
                 decoding = len(want) == len(batch.decodes)  # every sequence at this budget
@@ -285,8 +289,11 @@ class LLM(Introspection):
             out = self._run_round(batch, tb)
             self._observe_paths(tb)
             return out
-        # A step mixing trees with prefill or plain decodes: the same forward, each tree in its
-        # sequence's place.
+        return self._forward(batch, tb)
+
+    def _forward(self, batch: ScheduledBatch, tb) -> list[int | list[int]]:
+        """One forward over whatever the batch mixes (prefill chunks, plain decodes, the trees of
+        `tb` each in its sequence's place): plain rows sampled, trees accepted."""
         trees = {s.request_id: tb.nodes for s in tb.seqs} if tb is not None else {}
         t0 = time.perf_counter()
         want_prompt = {}  # request id -> first prompt position whose row it still needs
