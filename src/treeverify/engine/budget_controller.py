@@ -214,6 +214,7 @@ class BudgetController:
         if not buckets or buckets[0] != 0 or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets: expected increasing, starting at 0, got {buckets}")
         self.buckets = tuple(buckets)
+        self._index = {b: i for i, b in enumerate(self.buckets)}
         self.cfg = config or ControllerConfig()
         self.cost = cost or CostModel(self.cfg.cost_window)
         self.pinned: int | None = None  # calibration: every step at this budget
@@ -226,7 +227,7 @@ class BudgetController:
         self.global_curve: dict[int, DecayedMean] = {}
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
         # observed (plain steps at budget 0 observe none), so kept and read every step
-        self._accept_sums: dict[tuple[str, ...], dict[int, float | None]] = {}
+        self._accept_sums: dict[tuple[str, ...], list[float | None]] = {}
         self.current = self.buckets[-1]  # start at the top: one round measures every budget
         self.since_switch = 0
         self.since_explore = 0
@@ -267,25 +268,46 @@ class BudgetController:
         k = self.cfg.prior_rounds
         return (mine.num + k * g.value) / (mine.den + k)
 
+    def _curve(self, own: _Request | None) -> list[float | None]:
+        """A_r(B) for every bucket in order (bucket 0: 0), in one pass over the gains; None
+        from the first never-measured bucket on."""
+        out: list[float | None] = [0.0]
+        total: float | None = 0.0
+        for b in self.buckets[1:]:
+            if total is not None:
+                gain = self._gain(own.curve.get(b) if own else None, self.global_curve.get(b))
+                total = None if gain is None else total + gain
+            out.append(total)
+        return out
+
     def rate(self, request_ids: list[str], budget: int) -> float | None:
         """R(B) in committed tokens per second for these requests in one step; None when the
-        cost or some request's acceptance at B is unknown."""
+        cost or some request's acceptance at B is unknown. The sums over the requests are made
+        for every bucket at once and kept until a round is observed (a step at batch 8 asks for
+        six rates: ~215 us of Python per step when each summed its own gains, 2026-12-01)."""
         cost = self.cost.estimate(len(request_ids), budget)
         if cost is None:
             return None
-        if len(self._accept_sums) > 64:  # batches come and go between rounds: stay small
-            self._accept_sums.clear()
-        sums = self._accept_sums.setdefault(tuple(request_ids), {})
-        if budget not in sums:
+        i = self._index.get(budget)
+        if i is None:  # not a bucket: summed on its own
             total = 0.0
             for rid in request_ids:
                 a = self.accept_estimate(rid, budget)
                 if a is None:
-                    total = None
-                    break
+                    return None
                 total += 1.0 + a
-            sums[budget] = total
-        total = sums[budget]
+            return total / cost
+        if len(self._accept_sums) > 64:  # batches come and go between rounds: stay small
+            self._accept_sums.clear()
+        key = tuple(request_ids)
+        sums = self._accept_sums.get(key)
+        if sums is None:
+            sums = [0.0] * len(self.buckets)
+            for rid in request_ids:  # 1 + A_r(B): the bonus token and the accepted drafts
+                for j, a in enumerate(self._curve(self.requests.get(rid))):
+                    sums[j] = None if a is None or sums[j] is None else sums[j] + (1.0 + a)
+            self._accept_sums[key] = sums
+        total = sums[i]
         return None if total is None else total / cost
 
     # ---- the decision --------------------------------------------------------------------------
@@ -345,16 +367,26 @@ class BudgetController:
     # ---- feedback ------------------------------------------------------------------------------
     def observe_round(self, request_id: str, budget: int, path: list[int]) -> None:
         """A verified round at `budget`: path = accepted node indices, root (0) first."""
-        below = tuple(b for b in self.buckets if 0 < b <= budget)
         if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
         self._accept_sums.clear()  # every estimate may move (the engine-wide curve does)
-        prev = 0
-        for b, a in accepted_at_budgets(path, below).items():  # the gain of b over the bucket below
-            req.curve.setdefault(b, DecayedMean()).add(a - prev, self.cfg.decay)
-            self.global_curve.setdefault(b, DecayedMean()).add(a - prev, self.cfg.decay)
-            prev = a
+        # accepted_at_budgets in one walk (node indices grow along a path), each bucket's gain
+        # over the one below added to both curves in place: this runs per request per round
+        decay, mine, engine = self.cfg.decay, req.curve, self.global_curve
+        nodes, k, prev = path[1:], 0, 0
+        for b in self.buckets[1:]:
+            if b > budget:
+                break
+            while k < len(nodes) and nodes[k] <= b:
+                k += 1
+            gain, prev = k - prev, k
+            for curve in (mine, engine):
+                mean = curve.get(b)
+                if mean is None:
+                    mean = curve[b] = DecayedMean()
+                mean.num = mean.num * decay + gain
+                mean.den = mean.den * decay + 1.0
 
     def observe_step(self, n: int, budget: int, seconds: float) -> None:
         """Wall seconds of one decode-only step of n requests at `budget`."""
