@@ -178,8 +178,6 @@ class RoundGraphs:
         if b is None:
             return None
         n = self.spec.nodes_for(budget)
-        for seq in seqs:
-            self.bm.reserve(seq, n - 1)
         rids = [s.request_id for s in seqs]
         self.context.project(rids)  # rows observed since the last round (a prefill, plain steps)
         meta = self.context.draft_meta(rids, [s.last_token_id for s in seqs], self.meta.shape[1])
@@ -190,6 +188,8 @@ class RoundGraphs:
                     f"dflash context of {seq.request_id}: rows end at position "
                     f"{end}, the cache holds {seq.num_cached_tokens} tokens"
                 )
+        for seq in seqs:  # after the checks: a failed round leaves nothing reserved
+            self.bm.reserve(seq, n - 1)
         slots = self.bm.span_slots(seqs, starts, n)  # (B, n) int64 host
         stage = self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
         stage.write_round([s.block_table for s in seqs], starts, slots.numpy())
