@@ -53,6 +53,7 @@ def test_speculative_server_matches_plain_server():
         assert 0 <= info["outside_forward_share"] < 1
         metrics = httpx.get(spec.url + "/metrics", timeout=10).text
         assert 'treeverify_spec_round_seconds_total{model="tiny-llama",part="round"}' in metrics
+        assert info["whole_round_steps"] == 0  # n-gram drafts: the general path
         assert 'treeverify_spec_round_phase_seconds_total{model="tiny-llama",phase="verify"}' in (
             metrics
         )
@@ -90,3 +91,23 @@ def test_speculative_server_matches_plain_server():
                              "speculative_budget": 8, "speculative": False})  # fmt: skip
         assert r.status_code == 400 and "speculative=false" in r.text, r.text
         assert httpx.get(adaptive_server.url + "/health", timeout=10).status_code == 200
+
+
+def test_dflash_server_runs_whole_rounds_and_reports_them():
+    """The default pair (tiny-code + its DFlash drafter): greedy rounds run as whole-round
+    replays (eager on the CPU), counted in /server_info and /metrics."""
+    args = ["--model", "tiny-code", "--speculative-algorithm", "DDTREE",
+            "--no-speculative-adaptive"]  # fmt: skip
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        r = client.completions.create(model="tiny-code", prompt="def add(a, b):\n", max_tokens=32,
+                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.usage.completion_tokens == 32
+        info = httpx.get(server.url + "/server_info", timeout=10).json()["speculative"]
+        assert info["drafter"] == "dflash" and info["whole_round_steps"] > 0
+        assert info["whole_round_seconds"] > 0 and info["rounds"] >= info["whole_round_steps"]
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        line = next(m for m in metrics.splitlines()
+                    if m.startswith('treeverify_spec_round_seconds_total{model="tiny-code",'
+                                    'part="whole_round"}'))  # fmt: skip
+        assert float(line.split()[-1]) > 0

@@ -76,8 +76,10 @@ class Metrics:
         )
         self.spec_round = Gauge(
             "treeverify_spec_round_seconds_total",
-            "Speculative rounds since start: 'round' = wall time of whole batched rounds, "
-            "'verify_forward' = the verify forwards' device time within them",
+            "Speculative rounds since start: 'round' = wall time of general-path batched "
+            "rounds, 'verify_forward' = the verify forwards' device time within them, "
+            "'whole_round' = wall time of whole-round graph replays (greedy DFlash rounds: "
+            "draft to accept in one replay, no separate verify forward to time)",
             ["model", "part"],
             registry=r,
         )
@@ -127,6 +129,7 @@ class Metrics:
                 self.spec_phase.labels(m, phase).set(secs)
             self.spec_round.labels(m, "round").set(stats.spec.get("round_seconds", 0.0))
             self.spec_round.labels(m, "verify_forward").set(stats.spec.get("forward_seconds", 0.0))
+            self.spec_round.labels(m, "whole_round").set(stats.spec.get("whole_round_seconds", 0.0))
             adaptive = stats.spec.get("adaptive")
             if adaptive:
                 for budget, steps in adaptive["steps_by_budget"].items():
