@@ -5,7 +5,9 @@
 
 One step: `batch = scheduler.schedule()`, the speculating sequences' trees drafted (`tb`), one
 forward `runner.run(batch, tb)` over everything the step mixes, tokens sampled or accepted,
-`scheduler.postprocess(batch, tokens, kv_ahead)`. Attention goes through `PagedAttention`: a
+`scheduler.postprocess(batch, tokens, kv_ahead)`. A step of greedy rounds with a DFlash drafter
+is one whole-round replay instead (engine/round_graphs.py; eager on the CPU), prefill chunks
+beside it in their own forward. Attention goes through `PagedAttention`: a
 `TreeAttentionPlan` over the paged cache. Every knob is an `EngineConfig` (`llm.config`).
 The server and the benchmarks use the facade (`add_request`, `step`, `abort`, `has_unfinished`,
 `output`, and engine/introspection.py's reports), never the parts.

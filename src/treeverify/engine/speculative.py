@@ -12,6 +12,9 @@ freed). A step that mixes trees with prefill runs them in the same forward (engi
 puts each tree in its sequence's place, on the device) and accepts them with the same
 `accept_batch`.
 
+Greedy rounds of a DFlash drafter skip all of this host orchestration: engine/round_graphs.py
+runs the same steps as one captured graph, and only `commit_rows` (shared) runs on the host.
+
 The root of each tree is the sequence's last token (not yet in the KV cache), so a round commits
 `accepted nodes + 1` tokens (the bonus comes from the target at the last accepted node).
 """
