@@ -204,14 +204,16 @@ class DraftContextCache:
             ctx.end = start
             ctx.set_pending([])
 
-    @torch.inference_mode()
     def project(self, request_ids: list[str]) -> None:
         """Keys/values of every pending row of these requests, in one drafter call, scattered
-        into their rings."""
-        todo = [(rid, self._ctx[rid]) for rid in request_ids
-                if rid in self._ctx and self._ctx[rid].pending]  # fmt: skip
-        if not todo:
-            return
+        into their rings (nothing pending: returns before any torch call)."""
+        todo = [(rid, ctx) for rid in request_ids
+                if (ctx := self._ctx.get(rid)) is not None and ctx.pending]  # fmt: skip
+        if todo:
+            self._project(todo)
+
+    @torch.inference_mode()
+    def _project(self, todo: list[tuple[str, _Context]]) -> None:
         feats, positions, spans = [], [], []
         for _, ctx in todo:
             rows = torch.cat(ctx.pending) if len(ctx.pending) > 1 else ctx.pending[0]  # (R_i, F)
@@ -270,14 +272,15 @@ class DraftContextCache:
         token, its end (the block's first position), its slot; padding requests (up to `batch`):
         nothing read, the mask token, the scratch ring. RuntimeError naming a request without
         rows."""
+        self.project(request_ids)  # one call for all (a no-op when nothing is pending)
         counts, ends, slots = [], [], []
         for rid in request_ids:
-            held = self.ring(rid)
-            if held is None:
+            ctx = self._ctx.get(rid)
+            if ctx is None or ctx.count == 0 or ctx.slot is None:
                 raise RuntimeError(f"dflash: no target hidden states for {rid}")
-            slots.append(held[0])
-            counts.append(held[1])
-            ends.append(held[2])
+            slots.append(ctx.slot)
+            counts.append(min(ctx.count, self.window))
+            ends.append(ctx.end)
         pad = (batch or len(request_ids)) - len(request_ids)
         return [counts + [0] * pad, list(last_tokens) + [self.drafter.mask_token_id] * pad,
                 ends + [0] * pad, slots + [self.scratch_slot] * pad]  # fmt: skip
