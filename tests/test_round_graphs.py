@@ -133,3 +133,25 @@ def test_spec_diverge_fault_reaches_whole_rounds(monkeypatch):
     llm = _engine(speculative_adaptive=False)
     got = [o.token_ids for o in llm.generate(CODE[:1], sp)]
     assert llm.rounds.replays > 0 and got != want
+
+
+def test_whole_rounds_through_preemption_and_abort():
+    """A pool too small for every request at once: rounds cannot reserve, requests are
+    preempted and recomputed (their context rings restart from position 0), one is aborted
+    mid-generation; greedy outputs still equal plain decoding's, and every ring is given back."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [p * 2 for p in CODE]
+    small = dict(num_pages=14, max_num_seqs=4)  # 224 slots: not enough for 3 x (~110 + 40 + 16)
+    want = [o.token_ids for o in LLM("tiny-code", **small).generate(prompts, sp)]
+    llm = LLM("tiny-code", speculative_algorithm="DDTREE", speculative_adaptive=False, **small)
+    seqs = [llm.add_request(p, sp) for p in prompts]
+    victim = llm.add_request(CODE[0], sp)
+    steps = 0
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+        if steps == 6:
+            assert llm.abort(victim.request_id)
+    assert [s.output_token_ids for s in seqs] == want
+    assert sum(s.num_preemptions for s in seqs + [victim]) > 0
+    assert llm.rounds.replays > 0 and len(llm.spec.source.context) == 0

@@ -157,17 +157,18 @@ class RoundGraphs:
     # ---- a round -------------------------------------------------------------------------------
     def bucket_for(self, seqs: list[Sequence], budget: int) -> int | None:
         """The batch bucket a round of these sequences at `budget` replays, when one was made
-        and every sequence's reservation fits it (pages, the staged page table)."""
+        and the reservations fit: all of them together in the free pages, each in the staged
+        page table. (Else the general path reserves for those that fit and decodes the rest.)"""
         b = next((s for s in self.batch_sizes if s >= len(seqs)), None)
         if b is None or (b, budget) not in self.rounds:
             return None
         n, ps = self.spec.nodes_for(budget), self.bm.page_size
+        need = 0  # new pages for every reservation together (each alone may fit, all not)
         for seq in seqs:
-            if not self.bm.can_allocate(seq, n - 1):
-                return None
+            need += self.bm.num_pages_needed(seq, n - 1)
             if -(-(seq.num_slots + n - 1) // ps) > self.graphs.max_pages:
                 return None
-        return b
+        return b if need <= self.bm.num_free_pages else None
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], budget: int) -> torch.Tensor | None:
