@@ -155,3 +155,17 @@ def test_whole_rounds_through_preemption_and_abort():
     assert [s.output_token_ids for s in seqs] == want
     assert sum(s.num_preemptions for s in seqs + [victim]) > 0
     assert llm.rounds.replays > 0 and len(llm.spec.source.context) == 0
+
+
+def test_whole_rounds_stop_where_plain_decoding_stops():
+    """EOS and stop strings inside a round's committed tokens: the round's tokens are cut where
+    plain decoding stops (the scheduler's stop checks see every committed token)."""
+    prompts = CODE + ["# a short docstring\n"]
+    for sp in (SamplingParams(temperature=0, max_tokens=60),  # the model's EOS ends some
+               SamplingParams(temperature=0, max_tokens=60, stop=["\n\n", "return"])):  # fmt: skip
+        want = [(o.token_ids, o.text, o.finish_reason)
+                for o in LLM("tiny-code", num_pages=96).generate(prompts, sp)]  # fmt: skip
+        llm = _engine(speculative_adaptive=False)
+        got = [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, sp)]
+        assert got == want
+        assert llm.rounds.replays > 0
