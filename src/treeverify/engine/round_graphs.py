@@ -18,10 +18,13 @@ page table) in one pinned copy each, replays once, and reads back one (B, 2 + 2K
 [accepted length m, bonus, committed tokens K, path node per depth K]. Its commit then only
 moves counters: the block manager keeps m - 1 reserved slots, the context ring advances by m.
 
-Greedy rounds of DFlash-drafted requests without penalties, logit_bias or logprobs take this
-path; any other round (sampled acceptance, n-gram drafts, a mixed step) takes the general one,
-whose results it equals (tests/test_round_graphs.py). On the CPU the same body runs eagerly
-(`capture=False`), which is how the tests check it without a GPU.
+A step whose decodes are all greedy rounds of DFlash-drafted requests without penalties,
+logit_bias or logprobs takes this path (prefill chunks in the same step run their own forward
+after the replay); any other round (sampled acceptance, n-gram drafts, a step with a plain or
+opted-out decode, reservations that do not fit the free pages together) takes the general one,
+whose results it equals (tests/test_round_graphs.py: step by step, through preemption, aborts
+and stops). On the CPU the same body runs eagerly (`capture=False`), which is how the tests
+check it without a GPU. Measured on the H200: docs/performance.md.
 """
 
 from __future__ import annotations
