@@ -39,9 +39,9 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None):
     """`torch.cuda.graph(graph, pool=pool)` with Python's garbage collector held off: a
     collection during capture that frees an earlier engine's pinned buffers or events makes CUDA
     calls a capture forbids, and the capture fails ("operation failed due to a previous error
-    during capture"; seen on the H200 when a test built engines back to back). Garbage is
-    collected first instead (recent torch no longer does so on entering a capture)."""
-    gc.collect()
+    during capture"; seen on the H200 when a test built engines back to back). The garbage waits
+    for the next collection after the capture (no collection forced here: startup captures ~100
+    graphs)."""
     was = gc.isenabled()
     gc.disable()
     try:
