@@ -38,6 +38,7 @@ Torch-free: the engine feeds it paths and step times; tests feed it synthetic cu
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections import deque
@@ -214,7 +215,6 @@ class BudgetController:
         if not buckets or buckets[0] != 0 or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets: expected increasing, starting at 0, got {buckets}")
         self.buckets = tuple(buckets)
-        self._index = {b: i for i, b in enumerate(self.buckets)}
         self.cfg = config or ControllerConfig()
         self.cost = cost or CostModel(self.cfg.cost_window)
         self.pinned: int | None = None  # calibration: every step at this budget
@@ -249,15 +249,8 @@ class BudgetController:
         return self._sum_gains(None, budget)
 
     def _sum_gains(self, own: _Request | None, budget: int) -> float | None:
-        total = 0.0
-        for b in self.buckets[1:]:
-            if b > budget:
-                break
-            gain = self._gain(own.curve.get(b) if own else None, self.global_curve.get(b))
-            if gain is None:
-                return None
-            total += gain
-        return total
+        """A(B): the curve at the largest bucket <= B (the gains of every bucket up to B)."""
+        return self._curve(own)[bisect.bisect_right(self.buckets, budget) - 1]
 
     def _gain(self, mine: DecayedMean | None, g: DecayedMean | None) -> float | None:
         """A request's decayed mean of one bucket's gain, shrunk toward the engine-wide one."""
@@ -288,15 +281,6 @@ class BudgetController:
         cost = self.cost.estimate(len(request_ids), budget)
         if cost is None:
             return None
-        i = self._index.get(budget)
-        if i is None:  # not a bucket: summed on its own
-            total = 0.0
-            for rid in request_ids:
-                a = self.accept_estimate(rid, budget)
-                if a is None:
-                    return None
-                total += 1.0 + a
-            return total / cost
         if len(self._accept_sums) > 64:  # batches come and go between rounds: stay small
             self._accept_sums.clear()
         key = tuple(request_ids)
@@ -307,7 +291,7 @@ class BudgetController:
                 for j, a in enumerate(self._curve(self.requests.get(rid))):
                     sums[j] = None if a is None or sums[j] is None else sums[j] + (1.0 + a)
             self._accept_sums[key] = sums
-        total = sums[i]
+        total = sums[bisect.bisect_right(self.buckets, budget) - 1]  # the bucket B falls in
         return None if total is None else total / cost
 
     # ---- the decision --------------------------------------------------------------------------
