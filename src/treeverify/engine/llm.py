@@ -184,15 +184,10 @@ class LLM(Introspection):
                 or not isinstance(self.spec.source, DFlashSource)):  # fmt: skip
             return
         graphs = self.runner.graphs
-        if graphs is None:  # the CPU: stages (and bucket-sized plans) without graphs
-            from treeverify.engine.cuda_graphs import CudaGraphs
-
-            ctx = self.model_config.max_position_embeddings
+        if graphs is None:  # the CPU: stages (and bucket-sized plans, made on first use)
             buckets = [(b, self.spec.nodes_for(u)) for b in cfg.graph_batch_sizes
                        for u in cfg.spec_budgets]  # fmt: skip
-            pages = -(-(ctx + max(n for _, n in buckets)) // self.cache.page_size) + 1
-            graphs = CudaGraphs(self.model, self.runner.attention, buckets=buckets,
-                                max_pages=pages)  # fmt: skip
+            graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
         self.rounds = RoundGraphs(graphs, self.spec, self.spec.source.context,
                                   list(cfg.graph_batch_sizes), list(cfg.spec_budgets),
                                   capture=capture, moe_impl=self.runner._moe_impl)  # fmt: skip

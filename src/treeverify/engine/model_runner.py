@@ -56,16 +56,23 @@ class ModelRunner:
         """Capture the decode (and tree) forwards per (batch, tokens) bucket; GraphCaptureError
         on failure. `max_context`: the most tokens a request holds (its pages bound the staged
         page table; default: the whole pool)."""
-        pages = None
-        if max_context is not None:
-            largest = max(n for _, n in buckets)  # a round reserves its tree past the context
-            pages = -(-(max_context + largest) // self.cache.page_size) + 1
-        self.graphs = CudaGraphs(self.model, self.attention, buckets=buckets, max_pages=pages)
+        self.graphs = self.staged_buckets(buckets, max_context)
         moe = self._moe_impl("graph")  # sync-free MoE routing inside the graphs
         try:
             return self.graphs.capture()
         finally:
             self._moe_impl(moe)  # eager steps (prefill) route as before
+
+    def staged_buckets(self, buckets: list[tuple[int, int]],
+                       max_context: int | None = None) -> CudaGraphs:  # fmt: skip
+        """The buckets' CudaGraphs, nothing captured yet: each bucket's stage holds the pages a
+        request of `max_context` tokens can need (default: the whole pool). (The CPU's eager
+        whole rounds use its stages without ever capturing.)"""
+        pages = None
+        if max_context is not None:
+            largest = max(n for _, n in buckets)  # a round reserves its tree past the context
+            pages = -(-(max_context + largest) // self.cache.page_size) + 1
+        return CudaGraphs(self.model, self.attention, buckets=buckets, max_pages=pages)
 
     @torch.inference_mode()
     def prepare_plans(self, buckets: list[tuple[int, int]]) -> None:
