@@ -258,11 +258,13 @@ class DraftContextCache:
     def ring(self, request_id: str) -> tuple[int, int, int] | None:
         """(slot, rows a draft reads (the newest, at most `window`), end) after projecting what
         is pending; None when the request holds no rows."""
-        ctx = self._ctx.get(request_id)
-        if ctx is None:
-            return None
         self.project([request_id])
-        if ctx.count == 0 or ctx.slot is None:
+        return self._held(request_id)
+
+    def _held(self, request_id: str) -> tuple[int, int, int] | None:
+        """`ring` without projecting first."""
+        ctx = self._ctx.get(request_id)
+        if ctx is None or ctx.count == 0 or ctx.slot is None:
             return None
         return ctx.slot, min(ctx.count, self.window), ctx.end
 
@@ -275,12 +277,12 @@ class DraftContextCache:
         self.project(request_ids)  # one call for all (a no-op when nothing is pending)
         counts, ends, slots = [], [], []
         for rid in request_ids:
-            ctx = self._ctx.get(rid)
-            if ctx is None or ctx.count == 0 or ctx.slot is None:
+            held = self._held(rid)
+            if held is None:
                 raise RuntimeError(f"dflash: no target hidden states for {rid}")
-            slots.append(ctx.slot)
-            counts.append(min(ctx.count, self.window))
-            ends.append(ctx.end)
+            slots.append(held[0])
+            counts.append(held[1])
+            ends.append(held[2])
         pad = (batch or len(request_ids)) - len(request_ids)
         return [counts + [0] * pad, list(last_tokens) + [self.drafter.mask_token_id] * pad,
                 ends + [0] * pad, slots + [self.scratch_slot] * pad]  # fmt: skip
