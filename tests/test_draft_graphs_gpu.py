@@ -156,11 +156,11 @@ def test_meta_staging_never_reuses_a_buffer_still_being_copied(setup, monkeypatc
 
     rids, tokens = _random_round(context, 3, rng)
     _replay(graphs, rids, tokens, 15)  # the reused buffer now holds this round's meta
-    held = graphs.meta_host.clone()
-    monkeypatch.setattr(graphs, "_staged", StillQueued())
+    held = graphs.meta.host.clone()
+    monkeypatch.setattr(graphs.meta, "_staged", StillQueued())
     rids2, tokens2 = _random_round(context, 3, rng)
     got = _replay(graphs, rids2, tokens2, 15)
-    assert torch.equal(graphs.meta_host, held)  # untouched
+    assert torch.equal(graphs.meta.host, held)  # untouched
     _check(context, graphs, rids2, tokens2, 15, got, "fresh staging buffer")
 
 

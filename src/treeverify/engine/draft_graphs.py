@@ -8,11 +8,11 @@ keys/values per request, slot s at kv[s]) and one small input:
                                   its end (the block's first position), its ring's slot;
                                   padding requests: 0 rows, the mask token, end 0, scratch ring
 
-A round stages `meta` once from a reused pinned host buffer (non_blocking), replays, and returns
-the (B, L, V) logits, a view of the graph's output, valid until the next replay. Nothing syncs
-with the host, allocates on the GPU or copies a context. A batch larger than every bucket or a
-depth not captured returns None: the caller drafts eagerly (same results up to float rounding
-of the different padded shapes).
+A round stages `meta` once (`DraftMeta`: a reused pinned host buffer, non_blocking), replays,
+and returns the (B, L, V) logits, a view of the graph's output, valid until the next replay.
+Nothing syncs with the host, allocates on the GPU or copies a context. A batch larger than every
+bucket or a depth not captured returns None: the caller drafts eagerly (same results up to
+float rounding of the different padded shapes).
 """
 
 from __future__ import annotations
@@ -27,6 +27,37 @@ from treeverify.engine.cuda_graphs import GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 
 log = logging.getLogger("treeverify.engine")
+
+
+class DraftMeta:
+    """The (4, max_bucket) int64 draft meta on the device (what a captured draft reads: rows,
+    roots, ends, ring slots; `DraftContextCache.draft_meta`), staged in one non-blocking copy
+    from a reused pinned host buffer. Reusing that buffer while its last copy is still queued
+    would race; that never happens in the engine (each round reads its result back first), and
+    if it did a fresh pinned block is used instead (kept by the caching host allocator until its
+    copy has run): no wait either way. On the CPU (the eager whole rounds) a plain copy."""
+
+    def __init__(self, context: DraftContextCache, max_bucket: int, device: torch.device):
+        self.context = context
+        pad = context.draft_meta([], [], max_bucket)
+        self.dev = torch.tensor(pad, dtype=torch.int64, device=device)  # (4, max_bucket)
+        self._pin = torch.device(device).type == "cuda"
+        self.host = torch.zeros(4, max_bucket, dtype=torch.int64, pin_memory=self._pin)
+        self._np = self.host.numpy()  # writes without a torch op per value
+        self._staged = torch.cuda.Event() if self._pin else None  # the last copy enqueued
+
+    def stage(self, request_ids: list[str], last_tokens: Sequence[int]) -> list[list[int]]:
+        """Stage these requests' meta (padding past them); returns it as written."""
+        meta = self.context.draft_meta(request_ids, last_tokens, self.dev.shape[1])
+        host, h = self.host, self._np
+        if self._staged is not None and not self._staged.query():
+            host = torch.empty(self.host.shape, dtype=torch.int64, pin_memory=True)
+            h = host.numpy()
+        h[:] = meta
+        self.dev.copy_(host, non_blocking=self._pin)
+        if self._staged is not None:
+            self._staged.record()
+        return meta
 
 
 class DraftGraphs:
@@ -46,11 +77,7 @@ class DraftGraphs:
         self.batch_sizes = sorted(set(batch_sizes))
         self.depths = sorted(set(depths))
         mb = self.batch_sizes[-1]
-        pad = context.draft_meta([], [], mb)
-        self.meta = torch.tensor(pad, dtype=torch.int64, device=device)  # (4, max_bucket)
-        self.meta_host = torch.zeros(4, mb, dtype=torch.int64, pin_memory=True)
-        self._meta_np = self.meta_host.numpy()  # writes without a torch op per value
-        self._staged = torch.cuda.Event()  # the last meta copy enqueued
+        self.meta = DraftMeta(context, mb, device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool for all buckets (largest captured first)
         self.replays = 0
@@ -70,7 +97,7 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def _capture(self, b: int, depth: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        meta = self.meta[:, :b]  # (4, b)
+        meta = self.meta.dev[:, :b]  # (4, b)
 
         def draft() -> torch.Tensor:  # (b, L, V)
             return self.context.draft(meta, depth)
@@ -103,24 +130,10 @@ class DraftGraphs:
         if bucket is None or (depth, bucket) not in self.graphs:
             return None
         graph, out = self.graphs[(depth, bucket)]
-        self.stage_meta(self.context.draft_meta(request_ids, last_tokens, self.meta.shape[1]))
+        self.meta.stage(request_ids, last_tokens)
         graph.replay()
         self.replays += 1
         return out[:b]
-
-    def stage_meta(self, meta: list[list[int]]) -> None:
-        """All of `meta` (4 rows of max_bucket) in one non-blocking copy from the pinned buffer.
-        Reusing that buffer while its last copy is still queued would race; that never happens
-        in the engine (each round reads its result back first), and if it did a fresh pinned
-        block is used instead (kept by the caching host allocator until its copy has run): no
-        wait either way."""
-        host, h = self.meta_host, self._meta_np
-        if not self._staged.query():
-            host = torch.empty(self.meta_host.shape, dtype=torch.int64, pin_memory=True)
-            h = host.numpy()
-        h[:] = meta
-        self.meta.copy_(host, non_blocking=True)
-        self._staged.record()
 
     @property
     def info(self) -> dict:

@@ -32,14 +32,13 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
+from treeverify.engine.draft_graphs import DraftMeta
 from treeverify.engine.sequence import Sequence
-from treeverify.engine.speculative import tree_mask
-from treeverify.spec import accept_greedy, build_tree
+from treeverify.spec import accept_greedy
 
 log = logging.getLogger("treeverify.engine")
 
@@ -59,11 +58,7 @@ class RoundGraphs:
         self.batch_sizes = sorted(set(batch_sizes))
         self.budgets = sorted(set(budgets))
         mb = self.batch_sizes[-1]
-        pad = context.draft_meta([], [], mb)
-        self.meta = torch.tensor(pad, dtype=torch.int64, device=dev)  # (4, max_bucket)
-        self._pin = dev.type == "cuda"
-        self.meta_host = torch.zeros(4, mb, dtype=torch.int64, pin_memory=self._pin)
-        self._meta_np = self.meta_host.numpy()
+        self.meta = DraftMeta(context, mb, dev)  # (4, max_bucket) on the device
         self.captured = capture
         self.rounds: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self.pool = None
@@ -100,18 +95,9 @@ class RoundGraphs:
         n = spec.nodes_for(budget)
         depth = spec.draft_depth(budget)  # L: drafted positions, the mask's and walk's depth
         rows = b * n
-        meta = self.meta[:, :b]  # (4, b): rows read, roots, ends (= prefix), ring slots
+        meta = self.meta.dev[:, :b]  # (4, b): rows read, roots, ends (= prefix), ring slots
         logits = ctx.draft(meta, depth, rows_read)  # (b, L, V)
-        roots = meta[1]
-        if spec.algorithm == "CHAIN":  # one path: the top token at each depth
-            tokens = torch.cat((roots[:, None], logits.argmax(-1)), dim=1)  # (b, n)
-            idx = torch.arange(n, device=self.device)
-            parents = (idx - 1).expand(b, n).contiguous()  # (b, n)
-            depths = idx.expand(b, n).contiguous()  # (b, n)
-        else:  # on CUDA the heap kernel writes the mask too (one launch)
-            tree = build_tree(logits, budget, roots, with_mask=True)
-            tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (b, n) each
-        mask = tree_mask(tree if spec.algorithm != "CHAIN" else None, parents, depth)  # (rows, w)
+        tokens, parents, depths, mask = spec.trees(logits, meta[1], budget)  # (b, n).., (rows, w)
         stage = graphs.stages[(b, n)]
         v = stage.views
         v["ids"][:rows].copy_(tokens.reshape(-1))
@@ -182,9 +168,8 @@ class RoundGraphs:
         if b is None:
             return None
         n = self.spec.nodes_for(budget)
-        rids = [s.request_id for s in seqs]
-        self.context.project(rids)  # rows observed since the last round (a prefill, plain steps)
-        meta = self.context.draft_meta(rids, [s.last_token_id for s in seqs], self.meta.shape[1])
+        # projects the rows observed since the last round (a prefill, plain steps) first
+        meta = self.meta.stage([s.request_id for s in seqs], [s.last_token_id for s in seqs])
         starts = [s.num_tokens - 1 for s in seqs]  # the roots' positions = the cached tokens
         for seq, end, start in zip(seqs, meta[2][: len(seqs)], starts, strict=True):
             if end != start or seq.num_cached_tokens != start:
@@ -197,7 +182,6 @@ class RoundGraphs:
         slots = self.bm.span_slots(seqs, starts, n)  # (B, n) int64 host
         stage = self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
         stage.write_round([s.block_table for s in seqs], starts, slots.numpy())
-        self._stage_meta(meta)
         if self.captured:
             graph, packed = self.rounds[(b, budget)]
             graph.replay()
@@ -209,12 +193,6 @@ class RoundGraphs:
                 self.graphs.attention.select(None)
         self.replays += 1
         return packed[: len(seqs)]
-
-    def _stage_meta(self, meta: list[list[int]]) -> None:
-        """The draft meta in one non-blocking copy from the pinned buffer (the engine reads each
-        round's result before staging the next, so the buffer's last copy has run)."""
-        self._meta_np[:] = np.asarray(meta, dtype=np.int64)
-        self.meta.copy_(self.meta_host, non_blocking=self._pin)
 
     @property
     def info(self) -> dict:

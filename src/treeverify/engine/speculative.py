@@ -36,7 +36,6 @@ from treeverify.engine.sampler import TokenLogprobs, filters, position_noise, to
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.staging import to_device
 from treeverify.spec import (
-    DraftTree,
     accept_greedy,
     accept_sampled,
     build_tree,
@@ -76,14 +75,6 @@ class TreeBatch:
 
 
 PHASES = ("draft", "build", "verify", "accept", "commit")
-
-
-def tree_mask(tree: DraftTree | None, parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """(B*N, W) int32 ancestor-or-self bits: the ones the tree's builder wrote (the CUDA heap),
-    else compiled from `parents` (B, N)."""
-    if tree is not None and tree.mask is not None:
-        return tree.mask
-    return parents_to_tree_mask(parents, max_depth=max_depth)
 
 
 @dataclass
@@ -150,8 +141,7 @@ class SpeculativeDecoder:
         if self.algorithm == "DDTREE":
 
             def build(logits, roots):
-                tree = build_tree(logits, budget, roots, with_mask=True)
-                return tree.tokens, tree.parents, tree.depths, tree_mask(tree, tree.parents, depth)
+                return self.trees(logits, roots, budget)
 
             def example(b: int):
                 return (torch.zeros(b, depth, v, device=device),
@@ -186,6 +176,26 @@ class SpeculativeDecoder:
         chain's length (CHAIN)."""
         return self.nodes_for(budget) - 1 if self.algorithm == "CHAIN" else self.depth
 
+    def trees(self, logits: torch.Tensor, roots: torch.Tensor, budget: int):
+        """The round's trees from the draft (B, L, V) and the roots (B,): tokens, parents,
+        depths (B, N) int64 and the ancestor-or-self mask (B*N, W) int32. DDTREE: the best
+        `budget` nodes (on CUDA the heap kernel writes the mask in the same launch); CHAIN: the
+        top token at each depth. Capture-safe (the general path's captured build and the whole
+        round's graph both run it)."""
+        depth = self.draft_depth(budget)
+        if self.algorithm == "CHAIN":
+            b, n = roots.shape[0], self.nodes_for(budget)
+            tokens = torch.cat((roots[:, None], logits.argmax(-1)), dim=1)  # (B, N)
+            idx = torch.arange(n, device=roots.device)
+            parents = (idx - 1).expand(b, n).contiguous()  # (B, N)
+            depths = idx.expand(b, n).contiguous()  # (B, N)
+            return tokens, parents, depths, parents_to_tree_mask(parents, max_depth=depth)
+        tree = build_tree(logits, budget, roots, with_mask=True)
+        mask = tree.mask  # (B*N, W), or None off CUDA: compiled from the parents
+        if mask is None:
+            mask = parents_to_tree_mask(tree.parents, max_depth=depth)
+        return tree.tokens, tree.parents, tree.depths, mask
+
     def _time(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
         self.stats.phase_seconds[phase] += now - t0
@@ -218,20 +228,11 @@ class SpeculativeDecoder:
         t0 = self._time("draft", t_start)
         roots = to_device(torch.tensor([s.last_token_id for s in chosen], dtype=torch.int64),
                           device)  # (B,) pinned, non-blocking: no stream sync  # fmt: skip
-        if self.algorithm == "CHAIN":  # one path: the top token at each depth
-            tokens = torch.cat((roots[:, None], logits.argmax(-1)), dim=1)  # (B, N)
-            idx = torch.arange(n, device=device)
-            parents = (idx - 1).expand(len(chosen), n).contiguous()  # (B, N)
-            depths = idx.expand(len(chosen), n).contiguous()
-        elif budget in self._build:
+        if budget in self._build:
             tokens, parents, depths, mask = self._build[budget](logits, roots)  # one replay
         else:
-            tree = build_tree(logits, budget, roots, with_mask=True)
-            tokens, parents, depths = tree.tokens, tree.parents, tree.depths  # (B, N) each
-            mask = tree_mask(tree, parents, depth)  # (B*N, W)
+            tokens, parents, depths, mask = self.trees(logits, roots, budget)  # (B, N).., (B*N, W)
         slots_host = self.bm.span_slots(chosen, [s.num_tokens - 1 for s in chosen], n)  # (B, N)
-        if self.algorithm == "CHAIN":
-            mask = parents_to_tree_mask(parents, max_depth=depth)  # (B*N, W)
         self._time("build", t0)
         return TreeBatch(chosen, tokens, parents, depths, None, mask, depth, t_start, budget,
                          slots_host=slots_host)  # fmt: skip
