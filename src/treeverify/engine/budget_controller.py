@@ -276,8 +276,8 @@ class BudgetController:
     def rate(self, request_ids: list[str], budget: int) -> float | None:
         """R(B) in committed tokens per second for these requests in one step; None when the
         cost or some request's acceptance at B is unknown. The sums over the requests are made
-        for every bucket at once and kept until a round is observed (a step at batch 8 asks for
-        six rates: ~215 us of Python per step when each summed its own gains, 2026-12-01)."""
+        for every bucket at once and kept until a round is observed (a step asks for a rate per
+        bucket; each summing its own gains was O(buckets^2 x requests) of Python per step)."""
         cost = self.cost.estimate(len(request_ids), budget)
         if cost is None:
             return None
