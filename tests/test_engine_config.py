@@ -26,8 +26,11 @@ def test_derived_sizes_follow_the_knobs():
         assert cfg.tree_size == budget + 1 and cfg.tree_sizes == (budget + 1,)
         assert cfg.max_forward_tokens == mbt + seqs * budget
         assert cfg.max_chunk == max(mbt, budget + 1)
-        assert max(b for b, _ in cfg.graph_buckets) == min(32, seqs)
-        cap = max(mbt, budget + 1)
+        cap = max(mbt, budget + 1)  # rows a step holds: a decode batch past it never runs
+        assert max(b for b, _ in cfg.graph_buckets) == max(
+            [b for b in cfg.graph_batch_sizes if b <= cap] or [1]
+        )
+        assert max(cfg.graph_batch_sizes) == min(32, seqs)
         assert all(b * n <= cap or b == 1 for b, n in cfg.graph_buckets)
         assert {n for _, n in cfg.graph_buckets} == {1, budget + 1}
     ada = EngineConfig(speculative_algorithm="DDTREE", speculative_ddtree_budget=16)
