@@ -181,16 +181,20 @@ class DeepseekMoE(nn.Module):
             for e, expert in enumerate(self.experts):
                 out += combine[:, e : e + 1] * expert(x).float()
         else:
-            order = flat.argsort(stable=True)
-            token_of = order // idx.shape[1]  # (T*k,) token row of each sorted slot
-            w_sorted = w.reshape(-1)[order]
+            # Each (token, expert) pair's output goes back to its own slot and a token's k slots
+            # are summed in a fixed order: index_add_'s float atomics made eager greedy decoding
+            # non-reproducible (a bf16 near-tie flipped between identical runs on the H200).
+            k = idx.shape[1]
+            order = flat.argsort(stable=True)  # (T*k,) pairs sorted by expert
+            token_of = order // k  # (T*k,) token row of each sorted slot
+            back = torch.zeros(t * k, x.shape[1], device=x.device, dtype=torch.float32)
             start = 0
             for e, n in enumerate(counts.tolist()):
                 if n:
-                    rows = token_of[start : start + n]
-                    y = self.experts[e](x[rows]).float() * w_sorted[start : start + n, None]
-                    out.index_add_(0, rows, y)
+                    pairs = order[start : start + n]
+                    back[pairs] = self.experts[e](x[token_of[start : start + n]]).float()
                 start += n
+            out = (back.view(t, k, -1) * w[..., None]).sum(1)  # (T, hidden)
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
