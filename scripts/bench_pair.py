@@ -50,12 +50,16 @@ def prose_prompts(path: Path, n: int) -> list[str]:
 
 def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_seqs: int,
            adaptive: bool | str = False) -> LLM:  # fmt: skip
-    """`adaptive`: True (the controller picks budgets), False (fixed), or "general" (fixed,
-    every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)."""
+    """`adaptive`: True (the controller picks budgets), False (fixed), "general" (fixed,
+    every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)
+    or "read-first" (fixed, whole rounds without lookahead: each round read before the next is
+    launched, the A/B of the overlap)."""
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
     if adaptive == "general":
         kw["disable_round_graphs"], adaptive = True, False
+    elif adaptive == "read-first":
+        kw["round_lookahead"], adaptive = False, False
     if algo:
         kw |= dict(
             speculative_algorithm=algo,
@@ -207,6 +211,8 @@ def speed_configs(args, block: int) -> list[tuple]:
         b = int(args.budget.split(",")[0])
         cfgs.append((f"DDTREE(dflash) b={b} general path", "DDTREE", args.drafter, b, block - 1,
                      "general"))  # fmt: skip
+        cfgs.append((f"DDTREE(dflash) b={b} read first", "DDTREE", args.drafter, b, block - 1,
+                     "read-first"))  # fmt: skip
     if args.adaptive:  # the controller picks each step's budget in {0, 4, ..., args.adaptive}
         cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive}", "DDTREE", args.drafter,
                      args.adaptive, block - 1, True))  # fmt: skip

@@ -36,10 +36,13 @@ def prompts(n: int) -> list[str]:
 
 def build(algo: str | None, batch: int, budget: int, pinned: int | None = None) -> LLM:
     """`pinned`: an adaptive DDTREE engine (calibrated, controller on) held at that budget.
-    An algorithm "DDTREE-general": DDTREE with whole-round graphs off (the general path)."""
+    An algorithm "DDTREE-general": DDTREE with whole-round graphs off (the general path);
+    "DDTREE-read-first": whole rounds without lookahead (each read before the next launch)."""
     kw = {}
     if algo == "DDTREE-general":
         algo, kw["disable_round_graphs"] = "DDTREE", True
+    elif algo == "DDTREE-read-first":
+        algo, kw["round_lookahead"] = "DDTREE", False
     if algo:
         kw |= dict(speculative_algorithm=algo, speculative_ddtree_budget=budget)
         if algo == "DDTREE":
@@ -58,6 +61,7 @@ CONFIGS = {
     "CHAIN": ("CHAIN", 15, None),
     "DDTREE-16": ("DDTREE", 16, None),
     "DDTREE-16-general": ("DDTREE-general", 16, None),
+    "DDTREE-16-read-first": ("DDTREE-read-first", 16, None),
     "DDTREE-adaptive@0": ("DDTREE", 64, 0),
     "DDTREE-adaptive@64": ("DDTREE", 64, 64),
 }

@@ -207,20 +207,23 @@ def test_tiny_code_engine_drafts_through_the_graphs_same_tokens(algorithm, budge
     assert outs[True] == outs[False], f"seed {seed}"
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["whole-round", "general"])
-def test_steady_state_round_reads_the_device_once_and_never_else_syncs(monkeypatch, whole):
+@pytest.mark.parametrize("whole,ahead", [(True, True), (True, False), (False, False)],
+                         ids=["lookahead", "whole-round", "general"])  # fmt: skip
+def test_steady_state_round_reads_the_device_once_and_never_else_syncs(monkeypatch, whole, ahead):
     """Issue 14's round contract, end to end on the engine (tiny-code + its DFlash drafter,
     DDTREE at a fixed budget, CUDA graphs, two requests): a steady-state step, from scheduling
     through draft, tree build, verify, accept, K/V moves, commit and the drafter's context
     upkeep, runs under torch.cuda.set_sync_debug_mode("error") (any host<->device sync raises)
-    except for the round's one intended read, the packed results' `tolist()`, which is counted:
-    exactly one per step. (Sync debug mode sees the syncs PyTorch itself issues, not every
-    driver call; torch.profiler's syncs per step in scripts/profile_round_gpu.py is the check
-    from the other side.)"""
+    except for the round's one intended read, which is counted: exactly one per step (the
+    packed results' `tolist()`; with lookahead, the wait for the event after their copy into
+    pinned memory, the next round already queued behind it). (Sync debug mode sees the syncs
+    PyTorch itself issues, not every driver call; torch.profiler's syncs per step in
+    scripts/profile_round_gpu.py is the check from the other side.)"""
     heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
     llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=2,
               speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
-              speculative_adaptive=False, disable_round_graphs=not whole)  # fmt: skip
+              speculative_adaptive=False, disable_round_graphs=not whole,
+              round_lookahead=ahead)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     llm.generate([heldout[0][:300]], SamplingParams(temperature=0, max_tokens=32))  # warm
     seqs = [llm.add_request(p[:300], sp) for p in heldout[1:3]]
@@ -240,6 +243,17 @@ def test_steady_state_round_reads_the_device_once_and_never_else_syncs(monkeypat
             torch.cuda.set_sync_debug_mode("error")
 
     monkeypatch.setattr(torch.Tensor, "tolist", read_once)
+    wait = torch.cuda.Event.synchronize
+
+    def wait_once(event):  # the lookahead's read: a wait for the copy of this round's results
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            reads.append("event")
+            return wait(event)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", wait_once)
     rounds = llm.spec_stats["rounds"]
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -249,6 +263,9 @@ def test_steady_state_round_reads_the_device_once_and_never_else_syncs(monkeypat
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(reads) == 6, reads  # one read per step, each the (B, 2 + 2K) packed results
-    assert all(shape[0] == 2 for shape in reads), reads
+    if ahead:
+        assert set(reads) == {"event"} and llm.rounds.info["ahead_used"] >= 6, reads
+    else:
+        assert all(shape[0] == 2 for shape in reads), reads
     assert llm.spec_stats["rounds"] == rounds + 12  # two requests' rounds per step
     assert (llm.rounds is not None and llm.rounds.replays >= 6) == whole

@@ -112,6 +112,31 @@ def test_reserve_commit_frees_only_rejected_pages():
     bm.check([a])
 
 
+def test_hold_keeps_pages_ahead_for_a_round_launched_early():
+    """A round launched before the previous one's result is read writes up to `upto`: those
+    pages stay in the table through commit, later slots take them, release gives the rest back."""
+    bm = BlockManager(num_pages=8, page_size=4)
+    a = seq("a", 5)
+    bm.allocate(a)  # pages [0, 1], 5 slots
+    bm.reserve(a, 3)  # this round: positions 5..7
+    assert bm.hold(a, 16)  # the next round may reach position 15: pages 2, 3 held
+    assert a.block_table == [0, 1, 2, 3] and bm.num_free_pages == 4
+    assert bm.commit(a, 1) == []  # 6 slots kept, the held pages stay
+    assert a.num_slots == 6 and a.block_table == [0, 1, 2, 3]
+    bm.check([a])
+    assert bm.append_slots(a, 5) == [6, 7, 8, 9, 10]  # held pages, no new one
+    assert bm.num_free_pages == 4
+    assert not bm.hold(a, 40)  # 10 pages: more than the pool; nothing taken
+    assert a.block_table == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="release_hold"):
+        bm.fork(a, seq("b", 11))
+    assert bm.release_hold(a) == [3]  # 11 slots need pages 0..2
+    bm.check([a])
+    bm.free(a)
+    assert bm.num_free_pages == 8
+    bm.check([])
+
+
 def test_fork_shares_full_pages_and_copies_partial():
     bm = BlockManager(num_pages=6, page_size=4)
     p = seq("p", 6)
@@ -140,6 +165,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_pages=12, page_size=3)
         self.live: dict[str, Sequence] = {}
         self.model: dict[str, tuple[int, int]] = {}  # rid -> (num_slots, reserved)
+        self.held: dict[str, int] = {}  # rid -> positions below it keep their pages
         self.next_id = 0
 
     def _new(self) -> Sequence:
@@ -192,11 +218,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free_before = self.bm.num_free_pages
         freed = self.bm.commit(s, kept)
         new_slots = slots - res + kept
-        keep_pages = -(-new_slots // self.bm.page_size)
+        keep_pages = -(-max(new_slots, self.held.get(rid, 0)) // self.bm.page_size)
         assert s.block_table == pages_before[:keep_pages]
         assert sorted(freed) == sorted(pages_before[keep_pages:])  # private: all come back
         assert self.bm.num_free_pages == free_before + len(freed)
         self.model[rid] = (new_slots, 0)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), ahead=st.integers(0, 12))
+    def hold(self, data, ahead):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        s, (slots, _) = self.live[rid], self.model[rid]
+        pages_before, free_before = list(s.block_table), self.bm.num_free_pages
+        need = max(0, -(-(slots + ahead) // self.bm.page_size) - len(pages_before))
+        ok = self.bm.hold(s, slots + ahead)
+        assert ok == (need <= free_before)
+        if ok:
+            self.held[rid] = max(slots + ahead, self.held.get(rid, 0))
+            assert s.block_table[: len(pages_before)] == pages_before
+            assert self.bm.num_free_pages == free_before - need
+        else:  # nothing taken
+            assert s.block_table == pages_before and self.bm.num_free_pages == free_before
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release_hold(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.held)))
+        s, (slots, _) = self.live[rid], self.model[rid]
+        self.bm.release_hold(s)
+        del self.held[rid]
+        assert len(s.block_table) == -(-slots // self.bm.page_size)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -204,13 +255,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self.bm.free(self.live.pop(rid))
         del self.model[rid]
+        self.held.pop(rid, None)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def fork(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         p, (slots, res) = self.live[rid], self.model[rid]
-        if res or not self.bm.can_fork(p):
+        if res or rid in self.held or not self.bm.can_fork(p):
             return
         c = self._new()
         self.bm.fork(p, c)
@@ -229,7 +281,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # a page another sequence can see is never one this sequence writes next
         for s in seqs:
             if s.num_slots % self.bm.page_size:
-                assert self.bm.ref_counts[s.block_table[-1]] == 1
+                assert self.bm.ref_counts[s.block_table[s.num_slots // self.bm.page_size]] == 1
+            for p in s.block_table[-(-s.num_slots // self.bm.page_size) :]:  # held pages
+                assert self.bm.ref_counts[p] == 1
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

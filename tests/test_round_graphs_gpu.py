@@ -53,17 +53,21 @@ def test_whole_rounds_equal_the_general_path(knobs):
     prompts = _prompts(rng, 3)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = {}
-    for name, extra in (("whole", {}), ("general", {"disable_round_graphs": True})):
+    variants = (("ahead", {}), ("whole", {"round_lookahead": False}),
+                ("general", {"disable_round_graphs": True}))  # fmt: skip
+    for name, extra in variants:
         llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=4, **knobs, **extra)
         outs[name] = [o.token_ids for o in llm.generate(prompts, sp)]  # batch 3 (bucket 4)
         outs[name].append(llm.generate(prompts[:1], sp)[0].token_ids)  # batch 1
-        if name == "whole":
+        if name != "general":
             info = llm.cuda_graph_info["rounds"]
             assert info["captured"] and info["replays"] > 0, info
+            assert info["lookahead"] == (name == "ahead") and (info["ahead_used"] > 0) == (
+                name == "ahead"), info  # fmt: skip
             assert llm.spec_stats["whole_round_steps"] > 0  # (calibration's rounds: not counted)
             assert llm.spec_stats["avg_spec_accept_length"] > 1.5  # the trained pair drafts
         del llm
-    assert outs["whole"] == outs["general"], f"seed {seed}"
+    assert outs["ahead"] == outs["whole"] == outs["general"], f"seed {seed}"
 
 
 def test_a_replay_allocates_nothing():

@@ -8,6 +8,12 @@ Speculation: ``reserve(seq, n)`` gives slots to n draft or tree nodes written af
 ``commit(seq, kept)`` keeps the first ``kept`` of them (the accepted path, already compacted to
 the front by the verifier) and returns the pages that only the rejected nodes used.
 
+Holding: ``hold(seq, upto)`` keeps pages for positions below ``upto`` in the block table beyond
+its slots, for a speculative round launched before the previous one's result is read (its nodes
+land at most that far; engine/round_graphs.py). Slots grown later take the held pages first, so
+the positions the early round wrote keep their pages; ``commit`` keeps them, ``release_hold``
+and ``free`` give them back.
+
 Sharing: ``fork`` gives a child the parent's full pages (reference counted) and a private copy
 of a partly filled last page, so no sequence ever writes into a page another one reads.
 """
@@ -34,6 +40,7 @@ class BlockManager:
         self.ref_counts = [0] * num_pages
         self._free: list[int] = list(range(num_pages))  # a min-heap of page ids
         self._owners: set[str] = set()  # request ids that hold an allocation
+        self._held: dict[str, int] = {}  # request id -> positions below it keep their pages
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -57,6 +64,28 @@ class BlockManager:
     def num_pages_needed(self, seq: Sequence, n: int) -> int:
         """New pages ``seq`` needs for ``n`` more slots."""
         return max(0, self.pages_for(seq.num_slots + n) - len(seq.block_table))
+
+    def hold(self, seq: Sequence, upto: int) -> bool:
+        """Keep pages for positions ``< upto`` (beyond the slots, no slot given); False, with
+        nothing taken, when the free pages do not cover them."""
+        self._check_owner(seq, "hold")
+        need = self.pages_for(upto) - len(seq.block_table)
+        if need > len(self._free):
+            return False
+        for _ in range(max(0, need)):
+            page = heapq.heappop(self._free)
+            self.ref_counts[page] = 1
+            seq.block_table.append(page)
+        self._held[seq.request_id] = max(upto, self._held.get(seq.request_id, 0))
+        return True
+
+    def release_hold(self, seq: Sequence) -> list[int]:
+        """Give back the held pages past the slots; returns the pages freed."""
+        self._held.pop(seq.request_id, None)
+        return self._shrink(seq) if self.owns(seq) else []
+
+    def num_held_slots(self, seq: Sequence) -> int:
+        return self._held.get(seq.request_id, 0)
 
     def can_allocate(self, seq: Sequence, n: int | None = None) -> bool:
         """Whether ``n`` more slots (default: all of ``seq``'s tokens without one) fit now."""
@@ -136,8 +165,13 @@ class BlockManager:
             )
         seq.num_slots -= r - kept
         seq.num_reserved_slots = 0
+        return self._shrink(seq)
+
+    def _shrink(self, seq: Sequence) -> list[int]:
+        """Pop the pages past the slots and the hold; returns those freed."""
+        keep = self.pages_for(max(seq.num_slots, self._held.get(seq.request_id, 0)))
         freed = []
-        while len(seq.block_table) > self.pages_for(seq.num_slots):
+        while len(seq.block_table) > keep:
             page = seq.block_table.pop()
             if self._release(page):
                 freed.append(page)
@@ -151,6 +185,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_slots = 0
         seq.num_reserved_slots = 0
+        self._held.pop(seq.request_id, None)
         self._owners.discard(seq.request_id)
 
     def can_fork(self, parent: Sequence) -> bool:
@@ -165,6 +200,8 @@ class BlockManager:
         self._check_owner(parent, "fork")
         if parent.num_reserved_slots:
             raise RuntimeError(f"{parent.request_id!r} has reserved slots; commit before fork")
+        if parent.request_id in self._held:
+            raise RuntimeError(f"{parent.request_id!r} holds pages; release_hold before fork")
         if self.owns(child) or child.block_table:
             raise ValueError(f"fork target {child.request_id!r} already holds pages")
         if not self.can_fork(parent):
@@ -190,7 +227,8 @@ class BlockManager:
         count = [0] * self.num_pages
         for s in seqs:
             assert len(set(s.block_table)) == len(s.block_table), f"page twice in {s!r}"
-            assert len(s.block_table) == self.pages_for(s.num_slots), f"table size of {s!r}"
+            keep = self.pages_for(max(s.num_slots, self._held.get(s.request_id, 0)))
+            assert len(s.block_table) == keep, f"table size of {s!r}"
             for p in s.block_table:
                 count[p] += 1
         assert count == self.ref_counts, "ref counts differ from block tables"
@@ -198,6 +236,7 @@ class BlockManager:
         assert len(free) == len(self._free), "page twice in the free list"
         assert free == {p for p in range(self.num_pages) if count[p] == 0}, "free list wrong"
         assert {s.request_id for s in seqs} == self._owners, "owner set differs"
+        assert set(self._held) <= self._owners, "a hold outlived its sequence"
 
     # ---- internals -------------------------------------------------------------------------
     def _check_owner(self, seq: Sequence, op: str) -> None:
@@ -219,7 +258,7 @@ class BlockManager:
                 f"{len(self._free)} free (check can_allocate first)"
             )
         if n and seq.block_table and self._partial_last_page(seq):
-            last = seq.block_table[-1]
+            last = seq.block_table[seq.num_slots // self.page_size]  # (held pages follow it)
             if self.ref_counts[last] > 1:  # cannot happen through fork(); guard anyway
                 raise RuntimeError(f"{seq.request_id!r}: would write into shared page {last}")
         for _ in range(need):

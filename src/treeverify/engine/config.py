@@ -81,6 +81,10 @@ class EngineConfig:
     # Greedy DFlash rounds as one replay each (engine/round_graphs.py; eager on the CPU); True:
     # every round takes the general path (draft, build, verify, accept graphs one by one)
     disable_round_graphs: bool = False
+    # Launch a whole round's successor before reading its result, so the host's bookkeeping
+    # overlaps the GPU (engine/round_graphs.py); None: on where rounds are captured (a GPU with
+    # graphs), off on the CPU (nothing to overlap there; the tests turn it on)
+    round_lookahead: bool | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -173,6 +177,13 @@ class EngineConfig:
     def max_budget(self) -> int:
         """The largest tree budget a round may use (0: no speculation)."""
         return self.speculative_ddtree_budget if self.speculating else 0
+
+    @functools.cached_property
+    def lookahead(self) -> bool:
+        """Whether whole rounds launch their successor before their result is read."""
+        if self.round_lookahead is not None:
+            return self.round_lookahead
+        return self.on_gpu and not self.disable_cuda_graph
 
     @functools.cached_property
     def adaptive(self) -> bool:

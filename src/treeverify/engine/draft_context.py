@@ -255,6 +255,10 @@ class DraftContextCache:
         ctx.count = min(self.width, ctx.count + rows)
         self._ctx.move_to_end(request_id)
 
+    def has_pending(self, request_ids: list[str]) -> bool:
+        """Whether any of these requests has rows observed but not yet projected."""
+        return any((c := self._ctx.get(r)) is not None and c.pending_rows for r in request_ids)
+
     def ring(self, request_id: str) -> tuple[int, int, int] | None:
         """(slot, rows a draft reads (the newest, at most `window`), end) after projecting what
         is pending; None when the request holds no rows."""

@@ -190,7 +190,8 @@ class LLM(Introspection):
             graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
         self.rounds = RoundGraphs(graphs, self.spec, self.spec.source.context,
                                   list(cfg.graph_batch_sizes), list(cfg.spec_budgets),
-                                  capture=capture, moe_impl=self.runner._moe_impl)  # fmt: skip
+                                  capture=capture, lookahead=cfg.lookahead,
+                                  moe_impl=self.runner._moe_impl)  # fmt: skip
         if capture:
             self.startup["round_graphs"] = self.rounds.report
 
@@ -269,8 +270,13 @@ class LLM(Introspection):
                 budget = max(pinned)
             elif want and self.controller is not None:
                 budget = self.controller.choose([s.request_id for s in want])
+            ahead = not batch.prefills  # a new request joins next step: nothing to launch
+            running = self.rounds.ahead_budget(want) if self.rounds is not None else None
+            if running is not None and running != budget and not pinned:
+                # the round launched ahead at the last budget runs already: take it, switch next
+                budget, ahead = running, False
             if budget and want and len(want) == len(batch.decodes):
-                out = self._whole_round(want, budget)  # every decode one round: one replay
+                out = self._whole_round(want, budget, ahead)  # every decode one round: one replay
                 if out is not None:
                     if not batch.prefills:
                         self._step_budget = budget
@@ -278,6 +284,8 @@ class LLM(Introspection):
                     # prefill chunks beside the rounds: their own forward after the replay
                     # (the step's sampled order is decodes, then prefills)
                     return out + self._forward(ScheduledBatch(prefills=batch.prefills), None)
+            if self.rounds is not None:
+                self.rounds.discard()  # no whole round this step: a round launched ahead is moot
             tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
             if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):
                 decoding = len(want) == len(batch.decodes)  # every sequence at this budget
@@ -326,9 +334,11 @@ class LLM(Introspection):
             self._observe_paths(tb)
         return out
 
-    def _whole_round(self, seqs: list[Sequence], budget: int) -> list[list[int]] | None:
+    def _whole_round(self, seqs: list[Sequence], budget: int, ahead: bool
+                     ) -> list[list[int]] | None:  # fmt: skip
         """A round for every sequence of the step as one whole-round replay (greedy, no
-        penalties or logprobs, a bucket that holds it); None: take the general path."""
+        penalties or logprobs, a bucket that holds it); None: take the general path. `ahead`:
+        launch the next round before reading this one (RoundGraphs.step)."""
         rounds = self.rounds
         if (
             rounds is None
@@ -341,13 +351,13 @@ class LLM(Introspection):
             return None
         stats = self.spec.stats
         t0 = time.perf_counter()
-        packed = rounds.run(seqs, budget)  # (B, 2 + 2K) on the device
-        if packed is None:
+        rows = rounds.step(seqs, budget, ahead=ahead)  # [m, bonus, K tokens, K path] each
+        if rows is None:
             return None
         t1 = time.perf_counter()
-        stats.phase_seconds["verify"] += t1 - t0  # staging + one launch (the round's device work)
+        stats.phase_seconds["verify"] += t1 - t0  # staging, launch(es) and the round's one read
         paths: list[list[int]] = []
-        out = self.spec.commit_rows(seqs, packed.tolist(), paths)  # the round's one read
+        out = self.spec.commit_rows(seqs, rows, paths)
         context = self.spec.source.context
         for seq, path in zip(seqs, paths, strict=True):
             context.advance(seq.request_id, len(path))  # its accepted rows are in the ring
@@ -496,6 +506,8 @@ class LLM(Introspection):
     def recover_after_failed_step(self) -> None:
         """After `step()` raised mid-batch: forget the batch so scheduling can continue."""
         self.scheduler.discard_in_flight()
+        if self.rounds is not None:
+            self.rounds.discard()
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(

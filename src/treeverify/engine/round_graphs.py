@@ -18,6 +18,19 @@ page table) in one pinned copy each, replays once, and reads back one (B, 2 + 2K
 [accepted length m, bonus, committed tokens K, path node per depth K]. Its commit then only
 moves counters: the block manager keeps m - 1 reserved slots, the context ring advances by m.
 
+Lookahead (`lookahead=True`, on by default where rounds are captured): the round graph ends by
+advancing its own inputs to the next round's (each request's root = its bonus, prefix and ring
+end + accepted length m, context rows read, the nodes' slots from the staged page table). So the
+host launches round k+1 right after round k, before reading k's result, and commits k (block
+manager, stops, detokenizing, the controller, the next schedule) while k+1 runs: the GPU no longer
+idles through the host's part of a round. Round k+1's nodes land at most L + 1 positions further,
+so the block manager holds pages that far ahead (`BlockManager.hold`) and the page table is
+restaged alone. The next step consumes round k+1 when it schedules the same requests at the same
+budget at the positions round k's commit predicted; otherwise k+1 is discarded: its K/V went to
+held slots past every committed position and its context rows past each ring's end, which the
+next round overwrites or masks (the rings' SLACK), so there is nothing to undo but the hold. A
+request that finished at round k wastes one round of GPU work.
+
 A step whose decodes are all greedy rounds of DFlash-drafted requests without penalties,
 logit_bias or logprobs takes this path (prefill chunks in the same step run their own forward
 after the replay); any other round (sampled acceptance, n-gram drafts, a step with a plain or
@@ -31,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -43,12 +57,37 @@ from treeverify.spec import accept_greedy
 log = logging.getLogger("treeverify.engine")
 
 
+@dataclass
+class _Launched:
+    """A launched round: its packed result, copied to the host as soon as the round ends."""
+
+    host: torch.Tensor  # (b, 2 + 2K) int64, pinned on a GPU
+    done: torch.cuda.Event | None  # recorded after the copy (None on the CPU: eager, done)
+
+    def rows(self, n: int) -> list[list[int]]:
+        if self.done is not None:
+            self.done.synchronize()  # this round only: a round launched after it keeps running
+        return self.host[:n].tolist()
+
+
+@dataclass
+class _InFlight:
+    """A round launched ahead: for these sequences, at this budget, rooted at `starts`."""
+
+    seqs: list[Sequence]
+    budget: int
+    batch: int  # its bucket
+    starts: list[int]  # each root's position, as the previous round's commit predicts
+    launched: _Launched
+
+
 class RoundGraphs:
     def __init__(self, graphs: CudaGraphs, spec, context: DraftContextCache,
                  batch_sizes: list[int], budgets: list[int], *, capture: bool = True,
-                 moe_impl=None):  # fmt: skip
+                 lookahead: bool = False, moe_impl=None):  # fmt: skip
         """`graphs`: the engine's verify buckets (their stages, plans and forward are reused);
-        `spec`: the SpeculativeDecoder (algorithm, depths, the K/V move); `moe_impl`: the
+        `spec`: the SpeculativeDecoder (algorithm, depths, the K/V move); `lookahead`: launch
+        each round's successor before reading it (see the module docstring); `moe_impl`: the
         runner's MoE-impl setter (sync-free routing while capturing)."""
         self.graphs, self.spec, self.context = graphs, spec, context
         self.model = graphs.model
@@ -60,9 +99,17 @@ class RoundGraphs:
         mb = self.batch_sizes[-1]
         self.meta = DraftMeta(context, mb, dev)  # (4, max_bucket) on the device
         self.captured = capture
+        self.lookahead = lookahead
         self.rounds: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        # per bucket, two pinned result buffers + events, alternating: a round launched ahead
+        # copies into the one its predecessor's read has already released
+        self._readback: dict[tuple[int, int], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self._flip = 0
+        self._in_flight: _InFlight | None = None
         self.pool = None
         self.replays = 0
+        self.ahead_used = 0  # rounds launched ahead and consumed by the next step
+        self.ahead_discarded = 0  # ... and thrown away (the batch or budget changed)
         self.report: list[dict] = []
         t_all = time.perf_counter()
         previous = moe_impl("graph") if moe_impl is not None else None
@@ -74,6 +121,11 @@ class RoundGraphs:
                         continue  # no verify bucket of this shape (not captured)
                     t0 = time.perf_counter()
                     self.rounds[(b, budget)] = self._capture(b, budget) if capture else (None, None)
+                    if capture:
+                        packed = self.rounds[(b, budget)][1]
+                        self._readback[(b, budget)] = [
+                            (torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True),
+                             torch.cuda.Event()) for _ in range(2)]  # fmt: skip
                     self.report.append({"batch": b, "budget": budget,
                                         "seconds": round(time.perf_counter() - t0, 4)})  # fmt: skip
         finally:
@@ -100,6 +152,7 @@ class RoundGraphs:
         tokens, parents, depths, mask = spec.trees(logits, meta[1], budget)  # (b, n).., (rows, w)
         stage = graphs.stages[(b, n)]
         v = stage.views
+        self._node_slots(v, b, n, stage.scratch_slot)
         v["ids"][:rows].copy_(tokens.reshape(-1))
         torch.add(depths, meta[2][:, None], out=v["pos"][:rows].view(b, n))
         v["mask"][:rows].zero_()
@@ -120,7 +173,33 @@ class RoundGraphs:
         w = ctx.width
         ring = torch.where(keep, meta[3][:, None] * w + pos % w, ctx.scratch_slot * w)  # (b, k)
         ctx.kv.view(-1, *ctx.kv.shape[2:]).index_copy_(0, ring.reshape(-1), kv.to(ctx.kv.dtype))
+        self._advance(meta, acc.length, acc.bonus, v, b)
         return packed
+
+    def _node_slots(self, v: dict[str, torch.Tensor], b: int, n: int, scratch: int) -> None:
+        """Each node's KV slot (node i of request r at position prefix_r + i) from the staged
+        page table, read when the round runs: a round launched ahead sees the pages held for
+        it (the table restaged after its predecessor was launched). Padding rows: scratch."""
+        ps, table = self.bm.page_size, v["table"]  # (P, B) pages-major
+        pos = v["prefix"][:b].long()[:, None] + torch.arange(n, device=self.device)  # (b, n)
+        req = torch.arange(b, device=self.device)[:, None]  # (b, 1)
+        page = table[(pos // ps).clamp(max=table.shape[0] - 1), req].long()  # (b, n)
+        real = v["valid"][: b * n].view(b, n) != 0  # (b, n)
+        v["slots"][: b * n].view(b, n).copy_(torch.where(real, page * ps + pos % ps, scratch))
+
+    def _advance(self, meta: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor,
+                 v: dict[str, torch.Tensor], b: int) -> None:  # fmt: skip
+        """The next round's inputs, in place, from this round's result: what a round launched
+        ahead replays with (a round the host stages overwrites them). Padding requests (no
+        context rows) keep theirs."""
+        live = meta[0] > 0  # (b,)
+        m = torch.where(live, length, 0)  # (b,) accepted nodes + root = positions advanced
+        window = self.context.window
+        meta[0].copy_(torch.where(live, (meta[0] + m).clamp(max=window), 0))  # rows read
+        meta[1].copy_(torch.where(live, bonus, meta[1]))  # the root: this round's bonus
+        meta[2].add_(m)  # ring end = the root's position
+        prefix = v["prefix"][:b]  # (b,) int32
+        prefix.add_(m.to(prefix.dtype))
 
     @torch.inference_mode()
     def _capture(self, b: int, budget: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -159,40 +238,140 @@ class RoundGraphs:
                 return None
         return b if need <= self.bm.num_free_pages else None
 
-    @torch.inference_mode()
-    def run(self, seqs: list[Sequence], budget: int) -> torch.Tensor | None:
-        """Reserve, stage and run one round for `seqs` (greedy, DFlash-drafted); returns the
-        (B, 2 + 2K) packed result on the device (a view of the graph's output, valid until the
-        next replay), or None when no bucket holds this round (nothing was reserved then)."""
-        b = self.bucket_for(seqs, budget)
-        if b is None:
+    @property
+    def in_flight(self) -> _InFlight | None:
+        """The round launched ahead, not yet consumed (None when there is none)."""
+        return self._in_flight
+
+    def ahead_budget(self, seqs: list[Sequence]) -> int | None:
+        """The budget of the round launched ahead when it is for exactly these sequences."""
+        fl = self._in_flight
+        if fl is None or len(fl.seqs) != len(seqs):
             return None
+        return fl.budget if all(a is b for a, b in zip(fl.seqs, seqs, strict=True)) else None
+
+    def discard(self) -> None:
+        """Throw the round launched ahead away (the step went another way): release the pages
+        held for it. Its device work still runs; nothing it wrote is read (module docstring)."""
+        fl, self._in_flight = self._in_flight, None
+        if fl is None:
+            return
+        self.ahead_discarded += 1
+        for seq in fl.seqs:
+            self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
+
+    def _take(self, seqs: list[Sequence], budget: int) -> _InFlight | None:
+        """The round in flight if it is this step's (same requests in the same order, the same
+        budget, rooted where each sequence now ends, nothing new for the drafter); else None
+        after discarding it."""
+        fl = self._in_flight
+        if fl is None:
+            return None
+        same = (
+            fl.budget == budget
+            and len(fl.seqs) == len(seqs)
+            and all(a is b for a, b in zip(fl.seqs, seqs, strict=True))
+            and all(
+                s.num_tokens - 1 == p == s.num_cached_tokens
+                for s, p in zip(seqs, fl.starts, strict=True)
+            )
+            and not self.context.has_pending([s.request_id for s in seqs])
+        )
+        if not same:
+            self.discard()
+            return None
+        self._in_flight = None
+        self.ahead_used += 1
+        return fl
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], budget: int, *, ahead: bool = False
+             ) -> list[list[int]] | None:  # fmt: skip
+        """This step's round for `seqs` (greedy, DFlash-drafted): the one launched ahead by the
+        previous step when it matches, else reserved, staged and launched now; with `ahead` (and
+        `lookahead`), the next round is launched before this one is read. Returns each
+        sequence's packed row [m, bonus, committed K, path K] as host lists, or None when no
+        bucket holds this round (nothing was reserved or launched then)."""
         n = self.spec.nodes_for(budget)
-        # projects the rows observed since the last round (a prefill, plain steps) first
-        meta = self.meta.stage([s.request_id for s in seqs], [s.last_token_id for s in seqs])
-        starts = [s.num_tokens - 1 for s in seqs]  # the roots' positions = the cached tokens
-        for seq, end, start in zip(seqs, meta[2][: len(seqs)], starts, strict=True):
-            if end != start or seq.num_cached_tokens != start:
-                raise RuntimeError(
-                    f"dflash context of {seq.request_id}: rows end at position "
-                    f"{end}, the cache holds {seq.num_cached_tokens} tokens"
-                )
-        for seq in seqs:  # after the checks: a failed round leaves nothing reserved
-            self.bm.reserve(seq, n - 1)
-        slots = self.bm.span_slots(seqs, starts, n)  # (B, n) int64 host
-        stage = self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
-        stage.write_round([s.block_table for s in seqs], starts, slots.numpy())
+        fl = self._take(seqs, budget)
+        if fl is None:
+            b = self.bucket_for(seqs, budget)
+            if b is None:
+                return None
+            # projects the rows observed since the last round (a prefill, plain steps) first
+            meta = self.meta.stage([s.request_id for s in seqs], [s.last_token_id for s in seqs])
+            starts = [s.num_tokens - 1 for s in seqs]  # the roots' positions = the cached tokens
+            for seq, end, start in zip(seqs, meta[2][: len(seqs)], starts, strict=True):
+                if end != start or seq.num_cached_tokens != start:
+                    raise RuntimeError(
+                        f"dflash context of {seq.request_id}: rows end at position "
+                        f"{end}, the cache holds {seq.num_cached_tokens} tokens"
+                    )
+            for seq in seqs:  # after the checks: a failed round leaves nothing reserved
+                self.bm.reserve(seq, n - 1)
+            held = ahead and self._hold_next(seqs, starts, budget)
+            stage = self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
+            stage.write_round([s.block_table for s in seqs], starts)  # the graph finds the slots
+            now = self._launch(b, budget, self.context.eager_rows(meta[2][: len(seqs)]))
+        else:
+            b, starts, now = fl.batch, fl.starts, fl.launched
+            for seq in seqs:  # the slots it wrote: in pages held for it, no new page
+                if self.bm.num_pages_needed(seq, n - 1):
+                    raise RuntimeError(f"round launched ahead for {seq.request_id}: its pages "
+                                       "were not held")  # fmt: skip
+                self.bm.reserve(seq, n - 1)
+            held = ahead and self._hold_next(seqs, starts, budget)
+            if held:
+                self.graphs.stages[(b, n)].write_table([s.block_table for s in seqs])
+        if not held:  # nothing launched ahead: pages held for this round are in its slots now
+            for seq in seqs:
+                self.bm.release_hold(seq)
+            return now.rows(len(seqs))
+        nxt = self._launch(b, budget, None) if self.captured else None  # before reading `now`
+        rows = now.rows(len(seqs))  # on a GPU: waits for this round, not the next
+        nxt_starts = [p + r[0] for p, r in zip(starts, rows, strict=True)]
+        if nxt is None:  # eager: `now` is done; the next draft reads the rows its ends need
+            nxt = self._launch(b, budget, self.context.eager_rows(nxt_starts))
+        self._in_flight = _InFlight(list(seqs), budget, b, nxt_starts, nxt)
+        return rows
+
+    def _hold_next(self, seqs: list[Sequence], starts: list[int], budget: int) -> bool:
+        """Hold pages for the next round's nodes (rooted at most L + 1 positions further):
+        True when every sequence's fit the free pages and the staged page table."""
+        if not self.lookahead:
+            return False
+        reach = self.spec.draft_depth(budget) + 1 + self.spec.nodes_for(budget)
+        bm, limit = self.bm, self.graphs.max_pages
+        need = 0
+        for seq, p in zip(seqs, starts, strict=True):
+            pages = bm.pages_for(p + reach)
+            if pages > limit:
+                return False
+            need += max(0, pages - len(seq.block_table))
+        if need > bm.num_free_pages:
+            return False
+        for seq, p in zip(seqs, starts, strict=True):
+            bm.hold(seq, p + reach)
+        return True
+
+    def _launch(self, b: int, budget: int, rows_read: int | None) -> _Launched:
+        """Replay (GPU) or run (CPU) the staged round; its result is queued for the host."""
+        self.replays += 1
         if self.captured:
             graph, packed = self.rounds[(b, budget)]
             graph.replay()
-        else:
-            self.graphs.attention.select((b, n))
-            try:
-                packed = self._body(b, budget, self.context.eager_rows(meta[2][: len(seqs)]))
-            finally:
-                self.graphs.attention.select(None)
-        self.replays += 1
-        return packed[: len(seqs)]
+            host, done = self._readback[(b, budget)][self._flip]
+            self._flip ^= 1
+            host.copy_(packed, non_blocking=True)
+            done.record()
+            return _Launched(host, done)
+        n = self.spec.nodes_for(budget)
+        self.graphs.attention.select((b, n))
+        try:
+            packed = self._body(b, budget, rows_read)
+        finally:
+            self.graphs.attention.select(None)
+        return _Launched(packed.clone(), None)
 
     @property
     def info(self) -> dict:
@@ -201,4 +380,7 @@ class RoundGraphs:
             "captured": self.captured,
             "capture_seconds": round(self.capture_seconds, 3),
             "replays": self.replays,
+            "lookahead": self.lookahead,
+            "ahead_used": self.ahead_used,
+            "ahead_discarded": self.ahead_discarded,
         }

@@ -110,18 +110,30 @@ class StepStage:
         self.h_mask[b:] = 0
         self._copy(w)
 
-    def write_round(self, block_tables: list[list[int]], starts: list[int],
-                    slots: np.ndarray) -> None:  # fmt: skip
+    def write_round(self, block_tables: list[list[int]], starts: list[int]) -> None:
         """The host part of a whole captured round (engine/round_graphs.py): b requests of n
-        rows, their slots (b, n); the graph itself writes the trees' ids, positions and mask
-        into the twin after this copy."""
+        rows, their prefix lengths and pages; the graph itself writes the nodes' slots, the
+        trees' ids, positions and mask into the twin after this copy."""
         self._fresh_if_busy()
-        b, n = len(starts), self.n
-        w = self._write_common(block_tables, starts, n)
-        rows = b * n
-        self.h_slots[:rows] = slots.reshape(-1)
-        self.h_slots[rows:] = self.scratch_slot
+        w = self._write_common(block_tables, starts, self.n)
         self._copy(w)
+
+    def write_table(self, block_tables: list[list[int]]) -> None:
+        """Only the page table (pages held for a round launched ahead, engine/round_graphs.py):
+        one copy of the table rows in use; the rest of the twin stays as the device wrote it.
+        Queued after the work already launched, so a round in flight reads the table it had."""
+        self._fresh_if_busy()
+        w = max(len(t) for t in block_tables)
+        if w > self.pages:
+            raise ValueError(f"block_tables: {w} pages exceed the staged {self.pages}")
+        self.h_table[:w] = 0
+        for i, pages in enumerate(block_tables):
+            self.h_table[: len(pages), i] = pages
+        a = self._o32["table"][0]
+        self.dev[a : a + w * self.batch].copy_(self.host[a : a + w * self.batch],
+                                                non_blocking=self._pin)  # fmt: skip
+        if self._copied is not None:
+            self._copied.record()
 
     def write_device_step(self, starts: list[int], block_tables: list[list[int]],
                           ids: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, *,

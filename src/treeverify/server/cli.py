@@ -136,6 +136,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "of greedy DFlash rounds as one replay each (a debugging switch)",
     )
     p.add_argument(
+        "--disable-round-lookahead",
+        action="store_true",
+        help="read each whole round's result before launching the next (by default on a GPU the "
+        "next round is launched first, so the host's bookkeeping overlaps the GPU)",
+    )
+    p.add_argument(
         "--cuda-graph-max-bs",
         type=pos,
         help="GPU: largest decode batch captured (default min(--max-running-requests, 32))",

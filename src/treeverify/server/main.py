@@ -108,6 +108,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
             disable_round_graphs=args.disable_round_graphs,
+            round_lookahead=False if args.disable_round_lookahead else None,
         )
     except GraphCaptureError as exc:
         log.error("startup: %s", exc)

@@ -1,0 +1,196 @@
+"""Whole rounds launched ahead (RoundGraphs lookahead) on the CPU, on the trained tiny-code pair.
+
+With lookahead each step launches the next round before reading its own, and the next step takes
+that round when it schedules the same requests at the same budget; the round graph advanced its
+own inputs (roots, prefix lengths, ring ends, the nodes' slots from the page table), and the block
+manager held the pages it writes. On the CPU the same body runs eagerly in the same order, so
+these tests check the bookkeeping a GPU relies on: two engines, lookahead on and off, step in
+lockstep with equal tokens, equal K/V in every committed slot (each through its own page table:
+held pages change which pages a request gets) and equal drafter context rows; through arrivals,
+finishes, stops, preemption, aborts and budget switches outputs equal plain decoding, and every
+held page comes back. The GPU version (captured, overlapped) is in test_round_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+from treeverify.engine.sequence import SequenceStatus
+
+CODE = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\n\n\ndef list_files(path):\n    for name in os.listdir(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+]
+
+
+def _engine(lookahead: bool, **kw) -> LLM:
+    kw.setdefault("speculative_algorithm", "DDTREE")
+    kw.setdefault("num_pages", 96)
+    kw.setdefault("max_num_seqs", 4)
+    return LLM("tiny-code", round_lookahead=lookahead, **kw)
+
+
+def _kv_rows(llm: LLM, seq) -> list[torch.Tensor]:
+    """The K/V of every cached position, through this engine's own page table."""
+    ps = llm.cache.page_size
+    pos = torch.arange(seq.num_cached_tokens)
+    slots = torch.tensor(seq.block_table)[pos // ps] * ps + pos % ps  # (cached,)
+    return [t.reshape(-1, *t.shape[2:])[slots] for layer in sorted(llm.cache.k)
+            for t in (llm.cache.k[layer], llm.cache.v[layer])]  # fmt: skip
+
+
+def _check_pages(llm: LLM) -> None:
+    """Pages and requests agree exactly (held pages included) and no hold outlives its request."""
+    live = [s for s in llm.scheduler.running if s.status is SequenceStatus.RUNNING]
+    llm.scheduler.block_manager.check(live)
+
+
+@pytest.mark.parametrize(
+    "algorithm,budget,late",
+    [("DDTREE", 16, False), ("CHAIN", 6, False), ("DDTREE", 16, True)],
+)
+def test_lookahead_equals_rounds_read_first_step_by_step(algorithm, budget, late):
+    """`late`: a request arrives while the others decode: the step with its prefill takes the
+    round in flight and launches none; the next (a new batch) discards nothing it needs."""
+    knobs = dict(speculative_algorithm=algorithm, speculative_ddtree_budget=budget,
+                 speculative_adaptive=False)  # fmt: skip
+    if algorithm == "CHAIN":
+        knobs["speculative_num_draft_tokens"] = budget
+    if late:
+        knobs["chunked_prefill_size"] = 8
+    ahead, plain = _engine(True, **knobs), _engine(False, **knobs)
+    assert ahead.rounds.lookahead and not plain.rounds.lookahead
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    first = CODE[:-1] if late else CODE
+    pairs = [(ahead.add_request(p, sp), plain.add_request(p, sp)) for p in first]
+    steps = 0
+    while ahead.has_unfinished():
+        if late and steps == 3:
+            pairs.append((ahead.add_request(CODE[-1], sp), plain.add_request(CODE[-1], sp)))
+        ahead.step()
+        plain.step()
+        steps += 1
+        _check_pages(ahead)
+        for a, b in pairs:
+            assert a.output_token_ids == b.output_token_ids, f"step {steps}"
+            assert a.num_cached_tokens == b.num_cached_tokens
+            if a.is_finished:
+                continue
+            for x, y in zip(_kv_rows(ahead, a), _kv_rows(plain, b), strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"step {steps}")
+            kv_a, first_a = ahead.spec.source.context.keys_values(a.request_id)
+            kv_b, first_b = plain.spec.source.context.keys_values(b.request_id)
+            assert first_a == first_b
+            torch.testing.assert_close(kv_a, kv_b, rtol=1e-4, atol=1e-4, msg=f"step {steps}")
+    assert not plain.has_unfinished()
+    info = ahead.rounds.info
+    assert info["ahead_used"] > 10, info  # most rounds ran ahead of their step
+    if late:
+        assert info["ahead_discarded"] >= 1, info  # the batch changed under a launched round
+    sa, sp_ = ahead.spec_stats, plain.spec_stats
+    assert sa["rounds"] == sp_["rounds"] and sa["avg_spec_accept_length"] > 1.5
+    assert sa["accept_length_histogram"] == sp_["accept_length_histogram"]
+    assert ahead.scheduler.block_manager.num_free_pages == ahead.scheduler.block_manager.num_pages
+
+
+def test_lookahead_with_adaptive_budgets_equals_plain_greedy_decoding():
+    """The controller switches budgets: a step takes the round launched at the old budget and
+    launches none, the next runs the new one."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE, sp)]
+    llm = _engine(True)  # adaptive budgets (the default for DDTREE)
+    got = [o.token_ids for o in llm.generate(CODE, sp)]
+    assert got == want
+    assert llm.rounds.info["ahead_used"] > 0
+    assert len(llm.spec.source.context) == 0  # finished requests gave their rings back
+    assert llm.scheduler.block_manager.num_free_pages == llm.scheduler.block_manager.num_pages
+
+
+def test_lookahead_through_preemption_and_abort():
+    """A pool too small for every request at once: holds that do not fit are not taken (the
+    round is read first), requests are preempted and recomputed, one is aborted while its next
+    round is in flight; outputs equal plain decoding and every page comes back."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [p * 2 for p in CODE]
+    small = dict(num_pages=14, max_num_seqs=4)  # 224 slots: not enough for 3 x (~110 + 40 + 16)
+    want = [o.token_ids for o in LLM("tiny-code", **small).generate(prompts, sp)]
+    llm = _engine(True, speculative_adaptive=False, **small)
+    seqs = [llm.add_request(p, sp) for p in prompts]
+    victim = llm.add_request(CODE[0], sp)
+    steps, aborted_in_flight = 0, False
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+        _check_pages(llm)
+        fl = llm.rounds.in_flight
+        if not victim.is_finished and fl is not None and any(s is victim for s in fl.seqs):
+            aborted_in_flight = llm.abort(victim.request_id)
+    assert [s.output_token_ids for s in seqs] == want
+    assert sum(s.num_preemptions for s in seqs + [victim]) > 0
+    assert aborted_in_flight
+    assert llm.rounds.info["ahead_used"] > 0 and len(llm.spec.source.context) == 0
+    assert llm.scheduler.block_manager.num_free_pages == small["num_pages"]
+
+
+def test_lookahead_stops_where_plain_decoding_stops():
+    """EOS and stop strings end a request at round k while its round k + 1 is in flight: that
+    round is discarded and the outputs are cut where plain decoding stops."""
+    prompts = CODE + ["# a short docstring\n"]
+    for sp in (SamplingParams(temperature=0, max_tokens=60),  # the model's EOS ends some
+               SamplingParams(temperature=0, max_tokens=60, stop=["\n\n", "return"])):  # fmt: skip
+        want = [(o.token_ids, o.text, o.finish_reason)
+                for o in LLM("tiny-code", num_pages=96).generate(prompts, sp)]  # fmt: skip
+        llm = _engine(True, speculative_adaptive=False)
+        got = [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, sp)]
+        assert got == want
+        assert llm.rounds.info["ahead_discarded"] > 0  # finishes broke the batch
+        assert llm.scheduler.block_manager.num_free_pages == 96
+
+
+def test_a_joining_request_takes_the_round_in_flight_and_launches_none():
+    """The step with a new request's prefill takes the round launched ahead (its batch changes
+    next step, so launching another would be waste) and gives the held pages back; a sampled
+    request then sends the batch down the general path. Greedy outputs are unchanged."""
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM("tiny-code", num_pages=96).generate(CODE[:1], greedy)[0].token_ids
+    llm = _engine(True, speculative_adaptive=False)
+    seq = llm.add_request(CODE[0], greedy)
+    while seq.num_output_tokens < 8:
+        llm.step()
+    bm = llm.scheduler.block_manager
+    assert llm.rounds.in_flight is not None
+    assert bm.num_held_slots(seq) > seq.num_slots  # pages held past its slots
+    llm.add_request(CODE[1], SamplingParams(temperature=0.7, seed=1, max_tokens=20))
+    used, replays = llm.rounds.info["ahead_used"], llm.rounds.replays
+    llm.step()  # the round in flight + the prefill
+    assert llm.rounds.info["ahead_used"] == used + 1 and llm.rounds.replays == replays
+    assert llm.rounds.in_flight is None and bm.num_held_slots(seq) == 0
+    while llm.has_unfinished():
+        llm.step()
+        _check_pages(llm)
+    assert seq.output_token_ids == want
+    assert llm.rounds.info["ahead_discarded"] == 0
+    assert bm.num_free_pages == 96
+
+
+def test_an_abort_discards_the_round_in_flight():
+    """Aborting one of two requests while their next round runs: the next step (one request)
+    discards that round, releases the other's held pages and stages a fresh one."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = LLM("tiny-code", num_pages=96).generate(CODE[:1], greedy)[0].token_ids
+    llm = _engine(True, speculative_adaptive=False)
+    keep, gone = llm.add_request(CODE[0], greedy), llm.add_request(CODE[1], greedy)
+    while keep.num_output_tokens < 8 or llm.rounds.in_flight is None:
+        llm.step()
+    assert llm.abort(gone.request_id)
+    llm.step()
+    assert llm.rounds.info["ahead_discarded"] == 1
+    while llm.has_unfinished():
+        llm.step()
+        _check_pages(llm)
+    assert keep.output_token_ids == want
+    assert llm.scheduler.block_manager.num_free_pages == 96
