@@ -87,3 +87,49 @@ def test_a_replay_allocates_nothing():
     torch.cuda.synchronize()
     assert llm.rounds.replays == replays + 4
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+def test_fused_round_state_equals_the_torch_ops():
+    """kernels/cuda/round_state.cu (one launch per phase inside a captured round) against the
+    torch ops it replaces, on random prefixes, shuffled page tables, a padding request, window
+    clipping: node slots, then the advance of meta and prefix lengths, exactly equal."""
+    from treeverify.engine.round_state import RoundState
+    from treeverify.engine.step_stage import StepStage
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    dev = torch.device("cuda")
+    b, real, n, ps, pages, window, scratch = 4, 3, 17, 16, 12, 40, 999_983
+    starts = [rng.randrange(0, ps * pages - 2 * n) for _ in range(real)]
+    perm = list(range(real * pages))
+    rng.shuffle(perm)
+    tables = [perm[i * pages : (i + 1) * pages] for i in range(real)]  # shuffled, disjoint
+    meta0 = torch.tensor([[rng.randrange(1, 60) for _ in range(real)] + [0] * 5,
+                          [rng.randrange(100) for _ in range(real)] + [7] * 5,
+                          starts + [0] * 5,
+                          list(range(real)) + [9] * 5], dtype=torch.int64, device=dev)  # fmt: skip
+    length = torch.tensor([rng.randrange(1, 10) for _ in range(b)], device=dev)  # (b,) int64
+    bonus = torch.tensor([rng.randrange(100, 200) for _ in range(b)], device=dev)
+    got = {}
+    for fused in (True, False):
+        state = RoundState(dev, ps, fused=fused)
+        assert (state.kernel is not None) == fused, "the kernel should load on this GPU"
+        stage = StepStage(b, n, 1, pages, scratch, dev)
+        stage.write_round(tables, starts)
+        v = stage.views
+        v["slots"].fill_(-7)  # poisoned: every row must be written
+        meta = meta0.clone()
+        state.node_slots(v, b, n, scratch)
+        slots = v["slots"][: b * n].clone()
+        state.advance(meta, b, length, bonus, v, window)
+        torch.cuda.synchronize()
+        got[fused] = (slots, meta, v["prefix"][:b].clone())
+    for x, y in zip(got[True], got[False], strict=True):
+        assert torch.equal(x, y), f"seed {seed}"
+    slots, meta, prefix = got[True]
+    pos = starts[0] + torch.arange(n)  # (n,) request 0 by hand
+    want0 = torch.tensor(tables[0])[pos // ps] * ps + pos % ps
+    assert torch.equal(slots[:n].cpu(), want0), f"seed {seed}"
+    assert (slots[real * n :] == scratch).all()  # the padding request
+    assert meta[:, real:].tolist() == meta0[:, real:].tolist()  # padding keeps its inputs
+    assert prefix[real].item() == 0

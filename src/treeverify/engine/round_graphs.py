@@ -51,6 +51,7 @@ import torch
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.draft_graphs import DraftMeta
+from treeverify.engine.round_state import RoundState
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy
 
@@ -98,6 +99,7 @@ class RoundGraphs:
         self.budgets = sorted(set(budgets))
         mb = self.batch_sizes[-1]
         self.meta = DraftMeta(context, mb, dev)  # (4, max_bucket) on the device
+        self.state = RoundState(dev, self.bm.page_size)
         self.captured = capture
         self.lookahead = lookahead
         self.rounds: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
@@ -152,7 +154,7 @@ class RoundGraphs:
         tokens, parents, depths, mask = spec.trees(logits, meta[1], budget)  # (b, n).., (rows, w)
         stage = graphs.stages[(b, n)]
         v = stage.views
-        self._node_slots(v, b, n, stage.scratch_slot)
+        self.state.node_slots(v, b, n, stage.scratch_slot)  # from the staged prefix + pages
         v["ids"][:rows].copy_(tokens.reshape(-1))
         torch.add(depths, meta[2][:, None], out=v["pos"][:rows].view(b, n))
         v["mask"][:rows].zero_()
@@ -173,33 +175,10 @@ class RoundGraphs:
         w = ctx.width
         ring = torch.where(keep, meta[3][:, None] * w + pos % w, ctx.scratch_slot * w)  # (b, k)
         ctx.kv.view(-1, *ctx.kv.shape[2:]).index_copy_(0, ring.reshape(-1), kv.to(ctx.kv.dtype))
-        self._advance(meta, acc.length, acc.bonus, v, b)
+        # the next round's inputs (what a round launched ahead replays with; a round the host
+        # stages overwrites them)
+        self.state.advance(self.meta.dev, b, acc.length, acc.bonus, v, ctx.window)
         return packed
-
-    def _node_slots(self, v: dict[str, torch.Tensor], b: int, n: int, scratch: int) -> None:
-        """Each node's KV slot (node i of request r at position prefix_r + i) from the staged
-        page table, read when the round runs: a round launched ahead sees the pages held for
-        it (the table restaged after its predecessor was launched). Padding rows: scratch."""
-        ps, table = self.bm.page_size, v["table"]  # (P, B) pages-major
-        pos = v["prefix"][:b].long()[:, None] + torch.arange(n, device=self.device)  # (b, n)
-        req = torch.arange(b, device=self.device)[:, None]  # (b, 1)
-        page = table[(pos // ps).clamp(max=table.shape[0] - 1), req].long()  # (b, n)
-        real = v["valid"][: b * n].view(b, n) != 0  # (b, n)
-        v["slots"][: b * n].view(b, n).copy_(torch.where(real, page * ps + pos % ps, scratch))
-
-    def _advance(self, meta: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor,
-                 v: dict[str, torch.Tensor], b: int) -> None:  # fmt: skip
-        """The next round's inputs, in place, from this round's result: what a round launched
-        ahead replays with (a round the host stages overwrites them). Padding requests (no
-        context rows) keep theirs."""
-        live = meta[0] > 0  # (b,)
-        m = torch.where(live, length, 0)  # (b,) accepted nodes + root = positions advanced
-        window = self.context.window
-        meta[0].copy_(torch.where(live, (meta[0] + m).clamp(max=window), 0))  # rows read
-        meta[1].copy_(torch.where(live, bonus, meta[1]))  # the root: this round's bonus
-        meta[2].add_(m)  # ring end = the root's position
-        prefix = v["prefix"][:b]  # (b,) int32
-        prefix.add_(m.to(prefix.dtype))
 
     @torch.inference_mode()
     def _capture(self, b: int, budget: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

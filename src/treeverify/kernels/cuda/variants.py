@@ -213,6 +213,20 @@ class DDTreeTopkVariant:
     fast_math: bool = False
 
 
+@dataclass(frozen=True)
+class RoundStateVariant:
+    """whole_round_state (round_state.cu): a whole round's node slots (phase 0) and the next
+    round's inputs (phase 1), one CTA per request."""
+
+    name: str = "round_state"
+    expr: str = "treeverify::whole_round_state"
+    threads: int = 64
+    smem_bytes: int = 0
+    defines: tuple[str, ...] = ()
+    source_file: str = "round_state.cu"
+    fast_math: bool = False
+
+
 Variant = (
     FwdVariant
     | MlaSm90Variant
@@ -222,6 +236,7 @@ Variant = (
     | DDTreeHeapVariant
     | DDTreeWalkVariant
     | DDTreeTopkVariant
+    | RoundStateVariant
 )
 
 
@@ -297,4 +312,5 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
     out.append(DDTreeTopkVariant())
+    out.append(RoundStateVariant())
     return out
