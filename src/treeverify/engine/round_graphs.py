@@ -71,6 +71,14 @@ class _Launched:
         return self.host[:n].tolist()
 
 
+def _positions(fl: _InFlight, seqs: list[Sequence]) -> list[int] | None:
+    """Where each of `seqs` is in the round in flight, when all are, in its order (the
+    scheduler keeps arrival order); else None."""
+    at = {id(s): i for i, s in enumerate(fl.seqs)}
+    pick = [at.get(id(s), -1) for s in seqs]
+    return pick if seqs and -1 not in pick and pick == sorted(pick) else None
+
+
 @dataclass
 class _InFlight:
     """A round launched ahead: for these sequences, at this budget, rooted at `starts`."""
@@ -112,6 +120,7 @@ class RoundGraphs:
         self.replays = 0
         self.ahead_used = 0  # rounds launched ahead and consumed by the next step
         self.ahead_discarded = 0  # ... and thrown away (the batch or budget changed)
+        self.ahead_partial = 0  # ... consumed by the requests of it still running
         self.report: list[dict] = []
         t_all = time.perf_counter()
         previous = moe_impl("graph") if moe_impl is not None else None
@@ -223,11 +232,9 @@ class RoundGraphs:
         return self._in_flight
 
     def ahead_budget(self, seqs: list[Sequence]) -> int | None:
-        """The budget of the round launched ahead when it is for exactly these sequences."""
+        """The budget of the round launched ahead when it holds these sequences' rounds."""
         fl = self._in_flight
-        if fl is None or len(fl.seqs) != len(seqs):
-            return None
-        return fl.budget if all(a is b for a, b in zip(fl.seqs, seqs, strict=True)) else None
+        return fl.budget if fl is not None and _positions(fl, seqs) is not None else None
 
     def discard(self) -> None:
         """Throw the round launched ahead away (the step went another way): release the pages
@@ -239,29 +246,31 @@ class RoundGraphs:
         for seq in fl.seqs:
             self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
 
-    def _take(self, seqs: list[Sequence], budget: int) -> _InFlight | None:
-        """The round in flight if it is this step's (same requests in the same order, the same
-        budget, rooted where each sequence now ends, nothing new for the drafter); else None
-        after discarding it."""
+    def _take(self, seqs: list[Sequence], budget: int) -> tuple[_InFlight, list[int]] | None:
+        """The round in flight and where each of `seqs` is in it, if it is this step's: the
+        same budget, `seqs` its requests in order or those of them still running (the others
+        finished, were aborted or preempted: their rows are dropped, not their neighbours'),
+        each rooted where it now ends, nothing new for the drafter. Else None, discarding it."""
         fl = self._in_flight
         if fl is None:
             return None
-        same = (
+        pick = _positions(fl, seqs)
+        ok = (
             fl.budget == budget
-            and len(fl.seqs) == len(seqs)
-            and all(a is b for a, b in zip(fl.seqs, seqs, strict=True))
+            and pick is not None
             and all(
-                s.num_tokens - 1 == p == s.num_cached_tokens
-                for s, p in zip(seqs, fl.starts, strict=True)
+                s.num_tokens - 1 == fl.starts[i] == s.num_cached_tokens
+                for s, i in zip(seqs, pick, strict=True)
             )
             and not self.context.has_pending([s.request_id for s in seqs])
         )
-        if not same:
+        if not ok:
             self.discard()
             return None
         self._in_flight = None
         self.ahead_used += 1
-        return fl
+        self.ahead_partial += len(pick) < len(fl.seqs)
+        return fl, pick
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], budget: int, *, ahead: bool = False
@@ -272,8 +281,8 @@ class RoundGraphs:
         sequence's packed row [m, bonus, committed K, path K] as host lists, or None when no
         bucket holds this round (nothing was reserved or launched then)."""
         n = self.spec.nodes_for(budget)
-        fl = self._take(seqs, budget)
-        if fl is None:
+        taken = self._take(seqs, budget)
+        if taken is None:
             b = self.bucket_for(seqs, budget)
             if b is None:
                 return None
@@ -293,7 +302,11 @@ class RoundGraphs:
             stage.write_round([s.block_table for s in seqs], starts)  # the graph finds the slots
             now = self._launch(b, budget, self.context.eager_rows(meta[2][: len(seqs)]))
         else:
-            b, starts, now = fl.batch, fl.starts, fl.launched
+            fl, pick = taken
+            b, now = fl.batch, fl.launched
+            starts = [fl.starts[i] for i in pick]
+            if len(pick) < len(fl.seqs):  # its device state still has the dropped requests'
+                ahead = False  # rows: the next round is staged by the host (read first)
             for seq in seqs:  # the slots it wrote: in pages held for it, no new page
                 if self.bm.num_pages_needed(seq, n - 1):
                     raise RuntimeError(f"round launched ahead for {seq.request_id}: its pages "
@@ -305,7 +318,10 @@ class RoundGraphs:
         if not held:  # nothing launched ahead: pages held for this round are in its slots now
             for seq in seqs:
                 self.bm.release_hold(seq)
-            return now.rows(len(seqs))
+            if taken is None:
+                return now.rows(len(seqs))
+            rows = now.rows(len(taken[0].seqs))
+            return [rows[i] for i in taken[1]]
         nxt = self._launch(b, budget, None) if self.captured else None  # before reading `now`
         rows = now.rows(len(seqs))  # on a GPU: waits for this round, not the next
         nxt_starts = [p + r[0] for p, r in zip(starts, rows, strict=True)]
@@ -362,4 +378,5 @@ class RoundGraphs:
             "lookahead": self.lookahead,
             "ahead_used": self.ahead_used,
             "ahead_discarded": self.ahead_discarded,
+            "ahead_partial": self.ahead_partial,
         }
