@@ -12,8 +12,8 @@ is in test_round_graphs_gpu.py.
 from __future__ import annotations
 
 import pytest
-import torch
 
+from lockstep import assert_same_state
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
 
@@ -27,22 +27,6 @@ CODE = [
 def _engine(**kw) -> LLM:
     kw.setdefault("speculative_algorithm", "DDTREE")
     return LLM("tiny-code", num_pages=96, max_num_seqs=4, **kw)
-
-
-def _slots(llm: LLM, seq) -> torch.Tensor:
-    ps = llm.cache.page_size
-    pos = torch.arange(seq.num_cached_tokens)
-    table = torch.tensor(seq.block_table)
-    return table[pos // ps] * ps + pos % ps  # (cached,)
-
-
-def _kv_rows(llm: LLM, seq) -> list[torch.Tensor]:
-    s = _slots(llm, seq)
-    out = []
-    for layer in sorted(llm.cache.k):
-        for t in (llm.cache.k[layer], llm.cache.v[layer]):
-            out.append(t.reshape(-1, *t.shape[2:])[s])
-    return out
 
 
 @pytest.mark.parametrize(
@@ -77,12 +61,7 @@ def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, lat
             assert a.num_cached_tokens == b.num_cached_tokens and a.block_table == b.block_table
             if a.is_finished:
                 continue
-            for x, y in zip(_kv_rows(whole, a), _kv_rows(general, b), strict=True):
-                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"step {steps}")
-            kv_a, first_a = whole.spec.source.context.keys_values(a.request_id)
-            kv_b, first_b = general.spec.source.context.keys_values(b.request_id)
-            assert first_a == first_b
-            torch.testing.assert_close(kv_a, kv_b, rtol=1e-4, atol=1e-4, msg=f"step {steps}")
+            assert_same_state(whole, a, general, b, f"step {steps}")
     assert not general.has_unfinished()
     assert whole.rounds.replays > 0  # the rounds took the whole-round path
     sw, sg = whole.spec_stats, general.spec_stats

@@ -14,8 +14,8 @@ held page comes back. The GPU version (captured, overlapped) is in test_round_gr
 from __future__ import annotations
 
 import pytest
-import torch
 
+from lockstep import assert_same_state
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.sequence import SequenceStatus
@@ -32,15 +32,6 @@ def _engine(lookahead: bool, **kw) -> LLM:
     kw.setdefault("num_pages", 96)
     kw.setdefault("max_num_seqs", 4)
     return LLM("tiny-code", round_lookahead=lookahead, **kw)
-
-
-def _kv_rows(llm: LLM, seq) -> list[torch.Tensor]:
-    """The K/V of every cached position, through this engine's own page table."""
-    ps = llm.cache.page_size
-    pos = torch.arange(seq.num_cached_tokens)
-    slots = torch.tensor(seq.block_table)[pos // ps] * ps + pos % ps  # (cached,)
-    return [t.reshape(-1, *t.shape[2:])[slots] for layer in sorted(llm.cache.k)
-            for t in (llm.cache.k[layer], llm.cache.v[layer])]  # fmt: skip
 
 
 def _check_pages(llm: LLM) -> None:
@@ -80,12 +71,7 @@ def test_lookahead_equals_rounds_read_first_step_by_step(algorithm, budget, late
             assert a.num_cached_tokens == b.num_cached_tokens
             if a.is_finished:
                 continue
-            for x, y in zip(_kv_rows(ahead, a), _kv_rows(plain, b), strict=True):
-                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"step {steps}")
-            kv_a, first_a = ahead.spec.source.context.keys_values(a.request_id)
-            kv_b, first_b = plain.spec.source.context.keys_values(b.request_id)
-            assert first_a == first_b
-            torch.testing.assert_close(kv_a, kv_b, rtol=1e-4, atol=1e-4, msg=f"step {steps}")
+            assert_same_state(ahead, a, plain, b, f"step {steps}")
     assert not plain.has_unfinished()
     info = ahead.rounds.info
     assert info["ahead_used"] > 10, info  # most rounds ran ahead of their step
