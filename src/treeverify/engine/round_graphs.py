@@ -13,8 +13,9 @@ work). Here the round's device work is one graph that reads only fixed buffers:
     accept     the greedy walk, the accepted K/V moved into place, the result packed
     context    the accepted rows' hidden states -> the drafter's keys/values -> their rings
 
-The host stages two small inputs (the draft's meta, the verify stage: slots, prefix lengths,
-page table) in one pinned copy each, replays once, and reads back one (B, 2 + 2K) int64 result:
+The host stages two small inputs (the draft's meta, the verify stage: prefix lengths, page
+table; the graph finds the nodes' slots in it, engine/round_state.py) in one pinned copy each,
+replays once, and reads back one (B, 2 + 2K) int64 result:
 [accepted length m, bonus, committed tokens K, path node per depth K]. Its commit then only
 moves counters: the block manager keeps m - 1 reserved slots, the context ring advances by m.
 
