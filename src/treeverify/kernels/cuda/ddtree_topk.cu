@@ -1,10 +1,16 @@
 // DDTree's draft table (spec/tree.py `draft_topk`) for small k, one CTA per (request, depth) row:
 // fp32 log-softmax over the vocabulary and its k largest entries, sorted descending, clamped to
 // [floor, 0]. One launch instead of log_softmax + torch.topk (whose radix select took 49 us of a
-// 0.65 ms round on the H200 for 15 rows of 8192 and k = 16). The k winners are found in k rounds:
-// each round every thread scans its strided entries for the best one ranked after the previous
-// winner (rank: larger value first, then smaller index), and the block reduces them. The row
-// stays in L1/L2 across the rounds; k is bounded by the caller (the scans are k x V / threads).
+// 0.65 ms round on the H200 for 15 rows of 8192 and k = 16). The k winners are found in k rounds
+// (rank: larger value first, then smaller index); each round the block reduces every thread's
+// best entry ranked after the previous winner.
+//   * V <= threads * kTopkPer (tiny-code's 8192): each thread holds its strided entries in
+//     registers, and after a round only the winner's owner looks for its next best (the others'
+//     candidates still rank after the winner): a round is a block reduction plus one register
+//     scan. (The loop below re-read the row from L1/L2 every round: 44 us for 15 rows of 8192,
+//     k = 16, ~7% of a whole round.)
+//   * larger vocabularies: every thread rescans its entries from memory each round (the row
+//     stays in L1/L2 across the rounds; k is bounded by the caller: the scans are k x V / threads).
 
 namespace treeverify {
 
@@ -13,6 +19,7 @@ static_assert(sizeof(int64_t) == 8, "fixed-width types");
 
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
+constexpr int kTopkPer = 32;  // entries per thread held in registers (V <= 8192)
 
 // Does (va, ia) rank before (vb, ib)?
 __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
@@ -39,6 +46,32 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return v;
 }
 
+// The block's best (value, index) pair; every thread gets it.
+__device__ __forceinline__ void block_best(float& bv, int& bi, float* win_v, int* win_i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ranks_before(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  if ((threadIdx.x & 31) == 0) {
+    win_v[threadIdx.x >> 5] = bv;
+    win_i[threadIdx.x >> 5] = bi;
+  }
+  __syncthreads();
+  bv = win_v[0];
+  bi = win_i[0];
+  for (int w = 1; w < kTopkWarps; ++w) {
+    if (ranks_before(win_v[w], win_i[w], bv, bi)) {
+      bv = win_v[w];
+      bi = win_i[w];
+    }
+  }
+  __syncthreads();
+}
+
 // logits (R, V) fp32 rows; lp (R, k) fp32, ids (R, k) int64.
 __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, float floor_lp,
                             float* __restrict__ lp, int64_t* __restrict__ ids) {
@@ -48,6 +81,52 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
   const int64_t row = blockIdx.x;
   const float* x = logits + row * V;
   const float inf = __int_as_float(0x7f800000);
+
+  if (V <= kTopkThreads * kTopkPer) {  // registers: a round is a reduction + one scan
+    float vals[kTopkPer];
+    float m = -inf;
+#pragma unroll
+    for (int j = 0; j < kTopkPer; ++j) {
+      const int i = threadIdx.x + j * kTopkThreads;
+      vals[j] = i < V ? x[i] : -inf;
+      m = fmaxf(m, vals[j]);
+    }
+    m = block_max(m, red);
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kTopkPer; ++j) s += expf(vals[j] - m);  // padding: exp(-inf) = 0
+    const float logz = logf(block_sum(s, red));
+    float pv = inf;  // the previous winner: every entry ranks after it at first
+    int pi = -1;
+    float cv = -inf;  // this thread's best entry ranked after the previous winner
+    int ci = 0x7fffffff;
+    bool mine = true;  // whether this thread's candidate was the winner (or none yet)
+    for (int r = 0; r < k; ++r) {
+      if (mine) {
+        cv = -inf;
+        ci = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < kTopkPer; ++j) {
+          const int i = threadIdx.x + j * kTopkThreads;
+          if (i < V && ranks_before(pv, pi, vals[j], i) && ranks_before(vals[j], i, cv, ci)) {
+            cv = vals[j];
+            ci = i;
+          }
+        }
+      }
+      float bv = cv;
+      int bi = ci;
+      block_best(bv, bi, win_v, win_i);
+      mine = bi == ci;
+      pv = bv;
+      pi = bi;
+      if (threadIdx.x == 0) {
+        lp[row * k + r] = fminf(fmaxf((bv - m) - logz, floor_lp), 0.0f);
+        ids[row * k + r] = bi;
+      }
+    }
+    return;
+  }
 
   float m = -inf;
   for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, x[i]);
@@ -68,28 +147,7 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
         bi = i;
       }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ranks_before(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if ((threadIdx.x & 31) == 0) {
-      win_v[threadIdx.x >> 5] = bv;
-      win_i[threadIdx.x >> 5] = bi;
-    }
-    __syncthreads();
-    bv = win_v[0];
-    bi = win_i[0];
-    for (int w = 1; w < kTopkWarps; ++w) {
-      if (ranks_before(win_v[w], win_i[w], bv, bi)) {
-        bv = win_v[w];
-        bi = win_i[w];
-      }
-    }
-    __syncthreads();
+    block_best(bv, bi, win_v, win_i);
     pv = bv;
     pi = bi;
     if (threadIdx.x == 0) {
