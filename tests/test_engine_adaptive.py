@@ -100,6 +100,32 @@ def test_calibration_times_every_bucket_at_each_batch_size():
     assert not llm.has_unfinished() and llm.spec_stats["rounds"] == 0  # its requests are gone
 
 
+def test_calibration_with_rounds_launched_ahead_times_steady_steps():
+    """With lookahead a budget's first step takes the round launched at the previous budget and
+    its second is read first: calibration times the steps after those (a step at a budget after
+    one at it), every bucket gets a cost, and its requests leave no page held."""
+    from treeverify.engine.budget_calibration import calibrate
+
+    llm = LLM("tiny-code", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+              round_lookahead=True, num_pages=96)  # fmt: skip
+    budgets, step = [], llm.step
+
+    def recording_step():
+        out = step()
+        budgets.append(llm._step_budget)
+        return out
+
+    llm.step = recording_step
+    used = llm.rounds.info["ahead_used"]
+    per_bucket = calibrate(llm, batch_sizes=(1,))
+    assert set(per_bucket) == set(llm.controller.buckets)
+    assert llm.rounds.info["ahead_used"] > used  # rounds ran launched ahead
+    for b in llm.controller.buckets:  # each bucket had a streak of at least two steps
+        assert any(x == y == b for x, y in zip(budgets, budgets[1:], strict=False)), budgets
+    assert not llm.has_unfinished()
+    assert llm.scheduler.block_manager.num_free_pages == 96
+
+
 def test_adaptive_off_and_chain_refusal():
     llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
               speculative_adaptive=False)  # fmt: skip
