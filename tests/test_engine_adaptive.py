@@ -100,28 +100,43 @@ def test_calibration_times_every_bucket_at_each_batch_size():
     assert not llm.has_unfinished() and llm.spec_stats["rounds"] == 0  # its requests are gone
 
 
-def test_calibration_with_rounds_launched_ahead_times_steady_steps():
-    """With lookahead a budget's first step takes the round launched at the previous budget and
-    its second is read first: calibration times the steps after those (a step at a budget after
-    one at it), every bucket gets a cost, and its requests leave no page held."""
+def test_with_rounds_launched_ahead_only_steady_steps_teach_the_cost():
+    """With lookahead a budget's first step takes the round launched at the previous budget
+    (cheap: its rest only) and its second is read first (dear): neither is that budget's cost
+    when the controller stays on it. Calibration times, and serving observes, steady steps only
+    (a round launched ahead taken, the next launched); every bucket still gets a cost, greedy
+    outputs equal plain decoding, and no page stays held."""
     from treeverify.engine.budget_calibration import calibrate
 
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = ["def fibonacci(n):\n    if n < 2:\n", "import os\n\n\ndef walk(path):\n"]
+    want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(prompts, sp)]
     llm = LLM("tiny-code", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
               round_lookahead=True, num_pages=96)  # fmt: skip
-    budgets, step = [], llm.step
-
-    def recording_step():
-        out = step()
-        budgets.append(llm._step_budget)
-        return out
-
-    llm.step = recording_step
-    used = llm.rounds.info["ahead_used"]
     per_bucket = calibrate(llm, batch_sizes=(1,))
     assert set(per_bucket) == set(llm.controller.buckets)
-    assert llm.rounds.info["ahead_used"] > used  # rounds ran launched ahead
-    for b in llm.controller.buckets:  # each bucket had a streak of at least two steps
-        assert any(x == y == b for x, y in zip(budgets, budgets[1:], strict=False)), budgets
+    observed, unsteady, observe = [], [0], llm.controller.observe_step
+
+    def recording(n, budget, seconds):
+        assert llm._step_steady, (budget, llm.rounds.info)  # never a switch's step
+        observed.append(budget)
+        return observe(n, budget, seconds)
+
+    llm.controller.observe_step = recording
+    step = llm.step
+
+    def counting_step():
+        out = step()
+        unsteady[0] += not llm._step_steady
+        return out
+
+    llm.step = counting_step
+    pinned = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative_budget=8)
+    assert [o.token_ids for o in llm.generate(prompts, pinned)] == want  # rounds, not the CPU's
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want  # the controller's choice
+    assert 8 in observed  # overlapped rounds were observed
+    assert unsteady[0] > 0  # ... and read-first / switch steps were left out
+    assert llm.rounds.info["ahead_used"] > 0
     assert not llm.has_unfinished()
     assert llm.scheduler.block_manager.num_free_pages == 96
 

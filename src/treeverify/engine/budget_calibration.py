@@ -91,8 +91,8 @@ def calibrate(llm: LLM, prompt_len: int = 16,
 
 def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams) -> dict:
     """Median seconds of a decode-only step of n requests at each bucket (interleaved passes);
-    finished requests are replaced, and steps with a prefill in them are not timed. Only a step
-    that follows a step at the same budget is timed: with whole rounds launched ahead
+    finished requests are replaced, and steps with a prefill in them are not timed. Only a
+    steady step is timed (`LLM._step_steady`): with whole rounds launched ahead
     (engine/round_graphs.py) the first step at a new budget takes the round launched at the
     old one and the second is read first; serving at a budget runs overlapped steps, the third
     on. (Timing the first step at each budget put budget 16 at its read-first 0.83 ms on the
@@ -103,7 +103,6 @@ def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams) -
     requests = 0
     for timed in [False] * WARM_PASSES + [True] * TIMED_PASSES:
         for budget in ctl.buckets:
-            streak = 0  # steps in a row at this budget
             for _ in range(6):  # prefills, the switch's first steps: step again
                 for seq in [s for s in live if s.is_finished]:
                     llm.output(seq)  # drops its logprob bookkeeping
@@ -116,9 +115,8 @@ def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams) -
                 t0 = ctl.clock()
                 llm.step()
                 seconds = ctl.clock() - t0
-                # a decode-only step of them all at this budget, after one at it
-                streak = streak + 1 if llm._step_budget == budget else 0
-                if streak >= 2 or (streak and not getattr(llm.rounds, "lookahead", False)):
+                # a decode-only step of them all at this budget, at its steady cost
+                if llm._step_budget == budget and llm._step_steady:
                     if timed:
                         times[budget].append(seconds)
                     break

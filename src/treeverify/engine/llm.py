@@ -137,6 +137,9 @@ class LLM(Introspection):
         self.controller = make_controller(config)
         self.rounds: RoundGraphs | None = None  # whole greedy DFlash rounds, once made
         self._step_budget: int | None = None  # the last step's budget when it was decode-only
+        # whether the last step ran at its budget's steady cost: False for a whole round read
+        # first, or one launched ahead and taken without launching the next (a budget switch)
+        self._step_steady = True
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
@@ -262,6 +265,7 @@ class LLM(Introspection):
         speculating one; logprobs kept per request."""
         tb = None
         self._step_budget = None
+        self._step_steady = True
         if self.spec is not None:
             want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
             budget = self.spec.budget
@@ -354,6 +358,7 @@ class LLM(Introspection):
         rows = rounds.step(seqs, budget, ahead=ahead)  # [m, bonus, K tokens, K path] each
         if rows is None:
             return None
+        self._step_steady = rounds.steady
         t1 = time.perf_counter()
         stats.phase_seconds["verify"] += t1 - t0  # staging, launch(es) and the round's one read
         paths: list[list[int]] = []
@@ -455,7 +460,9 @@ class LLM(Introspection):
         clock = self.controller.clock if self.controller is not None else time.perf_counter
         t0 = clock()
         tokens = self.run_batch(batch)
-        if self.controller is not None and self._step_budget is not None:  # decode-only step
+        if self.controller is not None and self._step_budget is not None and self._step_steady:
+            # a decode-only step at its budget's steady cost (a switch's steps would teach the
+            # controller a read-first round's cost, or a taken round's remainder)
             self.controller.observe_step(len(batch.decodes), self._step_budget, clock() - t0)
         # a round's accepted nodes (all its tokens but the bonus) have their K/V in place
         ahead = [len(t) - 1 if isinstance(t, list) else 0 for t in tokens]

@@ -122,6 +122,9 @@ class RoundGraphs:
         self.ahead_used = 0  # rounds launched ahead and consumed by the next step
         self.ahead_discarded = 0  # ... and thrown away (the batch or budget changed)
         self.ahead_partial = 0  # ... consumed by the requests of it still running
+        # the last step ran overlapped: it took a round launched ahead and launched the next
+        # (with lookahead, the cost a budget has when the controller stays on it)
+        self.steady = not lookahead
         self.report: list[dict] = []
         t_all = time.perf_counter()
         previous = moe_impl("graph") if moe_impl is not None else None
@@ -283,6 +286,7 @@ class RoundGraphs:
         bucket holds this round (nothing was reserved or launched then)."""
         n = self.spec.nodes_for(budget)
         taken = self._take(seqs, budget)
+        self.steady = not self.lookahead  # (set below once it launched ahead of a taken round)
         if taken is None:
             b = self.bucket_for(seqs, budget)
             if b is None:
@@ -323,6 +327,7 @@ class RoundGraphs:
                 return now.rows(len(seqs))
             rows = now.rows(len(taken[0].seqs))
             return [rows[i] for i in taken[1]]
+        self.steady = taken is not None
         nxt = self._launch(b, budget, None) if self.captured else None  # before reading `now`
         rows = now.rows(len(seqs))  # on a GPU: waits for this round, not the next
         nxt_starts = [p + r[0] for p, r in zip(starts, rows, strict=True)]
