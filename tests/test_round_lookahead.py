@@ -188,3 +188,14 @@ def test_an_abort_keeps_the_survivors_rows_of_the_round_in_flight():
         _check_pages(llm)
     assert keep.output_token_ids == want
     assert llm.scheduler.block_manager.num_free_pages == 96
+
+
+def test_spec_diverge_fault_reaches_rounds_launched_ahead(monkeypatch):
+    """The planted fault wraps the host commit, which rounds launched ahead go through too: on
+    a GPU (lookahead on by default) the gate's probes see it on the path production runs."""
+    monkeypatch.setenv("TREEVERIFY_FAULT", "spec_diverge")
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE[:1], sp)]
+    llm = _engine(True, speculative_adaptive=False)
+    got = [o.token_ids for o in llm.generate(CODE[:1], sp)]
+    assert llm.rounds.info["ahead_used"] > 0 and got != want
