@@ -74,3 +74,7 @@ def test_dense_equals_grouped_and_counts():
     model.reset_moe_counts()
     assert model.moe_expert_counts.sum() == 0
     assert model.moe_expert_counts.device == grouped.device
+    with torch.no_grad():  # the batched-GEMV path (what decode-sized graph steps take)
+        model.set_moe_impl("gather")
+        gathered = model(ids, pos)
+    torch.testing.assert_close(gathered, grouped, atol=1e-5, rtol=1e-5)

@@ -72,10 +72,7 @@ class BlockManager:
         need = self.pages_for(upto) - len(seq.block_table)
         if need > len(self._free):
             return False
-        for _ in range(max(0, need)):
-            page = heapq.heappop(self._free)
-            self.ref_counts[page] = 1
-            seq.block_table.append(page)
+        self._take_pages(seq, need)
         self._held[seq.request_id] = max(upto, self._held.get(seq.request_id, 0))
         return True
 
@@ -261,14 +258,18 @@ class BlockManager:
             last = seq.block_table[seq.num_slots // self.page_size]  # (held pages follow it)
             if self.ref_counts[last] > 1:  # cannot happen through fork(); guard anyway
                 raise RuntimeError(f"{seq.request_id!r}: would write into shared page {last}")
-        for _ in range(need):
-            page = heapq.heappop(self._free)
-            self.ref_counts[page] = 1
-            seq.block_table.append(page)
+        self._take_pages(seq, need)
         start = seq.num_slots
         seq.num_slots += n
         ps, table = self.page_size, seq.block_table  # `slot` per position, without its checks
         return [table[p // ps] * ps + p % ps for p in range(start, start + n)]
+
+    def _take_pages(self, seq: Sequence, need: int) -> None:
+        """Append `need` free pages (lowest ids first) to seq's table."""
+        for _ in range(need):
+            page = heapq.heappop(self._free)
+            self.ref_counts[page] = 1
+            seq.block_table.append(page)
 
     def _release(self, page: int) -> bool:
         if self.ref_counts[page] <= 0:

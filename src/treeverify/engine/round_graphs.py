@@ -72,14 +72,6 @@ class _Launched:
         return self.host[:n].tolist()
 
 
-def _positions(fl: _InFlight, seqs: list[Sequence]) -> list[int] | None:
-    """Where each of `seqs` is in the round in flight, when all are, in its order (the
-    scheduler keeps arrival order); else None."""
-    at = {id(s): i for i, s in enumerate(fl.seqs)}
-    pick = [at.get(id(s), -1) for s in seqs]
-    return pick if seqs and -1 not in pick and pick == sorted(pick) else None
-
-
 @dataclass
 class _InFlight:
     """A round launched ahead: for these sequences, at this budget, rooted at `starts`."""
@@ -89,6 +81,14 @@ class _InFlight:
     batch: int  # its bucket
     starts: list[int]  # each root's position, as the previous round's commit predicts
     launched: _Launched
+
+
+def _positions(fl: _InFlight, seqs: list[Sequence]) -> list[int] | None:
+    """Where each of `seqs` is in the round in flight, when all are, in its order (the
+    scheduler keeps arrival order); else None."""
+    at = {id(s): i for i, s in enumerate(fl.seqs)}
+    pick = [at.get(id(s), -1) for s in seqs]
+    return pick if seqs and -1 not in pick and pick == sorted(pick) else None
 
 
 class RoundGraphs:

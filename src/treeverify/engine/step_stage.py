@@ -83,15 +83,21 @@ class StepStage:
         b = len(starts)
         if b > self.batch:
             raise ValueError(f"batch: {b} requests exceed the bucket's {self.batch}")
-        w = max(len(t) for t in block_tables)
-        if w > self.pages:
-            raise ValueError(f"block_tables: {w} pages exceed the staged {self.pages}")
+        w = self._write_table(block_tables)
         self.h_prefix[:b] = starts
         self.h_prefix[b:] = 0
         self.h_qo[: b + 1] = np.arange(0, (b + 1) * n, n)
         self.h_qo[b + 1 :] = b * n
         self.h_valid[: b * n] = 1
         self.h_valid[b * n :] = 0
+        return w
+
+    def _write_table(self, block_tables: list[list[int]]) -> int:
+        """The requests' pages into the host table (padding requests' columns zeroed); returns
+        w, the table rows in use."""
+        w = max(len(t) for t in block_tables)
+        if w > self.pages:
+            raise ValueError(f"block_tables: {w} pages exceed the staged {self.pages}")
         table = self.h_table
         table[:w] = 0  # padding requests' columns too
         for i, pages in enumerate(block_tables):
@@ -123,12 +129,7 @@ class StepStage:
         one copy of the table rows in use; the rest of the twin stays as the device wrote it.
         Queued after the work already launched, so a round in flight reads the table it had."""
         self._fresh_if_busy()
-        w = max(len(t) for t in block_tables)
-        if w > self.pages:
-            raise ValueError(f"block_tables: {w} pages exceed the staged {self.pages}")
-        self.h_table[:w] = 0
-        for i, pages in enumerate(block_tables):
-            self.h_table[: len(pages), i] = pages
+        w = self._write_table(block_tables)
         a = self._o32["table"][0]
         self.dev[a : a + w * self.batch].copy_(self.host[a : a + w * self.batch],
                                                 non_blocking=self._pin)  # fmt: skip

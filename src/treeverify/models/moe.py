@@ -170,12 +170,12 @@ class DeepseekMoE(nn.Module):
                 impl = "grouped_mm"
             else:
                 impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
-        out = torch.zeros_like(x, dtype=torch.float32)  # (T, hidden)
         if impl == "gather":
             out = self._gathered(x, idx, w)
         elif impl == "grouped_mm":
             out = self._grouped_mm(x, idx, w, counts)
         elif impl == "dense":
+            out = torch.zeros_like(x, dtype=torch.float32)  # (T, hidden)
             combine = torch.zeros(t, self.n_experts, device=x.device, dtype=torch.float32)
             combine.scatter_add_(1, idx, w)  # (T, E)
             for e, expert in enumerate(self.experts):
