@@ -137,7 +137,7 @@ def test_batched_draft_from_cache_equals_stateless_propose(drafter):
 
 
 def test_ring_valid_keeps_the_newest_rows_in_any_order():
-    from treeverify.engine.draft_context import ring_valid
+    from treeverify.spec.dflash import ring_valid
 
     w = 8
     # not wrapped (end 5, 5 rows): rows 0..4; wrapped (end 19 -> rows 19 % 8 = 3 newest):

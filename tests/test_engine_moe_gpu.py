@@ -82,24 +82,48 @@ def test_verify_bucket_captures_and_replays_like_eager(llm, impl, batch):
         llm.runner.attention.forget((batch, n))
 
 
+NEAR_TIE_NATS = 0.1  # bf16 noise between two kernels' sums; a wrong K/V or mask is far above it
+
+
+def assert_greedy_equal_but_near_ties(got, want, want_logprobs) -> None:
+    """Greedy token lists equal, except that each may part at one bf16 near-tie: at its first
+    difference both tokens are in the reference's top 2 within NEAR_TIE_NATS (after it the
+    contexts differ, so nothing more is compared)."""
+    for r, (g, w, lps) in enumerate(zip(got, want, want_logprobs, strict=True)):
+        at = next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
+        if at is None:
+            assert g == w, f"request {r}: lengths differ"
+            continue
+        top = dict(lps[at].top)  # token -> logprob under the reference
+        assert g[at] in top, f"request {r} parts at {at}: {g[at]} not in the reference's {top}"
+        gap = top[w[at]] - top[g[at]]
+        assert gap <= NEAR_TIE_NATS, f"request {r} parts at {at} by {gap:.3f} nats: not a near-tie"
+
+
 def test_engine_speculative_rounds_on_mla_moe_graphs_equal_eager():
     """The engine's own capture of verify buckets on the MoE model: greedy DDTREE tokens with
-    graphs equal those without (and plain greedy)."""
-    outs = {}
+    graphs equal those without. Graphs pad each step to its bucket, so the grouped GEMMs see other
+    group sizes than eager's and may round a sum differently: on random weights a greedy token can
+    then flip at a near-tie (2 of ~10 runs on the H200 at a35b3dd, at the 12th token), so a
+    parting is allowed only there (see assert_greedy_equal_but_near_ties)."""
+    from treeverify.engine.sampling_params import SamplingParams
+
+    outs, logprobs = {}, {}
     for graphs in (True, False):
         engine = LLM("random:mla-moe", device="cuda", num_pages=512, cuda_graph_max_bs=2,
                      disable_cuda_graph=not graphs, speculative_algorithm="DDTREE",
                      speculative_ddtree_budget=BUDGET)  # fmt: skip
-        from treeverify.engine.sampling_params import SamplingParams
-
         rep = [list(range(100, 120)) * 3 for _ in range(2)]  # repetitive: the drafter proposes
-        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        outs[graphs] = [o.token_ids for o in engine.generate(rep, sp)]
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+        done = engine.generate(rep, sp)
+        outs[graphs] = [o.token_ids for o in done]
+        logprobs[graphs] = [o.logprobs for o in done]
         if graphs:
             assert (2, BUDGET + 1) in engine.runner.graphs.steps
+            assert engine.spec_stats["rounds"] > 0  # the verify buckets ran
         del engine
         torch.cuda.empty_cache()
-    assert outs[True] == outs[False]
+    assert_greedy_equal_but_near_ties(outs[True], outs[False], logprobs[False])
 
 
 @torch.inference_mode()

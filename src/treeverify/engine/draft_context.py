@@ -15,9 +15,9 @@ The rows live in one store, a ring per request:
 and per request, on the host: its slot, `end` (one past the last projected position) and `count`
 (rows held: positions end - count .. end - 1, count <= W). Keys carry their rotary position, so
 the order of rows does not matter to the attention: a draft reads the whole ring of its request
-(`kv[slot]`, one gather, no per-request copy) and masks rows by age (`ring_valid`): the newest
-`window` rows. A captured whole round (engine/round_graphs.py) writes its accepted rows straight
-into the ring and the host only advances `end` and `count` (`advance`).
+(`kv[slot]`, in place, no per-request copy) and masks rows by age (spec.dflash.ring_valid): the
+newest `window` rows. A captured whole round (engine/round_graphs.py) writes its accepted rows
+straight into the ring and the host only advances `end` and `count` (`advance`).
 
 `observe` only appends to a pending list (a plain decode step, e.g. at adaptive budget 0, costs a
 list append); `project` turns every pending row of a set of requests into keys/values in ONE
@@ -39,14 +39,6 @@ from dataclasses import dataclass, field
 import torch
 
 from treeverify.kernels.staging import to_device
-
-
-def ring_valid(counts: torch.Tensor, ends: torch.Tensor, width: int, rows: int) -> torch.Tensor:
-    """(B, rows) bool: ring row r of request b holds one of its newest counts[b] positions
-    (those below ends[b]); the ring has `width` rows, the first `rows` of them are read."""
-    r = torch.arange(rows, device=counts.device)  # (rows,)
-    age = torch.remainder(ends[:, None] - 1 - r[None, :], width)  # (B, rows) newest = 0
-    return age < counts[:, None]
 
 
 @dataclass
@@ -294,12 +286,10 @@ class DraftContextCache:
     def draft(self, meta: torch.Tensor, depth: int, rows: int | None = None) -> torch.Tensor:
         """(B, L, V) draft logits from the rings: meta (4, B) int64 on the device (`draft_meta`);
         the first `rows` ring rows are read (default all W: what a captured draft reads; fewer
-        when no ring has wrapped past them). Capture-safe: a gather, a mask, one forward."""
+        when no ring has wrapped past them). Capture-safe: the rings are read in place
+        (DFlashDrafter.propose_from_ring: fused kernels on a GPU, a gather and a mask elsewhere)."""
         rows = self.width if rows is None else rows
-        counts, roots, ends, slots = meta  # (B,) each
-        ctx = self.kv[slots, :rows]  # (B, rows, n_layers, 2, Hkv, D)
-        valid = ring_valid(counts, ends, self.width, rows)  # (B, rows)
-        return self.drafter.propose_from_kv(ctx, counts, roots, ends, depth, context_valid=valid)
+        return self.drafter.propose_from_ring(self.kv, meta, rows, depth)
 
     def eager_rows(self, ends: list[int]) -> int:
         """Ring rows an eager draft must read: up to the largest end while no ring wrapped."""

@@ -131,7 +131,7 @@ def make_source(
     if bad:
         raise ValueError(f"speculative_draft_model_path: the drafter taps target layers {bad} "
                          f"outside 0..{config.num_hidden_layers - 1}")  # fmt: skip
-    return DFlashSource(drafter.eval())
+    return DFlashSource(drafter.eval().fuse_for_inference())
 
 
 def resolve_drafter(path: str | None, model: str) -> str:

@@ -36,8 +36,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeverify.models.layers import MLP, RMSNorm, Rope, apply_rope_tables, rope_inv_freq
+from treeverify.models.layers import (
+    MLP,
+    RMSNorm,
+    Rope,
+    apply_rope_tables,
+    fuse_linears,
+    rope_inv_freq,
+)
 from treeverify.spec.dflash_config import DFlashConfig
+
+
+def ring_valid(counts: torch.Tensor, ends: torch.Tensor, width: int, rows: int) -> torch.Tensor:
+    """(B, rows) bool: ring row r of request b holds one of its newest counts[b] positions
+    (those below ends[b]); the ring has `width` rows, the first `rows` of them are read."""
+    r = torch.arange(rows, device=counts.device)  # (rows,)
+    age = torch.remainder(ends[:, None] - 1 - r[None, :], width)  # (B, rows) newest = 0
+    return age < counts[:, None]
 
 
 class DFlashAttention(nn.Module):
@@ -58,6 +73,34 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.hq * self.d, h, bias=bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after fuse()
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """q|k|v as one GEMM (the projections' parameters become views into it)."""
+        if self.qkv is None:
+            self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward_ring(
+        self,
+        x: torch.Tensor,  # (B, T, H) the block, after the layer's input norm
+        store: torch.Tensor,  # (slots, W, n_layers, 2, Hkv, D) the context rings
+        layer: int,
+        meta: torch.Tensor,  # (4, B) int64: rows held, roots, ends, ring slots
+        rows: int,  # ring rows to walk
+        cos2: torch.Tensor,  # (B*T, D) rotate-half tables at the block's positions
+        sin2: torch.Tensor,  # (B*T, D)
+    ) -> torch.Tensor:  # (B, T, H)
+        """`forward` over keys/values read from the rings in place, by the Triton kernels of
+        spec/dflash_fused.py (after `fuse()`; `dflash_fused.supported` says where)."""
+        from treeverify.spec import dflash_fused
+
+        b, t, _ = x.shape
+        qkv = F.linear(x.reshape(b * t, -1), *self.qkv).view(b * t, -1, self.d)  # (B*T, Hq+2Hkv, D)
+        q, blk_kv = dflash_fused.qk_norm_rope(qkv, self.q_norm, self.k_norm, cos2, sin2,
+                                              self.hq, self.hkv, b)  # fmt: skip
+        o = dflash_fused.ring_attention(q, store, layer, meta, rows, blk_kv, self.sm_scale)
+        return self.o_proj(o).view(b, t, -1)  # (B*T, Hq*D) -> (B, T, H)
 
     def keys_values(
         self,
@@ -112,6 +155,15 @@ class DFlashDecoderLayer(nn.Module):
     def forward(self, x, ctx_kv, cos2, sin2, bias):  # x (B, T, H) -> (B, T, H)
         x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos2, sin2, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_ring(self, x, store, layer, meta, rows, cos2, sin2):  # (B, T, H) -> (B, T, H)
+        from treeverify.models.fused_ops import add_rmsnorm
+
+        b, t, h = x.shape
+        a = self.self_attn.forward_ring(self.input_layernorm(x), store, layer, meta, rows,
+                                        cos2, sin2)  # fmt: skip
+        normed, x = add_rmsnorm(a.view(b * t, h), x.view(b * t, h), self.post_attention_layernorm)
+        return (x + self.mlp(normed)).view(b, t, h)
 
 
 class DFlashDrafter(nn.Module):
@@ -256,29 +308,15 @@ class DFlashDrafter(nn.Module):
             raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
         if not 1 <= depth <= self.block_size - 1:
             raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
-        embed, lm_head = self._target
-        cfg = self.config
         b, c = ctx_kv.shape[:2]
         t = self.block_size
         device = ctx_kv.device
-        dtype = self.fc.weight.dtype
         if context_valid is None:
             lens = context_lens.to(device=device, dtype=torch.long)  # (B,)
             ctx_valid = torch.arange(c, device=device)[None, :] < lens[:, None]  # (B, C)
         else:
             ctx_valid = context_valid  # (B, C)
-
-        # The block: [last token, MASK x (T-1)] through the target's embedding table.
-        masks = torch.full((b, t - 1), self.mask_token_id, dtype=torch.long, device=device)
-        ids = torch.cat([last_tokens.to(device=device, dtype=torch.long)[:, None], masks], 1)
-        x = embed(ids).to(dtype)  # (B, T, H)
-        if cfg.input_embedding_scale != 1.0:
-            x = x * cfg.input_embedding_scale
-
-        # The block right after each sequence's context.
-        start = block_start.to(device=device, dtype=torch.long)  # (B,)
-        blk_pos = start[:, None] + torch.arange(t, device=device)[None, :]  # (B, T)
-        cos2, sin2 = self.rope.rotate_half_tables(blk_pos.reshape(-1), dtype)  # (B*T, D) each
+        x, cos2, sin2 = self._block(last_tokens, block_start)  # (B, T, H), (B*T, D) x2
         cos2, sin2 = cos2.view(b, t, -1), sin2.view(b, t, -1)  # (B, T, D)
 
         # Keys visible to every block query: the valid context rows and the whole block.
@@ -288,6 +326,72 @@ class DFlashDrafter(nn.Module):
 
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx_kv[:, :, i], cos2, sin2, bias)  # (B, T, H)
+        return self._logits(x, depth)
+
+    def fuse_for_inference(self) -> DFlashDrafter:
+        """q|k|v and gate|up as one GEMM each: what `propose_from_ring`'s fused path needs."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    def ring_fused(self, store: torch.Tensor, interpret: bool = False) -> bool:
+        """`propose_from_ring` runs the Triton kernels of spec/dflash_fused.py on this store."""
+        from treeverify.spec import dflash_fused
+
+        fused = all(layer.self_attn.qkv is not None for layer in self.layers)
+        return fused and dflash_fused.supported(store, self.config.head_dim, interpret)
+
+    def propose_from_ring(
+        self,
+        store: torch.Tensor,  # (slots, W, n_layers, 2, Hkv, D) the DraftContextCache's rings
+        meta: torch.Tensor,  # (4, B) int64: rows held per request, roots, ends, ring slots
+        rows: int,  # the first `rows` ring rows are read (rows older than a ring's end wrap)
+        depth: int,  # L
+        interpret: bool = False,  # the Triton CPU interpreter (tests)
+    ) -> torch.Tensor:  # (B, L, V) fp32 logits
+        """`propose_from_kv` over each request's ring, read in place: row r of ring `slots[b]`
+        is visible when its age (ends[b] - 1 - r) mod W is below counts[b]. On a GPU after
+        `fuse_for_inference` (see `ring_fused`): three Triton kernels per layer; elsewhere the
+        PyTorch path (a gather of the rows, then `propose_from_kv`). Capture-safe either way."""
+        counts, roots, ends, slots = meta  # (B,) each
+        if not self.ring_fused(store, interpret):
+            ctx = store[slots, :rows]  # (B, rows, n_layers, 2, Hkv, D)
+            valid = ring_valid(counts, ends, store.shape[1], rows)  # (B, rows)
+            return self.propose_from_kv(ctx, counts, roots, ends, depth, context_valid=valid)
+        if self._target is None:
+            raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
+        if not 1 <= depth <= self.block_size - 1:
+            raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
+        x, cos2, sin2 = self._block(roots, ends)  # (B, T, H), (B*T, D) x2
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_ring(x, store, i, meta, rows, cos2, sin2)  # (B, T, H)
+        return self._logits(x, depth)
+
+    def _block(
+        self,
+        last_tokens: torch.Tensor,  # (B,) int: block position 0
+        block_start: torch.Tensor,  # (B,) int: its position
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (B, T, H), cos2/sin2 (B*T, D)
+        """The block [last token, MASK x (T-1)] through the target's embedding table, and the
+        rotary tables at its positions (right after each sequence's context)."""
+        embed, _ = self._target
+        b, t = last_tokens.shape[0], self.block_size
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        masks = torch.full((b, t - 1), self.mask_token_id, dtype=torch.long, device=device)
+        ids = torch.cat([last_tokens.to(device=device, dtype=torch.long)[:, None], masks], 1)
+        x = embed(ids).to(dtype)  # (B, T, H)
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
+        start = block_start.to(device=device, dtype=torch.long)  # (B,)
+        blk_pos = start[:, None] + torch.arange(t, device=device)[None, :]  # (B, T)
+        cos2, sin2 = self.rope.rotate_half_tables(blk_pos.reshape(-1), dtype)  # (B*T, D) each
+        return x, cos2, sin2
+
+    def _logits(self, x: torch.Tensor, depth: int) -> torch.Tensor:  # (B, T, H) -> (B, L, V)
+        """Final norm and the target's lm_head on block positions 1 .. depth, fp32."""
+        _, lm_head = self._target
+        cfg = self.config
         h = self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
         logits = lm_head(h.to(lm_head.weight.dtype)).float()  # (B, L, V)
         if cfg.output_multiplier != 1.0:

@@ -1,0 +1,97 @@
+"""The DFlash drafter's fused Triton kernels (spec/dflash_fused.py) compiled on a GPU: against an
+fp64 reference and the PyTorch path, eagerly and replayed from a CUDA graph over new rings and
+metadata. Outputs poisoned with NaN first; fresh random bf16 inputs. Skipped without a GPU (the
+CPU interpreter runs the same checks: tests/test_dflash_fused_interpret.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="CPU interpreter"),
+]
+
+from dflash_rings import BF16, drafter, reference_attention, rings  # noqa: E402
+from treeverify.models.layers import apply_rope_tables  # noqa: E402
+from treeverify.spec import dflash_fused  # noqa: E402
+
+CASES = [
+    (96, 96, [0, 40, 96], [0, 150, 96]),  # padding, wrapped, full: splits 2..7 empty
+    (2112, 2112, [2048, 3, 300], [5000, 3, 300]),  # tiny-code's W: every split walks rows
+    (96, 60, [30, 60], [30, 60]),  # an eager draft reads only the rows in use
+]
+
+
+@pytest.mark.parametrize("width,rows,counts,ends", CASES)
+def test_ring_attention_equals_softmax_over_the_valid_rows(width, rows, counts, ends):
+    d = drafter(block_size=16, device="cuda")
+    attn = d.layers[1].self_attn
+    store, meta = rings(d, width, counts, ends, seed=width + rows, device="cuda")
+    bsz, t = len(counts), d.block_size
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = (3 * torch.randn(bsz * t, attn.hq, attn.d, generator=g, device="cuda")).to(BF16)
+    block_kv = torch.randn(bsz, t, 2, attn.hkv, attn.d, generator=g, device="cuda").to(BF16)
+    out = torch.full((bsz * t, attn.hq * attn.d), float("nan"), dtype=BF16, device="cuda")
+    got = dflash_fused.ring_attention(q, store, 1, meta, rows, block_kv, attn.sm_scale, out=out)
+    want = reference_attention(q, store, 1, meta, rows, block_kv, attn.sm_scale)
+    assert torch.isfinite(got).all()
+    err = (got.double() - want).abs().max().item()
+    assert err < 2e-2 * want.abs().max().item(), err
+
+
+def test_qk_norm_rope_equals_the_torch_ops():
+    d = drafter(block_size=16, device="cuda")
+    attn = d.layers[0].self_attn
+    b, t = 3, d.block_size
+    x = torch.randn(b * t, d.config.hidden_size, device="cuda").to(BF16)
+    pos = torch.randint(0, 3000, (b * t,), device="cuda")
+    cos2, sin2 = d.rope.rotate_half_tables(pos, BF16)  # (B*T, D) each
+    qkv = torch.nn.functional.linear(x, *attn.qkv).view(b * t, -1, attn.d)
+    nan = dict(dtype=BF16, device="cuda")
+    out = (torch.full((b * t, attn.hq, attn.d), float("nan"), **nan),
+           torch.full((b, t, 2, attn.hkv, attn.d), float("nan"), **nan))  # fmt: skip
+    q, kv = dflash_fused.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, cos2, sin2, attn.hq,
+                                      attn.hkv, b, out=out)  # fmt: skip
+    want_q = apply_rope_tables(attn.q_norm(attn.q_proj(x).view(b * t, attn.hq, -1)), cos2, sin2)
+    want_kv = attn.keys_values(x, cos2, sin2).view(b, t, 2, attn.hkv, -1)
+    torch.testing.assert_close(q, want_q, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(kv, want_kv, rtol=8e-3, atol=8e-3)
+    assert torch.equal(kv[:, :, 1], want_kv[:, :, 1])  # values are copied
+    same = (q == want_q).float().mean().item()
+    assert same > 0.98, f"only {same:.3f} of q bit-equal: the roundings differ from torch's"
+
+
+@torch.inference_mode()
+def test_propose_from_ring_fused_equals_the_torch_path_and_replays_from_a_graph():
+    """The whole draft fused vs the gather + mask + SDPA path; then captured once and replayed
+    over new rings and metadata (written in place), each replay equal to an eager fused draft."""
+    d = drafter(block_size=16, device="cuda")
+    width, depth = 2112, 15
+    store, meta = rings(d, width, [0, 40, 2100, 17], [0, 4000, 2100, 17], seed=11, device="cuda")
+    assert d.ring_fused(store)
+    got = d.propose_from_ring(store, meta, width, depth)  # (B, L, V)
+    d.layers[0].self_attn.qkv, saved = None, d.layers[0].self_attn.qkv  # the torch path
+    assert not d.ring_fused(store)
+    want = d.propose_from_ring(store, meta, width, depth)
+    d.layers[0].self_attn.qkv = saved
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < 3e-2 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+    d.propose_from_ring(store, meta, width, depth)  # warm up (Triton compiles) off the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = d.propose_from_ring(store, meta, width, depth)
+    for seed in (12, 13):
+        new_store, new_meta = rings(d, width, [5, 1000, 0, 2112], [5, 3000, 0, 2112], seed=seed,
+                                    device="cuda")  # fmt: skip
+        store.copy_(new_store)
+        meta.copy_(new_meta)
+        captured.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(captured, d.propose_from_ring(store, meta, width, depth))

@@ -1,0 +1,96 @@
+"""The DFlash drafter's fused Triton kernels (spec/dflash_fused.py) on the CPU interpreter
+(TRITON_INTERPRET=1) against the PyTorch ops they replace.
+
+Fresh random bf16 data; outputs poisoned with NaN before each kernel runs. Rings in every state a
+serving engine leaves them: empty (a padding request), partly filled, wrapped past the end, longer
+than the splits' walk (every split busy) and short (most splits empty, the merge's -inf weights).
+tests/test_dflash_fused_gpu.py runs the same kernels compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: test_dflash_fused_gpu.py runs there", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
+
+from dflash_rings import BF16, drafter, reference_attention, rings  # noqa: E402
+from treeverify.models.layers import apply_rope_tables  # noqa: E402
+from treeverify.spec import dflash_fused  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpreted_kernels():
+    dflash_fused._kernels.cache_clear()  # decorate them now, under TRITON_INTERPRET=1
+    yield
+    dflash_fused._kernels.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "width,rows,counts,ends",
+    [
+        (96, 96, [0, 40, 96], [0, 150, 96]),  # padding, wrapped, full: splits 2..7 empty
+        (700, 700, [650, 3], [1000, 3]),  # every split walks rows; one short ring
+        (96, 60, [30, 60], [30, 60]),  # an eager draft reads only the rows in use
+    ],
+)
+def test_ring_attention_equals_softmax_over_the_valid_rows(width, rows, counts, ends):
+    d = drafter()
+    attn = d.layers[1].self_attn
+    store, meta = rings(d, width, counts, ends, seed=width + rows)
+    bsz, t = len(counts), d.block_size
+    g = torch.Generator().manual_seed(7)
+    q = (3 * torch.randn(bsz * t, attn.hq, attn.d, generator=g)).to(BF16)  # peaky softmax
+    block_kv = torch.randn(bsz, t, 2, attn.hkv, attn.d, generator=g).to(BF16)
+    out = torch.full((bsz * t, attn.hq * attn.d), float("nan"), dtype=BF16)
+    got = dflash_fused.ring_attention(q, store, 1, meta, rows, block_kv, attn.sm_scale, out=out)
+    assert got is out
+    want = reference_attention(q, store, 1, meta, rows, block_kv, attn.sm_scale)
+    assert torch.isfinite(got).all()
+    err = (got.double() - want).abs().max().item()
+    assert err < 2e-2 * want.abs().max().item(), err
+
+
+def test_qk_norm_rope_equals_the_torch_ops():
+    d = drafter()
+    attn = d.layers[0].self_attn
+    b, t = 2, d.block_size
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(b * t, d.config.hidden_size, generator=g).to(BF16)
+    pos = torch.randint(0, 500, (b * t,), generator=g)
+    cos2, sin2 = d.rope.rotate_half_tables(pos, BF16)  # (B*T, D) each
+    qkv = torch.nn.functional.linear(x, *attn.qkv).view(b * t, -1, attn.d)
+    out = (torch.full((b * t, attn.hq, attn.d), float("nan"), dtype=BF16),
+           torch.full((b, t, 2, attn.hkv, attn.d), float("nan"), dtype=BF16))  # fmt: skip
+    q, kv = dflash_fused.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, cos2, sin2, attn.hq,
+                                      attn.hkv, b, out=out)  # fmt: skip
+    want_q = apply_rope_tables(attn.q_norm(attn.q_proj(x).view(b * t, attn.hq, -1)), cos2, sin2)
+    want_kv = attn.keys_values(x, cos2, sin2).view(b, t, 2, attn.hkv, -1)
+    # The same roundings in the same order: equal but for a last bf16 bit here and there.
+    torch.testing.assert_close(q, want_q, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(kv, want_kv, rtol=8e-3, atol=8e-3)
+    assert torch.equal(kv[:, :, 1], want_kv[:, :, 1])  # values are copied
+
+
+def test_propose_from_ring_fused_equals_the_torch_path():
+    """The whole draft: fused (interpreted kernels) vs the gather + mask + SDPA path, on rings
+    of every kind in one batch; the drafted tokens agree and the logits are close."""
+    d = drafter()
+    store, meta = rings(d, 96, [0, 40, 96, 17], [0, 150, 96, 17], seed=11)
+    depth = d.block_size - 1
+    assert d.ring_fused(store, interpret=True) and not d.ring_fused(store)  # CPU: torch path
+    got = d.propose_from_ring(store, meta, 96, depth, interpret=True)  # (B, L, V)
+    want = d.propose_from_ring(store, meta, 96, depth)
+    assert got.shape == want.shape == (4, depth, d.config.vocab_size)
+    assert torch.isfinite(got).all()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 3e-2 * scale
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
