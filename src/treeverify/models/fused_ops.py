@@ -129,14 +129,14 @@ def rope_qk(
     return q, k
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (..., 2I) -> (..., I)
     if not (_use_triton(gate_up) and gate_up.is_contiguous()):
         g, u = gate_up.chunk(2, dim=-1)
         return F.silu(g) * u
     kernel = _triton()[2]
-    t, n2 = gate_up.shape
-    n = n2 // 2
-    y = gate_up.new_empty(t, n)
+    lead, n2 = gate_up.shape[:-1], gate_up.shape[-1]  # any leading dims: (..., 2I)
+    t, n = gate_up.numel() // n2, n2 // 2
+    y = gate_up.new_empty(*lead, n)
     block = 1024
     kernel[(t, (n + block - 1) // block)](gate_up, y, n, BLOCK=block, num_warps=4)
     return y

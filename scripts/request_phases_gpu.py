@@ -1,0 +1,96 @@
+"""Where one request's wall time goes at batch 1 (tiny-code by default): the prefill steps (up to
+the first generated token), the steady steps after it, and what a request costs beyond
+`tokens x per-token step time`. bench_pair's tokens/s includes all of it; this splits it.
+
+    PYTHONPATH=src python3 scripts/request_phases_gpu.py [--n 8] [--tokens 128] --json P.json
+
+Configs: plain decoding, and DDTREE(dflash) at budget 16 (whole rounds, launched ahead). Host
+clock at each step boundary, no sync inside a request (a sync would undo the overlap); the
+device is synchronized before each request starts and after it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pair import DATA, code_prompts  # noqa: E402
+
+from treeverify.bench.kernel import _git_commit  # noqa: E402
+from treeverify.engine.llm import LLM  # noqa: E402
+from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def phases(llm: LLM, prompt: str, tokens: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
+    seq = llm.add_request(prompt, sp)
+    marks = []  # (seconds since t0, tokens generated) after each step
+    while not seq.is_finished:
+        llm.step()
+        marks.append((time.perf_counter() - t0, len(seq.output_token_ids)))
+    sync()
+    total = time.perf_counter() - t0
+    llm.output(seq)  # releases the request's state
+    first = next(i for i, (_, n) in enumerate(marks) if n > 0)
+    ttft = marks[first][0]
+    steady = total - ttft
+    return {
+        "prompt_tokens": len(seq.prompt_token_ids),
+        "prefill_steps": first + 1,
+        "ttft_ms": 1e3 * ttft,
+        "steady_steps": len(marks) - first - 1,
+        "steady_ms": 1e3 * steady,
+        "steady_ms_per_token": 1e3 * steady / max(1, tokens - marks[first][1]),
+        "total_ms": 1e3 * total,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="tiny-code")
+    ap.add_argument("--code-prompts", type=Path, default=DATA / "tiny-code" / "heldout.json")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    prompts = code_prompts(args.code_prompts, args.n)
+    configs = [("none", {}), ("DDTREE(dflash) b=16", dict(
+        speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+        speculative_adaptive=False))]  # fmt: skip
+    rows = []
+    for name, kw in configs:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke run
+        llm = LLM(args.target, device=dev, max_num_seqs=1, cuda_graph_max_bs=1, **kw)
+        phases(llm, prompts[0], 8)  # warm-up
+        per = [phases(llm, p, args.tokens) for p in prompts]
+        row = {"config": name} | {k: round(statistics.mean(r[k] for r in per), 4) for k in per[0]}
+        rows.append(row)
+        print(f"--- {name}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "config"))
+        del llm
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "commit": _git_commit(),
+            "command": "scripts/request_phases_gpu.py " + " ".join(argv or sys.argv[1:]),
+            "rows": rows}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
