@@ -60,6 +60,29 @@ def phases(llm: LLM, prompt: str, tokens: int) -> dict:
     }
 
 
+def profile_prefill(llm: LLM, prompt: str) -> dict:
+    """torch.profiler around one warm prefill step: kernels, GPU time, the top host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        llm.step()
+        sync()
+    while not seq.is_finished:
+        llm.step()
+    llm.output(seq)
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return {
+        "kernels": sum(e.count for e in kernels),
+        "gpu_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 4),
+        "host_top_ms": [(e.key[:80], e.count, round(e.self_cpu_time_total / 1e3, 4)) for e in host],
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny-code")
@@ -76,11 +99,18 @@ def main(argv=None) -> int:
     for name, kw in configs:
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke run
         llm = LLM(args.target, device=dev, max_num_seqs=1, cuda_graph_max_bs=1, **kw)
-        phases(llm, prompts[0], 8)  # warm-up
+        for p in prompts:  # warm-up: every prompt length once (JIT, cuBLAS heuristics)
+            phases(llm, p, 8)
         per = [phases(llm, p, args.tokens) for p in prompts]
         row = {"config": name} | {k: round(statistics.mean(r[k] for r in per), 4) for k in per[0]}
+        row["prefill_profile"] = profile_prefill(llm, prompts[0])
         rows.append(row)
-        print(f"--- {name}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "config"))
+        flat = {k: v for k, v in row.items() if k not in ("config", "prefill_profile")}
+        print(f"--- {name}: " + ", ".join(f"{k} {v}" for k, v in flat.items()))
+        pp = row["prefill_profile"]
+        print(f"--- {name} prefill step: {pp['kernels']} kernels, {pp['gpu_ms']} ms GPU; host:")
+        for key, n, ms in pp["host_top_ms"]:
+            print(f"      {ms:8.3f} ms {n:5d}x {key}")
         del llm
     if args.json:
         args.json.write_text(json.dumps({
