@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pair import DATA, code_prompts  # noqa: E402
+from bench_pair import DATA, code_prompts, free  # noqa: E402
 
 from treeverify.bench.kernel import _git_commit  # noqa: E402
 from treeverify.engine.llm import LLM  # noqa: E402
@@ -73,6 +73,26 @@ def profile_prefill(llm: LLM, prompt: str) -> dict:
     while not seq.is_finished:
         llm.step()
     llm.output(seq)
+    # The same step's host side by Python function (cProfile): where the host time goes.
+    import cProfile
+    import pstats
+
+    t0 = time.perf_counter()
+    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    add_ms = 1e3 * (time.perf_counter() - t0)
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    llm.step()
+    sync()
+    pr.disable()
+    while not seq.is_finished:
+        llm.step()
+    llm.output(seq)
+    st = pstats.Stats(pr)
+    funcs = sorted(st.stats.items(), key=lambda kv: kv[1][3], reverse=True)[:25]  # cumulative
+    python = [(f"{Path(f[0]).name}:{f[1]}({f[2]})", round(v[3] * 1e3, 3), round(v[2] * 1e3, 3))
+              for f, v in funcs]  # fmt: skip
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type.name == "CUDA"]
     host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
@@ -80,6 +100,8 @@ def profile_prefill(llm: LLM, prompt: str) -> dict:
         "kernels": sum(e.count for e in kernels),
         "gpu_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 4),
         "host_top_ms": [(e.key[:80], e.count, round(e.self_cpu_time_total / 1e3, 4)) for e in host],
+        "add_request_ms": round(add_ms, 3),
+        "python_cumulative_ms": python,  # (function, cumulative ms, own ms)
     }
 
 
@@ -111,7 +133,10 @@ def main(argv=None) -> int:
         print(f"--- {name} prefill step: {pp['kernels']} kernels, {pp['gpu_ms']} ms GPU; host:")
         for key, n, ms in pp["host_top_ms"]:
             print(f"      {ms:8.3f} ms {n:5d}x {key}")
-        del llm
+        print(f"--- {name} add_request {pp['add_request_ms']} ms; prefill step, Python (cum, own):")
+        for fn, cum, own in pp["python_cumulative_ms"]:
+            print(f"      {cum:8.3f} {own:8.3f} ms {fn}")
+        free(llm)  # its KV pool took most of the GPU
     if args.json:
         args.json.write_text(json.dumps({
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
