@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     rows = []
     for name, kw in configs:
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke run
-        llm = LLM(args.target, device=dev, max_num_seqs=1, cuda_graph_max_bs=1, **kw)
+        llm = LLM(args.target, device=dev, max_num_seqs=1, cuda_graph_max_bs=1, num_pages=256, **kw)
         for p in prompts:  # warm-up: every prompt length once (JIT, cuBLAS heuristics)
             phases(llm, p, 8)
         per = [phases(llm, p, args.tokens) for p in prompts]
