@@ -94,3 +94,17 @@ def test_propose_from_ring_fused_equals_the_torch_path():
     assert (got - want).abs().max().item() < 3e-2 * scale
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+def test_context_kv_fused_equals_the_torch_path():
+    """A committed row's keys/values for every layer: one GEMM + one kernel per layer vs the
+    per-layer PyTorch ops, at positions past a long context."""
+    d = drafter()
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(37, d.config.context_features, generator=g).to(BF16)  # (R, F)
+    pos = torch.randint(0, 4000, (37,), generator=g)
+    got = d.context_kv(feats, pos, interpret=True)  # (R, n_layers, 2, Hkv, D)
+    want = d.context_kv(feats, pos)
+    assert got.shape == want.shape == (37, 2, 2, 2, 32)
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3)
+    assert torch.equal(got[:, :, 1], want[:, :, 1])  # values: the same GEMM rows, copied

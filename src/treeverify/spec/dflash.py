@@ -281,13 +281,19 @@ class DFlashDrafter(nn.Module):
         self,
         features: torch.Tensor,  # (R, F) target hidden states of committed tokens
         positions: torch.Tensor,  # (R,) int: their positions
+        interpret: bool = False,  # the Triton CPU interpreter (tests)
     ) -> torch.Tensor:  # (R, n_layers, 2, Hkv, D): every layer's rotated keys and values
         """The part of a draft that depends on one context row only: computed once per committed
-        token and kept by the caller (the engine's DraftContextCache), not once per round."""
+        token and kept by the caller (the engine's DraftContextCache), not once per round. On a
+        GPU after `fuse_for_inference`: one GEMM and one kernel per layer (spec/dflash_fused)."""
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(features.to(dtype)))  # (R, H)
         pos = positions.to(device=features.device, dtype=torch.long).reshape(-1)  # (R,)
         cos2, sin2 = self.rope.rotate_half_tables(pos, ctx.dtype)  # (R, D) each, once
+        if self.ring_fused(ctx, interpret):
+            from treeverify.spec import dflash_fused
+
+            return dflash_fused.context_keys_values(ctx, self.layers, cos2, sin2)
         return torch.stack([layer.self_attn.keys_values(ctx, cos2, sin2) for layer in self.layers],
                            dim=1)  # fmt: skip
 
@@ -335,12 +341,13 @@ class DFlashDrafter(nn.Module):
             layer.mlp.fuse()
         return self
 
-    def ring_fused(self, store: torch.Tensor, interpret: bool = False) -> bool:
-        """`propose_from_ring` runs the Triton kernels of spec/dflash_fused.py on this store."""
+    def ring_fused(self, x: torch.Tensor, interpret: bool = False) -> bool:
+        """`propose_from_ring` and `context_kv` run the Triton kernels of spec/dflash_fused.py
+        on tensors like x (the rings' store, the context rows)."""
         from treeverify.spec import dflash_fused
 
         fused = all(layer.self_attn.qkv is not None for layer in self.layers)
-        return fused and dflash_fused.supported(store, self.config.head_dim, interpret)
+        return fused and dflash_fused.supported(x, self.config.head_dim, interpret)
 
     def propose_from_ring(
         self,

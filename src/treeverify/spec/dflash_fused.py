@@ -1,4 +1,4 @@
-"""The DFlash drafter's attention on a GPU in three Triton kernels instead of ~25 PyTorch ones.
+"""The DFlash drafter's attention on a GPU in a few Triton kernels instead of ~25 PyTorch ones.
 
 A draft is latency-bound: at the tiny-code pair's size each of its ~60 kernels costs 2-4 us in a
 captured graph whatever it reads (docs/performance.md, "DFlash draft": 0.21 ms of a 0.62 ms
@@ -6,6 +6,9 @@ round, cuDNN's SDPA alone 21 us a layer: 4 CTAs walking 2128 keys one after anot
 
   qk_norm_rope   the fused q|k|v projection's output -> q normed and rotated (B*T, Hq, D), and
                  the block's keys (normed, rotated) and values (B, T, 2, Hkv, D)       (~12 -> 1)
+  context_keys_values  a committed row's keys and values for every layer (the rings' rows):
+                 per layer the k|v rows of the fused weight in one GEMM, then the same kernel
+                 as above with no query heads                                      (~8 -> 2)
   ring_attention the block queries over [the request's ring rows; the block] read in place from
                  the DraftContextCache store (no gather, no concatenation, no bias tensor: a
                  ring row is valid when its age (end - 1 - row) mod W is below the request's
@@ -52,9 +55,10 @@ def build_kernels():
     from treeverify.kernels.triton.tree_attention import _cast, _mma
 
     @triton.jit
-    def qk_norm_rope_kernel(QKV, QW, KW, C, S, Q, KV, hq, hkv, eps,
+    def qk_norm_rope_kernel(QKV, QW, KW, C, S, Q, KV, kv_row, hq, hkv, eps,
                             D: tl.constexpr, HALF: tl.constexpr, IB: tl.constexpr):  # fmt: skip
-        # One (block row, head) per program: heads < hq are queries, then keys, then values.
+        # One (row, head) per program: heads < hq are queries, then keys, then values; a row's
+        # k|v (2, Hkv, D) lands kv_row elements after the previous row's.
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, D)
@@ -81,10 +85,10 @@ def build_kernels():
             if h < hq:
                 tl.store(Q + (t * hq + h) * D + d, out)
             else:
-                tl.store(KV + (t * 2 * hkv + (h - hq)) * D + d, out)
+                tl.store(KV + t * kv_row + (h - hq) * D + d, out)
         else:
             v = tl.load(src + d)
-            tl.store(KV + ((t * 2 + 1) * hkv + (h - hq - hkv)) * D + d, v)
+            tl.store(KV + t * kv_row + (h - hq) * D + d, v)
 
     @triton.jit
     def ring_attention_kernel(
@@ -219,9 +223,34 @@ def qk_norm_rope(
         out = qkv.new_empty(rows, hq, d), qkv.new_empty(batch, rows // batch, 2, hkv, d)
     q, kv = out
     _kernels()[0][(rows, heads)](qkv, q_norm.weight, k_norm.weight, cos2, sin2, q, kv,
-                                 hq, hkv, q_norm.eps, D=d, HALF=d // 2, IB=_interp_bf16(qkv),
-                                 num_warps=1)  # fmt: skip
+                                 2 * hkv * d, hq, hkv, q_norm.eps, D=d, HALF=d // 2,
+                                 IB=_interp_bf16(qkv), num_warps=1)  # fmt: skip
     return q, kv
+
+
+def context_keys_values(
+    ctx: torch.Tensor,  # (R, H) projected context rows (fc, hidden_norm)
+    layers,  # the drafter's DFlashDecoderLayers, q|k|v fused
+    cos2: torch.Tensor,  # (R, D) rotate-half tables at the rows' positions
+    sin2: torch.Tensor,  # (R, D)
+) -> torch.Tensor:  # (R, n_layers, 2, Hkv, D): every layer's rotated keys and values
+    """What `DFlashAttention.keys_values` gives per layer, stacked: per layer one GEMM over the
+    fused weight's k|v rows and one kernel (k normed and rotated, v copied) writing its slice."""
+    import torch.nn.functional as F
+
+    attn = layers[0].self_attn
+    r, hq, hkv, d = ctx.shape[0], attn.hq, attn.hkv, attn.d
+    out = ctx.new_empty(r, len(layers), 2, hkv, d)
+    kernel = _kernels()[0]
+    for i, layer in enumerate(layers):
+        a = layer.self_attn
+        weight, bias = a.qkv
+        kv_w = weight[hq * d :]  # (2 Hkv D, H): the k and v rows, a view
+        kv = F.linear(ctx, kv_w, None if bias is None else bias[hq * d :]).view(r, 2 * hkv, d)
+        kernel[(r, 2 * hkv)](kv, a.k_norm.weight, a.k_norm.weight, cos2, sin2, kv, out[:, i],
+                             len(layers) * 2 * hkv * d, 0, hkv, a.k_norm.eps, D=d, HALF=d // 2,
+                             IB=_interp_bf16(ctx), num_warps=1)  # fmt: skip
+    return out
 
 
 def ring_attention(
