@@ -27,18 +27,25 @@ def test_derived_sizes_follow_the_knobs():
         assert cfg.max_forward_tokens == mbt + seqs * budget
         assert cfg.max_chunk == max(mbt, budget + 1)
         cap = max(mbt, budget + 1)  # rows a step holds: a decode batch past it never runs
-        assert max(b for b, _ in cfg.graph_buckets) == max(
+        sizes = cfg.prefill_graph_sizes  # one request's prefill chunks: (1, n) buckets, last
+        shaped = [(b, n) for b, n in cfg.graph_buckets if n not in sizes]
+        assert cfg.graph_buckets == (*shaped, *((1, n) for n in sizes))
+        assert set(sizes) <= {32, 64, 128, 256, 512} and budget + 1 not in sizes
+        assert all(n <= mbt for n in sizes) and (512 in sizes or mbt < 512 or budget == 511)
+        assert max(b for b, _ in shaped) == max(
             [b for b in cfg.graph_batch_sizes if b <= cap] or [1]
         )
         assert max(cfg.graph_batch_sizes) == min(32, seqs)
-        assert all(b * n <= cap or b == 1 for b, n in cfg.graph_buckets)
-        assert {n for _, n in cfg.graph_buckets} == {1, budget + 1}
+        assert all(b * n <= cap or b == 1 for b, n in shaped)
+        assert {n for _, n in shaped} == {1, budget + 1}
     ada = EngineConfig(speculative_algorithm="DDTREE", speculative_ddtree_budget=16)
     assert ada.adaptive and ada.budget_buckets == (0, 4, 8, 16)
     assert ada.spec_budgets == (4, 8, 16) and ada.tree_sizes == (5, 9, 17)
     plain = EngineConfig()
     assert plain.max_budget == 0 and plain.tree_sizes == () and plain.tree_size == 0
-    assert {n for _, n in plain.graph_buckets} == {1}
+    assert plain.prefill_graph_sizes == (32, 64, 128, 256, 512)
+    assert {n for _, n in plain.graph_buckets} == {1, 32, 64, 128, 256, 512}
+    assert EngineConfig(disable_prefill_graphs=True).prefill_graph_sizes == ()
     assert plain.capacity_tokens == 512 * 16  # the CPU's default pool
 
 

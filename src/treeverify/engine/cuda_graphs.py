@@ -1,6 +1,8 @@
 """Captured forwards: one CUDA graph per bucket (B requests padded, n tokens each).
 
-A decode step is the bucket (B, 1); a speculative verify step over trees of n nodes is (B, n).
+A decode step is the bucket (B, 1); a speculative verify step over trees of n nodes is (B, n);
+one request's prefill chunk of up to n tokens is (1, n), a chain padded to n rows whose logits
+are its last valid row's.
 Each graph replays the whole model forward over fixed input buffers (token ids, positions, the
 valid-row mask, KV slots) and the bucket's own `TreeAttentionPlan`s. A step's inputs are staged
 in the bucket's `StepStage` (engine/step_stage.py: one pinned buffer, one copy) and the graph's
@@ -76,6 +78,7 @@ class CudaGraphs:
         attention: PagedAttention,
         buckets: list[tuple[int, int]],  # (B, n): n = 1 plain decode, budget+1 a DDTree round
         max_pages: int | None = None,  # pages a request can hold (default: the whole pool)
+        prefill: tuple[int, ...] = (),  # n of buckets (1, n) that run one request's prefill
     ):
         if not buckets:
             raise ValueError("buckets: expected at least one (batch, tokens) bucket")
@@ -87,15 +90,21 @@ class CudaGraphs:
         self.pos = torch.zeros(rows, dtype=torch.int64, device=dev)  # (rows,)
         self.valid = torch.zeros(rows, dtype=torch.bool, device=dev)  # (rows,)
         self.max_pages = min(max_pages or attention.max_pages, attention.max_pages)
+        self.prefill = {(1, n) for n in prefill}  # their logits: the last valid row only
         self.steps: dict[tuple[int, int], CapturedStep] = {}
         self.stages: dict[tuple[int, int], StepStage] = {}
         self.pool = None
         self.replays = 0
 
     # ---- capture -------------------------------------------------------------------------------
-    def forward_rows(self, rows: int) -> torch.Tensor:
+    def forward_rows(self, rows: int, last_row: bool = False) -> torch.Tensor:
+        """The model over the first `rows` input rows: (rows, V) logits, or with `last_row` (a
+        prefill bucket: the valid rows are a prefix) the last valid row's (1, V)."""
+        last = None
+        if last_row:  # computed in the graph from the staged valid rows
+            last = self.valid[:rows].sum(dtype=torch.int64).sub(1).clamp(min=0).view(1)  # (1,)
         return self.model(self.ids[:rows], self.pos[:rows], attention=self.attention,
-                          token_valid=self.valid[:rows])  # fmt: skip
+                          logits_indices=last, token_valid=self.valid[:rows])  # fmt: skip
 
     def capture(self) -> list[dict]:
         """Capture every bucket, largest first (the pool then fits the smaller ones). The
@@ -124,7 +133,7 @@ class CudaGraphs:
             self.attention.select((batch, n))
             self.attention.plan_scratch(batch, n)
             self.valid[:rows].fill_(False)
-            self.forward_rows(rows)
+            self.forward_rows(rows, (batch, n) in self.prefill)
             return self._stage(batch, n)
         finally:
             self.attention.select(None)
@@ -141,14 +150,15 @@ class CudaGraphs:
             self.valid[:rows].fill_(False)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
+            last_row = (batch, n) in self.prefill
             with torch.cuda.stream(side):  # warmup: plans, kernels, cuBLAS handles made here
-                self.forward_rows(rows)
+                self.forward_rows(rows, last_row)
             torch.cuda.current_stream().wait_stream(side)
             stage = self._stage(batch, n)  # holds the scratch plan just made
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.pool):
                 self._unpack(stage, batch, n)
-                logits = self.forward_rows(rows)  # (rows, V)
+                logits = self.forward_rows(rows, last_row)  # (rows, V), or (1, V)
             self.pool = graph.pool()
             torch.cuda.synchronize()
         except Exception as exc:
@@ -207,8 +217,8 @@ class CudaGraphs:
 
     def replay(self, bucket: tuple[int, int], batch: int) -> torch.Tensor:
         """Replay a bucket whose stage holds this step's inputs (`stages[bucket].write_*`) for
-        `batch` requests; returns their (batch * n, V) fp32 logits, a view of the graph's
-        output."""
+        `batch` requests; returns their (batch * n, V) fp32 logits (a prefill bucket's: its
+        last valid row's (1, V)), a view of the graph's output."""
         step = self.steps[bucket]
         t = batch * bucket[1]
         step.graph.replay()

@@ -150,6 +150,7 @@ class LLM(Introspection):
         buckets = list(config.graph_buckets)
         if on_gpu:  # decode steps plan per bucket, graphs or not: the same split-KV layout
             self.runner.plan_batch_sizes = list(config.graph_batch_sizes)
+            self.runner.prefill_sizes = list(config.prefill_graph_sizes)  # and short prefills
         if on_gpu and config.disable_cuda_graph:
             self.runner.prepare_plans(buckets)
         if on_gpu and not config.disable_cuda_graph:

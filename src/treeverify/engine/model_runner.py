@@ -4,8 +4,9 @@ It owns the model, the paged KV cache and the attention plans; the scheduler and
 (torch-free) decide what runs and where its KV lives. One forward, `run`, serves every step: its
 `StepBatch` (engine/step_batch.py) lays out prefill chunks, decodes and speculative trees alike.
 A step whose chunks are all decodes (or all speculative trees of one size) replays a captured
-CUDA graph of its bucket when graphs were captured (`capture_graphs`); any other step (prefill,
-mixed) runs eagerly over the same attention seam.
+CUDA graph of its bucket when graphs were captured (`capture_graphs`); so does a step that is one
+request's prefill chunk of at most 512 tokens, padded to its token bucket (`_run_prefill`); any
+other step (mixed, longer prefills) runs eagerly over the same attention seam.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from treeverify.engine.cuda_graphs import CudaGraphs
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
 from treeverify.engine.scheduler import ScheduledBatch
-from treeverify.engine.step_batch import StepBatch, StepLogits
+from treeverify.engine.step_batch import StepBatch, StepLogits, cached_chain
 from treeverify.kernels.staging import to_device
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class ModelRunner:
         # Batch sizes whose bucket-sized attention plans decode-shaped steps use (set on a GPU
         # to the graph buckets, captured or not); empty: the engine's full-capacity plans.
         self.plan_batch_sizes: list[int] = []
+        # Token buckets n of one request's prefill chunk run as a padded chain (1, n) through
+        # the bucket's graph or plans (set on a GPU: EngineConfig.prefill_graph_sizes).
+        self.prefill_sizes: list[int] = []
         self.hidden: torch.Tensor | None = None  # (T, F) of the last step, when captured
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}  # see `run`
         self._moe_layers = [m for m in model.modules() if hasattr(m, "n_experts")]
@@ -72,7 +76,9 @@ class ModelRunner:
         if max_context is not None:
             largest = max(n for _, n in buckets)  # a round reserves its tree past the context
             pages = -(-(max_context + largest) // self.cache.page_size) + 1
-        return CudaGraphs(self.model, self.attention, buckets=buckets, max_pages=pages)
+        prefill = tuple(n for n in self.prefill_sizes if (1, n) in buckets)
+        return CudaGraphs(self.model, self.attention, buckets=buckets, max_pages=pages,
+                          prefill=prefill)  # fmt: skip
 
     @torch.inference_mode()
     def prepare_plans(self, buckets: list[tuple[int, int]]) -> None:
@@ -96,6 +102,48 @@ class ModelRunner:
         if b is None or b * n > self.attention.max_total_q or n > self.attention.max_chunk:
             return None
         return (b, n)
+
+    def _prefill_size(self, batch: ScheduledBatch, tb, prompt_from) -> int | None:
+        """The token bucket n of a step that is one request's prefill chunk of 2..n tokens
+        (no prompt logprobs asked: those need every row), else None."""
+        if tb is not None or not self.prefill_sizes or len(batch.chunks) != 1:
+            return None
+        c = batch.chunks[0]
+        if c.num_tokens < 2 or (prompt_from and c.seq.request_id in prompt_from):
+            return None
+        return next((n for n in self.prefill_sizes if n >= c.num_tokens), None)
+
+    def _run_prefill(self, c, n: int) -> StepLogits:
+        """One request's prefill chunk of P <= n tokens as a chain of n rows, padded (see
+        StepStage.write_prefill): its bucket's graph when captured, else eagerly over the same
+        bucket plans and padded rows, so graphs on or off give the same numbers. The logits are
+        the last real row's; `hidden` the real rows'."""
+        p, bucket = c.num_tokens, (1, n)
+        graphs = self.graphs
+        if (graphs is not None and bucket in graphs.steps
+                and len(c.seq.block_table) <= graphs.max_pages):  # fmt: skip
+            graphs.stages[bucket].write_prefill(c.token_ids, c.start, c.slots, c.seq.block_table)
+            logits = graphs.replay(bucket, 1)  # (1, V)
+        else:
+            dev, pad = self.device, n - p
+            scratch = self.cache.scratch_slot
+            ids = to_device(torch.tensor(c.token_ids + [0] * pad), dev)  # (n,)
+            pos = torch.arange(c.start, c.start + n).clamp(max=c.start + p - 1)  # (n,)
+            slots = torch.tensor(list(c.slots) + [scratch] * pad)  # (n,)
+            valid = torch.arange(n) < p  # (n,)
+            self.attention.select(bucket)
+            self.attention.plan(slots, [c.seq.block_table], [c.start], [n],
+                                mask=cached_chain(n))  # fmt: skip
+            moe = self._moe_impl("graph" if dev.type == "cuda" else None)
+            try:
+                logits = self.model(ids, to_device(pos, dev), attention=self.attention,
+                                    logits_indices=to_device(torch.tensor([p - 1]), dev),
+                                    token_valid=to_device(valid, dev))  # fmt: skip
+            finally:
+                self._moe_impl(moe)
+        hidden = getattr(self.model, "captured", None)
+        self.hidden = None if hidden is None else hidden[:p]
+        return StepLogits(logits if c.samples else logits[:0], [(0, 1)] if c.samples else [])
 
     def _replay_decodes(self, batch: ScheduledBatch) -> StepLogits | None:
         """A step of plain decodes only (one sampled token per chunk: no prompt logprob rows
@@ -172,6 +220,9 @@ class ModelRunner:
         (M, V) logits)}.
         """
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        n = self._prefill_size(batch, tb, prompt_from)
+        if n is not None:
+            return self._run_prefill(batch.chunks[0], n)
         if self.graphs is not None:
             staged = self._replay_decodes(batch) if tb is None else self._replay_round(batch, tb)
             if staged is not None:

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 
 
 @functools.lru_cache(maxsize=256)
-def _chain(n: int) -> torch.Tensor:
-    return chain_bits(n)  # (n, ceil(n/32)) int32; callers copy, never write
+def cached_chain(n: int) -> torch.Tensor:
+    """chain_bits(n) on the host, made once per n: (n, ceil(n/32)) int32; callers copy, never
+    write."""
+    return chain_bits(n)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -158,7 +160,7 @@ class StepBatch:
         row = 0
         for c, q in zip(batch.chunks, qlens, strict=True):
             if c.seq.request_id not in tree_index:
-                bits = _chain(q)
+                bits = cached_chain(q)
                 host[row : row + q, : bits.shape[1]] = bits
             row += q
         mask = to_device(host, device)

@@ -142,6 +142,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "next round is launched first, so the host's bookkeeping overlaps the GPU)",
     )
     p.add_argument(
+        "--disable-prefill-graphs",
+        action="store_true",
+        help="run every prefill eagerly (by default on a GPU one request's prefill chunk of up "
+        "to 512 tokens replays a captured graph, padded to 32/64/.../512 tokens)",
+    )
+    p.add_argument(
         "--cuda-graph-max-bs",
         type=pos,
         help="GPU: largest decode batch captured (default min(--max-running-requests, 32))",
