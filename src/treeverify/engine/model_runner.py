@@ -18,7 +18,7 @@ import torch
 from treeverify.engine.cuda_graphs import CudaGraphs
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
-from treeverify.engine.scheduler import ScheduledBatch
+from treeverify.engine.scheduler import ScheduledBatch, ScheduledChunk
 from treeverify.engine.step_batch import StepBatch, StepLogits, cached_chain
 from treeverify.kernels.staging import to_device
 
@@ -103,7 +103,8 @@ class ModelRunner:
             return None
         return (b, n)
 
-    def _prefill_size(self, batch: ScheduledBatch, tb, prompt_from) -> int | None:
+    def _prefill_size(self, batch: ScheduledBatch, tb: TreeBatch | None,
+                      prompt_from: dict[str, int] | None) -> int | None:  # fmt: skip
         """The token bucket n of a step that is one request's prefill chunk of 2..n tokens
         (no prompt logprobs asked: those need every row), else None."""
         if tb is not None or not self.prefill_sizes or len(batch.chunks) != 1:
@@ -113,7 +114,7 @@ class ModelRunner:
             return None
         return next((n for n in self.prefill_sizes if n >= c.num_tokens), None)
 
-    def _run_prefill(self, c, n: int) -> StepLogits:
+    def _run_prefill(self, c: ScheduledChunk, n: int) -> StepLogits:
         """One request's prefill chunk of P <= n tokens as a chain of n rows, padded (see
         StepStage.write_prefill): its bucket's graph when captured, else eagerly over the same
         bucket plans and padded rows, so graphs on or off give the same numbers. The logits are
