@@ -23,7 +23,9 @@ def test_prompt_logprobs_equal_a_full_forward_across_chunks_and_preemption():
     rng = random.Random()
     llm = LLM("tiny-llama", num_pages=24, page_size=4, chunked_prefill_size=5,
               max_num_batched_tokens=12)  # fmt: skip
-    prompts = [[rng.randrange(256) for _ in range(rng.randrange(12, 30))] for _ in range(4)]
+    # >= 20 tokens each: the three generating requests then need > 96 slots (24 pages of 4), so
+    # one is always preempted (with 12-token prompts they could just fit: a flaky CI run)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 30))] for _ in range(4)]
     params = [
         SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=3),
         SamplingParams(temperature=0, max_tokens=20, prompt_logprobs=0, ignore_eos=True),
