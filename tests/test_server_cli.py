@@ -215,3 +215,19 @@ def test_broken_model_directory_is_one_error_line_exit_2(tmp_path):
     assert "Traceback" not in r.stderr and "hidden_size" in r.stderr
     errors = [x for x in r.stderr.splitlines() if " ERROR " in x]
     assert len(errors) == 1 and re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ERROR", errors[0])
+
+
+def test_engine_switches_reach_the_engine_config():
+    """serve's engine switches land in the LLM's config: the server builds a real (CPU) engine."""
+    from treeverify.server.main import build_engine
+
+    base = ["serve", "--model", "tiny-llama", "--device", "cpu", "--num-pages", "32"]
+    argv = [*base, "--disable-prefill-graphs", "--disable-round-graphs",
+            "--disable-round-lookahead"]  # fmt: skip
+    llm, _ = build_engine(_parse(cli, argv))
+    cfg = llm.config
+    assert cfg.disable_prefill_graphs and cfg.prefill_graph_sizes == ()
+    assert cfg.disable_round_graphs and cfg.round_lookahead is False
+    default, _ = build_engine(_parse(cli, base))
+    assert not default.config.disable_prefill_graphs and default.config.round_lookahead is None
+    assert default.config.prefill_graph_sizes == (32, 64, 128, 256, 512)  # used on a GPU
