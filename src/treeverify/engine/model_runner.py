@@ -19,7 +19,7 @@ from treeverify.engine.cuda_graphs import CudaGraphs
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
 from treeverify.engine.scheduler import ScheduledBatch, ScheduledChunk
-from treeverify.engine.step_batch import StepBatch, StepLogits, cached_chain
+from treeverify.engine.step_batch import StepBatch, StepLogits, cached_chain, padded_chain
 from treeverify.kernels.staging import to_device
 
 if TYPE_CHECKING:
@@ -120,24 +120,21 @@ class ModelRunner:
         bucket plans and padded rows, so graphs on or off give the same numbers. The logits are
         the last real row's; `hidden` the real rows'."""
         p, bucket = c.num_tokens, (1, n)
-        graphs = self.graphs
-        if (graphs is not None and bucket in graphs.steps
-                and len(c.seq.block_table) <= graphs.max_pages):  # fmt: skip
-            graphs.stages[bucket].write_prefill(c.token_ids, c.start, c.slots, c.seq.block_table)
+        graphs, table = self.graphs, c.seq.block_table
+        if graphs is not None and graphs.bucket_for(1, n, [table]) == bucket:
+            graphs.stages[bucket].write_prefill(c.token_ids, c.start, c.slots, table)
             logits = graphs.replay(bucket, 1)  # (1, V)
         else:
-            dev, pad = self.device, n - p
-            scratch = self.cache.scratch_slot
-            ids = to_device(torch.tensor(c.token_ids + [0] * pad), dev)  # (n,)
-            pos = torch.arange(c.start, c.start + n).clamp(max=c.start + p - 1)  # (n,)
-            slots = torch.tensor(list(c.slots) + [scratch] * pad)  # (n,)
-            valid = torch.arange(n) < p  # (n,)
+            dev = self.device
+            ids, pos, slots, valid = padded_chain(
+                c.token_ids, c.start, c.slots, n, self.cache.scratch_slot
+            )  # (n,) each
             self.attention.select(bucket)
-            self.attention.plan(slots, [c.seq.block_table], [c.start], [n],
-                                mask=cached_chain(n))  # fmt: skip
+            self.attention.plan(slots, [table], [c.start], [n], mask=cached_chain(n))
             moe = self._moe_impl("graph" if dev.type == "cuda" else None)
             try:
-                logits = self.model(ids, to_device(pos, dev), attention=self.attention,
+                logits = self.model(to_device(ids, dev), to_device(pos, dev),
+                                    attention=self.attention,
                                     logits_indices=to_device(torch.tensor([p - 1]), dev),
                                     token_valid=to_device(valid, dev))  # fmt: skip
             finally:

@@ -33,6 +33,23 @@ def cached_chain(n: int) -> torch.Tensor:
     return chain_bits(n)
 
 
+def padded_chain(tokens: list[int], start: int, slots: list[int], n: int,
+                 scratch_slot: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """One request's prefill chunk of P <= n tokens as a chain of n rows (a (1, n) bucket):
+    ids, positions, KV slots (n,) int64 and valid rows (n,) bool. Rows past P are padding: token
+    0 at the last position, K/V to the scratch slot, not valid (out of the MoE counts and the
+    logits row); the chain mask (`cached_chain`) keeps them from every real row. The one layout
+    of a padded prefill, whether staged for its graph or run eagerly."""
+    p = len(tokens)
+    if not 1 <= p <= n:
+        raise ValueError(f"tokens: {p} tokens in a chain of {n} rows; expected 1..{n}")
+    pad = n - p
+    ids = torch.tensor(tokens + [0] * pad, dtype=torch.int64)
+    pos = torch.arange(start, start + n, dtype=torch.int64).clamp(max=start + p - 1)
+    slot = torch.tensor(list(slots) + [scratch_slot] * pad, dtype=torch.int64)
+    return ids, pos, slot, torch.arange(n) < p
+
+
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeverify.engine.step_batch import cached_chain
+from treeverify.engine.step_batch import cached_chain, padded_chain
 
 
 class StepStage:
@@ -120,20 +120,17 @@ class StepStage:
 
     def write_prefill(self, tokens: list[int], start: int, slots: list[int],
                       block_table: list[int]) -> None:  # fmt: skip
-        """One request's prefill chunk of P <= n tokens (a (1, n) bucket) as a chain of n rows:
-        rows past P are padding (token 0 at the last position, K/V to the scratch slot, not
-        valid: out of the MoE counts and of the logits row, seen by no real row)."""
+        """One request's prefill chunk of P <= n tokens (a (1, n) bucket) as a chain of n rows,
+        padded as `step_batch.padded_chain` lays it out."""
         self._fresh_if_busy()
-        p, n = len(tokens), self.n
-        if self.batch != 1 or not 1 <= p <= n:
-            raise ValueError(f"tokens: {p} in a bucket ({self.batch}, {n}); expected 1..{n} "
-                             f"tokens of one request")  # fmt: skip
-        w = self._write_common([block_table], [start], n)
-        self.h_ids[:p], self.h_ids[p:] = tokens, 0
-        self.h_pos[:p], self.h_pos[p:] = np.arange(start, start + p), start + p - 1
-        self.h_slots[:p], self.h_slots[p:] = slots, self.scratch_slot
-        self.h_valid[p:] = 0
-        chain = cached_chain(n).numpy()  # (n, ceil(n/32)): row i sees rows 0..i
+        if self.batch != 1:
+            raise ValueError(f"tokens: a prefill chain is one request's, not a bucket "
+                             f"({self.batch}, {self.n})'s")  # fmt: skip
+        ids, pos, slot, valid = padded_chain(tokens, start, slots, self.n, self.scratch_slot)
+        w = self._write_common([block_table], [start], self.n)
+        self.h_ids[:], self.h_pos[:], self.h_slots[:] = ids.numpy(), pos.numpy(), slot.numpy()
+        self.h_valid[:] = valid.numpy()
+        chain = cached_chain(self.n).numpy()  # (n, ceil(n/32)): row i sees rows 0..i
         self.h_mask[:, : chain.shape[1]] = chain
         self.h_mask[:, chain.shape[1] :] = 0
         self._copy(w)
