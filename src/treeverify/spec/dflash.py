@@ -259,8 +259,7 @@ class DFlashDrafter(nn.Module):
                 f"context_lens/last_tokens: expected ({b},) each, got "
                 f"{tuple(context_lens.shape)} and {tuple(last_tokens.shape)}"
             )
-        if not 1 <= depth <= self.block_size - 1:
-            raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
+        self._check_round(depth)
         device = context_hidden.device
         # Zero the padding (whatever it holds, nothing of it reaches the math), then every
         # row's keys/values at its position p0 + row.
@@ -310,10 +309,7 @@ class DFlashDrafter(nn.Module):
         context_lens[b] are masked out of attention (they must be finite), or, given
         `context_valid`, the rows it leaves out (a ring of rows in any order: each key carries
         its rotary position, so the order of rows does not matter)."""
-        if self._target is None:
-            raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
-        if not 1 <= depth <= self.block_size - 1:
-            raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
+        self._check_round(depth)
         b, c = ctx_kv.shape[:2]
         t = self.block_size
         device = ctx_kv.device
@@ -366,14 +362,18 @@ class DFlashDrafter(nn.Module):
             ctx = store[slots, :rows]  # (B, rows, n_layers, 2, Hkv, D)
             valid = ring_valid(counts, ends, store.shape[1], rows)  # (B, rows)
             return self.propose_from_kv(ctx, counts, roots, ends, depth, context_valid=valid)
-        if self._target is None:
-            raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
-        if not 1 <= depth <= self.block_size - 1:
-            raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
+        self._check_round(depth)
         x, cos2, sin2 = self._block(roots, ends)  # (B, T, H), (B*T, D) x2
         for i, layer in enumerate(self.layers):
             x = layer.forward_ring(x, store, i, meta, rows, cos2, sin2)  # (B, T, H)
         return self._logits(x, depth)
+
+    def _check_round(self, depth: int) -> None:
+        """A round needs the target's embedding and lm_head, and a depth inside the block."""
+        if self._target is None:
+            raise RuntimeError("DFlashDrafter: no target embedding/lm_head; call attach_target()")
+        if not 1 <= depth <= self.block_size - 1:
+            raise ValueError(f"depth: expected 1..{self.block_size - 1}, got {depth}")
 
     def _block(
         self,
