@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from treeverify.models.config import LlamaConfig
+from treeverify.models.layers import apply_rope_tables
 from treeverify.spec.dflash import ring_valid
 from treeverify.spec.dflash_io import tiny_dflash
 
@@ -62,3 +63,24 @@ def reference_attention(q, store, layer, meta, rows, block_kv, scale):
             qh = q.view(bsz, t, hq, d)[b, :, h].double()  # (T, D)
             out[b, :, h] = torch.softmax(qh @ k.T * scale, -1) @ v
     return out.view(bsz * t, hq * d)
+
+
+def qk_fused_and_torch(d, b: int, max_pos: int, g: torch.Generator, device="cpu") -> dict:
+    """Layer 0's block projection of b random blocks at random positions through the fused
+    q/k norm + rope kernel (outputs poisoned first) and through torch's ops: the inputs
+    (qkv, cos2, sin2), the kernel's (q, kv) and torch's (want_q, want_kv)."""
+    from treeverify.spec import dflash_fused
+
+    attn, t = d.layers[0].self_attn, d.block_size
+    x = torch.randn(b * t, d.config.hidden_size, generator=g, device=device).to(BF16)
+    pos = torch.randint(0, max_pos, (b * t,), generator=g, device=device)
+    cos2, sin2 = d.rope.rotate_half_tables(pos, BF16)  # (B*T, D) each
+    qkv = torch.nn.functional.linear(x, *attn.qkv).view(b * t, -1, attn.d)
+    nan = dict(dtype=BF16, device=device)
+    out = (torch.full((b * t, attn.hq, attn.d), float("nan"), **nan),
+           torch.full((b, t, 2, attn.hkv, attn.d), float("nan"), **nan))  # fmt: skip
+    q, kv = dflash_fused.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, cos2, sin2, attn.hq,
+                                      attn.hkv, b, out=out)  # fmt: skip
+    want_q = apply_rope_tables(attn.q_norm(attn.q_proj(x).view(b * t, attn.hq, -1)), cos2, sin2)
+    want_kv = attn.keys_values(x, cos2, sin2).view(b, t, 2, attn.hkv, -1)
+    return dict(qkv=qkv, cos2=cos2, sin2=sin2, q=q, kv=kv, want_q=want_q, want_kv=want_kv)

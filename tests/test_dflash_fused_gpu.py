@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="CPU interpreter"),
 ]
 
-from dflash_rings import BF16, drafter, reference_attention, rings  # noqa: E402
+from dflash_rings import BF16, drafter, qk_fused_and_torch, reference_attention, rings  # noqa: E402
 from treeverify.models.layers import apply_rope_tables  # noqa: E402
 from treeverify.spec import dflash_fused  # noqa: E402
 
@@ -50,18 +50,9 @@ def test_ring_attention_equals_softmax_over_the_valid_rows(width, rows, counts, 
 def test_qk_norm_rope_equals_the_torch_ops():
     d = drafter(block_size=16, device="cuda")
     attn = d.layers[0].self_attn
-    b, t = 3, d.block_size
-    x = torch.randn(b * t, d.config.hidden_size, device="cuda").to(BF16)
-    pos = torch.randint(0, 3000, (b * t,), device="cuda")
-    cos2, sin2 = d.rope.rotate_half_tables(pos, BF16)  # (B*T, D) each
-    qkv = torch.nn.functional.linear(x, *attn.qkv).view(b * t, -1, attn.d)
-    nan = dict(dtype=BF16, device="cuda")
-    out = (torch.full((b * t, attn.hq, attn.d), float("nan"), **nan),
-           torch.full((b, t, 2, attn.hkv, attn.d), float("nan"), **nan))  # fmt: skip
-    q, kv = dflash_fused.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, cos2, sin2, attn.hq,
-                                      attn.hkv, b, out=out)  # fmt: skip
-    want_q = apply_rope_tables(attn.q_norm(attn.q_proj(x).view(b * t, attn.hq, -1)), cos2, sin2)
-    want_kv = attn.keys_values(x, cos2, sin2).view(b, t, 2, attn.hkv, -1)
+    r = qk_fused_and_torch(d, 3, 3000, torch.Generator(device="cuda").manual_seed(3), "cuda")
+    q, kv, want_q, want_kv = r["q"], r["kv"], r["want_q"], r["want_kv"]
+    qkv, cos2, sin2 = r["qkv"], r["cos2"], r["sin2"]
     torch.testing.assert_close(q, want_q, rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(kv, want_kv, rtol=8e-3, atol=8e-3)
     assert torch.equal(kv[:, :, 1], want_kv[:, :, 1])  # values are copied

@@ -21,8 +21,7 @@ if torch.cuda.is_available():
     pytest.skip("a GPU is present: test_dflash_fused_gpu.py runs there", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
-from dflash_rings import BF16, drafter, reference_attention, rings  # noqa: E402
-from treeverify.models.layers import apply_rope_tables  # noqa: E402
+from dflash_rings import BF16, drafter, qk_fused_and_torch, reference_attention, rings  # noqa: E402
 from treeverify.spec import dflash_fused  # noqa: E402
 
 
@@ -60,19 +59,8 @@ def test_ring_attention_equals_softmax_over_the_valid_rows(width, rows, counts, 
 
 def test_qk_norm_rope_equals_the_torch_ops():
     d = drafter()
-    attn = d.layers[0].self_attn
-    b, t = 2, d.block_size
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(b * t, d.config.hidden_size, generator=g).to(BF16)
-    pos = torch.randint(0, 500, (b * t,), generator=g)
-    cos2, sin2 = d.rope.rotate_half_tables(pos, BF16)  # (B*T, D) each
-    qkv = torch.nn.functional.linear(x, *attn.qkv).view(b * t, -1, attn.d)
-    out = (torch.full((b * t, attn.hq, attn.d), float("nan"), dtype=BF16),
-           torch.full((b, t, 2, attn.hkv, attn.d), float("nan"), dtype=BF16))  # fmt: skip
-    q, kv = dflash_fused.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, cos2, sin2, attn.hq,
-                                      attn.hkv, b, out=out)  # fmt: skip
-    want_q = apply_rope_tables(attn.q_norm(attn.q_proj(x).view(b * t, attn.hq, -1)), cos2, sin2)
-    want_kv = attn.keys_values(x, cos2, sin2).view(b, t, 2, attn.hkv, -1)
+    r = qk_fused_and_torch(d, 2, 500, torch.Generator().manual_seed(3))
+    q, kv, want_q, want_kv = r["q"], r["kv"], r["want_q"], r["want_kv"]
     # The same roundings in the same order: equal but for a last bf16 bit here and there.
     torch.testing.assert_close(q, want_q, rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(kv, want_kv, rtol=8e-3, atol=8e-3)
