@@ -75,3 +75,18 @@ def test_split_policy_fills_one_wave_without_short_chunks(batch, m_tiles, max_kv
         assert (n - 1) * c < kv  # no empty split
         if kv >= 2 * pol.max_splits * pol.chunk:
             assert n > pol.max_splits // 2  # a long request uses most splits
+
+
+def test_merge_in_forward_rule():
+    """Fused when the last CTA's read (splits x tile rows x dv x 4 B) is at most the limit."""
+    from treeverify.kernels.splits import FUSED_MERGE_MAX_BYTES, merge_in_forward
+
+    assert not merge_in_forward(max_splits=1, tile_rows=64, dv=64)  # nothing to merge
+    assert merge_in_forward(max_splits=17, tile_rows=34, dv=64)  # 148 KB: tiny-code's trees
+    rows = FUSED_MERGE_MAX_BYTES // (8 * 128 * 4)
+    assert merge_in_forward(max_splits=8, tile_rows=rows, dv=128)
+    assert not merge_in_forward(max_splits=8, tile_rows=rows + 1, dv=128)
+    assert merge_in_forward(max_splits=64, tile_rows=128, dv=512, mode="forward")
+    assert not merge_in_forward(max_splits=2, tile_rows=1, dv=64, mode="kernel")
+    with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
+        merge_in_forward(max_splits=2, tile_rows=1, dv=64, mode="both")

@@ -280,3 +280,102 @@ def test_sglang_drop_in_matches_reference_and_captures(mla):
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(o, _reference(ours)) <= TOL
+
+
+# ---- v8: the split merge inside the forward (split_merge.cuh) and padding rows zeroed there.
+
+MERGE_SHAPES = [
+    # (hq, hkv, dqk, dv, mla): the engine's tiny GQA shape, a 1B-like one, MLA
+    (4, 2, 64, 64, False),
+    (32, 8, 128, 128, False),
+    (16, 1, 576, 512, True),
+]
+
+
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
+@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
+def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, monkeypatch):
+    """A captured plan that merges in the forward, replayed over lengths that change every
+    request's split count (1 .. max_splits) and twice per replay (as two layers would), equals
+    the merge kernel's plan and the reference; the tile counters are back at zero after each
+    replay, and rows of padding requests come out zero (out poisoned with NaN before)."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    if portable:
+        monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("m", 4, 1500, 17, hq, hkv, dqk, dv, mla)
+    page, max_batch, max_tree, max_kv = 16, 4, 17, 1600
+    first = make_inputs(case, page_size=page, device="cuda", seed=1,
+                        prefix_lens=[1500, 1500, 1500], tree_sizes=[17, 17, 17])  # fmt: skip
+    pool = first["k_cache"].shape[0]
+    plans = {}
+    for mode in ("forward", "kernel"):
+        monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", mode)
+        plans[mode] = _plan(first, case, page, max_batch, max_tree, math.ceil(max_kv / page),
+                            max_kv)  # fmt: skip
+    assert plans["forward"]._launcher.merge_in_fwd and not plans["kernel"]._launcher.merge_in_fwd
+    assert plans["forward"].split_policy.max_splits > 4  # lengths below reach several counts
+    rows = max_batch * max_tree
+    q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
+    kc, vc = first["k_cache"], first["v_cache"]
+    outs, graphs = {}, {}
+    for mode, plan in plans.items():
+        plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"],
+                  first["tree_mask"])  # fmt: skip
+        outs[mode] = (torch.empty(rows, hq, dv, device="cuda", dtype=torch.bfloat16),
+                      torch.empty(rows, hq, dv, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+        plan.run(q, kc, vc, outs[mode][0])  # warmup, eager
+        torch.cuda.synchronize()
+        graphs[mode] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[mode]):
+            plan.run(q, kc, vc, outs[mode][0])
+            plan.run(q, kc, vc, outs[mode][1])
+    for step, (prefixes, trees) in enumerate([([0, 40, 130], [1, 17, 5]),
+                                              ([1400, 63, 64, 700], [17, 2, 17, 9]),
+                                              ([300], [17]),
+                                              ([1583, 1200], [17, 1])]):  # fmt: skip
+        nxt = make_inputs(case, page_size=page, device="cuda", seed=70 + step,
+                          prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+        n_pages = nxt["k_cache"].shape[0]
+        assert n_pages <= pool
+        kc[:n_pages].copy_(nxt["k_cache"])
+        if vc is not None:
+            vc[:n_pages].copy_(nxt["v_cache"])
+        total = nxt["q"].shape[0]
+        q.normal_()
+        q[:total].copy_(nxt["q"])
+        eager_inp = dict(nxt, q=q[:total].clone(), k_cache=kc[:n_pages],
+                         v_cache=None if vc is None else vc[:n_pages])  # fmt: skip
+        ref = _reference(eager_inp)
+        for mode, plan in plans.items():
+            plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
+            for o in outs[mode]:
+                o.fill_(float("nan"))
+            graphs[mode].replay()
+        torch.cuda.synchronize()
+        for mode, plan in plans.items():
+            for o in outs[mode]:
+                assert _rel(o[:total], ref) <= TOL, (mode, step)
+                assert (o[total:] == 0).all(), f"{mode}: padding rows not zeroed (step {step})"
+            counters = plan._workspace.counters
+            assert int(counters.abs().sum()) == 0, f"{mode}: tile counters left {counters}"
+        # fused and separate merges read the same partials: equal up to summation order
+        assert _rel(outs["forward"][0][:total], outs["kernel"][0][:total].float()) <= 1e-2
+
+
+def test_merge_modes_are_chosen_by_size(monkeypatch):
+    """auto merges in the forward for the engine's short trees, with a kernel for large reads."""
+    from treeverify.kernels.cuda.runner import Launcher
+
+    def launcher(hq, hkv, d, tree, max_kv):
+        return Launcher(device=torch.device("cuda"), dtype=torch.bfloat16, hq=hq, hkv=hkv,
+                        dqk=d, dv=d, mla=False, max_batch=1, max_tree=tree, max_kv=max_kv,
+                        total_q_cap=tree)  # fmt: skip
+
+    monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_MERGE", raising=False)
+    assert launcher(4, 2, 64, 17, 1041).merge_in_fwd  # tiny-code DDTREE-16
+    assert not launcher(32, 8, 128, 64, 32768).merge_in_fwd  # a long grid case
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "sideways")
+    with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
+        launcher(4, 2, 64, 17, 1041)

@@ -11,6 +11,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   pip-installed nvidia-* headers are used otherwise).
 - ``TREEVERIFY_CUDA_PORTABLE``: ``1`` runs the portable mma.sync CUDA kernels even where sm_90a
   wgmma ones exist (tests, comparisons).
+- ``TREEVERIFY_CUDA_SPLIT_MERGE``: where the CUDA backend merges split-KV partials: ``auto``
+  (default: in the forward when the read is small), ``forward`` or ``kernel`` (tests, A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
 - ``NOTIFY_SOCKET``: systemd's readiness socket (the server sends READY=1 / STOPPING=1).
 - ``TREEVERIFY_TEST_HOOKS``: TEST ONLY; ``1`` adds the server's /_test/stall and /_test/resume.
@@ -43,6 +45,8 @@ VARIABLES: dict[str, str] = {
     "(the GPU machine's copy); scripts/gpu-check takes it as an argument.",
     "TREEVERIFY_CUDA_PORTABLE": "1: use the portable mma.sync CUDA kernels even on sm_90a (tests "
     "and comparisons).",
+    "TREEVERIFY_CUDA_SPLIT_MERGE": "Where the CUDA backend merges split-KV partials: auto "
+    "(default; in the forward when small, else a merge kernel), forward or kernel (tests, A/B).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
     "(default ~/.cache/treeverify).",
     "TREEVERIFY_LOG_LEVEL": "Level of the 'treeverify' logger: DEBUG, INFO, WARNING (default), "
@@ -102,6 +106,11 @@ def sglang_kernel() -> str:
 def cuda_portable() -> bool:
     """TREEVERIFY_CUDA_PORTABLE=1: prefer the portable (mma.sync) CUDA kernels on every arch."""
     return os.environ.get("TREEVERIFY_CUDA_PORTABLE", "").strip() in ("1", "true", "yes")
+
+
+def cuda_split_merge() -> str:
+    """TREEVERIFY_CUDA_SPLIT_MERGE: auto (default), forward or kernel (kernels/splits.py)."""
+    return os.environ.get("TREEVERIFY_CUDA_SPLIT_MERGE", "").strip().lower() or "auto"
 
 
 def cache_dir() -> Path:

@@ -174,6 +174,8 @@ class PagedAttention:
             raise RuntimeError("PagedAttention: plan() must run before the forward pass")
         kc, vc = self.cache.write(layer, self.slots[: q.shape[0]], k, v)
         plan = self._plan_for(q, k, v, sm_scale, v_head_dim)
-        # zeros, not empty: rows of padding requests are never written by the kernels
-        out = q.new_zeros(q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
+        # Rows of padding requests belong to no tree: the CUDA kernels zero them (no memset
+        # launch per layer); the other backends never write them, so they get zeros here.
+        shape = (q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)
+        out = q.new_empty(shape) if plan.zeroes_padding_rows else q.new_zeros(shape)
         return plan.run(q, kc, vc, out)

@@ -104,9 +104,8 @@ class TreeAttentionPlan:
                 max_kv=self.max_kv_len,
                 total_q_cap=self.max_total_q,
             )  # compiles and loads the kernels now (warmup), never on a request
-            o_shape, lse_shape = self._launcher.workspace_shapes()
-            self.part_o = torch.empty(o_shape, dtype=torch.float32, device=dev)
-            self.part_lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
+            self._workspace = self._launcher.workspace()
+            self.part_o, self.part_lse = self._workspace.part_o, self._workspace.part_lse
             self._params = Params()
 
     @property
@@ -115,7 +114,15 @@ class TreeAttentionPlan:
         tensors = [self.block_table, self.prefix_lens, self.qo_indptr, self.tree_mask]
         if self._launcher is not None or self._triton is not None:
             tensors += [self.part_o, self.part_lse]
+        if self._launcher is not None:
+            tensors.append(self._workspace.counters)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def zeroes_padding_rows(self) -> bool:
+        """True: run() zeroes out's rows past the last tree itself (the CUDA kernels do); else
+        the caller must pass zeros there (padding requests' rows are never written)."""
+        return self._launcher is not None
 
     @property
     def split_policy(self):
@@ -215,8 +222,8 @@ class TreeAttentionPlan:
             return self._run_torch(q, k_cache, v_cache, out)
         launcher = self._launcher
         launcher.fill(
-            self._params, q=q, k=k_cache, v=v_cache, out=out, part_o=self.part_o,
-            part_lse=self.part_lse, block_table=self.block_table, prefix_lens=self.prefix_lens,
+            self._params, q=q, k=k_cache, v=v_cache, out=out, workspace=self._workspace,
+            block_table=self.block_table, prefix_lens=self.prefix_lens,
             kv_indptr=None, qo_indptr=self.qo_indptr, tree_mask=self.tree_mask,
             sm_scale=self.sm_scale,
         )  # fmt: skip

@@ -33,9 +33,7 @@ class _Workspace:
         self.launcher = launcher
         self.bits = torch.zeros(batch * n, math.ceil(n / 32), dtype=torch.int32, device=device)
         self.causal_bits = chain_bits(n, device).repeat(batch, 1)  # (B*N, W): node i sees 0..i
-        o_shape, lse_shape = launcher.workspace_shapes()
-        self.part_o = torch.empty(o_shape, dtype=torch.float32, device=device)
-        self.part_lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        self.split = launcher.workspace()  # partials + the fused merge's counters
         self.mask_kernel = load(MaskVariant(), device)
         self.params = Params()
 
@@ -109,7 +107,6 @@ def extend_attention_fwd(
     if batch < 1 or total_q != batch * n:
         raise ValueError(f"q_extend: expected B*N = {batch}*{n} rows, got {total_q}")
     dv = o_extend.shape[2]
-    hkv = k_buffer.shape[1]
     mla = dqk != dv
     # MLA: V is the first Dv columns of the latent row, read from the K rows once.
     if mla and v_buffer.data_ptr() != k_buffer.data_ptr():
@@ -119,7 +116,8 @@ def extend_attention_fwd(
     est_kv = math.ceil(kv_indices.shape[0] / batch) + n
     words = math.ceil(n / 32)
     launcher = launcher_for(q_extend, k_buffer, dv, mla, batch, n, est_kv, total_q)
-    key = (q_extend.device, q_extend.dtype, total_q, hq, hkv, dqk, dv, batch, n, est_kv)
+    # Keyed by the launcher itself: its grid (kernel family, splits, merge) sizes the buffers.
+    key = (launcher, total_q, batch, n)
     ws = _workspace(key, lambda: _Workspace(launcher, batch, n, q_extend.device))
     stream = torch.cuda.current_stream(q_extend.device).cuda_stream
     if custom_mask is not None:
@@ -135,7 +133,7 @@ def extend_attention_fwd(
         ws.mask_kernel.launch((total_q, 1, 1), args, stream)
     launcher.fill(
         ws.params, q=q_extend, k=k_buffer, v=None if mla else v_buffer, out=o_extend,
-        part_o=ws.part_o, part_lse=ws.part_lse, block_table=kv_indices, prefix_lens=None,
+        workspace=ws.split, block_table=kv_indices, prefix_lens=None,
         kv_indptr=kv_indptr, qo_indptr=qo_indptr,
         tree_mask=ws.bits if custom_mask is not None else ws.causal_bits, sm_scale=scale,
         k_ext=k_extend, v_ext=None if mla else v_extend,

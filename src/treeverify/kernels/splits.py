@@ -21,6 +21,11 @@ from dataclasses import dataclass
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 64  # the split granularity: splits are whole multiples of it
+# Largest read (fp32 partials of every split of one row tile) the last split CTA of a tile
+# merges itself (CUDA backend). Reading more from one SM is slower than a merge launch spread
+# over the GPU; below it the saved launch (~2-3 us per layer on the H200) is the bigger win.
+FUSED_MERGE_MAX_BYTES = 256 * 1024
+MERGE_MODES = ("auto", "forward", "kernel")
 
 
 @dataclass(frozen=True)
@@ -58,3 +63,18 @@ def num_splits(kv_total: int, max_splits: int, chunk: int) -> int:
     """Splits a request with kv_total = P_b + T_b keys uses (the device rule, on the host)."""
     c = split_chunk(kv_total, max_splits, chunk)
     return max(1, -(-kv_total // c))
+
+
+def merge_in_forward(*, max_splits: int, tile_rows: int, dv: int, mode: str = "auto") -> bool:
+    """True: the forward's last split CTA of each row tile merges it (no merge launch).
+
+    `tile_rows` = rows one CTA holds (min(BM, the bucket's packed rows)); mode "forward" or
+    "kernel" forces one way (TREEVERIFY_CUDA_SPLIT_MERGE, for tests and A/B runs).
+    """
+    if mode not in MERGE_MODES:
+        raise ValueError(
+            f"TREEVERIFY_CUDA_SPLIT_MERGE: expected one of {MERGE_MODES}, got {mode!r}"
+        )
+    if max_splits <= 1 or mode == "kernel":
+        return False
+    return mode == "forward" or max_splits * tile_rows * dv * 4 <= FUSED_MERGE_MAX_BYTES

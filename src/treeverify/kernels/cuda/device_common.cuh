@@ -36,6 +36,9 @@ struct TreeAttnParams {
   int batch, hq, hkv, group, page_size, mask_words;
   int max_splits, chunk, total_q_cap;
   float scale_log2;         // sm_scale * log2(e)
+  unsigned* split_counters;  // per (m-tile, request x KV head) of the grid: zero between launches
+  int merge_in_fwd;         // 1: split CTAs merge in the forward (split_merge.cuh), no merge launch
+  int out_rows;             // rows of out; those past the last request's tree are zeroed
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {

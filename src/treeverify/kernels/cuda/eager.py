@@ -9,7 +9,7 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params
 from treeverify.kernels.cuda.runner import Launcher, check_alignment
-from treeverify.kernels.eager import cached, eager_bucket, eager_buffers
+from treeverify.kernels.eager import cached, eager_bucket
 
 _launchers: OrderedDict[tuple, Launcher] = OrderedDict()  # recent eager buckets
 
@@ -27,6 +27,7 @@ def launcher_for(
     """A Launcher for this exact bucket, reused across calls with the same sizes (small LRU)."""
     key = (
         env.cuda_portable(),
+        env.cuda_split_merge(),
         q.device,
         q.dtype,
         q.shape[1],
@@ -77,7 +78,8 @@ def tree_attention_cuda(
             check_alignment(name, t)
     bk = eager_bucket(q, v_cache, v_head_dim, prefix_lens, qo_indptr)
     launcher = launcher_for(q, k_cache, bk.dv, bk.mla, bk.batch, bk.max_tree, bk.max_kv, bk.total_q)
-    out, part_o, part_lse = eager_buffers(q, bk.dv, out, launcher.workspace_shapes())
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], bk.dv, dtype=q.dtype, device=q.device)
     check_alignment("out", out)
     params = launcher.fill(
         Params(),
@@ -85,8 +87,7 @@ def tree_attention_cuda(
         k=k_cache,
         v=v_cache,
         out=out,
-        part_o=part_o,
-        part_lse=part_lse,
+        workspace=launcher.workspace(),
         block_table=block_table.contiguous(),
         prefix_lens=prefix_lens.contiguous(),
         kv_indptr=None,

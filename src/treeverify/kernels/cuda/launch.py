@@ -72,6 +72,9 @@ class Params(ctypes.Structure):
         ("chunk", ctypes.c_int),
         ("total_q_cap", ctypes.c_int),
         ("scale_log2", ctypes.c_float),
+        ("split_counters", ctypes.c_void_p),
+        ("merge_in_fwd", ctypes.c_int),
+        ("out_rows", ctypes.c_int),
     ]
 
 

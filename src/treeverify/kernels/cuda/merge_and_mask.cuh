@@ -1,7 +1,7 @@
-// The split-KV merge and SGLang's byte-mask converter; included by tree_attention.cu.
+// The split-KV merge kernel and SGLang's byte-mask converter; included by tree_attention.cu.
 #pragma once
 
-#include "device_common.cuh"
+#include "split_merge.cuh"
 
 namespace treeverify {
 
@@ -20,28 +20,8 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   const int T_b = p.qo_indptr[b + 1] - p.qo_indptr[b];
   const int n = num_splits(p, request_kv(p, b).prefix + T_b);
   if (n == 1) return;  // the main kernel wrote the final output
-  const long long stride = (long long)p.total_q_cap * p.hq;
-  const long long base = (long long)tok * p.hq + head;
-  float lmax = -TV_INF;
-  for (int s = 0; s < n; ++s) lmax = fmaxf(lmax, p.part_lse[s * stride + base]);
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
   const int c = threadIdx.x * 4;
-  for (int s = 0; s < n; ++s) {
-    const float lse = p.part_lse[s * stride + base];
-    if (lse == -TV_INF) continue;
-    const float w = exp2f(lse - lmax);
-    const float4 v = *reinterpret_cast<const float4*>(p.part_o + (s * stride + base) * DV + c);
-    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-    wsum += w;
-  }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  unsigned short* og = static_cast<unsigned short*>(p.out) + tok * p.o_stride_tok +
-                       head * p.o_stride_head + c;
-  uint2 packed;
-  packed.x = pack2<BF16>(acc.x * inv, acc.y * inv);
-  packed.y = pack2<BF16>(acc.z * inv, acc.w * inv);
-  *reinterpret_cast<uint2*>(og) = packed;
+  store_out4<BF16>(p, tok, head, c, merge_splits4<DV>(p, (long long)tok * p.hq + head, n, c));
 }
 
 #ifdef TV_SGLANG_MASK_KERNEL  // compiled only into its own module

@@ -3,19 +3,29 @@
 `Launcher` is built once per problem family and bucket (at plan time or once per eager call):
 it compiles/loads the variants, fixes the grid and the split policy, and owns nothing that
 changes per step. `Launcher.fill()` writes tensor addresses and strides into a ctypes struct,
-and `Launcher.launch()` issues the two kernels on the current stream: no allocation, no sync.
+and `Launcher.launch()` issues the forward (and, for plans whose split merge is too large to fuse,
+the merge kernel) on the current stream: no allocation, no sync. `Launcher.workspace()` makes the
+buffers one plan keeps at fixed addresses: split partials and the fused merge's row-tile
+counters (zero between launches: the kernel resets each after use).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
-from treeverify.kernels.splits import choose_splits
+from treeverify.kernels.splits import choose_splits, merge_in_forward
+
+
+class SplitWorkspace(NamedTuple):
+    part_o: torch.Tensor  # (max_splits, total_q_cap, Hq, Dv) fp32, or empty when never split
+    part_lse: torch.Tensor  # (max_splits, total_q_cap, Hq) fp32, or empty
+    counters: torch.Tensor  # (m_tiles * max_batch * Hkv,) int32 zeros, or empty: merge kernel
 
 
 class Launcher:
@@ -70,13 +80,25 @@ class Launcher:
         )
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq, 1)
+        self.merge_in_fwd = merge_in_forward(
+            max_splits=self.splits.max_splits,
+            tile_rows=min(self.fwd.bm, max_tree * self.group),
+            dv=dv,
+            mode=env.cuda_split_merge(),
+        )
 
-    def workspace_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Partial O (fp32) and LSE shapes; empty when no request can be split."""
-        s = self.splits.max_splits
+    def workspace(self) -> SplitWorkspace:
+        """New split buffers for this launcher's grid (allocates: at plan time, or eagerly)."""
+        s, dev = self.splits.max_splits, self.device
         if s == 1:
-            return (0,), (0,)
-        return (s, self.total_q_cap, self.hq, self.dv), (s, self.total_q_cap, self.hq)
+            empty = torch.empty(0, dtype=torch.float32, device=dev)
+            return SplitWorkspace(empty, empty, torch.empty(0, dtype=torch.int32, device=dev))
+        tiles = self.grid[0] * self.grid[2] if self.merge_in_fwd else 0
+        return SplitWorkspace(
+            torch.empty(s, self.total_q_cap, self.hq, self.dv, dtype=torch.float32, device=dev),
+            torch.empty(s, self.total_q_cap, self.hq, dtype=torch.float32, device=dev),
+            torch.zeros(tiles, dtype=torch.int32, device=dev),
+        )
 
     def fill(
         self,
@@ -85,9 +107,8 @@ class Launcher:
         q: torch.Tensor,  # (total_q, Hq, Dqk)
         k: torch.Tensor,  # (pages, page_size, Hkv, Dqk) or (slots, Hkv, Dqk) with page_size 1
         v: torch.Tensor | None,
-        out: torch.Tensor,  # (total_q, Hq, Dv)
-        part_o: torch.Tensor,
-        part_lse: torch.Tensor,
+        out: torch.Tensor,  # (total_q, Hq, Dv); rows past the last tree are zeroed
+        workspace: SplitWorkspace,
         block_table: torch.Tensor,
         prefix_lens: torch.Tensor | None,
         kv_indptr: torch.Tensor | None,
@@ -103,8 +124,12 @@ class Launcher:
         params.q, params.k = q.data_ptr(), k.data_ptr()
         params.v = k.data_ptr() if v is None else v.data_ptr()
         params.out = out.data_ptr()
-        params.part_o = part_o.data_ptr() if part_o.numel() else 0
-        params.part_lse = part_lse.data_ptr() if part_lse.numel() else 0
+        ws = workspace
+        params.part_o = ws.part_o.data_ptr() if ws.part_o.numel() else 0
+        params.part_lse = ws.part_lse.data_ptr() if ws.part_lse.numel() else 0
+        params.split_counters = ws.counters.data_ptr() if ws.counters.numel() else 0
+        params.merge_in_fwd = int(bool(ws.counters.numel()))
+        params.out_rows = out.shape[0]
         params.block_table = block_table.data_ptr()
         params.bt_i64 = int(block_table.dtype == torch.int64)
         params.bt_stride = block_table.stride(0) if block_table.dim() == 2 else 0
@@ -134,10 +159,10 @@ class Launcher:
         return params
 
     def launch(self, params: Params) -> None:
-        """Forward, then merge (the merge skips requests that were not split)."""
+        """Forward, then the merge kernel unless the forward merges (it skips unsplit requests)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.fwd_kernel.launch(self.grid, [params], stream)
-        if self.splits.max_splits > 1:
+        if self.splits.max_splits > 1 and not params.merge_in_fwd:
             self.merge_kernel.launch(self.merge_grid, [params], stream)
 
 

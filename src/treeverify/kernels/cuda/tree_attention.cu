@@ -30,12 +30,16 @@
 //       plan's max_splits) instead of the bucket's capacity / max_splits: an engine decode of
 //       520 keys in a 32k-key bucket ran one CTA per KV head (24 us/layer on the H200). The
 //       grid's cases are planned at their own length: predicted unchanged there.
+//   v8  the split merge inside the forward when the last CTA's read is small (split_merge.cuh:
+//       a self-resetting counter per row tile, the last split CTA merges), and padding rows
+//       zeroed by CTA 0: two launches fewer per layer on the engine's short contexts.
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
 // Each warp owns 16 rows and DV/WN output columns; WN warps share the same rows.
 
 #include "device_common.cuh"
+#include "split_merge.cuh"  // merge_tile_if_last, zero_padding_rows
 
 namespace treeverify {
 
@@ -82,6 +86,7 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
   const int wm = warp / WN, wn = warp % WN;
   const int g = lane >> 2, tq = lane & 3;
 
+  zero_padding_rows<DV>(p);
   const int bh = blockIdx.z, b = bh / p.hkv, kvh = bh % p.hkv;
   const int qo0 = p.qo_indptr[b];
   const int T_b = p.qo_indptr[b + 1] - qo0;
@@ -348,6 +353,7 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
         p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
     }
   }
+  if (n_splits > 1 && p.merge_in_fwd) merge_tile_if_last<DV, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
 
 }  // namespace treeverify

@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const int wg = warp >> 2, wi = warp & 3;
   const int g = lane >> 2, tq = lane & 3;
 
+  zero_padding_rows<D>(p);
   const int bh = blockIdx.z, b = bh / p.hkv, kvh = bh % p.hkv;
   const int qo0 = p.qo_indptr[b];
   const int T_b = p.qo_indptr[b + 1] - qo0;
@@ -247,6 +248,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
     }
   }
+  if (n_splits > 1 && p.merge_in_fwd) merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
 
 }  // namespace treeverify
