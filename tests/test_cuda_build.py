@@ -77,16 +77,25 @@ def test_split_policy_fills_one_wave_without_short_chunks(batch, m_tiles, max_kv
             assert n > pol.max_splits // 2  # a long request uses most splits
 
 
-def test_merge_in_forward_rule():
-    """Fused when the last CTA's read (splits x tile rows x dv x 4 B) is at most the limit."""
-    from treeverify.kernels.splits import FUSED_MERGE_MAX_BYTES, merge_in_forward
+def test_split_merge_limits_and_launch_rule():
+    """A row tile merges in the forward when its read (splits x rows x dv x 4 B) is at most the
+    limit; the merge kernel is launched only when some tile of the plan can exceed it."""
+    from treeverify.kernels.splits import (
+        FUSED_MERGE_MAX_BYTES,
+        fused_merge_limit,
+        merge_bytes,
+        merge_kernel_needed,
+    )
 
-    assert not merge_in_forward(max_splits=1, tile_rows=64, dv=64)  # nothing to merge
-    assert merge_in_forward(max_splits=17, tile_rows=34, dv=64)  # 148 KB: tiny-code's trees
-    rows = FUSED_MERGE_MAX_BYTES // (8 * 128 * 4)
-    assert merge_in_forward(max_splits=8, tile_rows=rows, dv=128)
-    assert not merge_in_forward(max_splits=8, tile_rows=rows + 1, dv=128)
-    assert merge_in_forward(max_splits=64, tile_rows=128, dv=512, mode="forward")
-    assert not merge_in_forward(max_splits=2, tile_rows=1, dv=64, mode="kernel")
+    auto = fused_merge_limit("auto")
+    assert auto == FUSED_MERGE_MAX_BYTES and fused_merge_limit("kernel") == 0
+    assert merge_bytes(64, 128, 512) <= fused_merge_limit("forward")  # the largest tile fits
+    assert not merge_kernel_needed(max_splits=1, tile_rows=64, dv=64, limit=0)  # never split
+    assert not merge_kernel_needed(max_splits=64, tile_rows=2, dv=64, limit=auto)  # decodes
+    assert merge_kernel_needed(max_splits=64, tile_rows=34, dv=64, limit=auto)  # 17-node trees
+    rows = auto // (8 * 128 * 4)
+    assert not merge_kernel_needed(max_splits=8, tile_rows=rows, dv=128, limit=auto)
+    assert merge_kernel_needed(max_splits=8, tile_rows=rows + 1, dv=128, limit=auto)
+    assert merge_kernel_needed(max_splits=2, tile_rows=1, dv=64, limit=0)
     with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
-        merge_in_forward(max_splits=2, tile_rows=1, dv=64, mode="both")
+        fused_merge_limit("both")

@@ -295,10 +295,11 @@ MERGE_SHAPES = [
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
 def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, monkeypatch):
-    """A captured plan that merges in the forward, replayed over lengths that change every
-    request's split count (1 .. max_splits) and twice per replay (as two layers would), equals
-    the merge kernel's plan and the reference; the tile counters are back at zero after each
-    replay, and rows of padding requests come out zero (out poisoned with NaN before)."""
+    """Captured plans that merge every split tile in the forward, none, or those whose read is
+    small (auto: the rest by the merge kernel, which must skip the others), replayed over
+    lengths that change every request's split count and twice per replay (as two layers
+    would): each equals the reference and the merge kernel's plan; the tile counters are back at
+    zero after each replay; rows of padding requests come out zero (out poisoned before)."""
     from treeverify.bench.cases import Case, make_inputs
 
     if portable:
@@ -310,12 +311,13 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, monkey
                         prefix_lens=[1500, 1500, 1500], tree_sizes=[17, 17, 17])  # fmt: skip
     pool = first["k_cache"].shape[0]
     plans = {}
-    for mode in ("forward", "kernel"):
+    for mode in ("forward", "kernel", "auto"):
         monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", mode)
         plans[mode] = _plan(first, case, page, max_batch, max_tree, math.ceil(max_kv / page),
                             max_kv)  # fmt: skip
-    assert plans["forward"]._launcher.merge_in_fwd and not plans["kernel"]._launcher.merge_in_fwd
-    assert plans["forward"].split_policy.max_splits > 4  # lengths below reach several counts
+    assert not plans["forward"]._launcher.merge_kernel_needed
+    assert plans["kernel"]._launcher.merge_kernel_needed
+    assert plans["forward"].split_policy.max_splits >= 4  # lengths below reach several counts
     rows = max_batch * max_tree
     q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
     kc, vc = first["k_cache"], first["v_cache"]
@@ -364,18 +366,21 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, monkey
         assert _rel(outs["forward"][0][:total], outs["kernel"][0][:total].float()) <= 1e-2
 
 
-def test_merge_modes_are_chosen_by_size(monkeypatch):
-    """auto merges in the forward for the engine's short trees, with a kernel for large reads."""
+def test_merge_kernel_launched_only_where_a_tile_can_exceed_the_limit(monkeypatch):
+    """Decode plans never launch the merge kernel; 17-node trees over long contexts do (their
+    short contexts still merge in the forward); forcing the forward launches none."""
     from treeverify.kernels.cuda.runner import Launcher
 
-    def launcher(hq, hkv, d, tree, max_kv):
-        return Launcher(device=torch.device("cuda"), dtype=torch.bfloat16, hq=hq, hkv=hkv,
-                        dqk=d, dv=d, mla=False, max_batch=1, max_tree=tree, max_kv=max_kv,
+    def launcher(tree, max_kv):
+        return Launcher(device=torch.device("cuda"), dtype=torch.bfloat16, hq=4, hkv=2, dqk=64,
+                        dv=64, mla=False, max_batch=1, max_tree=tree, max_kv=max_kv,
                         total_q_cap=tree)  # fmt: skip
 
     monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_MERGE", raising=False)
-    assert launcher(4, 2, 64, 17, 1041).merge_in_fwd  # tiny-code DDTREE-16
-    assert not launcher(32, 8, 128, 64, 32768).merge_in_fwd  # a long grid case
+    assert not launcher(1, 32768).merge_kernel_needed  # tiny-code decode
+    assert launcher(17, 32768).merge_kernel_needed  # DDTREE-16 verify, 64 splits
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "forward")
+    assert not launcher(17, 32768).merge_kernel_needed
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "sideways")
     with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
-        launcher(4, 2, 64, 17, 1041)
+        launcher(17, 1041)

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 64  # the split granularity: splits are whole multiples of it
-# Largest read (fp32 partials of every split of one row tile) the last split CTA of a tile
-# merges itself (CUDA backend). Reading more from one SM is slower than a merge launch spread
-# over the GPU; below it the saved launch (~2-3 us per layer on the H200) is the bigger win.
-FUSED_MERGE_MAX_BYTES = 256 * 1024
+# Largest read (fp32 partials of every split of one row tile) that the last split CTA of a tile
+# merges itself, in the forward (CUDA backend): one SM reading more is slower than a merge
+# kernel spread over the GPU; below it the saved launch is the bigger win. Decided per tile on
+# the device from its own split count, so a plan sized for long contexts still fuses short ones.
+FUSED_MERGE_MAX_BYTES = 64 * 1024
 MERGE_MODES = ("auto", "forward", "kernel")
 
 
@@ -65,16 +66,22 @@ def num_splits(kv_total: int, max_splits: int, chunk: int) -> int:
     return max(1, -(-kv_total // c))
 
 
-def merge_in_forward(*, max_splits: int, tile_rows: int, dv: int, mode: str = "auto") -> bool:
-    """True: the forward's last split CTA of each row tile merges it (no merge launch).
-
-    `tile_rows` = rows one CTA holds (min(BM, the bucket's packed rows)); mode "forward" or
-    "kernel" forces one way (TREEVERIFY_CUDA_SPLIT_MERGE, for tests and A/B runs).
-    """
+def fused_merge_limit(mode: str = "auto") -> int:
+    """Bytes a row tile's merge may read to run in the forward: `mode` is
+    TREEVERIFY_CUDA_SPLIT_MERGE (auto; forward: every tile; kernel: none, for tests and A/B)."""
     if mode not in MERGE_MODES:
         raise ValueError(
             f"TREEVERIFY_CUDA_SPLIT_MERGE: expected one of {MERGE_MODES}, got {mode!r}"
         )
-    if max_splits <= 1 or mode == "kernel":
-        return False
-    return mode == "forward" or max_splits * tile_rows * dv * 4 <= FUSED_MERGE_MAX_BYTES
+    return {"auto": FUSED_MERGE_MAX_BYTES, "forward": 2**31 - 1, "kernel": 0}[mode]
+
+
+def merge_bytes(splits: int, tile_rows: int, dv: int) -> int:
+    """fp32 partial bytes one row tile's merge reads (the device rule's left side)."""
+    return splits * tile_rows * dv * 4
+
+
+def merge_kernel_needed(*, max_splits: int, tile_rows: int, dv: int, limit: int) -> bool:
+    """Whether some tile of a plan can exceed the limit (then the merge kernel is launched; it
+    skips the tiles the forward merged). `tile_rows` = min(BM, the bucket's packed rows)."""
+    return max_splits > 1 and merge_bytes(max_splits, tile_rows, dv) > limit

@@ -37,7 +37,8 @@ struct TreeAttnParams {
   int max_splits, chunk, total_q_cap;
   float scale_log2;         // sm_scale * log2(e)
   unsigned* split_counters;  // per (m-tile, request x KV head) of the grid: zero between launches
-  int merge_in_fwd;         // 1: split CTAs merge in the forward (split_merge.cuh), no merge launch
+  int fused_merge_bytes;    // split tiles whose merge reads at most this merge in the forward
+  int fwd_bm;               // the forward's rows per CTA (the merge kernel finds a row's tile)
   int out_rows;             // rows of out; those past the last request's tree are zeroed
 };
 

@@ -73,7 +73,8 @@ class Params(ctypes.Structure):
         ("total_q_cap", ctypes.c_int),
         ("scale_log2", ctypes.c_float),
         ("split_counters", ctypes.c_void_p),
-        ("merge_in_fwd", ctypes.c_int),
+        ("fused_merge_bytes", ctypes.c_int),
+        ("fwd_bm", ctypes.c_int),
         ("out_rows", ctypes.c_int),
     ]
 

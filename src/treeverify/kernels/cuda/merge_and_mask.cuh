@@ -5,8 +5,8 @@
 
 namespace treeverify {
 
-// Merge the split partials of every row whose request was split: one CTA per (token, head),
-// DV/4 threads, each owning four output columns.
+// Merge the split partials of every row whose request was split and whose row tile the
+// forward did not merge itself: one CTA per (token, head), DV/4 threads, four columns each.
 template <int DV, bool BF16>
 __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
   const int tok = blockIdx.x, head = blockIdx.y;
@@ -20,8 +20,14 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   const int T_b = p.qo_indptr[b + 1] - p.qo_indptr[b];
   const int n = num_splits(p, request_kv(p, b).prefix + T_b);
   if (n == 1) return;  // the main kernel wrote the final output
-  const int c = threadIdx.x * 4;
-  store_out4<BF16>(p, tok, head, c, merge_splits4<DV>(p, (long long)tok * p.hq + head, n, c));
+  const int G = p.group, row = (tok - p.qo_indptr[b]) * G + head % G;  // packed row, KV head
+  const int tile0 = row / p.fwd_bm * p.fwd_bm;
+  if (merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0))) return;
+  const long long base[1] = {(long long)tok * p.hq + head};
+  const int c[1] = {static_cast<int>(threadIdx.x) * 4};
+  float4 o[1];
+  merge_splits4<DV, 1>(p, base, n, c, o);
+  store_out4<BF16>(p, tok, head, c[0], o[0]);
 }
 
 #ifdef TV_SGLANG_MASK_KERNEL  // compiled only into its own module

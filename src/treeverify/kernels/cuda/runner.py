@@ -3,10 +3,11 @@
 `Launcher` is built once per problem family and bucket (at plan time or once per eager call):
 it compiles/loads the variants, fixes the grid and the split policy, and owns nothing that
 changes per step. `Launcher.fill()` writes tensor addresses and strides into a ctypes struct,
-and `Launcher.launch()` issues the forward (and, for plans whose split merge is too large to fuse,
-the merge kernel) on the current stream: no allocation, no sync. `Launcher.workspace()` makes the
-buffers one plan keeps at fixed addresses: split partials and the fused merge's row-tile
-counters (zero between launches: the kernel resets each after use).
+and `Launcher.launch()` issues the forward (and the merge kernel, for plans where some split tile
+can be too large to merge in the forward: split_merge.cuh) on the current stream: no
+allocation, no sync. `Launcher.workspace()` makes the buffers one plan keeps at fixed
+addresses: split partials and the row-tile counters of the merge in the forward (zero between
+launches: the kernel resets each after use).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
-from treeverify.kernels.splits import choose_splits, merge_in_forward
+from treeverify.kernels.splits import choose_splits, fused_merge_limit, merge_kernel_needed
 
 
 class SplitWorkspace(NamedTuple):
@@ -80,11 +81,12 @@ class Launcher:
         )
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq, 1)
-        self.merge_in_fwd = merge_in_forward(
+        self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
+        self.merge_kernel_needed = merge_kernel_needed(
             max_splits=self.splits.max_splits,
             tile_rows=min(self.fwd.bm, max_tree * self.group),
             dv=dv,
-            mode=env.cuda_split_merge(),
+            limit=self.fused_merge_bytes,
         )
 
     def workspace(self) -> SplitWorkspace:
@@ -93,7 +95,7 @@ class Launcher:
         if s == 1:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
             return SplitWorkspace(empty, empty, torch.empty(0, dtype=torch.int32, device=dev))
-        tiles = self.grid[0] * self.grid[2] if self.merge_in_fwd else 0
+        tiles = self.grid[0] * self.grid[2] if self.fused_merge_bytes else 0
         return SplitWorkspace(
             torch.empty(s, self.total_q_cap, self.hq, self.dv, dtype=torch.float32, device=dev),
             torch.empty(s, self.total_q_cap, self.hq, dtype=torch.float32, device=dev),
@@ -128,7 +130,8 @@ class Launcher:
         params.part_o = ws.part_o.data_ptr() if ws.part_o.numel() else 0
         params.part_lse = ws.part_lse.data_ptr() if ws.part_lse.numel() else 0
         params.split_counters = ws.counters.data_ptr() if ws.counters.numel() else 0
-        params.merge_in_fwd = int(bool(ws.counters.numel()))
+        params.fused_merge_bytes = self.fused_merge_bytes if ws.counters.numel() else 0
+        params.fwd_bm = self.fwd.bm
         params.out_rows = out.shape[0]
         params.block_table = block_table.data_ptr()
         params.bt_i64 = int(block_table.dtype == torch.int64)
@@ -159,10 +162,10 @@ class Launcher:
         return params
 
     def launch(self, params: Params) -> None:
-        """Forward, then the merge kernel unless the forward merges (it skips unsplit requests)."""
+        """Forward, then the merge kernel where needed (it skips rows the forward merged)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.fwd_kernel.launch(self.grid, [params], stream)
-        if self.splits.max_splits > 1 and not params.merge_in_fwd:
+        if self.merge_kernel_needed:
             self.merge_kernel.launch(self.merge_grid, [params], stream)
 
 

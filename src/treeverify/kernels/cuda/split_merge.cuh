@@ -1,39 +1,86 @@
 // Merging split-KV partials into the final output, and the padding rows' zeros; included by
 // tree_attention.cu before the forward kernels, which call merge_tile_if_last at their end.
 //
-// Two ways to merge (the launcher picks per plan, kernels/splits.py: merge_in_forward):
-// - in the forward (v8): each split CTA counts itself done on a per-row-tile counter; the last
-//   of the tile's n_splits CTAs merges the tile and resets the counter to 0 for the next launch
-//   (graph replays and the next layer), so no merge kernel is launched. Chosen when the last
-//   CTA's read (n_splits x tile rows x DV fp32) is small: one SM reading a large tile would be
-//   slower than a merge kernel spread over the GPU;
-// - tree_attn_merge (merge_and_mask.cuh), one CTA per (token, head), otherwise.
+// Two ways to merge a split row tile, chosen per tile on the device (merged_in_forward):
+// - in the forward (v8), when the tile's read (n splits x tile rows x DV fp32) is at most
+//   p.fused_merge_bytes: each split CTA counts itself done on a per-row-tile counter; the last
+//   of the tile's n CTAs merges it and resets the counter to 0 for the next launch (graph
+//   replays, the next layer). One SM reading a large tile would be slower than a merge kernel
+//   spread over the GPU, hence the limit;
+// - tree_attn_merge (merge_and_mask.cuh), one CTA per (token, head), for the other tiles. The
+//   launcher launches it only when some tile of the plan can exceed the limit
+//   (kernels/splits.py: merge_kernel_needed), so plans of short trees launch one kernel.
 #pragma once
 
 #include "device_common.cuh"
 
 namespace treeverify {
 
-// Four output columns [c, c+4) of row `base` (= token * hq + head) of a split request: the
-// LSE-weighted mean of its n splits' partials. Loads bypass L1: other SMs wrote the partials.
-template <int DV>
-__device__ __forceinline__ float4 merge_splits4(const TreeAttnParams& p, long long base, int n,
-                                                int c) {
+// Four output columns [c, c+4) of I rows at once (rows base[i] = token * hq + head, or < 0:
+// none) of split requests: the LSE-weighted mean of their n splits' partials, in one pass (a
+// running max rescales the sum). The loads of 8 splits x I rows are issued together: a serial
+// load per split left the merge bound by L2 latency (4 us per layer for a 17-node tree on the
+// H200). Loads bypass L1: other SMs wrote the partials. A split that saw no key has LSE -inf
+// and partial 0: weight 0.
+template <int DV, int I>
+__device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const long long (&base)[I],
+                                              int n, const int (&c)[I], float4 (&out)[I]) {
+  constexpr int U = 8;
   const long long stride = (long long)p.total_q_cap * p.hq;  // one split's rows
-  float lmax = -TV_INF;
-  for (int s = 0; s < n; ++s) lmax = fmaxf(lmax, __ldcg(p.part_lse + s * stride + base));
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
-  for (int s = 0; s < n; ++s) {
-    const float lse = __ldcg(p.part_lse + s * stride + base);
-    if (lse == -TV_INF) continue;  // a split that saw no visible key
-    const float w = exp2f(lse - lmax);
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(p.part_o + (s * stride + base) * DV + c));
-    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-    wsum += w;
+  float m[I], wsum[I];
+  float4 acc[I];
+#pragma unroll
+  for (int i = 0; i < I; ++i) {
+    m[i] = -TV_INF;
+    wsum[i] = 0.f;
+    acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  return make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  for (int s0 = 0; s0 < n; s0 += U) {
+    float l[I][U];
+    float4 v[I][U];
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const long long row = (s0 + u) * stride + base[i];
+        const bool ok = s0 + u < n && base[i] >= 0;
+        l[i][u] = ok ? __ldcg(p.part_lse + row) : -TV_INF;
+        v[i][u] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + row * DV + c[i]))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+      float mb = m[i];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mb = fmaxf(mb, l[i][u]);
+      if (mb == -TV_INF) continue;  // no split so far saw a key
+      const float sc = exp2f(m[i] - mb);  // 0 while m is -inf
+      float4& a = acc[i];
+      a.x *= sc; a.y *= sc; a.z *= sc; a.w *= sc;
+      wsum[i] *= sc;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float w = exp2f(l[i][u] - mb);
+        a.x += w * v[i][u].x; a.y += w * v[i][u].y; a.z += w * v[i][u].z; a.w += w * v[i][u].w;
+        wsum[i] += w;
+      }
+      m[i] = mb;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < I; ++i) {
+    const float inv = wsum[i] > 0.f ? 1.f / wsum[i] : 0.f;
+    out[i] = make_float4(acc[i].x * inv, acc[i].y * inv, acc[i].z * inv, acc[i].w * inv);
+  }
+}
+
+// Whether the forward merges the row tile itself: its read (n splits x tile rows x DV fp32) is
+// at most p.fused_merge_bytes. The forward's split CTAs and the merge kernel (which then skips
+// the tile) evaluate the same rule, so each tile is merged exactly once.
+template <int DV>
+__device__ __forceinline__ bool merged_in_forward(const TreeAttnParams& p, int n, int tile_rows) {
+  return (long long)n * tile_rows * DV * 4 <= (long long)p.fused_merge_bytes;
 }
 
 template <bool BF16>
@@ -47,9 +94,9 @@ __device__ __forceinline__ void store_out4(const TreeAttnParams& p, int tok, int
   *reinterpret_cast<uint2*>(og) = packed;
 }
 
-// Called by every thread of a split CTA (n_splits > 1) after it wrote its partials: the last
-// of the row tile's n_splits CTAs to arrive merges rows [m0, min(m0 + bm, rows)) of (request at
-// qo0, KV head kvh). Counter slot: this CTA's (m-tile, request x KV head) in the launch grid.
+// Called by every thread of a split CTA whose tile merges in the forward, after it wrote its
+// partials: the last of the tile's n_splits CTAs to arrive merges rows [m0, min(m0 + bm, rows))
+// of (request at qo0, KV head kvh). Counter: this CTA's (m-tile, request x KV head) of the grid.
 template <int DV, bool BF16>
 __device__ __forceinline__ void merge_tile_if_last(const TreeAttnParams& p, int qo0, int kvh,
                                                    int m0, int bm, int rows, int n_splits) {
@@ -65,12 +112,24 @@ __device__ __forceinline__ void merge_tile_if_last(const TreeAttnParams& p, int 
   __syncthreads();
   if (!s_last) return;
   __threadfence();  // order the partial reads after the count that said they are complete
-  constexpr int CH = DV / 4;
-  const int tile_rows = min(bm, rows - m0), G = p.group;
-  for (int idx = threadIdx.x; idx < tile_rows * CH; idx += blockDim.x) {
-    const int row = m0 + idx / CH, c = (idx % CH) * 4;
-    const int tok = qo0 + row / G, head = kvh * G + row % G;
-    store_out4<BF16>(p, tok, head, c, merge_splits4<DV>(p, (long long)tok * p.hq + head, n_splits, c));
+  constexpr int CH = DV / 4, I = 2;  // two rows' loads in flight per thread
+  const int tile_rows = min(bm, rows - m0), G = p.group, total = tile_rows * CH;
+  for (int idx0 = threadIdx.x; idx0 < total; idx0 += I * blockDim.x) {
+    long long base[I];
+    int c[I], tok[I], head[I];
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+      const int idx = idx0 + i * blockDim.x, row = m0 + min(idx, total - 1) / CH;
+      c[i] = (idx % CH) * 4;
+      tok[i] = qo0 + row / G;
+      head[i] = kvh * G + row % G;
+      base[i] = idx < total ? (long long)tok[i] * p.hq + head[i] : -1;
+    }
+    float4 o[I];
+    merge_splits4<DV, I>(p, base, n_splits, c, o);
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+      if (base[i] >= 0) store_out4<BF16>(p, tok[i], head[i], c[i], o[i]);
   }
 }
 

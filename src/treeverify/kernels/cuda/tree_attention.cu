@@ -353,7 +353,8 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
         p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
     }
   }
-  if (n_splits > 1 && p.merge_in_fwd) merge_tile_if_last<DV, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
+  if (n_splits > 1 && merged_in_forward<DV>(p, n_splits, min(BM, rows - m0)))
+    merge_tile_if_last<DV, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
 
 }  // namespace treeverify

@@ -248,7 +248,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
     }
   }
-  if (n_splits > 1 && p.merge_in_fwd) merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
+  if (n_splits > 1 && merged_in_forward<D>(p, n_splits, min(BM, rows - m0)))
+    merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
 
 }  // namespace treeverify

@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(256, 1)
         p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
     }
   }
-  if (n_splits > 1 && p.merge_in_fwd)
+  if (n_splits > 1 && merged_in_forward<C::DV>(p, n_splits, min(BM, rows - m0)))
     merge_tile_if_last<C::DV, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
 
