@@ -199,3 +199,32 @@ def test_spec_diverge_fault_reaches_rounds_launched_ahead(monkeypatch):
     llm = _engine(True, speculative_adaptive=False)
     got = [o.token_ids for o in llm.generate(CODE[:1], sp)]
     assert llm.rounds.info["ahead_used"] > 0 and got != want
+
+
+def test_probes_and_switches_run_at_the_budget_the_controller_chose():
+    """With lookahead the next step's budget is chosen when its round would be launched, and
+    the round is launched ahead only at that budget: every round runs at the budget the
+    controller counted for its step (a probe at the top used to find the round in flight at the
+    old budget and take it instead, so it never ran, and broke the lookahead for nothing).
+    Greedy output still equals plain decoding."""
+    from collections import Counter
+
+    sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    want = LLM("tiny-code", num_pages=96).generate(CODE[:1], sp)[0].token_ids
+    llm = _engine(True)
+    ctl = llm.controller
+    ctl.cfg.explore_every = 3  # probe often: the test needs several
+    ran, observe = Counter(), ctl.observe_round
+
+    def recording(request_id, budget, path):
+        ran[budget] += 1
+        return observe(request_id, budget, path)
+
+    ctl.observe_round = recording
+    assert llm.generate(CODE[:1], sp)[0].token_ids == want
+    counted = Counter({b: n for b, n in ctl.steps_by_budget.items() if b and n})
+    top = ctl.buckets[-1]
+    assert ctl.explorations >= 2 and ran[top] >= 2, (ctl.info(), ran)  # probes ran at the top
+    for b in set(ran) | set(counted):  # the last step's plan is counted, never run
+        assert ran[b] <= counted[b] <= ran[b] + 1, (b, ran, counted)
+    assert llm.rounds.info["ahead_used"] > 0

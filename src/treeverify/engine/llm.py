@@ -137,6 +137,9 @@ class LLM(Introspection):
         self.controller = make_controller(config)
         self.rounds: RoundGraphs | None = None  # whole greedy DFlash rounds, once made
         self._step_budget: int | None = None  # the last step's budget when it was decode-only
+        # (request ids, budget) the controller chose during the last step for this one: with
+        # rounds launched ahead the choice is made when the next round is launched (below)
+        self._planned: tuple[tuple[str, ...], int] | None = None
         # whether the last step ran at its budget's steady cost: False for a whole round read
         # first, or one launched ahead and taken without launching the next (a budget switch)
         self._step_steady = True
@@ -274,13 +277,15 @@ class LLM(Introspection):
             if pinned:  # a request pinned its budget (SamplingParams.speculative_budget)
                 budget = max(pinned)
             elif want and self.controller is not None:
-                budget = self.controller.choose([s.request_id for s in want])
+                budget = self._controller_budget(want)
             ahead = not batch.prefills  # a new request joins next step: nothing to launch
             running = self.rounds.ahead_budget(want) if self.rounds is not None else None
             if running is not None and running != budget and not pinned:
                 # the round launched ahead at the last budget runs already: take it, switch next
                 budget, ahead = running, False
             if budget and want and len(want) == len(batch.decodes):
+                if ahead and not pinned and self.controller is not None:
+                    ahead = self._plan_next(want) == budget  # launch ahead only at that budget
                 out = self._whole_round(want, budget, ahead)  # every decode one round: one replay
                 if out is not None:
                     if not batch.prefills:
@@ -300,6 +305,23 @@ class LLM(Introspection):
             self._observe_paths(tb)
             return out
         return self._forward(batch, tb)
+
+    def _controller_budget(self, seqs: list[Sequence]) -> int:
+        """This step's budget: the one chosen last step for these requests, else chosen now."""
+        ids, plan = tuple(s.request_id for s in seqs), self._planned
+        self._planned = None
+        if plan is not None and plan[0] == ids:
+            return plan[1]
+        return self.controller.choose(list(ids))
+
+    def _plan_next(self, seqs: list[Sequence]) -> int:
+        """The controller's budget for the next step, chosen now, before a round is launched
+        ahead: the round is launched only at that budget. (Launched at this step's budget, a
+        switch or a probe would find a round at the old budget in flight next step and take
+        it: the probe never ran, and the lookahead was broken for nothing.)"""
+        ids = tuple(s.request_id for s in seqs)
+        self._planned = (ids, self.controller.choose(list(ids)))
+        return self._planned[1]
 
     def _forward(self, batch: ScheduledBatch, tb) -> list[int | list[int]]:
         """One forward over whatever the batch mixes (prefill chunks, plain decodes, the trees of

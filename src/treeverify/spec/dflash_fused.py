@@ -98,8 +98,11 @@ def build_kernels():
         BN: tl.constexpr, NS: tl.constexpr, IB: tl.constexpr,
     ):  # fmt: skip
         # Program (request b, KV head kh) x split s: its query rows are m = t * G + gi (block
-        # row t, query head kh * G + gi); split s walks its share of the ring's first `rows`
-        # rows; the last split also takes the block's own T keys (always visible).
+        # row t, query head kh * G + gi); split s walks its share of the request's held rows
+        # by age (0 = the newest, at ring position end - 1), so a short context spreads over
+        # every split instead of the one or two its ring positions fall in (a walk by ring
+        # position left one split 3 tiles of a 300-row context); rows at positions >= `rows`
+        # are not read. The last split also takes the block's own T keys (always visible).
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // hkv
@@ -117,25 +120,25 @@ def build_kernels():
         m_i = tl.full((BM,), -1.0e30, tl.float32)  # finite: a fully masked tile stays NaN-free
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, D), tl.float32)
-        chunk = tl.cdiv(tl.cdiv(rows, BN), NS) * BN
+        held = tl.minimum(count, width)  # ages 0 .. held - 1 are in the ring
+        chunk = tl.cdiv(tl.cdiv(held, BN), NS) * BN
         lo = s * chunk
-        hi = tl.minimum(lo + chunk, rows)
-        for n0 in range(lo, hi, BN):
-            r = n0 + tl.arange(0, BN)
-            age = (end - 1 - r + width) % width  # end - 1 - r >= -width: no negative remainder
-            ok = (r < hi) & (age < count)
-            if tl.sum(ok.to(tl.int32), axis=0) > 0:  # most tiles of a short context: skipped
-                ptr = base + r.to(tl.int64)[:, None] * ring_row_stride + d[None, :]
-                k = tl.load(ptr, mask=ok[:, None], other=0.0)
-                sc = _mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), "ieee", IB) * sm_scale
-                sc = tl.where(ok[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                p = tl.exp(sc - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                v = tl.load(ptr + v_off, mask=ok[:, None], other=0.0)
-                acc = _mma(_cast(p, v.dtype, IB), v, acc * alpha[:, None], "ieee", IB)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
+        hi = tl.minimum(lo + chunk, held)
+        for a0 in range(lo, hi, BN):
+            age = a0 + tl.arange(0, BN)
+            r = (end - 1 - age + width) % width  # age < width: no negative remainder
+            ok = (age < hi) & (r < rows)
+            ptr = base + r.to(tl.int64)[:, None] * ring_row_stride + d[None, :]
+            k = tl.load(ptr, mask=ok[:, None], other=0.0)
+            sc = _mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), "ieee", IB) * sm_scale
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(ptr + v_off, mask=ok[:, None], other=0.0)
+            acc = _mma(_cast(p, v.dtype, IB), v, acc * alpha[:, None], "ieee", IB)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
         if s == NS - 1:
             j = tl.arange(0, BT)
             j_ok = j < T
