@@ -101,11 +101,11 @@ def test_calibration_times_every_bucket_at_each_batch_size():
 
 
 def test_with_rounds_launched_ahead_only_steady_steps_teach_the_cost():
-    """With lookahead a budget's first step takes the round launched at the previous budget
-    (cheap: its rest only) and its second is read first (dear): neither is that budget's cost
-    when the controller stays on it. Calibration times, and serving observes, steady steps only
-    (a round launched ahead taken, the next launched); every bucket still gets a cost, greedy
-    outputs equal plain decoding, and no page stays held."""
+    """With lookahead a step that launches nothing ahead (a prefill joins, the plan is plain
+    decoding) and the read-first step after it are not a budget's cost when the controller
+    stays on it. Calibration times, and serving observes, steady steps only (a round launched
+    ahead taken, the next launched); every bucket still gets a cost, greedy outputs equal plain
+    decoding, and no page stays held."""
     from treeverify.engine.budget_calibration import calibrate
 
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -86,8 +86,8 @@ def test_lookahead_equals_rounds_read_first_step_by_step(algorithm, budget, late
 
 
 def test_lookahead_with_adaptive_budgets_equals_plain_greedy_decoding():
-    """The controller switches budgets: a step takes the round launched at the old budget and
-    launches none, the next runs the new one."""
+    """The controller switches budgets: the round launched ahead of a switch runs at the new
+    budget (the controller chose it when the round was launched)."""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE, sp)]
     llm = _engine(True)  # adaptive budgets (the default for DDTREE)
@@ -202,15 +202,16 @@ def test_spec_diverge_fault_reaches_rounds_launched_ahead(monkeypatch):
 
 
 def test_probes_and_switches_run_at_the_budget_the_controller_chose():
-    """With lookahead the next step's budget is chosen when its round would be launched, and
-    the round is launched ahead only at that budget: every round runs at the budget the
-    controller counted for its step (a probe at the top used to find the round in flight at the
-    old budget and take it instead, so it never ran, and broke the lookahead for nothing).
-    Greedy output still equals plain decoding."""
+    """With lookahead the next step's budget is chosen when its round is launched, and that
+    round is launched at it (another bucket's round, its stage written whole and its prefixes
+    taken from the round before): every round runs at the budget the controller counted for its
+    step (a probe at the top used to find the round in flight at the old budget and take it
+    instead, so it never ran, and broke the lookahead for nothing), switches and probes keep
+    the lookahead going, and greedy output still equals plain decoding."""
     from collections import Counter
 
     sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
-    want = LLM("tiny-code", num_pages=96).generate(CODE[:1], sp)[0].token_ids
+    want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE, sp)]
     llm = _engine(True)
     ctl = llm.controller
     ctl.cfg.explore_every = 3  # probe often: the test needs several
@@ -221,10 +222,14 @@ def test_probes_and_switches_run_at_the_budget_the_controller_chose():
         return observe(request_id, budget, path)
 
     ctl.observe_round = recording
-    assert llm.generate(CODE[:1], sp)[0].token_ids == want
+    assert [o.token_ids for o in llm.generate(CODE[:1], sp)] == want[:1]
     counted = Counter({b: n for b, n in ctl.steps_by_budget.items() if b and n})
     top = ctl.buckets[-1]
     assert ctl.explorations >= 2 and ran[top] >= 2, (ctl.info(), ran)  # probes ran at the top
     for b in set(ran) | set(counted):  # the last step's plan is counted, never run
         assert ran[b] <= counted[b] <= ran[b] + 1, (b, ran, counted)
-    assert llm.rounds.info["ahead_used"] > 0
+    info = llm.rounds.info
+    assert info["ahead_switched"] >= 2, info  # into a probe and back, launched ahead
+    assert [o.token_ids for o in llm.generate(CODE, sp)] == want  # a batch of three too
+    _check_pages(llm)
+    assert llm.scheduler.block_manager.num_free_pages == llm.scheduler.block_manager.num_pages

@@ -284,9 +284,11 @@ class LLM(Introspection):
                 # the round launched ahead at the last budget runs already: take it, switch next
                 budget, ahead = running, False
             if budget and want and len(want) == len(batch.decodes):
+                nxt = budget
                 if ahead and not pinned and self.controller is not None:
-                    ahead = self._plan_next(want) == budget  # launch ahead only at that budget
-                out = self._whole_round(want, budget, ahead)  # every decode one round: one replay
+                    nxt = self._plan_next(want)  # the round launched ahead runs at it
+                    ahead = nxt > 0  # (plain decoding next: nothing to launch)
+                out = self._whole_round(want, budget, ahead, nxt)  # every decode: one replay
                 if out is not None:
                     if not batch.prefills:
                         self._step_budget = budget
@@ -316,9 +318,9 @@ class LLM(Introspection):
 
     def _plan_next(self, seqs: list[Sequence]) -> int:
         """The controller's budget for the next step, chosen now, before a round is launched
-        ahead: the round is launched only at that budget. (Launched at this step's budget, a
-        switch or a probe would find a round at the old budget in flight next step and take
-        it: the probe never ran, and the lookahead was broken for nothing.)"""
+        ahead: that round runs at it (RoundGraphs.step's next_budget). (Launched at this step's
+        budget, a switch or a probe found a round at the old budget in flight next step and
+        took it: the probe never ran, and the lookahead was broken for nothing.)"""
         ids = tuple(s.request_id for s in seqs)
         self._planned = (ids, self.controller.choose(list(ids)))
         return self._planned[1]
@@ -361,11 +363,11 @@ class LLM(Introspection):
             self._observe_paths(tb)
         return out
 
-    def _whole_round(self, seqs: list[Sequence], budget: int, ahead: bool
-                     ) -> list[list[int]] | None:  # fmt: skip
+    def _whole_round(self, seqs: list[Sequence], budget: int, ahead: bool,
+                     next_budget: int | None = None) -> list[list[int]] | None:  # fmt: skip
         """A round for every sequence of the step as one whole-round replay (greedy, no
         penalties or logprobs, a bucket that holds it); None: take the general path. `ahead`:
-        launch the next round before reading this one (RoundGraphs.step)."""
+        launch the next round, at `next_budget`, before reading this one (RoundGraphs.step)."""
         rounds = self.rounds
         if (
             rounds is None
@@ -378,7 +380,7 @@ class LLM(Introspection):
             return None
         stats = self.spec.stats
         t0 = time.perf_counter()
-        rows = rounds.step(seqs, budget, ahead=ahead)  # [m, bonus, K tokens, K path] each
+        rows = rounds.step(seqs, budget, ahead=ahead, next_budget=next_budget)  # [m, bonus, ..]
         if rows is None:
             return None
         self._step_steady = rounds.steady

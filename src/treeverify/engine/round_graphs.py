@@ -26,8 +26,11 @@ host launches round k+1 right after round k, before reading k's result, and comm
 manager, stops, detokenizing, the controller, the next schedule) while k+1 runs: the GPU no longer
 idles through the host's part of a round. Round k+1's nodes land at most L + 1 positions further,
 so the block manager holds pages that far ahead (`BlockManager.hold`) and the page table is
-restaged alone. The next step consumes round k+1 when it schedules the same requests at the same
-budget at the positions round k's commit predicted; otherwise k+1 is discarded: its K/V went to
+restaged alone. Round k+1 runs at the budget the adaptive controller chose for the next step
+when k+1 was launched (another budget's bucket: its stage written whole, its prefix lengths
+copied on the device from round k's advanced ones), so a switch or a probe keeps the overlap.
+The next step consumes round k+1 when it schedules the same requests at that budget at the
+positions round k's commit predicted; otherwise k+1 is discarded: its K/V went to
 held slots past every committed position and its context rows past each ring's end, which the
 next round overwrites or masks (the rings' SLACK), so there is nothing to undo but the hold. A
 request that finished at round k wastes one round of GPU work.
@@ -122,6 +125,7 @@ class RoundGraphs:
         self.ahead_used = 0  # rounds launched ahead and consumed by the next step
         self.ahead_discarded = 0  # ... and thrown away (the batch or budget changed)
         self.ahead_partial = 0  # ... consumed by the requests of it still running
+        self.ahead_switched = 0  # ... launched at another budget than the round before it
         # the last step ran overlapped: it took a round launched ahead and launched the next
         # (with lookahead, the cost a budget has when the controller stays on it)
         self.steady = not lookahead
@@ -277,14 +281,17 @@ class RoundGraphs:
         return fl, pick
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], budget: int, *, ahead: bool = False
-             ) -> list[list[int]] | None:  # fmt: skip
+    def step(self, seqs: list[Sequence], budget: int, *, ahead: bool = False,
+             next_budget: int | None = None) -> list[list[int]] | None:  # fmt: skip
         """This step's round for `seqs` (greedy, DFlash-drafted): the one launched ahead by the
         previous step when it matches, else reserved, staged and launched now; with `ahead` (and
-        `lookahead`), the next round is launched before this one is read. Returns each
-        sequence's packed row [m, bonus, committed K, path K] as host lists, or None when no
-        bucket holds this round (nothing was reserved or launched then)."""
+        `lookahead`), the next round is launched before this one is read, at `next_budget`
+        (default: this budget; another one when its bucket was made, its stage then written
+        whole and its prefix lengths copied on the device from this round's advanced ones).
+        Returns each sequence's packed row [m, bonus, committed K, path K] as host lists, or
+        None when no bucket holds this round (nothing was reserved or launched then)."""
         n = self.spec.nodes_for(budget)
+        nb = budget if next_budget is None else next_budget
         taken = self._take(seqs, budget)
         self.steady = not self.lookahead  # (set below once it launched ahead of a taken round)
         if taken is None:
@@ -302,7 +309,7 @@ class RoundGraphs:
                     )
             for seq in seqs:  # after the checks: a failed round leaves nothing reserved
                 self.bm.reserve(seq, n - 1)
-            held = ahead and self._hold_next(seqs, starts, budget)
+            held = ahead and self._can_follow(b, budget, nb) and self._hold_next(seqs, starts, nb)
             stage = self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
             stage.write_round([s.block_table for s in seqs], starts)  # the graph finds the slots
             now = self._launch(b, budget, self.context.eager_rows(meta[2][: len(seqs)]))
@@ -317,8 +324,8 @@ class RoundGraphs:
                     raise RuntimeError(f"round launched ahead for {seq.request_id}: its pages "
                                        "were not held")  # fmt: skip
                 self.bm.reserve(seq, n - 1)
-            held = ahead and self._hold_next(seqs, starts, budget)
-            if held:
+            held = ahead and self._can_follow(b, budget, nb) and self._hold_next(seqs, starts, nb)
+            if held and nb == budget:
                 self.graphs.stages[(b, n)].write_table([s.block_table for s in seqs])
         if not held:  # nothing launched ahead: pages held for this round are in its slots now
             for seq in seqs:
@@ -328,13 +335,31 @@ class RoundGraphs:
             rows = now.rows(len(taken[0].seqs))
             return [rows[i] for i in taken[1]]
         self.steady = taken is not None
-        nxt = self._launch(b, budget, None) if self.captured else None  # before reading `now`
+        tables = [s.block_table for s in seqs]
+        if self.captured:  # before reading `now`
+            if nb != budget:  # the other bucket's stage: this layout, `now`'s advanced prefixes
+                stage = self._stage(b, nb)
+                stage.write_round(tables, starts)  # its prefixes are overwritten below
+                stage.views["prefix"][:b].copy_(self.graphs.stages[(b, n)].views["prefix"][:b])
+            nxt = self._launch(b, nb, None)
         rows = now.rows(len(seqs))  # on a GPU: waits for this round, not the next
         nxt_starts = [p + r[0] for p, r in zip(starts, rows, strict=True)]
-        if nxt is None:  # eager: `now` is done; the next draft reads the rows its ends need
-            nxt = self._launch(b, budget, self.context.eager_rows(nxt_starts))
-        self._in_flight = _InFlight(list(seqs), budget, b, nxt_starts, nxt)
+        if not self.captured:  # eager: `now` is done; the next draft reads the rows its ends need
+            if nb != budget:
+                self._stage(b, nb).write_round(tables, nxt_starts)
+            nxt = self._launch(b, nb, self.context.eager_rows(nxt_starts))
+        self._in_flight = _InFlight(list(seqs), nb, b, nxt_starts, nxt)
+        self.ahead_switched += nb != budget
         return rows
+
+    def _can_follow(self, b: int, budget: int, nb: int) -> bool:
+        """Whether a round at budget `nb` can be launched right after this one at `budget`."""
+        return nb == budget or (nb > 0 and (b, nb) in self.rounds)
+
+    def _stage(self, b: int, budget: int):
+        """The verify stage a round at `budget` of bucket b reads (made on first use eagerly)."""
+        n = self.spec.nodes_for(budget)
+        return self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
 
     def _hold_next(self, seqs: list[Sequence], starts: list[int], budget: int) -> bool:
         """Hold pages for the next round's nodes (rooted at most L + 1 positions further):
@@ -385,4 +410,5 @@ class RoundGraphs:
             "ahead_used": self.ahead_used,
             "ahead_discarded": self.ahead_discarded,
             "ahead_partial": self.ahead_partial,
+            "ahead_switched": self.ahead_switched,
         }
