@@ -233,3 +233,28 @@ def test_probes_and_switches_run_at_the_budget_the_controller_chose():
     assert [o.token_ids for o in llm.generate(CODE, sp)] == want  # a batch of three too
     _check_pages(llm)
     assert llm.scheduler.block_manager.num_free_pages == llm.scheduler.block_manager.num_pages
+
+
+def test_budgets_replayed_without_lookahead_give_the_same_tokens():
+    """The budgets an adaptive engine with lookahead ran, step for step (switches launched
+    ahead in the other budget's bucket), replayed by one that launches nothing ahead: the same
+    tokens (the GPU version, captured: test_round_graphs_gpu.py)."""
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ahead = _engine(True)
+    ahead.controller.cfg.explore_every = ahead.controller.cfg.explore_max = 3
+    ran, run_batch = [], ahead.run_batch
+
+    def recording(batch):
+        out = run_batch(batch)
+        if ahead.last_budget is not None:  # a step with speculating requests: its budget
+            ran.append(ahead.last_budget)
+        return out
+
+    ahead.run_batch = recording
+    got = [o.token_ids for o in ahead.generate(CODE, sp)]
+    assert ahead.rounds.info["ahead_switched"] >= 2 and len(set(ran)) >= 2, ran
+    replay = _engine(False)
+    budgets = iter(ran)
+    replay.controller.choose = lambda ids: next(budgets)
+    assert [o.token_ids for o in replay.generate(CODE, sp)] == got, ran
+    assert next(budgets, None) is None  # step for step

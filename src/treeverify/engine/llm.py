@@ -140,6 +140,7 @@ class LLM(Introspection):
         # (request ids, budget) the controller chose during the last step for this one: with
         # rounds launched ahead the choice is made when the next round is launched (below)
         self._planned: tuple[tuple[str, ...], int] | None = None
+        self.last_budget: int | None = None  # the last step's budget for its speculating ones
         # whether the last step ran at its budget's steady cost: False for a whole round read
         # first, or one launched ahead and taken without launching the next (a budget switch)
         self._step_steady = True
@@ -270,6 +271,7 @@ class LLM(Introspection):
         tb = None
         self._step_budget = None
         self._step_steady = True
+        self.last_budget = None  # this step's budget for its speculating requests, if any
         if self.spec is not None:
             want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
             budget = self.spec.budget
@@ -283,9 +285,11 @@ class LLM(Introspection):
             if running is not None and running != budget and not pinned:
                 # the round launched ahead at the last budget runs already: take it, switch next
                 budget, ahead = running, False
+            self.last_budget = budget if want else None
             if budget and want and len(want) == len(batch.decodes):
                 nxt = budget
-                if ahead and not pinned and self.controller is not None:
+                lookahead = self.rounds is not None and self.rounds.lookahead
+                if ahead and lookahead and not pinned and self.controller is not None:
                     nxt = self._plan_next(want)  # the round launched ahead runs at it
                     ahead = nxt > 0  # (plain decoding next: nothing to launch)
                 out = self._whole_round(want, budget, ahead, nxt)  # every decode: one replay
