@@ -30,9 +30,14 @@
 //       plan's max_splits) instead of the bucket's capacity / max_splits: an engine decode of
 //       520 keys in a 32k-key bucket ran one CTA per KV head (24 us/layer on the H200). The
 //       grid's cases are planned at their own length: predicted unchanged there.
-//   v8  the split merge inside the forward when the last CTA's read is small (split_merge.cuh:
-//       a self-resetting counter per row tile, the last split CTA merges), and padding rows
-//       zeroed by CTA 0: two launches fewer per layer on the engine's short contexts.
+//   v8  (0c5abd5) the split merge inside the forward for row tiles whose read is <= 64 KB
+//       (split_merge.cuh: a self-resetting counter per row tile, the last split CTA merges;
+//       the merge kernel launched only where a tile can exceed it), the merge's loads issued 8
+//       splits at a time, padding rows zeroed by CTA 0 (the engine's memset per layer gone).
+//       Engine decode: 123 -> 107 kernels a step, forward 0.244 -> 0.224 ms (tiny-code, b=1);
+//       merge kernel -23..-30%. A first cut that merged every tile in the forward with serial
+//       loads made 17-node trees at b=8 2.2x slower (one CTA's merge is latency-bound).
+//       Grid: unchanged (33.6% vs 33.7% with the merge kernel forced, same run).
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
