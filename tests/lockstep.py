@@ -1,7 +1,9 @@
-"""Two engines stepping the same requests in lockstep: their caches must agree.
+"""Two engines stepping the same requests in lockstep: their caches must agree; and the budgets
+an adaptive engine ran, step for step, for another engine to replay.
 
-Shared by the whole-round tests (test_round_graphs.py: whole rounds vs the general path) and the
-lookahead tests (test_round_lookahead.py: rounds launched ahead vs read first).
+Shared by the whole-round tests (test_round_graphs.py: whole rounds vs the general path), the
+lookahead tests (test_round_lookahead.py: rounds launched ahead vs read first) and their GPU
+version (test_round_graphs_gpu.py).
 """
 
 from __future__ import annotations
@@ -27,3 +29,26 @@ def assert_same_state(llm_a, a, llm_b, b, msg: str) -> None:
     kv_b, first_b = llm_b.spec.source.context.keys_values(b.request_id)
     assert first_a == first_b, msg
     torch.testing.assert_close(kv_a, kv_b, rtol=1e-4, atol=1e-4, msg=msg)
+
+
+def record_budgets(llm) -> list[int]:
+    """From now on, the budget of each of `llm`'s steps that has speculating requests, in order
+    (LLM.last_budget); the returned list fills as the engine steps."""
+    ran, run_batch = [], llm.run_batch
+
+    def recording(batch):
+        out = run_batch(batch)
+        if llm.last_budget is not None:
+            ran.append(llm.last_budget)
+        return out
+
+    llm.run_batch = recording
+    return ran
+
+
+def replay_budgets(llm, budgets: list[int]):
+    """Make `llm`'s controller choose `budgets` in order, one per speculating step; returns the
+    iterator (exhausted when the replay took every step)."""
+    it = iter(budgets)
+    llm.controller.choose = lambda ids: next(it)
+    return it

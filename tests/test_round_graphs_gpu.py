@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
+from lockstep import record_budgets, replay_budgets  # noqa: E402
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 from treeverify.models.shipped import shipped_dir  # noqa: E402
@@ -149,23 +150,14 @@ def test_rounds_launched_ahead_across_budget_switches():
     ahead = LLM("tiny-code", **knobs)
     ahead.controller.cfg.explore_every = 3  # probe often
     ahead.controller.cfg.explore_max = 3
-    ran, run_batch = [], ahead.run_batch
-
-    def recording(batch):
-        out = run_batch(batch)
-        if ahead.last_budget is not None:  # a step with speculating requests: its budget
-            ran.append(ahead.last_budget)
-        return out
-
-    ahead.run_batch = recording
+    ran = record_budgets(ahead)
     got = [o.token_ids for o in ahead.generate(prompts, sp)]
     got.append(ahead.generate(prompts[:1], sp)[0].token_ids)
     info = ahead.cuda_graph_info["rounds"]
     assert info["captured"] and info["ahead_switched"] >= 2 and len(set(ran)) >= 2, (info, ran)
     assert ahead.spec_stats["avg_spec_accept_length"] > 2.0, ahead.spec_stats
     replay = LLM("tiny-code", round_lookahead=False, **knobs)
-    budgets = iter(ran)
-    replay.controller.choose = lambda ids: next(budgets)
+    budgets = replay_budgets(replay, ran)
     want = [o.token_ids for o in replay.generate(prompts, sp)]
     want.append(replay.generate(prompts[:1], sp)[0].token_ids)
     assert got == want, ran

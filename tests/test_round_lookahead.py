@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from lockstep import assert_same_state
+from lockstep import assert_same_state, record_budgets, replay_budgets
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.sequence import SequenceStatus
@@ -242,19 +242,10 @@ def test_budgets_replayed_without_lookahead_give_the_same_tokens():
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     ahead = _engine(True)
     ahead.controller.cfg.explore_every = ahead.controller.cfg.explore_max = 3
-    ran, run_batch = [], ahead.run_batch
-
-    def recording(batch):
-        out = run_batch(batch)
-        if ahead.last_budget is not None:  # a step with speculating requests: its budget
-            ran.append(ahead.last_budget)
-        return out
-
-    ahead.run_batch = recording
+    ran = record_budgets(ahead)
     got = [o.token_ids for o in ahead.generate(CODE, sp)]
     assert ahead.rounds.info["ahead_switched"] >= 2 and len(set(ran)) >= 2, ran
     replay = _engine(False)
-    budgets = iter(ran)
-    replay.controller.choose = lambda ids: next(budgets)
+    budgets = replay_budgets(replay, ran)
     assert [o.token_ids for o in replay.generate(CODE, sp)] == got, ran
     assert next(budgets, None) is None  # step for step

@@ -51,8 +51,21 @@ def build_kernels():
     # The tree-attention kernels' 16-bit helpers: on the CPU interpreter (IB: bf16 there) a bf16
     # tl.dot multiplies raw bits and casts truncate, so IB takes fp32 dots and rounds first.
     # Module globals: Triton resolves a kernel's callees in its module's namespace.
-    global _cast, _mma
+    global _cast, _mma, _online_tile
     from treeverify.kernels.triton.tree_attention import _cast, _mma
+
+    @triton.jit
+    def _online_tile(q, k, v, ok, m_i, l_i, acc, sm_scale, IB: tl.constexpr):
+        # One tile of keys k / values v (rows where `ok`) into the running softmax (m_i, l_i)
+        # and output acc of the queries q: fp32 scores, probabilities meet V in v's dtype.
+        zero = tl.zeros((q.shape[0], k.shape[0]), tl.float32)
+        sc = _mma(q, tl.trans(k), zero, "ieee", IB) * sm_scale
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        acc = _mma(_cast(p, v.dtype, IB), v, acc * alpha[:, None], "ieee", IB)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
     @triton.jit
     def qk_norm_rope_kernel(QKV, QW, KW, C, S, Q, KV, kv_row, hq, hkv, eps,
@@ -130,29 +143,15 @@ def build_kernels():
             ok = (age < hi) & (r < rows)
             ptr = base + r.to(tl.int64)[:, None] * ring_row_stride + d[None, :]
             k = tl.load(ptr, mask=ok[:, None], other=0.0)
-            sc = _mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), "ieee", IB) * sm_scale
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            p = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
             v = tl.load(ptr + v_off, mask=ok[:, None], other=0.0)
-            acc = _mma(_cast(p, v.dtype, IB), v, acc * alpha[:, None], "ieee", IB)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _online_tile(q, k, v, ok, m_i, l_i, acc, sm_scale, IB)
         if s == NS - 1:
             j = tl.arange(0, BT)
             j_ok = j < T
             ptr = BLK + ((b * T + j).to(tl.int64) * 2 * hkv + kh)[:, None] * D + d[None, :]
             k = tl.load(ptr, mask=j_ok[:, None], other=0.0)
-            sc = _mma(q, tl.trans(k), tl.zeros((BM, BT), tl.float32), "ieee", IB) * sm_scale
-            sc = tl.where(j_ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            p = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
             v = tl.load(ptr + v_off, mask=j_ok[:, None], other=0.0)
-            acc = _mma(_cast(p, v.dtype, IB), v, acc * alpha[:, None], "ieee", IB)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _online_tile(q, k, v, j_ok, m_i, l_i, acc, sm_scale, IB)
         part = (bh * NS + s).to(tl.int64) * BM + m  # (BM,)
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
