@@ -52,3 +52,16 @@ def replay_budgets(llm, budgets: list[int]):
     it = iter(budgets)
     llm.controller.choose = lambda ids: next(it)
     return it
+
+
+def cycle_budgets(llm, budgets: list[int]) -> None:
+    """Make `llm`'s controller choose `budgets` in a cycle: switches on every few steps, whatever
+    the controller would decide (the tests of the rounds around a switch need them)."""
+    state = {"i": 0}
+
+    def choose(ids):
+        b = budgets[state["i"] % len(budgets)]
+        state["i"] += 1
+        return b
+
+    llm.controller.choose = choose

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from lockstep import assert_same_state, record_budgets, replay_budgets
+from lockstep import assert_same_state, cycle_budgets, record_budgets, replay_budgets
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.sequence import SequenceStatus
@@ -236,12 +236,12 @@ def test_probes_and_switches_run_at_the_budget_the_controller_chose():
 
 
 def test_budgets_replayed_without_lookahead_give_the_same_tokens():
-    """The budgets an adaptive engine with lookahead ran, step for step (switches launched
-    ahead in the other budget's bucket), replayed by one that launches nothing ahead: the same
-    tokens (the GPU version, captured: test_round_graphs_gpu.py)."""
+    """The budgets an engine with lookahead ran, step for step (a cycle of switches, each
+    launched ahead in the other budget's bucket), replayed by one that launches nothing ahead:
+    the same tokens (the GPU version, captured: test_round_graphs_gpu.py)."""
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     ahead = _engine(True)
-    ahead.controller.cfg.explore_every = ahead.controller.cfg.explore_max = 3
+    cycle_budgets(ahead, [16, 16, 4, 8, 8, 16, 4, 8])
     ran = record_budgets(ahead)
     got = [o.token_ids for o in ahead.generate(CODE, sp)]
     assert ahead.rounds.info["ahead_switched"] >= 2 and len(set(ran)) >= 2, ran
