@@ -5,12 +5,10 @@
 // (rank: larger value first, then smaller index); each round the block reduces every thread's
 // best entry ranked after the previous winner.
 //   * V <= threads * kTopkPer (tiny-code's 8192): each thread holds its strided entries in
-//     registers. Each warp finds the k best of its 1024 entries in k rounds of a warp argmax
-//     (shuffles only; after a round only the winner's lane looks for its next best, the others'
-//     candidates still rank after the winner), then one warp merges the 8 warps' sorted lists
-//     in k rounds over their heads. (Block-wide rounds, two barriers each, took 12.5 us for 15
-//     rows of 8192 at k = 16 on the H200, ~2.6% of a whole round; before them, a loop that
-//     re-read the row every round took 44 us.)
+//     registers, and after a round only the winner's owner looks for its next best (the others'
+//     candidates still rank after the winner): a round is a block reduction plus one register
+//     scan. (The loop below re-read the row from L1/L2 every round: 44 us for 15 rows of 8192,
+//     k = 16, ~7% of a whole round.)
 //   * larger vocabularies: every thread rescans its entries from memory each round (the row
 //     stays in L1/L2 across the rounds; k is bounded by the caller: the scans are k x V / threads).
 
@@ -22,7 +20,6 @@ static_assert(sizeof(int64_t) == 8, "fixed-width types");
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kTopkPer = 32;  // entries per thread held in registers (V <= 8192)
-constexpr int kTopkMaxK = 32;  // spec/topk_cuda.py MAX_K
 
 // Does (va, ia) rank before (vb, ib)?
 __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
@@ -47,18 +44,6 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   for (int w = 0; w < kTopkWarps; ++w) v += red[w];
   __syncthreads();
   return v;
-}
-
-// The warp's best (value, index) pair; every lane gets it.
-__device__ __forceinline__ void warp_best(float& bv, int& bi) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ranks_before(ov, oi, bv, bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
 }
 
 // The block's best (value, index) pair; every thread gets it.
@@ -93,8 +78,6 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
   __shared__ float red[kTopkWarps];
   __shared__ float win_v[kTopkWarps];
   __shared__ int win_i[kTopkWarps];
-  __shared__ float list_v[kTopkWarps][kTopkMaxK];  // each warp's k best, in rank order
-  __shared__ int list_i[kTopkWarps][kTopkMaxK];
   const int64_t row = blockIdx.x;
   const float* x = logits + row * V;
   const float inf = __int_as_float(0x7f800000);
@@ -117,9 +100,8 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
     int pi = -1;
     float cv = -inf;  // this thread's best entry ranked after the previous winner
     int ci = 0x7fffffff;
-    bool mine = true;  // whether this lane's candidate was the winner (or none yet)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int r = 0; r < k; ++r) {  // this warp's k best, in rank order
+    bool mine = true;  // whether this thread's candidate was the winner (or none yet)
+    for (int r = 0; r < k; ++r) {
       if (mine) {
         cv = -inf;
         ci = 0x7fffffff;
@@ -134,25 +116,11 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
       }
       float bv = cv;
       int bi = ci;
-      warp_best(bv, bi);
+      block_best(bv, bi, win_v, win_i);
       mine = bi == ci;
       pv = bv;
       pi = bi;
-      if (lane == 0) {
-        list_v[warp][r] = bv;
-        list_i[warp][r] = bi;
-      }
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    int head = 0;  // lane w < kTopkWarps: the next unused entry of warp w's list
-    for (int r = 0; r < k; ++r) {
-      float bv = lane < kTopkWarps && head < k ? list_v[lane][head] : -inf;
-      int bi = lane < kTopkWarps && head < k ? list_i[lane][head] : 0x7fffffff;
-      const int mine_i = bi;
-      warp_best(bv, bi);
-      if (lane < kTopkWarps && head < k && mine_i == bi) ++head;  // indices are unique
-      if (lane == 0) {
+      if (threadIdx.x == 0) {
         lp[row * k + r] = fminf(fmaxf((bv - m) - logz, floor_lp), 0.0f);
         ids[row * k + r] = bi;
       }
