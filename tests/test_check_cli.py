@@ -220,4 +220,18 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_API_KEY",
         "TREEVERIFY_SGLANG_FALLBACK",
         "TREEVERIFY_SGLANG_KERNEL",
+        "TREEVERIFY_CUDA_SPLIT_MERGE",
     }
+
+
+def test_cuda_split_merge_mode(monkeypatch):
+    """TREEVERIFY_CUDA_SPLIT_MERGE: auto unless set; an unknown mode is an error naming it."""
+    from treeverify.kernels.splits import fused_merge_limit
+
+    monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_MERGE", raising=False)
+    assert env.cuda_split_merge() == "auto"
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", " Kernel ")
+    assert env.cuda_split_merge() == "kernel" and fused_merge_limit(env.cuda_split_merge()) == 0
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "fused")
+    with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
+        fused_merge_limit(env.cuda_split_merge())
