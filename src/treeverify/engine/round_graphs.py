@@ -309,9 +309,9 @@ class RoundGraphs:
                     )
             for seq in seqs:  # after the checks: a failed round leaves nothing reserved
                 self.bm.reserve(seq, n - 1)
-            held = ahead and self._can_follow(b, budget, nb) and self._hold_next(seqs, starts, nb)
-            stage = self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
-            stage.write_round([s.block_table for s in seqs], starts)  # the graph finds the slots
+            held = ahead and self._hold_next(seqs, starts, b, budget, nb)
+            tables = [s.block_table for s in seqs]
+            self._stage(b, budget).write_round(tables, starts)  # the graph finds the slots
             now = self._launch(b, budget, self.context.eager_rows(meta[2][: len(seqs)]))
         else:
             fl, pick = taken
@@ -324,7 +324,7 @@ class RoundGraphs:
                     raise RuntimeError(f"round launched ahead for {seq.request_id}: its pages "
                                        "were not held")  # fmt: skip
                 self.bm.reserve(seq, n - 1)
-            held = ahead and self._can_follow(b, budget, nb) and self._hold_next(seqs, starts, nb)
+            held = ahead and self._hold_next(seqs, starts, b, budget, nb)
             if held and nb == budget:
                 self.graphs.stages[(b, n)].write_table([s.block_table for s in seqs])
         if not held:  # nothing launched ahead: pages held for this round are in its slots now
@@ -335,38 +335,33 @@ class RoundGraphs:
             rows = now.rows(len(taken[0].seqs))
             return [rows[i] for i in taken[1]]
         self.steady = taken is not None
-        tables = [s.block_table for s in seqs]
-        if self.captured:  # before reading `now`
-            if nb != budget:  # the other bucket's stage: this layout, `now`'s advanced prefixes
-                stage = self._stage(b, nb)
-                stage.write_round(tables, starts)  # its prefixes are overwritten below
-                stage.views["prefix"][:b].copy_(self.graphs.stages[(b, n)].views["prefix"][:b])
-            nxt = self._launch(b, nb, None)
+        if nb != budget:  # the other bucket's stage: this layout, `now`'s advanced prefixes
+            stage = self._stage(b, nb)
+            stage.write_round([s.block_table for s in seqs], starts)  # prefixes replaced below
+            stage.views["prefix"][:b].copy_(self._stage(b, budget).views["prefix"][:b])
+        nxt = self._launch(b, nb, None) if self.captured else None  # before reading `now`
         rows = now.rows(len(seqs))  # on a GPU: waits for this round, not the next
         nxt_starts = [p + r[0] for p, r in zip(starts, rows, strict=True)]
-        if not self.captured:  # eager: `now` is done; the next draft reads the rows its ends need
-            if nb != budget:
-                self._stage(b, nb).write_round(tables, nxt_starts)
+        if nxt is None:  # eager: `now` is done; the next draft reads the rows its ends need
             nxt = self._launch(b, nb, self.context.eager_rows(nxt_starts))
         self._in_flight = _InFlight(list(seqs), nb, b, nxt_starts, nxt)
         self.ahead_switched += nb != budget
         return rows
-
-    def _can_follow(self, b: int, budget: int, nb: int) -> bool:
-        """Whether a round at budget `nb` can be launched right after this one at `budget`."""
-        return nb == budget or (nb > 0 and (b, nb) in self.rounds)
 
     def _stage(self, b: int, budget: int):
         """The verify stage a round at `budget` of bucket b reads (made on first use eagerly)."""
         n = self.spec.nodes_for(budget)
         return self.graphs.stages.get((b, n)) or self.graphs.prepare_stage(b, n)
 
-    def _hold_next(self, seqs: list[Sequence], starts: list[int], budget: int) -> bool:
-        """Hold pages for the next round's nodes (rooted at most L + 1 positions further):
-        True when every sequence's fit the free pages and the staged page table."""
-        if not self.lookahead:
+    def _hold_next(self, seqs: list[Sequence], starts: list[int], b: int, budget: int,
+                   nb: int) -> bool:  # fmt: skip
+        """Hold pages for the next round's nodes, at budget `nb` after this one's `budget`
+        (rooted at most L + 1 positions further): True when lookahead is on, a round at `nb`
+        was made for bucket b, and every sequence's pages fit the free pages and the staged
+        page table."""
+        if not self.lookahead or (nb != budget and (nb <= 0 or (b, nb) not in self.rounds)):
             return False
-        reach = self.spec.draft_depth(budget) + 1 + self.spec.nodes_for(budget)
+        reach = self.spec.draft_depth(nb) + 1 + self.spec.nodes_for(nb)
         bm, limit = self.bm, self.graphs.max_pages
         need = 0
         for seq, p in zip(seqs, starts, strict=True):

@@ -60,12 +60,18 @@ def eager_bucket(
     )
 
 
+def eager_out(q: torch.Tensor, dv: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` as given, or new (total_q, Hq, Dv) in q's dtype."""
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], dv, dtype=q.dtype, device=q.device)
+    return out
+
+
 def eager_buffers(
     q: torch.Tensor, dv: int, out: torch.Tensor | None, workspace_shapes: tuple[tuple, tuple]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, partial O, partial LSE): `out` as given or new (total_q, Hq, Dv) in q's dtype."""
-    if out is None:
-        out = torch.empty(q.shape[0], q.shape[1], dv, dtype=q.dtype, device=q.device)
+    """(out, partial O, partial LSE): `out` as `eager_out` gives it, new fp32 partials."""
+    out = eager_out(q, dv, out)
     o_shape, lse_shape = workspace_shapes
     part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)

@@ -9,7 +9,7 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params
 from treeverify.kernels.cuda.runner import Launcher, check_alignment
-from treeverify.kernels.eager import cached, eager_bucket
+from treeverify.kernels.eager import cached, eager_bucket, eager_out
 
 _launchers: OrderedDict[tuple, Launcher] = OrderedDict()  # recent eager buckets
 
@@ -78,8 +78,7 @@ def tree_attention_cuda(
             check_alignment(name, t)
     bk = eager_bucket(q, v_cache, v_head_dim, prefix_lens, qo_indptr)
     launcher = launcher_for(q, k_cache, bk.dv, bk.mla, bk.batch, bk.max_tree, bk.max_kv, bk.total_q)
-    if out is None:
-        out = torch.empty(q.shape[0], q.shape[1], bk.dv, dtype=q.dtype, device=q.device)
+    out = eager_out(q, bk.dv, out)
     check_alignment("out", out)
     params = launcher.fill(
         Params(),
