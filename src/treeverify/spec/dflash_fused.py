@@ -12,8 +12,8 @@ round, cuDNN's SDPA alone 21 us a layer: 4 CTAs walking 2128 keys one after anot
   ring_attention the block queries over [the request's ring rows; the block] read in place from
                  the DraftContextCache store (no gather, no concatenation, no bias tensor: a
                  ring row is valid when its age (end - 1 - row) mod W is below the request's
-                 count), split over the ring so ~8 CTAs per (request, KV head) share the walk,
-                 then a merge writing (B*T, Hq*D) for o_proj                     (~8 + SDPA -> 2)
+                 count), the held rows split evenly by age so 8 CTAs per (request, KV head)
+                 share the walk, then a merge writing (B*T, Hq*D) for o_proj     (~8 + SDPA -> 2)
 
 Scores and softmax stay fp32 (acceptance fell 4.58 -> 3.93 on prose when the scores were
 rounded to bf16; see spec/dflash.py), probabilities meet V in bf16 as in SDPA's flash kernel.
