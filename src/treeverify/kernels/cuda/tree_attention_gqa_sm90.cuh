@@ -99,8 +99,10 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   auto load_tile = [&](int stage, int j) {
     unsigned char* dk = sK + stage * C::T_BYTES;
     unsigned char* dv = sV + stage * C::T_BYTES;
-    for (int idx = tid; idx < BN * C::CH; idx += NT) {
-      const int r = idx / C::CH, c = idx % C::CH;
+    static_assert(BN * C::CH % NT == 0, "whole chunks per thread: a fixed, unrolled trip count");
+#pragma unroll
+    for (int k = 0; k < BN * C::CH / NT; ++k) {
+      const int idx = tid + k * NT, r = idx / C::CH, c = idx % C::CH;
       const T* kp = sRowK[(j % STAGES) * BN + r];
       const T* vp = sRowV[(j % STAGES) * BN + r];
       cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
@@ -133,11 +135,6 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     cp_async_wait<STAGES - 2>();  // tile it has landed; up to STAGES-2 younger ones in flight
     fence_async_smem();
     __syncthreads();
-    {
-      const int nxt = it + STAGES - 1;  // its stage held tile it-1, consumed last iteration
-      if (nxt < n_tiles) load_tile(nxt % STAGES, nxt);
-      cp_async_commit();
-    }
     const int t0 = kv_begin + it * BN;
     const unsigned k_addr = smem_u32(sK + (it % STAGES) * C::T_BYTES);
     const unsigned v_addr = smem_u32(sV + (it % STAGES) * C::T_BYTES);
@@ -153,60 +150,29 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       mma_qk64<D, BF16>(s, da, db, kk > 0);
     }
     wg_commit();
-    // Slot it % STAGES: tile it's pointers were read when its load was issued. The page-table
-    // load overlaps the asynchronous QK MMAs.
+    // Issued while the QK MMAs run (v9; before them, their issue delayed the tensor cores):
+    // the next load into the stage that held tile it-1 (every warpgroup finished it before the
+    // barrier above), then the page-table lookups of tile it + STAGES into slot it % STAGES
+    // (tile it's pointers were read when its load was issued).
+    {
+      const int nxt = it + STAGES - 1;
+      if (nxt < n_tiles) load_tile(nxt % STAGES, nxt);
+      cp_async_commit();
+    }
     fetch_publish(it + STAGES);
     wg_wait0();
     pin(s);
 
-    const bool need_mask = (t0 + BN > P) || (t0 + BN > kv_stop);
-    float mx[2] = {-TV_INF, -TV_INF};
     const int r0 = wg * 64 + 16 * wi + g;  // row within the CTA tile (and r0 + 8)
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[4 * j + e] * p.scale_log2;
-        if (need_mask) {
-          const int col = t0 + 8 * j + 2 * tq + (e & 1);
-          const int row = m0 + r0 + (e >> 1) * 8;
-          bool vis = col < kv_stop && row < rows;
-          if (vis && col >= P) {
-            const int jj = col - P;
-            const unsigned w =
-                p.tree_mask[(long long)(qo0 + row / G) * p.mask_words + (jj >> 5)];
-            vis = (w >> (jj & 31)) & 1u;
-          }
-          if (!vis) v = -TV_INF;
-        }
-        s[4 * j + e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
-    }
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = quad_max(mx[h]);
-      const float m_new = fmaxf(m_run[h], mx[h]);
-      m_use[h] = m_new == -TV_INF ? 0.f : m_new;
-      alpha[h] = exp2f(m_run[h] - m_use[h]);
-      m_run[h] = m_new;
-    }
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      s[i] = exp2f(s[i] - m_use[(i >> 1) & 1]);
-      rs[(i >> 1) & 1] += s[i];
-    }
+    if ((t0 + BN > P) || (t0 + BN > kv_stop))  // the tile reaches the tree or the split's end
+      frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0, P, kv_stop, rows, qo0, G);
+    float mx[2], alpha[2], m_use[2], rs[2];
+    frag_row_max<BN / 8>(s, mx);
+    online_max(m_run, mx, p.scale_log2, m_use, alpha);
+    frag_exp2<BN / 8>(s, m_use, p.scale_log2, rs);
     l_run[0] = l_run[0] * alpha[0] + rs[0];
     l_run[1] = l_run[1] * alpha[1] + rs[1];
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      o[4 * j + 0] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
-    }
+    rescale_rows(o, alpha);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {

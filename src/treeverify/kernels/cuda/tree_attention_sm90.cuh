@@ -11,6 +11,7 @@
 //   multiplies all of P by its own 256 V columns: O is 64 x 256 fp32 per warpgroup.
 
 #include "wgmma_ops.cuh"
+#include "sm90_softmax.cuh"
 
 namespace treeverify {
 
@@ -131,8 +132,10 @@ __global__ void __launch_bounds__(256, 1)
   };
   auto load_tile = [&](int stage, int j) {
     unsigned char* dst = sKV + stage * C::KV_BYTES;
-    for (int idx = tid; idx < BN * C::CH; idx += 256) {
-      const int r = idx / C::CH, c = idx % C::CH;
+    static_assert(BN * C::CH % 256 == 0, "whole chunks per thread: a fixed, unrolled trip count");
+#pragma unroll
+    for (int k = 0; k < BN * C::CH / 256; ++k) {
+      const int idx = tid + k * 256, r = idx / C::CH, c = idx % C::CH;
       const T* src = sRow[(j & 1) * BN + r];
       cp_async16(dst + sw_off<BN>(r, c), src ? src + c * 8 : kg, src ? 16 : 0);
     }
@@ -158,8 +161,6 @@ __global__ void __launch_bounds__(256, 1)
     cp_async_wait<0>();
     fence_async_smem();
     __syncthreads();
-    if (it + 1 < n_tiles) load_tile((it + 1) & 1, it + 1);
-    cp_async_commit();
     const int t0 = kv_begin + it * BN;
     const unsigned kv_addr = smem_u32(sKV + (it & 1) * C::KV_BYTES);
 
@@ -175,37 +176,21 @@ __global__ void __launch_bounds__(256, 1)
       mma_s<BN, BF16>(s, da, db, kk > 0);
     }
     wg_commit();
-    fetch_publish(it + 2);  // the page-table load overlaps the asynchronous QK MMAs
+    // Issued while the QK MMAs run (v9; before them, 18 cp.async a thread delayed the tensor
+    // cores): the next tile into the other stage (both warpgroups finished its last use, tile
+    // it-1, before the barrier above), then the page-table lookups two tiles ahead.
+    if (it + 1 < n_tiles) load_tile((it + 1) & 1, it + 1);
+    cp_async_commit();
+    fetch_publish(it + 2);
     wg_wait0();
     pin(s);
 
-    // ---- scale, mask, row max shared by the two warpgroups.
-    const bool need_mask = (t0 + BN > P) || (t0 + BN > kv_stop);
-    float mx[2] = {-TV_INF, -TV_INF};
-#pragma unroll
-    for (int j = 0; j < HALF / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[4 * j + e] * p.scale_log2;
-        if (need_mask) {
-          const int col = t0 + wg * HALF + 8 * j + 2 * tq + (e & 1);
-          const int row = m0 + 16 * wi + g + (e >> 1) * 8;
-          bool vis = col < kv_stop && row < rows;
-          if (vis && col >= P) {
-            const int jj = col - P;
-            const unsigned w =
-                p.tree_mask[(long long)(qo0 + row / G) * p.mask_words + (jj >> 5)];
-            vis = (w >> (jj & 31)) & 1u;
-          }
-          if (!vis) v = -TV_INF;
-        }
-        s[4 * j + e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
-    }
-    mx[0] = quad_max(mx[0]);
-    mx[1] = quad_max(mx[1]);
+    // ---- mask (tiles reaching the tree or the split's end), row max shared by the warpgroups.
     const int r0 = 16 * wi + g;
+    if ((t0 + BN > P) || (t0 + BN > kv_stop))
+      frag_mask<HALF / 8>(s, p, t0 + wg * HALF + 2 * tq, m0 + r0, P, kv_stop, rows, qo0, G);
+    float mx[2];
+    frag_row_max<HALF / 8>(s, mx);
     if (tq == 0) {
       sMax[wg * BM + r0] = mx[0];
       sMax[wg * BM + r0 + 8] = mx[1];
@@ -213,39 +198,21 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();
     mx[0] = fmaxf(sMax[r0], sMax[BM + r0]);
     mx[1] = fmaxf(sMax[r0 + 8], sMax[BM + r0 + 8]);
-    float alpha[2], m_use[2];
+    float alpha[2], m_use[2], rs[2];
+    online_max(m_run, mx, p.scale_log2, m_use, alpha);
+    frag_exp2<HALF / 8>(s, m_use, p.scale_log2, rs);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m_run[h], mx[h]);
-      m_use[h] = m_new == -TV_INF ? 0.f : m_new;
-      alpha[h] = exp2f(m_run[h] - m_use[h]);
-      m_run[h] = m_new;
-    }
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < HALF / 8; ++j) {
-      const float p0 = exp2f(s[4 * j + 0] - m_use[0]);
-      const float p1 = exp2f(s[4 * j + 1] - m_use[0]);
-      const float p2 = exp2f(s[4 * j + 2] - m_use[1]);
-      const float p3 = exp2f(s[4 * j + 3] - m_use[1]);
-      rs[0] += p0 + p1;
-      rs[1] += p2 + p3;
+    for (int j = 0; j < HALF / 8; ++j) {  // P (bf16) into the swizzled 64 x BN tile
       const int c = wg * HALF + 8 * j + 2 * tq;  // token column within the tile
       *reinterpret_cast<unsigned*>(sP + r0 * 128 + (((c >> 3) ^ (r0 & 7)) << 4) + (c & 7) * 2) =
-          pack2<BF16>(p0, p1);
+          pack2<BF16>(s[4 * j + 0], s[4 * j + 1]);
       const int r1 = r0 + 8;
       *reinterpret_cast<unsigned*>(sP + r1 * 128 + (((c >> 3) ^ (r1 & 7)) << 4) + (c & 7) * 2) =
-          pack2<BF16>(p2, p3);
+          pack2<BF16>(s[4 * j + 2], s[4 * j + 3]);
     }
     l_run[0] = l_run[0] * alpha[0] + rs[0];
     l_run[1] = l_run[1] * alpha[1] + rs[1];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j + 0] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
-    }
+    rescale_rows(o, alpha);
     fence_async_smem();
     __syncthreads();
 

@@ -1,0 +1,96 @@
+// The online softmax on a warpgroup's S fragment, shared by the sm_90a GQA and MLA kernels.
+// Fragment layout (wgmma m64nNk16 accumulator): thread (warp wi, lane g*4+tq) holds, for each
+// group j of 8 columns, s[4j + e] = S[16 wi + g + 8 (e >> 1)][8 j + 2 tq + (e & 1)].
+//
+// Written for few instructions per tile (v9): both kernels issue-bound, not tensor-bound (ncu,
+// 2026-12-01: 1.6 IPC with the tensor pipe at 29%), so
+// - scores stay raw until exp2: the row maximum of raw scores times the (positive) scale is the
+//   scaled maximum, and p = 2^(s * scale - m) is one FFMA + EX2 (scale > 0 is checked on the host);
+// - the mask is applied only on tiles that reach the tree or the split's end (one branch per
+//   tile, not per element);
+// - O is rescaled only when some row of the warp raised its maximum (alpha == 1 exactly otherwise,
+//   so skipping the multiply changes nothing): after the first tiles of a long context, rarely.
+
+namespace treeverify {
+
+// Hidden entries of the fragment -> -inf: keys past the split's end, rows past the tile, tree
+// keys the row's node does not see. col0: the key index of column 2*tq of group 0; row0: the
+// packed (node, head) row of fragment row g.
+template <int NJ>
+__device__ __forceinline__ void frag_mask(float (&s)[4 * NJ], const TreeAttnParams& p, int col0,
+                                          int row0, int P, int kv_stop, int rows, int qo0,
+                                          int G) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    const bool row_ok = row < rows;
+    // the row's mask words: its node's bits over tree keys (col - P)
+    const unsigned* words = p.tree_mask + (long long)(qo0 + (row_ok ? row / G : 0)) * p.mask_words;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = col0 + 8 * j + e;
+        bool vis = row_ok && col < kv_stop;
+        if (vis && col >= P) vis = (words[(col - P) >> 5] >> ((col - P) & 31)) & 1u;
+        if (!vis) s[4 * j + 2 * h + e] = -TV_INF;
+      }
+    }
+  }
+}
+
+// Per-thread maxima of fragment rows g and g + 8 over this thread's raw scores, then over the
+// quad of threads sharing the rows.
+template <int NJ>
+__device__ __forceinline__ void frag_row_max(const float (&s)[4 * NJ], float (&mx)[2]) {
+  mx[0] = mx[1] = -TV_INF;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j + 0], s[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  mx[0] = quad_max(mx[0]);
+  mx[1] = quad_max(mx[1]);
+}
+
+// The running maxima (log2 units, scaled) take this tile's raw maxima: m_use is what exp2
+// subtracts (0 for a row with nothing visible yet, so -inf - -inf never happens), alpha the
+// factor O and l carry over.
+__device__ __forceinline__ void online_max(float (&m_run)[2], const float (&mx_raw)[2],
+                                           float scale, float (&m_use)[2], float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_new = fmaxf(m_run[h], mx_raw[h] * scale);
+    m_use[h] = m_new == -TV_INF ? 0.f : m_new;
+    alpha[h] = exp2f(m_run[h] - m_use[h]);
+    m_run[h] = m_new;
+  }
+}
+
+// s <- 2^(s * scale - m_use) in place; rs: this thread's row sums.
+template <int NJ>
+__device__ __forceinline__ void frag_exp2(float (&s)[4 * NJ], const float (&m_use)[2],
+                                          float scale, float (&rs)[2]) {
+  rs[0] = rs[1] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4 * NJ; ++i) {
+    s[i] = exp2f(fmaf(s[i], scale, -m_use[(i >> 1) & 1]));
+    rs[(i >> 1) & 1] += s[i];
+  }
+}
+
+// O (the same row layout, R accumulators) *= alpha per row, skipped when no row of this warp
+// changed its maximum: alpha is then exactly 1.
+template <int R>
+__device__ __forceinline__ void rescale_rows(float (&o)[R], const float (&alpha)[2]) {
+  if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+    o[4 * j + 0] *= alpha[0];
+    o[4 * j + 1] *= alpha[0];
+    o[4 * j + 2] *= alpha[1];
+    o[4 * j + 3] *= alpha[1];
+  }
+}
+
+}  // namespace treeverify
