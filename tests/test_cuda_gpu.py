@@ -99,6 +99,33 @@ def test_random_ragged_cases(spec, seed, portable, monkeypatch):
     assert _rel(out, _reference(inp)) <= TOL
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+@pytest.mark.parametrize("trend", ["rising", "falling"])
+def test_running_maximum_moving_every_tile_or_never(mla, trend):
+    """v9 rescales O only when some row's running maximum moved (alpha exactly 1 otherwise).
+    Keys scaled by their position make the maximum rise in every tile (every tile rescales) or
+    sit in the first tiles (later tiles skip the rescale); both must equal the reference, on
+    the wgmma kernels and with several splits (prefixes of a few thousand keys)."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    page = 16
+    prefixes, trees = [3000, 1900], [17, 64]
+    case = Case("mla" if mla else "gqa", 2, 3000, 64, 16 if mla else 32, 1 if mla else 8,
+                576 if mla else 128, 512 if mla else 128, mla)  # fmt: skip
+    inp = make_inputs(case, page_size=page, device="cuda", seed=11, prefix_lens=prefixes,
+                      tree_sizes=trees)  # fmt: skip
+    inp["q"] = inp["q"] * 3  # a peaked softmax: the maximum decides the output
+    for b, (pre, tree) in enumerate(zip(prefixes, trees, strict=True)):
+        n_pages = math.ceil((pre + tree) / page)
+        ramp = torch.linspace(0.2, 1.5, n_pages, device="cuda")
+        if trend == "falling":
+            ramp = ramp.flip(0)
+        pages = inp["block_table"][b, :n_pages].long()
+        inp["k_cache"][pages] *= ramp.to(inp["k_cache"].dtype).view(-1, 1, 1, 1)
+    out = _cuda(inp, out=_poisoned(inp, case.dv))
+    assert _rel(out, _reference(inp)) <= TOL
+
+
 def _plan(inp, case, page, max_batch, max_tree, max_pages, max_kv):
     from treeverify.kernels.plan import TreeAttentionPlan
 
