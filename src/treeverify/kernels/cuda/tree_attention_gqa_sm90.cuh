@@ -1,19 +1,12 @@
 // sm_90a (Hopper) GQA/MHA tree-verify kernel on warpgroup MMA, included by tree_attention.cu.
 // Same work decomposition, split rule and outputs as tree_attn_fwd; helpers from
-// tree_attention_sm90.cuh (descriptors, fences, swizzled offsets) and sm90_softmax.cuh.
+// tree_attention_sm90.cuh (descriptors, fences, swizzled offsets).
 //
 // One CTA = NWG warpgroups, each owning 64 packed (node, head) rows of one KV head, so a KV tile
 // in shared memory serves 64*NWG rows. Per tile each warpgroup computes S = Q K^T (64 x BN,
 // both operands from swizzled shared memory), the online softmax in registers, and O += P V
 // with P fed from registers (the accumulator layout is the A-fragment layout) and V read
 // N-major from the same swizzled layout K uses. No cross-warpgroup exchange is needed.
-//
-// Software pipeline (v9b, FA3's intra-warpgroup overlap): iteration `it` issues QK(it), then
-// PV(it-1) with the P of the previous iteration, and computes tile it's softmax while PV(it-1)
-// runs on the tensor cores; O is rescaled once PV(it-1) is done. So V of tile j is read one
-// iteration after its K: K(j) is loaded STAGES-1 iterations ahead, V(j) STAGES-2 ahead (into
-// the V stage PV(j-STAGES) freed), both in the same cp.async group; row pointers keep one more
-// slot than stages, since V's are read one iteration later than K's.
 
 namespace treeverify {
 
@@ -22,9 +15,8 @@ struct GqaSm90Cfg {
   static constexpr int BM = 64 * NWG, NT = 128 * NWG, CH = D / 8;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int T_BYTES = BN * D * 2;  // one K (or V) tile
-  static constexpr int SLOTS = STAGES + 1;  // row-pointer slots: V's are read a tile later
-  // 1 KB alignment slack + Q + STAGES of K and V + K/V row pointers [SLOTS][BN] each.
-  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * SLOTS * BN;
+  // 1 KB alignment slack + Q + STAGES of K and V + K/V row pointers [STAGES][BN] each.
+  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN;
   static_assert(STAGES >= 2 && STAGES <= 4, "cp.async groups in flight");
   static_assert(BN == 64 && (D == 64 || D == 128), "tile shapes this kernel is written for");
 };
@@ -62,8 +54,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   unsigned char* sQ = base;
   unsigned char* sK = sQ + C::Q_BYTES;           // [STAGES][BN x D]
   unsigned char* sV = sK + STAGES * C::T_BYTES;  // [STAGES][BN x D]
-  const T** sRowK = reinterpret_cast<const T**>(sV + STAGES * C::T_BYTES);  // [SLOTS][BN]
-  const T** sRowV = sRowK + C::SLOTS * BN;                                    // [SLOTS][BN]
+  const T** sRowK = reinterpret_cast<const T**>(sV + STAGES * C::T_BYTES);  // [STAGES][BN]
+  const T** sRowV = sRowK + STAGES * BN;                                      // [STAGES][BN]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wi = warp & 3;
@@ -96,32 +88,26 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
     cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
   }
-  // Tile j: row pointers in slot j % SLOTS, K in stage j % STAGES (loaded in cp.async group j),
-  // V in stage j % STAGES (loaded in group j + 1).
-  constexpr int SLOTS = C::SLOTS;
+  // Tile j's row pointers, K/V stage and cp.async group all use slot j % STAGES.
   auto fetch_publish = [&](int j) {
     if (tid < BN) {
       const PageFetch f = fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop);
-      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRowK[(j % SLOTS) * BN + tid],
-                      &sRowV[(j % SLOTS) * BN + tid]);
+      publish_rows<T>(p, f, P, qo0, kvh, kv_stop, &sRowK[(j % STAGES) * BN + tid],
+                      &sRowV[(j % STAGES) * BN + tid]);
     }
   };
-  // One K or V tile: fixed, unrolled trip count (whole chunks per thread).
-  static_assert(BN * C::CH % NT == 0, "whole chunks per thread");
-  auto load_half = [&](unsigned char* dst, const T** rows_ptr) {
+  auto load_tile = [&](int stage, int j) {
+    unsigned char* dk = sK + stage * C::T_BYTES;
+    unsigned char* dv = sV + stage * C::T_BYTES;
+    static_assert(BN * C::CH % NT == 0, "whole chunks per thread: a fixed, unrolled trip count");
 #pragma unroll
     for (int k = 0; k < BN * C::CH / NT; ++k) {
       const int idx = tid + k * NT, r = idx / C::CH, c = idx % C::CH;
-      const T* src = rows_ptr[r];
-      cp_async16(dst + sw_off<BN>(r, c), src ? src + c * 8 : kg, src ? 16 : 0);
+      const T* kp = sRowK[(j % STAGES) * BN + r];
+      const T* vp = sRowV[(j % STAGES) * BN + r];
+      cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
+      cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
     }
-  };
-  // Group j: K of tile j, V of tile j - 1.
-  auto load_group = [&](int j) {
-    if (j < n_tiles) load_half(sK + (j % STAGES) * C::T_BYTES, &sRowK[(j % SLOTS) * BN]);
-    if (j >= 1 && j - 1 < n_tiles)
-      load_half(sV + ((j - 1) % STAGES) * C::T_BYTES, &sRowV[((j - 1) % SLOTS) * BN]);
-    cp_async_commit();
   };
   if (tid < BN) {  // all lookups in flight before any is used: one latency, not STAGES
     PageFetch f[STAGES];
@@ -133,31 +119,27 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   }
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j) load_group(j);  // group 0 also carries Q
+  for (int j = 0; j < STAGES - 1; ++j) {  // the first group also carries Q
+    if (j < n_tiles) load_tile(j, j);
+    cp_async_commit();
+  }
 
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float m_run[2] = {-TV_INF, -TV_INF};
   float l_run[2] = {0.f, 0.f};
-  unsigned pa[BN / 16][4];  // P of the previous tile: bf16/fp16 A fragments of PV
   const unsigned q_addr = smem_u32(sQ) + wg * 64 * 128;  // this warpgroup's 64 rows
-  const int r0 = wg * 64 + 16 * wi + g;  // fragment row within the CTA tile (and r0 + 8)
-  // O += P(j) V(j): BN/16 k-steps, A = pa from registers, V N-major from stage j % STAGES.
-  auto issue_pv = [&](int j) {
-    const unsigned v_addr = smem_u32(sV + (j % STAGES) * C::T_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      mma_pv<D, BF16>(o, pa[kk], sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024));
-  };
 
-  // Tile it's S = Q K^T issued (and committed) once its group has landed; after the barrier
-  // every warpgroup is done with PV(it-2) and QK(it-1), so their stages can be refilled.
-  auto issue_qk = [&](int it, float(&s)[32]) {
-    cp_async_wait<STAGES - 2>();  // group it (K(it), V(it-1)); STAGES-2 younger in flight
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_async_wait<STAGES - 2>();  // tile it has landed; up to STAGES-2 younger ones in flight
     fence_async_smem();
     __syncthreads();
+    const int t0 = kv_begin + it * BN;
     const unsigned k_addr = smem_u32(sK + (it % STAGES) * C::T_BYTES);
+    const unsigned v_addr = smem_u32(sV + (it % STAGES) * C::T_BYTES);
+
+    float s[32];  // 64 rows x 64 tokens per warpgroup
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -168,72 +150,48 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       mma_qk64<D, BF16>(s, da, db, kk > 0);
     }
     wg_commit();
-  };
-  // Issued while the MMAs run: group it + STAGES - 1 (K into the stage QK(it-1) read, V into
-  // the one PV(it-2) read), then tile it + STAGES's row pointers into tile it - 1's slot (its V
-  // was loaded in group it, before this iteration).
-  auto refill = [&](int it) {
-    load_group(it + STAGES - 1);
+    // Issued while the QK MMAs run (v9; before them, their issue delayed the tensor cores):
+    // the next load into the stage that held tile it-1 (every warpgroup finished it before the
+    // barrier above), then the page-table lookups of tile it + STAGES into slot it % STAGES
+    // (tile it's pointers were read when its load was issued).
+    {
+      const int nxt = it + STAGES - 1;
+      if (nxt < n_tiles) load_tile(nxt % STAGES, nxt);
+      cp_async_commit();
+    }
     fetch_publish(it + STAGES);
-  };
-  // Tile it's online softmax: s becomes P (unnormalised), l and m move, alpha is O's factor.
-  auto softmax_tile = [&](int it, float(&s)[32], float(&alpha)[2]) {
-    const int t0 = kv_begin + it * BN;
+    wg_wait0();
+    pin(s);
+
+    const int r0 = wg * 64 + 16 * wi + g;  // row within the CTA tile (and r0 + 8)
     if ((t0 + BN > P) || (t0 + BN > kv_stop))  // the tile reaches the tree or the split's end
       frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0, P, kv_stop, rows, qo0, G);
-    float mx[2], m_use[2], rs[2];
+    float mx[2], alpha[2], m_use[2], rs[2];
     frag_row_max<BN / 8>(s, mx);
     online_max(m_run, mx, p.scale_log2, m_use, alpha);
     frag_exp2<BN / 8>(s, m_use, p.scale_log2, rs);
     l_run[0] = l_run[0] * alpha[0] + rs[0];
     l_run[1] = l_run[1] * alpha[1] + rs[1];
-  };
-  auto pack_p = [&](const float(&s)[32]) {
+    rescale_rows(o, alpha);
+    wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+      unsigned a[4];
+      a[0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+      a[1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+      a[2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+      a[3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+      const unsigned long long db = sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
+      mma_pv<D, BF16>(o, a, db);
     }
-  };
-
-  float s[32];  // S of the current tile: 64 rows x 64 tokens per warpgroup
-  float alpha[2];
-  if (n_tiles > 0) {  // tile 0: nothing to overlap yet (O is zero)
-    issue_qk(0, s);
-    refill(0);
-    wg_wait<0>();
-    pin(s);
-    softmax_tile(0, s, alpha);
-    pack_p(s);
-  }
-  for (int it = 1; it < n_tiles; ++it) {
-    issue_qk(it, s);
-    issue_pv(it - 1);  // runs while tile it's softmax is computed
     wg_commit();
-    refill(it);
-    wg_wait<1>();  // QK(it) done; PV(it-1) may still run
-    pin(s);
-    softmax_tile(it, s, alpha);
-    wg_wait<0>();  // PV(it-1) done: O and pa are free (pinned: the MMA read pa until now)
+    wg_wait0();
     pin(o);
-    pin(pa);
-    rescale_rows(o, alpha);
-    pack_p(s);
   }
   cp_async_wait<0>();
-  if (n_tiles > 0) {  // the last tile's PV: its V (group n_tiles) landed above
-    fence_async_smem();
-    __syncthreads();
-    wg_fence();
-    issue_pv(n_tiles - 1);
-    wg_commit();
-    wg_wait<0>();
-    pin(o);
-  }
 
   const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
+  const int r0 = wg * 64 + 16 * wi + g;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + r0 + h * 8;

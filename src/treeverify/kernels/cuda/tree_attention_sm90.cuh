@@ -26,10 +26,8 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-// Wait until at most N committed wgmma groups of this warpgroup are still running.
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+__device__ __forceinline__ void wg_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 // Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to the tensor cores.
 __device__ __forceinline__ void fence_async_smem() {
@@ -40,14 +38,6 @@ template <int R>
 __device__ __forceinline__ void pin(float (&r)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-// The same for A fragments an MMA reads from registers while it runs.
-template <int R>
-__device__ __forceinline__ void pin(unsigned (&r)[R][4]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(r[i][k])::"memory");
 }
 
 // Byte offset of 16-byte chunk c (8 elements) of row r in a ROWS-row tile stored as 64-column
@@ -192,7 +182,7 @@ __global__ void __launch_bounds__(256, 1)
     if (it + 1 < n_tiles) load_tile((it + 1) & 1, it + 1);
     cp_async_commit();
     fetch_publish(it + 2);
-    wg_wait<0>();
+    wg_wait0();
     pin(s);
 
     // ---- mask (tiles reaching the tree or the split's end), row max shared by the warpgroups.
@@ -236,7 +226,7 @@ __global__ void __launch_bounds__(256, 1)
       mma_o<BF16>(o, da, db);
     }
     wg_commit();
-    wg_wait<0>();
+    wg_wait0();
     pin(o);
   }
   cp_async_wait<0>();

@@ -133,8 +133,7 @@ class GqaSm90Variant:
     def smem_bytes(self) -> int:
         """Must equal GqaSm90Cfg::SMEM_BYTES in tree_attention_gqa_sm90.cuh."""
         tile = self.bn * self.d * 2
-        slots = self.stages + 1  # row-pointer slots: V's are read a tile after K's
-        return 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * slots * self.bn
+        return 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
 
 
 @dataclass(frozen=True)
