@@ -82,6 +82,22 @@ def test_greedy_output_equals_plain(costs):
     assert sum(llm.controller.steps_by_budget.values()) > 0
 
 
+def test_calibrated_curve_is_non_decreasing_in_the_budget():
+    """Adjacent violators pooled to their mean above budget 0 (plain decoding, another path,
+    left as measured): the H200 table that timed 16 above 32 (2026-12-01), a flat run, one that
+    needs pooling across three budgets, and an already monotone one (unchanged)."""
+    from treeverify.engine.budget_calibration import monotone_in_budget
+
+    h200 = {0: 0.000398, 4: 0.000435, 8: 0.000438, 16: 0.000522, 32: 0.000491, 64: 0.000586}
+    got = monotone_in_budget(h200)
+    assert got[0] == h200[0] and got[4] == h200[4] and got[64] == h200[64]
+    assert got[16] == got[32] == pytest.approx((0.000522 + 0.000491) / 2)
+    got = monotone_in_budget({0: 9.0, 4: 3.0, 8: 2.0, 16: 1.0, 32: 5.0})
+    assert got == {0: 9.0, 4: 2.0, 8: 2.0, 16: 2.0, 32: 5.0}
+    fine = {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.2}
+    assert monotone_in_budget(fine) == fine
+
+
 def test_calibration_times_every_bucket_at_each_batch_size():
     """On a GPU calibration also times batch 8 and the largest graph bucket (the CPU default is
     batch 1 only): here batch 1 and 3 on the CPU, every bucket at both, in the cost table."""
@@ -92,6 +108,10 @@ def test_calibration_times_every_bucket_at_each_batch_size():
     assert set(llm.startup["budget_cost_seconds_by_batch"]) == {"1"}  # the CPU default
     per_bucket = calibrate(llm, batch_sizes=(1, 3))
     by_batch = llm.startup["budget_cost_seconds_by_batch"]
+    assert set(llm.startup["budget_cost_seconds_measured"]) == {"1", "3"}  # before pooling
+    for curve in by_batch.values():  # seeded non-decreasing above budget 0
+        above = [curve[b] for b in ("4", "8")]
+        assert above == sorted(above)
     assert set(by_batch) == {"1", "3"} and set(by_batch["3"]) == {"0", "4", "8"}
     assert set(per_bucket) == {0, 4, 8}
     table = llm.controller.cost.table

@@ -15,7 +15,11 @@ if TYPE_CHECKING:
     from treeverify.engine.llm import LLM
 
 WARM_PASSES = 2  # passes over every bucket untimed: one-time allocations, clocks ramping up
-TIMED_PASSES = 5  # then this many passes, each bucket one step per pass: the median per bucket
+# then this many passes, each bucket one step per pass: the median per bucket. On a GPU a step
+# is well under a millisecond and five samples left the median ~8% off (budget 16 timed above
+# budget 32 on the H200, 2026-12-01, and the controller ran budget 8): fifteen there.
+TIMED_PASSES = 5
+TIMED_PASSES_GPU = 15
 
 
 def make_controller(config: EngineConfig) -> BudgetController | None:
@@ -68,11 +72,13 @@ def calibrate(llm: LLM, prompt_len: int = 16,
     params = SamplingParams(temperature=0, max_tokens=max(1, min(4 * (top + 2), room)),
                             ignore_eos=True)  # fmt: skip
     per_request = prompt_len + params.max_tokens + top + 1  # KV slots a request may hold
-    measured: dict[int, dict[int, float]] = {}
+    raw: dict[int, dict[int, float]] = {}
+    passes = TIMED_PASSES_GPU if llm.config.on_gpu else TIMED_PASSES
     for n in batch_sizes or calibration_batches(llm):
         if n > 1 and 2 * n * per_request > llm.capacity_tokens:
             continue  # would not fit beside itself: leave this size to interpolation
-        measured[n] = _time_buckets(llm, n, prompt, params)
+        raw[n] = _time_buckets(llm, n, prompt, params, passes)
+    measured = {n: monotone_in_budget(c) for n, c in raw.items()}
     ctl.pinned = None
     ctl.cost.clear()  # the steps above fed it warm-up steps too
     for n, per_bucket in measured.items():
@@ -82,14 +88,42 @@ def calibrate(llm: LLM, prompt_len: int = 16,
     llm.spec.reset_stats()
     llm._next_id = 0
     one = measured.get(1, {})
+
+    def table(curves: dict[int, dict[int, float]]) -> dict:
+        return {str(n): {str(b): round(s, 6) for b, s in c.items()} for n, c in curves.items()}
+
     llm.startup["budget_cost_seconds"] = {str(b): round(s, 6) for b, s in one.items()}
-    llm.startup["budget_cost_seconds_by_batch"] = {
-        str(n): {str(b): round(s, 6) for b, s in c.items()} for n, c in measured.items()
-    }
+    llm.startup["budget_cost_seconds_by_batch"] = table(measured)
+    llm.startup["budget_cost_seconds_measured"] = table(raw)  # before monotone_in_budget
     return one
 
 
-def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams) -> dict:
+def monotone_in_budget(seconds: dict[int, float]) -> dict[int, float]:
+    """The measured medians made non-decreasing in the budget (least squares: adjacent
+    violators pooled to their mean), budget 0 left as measured. A larger tree is never cheaper
+    (a longer verify forward, a larger tree build, the same draft), so a larger budget timed
+    below a smaller one is noise, and it steers the controller: on the H200 budget 16 timed at
+    0.522 ms and 32 at 0.491 made 16 look worse than both its neighbours. Plain decoding
+    (budget 0) runs another path (not launched ahead) and may cost more than small rounds."""
+    budgets = sorted(b for b in seconds if b > 0)
+    blocks: list[list[float]] = []  # [sum, count] per pooled run of budgets
+    for b in budgets:
+        blocks.append([seconds[b], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out = {b: s for b, s in seconds.items() if b <= 0}
+    i = 0
+    for total, count in blocks:
+        for b in budgets[i : i + int(count)]:
+            out[b] = total / count
+        i += int(count)
+    return out
+
+
+def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams,
+                  passes: int) -> dict:  # fmt: skip
     """Median seconds of a decode-only step of n requests at each bucket (interleaved passes);
     finished requests are replaced, and steps with a prefill in them are not timed. Only a
     steady step is timed (`LLM._step_steady`): with whole rounds launched ahead
@@ -101,7 +135,7 @@ def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams) -
     times: dict[int, list[float]] = {b: [] for b in ctl.buckets}
     live: list = []
     requests = 0
-    for timed in [False] * WARM_PASSES + [True] * TIMED_PASSES:
+    for timed in [False] * WARM_PASSES + [True] * passes:
         for budget in ctl.buckets:
             for _ in range(6):  # prefills, the switch's first steps: step again
                 for seq in [s for s in live if s.is_finished]:
