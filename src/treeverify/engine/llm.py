@@ -43,6 +43,7 @@ from treeverify.engine.sampler import TokenLogprobs, sample, token_logprobs
 from treeverify.engine.sampling_params import SamplingParams
 from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
+from treeverify.engine.spec_step import SpeculativeSteps
 from treeverify.engine.speculative import SpeculativeDecoder
 from treeverify.kernels.staging import to_device
 
@@ -61,7 +62,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
-class LLM(Introspection):
+class LLM(SpeculativeSteps, Introspection):
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  **knobs) -> None:  # fmt: skip
         """`LLM("tiny-llama", speculative_algorithm="DDTREE", ...)` or `LLM(config=cfg)`: every
@@ -273,61 +274,14 @@ class LLM(Introspection):
         self._step_steady = True
         self.last_budget = None  # this step's budget for its speculating requests, if any
         if self.spec is not None:
-            want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
-            budget = self.spec.budget
-            pinned = [p for s in want if (p := s.sampling_params.speculative_budget) is not None]
-            if pinned:  # a request pinned its budget (SamplingParams.speculative_budget)
-                budget = max(pinned)
-            elif want and self.controller is not None:
-                budget = self._controller_budget(want)
-            ahead = not batch.prefills  # a new request joins next step: nothing to launch
-            running = self.rounds.ahead_budget(want) if self.rounds is not None else None
-            if running is not None and running != budget and not pinned:
-                # the round launched ahead at the last budget runs already: take it, switch next
-                budget, ahead = running, False
-            self.last_budget = budget if want else None
-            if budget and want and len(want) == len(batch.decodes):
-                nxt = budget
-                lookahead = self.rounds is not None and self.rounds.lookahead
-                if ahead and lookahead and not pinned and self.controller is not None:
-                    nxt = self._plan_next(want)  # the round launched ahead runs at it
-                    ahead = nxt > 0  # (plain decoding next: nothing to launch)
-                out = self._whole_round(want, budget, ahead, nxt)  # every decode: one replay
-                if out is not None:
-                    if not batch.prefills:
-                        self._step_budget = budget
-                        return out
-                    # prefill chunks beside the rounds: their own forward after the replay
-                    # (the step's sampled order is decodes, then prefills)
-                    return out + self._forward(ScheduledBatch(prefills=batch.prefills), None)
-            if self.rounds is not None:
-                self.rounds.discard()  # no whole round this step: a round launched ahead is moot
-            tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
-            if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):
-                decoding = len(want) == len(batch.decodes)  # every sequence at this budget
-                self._step_budget = budget if decoding else None
+            out, tb = self._speculative_step(batch)  # engine/spec_step.py
+            if out is not None:
+                return out
         if tb is not None and len(tb.seqs) == len(batch.chunks):
             out = self._run_round(batch, tb)
             self._observe_paths(tb)
             return out
         return self._forward(batch, tb)
-
-    def _controller_budget(self, seqs: list[Sequence]) -> int:
-        """This step's budget: the one chosen last step for these requests, else chosen now."""
-        ids, plan = tuple(s.request_id for s in seqs), self._planned
-        self._planned = None
-        if plan is not None and plan[0] == ids:
-            return plan[1]
-        return self.controller.choose(list(ids))
-
-    def _plan_next(self, seqs: list[Sequence]) -> int:
-        """The controller's budget for the next step, chosen now, before a round is launched
-        ahead: that round runs at it (RoundGraphs.step's next_budget). (Launched at this step's
-        budget, a switch or a probe found a round at the old budget in flight next step and
-        took it: the probe never ran, and the lookahead was broken for nothing.)"""
-        ids = tuple(s.request_id for s in seqs)
-        self._planned = (ids, self.controller.choose(list(ids)))
-        return self._planned[1]
 
     def _forward(self, batch: ScheduledBatch, tb) -> list[int | list[int]]:
         """One forward over whatever the batch mixes (prefill chunks, plain decodes, the trees of
@@ -367,72 +321,6 @@ class LLM(Introspection):
             self._observe_paths(tb)
         return out
 
-    def _whole_round(self, seqs: list[Sequence], budget: int, ahead: bool,
-                     next_budget: int | None = None) -> list[list[int]] | None:  # fmt: skip
-        """A round for every sequence of the step as one whole-round replay (greedy, no
-        penalties or logprobs, a bucket that holds it); None: take the general path. `ahead`:
-        launch the next round, at `next_budget`, before reading this one (RoundGraphs.step)."""
-        rounds = self.rounds
-        if (
-            rounds is None
-            or self.processor.needed(seqs)
-            or any(
-                s.sampling_params.temperature != 0 or s.sampling_params.logprobs is not None
-                for s in seqs
-            )
-        ):
-            return None
-        stats = self.spec.stats
-        t0 = time.perf_counter()
-        rows = rounds.step(seqs, budget, ahead=ahead, next_budget=next_budget)  # [m, bonus, ..]
-        if rows is None:
-            return None
-        self._step_steady = rounds.steady
-        t1 = time.perf_counter()
-        stats.phase_seconds["verify"] += t1 - t0  # staging, launch(es) and the round's one read
-        paths: list[list[int]] = []
-        out = self.spec.commit_rows(seqs, rows, paths)
-        context = self.spec.source.context
-        for seq, path in zip(seqs, paths, strict=True):
-            context.advance(seq.request_id, len(path))  # its accepted rows are in the ring
-            if self.controller is not None:
-                self.controller.observe_round(seq.request_id, budget, path)
-        now = time.perf_counter()
-        stats.phase_seconds["commit"] += now - t1
-        stats.whole_round_steps += 1
-        stats.whole_round_seconds += now - t0
-        return out
-
-    def _observe_paths(self, tb) -> None:
-        """Hand the controller each round's accepted node indices (its free acceptance curve)."""
-        if self.controller is not None:
-            for seq, path in zip(tb.seqs, tb.paths, strict=True):
-                self.controller.observe_round(seq.request_id, tb.budget, path)
-
-    def _run_round(self, batch: ScheduledBatch, tb) -> list[list[int]]:
-        """A step that is one speculative round for every sequence in it: verify forward
-        (captured per (batch, N) bucket), acceptance and K/V moves on the device, one read."""
-        stats = self.spec.stats
-        on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record()
-        t0 = time.perf_counter()
-        logits = self.runner.run(batch, tb).logits  # (B*N, V), tb's order
-        if on_gpu:
-            ev[1].record()
-        host_seconds = time.perf_counter() - t0  # on a GPU only the launch
-        stats.phase_seconds["verify"] += host_seconds
-        out = self.spec.accept_batch(tb, logits)  # reads the results: the forward is done
-        self._keep_round_logprobs(tb)
-        stats.forward_seconds += ev[0].elapsed_time(ev[1]) / 1e3 if on_gpu else host_seconds
-        hidden = self.runner.hidden
-        if hidden is not None:  # (B*N, F), tb's order: tree i's rows start at i * N
-            pairs = zip(batch.chunks, tb.paths, strict=True)
-            self._observe_rows(hidden, [(c, [i * tb.nodes + node for node in path])
-                                        for i, (c, path) in enumerate(pairs)])  # fmt: skip
-        return out
-
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Plain decoding's tokens for (N, V) rows, after penalties / logit_bias if any asks."""
         if self.processor.needed(seqs):
@@ -450,11 +338,6 @@ class LLM(Introspection):
             self._prompt_logprobs[rid].extend(
                 token_logprobs(logits, targets, seq.sampling_params.prompt_logprobs)
             )
-
-    def _keep_round_logprobs(self, tb) -> None:
-        for seq, infos in zip(tb.seqs, tb.logprobs, strict=True):
-            if infos is not None:
-                self._logprobs[seq.request_id].extend(infos)
 
     def _observe(self, batch: ScheduledBatch, trees: dict[str, int], paths: dict,
                  hidden: torch.Tensor) -> None:  # fmt: skip
