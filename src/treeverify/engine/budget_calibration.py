@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 
 WARM_PASSES = 2  # passes over every bucket untimed: one-time allocations, clocks ramping up
 # then this many passes, each bucket one step per pass: the median per bucket. On a GPU a step
-# is well under a millisecond and five samples left the median ~8% off (budget 16 timed above
-# budget 32 on the H200, 2026-12-01, and the controller ran budget 8): fifteen there.
+# is well under a millisecond, so fifteen samples cost next to nothing there.
 TIMED_PASSES = 5
 TIMED_PASSES_GPU = 15
 
@@ -106,19 +105,18 @@ def monotone_in_budget(seconds: dict[int, float]) -> dict[int, float]:
     0.522 ms and 32 at 0.491 made 16 look worse than both its neighbours. Plain decoding
     (budget 0) runs another path (not launched ahead) and may cost more than small rounds."""
     budgets = sorted(b for b in seconds if b > 0)
-    blocks: list[list[float]] = []  # [sum, count] per pooled run of budgets
+    pools: list[tuple[float, int]] = []  # (mean, budgets pooled), in budget order
     for b in budgets:
-        blocks.append([seconds[b], 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
+        mean, count = seconds[b], 1
+        while pools and pools[-1][0] > mean:  # a violator: pool it with the run before
+            m, c = pools.pop()
+            mean, count = (m * c + mean * count) / (c + count), c + count
+        pools.append((mean, count))
     out = {b: s for b, s in seconds.items() if b <= 0}
-    i = 0
-    for total, count in blocks:
-        for b in budgets[i : i + int(count)]:
-            out[b] = total / count
-        i += int(count)
+    order = iter(budgets)
+    for mean, count in pools:
+        for _ in range(count):
+            out[next(order)] = mean
     return out
 
 

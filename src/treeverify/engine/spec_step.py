@@ -19,7 +19,7 @@ from treeverify.engine.sequence import Sequence
 if TYPE_CHECKING:
     from treeverify.engine.budget_controller import BudgetController
     from treeverify.engine.round_graphs import RoundGraphs
-    from treeverify.engine.speculative import SpeculativeDecoder
+    from treeverify.engine.speculative import SpeculativeDecoder, TreeBatch
 
 
 class SpeculativeSteps:
@@ -29,7 +29,7 @@ class SpeculativeSteps:
     rounds: RoundGraphs | None
     controller: BudgetController | None
 
-    def _speculative_step(self, batch: ScheduledBatch) -> tuple[list | None, object]:
+    def _speculative_step(self, batch: ScheduledBatch) -> tuple[list | None, TreeBatch | None]:
         """The speculating requests' part of a step: their budget (pinned by a request, else the
         controller's, else the configured one; a round launched ahead at another budget is taken
         first), then one whole-round replay for every decode when the step allows it (the step's
