@@ -53,13 +53,16 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
     """`adaptive`: True (the controller picks budgets), False (fixed), "general" (fixed,
     every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)
     or "read-first" (fixed, whole rounds without lookahead: each round read before the next is
-    launched, the A/B of the overlap)."""
+    launched, the A/B of the overlap), "no-trials" (adaptive without cost trials: the A/B of
+    docs/ddtree.md's stale costs)."""
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
     if adaptive == "general":
         kw["disable_round_graphs"], adaptive = True, False
     elif adaptive == "read-first":
         kw["round_lookahead"], adaptive = False, False
+    trials = adaptive != "no-trials"
+    adaptive = bool(adaptive)
     if algo:
         kw |= dict(
             speculative_algorithm=algo,
@@ -71,9 +74,12 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
         kw["speculative_adaptive"] = adaptive
         if adaptive:  # the controller's step costs on the same clock as the benchmark's
             kw["speculative_cost_clock"] = args.clock
-    return LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
-               cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
-               max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
+    llm = LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
+              cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
+              max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
+    if llm.controller is not None:
+        llm.controller.cfg.cost_trials = trials
+    return llm
 
 
 def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
@@ -216,6 +222,9 @@ def speed_configs(args, block: int) -> list[tuple]:
     if args.adaptive:  # the controller picks each step's budget in {0, 4, ..., args.adaptive}
         cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive}", "DDTREE", args.drafter,
                      args.adaptive, block - 1, True))  # fmt: skip
+        if args.no_trials_too:
+            cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} no cost trials", "DDTREE",
+                         args.drafter, args.adaptive, block - 1, "no-trials"))  # fmt: skip
     return cfgs
 
 
@@ -229,8 +238,10 @@ def describe(llm: LLM, name: str, outs, secs: float, plain, b: int, text: str,
         r["steps_by_budget"] = {int(k): c for k, c in adaptive["steps_by_budget"].items()}
         # what the controller believed: why it chose those budgets
         r["controller"] = {k: adaptive.get(k) for k in ("accept_curve", "cost_seconds_batch1",
-                                                         "switches", "explorations")}  # fmt: skip
+                                                         "switches", "explorations",
+                                                         "cost_trials")}  # fmt: skip
         r["controller"][f"cost_seconds_batch{b}"] = llm.controller.cost.curve(b)
+        r["controller"]["calibrated_medians"] = llm.startup.get("budget_cost_seconds_measured")
     if r.get("diverged_requests") and judge is not None:
         r["divergence_gaps"] = judge.gaps(prompts, plain, outs)
     return r
@@ -347,6 +358,11 @@ def main(argv=None) -> int:
         type=int,
         default=0,
         help="speed: also DDTREE(dflash) with the adaptive budget up to this (0: off)",
+    )
+    p.add_argument(
+        "--no-trials-too",
+        action="store_true",
+        help="speed, with --adaptive: also the adaptive budget without cost trials (A/B)",
     )
     p.add_argument("--repeat", type=int, default=1,
                    help="speed: best of this many passes (--interleave: the median)")  # fmt: skip

@@ -12,8 +12,13 @@ shows the decision rule's quality apart from timing noise. A synthetic "unpredic
 (8 requests whose rounds accept nothing but a lucky draft in ten) is replayed too: there the
 controller must stay near plain decoding.
 
+`--calibrated`: the controller starts from this cost table (what calibration measured) while
+the steps cost --costs (what serving measures), and each steady step (the third in a row at a
+budget, as the engine's lookahead makes it) feeds its true cost back, as the engine does: how
+the controller recovers from a calibration that misstated some budget.
+
     PYTHONPATH=src python scripts/sim_adaptive.py --traces T.json --costs '0:0.63,16:1.61,...'
-        [--tokens 128] [--set decay=0.95 --set min_dwell=4 ...] [--json out.json]
+        [--calibrated '0:0.63,16:1.9,...'] [--tokens 128] [--set decay=0.95 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,16 +53,22 @@ def cut(path: list[int], budget: int) -> list[int]:
     return out
 
 
-def replay(traces: list[dict], tokens: int, costs: dict[int, float], policy) -> dict:
+def replay(traces: list[dict], tokens: int, costs: dict[int, float], policy,
+           feedback: bool = False) -> dict:  # fmt: skip
     """Generate `tokens` per prompt under `policy` (a fixed budget, or a BudgetController);
-    returns tokens, seconds, rounds and steps by budget."""
+    returns tokens, seconds, rounds and steps by budget. `feedback`: the controller observes
+    each steady step's cost (the third and later in a row at one budget)."""
     seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
+    last, run = None, 0  # the previous step's budget, steps in a row at it
     for k, trace in enumerate(traces):
         paths, rid, made, p = trace["paths"], f"r{k}", 0, 0
         while made < tokens and p < len(paths):
             budget = policy.choose([rid]) if isinstance(policy, BudgetController) else policy
             steps[budget] = steps.get(budget, 0) + 1
             seconds += costs[budget]
+            run, last = (run + 1 if budget == last else 1), budget
+            if feedback and run >= 3 and isinstance(policy, BudgetController):
+                policy.observe_step(1, budget, costs[budget])
             if budget == 0:
                 n = 1
             else:
@@ -84,6 +95,19 @@ def table(costs_by_batch: dict[int, dict[int, float]]) -> CostModel:
             m.observe(n, b, sec)
     m.frozen = True
     return m
+
+
+def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig) -> BudgetController:
+    """A controller on `costs`: {batch: {budget: s}} frozen (a given table), or {budget: s}
+    as a calibrated start that steady steps then update (every entry stale, as after
+    calibration)."""
+    if all(isinstance(v, dict) for v in costs.values()):
+        return BudgetController(buckets, table(costs), cfg)
+    ctl = BudgetController(buckets, CostModel(cfg.cost_window), cfg)
+    for b, sec in costs.items():
+        ctl.observe_step(1, b, sec)
+    ctl.reset()
+    return ctl
 
 
 def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int) -> dict:
@@ -126,6 +150,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, required=True)
     ap.add_argument("--costs", help="budget:seconds,... (default: the H200's, see H200_COSTS)")
+    ap.add_argument(
+        "--calibrated",
+        help="budget:seconds,... the controller starts from (steps still cost --costs)",
+    )
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--set", action="append", default=[], help="ControllerConfig field=value")
     ap.add_argument(
@@ -156,7 +184,8 @@ def main() -> int:
     for kv in args.set:
         name, value = kv.split("=")
         kind = type(getattr(cfg, name))
-        cfg = dataclasses.replace(cfg, **{name: kind(value)})
+        parsed = value.lower() in ("1", "true") if kind is bool else kind(value)
+        cfg = dataclasses.replace(cfg, **{name: parsed})
     out = {"traces": str(args.traces), "costs": costs, "controller": dataclasses.asdict(cfg),
            "texts": {}}  # fmt: skip
     by_batch = {1: costs}
@@ -167,15 +196,23 @@ def main() -> int:
                                 (kv.split(":") for kv in args.batch_costs.split(","))}  # fmt: skip
         out["batch"], out["batch_costs"] = args.batch, by_batch[args.batch]
 
+    if args.calibrated and args.batch > 1:
+        raise SystemExit("--calibrated: batch 1 only")
+    calibrated = None
+    if args.calibrated:
+        calibrated = {
+            int(b): float(s) for b, s in (kv.split(":") for kv in args.calibrated.split(","))
+        }
+        out["calibrated"] = calibrated
+
     def run(traces, policy):
         if args.batch == 1:
-            return replay(traces, args.tokens, costs, policy)
+            return replay(traces, args.tokens, costs, policy, feedback=calibrated is not None)
         return replay_batch(traces, args.tokens, table(by_batch), policy, args.batch)
 
     for text, traces in data["texts"].items():
         rows = {f"fixed {b}": run(traces, b) for b in buckets}
-        ctl = BudgetController(buckets, table(by_batch), cfg)
-        rows["adaptive"] = run(traces, ctl)
+        rows["adaptive"] = run(traces, controller(buckets, calibrated or by_batch, cfg))
         plain = rows["fixed 0"]["tokens_per_s"]
         best = max((r for k, r in rows.items() if k != "adaptive"), key=lambda r: r["tokens_per_s"])
         print(f"--- {text} (plain {plain} tok/s)")

@@ -33,16 +33,24 @@ plain steps comes 4x less often), doubled after each probe that changed nothing,
 `explore_max` steps, and back to the start when a request without its own measurements joins
 (new text, maybe predictable).
 
+Stale costs: a cost the controller does not run is not re-measured (a probe is one step, never
+a steady overlapped one), so a calibration that overstated it would hold forever: on the H200 the
+calibrated budget 16 (0.52 ms) kept the controller at 8 (0.43) while a fixed 16 outran it. A
+budget's cost is at least the fresh cost of any smaller budget (a larger tree is never
+cheaper), so when that lower bound, in place of the stale cost, would beat the current rate by
+the switch margin, the controller moves there for a dwell (a "cost trial"), which measures it;
+each (batch size, budget) at most once per `cost_fresh_steps` steps.
+
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
 
 from __future__ import annotations
 
 import bisect
-import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
+
+from treeverify.engine.budget_costs import CostModel
 
 # "wall": elapsed time (serving). "process": CPU seconds of this process, for a benchmark on a CPU
 # shared with other work, where wall time measures the neighbours (use one torch thread).
@@ -104,6 +112,9 @@ class ControllerConfig:
     probe: str = "top"  # what an exploration step runs: the largest bucket, or "up" one bucket
     explore_every: int = 16  # steps between probes below the largest bucket ...
     explore_max: int = 256  # ... backing off to at most this many while probes change nothing
+    cost_trials: bool = True  # try a budget whose stale cost hides a better rate (False: A/B)
+    cost_fresh_steps: int = 256  # a cost measured this many steps ago or less is fresh; a cost
+    # trial per (batch size, budget) at most once per this many steps
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay < 1.0:
@@ -118,90 +129,8 @@ class ControllerConfig:
             raise ValueError(f"probe: expected 'top' or 'up', got {self.probe!r}")
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")
-
-
-class CostModel:
-    """Seconds per step by (batch size, budget): the median of the last `window` measured steps
-    (a context switch or a stall moves a median little). A batch size not measured yet is
-    interpolated linearly between the measured sizes around it at that budget, else borrows the
-    nearest measured one's value, scaled by the plain-step ratio when both have one (so only the
-    budgets' relative cost is borrowed). `frozen`: a given curve, never updated."""
-
-    def __init__(self, window: int = 9, frozen: bool = False):
-        self.window, self.frozen = window, frozen
-        self.table: dict[tuple[int, int], deque[float]] = {}
-        self._median: dict[tuple[int, int], float] = {}  # kept current: read every step
-        self._nearest: dict[tuple[int, int], int | None] = {}  # (n, budget) -> measured size
-        self._brackets: dict[tuple[int, int], tuple[int, int] | None] = {}  # measured around n
-
-    @classmethod
-    def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
-        """A fixed curve at batch size 1 (a cost file, or a test's synthetic curve)."""
-        m = cls(window=1)
-        for b, sec in seconds_by_budget.items():
-            if not sec > 0:
-                raise ValueError(f"cost of budget {b}: expected seconds > 0, got {sec}")
-            m.table[(1, int(b))] = deque([float(sec)], maxlen=1)
-            m._median[(1, int(b))] = float(sec)
-        m.frozen = True
-        return m
-
-    def observe(self, n: int, budget: int, seconds: float) -> None:
-        if seconds > 0 and not self.frozen:
-            if (n, budget) not in self.table:
-                self._nearest.clear()  # a new measured size: nearest sizes may change
-                self._brackets.clear()
-            q = self.table.setdefault((n, budget), deque(maxlen=self.window))
-            q.append(seconds)
-            self._median[(n, budget)] = statistics.median(q)
-
-    def _interpolate(self, n: int, budget: int) -> float | None:
-        """Linear in the batch size between the nearest measured sizes below and above n at
-        this budget (a round's device work grows with batch x budget tokens); None when n is
-        not between two measured sizes."""
-        key = (n, budget)
-        if key not in self._brackets:  # looked up once per table shape (read every step)
-            below = max((m for m, b in self._median if b == budget and m < n), default=None)
-            above = min((m for m, b in self._median if b == budget and m > n), default=None)
-            self._brackets[key] = None if below is None or above is None else (below, above)
-        if self._brackets[key] is None:
-            return None
-        below, above = self._brackets[key]
-        lo, hi = self._median[(below, budget)], self._median[(above, budget)]
-        return lo + (hi - lo) * (n - below) / (above - below)
-
-    def clear(self) -> None:
-        self.table.clear()
-        self._median.clear()
-        self._nearest.clear()
-        self._brackets.clear()
-
-    def _value(self, key: tuple[int, int]) -> float | None:
-        return self._median.get(key)
-
-    def estimate(self, n: int, budget: int) -> float | None:
-        own = self._value((n, budget))
-        if own is not None:
-            return own
-        between = self._interpolate(n, budget)
-        if between is not None:
-            return between
-        m = self._nearest.get((n, budget), -1)
-        if m == -1:  # not looked up since the table last gained a key (read every step)
-            sizes = [s for s, b in self.table if b == budget]
-            m = min(sizes, key=lambda s: (abs(s - n), s)) if sizes else None
-            self._nearest[(n, budget)] = m
-        if m is None:
-            return None
-        base = self._value((m, budget))
-        here, there = self._value((n, 0)), self._value((m, 0))
-        if here is not None and there is not None:
-            return base * here / there
-        return base
-
-    def curve(self, n: int = 1) -> dict[int, float]:
-        """Seconds per step at batch size n, by budget (for /server_info)."""
-        return {b: round(self._value((m, b)), 6) for (m, b) in sorted(self.table) if m == n}
+        if self.cost_fresh_steps < 1:
+            raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
 
 
 @dataclass
@@ -222,7 +151,12 @@ class BudgetController:
         self.reset()
 
     def reset(self) -> None:
-        """Forget acceptance and decisions (the cost table stays)."""
+        """Forget acceptance and decisions (the cost table stays, every entry stale: measured
+        before serving, by calibration or an earlier workload)."""
+        self.cost.seen_at.clear()
+        self.step_index = 0  # decisions made: the clock of cost freshness
+        self._tried: dict[tuple[int, int], int] = {}  # (n, budget) -> step of its cost trial
+        self.cost_trials = 0
         self.requests: dict[str, _Request] = {}
         self.global_curve: dict[int, DecayedMean] = {}
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
@@ -273,12 +207,14 @@ class BudgetController:
             out.append(total)
         return out
 
-    def rate(self, request_ids: list[str], budget: int) -> float | None:
+    def rate(self, request_ids: list[str], budget: int, cost: float | None = None) -> float | None:
         """R(B) in committed tokens per second for these requests in one step; None when the
         cost or some request's acceptance at B is unknown. The sums over the requests are made
         for every bucket at once and kept until a round is observed (a step asks for a rate per
-        bucket; each summing its own gains was O(buckets^2 x requests) of Python per step)."""
-        cost = self.cost.estimate(len(request_ids), budget)
+        bucket; each summing its own gains was O(buckets^2 x requests) of Python per step).
+        `cost`: seconds per step to assume instead of the cost model's estimate."""
+        if cost is None:
+            cost = self.cost.estimate(len(request_ids), budget)
         if cost is None:
             return None
         if len(self._accept_sums) > 64:  # batches come and go between rounds: stay small
@@ -297,6 +233,7 @@ class BudgetController:
     # ---- the decision --------------------------------------------------------------------------
     def choose(self, request_ids: list[str]) -> int:
         """The budget for this step's speculating requests (0: decode them plainly)."""
+        self.step_index += 1
         if self.pinned is not None:
             return self._count(self.pinned)
         rates = {b: self.rate(request_ids, b) for b in self.buckets}
@@ -305,6 +242,8 @@ class BudgetController:
         if known and rates.get(cur) is not None:
             best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
             self._consider(best, known[best], rates[cur])
+            if self.current == cur:
+                self._cost_trial(request_ids, rates[cur])
         self.since_switch += 1
         self.since_explore += 1
         if any(rid not in self.requests for rid in request_ids):
@@ -344,6 +283,36 @@ class BudgetController:
             self.since_switch = 0
             self.switches += 1
 
+    def _cost_trial(self, request_ids: list[str], cur_rate: float) -> None:
+        """Move to a budget whose rate at its least possible cost (the largest fresh cost
+        below it) beats the current rate by the switch margin while its own cost is stale:
+        its steps there measure it, and the usual rule (margin, dwell) decides after. The
+        nearest such bucket above the current one first (its fresh cost then bounds the ones
+        above it: on accurate costs, one trial instead of a chain up to the top), then below."""
+        n, now, fresh = len(request_ids), self.step_index, self.cfg.cost_fresh_steps
+        if not self.cfg.cost_trials or self.since_switch < self.cfg.min_dwell:
+            return
+        i = self.buckets.index(self.current)
+        bar = (1 + self.cfg.switch_margin) * cur_rate
+        stale = [
+            b
+            for b in self.buckets[i + 1 :] + self.buckets[1:i][::-1]
+            if not self.cost.is_fresh(n, b, now, fresh)
+            and not ((n, b) in self._tried and now - self._tried[(n, b)] <= fresh)
+        ]
+        for b in stale:
+            low = self.cost.lower_bound(n, b, now, fresh)
+            r = None if low is None else self.rate(request_ids, b, cost=low)
+            if r is not None and r > bar:
+                # the nearest stale bucket on that side: its cost bounds the ones beyond it
+                side = [c for c in stale if (c > self.current) == (b > self.current)]
+                b = side[0]
+                self._tried[(n, b)] = now
+                self.current, self._pending, self.since_switch = b, None, 0
+                self.switches += 1
+                self.cost_trials += 1
+                return
+
     def _count(self, budget: int) -> int:
         self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
         return budget
@@ -374,7 +343,7 @@ class BudgetController:
 
     def observe_step(self, n: int, budget: int, seconds: float) -> None:
         """Wall seconds of one decode-only step of n requests at `budget`."""
-        self.cost.observe(n, budget, seconds)
+        self.cost.observe(n, budget, seconds, at=self.step_index)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -388,6 +357,7 @@ class BudgetController:
             "steps_by_budget": {str(b): c for b, c in sorted(self.steps_by_budget.items())},
             "switches": self.switches,
             "explorations": self.explorations,
+            "cost_trials": self.cost_trials,
             "accept_curve": {
                 str(b): round(a, 4)
                 for b in self.buckets[1:]

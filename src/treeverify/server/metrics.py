@@ -103,6 +103,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.spec_cost_trials = Gauge(
+            "treeverify_spec_cost_trials_total",
+            "Times the adaptive controller moved to a budget to re-measure its stale step cost "
+            "(docs/ddtree.md, stale costs), since start",
+            ["model"],
+            registry=r,
+        )
 
     def observe_tokens(self, n: int, dt: float | None, first: bool) -> None:
         """``n`` tokens came ``dt`` s after the previous event (or the request, if first)."""
@@ -135,4 +142,5 @@ class Metrics:
                 for budget, steps in adaptive["steps_by_budget"].items():
                     self.spec_budget_steps.labels(m, budget).set(steps)
                 self.spec_budget_current.labels(m).set(adaptive["current"])
+                self.spec_cost_trials.labels(m).set(adaptive["cost_trials"])
         return generate_latest(self.registry)

@@ -1,0 +1,118 @@
+"""Step cost by (batch size, budget) for the adaptive budget (engine/budget_controller.py):
+measured medians, interpolation and borrowing for batch sizes not measured, and which entries
+were measured recently while serving ("fresh") as opposed to carried over from calibration or
+from long ago. Torch-free."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class CostModel:
+    """Seconds per step by (batch size, budget): the median of the last `window` measured steps
+    (a context switch or a stall moves a median little). A batch size not measured yet is
+    interpolated linearly between the measured sizes around it at that budget, else borrows the
+    nearest measured one's value, scaled by the plain-step ratio when both have one (so only the
+    budgets' relative cost is borrowed). `frozen`: a given curve, never updated.
+
+    Freshness: `observe(..., at=step)` records the controller's step index of the measurement;
+    `lower_bound` gives, from the fresh entries only, the least a budget can cost (a larger tree
+    is never cheaper than a smaller one). The controller tries a budget whose stale cost hides
+    a better rate (docs/ddtree.md, "Stale costs")."""
+
+    def __init__(self, window: int = 9, frozen: bool = False):
+        self.window, self.frozen = window, frozen
+        self.table: dict[tuple[int, int], deque[float]] = {}
+        self._median: dict[tuple[int, int], float] = {}  # kept current: read every step
+        self._nearest: dict[tuple[int, int], int | None] = {}  # (n, budget) -> measured size
+        self._brackets: dict[tuple[int, int], tuple[int, int] | None] = {}  # measured around n
+        self.seen_at: dict[tuple[int, int], int] = {}  # step index of the last serving sample
+
+    @classmethod
+    def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
+        """A fixed curve at batch size 1 (a cost file, or a test's synthetic curve)."""
+        m = cls(window=1)
+        for b, sec in seconds_by_budget.items():
+            if not sec > 0:
+                raise ValueError(f"cost of budget {b}: expected seconds > 0, got {sec}")
+            m.table[(1, int(b))] = deque([float(sec)], maxlen=1)
+            m._median[(1, int(b))] = float(sec)
+        m.frozen = True
+        return m
+
+    def observe(self, n: int, budget: int, seconds: float, at: int | None = None) -> None:
+        """One step's seconds; `at`: the controller's step index (marks the entry fresh)."""
+        if seconds > 0 and not self.frozen:
+            if at is not None:
+                self.seen_at[(n, budget)] = at
+            if (n, budget) not in self.table:
+                self._nearest.clear()  # a new measured size: nearest sizes may change
+                self._brackets.clear()
+            q = self.table.setdefault((n, budget), deque(maxlen=self.window))
+            q.append(seconds)
+            self._median[(n, budget)] = statistics.median(q)
+
+    def _interpolate(self, n: int, budget: int) -> float | None:
+        """Linear in the batch size between the nearest measured sizes below and above n at
+        this budget (a round's device work grows with batch x budget tokens); None when n is
+        not between two measured sizes."""
+        key = (n, budget)
+        if key not in self._brackets:  # looked up once per table shape (read every step)
+            below = max((m for m, b in self._median if b == budget and m < n), default=None)
+            above = min((m for m, b in self._median if b == budget and m > n), default=None)
+            self._brackets[key] = None if below is None or above is None else (below, above)
+        if self._brackets[key] is None:
+            return None
+        below, above = self._brackets[key]
+        lo, hi = self._median[(below, budget)], self._median[(above, budget)]
+        return lo + (hi - lo) * (n - below) / (above - below)
+
+    def clear(self) -> None:
+        self.seen_at.clear()
+        self.table.clear()
+        self._median.clear()
+        self._nearest.clear()
+        self._brackets.clear()
+
+    def _value(self, key: tuple[int, int]) -> float | None:
+        return self._median.get(key)
+
+    def estimate(self, n: int, budget: int) -> float | None:
+        own = self._value((n, budget))
+        if own is not None:
+            return own
+        between = self._interpolate(n, budget)
+        if between is not None:
+            return between
+        m = self._nearest.get((n, budget), -1)
+        if m == -1:  # not looked up since the table last gained a key (read every step)
+            sizes = [s for s, b in self.table if b == budget]
+            m = min(sizes, key=lambda s: (abs(s - n), s)) if sizes else None
+            self._nearest[(n, budget)] = m
+        if m is None:
+            return None
+        base = self._value((m, budget))
+        here, there = self._value((n, 0)), self._value((m, 0))
+        if here is not None and there is not None:
+            return base * here / there
+        return base
+
+    def curve(self, n: int = 1) -> dict[int, float]:
+        """Seconds per step at batch size n, by budget (for /server_info)."""
+        return {b: round(self._value((m, b)), 6) for (m, b) in sorted(self.table) if m == n}
+
+    def lower_bound(self, n: int, budget: int, now: int, fresh_steps: int) -> float | None:
+        """The largest fresh cost among budgets 1..`budget` at batch size n: what `budget` costs
+        at least, by measurements no older than `fresh_steps` steps (None: none fresh). Budget
+        0 runs another path (plain decoding, not launched ahead) and bounds nothing."""
+        best = None
+        for (m, b), at in self.seen_at.items():
+            if m == n and 0 < b <= budget and now - at <= fresh_steps:
+                c = self._median[(m, b)]
+                best = c if best is None else max(best, c)
+        return best
+
+    def is_fresh(self, n: int, budget: int, now: int, fresh_steps: int) -> bool:
+        at = self.seen_at.get((n, budget))
+        return at is not None and now - at <= fresh_steps

@@ -1,0 +1,111 @@
+"""Stale step costs and cost trials (engine/budget_costs.py, BudgetController._cost_trial): a
+calibration that overstated a budget's cost must not hold the controller below it forever (on
+the H200 a calibrated budget 16 at 0.52 ms kept it at 8 while a fixed 16 outran it), and an
+accurate calibration must cost at most one short trial per bucket per freshness window.
+Synthetic acceptance, costs fed back as the engine does: every steady step (the third in a row
+at one budget) observes its true cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_budget_controller import path_for
+from treeverify.engine.budget_controller import BudgetController, ControllerConfig
+from treeverify.engine.budget_costs import CostModel
+
+BUCKETS = (0, 4, 8, 16)
+CALIBRATED = {0: 1.0, 4: 1.3, 8: 1.3, 16: 1.9}  # what startup measured
+ACCEPTED = {4: 1, 8: 2, 16: 3}  # accepted drafts of a budget-b tree: R(8) = 3/1.3, R(16) = 4/1.9
+
+
+def calibrated(**cfg) -> BudgetController:
+    """A controller started as calibrate() leaves it: the table filled, every entry stale.
+    Exploration probes (one step at the top now and then) are pushed past the runs here, so
+    every step at 16 after the start is a trial's."""
+    cfg = {"explore_every": 1000, "explore_max": 1000, **cfg}
+    ctl = BudgetController(BUCKETS, CostModel(window=9), ControllerConfig(**cfg))
+    for b, s in CALIBRATED.items():
+        ctl.observe_step(1, b, s)
+    ctl.reset()
+    return ctl
+
+
+def serve(ctl: BudgetController, true_cost: dict[int, float], steps: int) -> list:
+    """`steps` decisions for one request, rounds accepting ACCEPTED; steady steps feed back
+    the true cost."""
+    chosen, run, last = [], 0, None
+    for _ in range(steps):
+        b = ctl.choose(["r"])
+        chosen.append(b)
+        if b:
+            ctl.observe_round("r", b, path_for(ACCEPTED, b))
+        run, last = (run + 1 if b == last else 1), b
+        if run >= 3:
+            ctl.observe_step(1, b, true_cost[b])
+    return chosen
+
+
+def test_an_overstated_stale_cost_is_tried_and_replaced():
+    true = {**CALIBRATED, 16: 1.32}  # budget 16 really costs about what 8 does: R(16) = 4/1.32
+    ctl = calibrated(min_dwell=4)
+    chosen = serve(ctl, true, 200)
+    assert ctl.cost_trials >= 1
+    assert ctl.current == 16
+    assert chosen[100:].count(16) >= 0.9 * 100  # stays: its fresh cost shows the better rate
+    assert ctl.cost.estimate(1, 16) == pytest.approx(1.32)
+    assert ctl.info()["cost_trials"] == ctl.cost_trials
+    # the same start without trials never leaves 8: nothing re-measures 16's cost
+    still = calibrated(min_dwell=4, cost_trials=False)
+    chosen = serve(still, true, 200)
+    assert still.current == 8 and chosen[100:].count(16) == 0
+    assert still.cost.estimate(1, 16) == pytest.approx(1.9)
+
+
+def test_an_accurate_cost_costs_one_short_trial_per_window():
+    ctl = calibrated(min_dwell=4, cost_fresh_steps=100)
+    chosen = serve(ctl, CALIBRATED, 300)
+    assert ctl.current == 8
+    # 16's lower bound (8's fresh 1.3) makes it look 33% better: tried, measured at 1.9, left;
+    # tried again only once its measurement is older than the window
+    assert 1 <= ctl.cost_trials <= 3
+    runs_at_16 = sum(1 for i, b in enumerate(chosen) if b == 16 and (i == 0 or chosen[i - 1] != 16))
+    assert runs_at_16 == ctl.cost_trials + 1  # the start at the top, then each trial
+    assert chosen.count(16) <= 1 + ctl.cost_trials * 12  # a trial lasts about one dwell
+
+
+def test_no_trial_without_a_fresh_smaller_cost_nor_for_a_fresh_bucket():
+    ctl = calibrated(min_dwell=0)
+    ctl.current = 16
+    ctl.observe_round("r", 16, path_for(ACCEPTED, 16))
+    ctl._cost_trial(["r"], 0.1)  # nothing fresh yet: no lower bound, no trial
+    assert ctl.current == 16 and ctl.cost_trials == 0
+    ctl.observe_step(1, 16, 1.9)  # 16 fresh; 4 and 8 stale but no fresh cost below them
+    ctl._cost_trial(["r"], 0.1)
+    assert ctl.current == 16 and ctl.cost_trials == 0
+
+
+def test_lower_bound_and_freshness():
+    m = CostModel(window=3)
+    m.observe(1, 0, 0.5, at=10)  # plain decoding bounds nothing: another path
+    m.observe(1, 4, 1.0, at=10)
+    m.observe(1, 8, 1.2, at=2)
+    m.observe(2, 8, 9.0, at=10)  # another batch size
+    m.observe(1, 32, 3.0)  # not while serving (calibration): never fresh
+    assert m.lower_bound(1, 16, now=12, fresh_steps=5) == pytest.approx(1.0)  # 8 too old
+    assert m.lower_bound(1, 16, now=12, fresh_steps=20) == pytest.approx(1.2)
+    assert m.lower_bound(1, 4, now=12, fresh_steps=20) == pytest.approx(1.0)
+    assert m.lower_bound(1, 64, now=40, fresh_steps=5) is None
+    assert m.is_fresh(1, 4, 12, 5) and not m.is_fresh(1, 8, 12, 5) and not m.is_fresh(1, 32, 12, 99)
+    m.clear()
+    assert m.lower_bound(1, 16, now=12, fresh_steps=20) is None
+
+
+def test_frozen_costs_never_trial():
+    ctl = BudgetController(BUCKETS, CostModel.given(CALIBRATED), ControllerConfig(min_dwell=0))
+    serve(ctl, CALIBRATED, 100)
+    assert ctl.cost_trials == 0
+
+
+def test_bad_freshness_window_is_a_value_error():
+    with pytest.raises(ValueError, match="cost_fresh_steps"):
+        ControllerConfig(cost_fresh_steps=0)
