@@ -99,3 +99,18 @@ def test_split_merge_limits_and_launch_rule():
     assert merge_kernel_needed(max_splits=2, tile_rows=1, dv=64, limit=0)
     with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
         fused_merge_limit("both")
+
+
+def test_forced_split_count_is_read_and_checked(monkeypatch):
+    """TREEVERIFY_CUDA_MAX_SPLITS (scripts/split_sweep.py, A/B): unset -> the policy decides;
+    a count in 1..64 is taken; anything else names the variable."""
+    from treeverify import env
+
+    monkeypatch.delenv("TREEVERIFY_CUDA_MAX_SPLITS", raising=False)
+    assert env.cuda_max_splits() is None
+    monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", "8")
+    assert env.cuda_max_splits() == 8
+    for bad in ("0", "65", "two", "-1"):
+        monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", bad)
+        with pytest.raises(ValueError, match="TREEVERIFY_CUDA_MAX_SPLITS"):
+            env.cuda_max_splits()

@@ -113,6 +113,17 @@ def cuda_split_merge() -> str:
     return os.environ.get("TREEVERIFY_CUDA_SPLIT_MERGE", "").strip().lower() or "auto"
 
 
+def cuda_max_splits() -> int | None:
+    """TREEVERIFY_CUDA_MAX_SPLITS: the CUDA backend's split count forced for every plan (A/B
+    and scripts/split_sweep.py); unset: kernels/splits.py's policy decides."""
+    value = os.environ.get("TREEVERIFY_CUDA_MAX_SPLITS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"TREEVERIFY_CUDA_MAX_SPLITS: expected an integer in 1..64, got {value!r}")
+    return int(value)
+
+
 def cache_dir() -> Path:
     """TREEVERIFY_CACHE_DIR, or ~/.cache/treeverify. Not created here."""
     value = os.environ.get("TREEVERIFY_CACHE_DIR", "").strip()

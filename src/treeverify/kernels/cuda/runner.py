@@ -12,6 +12,7 @@ launches: the kernel resets each after use).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -79,6 +80,9 @@ class Launcher:
             num_sms=props.multi_processor_count,
             ctas_per_sm=ctas_per_sm,
         )
+        forced = env.cuda_max_splits()
+        if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
+            self.splits = dataclasses.replace(self.splits, max_splits=forced)
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq, 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
