@@ -124,6 +124,15 @@ def cuda_max_splits() -> int | None:
     return int(value)
 
 
+def decode_gemv() -> bool:
+    """TREEVERIFY_DECODE_GEMV: 0 turns the decode GEMV (models/gemv.py) off, every linear layer
+    back on cuBLAS (an A/B, or an escape hatch); default on. Read once per process."""
+    value = os.environ.get("TREEVERIFY_DECODE_GEMV", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes"):
+        raise ValueError(f"TREEVERIFY_DECODE_GEMV: expected 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes")
+
+
 def cache_dir() -> Path:
     """TREEVERIFY_CACHE_DIR, or ~/.cache/treeverify. Not created here."""
     value = os.environ.get("TREEVERIFY_CACHE_DIR", "").strip()

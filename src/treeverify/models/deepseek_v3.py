@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from treeverify.models.config import DeepseekV3Config
+from treeverify.models.gemv import Linear
 from treeverify.models.layers import (
     MLP,
     Attention,
@@ -37,17 +38,17 @@ class MLAttention(nn.Module):
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.nh = nh
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, nh * cfg.qk_head_dim, bias=False)
+            self.q_proj = Linear(h, nh * cfg.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=False)
+        self.o_proj = Linear(nh * cfg.v_head_dim, h, bias=False)
 
     def forward(self, x, cos, sin, attention: Attention, absorbed: bool = True):
         cfg, t, nh = self.cfg, x.shape[0], self.nh
@@ -119,7 +120,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = cfg
         self.model = DeepseekV3Model(cfg)
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Layers whose outputs a forward keeps in `captured` (a drafter conditions on them).
         self.capture_layers: frozenset[int] = frozenset()
         self.captured: torch.Tensor | None = None

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeverify.models.config import RopeConfig
+from treeverify.models.gemv import Linear, linear
 
 
 class Attention(Protocol):
@@ -123,9 +124,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @torch.no_grad()
@@ -138,7 +139,7 @@ class MLP(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         from treeverify.models.fused_ops import silu_mul
 
-        return self.down_proj(silu_mul(F.linear(x, *self.gate_up)))  # (T, 2I) -> (T, I)
+        return self.down_proj(silu_mul(linear(x, *self.gate_up)))  # (T, 2I) -> (T, I)
 
 
 def rope_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:

@@ -7,11 +7,11 @@ loading is a direct state-dict copy.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treeverify.models.config import LlamaConfig
 from treeverify.models.fused_ops import add_rmsnorm, rope_qk
+from treeverify.models.gemv import Linear, linear
 from treeverify.models.layers import (
     MLP,
     Attention,
@@ -32,10 +32,10 @@ class LlamaAttention(nn.Module):
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.sm_scale = self.d**-0.5
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.hq * self.d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.hkv * self.d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.hkv * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, h, bias=cfg.o_bias)
+        self.q_proj = Linear(h, self.hq * self.d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, self.hkv * self.d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, self.hkv * self.d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.hq * self.d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -53,7 +53,7 @@ class LlamaAttention(nn.Module):
         """cos/sin: Rope's (T, D/2) tables, or with `fuse()` the (T, D) rotate-half tables."""
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         if self.qkv is not None:
-            qkv = F.linear(x, *self.qkv).view(t, hq + 2 * hkv, d)  # (T, Hq+2Hkv, D)
+            qkv = linear(x, *self.qkv).view(t, hq + 2 * hkv, d)  # (T, Hq+2Hkv, D)
             v = qkv[:, hq + hkv :]
             if self.q_norm is not None:
                 qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), 1)
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.rope = Rope(cfg.rope, cfg.head_dim)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Layers whose outputs a forward keeps in `captured` (a drafter conditions on them).
         self.capture_layers: frozenset[int] = frozenset()
         self.captured: torch.Tensor | None = None

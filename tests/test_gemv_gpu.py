@@ -1,0 +1,55 @@
+"""The decode GEMV (models/gemv.py) compiled on a GPU: against an fp32 reference on the shapes
+the engine runs (the 1B shape's projections, odd sizes, bias), eager and replayed from a CUDA
+graph with new inputs, and `linear`'s dispatch (more rows than GEMV_MAX_ROWS: cuBLAS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from treeverify.models import gemv as gemv_mod  # noqa: E402
+
+SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1000, 1000), (24, 64)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_matches_fp32_reference(n, k, m, dtype):
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if n % 2 else None
+    assert gemv_mod.uses_gemv(x, w)
+    got = gemv_mod.linear(x, w, b)
+    want = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    # as close to fp32 as cuBLAS's own bf16 result
+    err = (got.float() - want).abs().max()
+    ref = (torch.nn.functional.linear(x, w, b).float() - want).abs().max()
+    assert err <= 2 * ref + 1e-3
+
+
+def test_gemv_in_a_cuda_graph_replays_new_inputs():
+    n, k = 3072, 2048
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    gemv_mod.linear(x, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv_mod.linear(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(y, gemv_mod.linear(x, w), rtol=0, atol=0)  # same kernel
+
+
+def test_more_rows_than_the_gemv_take_cublas():
+    w = torch.randn(64, 128, device="cuda").to(torch.bfloat16)
+    x = torch.randn(gemv_mod.GEMV_MAX_ROWS + 1, 128, device="cuda").to(torch.bfloat16)
+    assert not gemv_mod.uses_gemv(x, w)
+    torch.testing.assert_close(gemv_mod.linear(x, w), torch.nn.functional.linear(x, w))
