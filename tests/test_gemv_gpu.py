@@ -21,7 +21,7 @@ SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1000, 1000),
 def test_gemv_matches_fp32_reference(n, k, m, dtype):
     x = torch.randn(m, k, device="cuda").to(dtype)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
-    b = torch.randn(n, device="cuda").to(dtype) if n % 2 else None
+    b = torch.randn(n, device="cuda").to(dtype) if n % 3 == 0 else None
     assert gemv_mod.uses_gemv(x, w)
     got = gemv_mod.linear(x, w, b)
     want = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
@@ -46,6 +46,13 @@ def test_gemv_in_a_cuda_graph_replays_new_inputs():
         y.fill_(float("nan"))
         graph.replay()
         torch.testing.assert_close(y, gemv_mod.linear(x, w), rtol=0, atol=0)  # same kernel
+
+
+def test_unaligned_operands_take_cublas():
+    w = torch.randn(64, 128, device="cuda").to(torch.bfloat16)
+    x = torch.randn(1, 136, device="cuda").to(torch.bfloat16)[:, 4:132]  # starts 8 B in
+    assert not gemv_mod.uses_gemv(x, w)
+    torch.testing.assert_close(gemv_mod.linear(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_more_rows_than_the_gemv_take_cublas():

@@ -227,6 +227,28 @@ class RoundStateVariant:
     fast_math: bool = False
 
 
+@dataclass(frozen=True)
+class DecodeGemvVariant:
+    """decode_gemv<M, BF16> (decode_gemv.cu): y = x W^T for M <= 4 rows, one warp per weight
+    row (models/gemv.py). No fast math: plain FMAs, rounding like any fp32 accumulation."""
+
+    m: int
+    dtype: str  # "bf16" | "fp16"
+    threads: int = 256  # kGemvWarps x 32
+    smem_bytes: int = 0
+    defines: tuple[str, ...] = ()
+    source_file: str = "decode_gemv.cu"
+    fast_math: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"decode_gemv_m{self.m}_{self.dtype}"
+
+    @property
+    def expr(self) -> str:
+        return f"treeverify::decode_gemv<{self.m},{'true' if self.dtype == 'bf16' else 'false'}>"
+
+
 Variant = (
     FwdVariant
     | MlaSm90Variant
@@ -237,6 +259,7 @@ Variant = (
     | DDTreeWalkVariant
     | DDTreeTopkVariant
     | RoundStateVariant
+    | DecodeGemvVariant
 )
 
 
@@ -313,4 +336,5 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeWalkVariant())
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
+    out += [DecodeGemvVariant(m, dtype) for dtype in DTYPES for m in (1, 2, 3, 4)]
     return out

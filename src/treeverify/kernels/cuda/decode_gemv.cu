@@ -1,0 +1,108 @@
+// y (M, N) = x (M, K) W (N, K)^T (+ bias) for decode-sized M (1..4): models/gemv.py.
+//
+// A decode step's linear layers are matrix-vector products bound by HBM bandwidth. cuBLAS tiles
+// them 64 outputs per CTA (32-48 CTAs for a 2-3k-output projection on 132 SMs) or splits K and
+// adds a reduce kernel; here one warp owns one weight row and streams it with 16-byte
+// non-allocating loads, UNROLL of them in flight per lane, while x (a few KB, shared by every
+// warp) comes through L1. 8 warps (rows) per CTA; fp32 sums, one warp-shuffle reduction per row,
+// no atomics: a deterministic order per shape, the same eager and inside a CUDA graph.
+// Requires K % 8 == 0 and 16-byte aligned rows (the launcher checks).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace treeverify {
+
+constexpr int kGemvWarps = 8;
+constexpr int kGemvUnroll = 8;  // 16-byte loads in flight per lane: 4 KB per warp
+
+// Streamed once: don't displace x (and whatever else lives in L1) with weight lines.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float2 to_float2(unsigned u) {
+  if constexpr (BF16) {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  } else {
+    __half2 h = *reinterpret_cast<__half2*>(&u);
+    return __half22float2(h);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+  const unsigned* pa = reinterpret_cast<const unsigned*>(&a);
+  const unsigned* pb = reinterpret_cast<const unsigned*>(&b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fa = to_float2<BF16>(pa[i]), fb = to_float2<BF16>(pb[i]);
+    acc = fmaf(fa.x, fb.x, acc);
+    acc = fmaf(fa.y, fb.y, acc);
+  }
+  return acc;
+}
+
+template <bool BF16>
+__device__ __forceinline__ unsigned short from_float(float f) {
+  if constexpr (BF16) {
+    __nv_bfloat16 h = __float2bfloat16_rn(f);
+    return *reinterpret_cast<unsigned short*>(&h);
+  } else {
+    __half h = __float2half_rn(f);
+    return *reinterpret_cast<unsigned short*>(&h);
+  }
+}
+
+template <int M, bool BF16>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    decode_gemv(const unsigned short* __restrict__ x, long long x_stride,
+                const unsigned short* __restrict__ w, long long w_stride,
+                const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
+                long long y_stride, int n, int k) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  if (row >= n) return;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + row * w_stride);
+  const int kv = k >> 3;  // 16-byte vectors per row
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  for (int base = lane; base < kv; base += 32 * kGemvUnroll) {
+    uint4 wv[kGemvUnroll];
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {  // every load issued before any is used
+      const int i = base + 32 * u;
+      wv[u] = i < kv ? ld_stream(wr + i) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const int i = base + 32 * u;
+      if (i < kv) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + i);
+          acc[m] = dot8<BF16>(wv[u], xv, acc[m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+  }
+  if (lane == 0) {
+    float b = 0.f;
+    if (bias != nullptr) b = to_float2<BF16>(static_cast<unsigned>(bias[row])).x;
+#pragma unroll
+    for (int m = 0; m < M; ++m) y[m * y_stride + row] = from_float<BF16>(acc[m] + b);
+  }
+}
+
+}  // namespace treeverify

@@ -1,0 +1,58 @@
+"""The decode GEMV's CPU side (models/gemv.py, kernels/cuda/decode_gemv.cu): every instance
+compiles with NVRTC for sm_80 and sm_90a without spills (what a GPU would load), the dispatch
+falls back to F.linear off the GPU, and bad operands name the argument. tests/test_gemv_gpu.py
+runs the kernel against an fp32 reference, eager and in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeverify.models import gemv as gemv_mod
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_instance_compiles_without_spills(arch):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from treeverify.kernels.cuda.jit import compile_variant
+    from treeverify.kernels.cuda.variants import DTYPES, DecodeGemvVariant, all_variants
+
+    for dtype in DTYPES:
+        for m in range(1, gemv_mod.GEMV_MAX_ROWS + 1):
+            v = DecodeGemvVariant(m, dtype)
+            assert v in all_variants(arch)  # `treeverify kernels build` prebuilds it
+            compiled = compile_variant(v, arch)
+            assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 96, v.name
+
+
+def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert not gemv_mod.uses_gemv(x, w)
+    torch.testing.assert_close(gemv_mod.linear(x, w), torch.nn.functional.linear(x, w))
+    lin = gemv_mod.Linear(64, 8, bias=True)
+    assert set(lin.state_dict()) == {"weight", "bias"}  # checkpoints load as into nn.Linear
+    torch.testing.assert_close(lin(x.float()), torch.nn.functional.linear(x.float(), lin.weight,
+                                                                           lin.bias))  # fmt: skip
+
+
+def test_bad_operands_name_the_argument():
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x: expected"):
+        gemv_mod.gemv(torch.randn(gemv_mod.GEMV_MAX_ROWS + 1, 64).to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="x: expected"):
+        gemv_mod.gemv(torch.randn(1, 32).to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="bias: expected"):
+        gemv_mod.gemv(torch.randn(1, 64).to(torch.bfloat16), w, torch.randn(4).to(torch.bfloat16))
+
+
+def test_the_switch_is_read_and_checked(monkeypatch):
+    from treeverify import env
+
+    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV", "0")
+    assert env.decode_gemv() is False
+    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV", "maybe")
+    with pytest.raises(ValueError, match="TREEVERIFY_DECODE_GEMV"):
+        env.decode_gemv()
+    monkeypatch.delenv("TREEVERIFY_DECODE_GEMV")
+    assert env.decode_gemv() is True
