@@ -22,7 +22,7 @@ def test_every_instance_compiles_without_spills(arch):
             v = DecodeGemvVariant(m, dtype)
             assert v in all_variants(arch)  # `treeverify kernels build` prebuilds it
             compiled = compile_variant(v, arch)
-            assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 96, v.name
+            assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
 
 
 def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():

@@ -16,7 +16,7 @@ SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1000, 1000),
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_matches_fp32_reference(n, k, m, dtype):
     x = torch.randn(m, k, device="cuda").to(dtype)

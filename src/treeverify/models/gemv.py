@@ -1,6 +1,6 @@
 """Linear layers for decode-sized batches: a GEMV where cuBLAS leaves HBM bandwidth unused.
 
-A batch-1 decode step reads every weight once for a handful of rows (M <= 4), so each linear
+A batch-1 decode step reads every weight once for a handful of rows, so each linear
 layer is a matrix-vector product bound by HBM bandwidth. On the H200 (scripts/gemv_bench.py,
 2026-12-02) cuBLAS ran the 1B shape's 8 MB `o` projection at 1.6 TB/s and the 12.6 MB `qkv` at
 2.4 (64 outputs per CTA: 32-48 CTAs on 132 SMs), `down` through split-K plus a reduce kernel at
@@ -22,7 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-GEMV_MAX_ROWS = 4  # decode batches up to this many rows; verify/prefill tiles stay on cuBLAS
+# decode batches up to this many rows; more rows and verify/prefill tiles stay on cuBLAS (at 4
+# rows the GEMV measured 0.5-0.95x cuBLAS on the 1B/8B shapes, 0a04373)
+GEMV_MAX_ROWS = 2
 ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
 
 
@@ -73,8 +75,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV kernel itself: x (M <= 4, K) and weight (N, K) as `uses_gemv` accepts them,
-    bias (N,) or None -> y (M, N) on the current stream (no sync, one allocation: y)."""
+    """The GEMV kernel itself: x (M <= GEMV_MAX_ROWS, K) and weight (N, K) as `uses_gemv`
+    accepts them, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates y)."""
     m, k = x.shape
     if not 0 < m <= GEMV_MAX_ROWS or weight.shape[1] != k:
         raise ValueError(
