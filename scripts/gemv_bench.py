@@ -1,6 +1,7 @@
-"""The decode GEMV (models/gemv.py) against cuBLAS (F.linear) on the linear layers of the 1B and
-8B Llama shapes at M = 1, 2, 4 rows: microseconds per call and HBM TB/s, each timed as the
-engine runs it (20 calls captured in one CUDA graph, median of 20 replays). GPU only.
+"""The decode GEMV (models/gemv.py) against cuBLAS (F.linear) on the linear layers of tiny-code
+and the 1B and 8B Llama shapes, at every row count the GEMV takes (whatever the size cap):
+microseconds per call and HBM TB/s, each timed as the engine runs it (20 calls captured in one
+CUDA graph, median of 20 replays). GPU only.
 
     PYTHONPATH=src python scripts/gemv_bench.py [--json out.json]
 """
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from treeverify.models import gemv as gemv_mod
 
 SHAPES = {  # name: (N, K)
+    "tiny qkv": (512, 256), "tiny o": (256, 256), "tiny gate_up": (1280, 256),
+    "tiny down": (256, 640), "tiny lm_head": (8192, 256),
     "1b qkv": (3072, 2048), "1b o": (2048, 2048), "1b gate_up": (16384, 2048),
     "1b down": (2048, 8192), "1b lm_head": (128256, 2048),
     "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096),
@@ -58,7 +61,7 @@ def main() -> int:
           f"{'TB/s':>6} {'speedup':>8}")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
-        for m in (1, 2, 4):
+        for m in range(1, gemv_mod.GEMV_MAX_ROWS + 1):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             mb = n * k * 2 / 1e6
             cub = timed(lambda x=x, w=w: F.linear(x, w))

@@ -1,6 +1,7 @@
 """The decode GEMV (models/gemv.py) compiled on a GPU: against an fp32 reference on the shapes
 the engine runs (the 1B shape's projections, odd sizes, bias), eager and replayed from a CUDA
-graph with new inputs, and `linear`'s dispatch (more rows than GEMV_MAX_ROWS: cuBLAS)."""
+graph with new inputs, and `linear`'s dispatch (more rows than GEMV_MAX_ROWS, weights over
+GEMV_MAX_BYTES, unaligned operands: cuBLAS)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1000, 1000),
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_matches_fp32_reference(n, k, m, dtype):
     x = torch.randn(m, k, device="cuda").to(dtype)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if n % 3 == 0 else None
-    assert gemv_mod.uses_gemv(x, w)
-    got = gemv_mod.linear(x, w, b)
+    # the kernel runs on any shape; `linear` takes it up to the size cap (larger: cuBLAS won)
+    assert gemv_mod.uses_gemv(x, w) == (n * k * 2 <= gemv_mod.GEMV_MAX_BYTES)
+    got = gemv_mod.gemv(x, w, b)
     want = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
     # as close to fp32 as cuBLAS's own bf16 result

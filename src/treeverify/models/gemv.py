@@ -6,10 +6,10 @@ layer is a matrix-vector product bound by HBM bandwidth. On the H200 (scripts/ge
 2.4 (64 outputs per CTA: 32-48 CTAs on 132 SMs), `down` through split-K plus a reduce kernel at
 3.1, against 4.3 for the 525 MB lm_head.
 
-`linear(x, weight, bias)` is F.linear except that CUDA bf16/fp16 inputs of at most
-GEMV_MAX_ROWS rows run kernels/cuda/decode_gemv.cu: one warp per weight row, 16-byte streaming
-loads, fp32 sums reduced once per row, no atomics (one deterministic order per shape, the same
-eager and inside a CUDA graph). Anything else (the CPU, more rows, fp32, an unaligned or strided
+`linear(x, weight, bias)` is F.linear except that a CUDA bf16/fp16 input of GEMV_MAX_ROWS row
+against a weight of at most GEMV_MAX_BYTES runs kernels/cuda/decode_gemv.cu: one warp per
+weight row, 16-byte streaming loads, fp32 sums reduced once per row, no atomics (one
+deterministic order per shape, the same eager and inside a CUDA graph). Anything else (the CPU, more rows, fp32, an unaligned or strided
 operand, no cuda-python) is F.linear, as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 """
 
@@ -22,9 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# decode batches up to this many rows; more rows and verify/prefill tiles stay on cuBLAS (at 4
-# rows the GEMV measured 0.5-0.95x cuBLAS on the 1B/8B shapes, 0a04373)
-GEMV_MAX_ROWS = 2
+# Where the GEMV beat cuBLAS on the H200 (scripts/gemv_bench.py, 0a04373 / 38c900d): one row
+# and weights up to 16 MB (1B qkv 1.15x, o 1.28x); at 2-4 rows, and on the 34-525 MB weights
+# (gate|up, down, lm_head, the 8B shape), it measured 0.5-1.05x: those stay on cuBLAS.
+GEMV_MAX_ROWS = 1
+GEMV_MAX_BYTES = 16 << 20
 ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
 
 
@@ -61,6 +63,7 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and weight.dim() == 2
         and x.shape[1] % 8 == 0
+        and weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         and _aligned(x)
         and _aligned(weight)
         and _enabled()

@@ -1,9 +1,10 @@
-// y (M, N) = x (M, K) W (N, K)^T (+ bias) for decode-sized M (1..2): models/gemv.py.
+// y (M, N) = x (M, K) W (N, K)^T (+ bias) for decode rows (M = 1; the template takes more):
+// models/gemv.py.
 //
 // A decode step's linear layers are matrix-vector products bound by HBM bandwidth. cuBLAS tiles
 // them 64 outputs per CTA (32-48 CTAs for a 2-3k-output projection on 132 SMs) or splits K and
 // adds a reduce kernel; here one warp owns one weight row and streams it with 16-byte
-// non-allocating loads, up to 2 x 8 of them in flight per lane, while x (a few KB, shared by every
+// non-allocating loads, UNROLL of them in flight per lane, while x (a few KB, shared by every
 // warp) comes through L1. 8 warps (rows) per CTA; fp32 sums, one warp-shuffle reduction per row,
 // no atomics: a deterministic order per shape, the same eager and inside a CUDA graph.
 // Requires K % 8 == 0 and 16-byte aligned rows (the launcher checks).
@@ -73,20 +74,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  // Double-buffered: slice j + 1's loads are issued before slice j is consumed, so a lane keeps
-  // up to 2 x kGemvUnroll loads in flight along a long row (K = 8192: 4 slices a lane).
-  uint4 cur[kGemvUnroll], nxt[kGemvUnroll];
-  auto load = [&](uint4 (&dst)[kGemvUnroll], int base) {
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      const int i = base + 32 * u;
-      dst[u] = i < kv ? ld_stream(wr + i) : make_uint4(0, 0, 0, 0);
-    }
-  };
-  load(cur, lane);
   for (int base = lane; base < kv; base += 32 * kGemvUnroll) {
-    const int next = base + 32 * kGemvUnroll;
-    if (next < kv) load(nxt, next);
+    uint4 wv[kGemvUnroll];
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {  // every load issued before any is used
+      const int i = base + 32 * u;
+      wv[u] = i < kv ? ld_stream(wr + i) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int i = base + 32 * u;
@@ -94,12 +88,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + i);
-          acc[m] = dot8<BF16>(cur[u], xv, acc[m]);
+          acc[m] = dot8<BF16>(wv[u], xv, acc[m]);
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) cur[u] = nxt[u];
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {

@@ -229,7 +229,7 @@ class RoundStateVariant:
 
 @dataclass(frozen=True)
 class DecodeGemvVariant:
-    """decode_gemv<M, BF16> (decode_gemv.cu): y = x W^T for M <= 2 rows, one warp per weight
+    """decode_gemv<M, BF16> (decode_gemv.cu): y = x W^T for M (1) rows, one warp per weight
     row (models/gemv.py). No fast math: plain FMAs, rounding like any fp32 accumulation."""
 
     m: int
@@ -336,5 +336,5 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeWalkVariant())
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
-    out += [DecodeGemvVariant(m, dtype) for dtype in DTYPES for m in (1, 2)]  # GEMV_MAX_ROWS
+    out += [DecodeGemvVariant(1, dtype) for dtype in DTYPES]  # models/gemv.py GEMV_MAX_ROWS
     return out
