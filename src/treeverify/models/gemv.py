@@ -9,8 +9,9 @@ layer is a matrix-vector product bound by HBM bandwidth. On the H200 (scripts/ge
 `linear(x, weight, bias)` is F.linear except that a CUDA bf16/fp16 input of GEMV_MAX_ROWS row
 against a weight of at most GEMV_MAX_BYTES runs kernels/cuda/decode_gemv.cu: one warp per
 weight row, 16-byte streaming loads, fp32 sums reduced once per row, no atomics (one
-deterministic order per shape, the same eager and inside a CUDA graph). Anything else (the CPU, more rows, fp32, an unaligned or strided
-operand, no cuda-python) is F.linear, as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
+deterministic order per shape, the same eager and inside a CUDA graph). Anything else (the CPU,
+more rows, a larger weight, fp32, an unaligned or strided operand, no cuda-python) is F.linear,
+as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 """
 
 from __future__ import annotations
