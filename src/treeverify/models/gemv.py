@@ -33,11 +33,16 @@ ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
 
 @functools.cache
 def _enabled() -> bool:
-    """TREEVERIFY_DECODE_GEMV and cuda-python present (read once per process)."""
+    """TREEVERIFY_DECODE_GEMV on, a GPU, and cuda-python to launch with (read once a process)."""
     from treeverify import env
-    from treeverify.spec.tree_heap import available
 
-    return env.decode_gemv() and available()
+    if not env.decode_gemv() or not torch.cuda.is_available():
+        return False
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
