@@ -7,11 +7,12 @@ layer is a matrix-vector product bound by HBM bandwidth. On the H200 (scripts/ge
 3.1, against 4.3 for the 525 MB lm_head.
 
 `linear(x, weight, bias)` is F.linear except that a CUDA bf16/fp16 input of GEMV_MAX_ROWS row
-against a weight of at most GEMV_MAX_BYTES runs kernels/cuda/decode_gemv.cu: one warp per
-weight row, 16-byte streaming loads, fp32 sums reduced once per row, no atomics (one
-deterministic order per shape, the same eager and inside a CUDA graph). Anything else (the CPU,
-more rows, a larger weight, fp32, an unaligned or strided operand, no cuda-python) is F.linear,
-as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
+against a weight of at most GEMV_MAX_BYTES, or of a few rows against a small weight (see
+SMALL_MAX_*), runs kernels/cuda/decode_gemv.cu: one warp per weight row, 16-byte streaming
+loads, fp32 sums reduced once per row, no atomics (one deterministic order per shape, the same
+eager and inside a CUDA graph). Anything else (the CPU, more rows, a larger weight, fp32, an
+unaligned or strided operand, no cuda-python) is F.linear, as before; TREEVERIFY_DECODE_GEMV=0
+turns it off.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ import torch.nn.functional as F
 # (gate|up, down, lm_head, the 8B shape), it measured 0.5-1.05x: those stay on cuBLAS.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_BYTES = 16 << 20
+# Small weights (tiny-code's: 0.1-0.7 MB) are launch-bound for cuBLAS at any row count (~2.7 us
+# a call): a verify forward's 17 rows (a budget-16 tree) or a drafter block's 16 also run the
+# GEMV there, 8 rows of x per CTA (CHUNK_ROWS), the weight re-read from L2 per chunk.
+SMALL_MAX_ROWS = 64
+SMALL_MAX_BYTES = 1 << 20
+CHUNK_ROWS = 8  # template M of the chunked instance (decode_gemv.cu)
+MAX_ROWS = 256  # what `gemv` accepts at all
 ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
 
 
@@ -46,7 +54,7 @@ def _enabled() -> bool:
 
 
 @functools.cache
-def _kernel(device_index: int, m: int, dtype: torch.dtype):
+def _kernel(device_index: int, m: int, dtype: torch.dtype):  # m: rows per CTA (1 or 8)
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DecodeGemvVariant
 
@@ -61,15 +69,17 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` runs the decode GEMV for this input (see the module docstring)."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2):
+        return False
+    m, size = x.shape[0], weight.numel() * weight.element_size()
     return (
-        x.is_cuda
-        and x.dim() == 2
-        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        (
+            (m == 1 and size <= GEMV_MAX_BYTES)
+            or (1 < m <= SMALL_MAX_ROWS and size <= SMALL_MAX_BYTES)
+        )
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and weight.dim() == 2
         and x.shape[1] % 8 == 0
-        and weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         and _aligned(x)
         and _aligned(weight)
         and _enabled()
@@ -84,12 +94,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV kernel itself: x (M <= GEMV_MAX_ROWS, K) and weight (N, K) as `uses_gemv`
-    accepts them, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates y)."""
+    """The GEMV kernel itself: x (M <= MAX_ROWS, K) and weight (N, K) aligned as `uses_gemv`
+    requires, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates y)."""
     m, k = x.shape
-    if not 0 < m <= GEMV_MAX_ROWS or weight.shape[1] != k:
+    if not 0 < m <= MAX_ROWS or weight.shape[1] != k:
         raise ValueError(
-            f"x: expected (M in 1..{GEMV_MAX_ROWS}, {weight.shape[1]}), got {tuple(x.shape)}"
+            f"x: expected (M in 1..{MAX_ROWS}, {weight.shape[1]}), got {tuple(x.shape)}"
         )
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias: expected ({weight.shape[0]},) contiguous, got {tuple(bias.shape)}")
