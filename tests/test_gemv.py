@@ -5,6 +5,8 @@ runs the kernel against an fp32 reference, eager and in a CUDA graph."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -34,6 +36,26 @@ def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():
     assert set(lin.state_dict()) == {"weight", "bias"}  # checkpoints load as into nn.Linear
     torch.testing.assert_close(lin(x.float()), torch.nn.functional.linear(x.float(), lin.weight,
                                                                            lin.bias))  # fmt: skip
+
+
+def test_launch_arguments_match_the_kernel_signature():
+    """One argument per parameter of decode_gemv, in order (a missing one is
+    CUDA_ERROR_INVALID_VALUE or a crash on the GPU: f06ab93 launched 9 of 10)."""
+    import re
+    from pathlib import Path
+
+    src = (Path(gemv_mod.__file__).parents[1] / "kernels" / "cuda" / "decode_gemv.cu").read_text()
+    params = re.search(r"decode_gemv\(([^)]*)\)", src).group(1).split(",")
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    args = gemv_mod.launch_args(x, w, None, torch.empty(3, 8, dtype=torch.bfloat16))
+    assert len(args) == len(params)
+    for a, p in zip(args, params, strict=True):
+        is_ptr = "*" in p
+        assert is_ptr == isinstance(a, ctypes.c_void_p), p
+        if not is_ptr:
+            assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
+    assert [a.value for a in args[-3:]] == [8, 64, 3]  # n, k, m_total
 
 
 def test_bad_operands_name_the_argument():
