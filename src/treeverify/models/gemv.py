@@ -7,12 +7,11 @@ layer is a matrix-vector product bound by HBM bandwidth. On the H200 (scripts/ge
 3.1, against 4.3 for the 525 MB lm_head.
 
 `linear(x, weight, bias)` is F.linear except that a CUDA bf16/fp16 input of GEMV_MAX_ROWS row
-against a weight of at most GEMV_MAX_BYTES, or of a few rows against a small weight (see
-SMALL_MAX_*), runs kernels/cuda/decode_gemv.cu: one warp per weight row, 16-byte streaming
-loads, fp32 sums reduced once per row, no atomics (one deterministic order per shape, the same
-eager and inside a CUDA graph). Anything else (the CPU, more rows, a larger weight, fp32, an
-unaligned or strided operand, no cuda-python) is F.linear, as before; TREEVERIFY_DECODE_GEMV=0
-turns it off.
+against a weight of at most GEMV_MAX_BYTES runs kernels/cuda/decode_gemv.cu: one warp per
+weight row, 16-byte streaming loads, fp32 sums reduced once per row, no atomics (one
+deterministic order per shape, the same eager and inside a CUDA graph). Anything else (the CPU,
+more rows, a larger weight, fp32, an unaligned or strided operand, no cuda-python) is F.linear,
+as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 """
 
 from __future__ import annotations
@@ -27,15 +26,10 @@ import torch.nn.functional as F
 # Where the GEMV beat cuBLAS on the H200 (scripts/gemv_bench.py, 0a04373 / 38c900d): one row
 # and weights up to 16 MB (1B qkv 1.15x, o 1.28x); at 2-4 rows, and on the 34-525 MB weights
 # (gate|up, down, lm_head, the 8B shape), it measured 0.5-1.05x: those stay on cuBLAS.
+# More rows were tried too: 8 rows of x per CTA on tiny-code's 0.1-0.7 MB weights (its verify
+# forward's 17 rows, the drafter's 16) ran 0.4-0.7x cuBLAS and slowed DDTREE rounds (173907b).
 GEMV_MAX_ROWS = 1
 GEMV_MAX_BYTES = 16 << 20
-# Small weights (tiny-code's: 0.1-0.7 MB) are launch-bound for cuBLAS at any row count (~2.7 us
-# a call): a verify forward's 17 rows (a budget-16 tree) or a drafter block's 16 also run the
-# GEMV there, 8 rows of x per CTA (CHUNK_ROWS), the weight re-read from L2 per chunk.
-SMALL_MAX_ROWS = 64
-SMALL_MAX_BYTES = 1 << 20
-CHUNK_ROWS = 8  # template M of the chunked instance (decode_gemv.cu)
-MAX_ROWS = 256  # what `gemv` accepts at all
 ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
 
 
@@ -54,7 +48,7 @@ def _enabled() -> bool:
 
 
 @functools.cache
-def _kernel(device_index: int, m: int, dtype: torch.dtype):  # m: rows per CTA (1 or 8)
+def _kernel(device_index: int, m: int, dtype: torch.dtype):
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DecodeGemvVariant
 
@@ -71,12 +65,9 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` runs the decode GEMV for this input (see the module docstring)."""
     if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2):
         return False
-    m, size = x.shape[0], weight.numel() * weight.element_size()
     return (
-        (
-            (m == 1 and size <= GEMV_MAX_BYTES)
-            or (1 < m <= SMALL_MAX_ROWS and size <= SMALL_MAX_BYTES)
-        )
+        x.shape[0] <= GEMV_MAX_ROWS
+        and weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.shape[1] % 8 == 0
@@ -94,12 +85,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV kernel itself: x (M <= MAX_ROWS, K) and weight (N, K) aligned as `uses_gemv`
-    requires, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates y)."""
+    """The GEMV kernel itself: x (M <= GEMV_MAX_ROWS, K) and weight (N, K) aligned as
+    `uses_gemv` requires, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates
+    y). Any weight size: the benchmark times it past the dispatch's cap."""
     m, k = x.shape
-    if not 0 < m <= MAX_ROWS or weight.shape[1] != k:
+    if not 0 < m <= GEMV_MAX_ROWS or weight.shape[1] != k:
         raise ValueError(
-            f"x: expected (M in 1..{MAX_ROWS}, {weight.shape[1]}), got {tuple(x.shape)}"
+            f"x: expected (M in 1..{GEMV_MAX_ROWS}, {weight.shape[1]}), got {tuple(x.shape)}"
         )
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias: expected ({weight.shape[0]},) contiguous, got {tuple(bias.shape)}")
@@ -107,10 +99,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = x.new_empty(m, n)
     args = launch_args(x, weight, bias, y)
     dev = x.device
-    chunk = 1 if m == 1 else CHUNK_ROWS  # rows of x per CTA: the kernel instance
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = _kernel(index, chunk, x.dtype)
-    grid = (-(-n // ROWS_PER_CTA), -(-m // chunk), 1)
+    kernel = _kernel(index, m, x.dtype)
+    grid = (-(-n // ROWS_PER_CTA), 1, 1)
     with torch.cuda.device(dev):  # the launch goes to the current context's device
         kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream)
     return y
@@ -123,7 +114,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return [
         ptr(x.data_ptr()), i64(x.stride(0)), ptr(weight.data_ptr()), i64(weight.stride(0)),
         ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i64(y.stride(0)),
-        i32(weight.shape[0]), i32(x.shape[1]), i32(x.shape[0]),
+        i32(weight.shape[0]), i32(x.shape[1]),
     ]  # fmt: skip
 
 

@@ -1,6 +1,5 @@
-// y (M, N) = x (M, K) W (N, K)^T (+ bias) for decode rows and small weights: models/gemv.py.
-// Template M: rows of x per CTA (1 for a decode row; 8 for the few-row products on small
-// weights, grid.y = ceil(rows / 8) chunks).
+// y (M, N) = x (M, K) W (N, K)^T (+ bias) for decode rows (M = 1; the template takes more):
+// models/gemv.py.
 //
 // A decode step's linear layers are matrix-vector products bound by HBM bandwidth. cuBLAS tiles
 // them 64 outputs per CTA (32-48 CTAs for a 2-3k-output projection on 132 SMs) or splits K and
@@ -66,12 +65,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     decode_gemv(const unsigned short* __restrict__ x, long long x_stride,
                 const unsigned short* __restrict__ w, long long w_stride,
                 const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
-                long long y_stride, int n, int k, int m_total) {
-  // blockIdx.y: the chunk of M rows of x this CTA multiplies (a weight row is read once per
-  // chunk: from HBM by the first, mostly from L2 by the others)
-  x += static_cast<long long>(blockIdx.y) * M * x_stride;
-  y += static_cast<long long>(blockIdx.y) * M * y_stride;
-  const int m_rows = min(M, m_total - static_cast<int>(blockIdx.y) * M);
+                long long y_stride, int n, int k) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
   if (row >= n) return;
@@ -93,10 +87,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       if (i < kv) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          if (m < m_rows) {
-            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + i);
-            acc[m] = dot8<BF16>(wv[u], xv, acc[m]);
-          }
+          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + i);
+          acc[m] = dot8<BF16>(wv[u], xv, acc[m]);
         }
       }
     }
@@ -110,8 +102,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     float b = 0.f;
     if (bias != nullptr) b = to_float2<BF16>(static_cast<unsigned>(bias[row])).x;
 #pragma unroll
-    for (int m = 0; m < M; ++m)
-      if (m < m_rows) y[m * y_stride + row] = from_float<BF16>(acc[m] + b);
+    for (int m = 0; m < M; ++m) y[m * y_stride + row] = from_float<BF16>(acc[m] + b);
   }
 }
 
