@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from treeverify.bench.kernel import median_replay_seconds
 from treeverify.models import gemv as gemv_mod
 
 SHAPES = {  # name: (N, K)
@@ -38,15 +38,7 @@ def timed(fn) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS):
             fn()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / CALLS)
-    return statistics.median(times)
+    return median_replay_seconds(graph, REPLAYS) / CALLS
 
 
 def main() -> int:
