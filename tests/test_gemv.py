@@ -78,3 +78,20 @@ def test_the_switch_is_read_and_checked(monkeypatch):
         env.decode_gemv()
     monkeypatch.delenv("TREEVERIFY_DECODE_GEMV")
     assert env.decode_gemv() is True
+
+
+def test_describe_says_which_path_decode_rows_take(monkeypatch):
+    """The startup log and /server_info line (engine startup["decode_gemv"] on a GPU)."""
+    gemv_mod.enabled.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV", "0")
+    assert gemv_mod.describe().startswith("decode GEMV off")
+    gemv_mod.enabled.cache_clear()
+    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV", "1")
+    try:
+        import cuda.bindings.driver  # noqa: F401
+
+        assert gemv_mod.describe().startswith("decode GEMV on: 1 row x weights <= 16 MB")
+    except ImportError:
+        assert gemv_mod.describe().startswith("decode GEMV off")
+    gemv_mod.enabled.cache_clear()

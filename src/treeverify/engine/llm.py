@@ -46,6 +46,7 @@ from treeverify.engine.sequence import Sequence
 from treeverify.engine.spec_step import SpeculativeSteps
 from treeverify.engine.speculative import SpeculativeDecoder
 from treeverify.kernels.staging import to_device
+from treeverify.models import gemv
 
 log = logging.getLogger("treeverify.engine")
 
@@ -100,6 +101,9 @@ class LLM(SpeculativeSteps, Introspection):
             f"({num_pages} pages, given)",
         )
         log.info("%s", self.startup["kv"])
+        if self.device.type == "cuda":
+            self.startup["decode_gemv"] = gemv.describe()
+            log.info("%s", self.startup["decode_gemv"])
         t0 = self._phase("kv_alloc", t0)
         # Every EOS id: the tokenizer's, config.json's and generation_config.json's (int or list).
         eos = getattr(self.tokenizer, "eos_token_ids", None) or [

@@ -34,7 +34,7 @@ ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
 
 
 @functools.cache
-def _enabled() -> bool:
+def enabled() -> bool:
     """TREEVERIFY_DECODE_GEMV on, a GPU, and cuda-python to launch with (read once a process)."""
     from treeverify import env
 
@@ -73,7 +73,7 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.shape[1] % 8 == 0
         and _aligned(x)
         and _aligned(weight)
-        and _enabled()
+        and enabled()
     )
 
 
@@ -116,6 +116,14 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i64(y.stride(0)),
         i32(weight.shape[0]), i32(x.shape[1]),
     ]  # fmt: skip
+
+
+def describe() -> str:
+    """One line for the startup log and /server_info: which linear path decode rows take."""
+    if not enabled():
+        return "decode GEMV off (TREEVERIFY_DECODE_GEMV=0, no GPU or no cuda-python): cuBLAS"
+    return (f"decode GEMV on: {GEMV_MAX_ROWS} row x weights <= {GEMV_MAX_BYTES >> 20} MB; "
+            "other linears cuBLAS")  # fmt: skip
 
 
 class Linear(nn.Linear):
