@@ -156,7 +156,7 @@ class BudgetController:
     def reset(self) -> None:
         """Forget acceptance and decisions (the cost table stays, every entry stale: measured
         before serving, by calibration or an earlier workload)."""
-        self.cost.seen_at.clear()
+        self.cost.mark_stale()
         self.step_index = 0  # decisions made: the clock of cost freshness
         self._tried: dict[tuple[int, int], int] = {}  # (n, budget) -> step of its cost trial
         self.cost_trials = 0
@@ -299,24 +299,18 @@ class BudgetController:
             return
         i = self.buckets.index(self.current)
         bar = (1 + self.cfg.switch_margin) * cur_rate
-        stale = [
-            b
-            for b in self.buckets[i + 1 :] + self.buckets[1:i][::-1]
-            if not self.cost.is_fresh(n, b, now, fresh)
-            and not ((n, b) in self._tried and now - self._tried[(n, b)] <= fresh)
-        ]
-        for b in stale:
-            low = self.cost.lower_bound(n, b, now, fresh)
-            r = None if low is None else self.rate(request_ids, b, cost=low)
-            if r is not None and r > bar:
-                # the nearest stale bucket on that side: its cost bounds the ones beyond it
-                side = [c for c in stale if (c > self.current) == (b > self.current)]
-                b = side[0]
-                self._tried[(n, b)] = now
-                self.current, self._pending, self.since_switch = b, None, 0
-                self.switches += 1
-                self.cost_trials += 1
-                return
+        for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
+            stale = [b for b in side if not self.cost.is_fresh(n, b, now, fresh)
+                     and now - self._tried.get((n, b), -fresh - 1) > fresh]  # fmt: skip
+            for b in stale:
+                low = self.cost.lower_bound(n, b, now, fresh)
+                if low is not None and (r := self.rate(request_ids, b, cost=low)) and r > bar:
+                    nearest = stale[0]  # its fresh cost will bound the ones beyond it
+                    self._tried[(n, nearest)] = now
+                    self.current, self._pending, self.since_switch = nearest, None, 0
+                    self.switches += 1
+                    self.cost_trials += 1
+                    return
 
     def _count(self, budget: int) -> int:
         self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1

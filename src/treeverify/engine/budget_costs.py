@@ -102,6 +102,10 @@ class CostModel:
         """Seconds per step at batch size n, by budget (for /server_info)."""
         return {b: round(self._value((m, b)), 6) for (m, b) in sorted(self.table) if m == n}
 
+    def mark_stale(self) -> None:
+        """Every entry stale (kept as estimates): measured before serving, or long ago."""
+        self.seen_at.clear()
+
     def lower_bound(self, n: int, budget: int, now: int, fresh_steps: int) -> float | None:
         """The largest fresh cost among budgets 1..`budget` at batch size n: what `budget` costs
         at least, by measurements no older than `fresh_steps` steps (None: none fresh). Budget

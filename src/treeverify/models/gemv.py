@@ -37,14 +37,9 @@ ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
 def enabled() -> bool:
     """TREEVERIFY_DECODE_GEMV on, a GPU, and cuda-python to launch with (read once a process)."""
     from treeverify import env
+    from treeverify.kernels.api import cuda_backend_available
 
-    if not env.decode_gemv() or not torch.cuda.is_available():
-        return False
-    try:
-        import cuda.bindings.driver  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return env.decode_gemv() and torch.cuda.is_available() and cuda_backend_available()
 
 
 @functools.cache
