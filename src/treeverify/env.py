@@ -13,6 +13,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   wgmma ones exist (tests, comparisons).
 - ``TREEVERIFY_CUDA_SPLIT_MERGE``: where the CUDA backend merges split-KV partials: ``auto``
   (default: in the forward when the read is small), ``forward`` or ``kernel`` (tests, A/B runs).
+- ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
+  takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
 - ``NOTIFY_SOCKET``: systemd's readiness socket (the server sends READY=1 / STOPPING=1).
 - ``TREEVERIFY_TEST_HOOKS``: TEST ONLY; ``1`` adds the server's /_test/stall and /_test/resume.
@@ -47,6 +49,8 @@ VARIABLES: dict[str, str] = {
     "and comparisons).",
     "TREEVERIFY_CUDA_SPLIT_MERGE": "Where the CUDA backend merges split-KV partials: auto "
     "(default; in the forward when small, else a merge kernel), forward or kernel (tests, A/B).",
+    "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
+    "whole KV tiles) or split (both take half of every tile: the v9 kernel, for A/B runs).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
     "(default ~/.cache/treeverify).",
     "TREEVERIFY_LOG_LEVEL": "Level of the 'treeverify' logger: DEBUG, INFO, WARNING (default), "
@@ -111,6 +115,14 @@ def cuda_portable() -> bool:
 def cuda_split_merge() -> str:
     """TREEVERIFY_CUDA_SPLIT_MERGE: auto (default), forward or kernel (kernels/splits.py)."""
     return os.environ.get("TREEVERIFY_CUDA_SPLIT_MERGE", "").strip().lower() or "auto"
+
+
+def cuda_mla_schedule() -> str:
+    """TREEVERIFY_CUDA_MLA_SCHEDULE: pair (default) or split (kernels/cuda/variants.py)."""
+    value = os.environ.get("TREEVERIFY_CUDA_MLA_SCHEDULE", "").strip().lower() or "pair"
+    if value not in ("pair", "split"):
+        raise ValueError(f"TREEVERIFY_CUDA_MLA_SCHEDULE: expected pair or split, got {value!r}")
+    return value
 
 
 def cuda_max_splits() -> int | None:

@@ -59,6 +59,7 @@ class Launcher:
             self.dtype_name,
             rows=max_tree * (hq // hkv),
             portable=env.cuda_portable(),
+            mla_schedule=env.cuda_mla_schedule(),
         )
         self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)

@@ -366,4 +366,5 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
 
 #include "merge_and_mask.cuh"           // split-KV merge, SGLang mask converter
 #include "tree_attention_sm90.cuh"      // sm_90a wgmma MLA kernel (instantiated only for sm_90a)
+#include "tree_attention_mla_pair_sm90.cuh"  // sm_90a MLA, whole tiles per warpgroup (v10)
 #include "tree_attention_gqa_sm90.cuh"  // sm_90a wgmma GQA kernel

@@ -73,30 +73,48 @@ class FwdVariant:
     defines: tuple[str, ...] = ()
 
 
+MLA_SCHEDULES = ("pair", "split")
+
+
 @dataclass(frozen=True)
 class MlaSm90Variant:
-    """tree_attn_mla_sm90<BN, BF16>: the wgmma (sm_90a) MLA kernel, 64 rows, 2 warpgroups."""
+    """The wgmma (sm_90a) MLA kernels, 64 rows, 2 warpgroups, two 64-key KV buffers.
+
+    schedule "pair" (v10, tree_attn_mla_pair_sm90): each warpgroup takes whole tiles, even and
+    odd, handing over through named barriers; "split" (v2-v9, tree_attn_mla_sm90): both
+    warpgroups take half of every tile in lockstep. TREEVERIFY_CUDA_MLA_SCHEDULE picks one.
+    """
 
     bn: int
     dtype: str
+    schedule: str = "pair"
     bm: int = 64
     threads: int = 256
     mla: bool = True
     defines: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.schedule not in MLA_SCHEDULES:
+            raise ValueError(f"schedule: expected one of {MLA_SCHEDULES}, got {self.schedule!r}")
+
     @property
     def name(self) -> str:
-        return f"fwd_mla_sm90_wgmma_m{self.bm}n{self.bn}_{self.dtype}"
+        kind = "pair" if self.schedule == "pair" else "wgmma"
+        return f"fwd_mla_sm90_{kind}_m{self.bm}n{self.bn}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
-        return f"treeverify::tree_attn_mla_sm90<{self.bn},{bf16}>"
+        fn = "tree_attn_mla_pair_sm90" if self.schedule == "pair" else "tree_attn_mla_sm90"
+        return f"treeverify::{fn}<{self.bn},{bf16}>"
 
     @property
     def smem_bytes(self) -> int:
-        """Must equal MlaSm90Cfg::SMEM_BYTES in tree_attention_sm90.cuh."""
-        q, kv, pt = self.bm * 576 * 2, self.bn * 576 * 2, self.bm * self.bn * 2
+        """Must equal MlaPairCfg / MlaSm90Cfg::SMEM_BYTES (tree_attention_*sm90.cuh)."""
+        q, kv = self.bm * 576 * 2, self.bn * 576 * 2
+        if self.schedule == "pair":  # P lives in the buffers' rope blocks; maxima x 2 + sums
+            return 1024 + q + 2 * kv + 24 * self.bm + 16 * self.bn
+        pt = self.bm * self.bn * 2
         return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
@@ -271,6 +289,7 @@ def fwd_variant(
     dtype: str,
     rows: int = 64,
     portable: bool = False,
+    mla_schedule: str = "pair",
 ) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
@@ -286,7 +305,7 @@ def fwd_variant(
         if (dqk, dv) != MLA_DIMS:
             raise ValueError(f"MLA head dims: expected Dqk=576, Dv=512, got Dqk={dqk}, Dv={dv}")
         if arch == "sm_90a" and not portable:
-            return MlaSm90Variant(64, dtype)
+            return MlaSm90Variant(64, dtype, mla_schedule)
         # 64 rows x 576 of Q plus 32-token latent tiles; V is a view of the same tile.
         candidates = [
             FwdVariant(576, 512, 64, 32, 2, 2, dtype, True),
@@ -328,7 +347,8 @@ def all_variants(arch: str) -> list[Variant]:
                         out.append(v)
         out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, portable=True))
         if arch == "sm_90a":
-            out.append(fwd_variant(arch, *MLA_DIMS, True, dtype))
+            for schedule in MLA_SCHEDULES:
+                out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
     out.append(MaskVariant())
