@@ -16,7 +16,6 @@
 //        wait [B]; O_L = O_L * 2^(m_a - m_b) + P_b V_b[:, :256]  (P_b from buffer 1's rope block)
 //        refill buffer 0 with tile a + 2 once wg1 has read it      [FREE0]
 //   wg1: S_b = Q K_b^T; wait [A]; m_b = max(m_a, rowmax S_b); P_b = 2^(S_b - m_b); publish [B]
-//        ([B] is a full barrier of both warpgroups; [A], [FREE0], [FREE1] are arrive -> sync)
 //        O_R = (O_R * 2^(m - m_a) + P_a V_a[:, 256:]) * 2^(m_a - m_b) + P_b V_b[:, 256:]
 //        refill buffer 1 with tile b + 2 once wg0 has read it      [FREE1]
 // Each warpgroup loads its own buffer (cp.async, 36 a thread a tile). O stays split by
@@ -286,10 +285,7 @@ __global__ void __launch_bounds__(256, 1)
         sMax[BM + r0 + 8] = m_run[1];
       }
       fence_async_smem();
-      // A full barrier on this side too (warpgroup 0 is there by now, its path from [A] to
-      // [B] is short): an arrive alone was reported by racecheck as unordered (4 hazards on
-      // m_b, v10a), though the [A] handover of the same shape was not.
-      named_sync(kBarB, 256);
+      named_arrive(kBarB, 256);
       l_run[0] *= alpha[0];
       l_run[1] *= alpha[1];
       rescale_rows(o, alpha);
