@@ -38,6 +38,11 @@
 //       merge kernel -23..-30%. A first cut that merged every tile in the forward with serial
 //       loads made 17-node trees at b=8 2.2x slower (one CTA's merge is latency-bound).
 //       Grid: unchanged (33.6% vs 33.7% with the merge kernel forced, same run).
+//   v9a (8caa78d) sm_90a tiles with fewer instructions (sm90_softmax.cuh).              40.1%
+//   v10 (7d168f5) sm_90a MLA "pair" schedule (tree_attention_mla_pair_sm90.cuh): each
+//       warpgroup takes whole 64-key tiles, even / odd (S m64n64, P through the buffers'
+//       rope blocks, named-barrier handovers). MLA 36.5 -> 45.3% (same lease), large TP1
+//       cases 1.3-1.36x; TREEVERIFY_CUDA_MLA_SCHEDULE=split runs v9's.                46.5%
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
