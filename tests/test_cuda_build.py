@@ -114,3 +114,26 @@ def test_forced_split_count_is_read_and_checked(monkeypatch):
         monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", bad)
         with pytest.raises(ValueError, match="TREEVERIFY_CUDA_MAX_SPLITS"):
             env.cuda_max_splits()
+
+
+def test_mla_schedule_is_read_checked_and_selects_the_kernel(monkeypatch):
+    """TREEVERIFY_CUDA_MLA_SCHEDULE picks the sm_90a MLA kernel: pair (v10, default) or split
+    (v9, for A/B); both are built, fit shared memory, and differ in name and entry point."""
+    from treeverify import env
+
+    monkeypatch.delenv("TREEVERIFY_CUDA_MLA_SCHEDULE", raising=False)
+    assert env.cuda_mla_schedule() == "pair"
+    monkeypatch.setenv("TREEVERIFY_CUDA_MLA_SCHEDULE", " Split ")
+    assert env.cuda_mla_schedule() == "split"
+    monkeypatch.setenv("TREEVERIFY_CUDA_MLA_SCHEDULE", "seesaw")
+    with pytest.raises(ValueError, match="TREEVERIFY_CUDA_MLA_SCHEDULE"):
+        env.cuda_mla_schedule()
+    pair = fwd_variant("sm_90a", 576, 512, True, "bf16")
+    split = fwd_variant("sm_90a", 576, 512, True, "bf16", mla_schedule="split")
+    assert (pair.schedule, split.schedule) == ("pair", "split")
+    assert "tree_attn_mla_pair_sm90" in pair.expr and "tree_attn_mla_sm90<" in split.expr
+    assert pair.name != split.name
+    assert pair.smem_bytes < split.smem_bytes <= SMEM_LIMIT["sm_90a"]  # P needs no tile of its own
+    assert {pair, split} <= set(all_variants("sm_90a"))
+    with pytest.raises(ValueError, match="schedule"):
+        MlaSm90Variant(64, "bf16", "seesaw")
