@@ -76,6 +76,8 @@ def test_speculative_server_matches_plain_server():
         assert f'treeverify_spec_budget_current{{model="tiny-llama"}} {current}\n' in metrics
         trials = float(adaptive["cost_trials"])
         assert f'treeverify_spec_cost_trials_total{{model="tiny-llama"}} {trials}\n' in metrics
+        trials = float(adaptive["accept_trials"])
+        assert f'treeverify_spec_accept_trials_total{{model="tiny-llama"}} {trials}\n' in metrics
         # speculative_budget pins a request's rounds (the gate's speculation probe uses it):
         # same answers, and every step of those requests is a round (<= 1 + 4 tokens each)
         rounds = info["rounds"]

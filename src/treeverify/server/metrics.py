@@ -110,6 +110,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.spec_accept_trials = Gauge(
+            "treeverify_spec_accept_trials_total",
+            "Times the adaptive controller moved one budget up to measure a gain its requests "
+            "had too little evidence of (docs/ddtree.md, acceptance trials), since start",
+            ["model"],
+            registry=r,
+        )
 
     def observe_tokens(self, n: int, dt: float | None, first: bool) -> None:
         """``n`` tokens came ``dt`` s after the previous event (or the request, if first)."""
@@ -143,4 +150,5 @@ class Metrics:
                     self.spec_budget_steps.labels(m, budget).set(steps)
                 self.spec_budget_current.labels(m).set(adaptive["current"])
                 self.spec_cost_trials.labels(m).set(adaptive["cost_trials"])
+                self.spec_accept_trials.labels(m).set(adaptive["accept_trials"])
         return generate_latest(self.registry)

@@ -1,0 +1,43 @@
+"""The adaptive budget controller's knobs (engine/budget_controller.py; docs/ddtree.md): one
+dataclass, validated at construction, each error naming the knob."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ControllerConfig:
+    decay: float = 0.95  # acceptance: ~20 rounds of memory per request
+    prior_rounds: float = 8.0  # weight of the engine-wide curve in a request's estimate
+    cost_window: int = 9  # step cost: median of the last this many steps (robust to a stall)
+    switch_margin: float = 0.05  # R(best) must beat R(current) by this fraction ...
+    confirm: int = 2  # ... on this many consecutive decisions ...
+    min_dwell: int = 8  # ... after at least this many steps at the current budget
+    probe: str = "top"  # what an exploration step runs: the largest bucket, or "up" one bucket
+    explore_every: int = 16  # steps between probes below the largest bucket ...
+    explore_max: int = 256  # ... backing off to at most this many while probes change nothing
+    cost_trials: bool = True  # try a budget whose stale cost hides a better rate (False: A/B)
+    cost_fresh_steps: int = 256  # a cost measured this many steps ago or less is fresh; a cost
+    # trial per (batch size, budget) at most once per this many steps
+    accept_trials: bool = True  # a dwell one bucket up when its gain lacks evidence (False: A/B)
+    accept_evidence: float = 2.0  # rounds of a request's own below which a gain lacks evidence
+    accept_optimism: float = 0.35  # a trial's bucket assumed to add this x the current one's gain
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay < 1.0:
+            raise ValueError(f"decay: expected in (0, 1), got {self.decay}")
+        if self.cost_window < 1:
+            raise ValueError(f"cost_window: expected >= 1, got {self.cost_window}")
+        if self.switch_margin < 0 or self.prior_rounds < 0:
+            raise ValueError("switch_margin, prior_rounds: expected >= 0")
+        if self.confirm < 1 or self.min_dwell < 0 or self.explore_every < 1:
+            raise ValueError("confirm, explore_every: expected >= 1; min_dwell >= 0")
+        if self.probe not in ("top", "up"):
+            raise ValueError(f"probe: expected 'top' or 'up', got {self.probe!r}")
+        if self.explore_max < self.explore_every:
+            raise ValueError("explore_max: expected >= explore_every")
+        if self.cost_fresh_steps < 1:
+            raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
+        if self.accept_evidence < 0 or self.accept_optimism < 0:
+            raise ValueError("accept_evidence, accept_optimism: expected >= 0")
