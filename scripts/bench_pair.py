@@ -53,15 +53,15 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
     """`adaptive`: True (the controller picks budgets), False (fixed), "general" (fixed,
     every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)
     or "read-first" (fixed, whole rounds without lookahead: each round read before the next is
-    launched, the A/B of the overlap), "no-trials" (adaptive without cost trials: the A/B of
-    docs/ddtree.md's stale costs)."""
+    launched, the A/B of the overlap), "no-trials" / "no-accept-trials" (adaptive without cost
+    / acceptance trials: the A/Bs of docs/ddtree.md's stale costs and thin evidence)."""
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
     if adaptive == "general":
         kw["disable_round_graphs"], adaptive = True, False
     elif adaptive == "read-first":
         kw["round_lookahead"], adaptive = False, False
-    trials = adaptive != "no-trials"
+    trials, accept_trials = adaptive != "no-trials", adaptive != "no-accept-trials"
     adaptive = bool(adaptive)
     if algo:
         kw |= dict(
@@ -79,6 +79,7 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
               max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
     if llm.controller is not None:
         llm.controller.cfg.cost_trials = trials
+        llm.controller.cfg.accept_trials = accept_trials
     return llm
 
 
@@ -225,6 +226,9 @@ def speed_configs(args, block: int) -> list[tuple]:
         if args.no_trials_too:
             cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} no cost trials", "DDTREE",
                          args.drafter, args.adaptive, block - 1, "no-trials"))  # fmt: skip
+        if args.no_accept_trials_too:
+            cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} no acceptance trials", "DDTREE",
+                         args.drafter, args.adaptive, block - 1, "no-accept-trials"))  # fmt: skip
     return cfgs
 
 
@@ -237,9 +241,15 @@ def describe(llm: LLM, name: str, outs, secs: float, plain, b: int, text: str,
     if adaptive is not None:  # the budgets the controller ran, by steps (last pass)
         r["steps_by_budget"] = {int(k): c for k, c in adaptive["steps_by_budget"].items()}
         # what the controller believed: why it chose those budgets
-        r["controller"] = {k: adaptive.get(k) for k in ("accept_curve", "cost_seconds_batch1",
-                                                         "switches", "explorations",
-                                                         "cost_trials")}  # fmt: skip
+        keys = (
+            "accept_curve",
+            "cost_seconds_batch1",
+            "switches",
+            "explorations",
+            "cost_trials",
+            "accept_trials",
+        )
+        r["controller"] = {k: adaptive.get(k) for k in keys}
         r["controller"][f"cost_seconds_batch{b}"] = llm.controller.cost.curve(b)
         r["controller"]["calibrated_medians"] = llm.startup.get("budget_cost_seconds_measured")
     if r.get("diverged_requests") and judge is not None:
@@ -363,6 +373,11 @@ def main(argv=None) -> int:
         "--no-trials-too",
         action="store_true",
         help="speed, with --adaptive: also the adaptive budget without cost trials (A/B)",
+    )
+    p.add_argument(
+        "--no-accept-trials-too",
+        action="store_true",
+        help="speed, with --adaptive: also the adaptive budget without acceptance trials (A/B)",
     )
     p.add_argument("--repeat", type=int, default=1,
                    help="speed: best of this many passes (--interleave: the median)")  # fmt: skip
