@@ -99,3 +99,22 @@ def test_bad_trial_settings_are_value_errors():
         ControllerConfig(accept_evidence=-1)
     with pytest.raises(ValueError, match="accept_optimism"):
         ControllerConfig(accept_optimism=-0.1)
+
+
+def test_a_trial_within_the_margin_goes_back_after_its_dwell():
+    """A bucket up that costs little more and adds nothing: by hysteresis alone the trial would
+    stay (the bucket it left is not 5% better), so the trial is judged as a switch up: it must
+    beat the bucket it left by the margin, or the controller goes back (replayed at b=8: a trial
+    at 32 costing 2% more than 16)."""
+    costs = {0: 1.0, 4: 1.01, 8: 1.02, 16: 1.03, 32: 1.06, 64: 1.5}
+    flat_above_16 = {4: 2, 8: 4, 16: 6, 32: 6, 64: 6}
+    cfg = ControllerConfig(min_dwell=4, explore_every=1000, explore_max=1000)
+    ctl = BudgetController(tuple(costs), CostModel.given(costs), cfg)
+    chosen = []
+    for _ in range(40):
+        b = ctl.choose(["r"])
+        chosen.append(b)
+        if b:
+            ctl.observe_round("r", b, path_for(flat_above_16, b))
+    assert ctl.accept_trials == 1 and 32 in chosen
+    assert ctl.current == 16 and chosen[-15:] == [16] * 15

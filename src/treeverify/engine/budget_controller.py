@@ -131,6 +131,7 @@ class BudgetController:
         self._tried: dict[tuple[int, int], int] = {}  # (n, budget) -> step of its cost trial
         self.cost_trials = 0
         self.accept_trials = 0
+        self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self.requests: dict[str, _Request] = {}
         self.global_curve: dict[int, DecayedMean] = {}
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
@@ -214,6 +215,8 @@ class BudgetController:
         known = {b: r for b, r in rates.items() if r is not None}
         cur = self.current
         if known and rates.get(cur) is not None:
+            self._judge_accept_trial(rates)
+            cur = self.current
             best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
             self._consider(best, known[best], rates[cur])
             if self.current == cur:
@@ -320,9 +323,24 @@ class BudgetController:
             return
         for r in reqs:
             r.tried_up.add(up)
+        self._trial_from = cur
         self.current, self._pending, self.since_switch = up, None, 0
         self.switches += 1
         self.accept_trials += 1
+
+    def _judge_accept_trial(self, rates: dict[int, float | None]) -> None:
+        """After its dwell, an acceptance trial stays only if it beats the bucket it left by
+        the switch margin, as a switch up must; otherwise back (a trial within the margin would
+        otherwise stay by hysteresis: replayed at b=8, a trial at 32 costing 2% more than 16)."""
+        came_from, here = self._trial_from, self.current
+        if came_from is None or self.since_switch < self.cfg.min_dwell:
+            return
+        self._trial_from = None
+        r_here, r_from = rates.get(here), rates.get(came_from)
+        known = r_here is not None and r_from is not None
+        if known and r_here <= (1 + self.cfg.switch_margin) * r_from:
+            self.current, self._pending, self.since_switch = came_from, None, 0
+            self.switches += 1
 
     def _count(self, budget: int) -> int:
         self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
