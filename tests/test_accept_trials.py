@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_budget_controller import path_for
+from test_budget_controller import feed, path_for
 from treeverify.engine.budget_controller import BudgetController, ControllerConfig
 from treeverify.engine.budget_costs import CostModel
 
@@ -52,18 +52,10 @@ def test_a_trial_that_loses_returns_and_is_not_repeated_for_that_request():
     """16 really adds nothing: the trial's dwell shows it, the rule goes back to 8, and the
     same request gets no second trial at 16 (a new request does get its own)."""
     ctl = controller()
-    chosen = []
-    for _ in range(80):
-        b = ctl.choose(["r"])
-        chosen.append(b)
-        if b:
-            ctl.observe_round("r", b, path_for(UNLUCKY, b))
+    chosen = feed(ctl, "r", UNLUCKY, 80)
     assert ctl.accept_trials == 1 and ctl.current == 8
     assert chosen.count(16) <= 12 and chosen[-30:] == [8] * 30
-    for _ in range(10):
-        b = ctl.choose(["s"])
-        if b:
-            ctl.observe_round("s", b, path_for(UNLUCKY, b))
+    feed(ctl, "s", UNLUCKY, 10)
     assert ctl.accept_trials == 2
 
 
@@ -82,12 +74,8 @@ def test_no_trial_where_the_current_bucket_gains_little():
 
 
 def test_no_trial_from_plain_decoding_nor_for_a_bucket_with_evidence():
-    never = {4: 0, 8: 0, 16: 0, 64: 0}
     ctl = controller()
-    for _ in range(30):
-        b = ctl.choose(["r"])
-        if b:
-            ctl.observe_round("r", b, path_for(never, b))
+    feed(ctl, "r", {4: 0, 8: 0, 16: 0, 64: 0}, 30)
     assert ctl.current == 0 and ctl.accept_trials == 0  # plain steps measure nothing
     ctl = controller()
     run(ctl, "r", 40, first=TRUE)  # the probe saw 16's gain: 16 from the start, no trial
@@ -110,11 +98,6 @@ def test_a_trial_within_the_margin_goes_back_after_its_dwell():
     flat_above_16 = {4: 2, 8: 4, 16: 6, 32: 6, 64: 6}
     cfg = ControllerConfig(min_dwell=4, explore_every=1000, explore_max=1000)
     ctl = BudgetController(tuple(costs), CostModel.given(costs), cfg)
-    chosen = []
-    for _ in range(40):
-        b = ctl.choose(["r"])
-        chosen.append(b)
-        if b:
-            ctl.observe_round("r", b, path_for(flat_above_16, b))
+    chosen = feed(ctl, "r", flat_above_16, 40)
     assert ctl.accept_trials == 1 and 32 in chosen
     assert ctl.current == 16 and chosen[-15:] == [16] * 15

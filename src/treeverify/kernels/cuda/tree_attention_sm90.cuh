@@ -70,6 +70,59 @@ struct MlaSm90Cfg {
   static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES + 4 * 2 * BM + 16 * BN;
 };
 
+// The end both sm_90a MLA kernels share: the two warpgroups' row sums added through shared
+// memory (sSum, [2][64]), then each warpgroup's 64 x 256 slice of O, normalised, to out (one
+// split) or to the split's fp32 partials with the row's log2-LSE, then the in-forward merge.
+// m_run: the running row maxima (log2 units), equal in both warpgroups.
+template <bool BF16>
+__device__ __forceinline__ void mla_sm90_epilogue(const TreeAttnParams& p, const float (&o)[128],
+                                                  const float (&m_run)[2], const float (&l_run)[2],
+                                                  float* sSum, int split, int n_splits, int m0,
+                                                  int rows, int qo0, int kvh) {
+  constexpr int BM = 64, DV = 512;
+  using T = unsigned short;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wi = warp & 3, g = lane >> 2, tq = lane & 3, G = p.group;
+  float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
+  const int r0 = 16 * wi + g;
+  if (tq == 0) {
+    sSum[wg * BM + r0] = l_tot[0];
+    sSum[wg * BM + r0 + 8] = l_tot[1];
+  }
+  __syncthreads();
+  l_tot[0] = sSum[r0] + sSum[BM + r0];
+  l_tot[1] = sSum[r0 + 8] + sSum[BM + r0 + 8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = m0 + r0 + h * 8;
+    if (row >= rows) continue;
+    const int tok = qo0 + row / G, head = kvh * G + row % G;
+    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
+    if (n_splits == 1) {
+      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int c = wg * 256 + 8 * j + 2 * tq;
+        *reinterpret_cast<unsigned*>(og + c) =
+            pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      }
+    } else {
+      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
+      float* po = p.part_o + prow * DV;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int c = wg * 256 + 8 * j + 2 * tq;
+        *reinterpret_cast<float2*>(po + c) =
+            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      }
+      if (wg == 0 && tq == 0)
+        p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
+    }
+  }
+  if (n_splits > 1 && merged_in_forward<DV>(p, n_splits, min(BM, rows - m0)))
+    merge_tile_if_last<DV, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
+}
+
 template <int BN, bool BF16>
 __global__ void __launch_bounds__(256, 1)
     tree_attn_mla_sm90(const __grid_constant__ TreeAttnParams p) {
@@ -231,44 +284,7 @@ __global__ void __launch_bounds__(256, 1)
   }
   cp_async_wait<0>();
 
-  float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
-  const int r0 = 16 * wi + g;
-  if (tq == 0) {
-    sSum[wg * BM + r0] = l_tot[0];
-    sSum[wg * BM + r0 + 8] = l_tot[1];
-  }
-  __syncthreads();
-  l_tot[0] = sSum[r0] + sSum[BM + r0];
-  l_tot[1] = sSum[r0 + 8] + sSum[BM + r0 + 8];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = m0 + r0 + h * 8;
-    if (row >= rows) continue;
-    const int tok = qo0 + row / G, head = kvh * G + row % G;
-    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
-    if (n_splits == 1) {
-      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int c = wg * 256 + 8 * j + 2 * tq;
-        *reinterpret_cast<unsigned*>(og + c) =
-            pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      }
-    } else {
-      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
-      float* po = p.part_o + prow * C::DV;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int c = wg * 256 + 8 * j + 2 * tq;
-        *reinterpret_cast<float2*>(po + c) =
-            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      }
-      if (wg == 0 && tq == 0)
-        p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
-    }
-  }
-  if (n_splits > 1 && merged_in_forward<C::DV>(p, n_splits, min(BM, rows - m0)))
-    merge_tile_if_last<C::DV, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
+  mla_sm90_epilogue<BF16>(p, o, m_run, l_run, sSum, split, n_splits, m0, rows, qo0, kvh);
 }
 
 }  // namespace treeverify
