@@ -79,15 +79,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const int kv_stop = min(P + node_hi, kv_begin + chunk);
   const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
 
-  const T* qg = static_cast<const T*>(p.q);
   const T* kg = static_cast<const T*>(p.k);
-  for (int idx = tid; idx < BM * C::CH; idx += NT) {
-    const int r = idx / C::CH, c = idx % C::CH, row = m0 + r;
-    const bool ok = row < rows;
-    const int node = ok ? row / G : 0, head = kvh * G + (ok ? row % G : 0);
-    const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
-    cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
-  }
+  load_q_tile<BM, C::CH, NT>(sQ, p, m0, rows, qo0, kvh, G);
   // Tile j's row pointers, K/V stage and cp.async group all use slot j % STAGES.
   auto fetch_publish = [&](int j) {
     if (tid < BN) {

@@ -70,6 +70,23 @@ struct MlaSm90Cfg {
   static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES + 4 * 2 * BM + 16 * BN;
 };
 
+// Q of one CTA's BM packed rows into shared memory as 64-column blocks with the 128B swizzle
+// (sw_off), by NT threads, one 16-byte cp.async a chunk; rows past the tile are zero-filled.
+// Row r of (request at qo0, KV head kvh) is node r / G, query head kvh * G + r % G.
+template <int BM, int CH, int NT>
+__device__ __forceinline__ void load_q_tile(unsigned char* sQ, const TreeAttnParams& p, int m0,
+                                            int rows, int qo0, int kvh, int G) {
+  using T = unsigned short;
+  const T* qg = static_cast<const T*>(p.q);
+  for (int idx = threadIdx.x; idx < BM * CH; idx += NT) {
+    const int r = idx / CH, c = idx % CH, row = m0 + r;
+    const bool ok = row < rows;
+    const int node = ok ? row / G : 0, head = kvh * G + (ok ? row % G : 0);
+    const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
+    cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
+  }
+}
+
 // The end both sm_90a MLA kernels share: the two warpgroups' row sums added through shared
 // memory (sSum, [2][64]), then each warpgroup's 64 x 256 slice of O, normalised, to out (one
 // split) or to the split's fp32 partials with the row's log2-LSE, then the in-forward merge.
@@ -165,16 +182,9 @@ __global__ void __launch_bounds__(256, 1)
   const int kv_stop = min(P + node_hi, kv_begin + chunk);
   const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
 
-  const T* qg = static_cast<const T*>(p.q);
   const T* kg = static_cast<const T*>(p.k);
 
-  for (int idx = tid; idx < BM * C::CH; idx += 256) {
-    const int r = idx / C::CH, c = idx % C::CH, row = m0 + r;
-    const bool ok = row < rows;
-    const int node = ok ? row / G : 0, head = kvh * G + (ok ? row % G : 0);
-    const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
-    cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
-  }
+  load_q_tile<BM, C::CH, 256>(sQ, p, m0, rows, qo0, kvh, G);
   // Row pointers of tile j live in sRow[j & 1]; see fetch_page in tree_attention.cu.
   auto fetch = [&](int j) { return fetch_page(p, rk, P, kv_begin + j * BN + tid, kv_stop); };
   auto publish = [&](int j, const PageFetch& f) {
