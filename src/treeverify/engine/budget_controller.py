@@ -57,8 +57,8 @@ from treeverify.engine.budget_costs import CostModel
 # shared with other work, where wall time measures the neighbours (use one torch thread).
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
-# Cost trials are looked for every this many decisions: the search costs ~5 us of Python, a
-# step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
+# Cost and acceptance trials are looked for every this many decisions: a search costs ~5 us
+# of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
 TRIAL_CHECK_EVERY = 4
 
 
@@ -293,32 +293,34 @@ class BudgetController:
         gain, so one unlucky probe can hold its estimate near zero for a whole generation (the
         replay on tiny-code: 8 where 16 is 10% faster). When the bucket just above has fewer
         than `accept_evidence` rounds of some request's own, and an optimistic rate there (its
-        gain equal to the current bucket's own gain) beats the current rate by the switch margin,
-        move up for a dwell: its rounds measure its gain for every request, and the usual rule
-        decides after. Once per request and bucket; never from 0 (plain steps measure nothing).
-        The optimism (0.35 of the current bucket's gain) was chosen on the replay (docs/ddtree.md):
-        code gains, prose and unpredictable text stay where they were."""
-        i = self.buckets.index(self.current)
+        gain `accept_optimism` (0.35, chosen on the replay: docs/ddtree.md) times the current
+        bucket's own gain) beats the current rate by the switch margin, move up for a dwell:
+        its rounds measure its gain for every request; `_judge_accept_trial` decides after.
+        Once per request and bucket; never from 0 (plain steps measure nothing)."""
         if not self.cfg.accept_trials or self.since_switch < self.cfg.min_dwell:
             return
-        if i == 0 or i + 1 >= len(self.buckets):
+        i = self.buckets.index(self.current)
+        if i == 0 or i + 1 >= len(self.buckets) or self.step_index % TRIAL_CHECK_EVERY:
             return
-        up, cur, below = self.buckets[i + 1], self.current, self.buckets[i - 1]
+        up, cur = self.buckets[i + 1], self.current
         reqs = [self.requests.get(rid) for rid in request_ids]
         if any(r is None for r in reqs):
             return  # a request with no rounds yet: the probes' curve is all there is
-        evidence = [r.curve[up].den if up in r.curve else 0.0 for r in reqs]
-        lacking = [r for r, e in zip(reqs, evidence, strict=True)
-                   if up not in r.tried_up and e < self.cfg.accept_evidence]  # fmt: skip
+
+        def lacks(r: _Request) -> bool:  # no trial of its own yet, and too few rounds at `up`
+            mean = r.curve.get(up)
+            return up not in r.tried_up and (mean.den if mean else 0.0) < self.cfg.accept_evidence
+
+        lacking = [r for r in reqs if lacks(r)]
         cost_up = self.cost.estimate(len(request_ids), up)
         if not lacking or cost_up is None:
             return
         total = 0.0
         for r in reqs:
-            a_cur, a_below = self._sum_gains(r, cur), self._sum_gains(r, below)
-            if a_cur is None or a_below is None:
+            curve = self._curve(r)  # A_r at every bucket; the current bucket's gain: i - (i - 1)
+            if curve[i] is None or curve[i - 1] is None:
                 return
-            total += 1.0 + a_cur + self.cfg.accept_optimism * (a_cur - a_below)
+            total += 1.0 + curve[i] + self.cfg.accept_optimism * (curve[i] - curve[i - 1])
         if total / cost_up <= (1 + self.cfg.switch_margin) * cur_rate:
             return
         for r in reqs:
