@@ -71,3 +71,17 @@ def test_cost_model_fits_the_measured_grid(capsys, monkeypatch):
 
     t0, rate, worst, n = cost.fit(json.loads(grid.read_text())["rows"], 8)
     assert n == 18 and worst < 0.2 and 10e-6 < t0 < 40e-6 and 2e14 < rate < 4e14
+
+
+def test_a_failed_jit_build_is_a_short_row_error_that_names_the_compiler_error():
+    from treeverify.bench.cli import _error_line
+    from treeverify.bench.kernel import short_error
+
+    log = "Ninja build failed. Ninja output:\n" + "nvcc -c a.cu -o a.o\n" * 2000
+    log += "fastdiv.cuh(39): error: qualified name is not allowed\nninja: build stopped\n"
+    row_error = short_error(RuntimeError(log))
+    assert len(row_error) < 2000 and "characters elided" in row_error
+    assert row_error.startswith("RuntimeError: Ninja build failed")
+    assert _error_line(row_error) == "fastdiv.cuh(39): error: qualified name is not allowed"
+    assert short_error(ValueError("small")) == "ValueError: small"
+    assert _error_line("RuntimeError: boom\nat line 2") == "at line 2"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -67,9 +68,22 @@ def run(args: argparse.Namespace) -> int:
         plot_roofline(result, args.plot)
     bad_err = [r for r in result["rows"] if r.get("rel_err", 0) > 5e-3 or "error" in r]
     if bad_err:
-        print(f"{len(bad_err)} rows failed correctness or errored", file=sys.stderr)
+        by_backend = Counter(r["backend"] for r in bad_err)
+        counts = ", ".join(f"{b} {n}" for b, n in sorted(by_backend.items()))
+        print(f"{len(bad_err)} rows failed correctness or errored: {counts}", file=sys.stderr)
+        for r in bad_err[:1] + [r for r in bad_err if r["backend"] != bad_err[0]["backend"]][:1]:
+            why = _error_line(r["error"]) if "error" in r else f"rel_err {r['rel_err']:.3g}"
+            print(f"  first {r['backend']}: {r['case']}: {why[:300]}", file=sys.stderr)
         return 2
     return 0
+
+
+def _error_line(error: str) -> str:
+    """The line of a row's error that says why: the first naming an error (a compiler log's
+    first diagnostic), else the last."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    named = [ln for ln in lines[1:] if "error" in ln.lower()]
+    return (named or lines[-1:])[0]
 
 
 def _run_engine(args: argparse.Namespace, torch) -> int:

@@ -101,6 +101,15 @@ def _ref_args(inp: dict) -> tuple:
     )  # fmt: skip
 
 
+def short_error(exc: BaseException, head: int = 300, tail: int = 1500) -> str:
+    """`Type: message`, its middle elided when long: a failed JIT build's message is the whole
+    compiler log (tens of KB per row), whose cause is at its end."""
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) <= head + tail + 40:
+        return text
+    return f"{text[:head]} [... {len(text) - head - tail} characters elided ...] {text[-tail:]}"
+
+
 def run_grid(
     backends: list[str],
     *,
@@ -150,7 +159,7 @@ def run_grid(
                         continue
                     secs, out = time_torch(inp, max(3, replays // 4))
             except Exception as exc:  # a failing backend is a row, not a crash of the sweep
-                row["error"] = f"{type(exc).__name__}: {exc}"
+                row["error"] = short_error(exc)
                 rows.append(row)
                 print(f"{case.name:<34} {backend:<6} ERROR {row['error']}", file=sys.stderr)
                 continue
