@@ -73,17 +73,25 @@ struct MlaSm90Cfg {
 // Q of one CTA's BM packed rows into shared memory as 64-column blocks with the 128B swizzle
 // (sw_off), by NT threads, one 16-byte cp.async a chunk; rows past the tile are zero-filled.
 // Row r of (request at qo0, KV head kvh) is node r / G, query head kvh * G + r % G.
+// Each thread owns one row (NT / BM threads a row, interleaved chunks: a warp's 16-byte pieces
+// are whole 32-byte sectors): the division by the runtime G happens once a thread, not once a
+// chunk (v11: with a division pair per chunk, issuing Q was ~27% of the warps' samples in the
+// small MLA case's ncu profile, where every CTA issues Q at once and waits on it).
 template <int BM, int CH, int NT>
 __device__ __forceinline__ void load_q_tile(unsigned char* sQ, const TreeAttnParams& p, int m0,
                                             int rows, int qo0, int kvh, int G) {
+  constexpr int TPR = NT / BM;  // threads per row
+  static_assert(NT % BM == 0 && CH % TPR == 0, "whole rows per thread group, whole chunks each");
   using T = unsigned short;
-  const T* qg = static_cast<const T*>(p.q);
-  for (int idx = threadIdx.x; idx < BM * CH; idx += NT) {
-    const int r = idx / CH, c = idx % CH, row = m0 + r;
-    const bool ok = row < rows;
-    const int node = ok ? row / G : 0, head = kvh * G + (ok ? row % G : 0);
-    const T* src = qg + (qo0 + node) * p.q_stride_tok + head * p.q_stride_head + c * 8;
-    cp_async16(sQ + sw_off<BM>(r, c), src, ok ? 16 : 0);
+  const int r = threadIdx.x / TPR, c0 = threadIdx.x % TPR, row = m0 + r;
+  const bool ok = row < rows;
+  const int node = ok ? row / G : 0, head = kvh * G + (ok ? row % G : 0);
+  const T* src = static_cast<const T*>(p.q) + (qo0 + node) * p.q_stride_tok +
+                 head * p.q_stride_head;
+#pragma unroll
+  for (int k = 0; k < CH / TPR; ++k) {
+    const int c = c0 + k * TPR;
+    cp_async16(sQ + sw_off<BM>(r, c), src + c * 8, ok ? 16 : 0);
   }
 }
 
