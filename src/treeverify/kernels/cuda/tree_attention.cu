@@ -43,6 +43,9 @@
 //       warpgroup takes whole 64-key tiles, even / odd (S m64n64, P through the buffers'
 //       rope blocks, named-barrier handovers). MLA 36.5 -> 45.3% (same lease), large TP1
 //       cases 1.3-1.36x; TREEVERIFY_CUDA_MLA_SCHEDULE=split runs v9's.                46.5%
+//   v11 (c263695) load_q_tile: one row per NT/BM threads, the division by the runtime group
+//       size once a thread instead of twice a chunk (ncu: ~27% of a small MLA case's warp
+//       samples in that loop). Small MLA-TP8 cases 1.10x (up to 1.23x), large unchanged. 48.3%
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
