@@ -85,3 +85,30 @@ def test_a_failed_jit_build_is_a_short_row_error_that_names_the_compiler_error()
     assert _error_line(row_error) == "fastdiv.cuh(39): error: qualified name is not allowed"
     assert short_error(ValueError("small")) == "ValueError: small"
     assert _error_line("RuntimeError: boom\nat line 2") == "at line 2"
+
+
+def test_host_time_per_step_is_summarised_per_backend(capsys):
+    """Ours: plan() + one graph launch a step (host_step_us); FlashInfer: its plan()
+    (host_plan_us); the summary keeps each backend's median and the table prints it."""
+    from treeverify.bench.kernel import _median_of, print_table
+
+    rows = [
+        {"case": "a", "backend": "cuda", "floor_us": 5.0, "us": 10.0, "efficiency": 0.5,
+         "host_step_us": 30.0},
+        {"case": "b", "backend": "cuda", "floor_us": 5.0, "us": 10.0, "efficiency": 0.5,
+         "host_step_us": 50.0},
+        {"case": "c", "backend": "cuda", "floor_us": 5.0, "us": 10.0, "efficiency": 0.5,
+         "host_step_us": 40.0},
+        {"case": "a", "backend": "flashinfer", "floor_us": 5.0, "us": 20.0, "efficiency": 0.25,
+         "host_plan_us": 1300.0},
+        {"case": "b", "backend": "flashinfer", "floor_us": 5.0, "error": "RuntimeError: x"},
+    ]  # fmt: skip
+    assert _median_of(rows, "cuda", ("host_step_us", "host_plan_us")) == 40.0
+    assert _median_of(rows, "flashinfer", ("host_step_us", "host_plan_us")) == 1300.0
+    assert _median_of(rows, "triton", ("host_step_us",)) is None
+    summary = {
+        "cuda": {"cases": 3, "geomean_efficiency": 0.5, "min_efficiency": 0.5,
+                 "max_efficiency": 0.5, "max_rel_err": None, "host_us_median": 40.0},
+    }  # fmt: skip
+    print_table({"summary": summary, "rows": rows[:3]})
+    assert "host 40 us a step (median)" in capsys.readouterr().out

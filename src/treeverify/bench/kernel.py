@@ -15,6 +15,7 @@ import math
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,7 +65,23 @@ def time_plan(
     graph.replay()
     torch.cuda.synchronize()
     result = out.clone()
+    plan.host_step_us = host_step_seconds(plan, inp, graph) * 1e6
     return median_replay_seconds(graph, replays) / reps, result, plan
+
+
+def host_step_seconds(plan, inp: dict, graph: torch.cuda.CUDAGraph, steps: int = 20) -> float:
+    """Median host time of one verify step as the engine runs it: re-plan with the step's
+    metadata (written into the captured buffers in place) and launch the graph; the GPU idle at
+    the start, the time to return, not the kernels' (the target: <= 50 us a step)."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+        graph.replay()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -147,6 +164,7 @@ def run_grid(
                     secs, out, plan = time_plan(case, inp, page_size, reps, replays, backend)
                     row["splits"] = plan.split_policy.max_splits
                     row["chunk"] = plan.split_policy.chunk
+                    row["host_step_us"] = plan.host_step_us  # plan() + one graph launch
                     if backend == "triton":
                         row["triton_config"] = plan._triton.config.__dict__
                 elif backend in BASELINES:
@@ -198,6 +216,7 @@ def run_grid(
             "ours_ratio_geomean": geomean(
                 [r["ours_ratio"] for r in rows if r["backend"] == backend and r.get("ours_ratio")]
             ),
+            "host_us_median": _median_of(rows, backend, ("host_step_us", "host_plan_us")),
         }
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -224,6 +243,14 @@ def _git_commit() -> str:
                               text=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _median_of(rows: list[dict], backend: str, keys: tuple[str, ...]) -> float | None:
+    """Median over a backend's rows of the first of `keys` each row has (host times: ours per
+    step, plan + launch; FlashInfer's plan() alone), or None."""
+    vals = [next(r[k] for k in keys if k in r) for r in rows
+            if r["backend"] == backend and any(k in r for k in keys)]  # fmt: skip
+    return statistics.median(vals) if vals else None
 
 
 def print_table(result: dict) -> None:
@@ -253,6 +280,8 @@ def print_table(result: dict) -> None:
                 f"max rel err {s['max_rel_err']}"
                 + (f", ours {s['ours_ratio_geomean']:.2f}x faster" if s.get("ours_ratio_geomean")
                    else "")
+                + (f", host {s['host_us_median']:.0f} us a step (median)"
+                   if s.get("host_us_median") is not None else "")
             )  # fmt: skip
 
 
