@@ -229,6 +229,9 @@ def speed_configs(args, block: int) -> list[tuple]:
         if args.no_accept_trials_too:
             cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} no acceptance trials", "DDTREE",
                          args.drafter, args.adaptive, block - 1, "no-accept-trials"))  # fmt: skip
+        if args.ngram_adaptive:  # the n-gram drafter's rounds (general path) under the controller
+            cfgs.append((f"DDTREE(ngram) adaptive<={args.adaptive}", "DDTREE", "ngram",
+                         args.adaptive, args.ngram_depth, True))  # fmt: skip
     return cfgs
 
 
@@ -378,6 +381,12 @@ def main(argv=None) -> int:
         "--no-accept-trials-too",
         action="store_true",
         help="speed, with --adaptive: also the adaptive budget without acceptance trials (A/B)",
+    )
+    p.add_argument(
+        "--ngram-adaptive",
+        action="store_true",
+        help="speed, with --adaptive: also DDTREE(ngram) with the adaptive budget (does the "
+        "controller turn speculation down where n-gram rounds lose, e.g. at batch 8?)",
     )
     p.add_argument("--repeat", type=int, default=1,
                    help="speed: best of this many passes (--interleave: the median)")  # fmt: skip
