@@ -45,10 +45,8 @@ def _plan_for(case: Case, inp: dict, page_size: int, backend: str = "cuda"):
     return plan
 
 
-def time_plan(
-    case: Case, inp: dict, page_size: int, reps: int, replays: int, backend: str = "cuda"
-) -> tuple:
-    """(median seconds per launch, output of the captured run, plan) for a cuda/triton plan."""
+def capture_plan(case: Case, inp: dict, page_size: int, reps: int, backend: str = "cuda") -> tuple:
+    """(plan, graph of `reps` launches, output of one replay) for a cuda/triton plan."""
     plan = _plan_for(case, inp, page_size, backend)
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
     out = torch.full((q.shape[0], case.hq, case.dv), float("nan"), dtype=q.dtype, device=q.device)
@@ -64,8 +62,14 @@ def time_plan(
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    result = out.clone()
-    plan.host_step_us = host_step_seconds(plan, inp, graph) * 1e6
+    return plan, graph, out.clone()
+
+
+def time_plan(
+    case: Case, inp: dict, page_size: int, reps: int, replays: int, backend: str = "cuda"
+) -> tuple:
+    """(median seconds per launch, output of the captured run, plan) for a cuda/triton plan."""
+    plan, graph, result = capture_plan(case, inp, page_size, reps, backend)
     return median_replay_seconds(graph, replays) / reps, result, plan
 
 
@@ -161,10 +165,11 @@ def run_grid(
                    "floor_us": floor * 1e6}  # fmt: skip
             try:
                 if backend in ("cuda", "triton"):
-                    secs, out, plan = time_plan(case, inp, page_size, reps, replays, backend)
+                    plan, graph, out = capture_plan(case, inp, page_size, reps, backend)
+                    secs = median_replay_seconds(graph, replays) / reps
                     row["splits"] = plan.split_policy.max_splits
                     row["chunk"] = plan.split_policy.chunk
-                    row["host_step_us"] = plan.host_step_us  # plan() + one graph launch
+                    row["host_step_us"] = host_step_seconds(plan, inp, graph) * 1e6
                     if backend == "triton":
                         row["triton_config"] = plan._triton.config.__dict__
                 elif backend in BASELINES:
