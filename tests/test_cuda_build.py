@@ -21,7 +21,13 @@ from treeverify.kernels.cuda.variants import (  # noqa: E402
     all_variants,
     fwd_variant,
 )
-from treeverify.kernels.splits import MIN_SPLIT_TOKENS, choose_splits, num_splits, split_chunk  # noqa: E402
+from treeverify.kernels.splits import (  # noqa: E402
+    MIN_SPLIT_TOKENS,
+    choose_splits,
+    num_splits,
+    policy_splits,
+    split_chunk,
+)
 
 
 def test_kernels_build_every_arch_from_the_cli(tmp_path):
@@ -75,6 +81,52 @@ def test_split_policy_fills_one_wave_without_short_chunks(batch, m_tiles, max_kv
         assert (n - 1) * c < kv  # no empty split
         if kv >= 2 * pol.max_splits * pol.chunk:
             assert n > pol.max_splits // 2  # a long request uses most splits
+
+
+def _uniform(pol, batch, kv):
+    return policy_splits(pol, [kv] * batch)
+
+
+@pytest.mark.parametrize("batch,m_tiles,max_kv,cps", [
+    (8, 2, 8256, 1), (8, 1, 1040, 2), (4, 4, 8256, 2), (32, 2, 1088, 1), (2, 1, 32832, 2),
+    (3, 8, 4160, 1),
+])  # fmt: skip
+def test_balanced_policy_splits_a_uniform_batch_as_before(batch, m_tiles, max_kv, cps):
+    """Balancing adds room, never splits: a full batch of equal lengths (and a batch of one)
+    gets exactly the unbalanced policy's splits at every length; the grid only grows."""
+    kw = dict(batch=batch, hkv=8, m_tiles=m_tiles, max_kv=max_kv, bn=64, num_sms=132,
+              ctas_per_sm=cps)  # fmt: skip
+    plain, balanced = choose_splits(**kw), choose_splits(**kw, balance=2)
+    assert plain.balance_div == 0 and balanced.max_splits >= plain.max_splits
+    if balanced.max_splits > plain.max_splits:
+        assert balanced.balance_div == batch * plain.max_splits
+    for kv in sorted({1, 63, 64, 65, 520, max_kv // 3, max_kv - 1, max_kv}):
+        assert _uniform(balanced, batch, kv) == _uniform(plain, batch, kv)
+    one = dict(kw, batch=1)
+    assert choose_splits(**one, balance=2) == choose_splits(**one)  # nothing to balance
+    with pytest.raises(ValueError, match="balance"):
+        choose_splits(**kw, balance=0)
+
+
+def test_balanced_policy_spreads_a_mixed_batch():
+    """SGLang's batch path at N=64 GQA (8 requests of 1..4096 keys, plan sized for 8192): one
+    split each without balancing, so the longest request alone sets the time; balanced, the long
+    ones split, every split is at most about the batch's mean length, and the CTAs stay near one
+    wave."""
+    kw = dict(batch=8, hkv=8, m_tiles=2, max_kv=8256, bn=64, num_sms=132, ctas_per_sm=1)
+    plain, balanced = choose_splits(**kw), choose_splits(**kw, balance=2)
+    assert plain.max_splits == 1 and balanced.max_splits == 2 and balanced.balance_div == 8
+    kv = [4160, 3000, 2100, 1500, 900, 400, 120, 65]
+    n = policy_splits(balanced, kv)
+    kv_batch = sum(kv)
+    chunks = [split_chunk(k, balanced.max_splits, balanced.chunk, kv_batch=kv_batch,
+                          balance_div=balanced.balance_div) for k in kv]  # fmt: skip
+    assert n == [2, 2, 2, 1, 1, 1, 1, 1] and policy_splits(plain, kv) == [1] * 8
+    longest = max(min(c, k) for c, k in zip(chunks, kv, strict=True))
+    assert longest <= 2112  # vs 4160 unbalanced (the grid has room for 2 splits)
+    for k, c, s in zip(kv, chunks, n, strict=True):
+        assert c % balanced.chunk == 0 and s * c >= k and (s - 1) * c < k  # covered, none empty
+    assert sum(n) * kw["hkv"] * kw["m_tiles"] <= 2 * 132  # about a wave, never the whole grid
 
 
 def test_split_merge_limits_and_launch_rule():

@@ -411,3 +411,75 @@ def test_merge_kernel_launched_only_where_a_tile_can_exceed_the_limit(monkeypatc
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "sideways")
     with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
         launcher(17, 1041)
+
+
+# ---- v12: balanced splits (kernels/splits.py): a batch of mixed lengths spreads its long requests.
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128, 128, False), (8, 1, 576, 512, True)],
+                         ids=["gqa128", "mla"])  # fmt: skip
+@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
+def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch):
+    """SGLang's batch path's shape (8 requests, N=64, a plan sized for 4160 keys): with
+    balancing the grid has room for more splits than a uniform batch uses and the long requests
+    take them. Captured once, replayed over mixed, uniform and padded batches: equal to the
+    reference each time, and the forward and merge kernels agree on every request's splits
+    (they would not write a finite output otherwise: out is poisoned)."""
+    from treeverify.bench.cases import Case, make_inputs
+    from treeverify.kernels.splits import policy_splits
+
+    if portable:
+        monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("b", 8, 4096, 64, hq, hkv, dqk, dv, mla)
+    page, max_batch, max_tree, max_kv = 16, 8, 64, 4160
+    first = make_inputs(case, page_size=page, device="cuda", seed=3)
+    plans = {}
+    for balance in ("1", "2"):
+        monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_BALANCE", balance)
+        plans[balance] = _plan(first, case, page, max_batch, max_tree, max_kv // page, max_kv)
+    plain, balanced = plans["1"].split_policy, plans["2"].split_policy
+    assert plain.balance_div == 0 and balanced.balance_div == 8 * plain.max_splits
+    assert balanced.max_splits == 2 * plain.max_splits
+    kc, vc = first["k_cache"], first["v_cache"]
+    rows = max_batch * max_tree
+    q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
+    outs, graphs = {}, {}
+    for key, plan in plans.items():
+        plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"],
+                  first["tree_mask"])  # fmt: skip
+        outs[key] = torch.empty(rows, hq, dv, device="cuda", dtype=torch.bfloat16)
+        plan.run(q, kc, vc, outs[key])
+        torch.cuda.synchronize()
+        graphs[key] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[key]):
+            plan.run(q, kc, vc, outs[key])
+    steps = [
+        [4096, 3000, 2100, 1500, 900, 400, 120, 1],  # mixed: the long ones split more
+        [4096] * 8,  # uniform: the same splits as unbalanced
+        [4000, 17, 2500],  # padded: 3 requests in a plan for 8
+    ]
+    for step, prefixes in enumerate(steps):
+        nxt = make_inputs(case, page_size=page, device="cuda", seed=90 + step,
+                          prefix_lens=prefixes, tree_sizes=[64] * len(prefixes))  # fmt: skip
+        n_pages = nxt["k_cache"].shape[0]
+        kc[:n_pages].copy_(nxt["k_cache"])
+        if vc is not None:
+            vc[:n_pages].copy_(nxt["v_cache"])
+        total = nxt["q"].shape[0]
+        q.normal_()
+        q[:total].copy_(nxt["q"])
+        kv = [p + 64 for p in prefixes]
+        if step == 0:
+            assert max(policy_splits(balanced, kv)) > max(policy_splits(plain, kv))
+        if step == 1:
+            assert policy_splits(balanced, kv) == policy_splits(plain, kv)
+        ref = _reference(dict(nxt, q=q[:total].clone(), k_cache=kc[:n_pages],
+                              v_cache=None if vc is None else vc[:n_pages]))  # fmt: skip
+        for key, plan in plans.items():
+            plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
+            outs[key].fill_(float("nan"))
+            graphs[key].replay()
+        torch.cuda.synchronize()
+        for key in plans:
+            assert _rel(outs[key][:total], ref) <= TOL, (key, step)

@@ -27,7 +27,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (first 
 
 from treeverify.bench.cases import Case, make_inputs  # noqa: E402
 from treeverify.kernels.reference import tree_attention_reference  # noqa: E402
-from treeverify.kernels.splits import split_chunk  # noqa: E402
+from treeverify.kernels.splits import policy_splits, split_chunk  # noqa: E402
 from treeverify.kernels.triton import (  # noqa: E402
     SplitPolicy,
     TritonConfig,
@@ -206,6 +206,21 @@ def test_small_tiles_many_m_tiles_and_empty_splits(family):
     _check(out, _reference(inp), torch.float16)
 
 
+def test_balanced_policy_gives_the_long_request_the_spare_splits():
+    """A balanced policy (kernels/splits.py, v12): the forward and the merge both read the
+    batch's keys; the long request takes more splits, the short ones fewer, output unchanged."""
+    prefixes, trees = [150, 3, 20], [20, 5, 9]
+    kv = [p + t for p, t in zip(prefixes, trees, strict=True)]
+    balanced, plain = SplitPolicy(4, 16, balance_div=3), SplitPolicy(4, 16)
+    assert policy_splits(balanced, kv) == [3, 1, 1]  # no split under sum(kv) / 3 = 69 keys
+    assert policy_splits(plain, kv) == [4, 1, 2]
+    inp = _problem(GQA_SMALL, 16, prefixes, trees, torch.float16, seed=22)
+    runner = _launcher(inp, splits=balanced)
+    out = _poisoned(inp)
+    _launch(runner, inp, inp["q"], out, inp)
+    _check(out, _reference(inp), torch.float16)
+
+
 def test_split_count_follows_the_length_beyond_max_splits_times_chunk():
     """P+T > max_splits*chunk: chunks grow instead of losing the tail."""
     inp = _problem(GQA_SMALL, 16, [150], [20], torch.float16, seed=21)
@@ -217,8 +232,9 @@ def test_split_count_follows_the_length_beyond_max_splits_times_chunk():
     _check(out, _reference(inp), torch.float16)
 
 
+@pytest.mark.parametrize("balance_div", [0, 3])
 @pytest.mark.parametrize("family", [GQA_SMALL, MLA_2])
-def test_one_launcher_over_rewritten_metadata(family):
+def test_one_launcher_over_rewritten_metadata(family, balance_div):
     """Capacities fixed once; each step rewrites fixed metadata buffers in place (padded batch,
     padded rows, larger page table) and launches the same runner: what a CUDA graph replays."""
     page, dt = 16, torch.bfloat16
@@ -235,7 +251,9 @@ def test_one_launcher_over_rewritten_metadata(family):
     for step, (prefixes, trees) in enumerate(steps):
         inp = _problem(family, page, prefixes, trees, dt, seed=40 + step)
         if runner is None:
-            policy = SplitPolicy(4, 32)  # small chunks: the merge runs on these short lengths
+            # small chunks: the merge runs on these short lengths; balanced: padding requests
+            # (prefix 0, no tree) count towards the batch's keys as nothing
+            policy = SplitPolicy(4, 32, balance_div=balance_div)
             runner = TritonTreeAttention(
                 family[1], family[2], family[3], family[4], family[5], max_batch, max_tree,
                 max_kv, cap_rows, "cpu", dt, splits=policy,

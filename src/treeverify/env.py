@@ -13,6 +13,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   wgmma ones exist (tests, comparisons).
 - ``TREEVERIFY_CUDA_SPLIT_MERGE``: where the CUDA backend merges split-KV partials: ``auto``
   (default: in the forward when the read is small), ``forward`` or ``kernel`` (tests, A/B runs).
+- ``TREEVERIFY_CUDA_SPLIT_BALANCE``: how many times a uniform batch's split count the CUDA
+  backend's grid leaves room for, so the long requests of a batch of mixed lengths take more
+  splits (kernels/splits.py); default 2, ``1`` turns balancing off (A/B runs).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -49,6 +52,8 @@ VARIABLES: dict[str, str] = {
     "and comparisons).",
     "TREEVERIFY_CUDA_SPLIT_MERGE": "Where the CUDA backend merges split-KV partials: auto "
     "(default; in the forward when small, else a merge kernel), forward or kernel (tests, A/B).",
+    "TREEVERIFY_CUDA_SPLIT_BALANCE": "Room in the CUDA backend's grid for this many times a "
+    "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
     "whole KV tiles) or split (both take half of every tile: the v9 kernel, for A/B runs).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
@@ -115,6 +120,17 @@ def cuda_portable() -> bool:
 def cuda_split_merge() -> str:
     """TREEVERIFY_CUDA_SPLIT_MERGE: auto (default), forward or kernel (kernels/splits.py)."""
     return os.environ.get("TREEVERIFY_CUDA_SPLIT_MERGE", "").strip().lower() or "auto"
+
+
+def cuda_split_balance() -> int:
+    """TREEVERIFY_CUDA_SPLIT_BALANCE: the balanced split rule's grid factor (kernels/splits.py);
+    default 2, 1 turns balancing off."""
+    value = os.environ.get("TREEVERIFY_CUDA_SPLIT_BALANCE", "").strip() or "2"
+    if not value.isdigit() or not 1 <= int(value) <= 8:
+        raise ValueError(
+            f"TREEVERIFY_CUDA_SPLIT_BALANCE: expected an integer in 1..8, got {value!r}"
+        )
+    return int(value)
 
 
 def cuda_mla_schedule() -> str:

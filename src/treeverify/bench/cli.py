@@ -20,6 +20,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--reps", type=int, default=10, help="launches captured per CUDA graph")
     k.add_argument("--replays", type=int, default=20, help="graph replays timed (median)")
     k.add_argument("--only", help="run only cases whose name contains this")
+    k.add_argument(
+        "--lengths", choices=("equal", "mixed"), default="equal",
+        help="equal: the grid; mixed: the B > 1 cases with prefixes drawn from 1..L per request",
+    )  # fmt: skip
     k.add_argument("--no-verify", action="store_true", help="skip the reference comparison")
     k.add_argument("--json", metavar="FILE", help="write the results as JSON")
     k.add_argument("--plot", metavar="PNG", help="write a roofline plot")
@@ -60,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"--backends: unknown {bad}; choose from {', '.join(known)}", file=sys.stderr)
         return 64
     result = run_grid(backends, page_size=args.page_size, reps=args.reps, replays=args.replays,
-                      only=args.only, verify=not args.no_verify)  # fmt: skip
+                      only=args.only, verify=not args.no_verify,
+                      lengths=args.lengths)  # fmt: skip
     print_table(result)
     if args.json:
         write_json(result, args.json)

@@ -9,9 +9,11 @@ timed with events. Efficiency = floor / measured time (shared/bench/cases.json's
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
+import random
 import statistics
 import subprocess
 import sys
@@ -23,6 +25,14 @@ import torch
 from treeverify.bench.cases import Case, case_bytes_flops, floor_seconds, load_grid, make_inputs
 from treeverify.kernels.reference import tree_attention_reference
 from treeverify.progress import progress
+
+LENGTHS = ("equal", "mixed")
+
+
+def mixed_prefix_lens(case: Case, seed: int) -> list[int]:
+    """B prefix lengths drawn uniformly from 1..L (seeded): a batch of mixed lengths."""
+    rng = random.Random(seed)
+    return [rng.randint(1, case.L) for _ in range(case.B)]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -140,29 +150,44 @@ def run_grid(
     only: str | None = None,
     verify: bool = True,
     torch_max_flops: float = 2e12,
+    lengths: str = "equal",
 ) -> dict:
+    """`lengths`: "equal" (the grid: every request of a case has L prefix keys) or "mixed"
+    (the B > 1 cases only: prefix lengths drawn uniformly from 1..L per request, seeded; the
+    plan still sized for L, as a serving bucket is; floor and bandwidth from the drawn keys)."""
     from treeverify.bench.baselines import BASELINES, geomean, time_baseline, unavailable
 
+    if lengths not in LENGTHS:
+        raise ValueError(f"lengths: expected one of {LENGTHS}, got {lengths!r}")
     cases, ceilings = load_grid()
     if only:
         cases = [c for c in cases if only in c.name]
+    if lengths == "mixed":
+        cases = [c for c in cases if c.B > 1]
     skipped = {b: why for b in backends if b in BASELINES and (why := unavailable(b))}
     for b, why in skipped.items():  # an optional baseline that cannot run: one line, not a crash
         print(f"{b}: skipped: {why}", file=sys.stderr)
     backends = [b for b in backends if b not in skipped]
     rows = []
     for i, case in enumerate(progress(cases, "kernel grid", unit="case")):
-        inp = make_inputs(case, page_size=page_size, device="cuda", seed=1000 + i)
+        prefix = mixed_prefix_lens(case, seed=1000 + i) if lengths == "mixed" else None
+        inp = make_inputs(case, page_size=page_size, device="cuda", seed=1000 + i,
+                          prefix_lens=prefix)  # fmt: skip
         ref = None
         if verify:
             ref = tree_attention_reference(
                 *_ref_args(inp), v_head_dim=inp["v_head_dim"], check_data=False
             )
-        floor = floor_seconds(case, ceilings)
-        kv_bytes, flops = case_bytes_flops(case)
+        # The floor's terms are linear in the batch's keys: a mixed batch's floor is the equal
+        # batch's at the mean prefix length.
+        drawn = case if prefix is None else dataclasses.replace(case, L=sum(prefix) / case.B)
+        floor = floor_seconds(drawn, ceilings)
+        kv_bytes, flops = case_bytes_flops(drawn)
         for backend in backends:
             row = {"case": case.name, "backend": backend, **case.__dict__,
                    "floor_us": floor * 1e6}  # fmt: skip
+            if prefix is not None:
+                row["prefix_lens"] = prefix
             try:
                 if backend in ("cuda", "triton"):
                     plan, graph, out = capture_plan(case, inp, page_size, reps, backend)
@@ -229,6 +254,7 @@ def run_grid(
         "commit": _git_commit(),
         "command": " ".join(sys.argv),
         "page_size": page_size,
+        "lengths": lengths,
         "reps_per_graph": reps,
         "replays": replays,
         "ceilings": ceilings,

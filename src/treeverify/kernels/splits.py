@@ -4,7 +4,9 @@ One rule for both backends, mirrored by the device-side functions of both kernel
 (``split_chunk``/``num_splits`` in tree_attention.cu and the Triton kernels), so one plan's
 capacities mean the same grid whichever backend runs it:
 
-    chunk_b    = ceil(max(chunk, ceil((P_b + T_b) / max_splits)) / chunk) * chunk
+    c_b        = max(chunk, ceil((P_b + T_b) / max_splits))
+    c_b        = max(c_b, ceil(sum_r (P_r + T_r) / balance_div))   (balanced plans only)
+    chunk_b    = ceil(c_b / chunk) * chunk
     n_splits_b = max(1, ceil((P_b + T_b) / chunk_b))
     split s covers KV positions [s * chunk_b, min(P_b + node_hi, (s + 1) * chunk_b))
 
@@ -12,6 +14,16 @@ capacities mean the same grid whichever backend runs it:
 bucket's maximum split length: a request shorter than the bucket's capacity spreads its own keys
 over the same number of CTAs (a batch-1 decode of 520 keys in a bucket sized for 32k keys used
 one split per KV head before, 24 us per layer on the H200; 9 splits now).
+
+Balanced plans (v12). Sized from capacities alone, a plan gives every request of a full batch
+the same split count, `uniform` = the count that fills one wave when all requests are as long.
+In a batch of mixed lengths the longest request then sets the kernel's time alone (SGLang's
+batch path, 8 requests of 1..4096 keys at N=64 GQA: one split each, the 4096-key request ~2x
+the mean). A balanced plan's grid has room for `balance` x `uniform` splits, and the device rule
+makes no split shorter than sum(P_r + T_r) / (max_batch * uniform), the batch's mean share: a
+uniform full batch splits exactly as before (each request's keys / uniform), while long
+requests of a mixed batch take the spare splits. The cost is the spare grid (CTAs that exit at
+once) and a larger partials workspace.
 """
 
 from __future__ import annotations
@@ -33,17 +45,30 @@ MERGE_MODES = ("auto", "forward", "kernel")
 class SplitPolicy:
     max_splits: int  # grid.y; requests use ceil((P+T)/chunk) <= max_splits of them
     chunk: int  # split granularity in KV tokens, a multiple of the KV tile
+    balance_div: int = 0  # > 0: no split shorter than the batch's keys / balance_div
 
 
 def choose_splits(
-    *, batch: int, hkv: int, m_tiles: int, max_kv: int, bn: int, num_sms: int, ctas_per_sm: int
+    *,
+    batch: int,
+    hkv: int,
+    m_tiles: int,
+    max_kv: int,
+    bn: int,
+    num_sms: int,
+    ctas_per_sm: int,
+    balance: int = 1,
 ) -> SplitPolicy:
     """Enough CTAs to fill about one wave of the GPU, splits of whole MIN_SPLIT_TOKENS units.
 
     Decided on the host from the bucket's capacities only, so a captured grid stays valid for
     every length in the bucket; each request's split length follows its own length on the
     device (shorter requests: shorter splits, down to one unit; very short ones: fewer splits).
+    `balance` > 1 (batch > 1): a grid with room for that many times the uniform split count,
+    taken by the long requests of a mixed batch (the module's docstring).
     """
+    if balance < 1:
+        raise ValueError(f"balance: expected >= 1, got {balance}")
     base = max(1, batch * hkv * m_tiles)
     wave = num_sms * ctas_per_sm
     # Fill one wave without spilling into a second: 144 CTAs on 132 slots take two full waves.
@@ -51,19 +76,40 @@ def choose_splits(
     by_len = max(1, math.ceil(max_kv / MIN_SPLIT_TOKENS))
     splits = max(1, min(want, by_len, MAX_SPLITS))
     unit = math.lcm(bn, MIN_SPLIT_TOKENS)
+    room = max(1, min(splits * balance, by_len, MAX_SPLITS))
+    if batch > 1 and room > splits:
+        return SplitPolicy(room, unit, balance_div=batch * splits)
     return SplitPolicy(splits, unit)
 
 
-def split_chunk(kv_total: int, max_splits: int, chunk: int) -> int:
-    """KV tokens per split of a request with kv_total = P_b + T_b keys (the device rule)."""
+def split_chunk(
+    kv_total: int, max_splits: int, chunk: int, *, kv_batch: int = 0, balance_div: int = 0
+) -> int:
+    """KV tokens per split of a request with kv_total = P_b + T_b keys (the device rule);
+    `kv_batch`: the batch's keys, sum of P_r + T_r (read by balanced policies only)."""
     c = max(chunk, -(-kv_total // max_splits))
+    if balance_div > 0:
+        c = max(c, -(-kv_batch // balance_div))
     return -(-c // chunk) * chunk
 
 
-def num_splits(kv_total: int, max_splits: int, chunk: int) -> int:
+def num_splits(
+    kv_total: int, max_splits: int, chunk: int, *, kv_batch: int = 0, balance_div: int = 0
+) -> int:
     """Splits a request with kv_total = P_b + T_b keys uses (the device rule, on the host)."""
-    c = split_chunk(kv_total, max_splits, chunk)
+    c = split_chunk(kv_total, max_splits, chunk, kv_batch=kv_batch, balance_div=balance_div)
     return max(1, -(-kv_total // c))
+
+
+def policy_splits(policy: SplitPolicy, kv_totals: list[int]) -> list[int]:
+    """Each request's split count under `policy` for a batch of kv_totals (P_b + T_b), the
+    plan's padding requests included as 0 (they count towards nothing)."""
+    kv_batch = sum(kv_totals)
+    return [
+        num_splits(kv, policy.max_splits, policy.chunk, kv_batch=kv_batch,
+                   balance_div=policy.balance_div)
+        for kv in kv_totals
+    ]  # fmt: skip
 
 
 def fused_merge_limit(mode: str = "auto") -> int:

@@ -40,6 +40,7 @@ struct TreeAttnParams {
   int fused_merge_bytes;    // split tiles whose merge reads at most this merge in the forward
   int fwd_bm;               // the forward's rows per CTA (the merge kernel finds a row's tile)
   int out_rows;             // rows of out; those past the last request's tree are zeroed
+  int balance_div;          // > 0: balanced splits, a split at least the batch's keys / this
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -125,18 +126,42 @@ __device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) 
   return r;
 }
 
+// Keys of the whole batch, sum over requests of P_b + T_b, for the balanced split rule below;
+// 0 when the plan does not balance. Every warp computes it for itself, lanes over requests (no
+// shared memory, no barrier), so every lane of the calling warp must be converged; a CTA of
+// fewer than 32 threads (the merge for DV = 64 has 16) reduces over its own lanes.
+__device__ __forceinline__ int batch_kv_sum(const TreeAttnParams& p) {
+  if (p.balance_div <= 0) return 0;
+  int s;
+  if (p.kv_indptr != nullptr) {
+    s = p.kv_indptr[p.batch] - p.kv_indptr[0];
+  } else {
+    const int lanes = blockDim.x < 32 ? static_cast<int>(blockDim.x) : 32;  // a power of two
+    const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+    s = 0;
+    for (int b = threadIdx.x & (lanes - 1); b < p.batch; b += lanes) s += p.prefix_lens[b];
+    for (int o = lanes >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(mask, s, o, lanes);
+  }
+  return s + p.qo_indptr[p.batch] - p.qo_indptr[0];
+}
+
 // Splits of request b: the plan fixes (max_splits, chunk = the split granularity, a multiple
 // of the KV tile); the split length follows the request's own length on the device: its keys
 // spread over up to max_splits splits of whole `chunk` units, so a short request in a bucket
 // sized for long ones still fills the GPU (v7), and one captured grid serves every length. A
 // request longer than max_splits * chunk (the SGLang drop-in only estimates lengths) gets
-// longer splits instead of losing its tail. The forward and merge kernels both call these.
-__device__ __forceinline__ int split_chunk(const TreeAttnParams& p, int kv_total) {
-  const int c = max(p.chunk, (kv_total + p.max_splits - 1) / p.max_splits);
+// longer splits instead of losing its tail. Balanced plans (balance_div > 0, batch > 1: the
+// grid has room for more splits than a uniform batch uses) also make no split shorter than
+// kv_batch / balance_div, the batch's mean share of one wave: a uniform batch splits exactly as
+// without balancing, and in a batch of mixed lengths the long requests take the spare splits
+// instead of setting the kernel's time alone (v12). The forward and merge kernels call these.
+__device__ __forceinline__ int split_chunk(const TreeAttnParams& p, int kv_total, int kv_batch) {
+  int c = max(p.chunk, (kv_total + p.max_splits - 1) / p.max_splits);
+  if (p.balance_div > 0) c = max(c, (kv_batch + p.balance_div - 1) / p.balance_div);
   return (c + p.chunk - 1) / p.chunk * p.chunk;
 }
-__device__ __forceinline__ int num_splits(const TreeAttnParams& p, int kv_total) {
-  const int c = split_chunk(p, kv_total);
+__device__ __forceinline__ int num_splits(const TreeAttnParams& p, int kv_total, int kv_batch) {
+  const int c = split_chunk(p, kv_total, kv_batch);
   return max(1, (kv_total + c - 1) / c);
 }
 

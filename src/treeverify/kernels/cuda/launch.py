@@ -76,6 +76,7 @@ class Params(ctypes.Structure):
         ("fused_merge_bytes", ctypes.c_int),
         ("fwd_bm", ctypes.c_int),
         ("out_rows", ctypes.c_int),
+        ("balance_div", ctypes.c_int),
     ]
 
 

@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   }
   const int b = lo;
   const int T_b = p.qo_indptr[b + 1] - p.qo_indptr[b];
-  const int n = num_splits(p, request_kv(p, b).prefix + T_b);
+  const int n = num_splits(p, request_kv(p, b).prefix + T_b, batch_kv_sum(p));
   if (n == 1) return;  // the main kernel wrote the final output
   const int G = p.group, row = (tok - p.qo_indptr[b]) * G + head % G;  // packed row, KV head
   const int tile0 = row / p.fwd_bm * p.fwd_bm;

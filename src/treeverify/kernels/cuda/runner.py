@@ -80,10 +80,11 @@ class Launcher:
             bn=self.fwd.bn,
             num_sms=props.multi_processor_count,
             ctas_per_sm=ctas_per_sm,
+            balance=env.cuda_split_balance(),
         )
         forced = env.cuda_max_splits()
         if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
-            self.splits = dataclasses.replace(self.splits, max_splits=forced)
+            self.splits = dataclasses.replace(self.splits, max_splits=forced, balance_div=0)
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq, 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
@@ -162,6 +163,7 @@ class Launcher:
         params.page_size = k.shape[1] if k.dim() == 4 else 1
         params.mask_words = tree_mask.shape[1]
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
+        params.balance_div = self.splits.balance_div
         params.total_q_cap = self.total_q_cap
         params.scale_log2 = scale_log2(sm_scale)
         return params

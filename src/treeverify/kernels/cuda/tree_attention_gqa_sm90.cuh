@@ -70,11 +70,12 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const int rows = T_b * G;
   const int m0 = blockIdx.x * BM;
   if (m0 >= rows) return;
-  const int n_splits = num_splits(p, P + T_b);
+  const int kv_batch = batch_kv_sum(p);
+  const int n_splits = num_splits(p, P + T_b, kv_batch);
   const int split = blockIdx.y;
   if (split >= n_splits) return;
   const int node_hi = min(T_b, (m0 + BM - 1) / G + 1);
-  const int chunk = split_chunk(p, P + T_b);
+  const int chunk = split_chunk(p, P + T_b, kv_batch);
   const int kv_begin = split * chunk;
   const int kv_stop = min(P + node_hi, kv_begin + chunk);
   const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;

@@ -146,6 +146,8 @@ class TritonTreeAttention:
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq)
         self.log_b = max(1, max_batch.bit_length())
+        # Lanes of the balanced rule's batch sum: a power of two >= max_batch.
+        self.block_b = max(16, triton.next_power_of_2(max_batch))
         self.prec = "tf32x3" if dtype == torch.float32 else "tf32"  # 16-bit: ignored
         # The CPU interpreter's bf16 tl.dot multiplies raw uint16 bits and its casts truncate.
         self.interp_bf16 = INTERPRETED and dtype == torch.bfloat16
@@ -188,16 +190,17 @@ class TritonTreeAttention:
             q, k_cache, vc, out, part_o, part_lse, block_table, prefix_lens, qo_indptr,
             tree_mask, q.stride(0), q.stride(1), *kp, *vp, out.stride(0), out.stride(1),
             block_table.stride(0), tree_mask.stride(0), self.hq, self.hkv, ms, chunk,
-            self.total_q_cap, scale_log2,
-            G=self.group, PAGE_SIZE=page_size, DV=self.dv, DR=self.dr, V_FROM_K=v_cache is None,
+            self.max_batch, self.splits.balance_div, self.total_q_cap, scale_log2,
+            G=self.group, BLOCK_B=self.block_b, PAGE_SIZE=page_size, DV=self.dv, DR=self.dr,
+            V_FROM_K=v_cache is None,
             BM=cfg.bm, BN=cfg.bn, PREC=self.prec, INTERP_BF16=self.interp_bf16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if ms > 1:
             tree_attn_merge[self.merge_grid](
                 out, part_o, part_lse, prefix_lens, qo_indptr, out.stride(0), out.stride(1),
-                self.max_batch, self.hq, ms, chunk, self.total_q_cap,
-                DV=self.dv, LOG_B=self.log_b, INTERP_BF16=self.interp_bf16,
+                self.max_batch, self.hq, ms, chunk, self.splits.balance_div, self.total_q_cap,
+                DV=self.dv, BLOCK_B=self.block_b, LOG_B=self.log_b, INTERP_BF16=self.interp_bf16,
                 num_warps=4 if self.dv >= 256 else 2,
             )  # fmt: skip
 

@@ -141,6 +141,23 @@ def _attend_tile(
 
 
 @triton.jit
+def _split_chunk(kv_total, kv_batch, max_splits, chunk, balance_div):
+    """KV keys per split of a request (kernels/splits.py's rule, balanced when balance_div > 0)."""
+    c = tl.maximum(chunk, (kv_total + max_splits - 1) // max_splits)
+    share = (kv_batch + balance_div - 1) // tl.maximum(balance_div, 1)
+    c = tl.where(balance_div > 0, tl.maximum(c, share), c)
+    return (c + chunk - 1) // chunk * chunk  # whole units
+
+
+@triton.jit
+def _batch_kv_sum(PrefixLens, QoIndptr, batch, BLOCK_B: tl.constexpr):
+    """The batch's keys, sum over requests of P_r + T_r (the balanced rule's numerator)."""
+    offs = tl.arange(0, BLOCK_B)
+    prefixes = tl.load(PrefixLens + offs, mask=offs < batch, other=0)
+    return tl.sum(prefixes, 0) + tl.load(QoIndptr + batch) - tl.load(QoIndptr)
+
+
+@triton.jit
 def tree_attn_fwd(
     Q,
     K,
@@ -168,9 +185,12 @@ def tree_attn_fwd(
     hkv,
     max_splits,
     chunk,
+    batch,
+    balance_div,
     total_q_cap,
     scale_log2,
     G: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DV: tl.constexpr,
     DR: tl.constexpr,
@@ -191,8 +211,8 @@ def tree_attn_fwd(
     rows = T * G
     m0 = pid_m * BM
     kv_total = P + T
-    chunk_b = tl.maximum(chunk, (kv_total + max_splits - 1) // max_splits)
-    chunk_b = (chunk_b + chunk - 1) // chunk * chunk  # whole units (kernels/splits.py)
+    kv_batch = tl.where(balance_div > 0, _batch_kv_sum(PrefixLens, QoIndptr, batch, BLOCK_B), 0)
+    chunk_b = _split_chunk(kv_total, kv_batch, max_splits, chunk, balance_div)
     n_splits = tl.maximum(1, (kv_total + chunk_b - 1) // chunk_b)
     if (m0 >= rows) | (split >= n_splits):
         return
@@ -266,8 +286,10 @@ def tree_attn_merge(
     hq,
     max_splits,
     chunk,
+    balance_div,
     total_q_cap,
     DV: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     LOG_B: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
@@ -286,8 +308,8 @@ def tree_attn_merge(
     b = lo
     T = tl.load(QoIndptr + b + 1) - tl.load(QoIndptr + b)
     kv_total = tl.load(PrefixLens + b) + T
-    chunk_b = tl.maximum(chunk, (kv_total + max_splits - 1) // max_splits)
-    chunk_b = (chunk_b + chunk - 1) // chunk * chunk
+    kv_batch = tl.where(balance_div > 0, _batch_kv_sum(PrefixLens, QoIndptr, batch, BLOCK_B), 0)
+    chunk_b = _split_chunk(kv_total, kv_batch, max_splits, chunk, balance_div)
     n = tl.maximum(1, (kv_total + chunk_b - 1) // chunk_b)
     if (tok >= total_q) | (n == 1):
         return  # padding row, or the forward kernel wrote the final output
