@@ -129,6 +129,18 @@ def test_balanced_policy_spreads_a_mixed_batch():
     assert sum(n) * kw["hkv"] * kw["m_tiles"] <= 2 * 132  # about a wave, never the whole grid
 
 
+def test_merge_heads_per_cta_bounds_the_merge_grid():
+    from treeverify.kernels.splits import MERGE_MAX_CTAS, merge_heads_per_cta
+
+    assert merge_heads_per_cta(64, 128) == 1  # 8192 CTAs: as before v12
+    assert merge_heads_per_cta(2048, 128) == 32  # 262k (tok, head) CTAs -> 8192
+    assert merge_heads_per_cta(16384, 8) == 8  # never more heads than the model has
+    for q, h in [(16, 4), (512, 32), (2048, 32), (4096, 128), (100, 3)]:
+        heads = merge_heads_per_cta(q, h)
+        assert heads <= h or heads == 1
+        assert q * -(-h // heads) <= MERGE_MAX_CTAS or heads >= h
+
+
 def test_split_merge_limits_and_launch_rule():
     """A row tile merges in the forward when its read (splits x rows x dv x 4 B) is at most the
     limit; the merge kernel is launched only when some tile of the plan can exceed it."""

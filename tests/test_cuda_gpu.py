@@ -483,3 +483,26 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch)
         torch.cuda.synchronize()
         for key in plans:
             assert _rel(outs[key][:total], ref) <= TOL, (key, step)
+
+
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
+def test_merge_kernel_with_several_heads_per_cta(shape, monkeypatch):
+    """The merge kernel's CTA takes p.merge_heads heads (v12): forced small so it is > 1 here,
+    the merge kernel doing every merge, and the output still equals the reference."""
+    from treeverify.bench.cases import Case, make_inputs
+    from treeverify.kernels import splits
+
+    monkeypatch.setattr(splits, "MERGE_MAX_CTAS", 16)
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "kernel")
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("h", 3, 1500, 17, hq, hkv, dqk, dv, mla)
+    inp = make_inputs(case, page_size=16, device="cuda", seed=5, prefix_lens=[1500, 7, 640],
+                      tree_sizes=[17, 3, 9])  # fmt: skip
+    plan = _plan(inp, case, 16, 3, 17, inp["block_table"].shape[1], 1600)
+    launcher = plan._launcher
+    assert launcher.merge_heads > 1 and launcher.merge_kernel_needed
+    assert launcher.merge_grid[1] == -(-hq // launcher.merge_heads)
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    out = _poisoned(inp, dv)
+    plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
+    assert _rel(out, _reference(inp)) <= TOL

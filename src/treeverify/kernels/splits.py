@@ -127,6 +127,18 @@ def merge_bytes(splits: int, tile_rows: int, dv: int) -> int:
     return splits * tile_rows * dv * 4
 
 
+MERGE_MAX_CTAS = 8192  # the merge kernel's grid, about two rounds of small CTAs on an H200
+
+
+def merge_heads_per_cta(total_q_cap: int, hq: int) -> int:
+    """Heads one merge-kernel CTA merges: the fewest (a power of two) that keep its grid of
+    total_q_cap x ceil(hq / heads) CTAs within MERGE_MAX_CTAS (1 for every plan under it)."""
+    heads = 1
+    while heads < hq and total_q_cap * -(-hq // heads) > MERGE_MAX_CTAS:
+        heads *= 2
+    return heads
+
+
 def merge_kernel_needed(*, max_splits: int, tile_rows: int, dv: int, limit: int) -> bool:
     """Whether some tile of a plan can exceed the limit (then the merge kernel is launched; it
     skips the tiles the forward merged). `tile_rows` = min(BM, the bucket's packed rows)."""

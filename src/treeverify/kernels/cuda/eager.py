@@ -28,6 +28,7 @@ def launcher_for(
     key = (
         env.cuda_portable(),
         env.cuda_split_merge(),
+        env.cuda_split_balance(),
         q.device,
         q.dtype,
         q.shape[1],

@@ -77,6 +77,7 @@ class Params(ctypes.Structure):
         ("fwd_bm", ctypes.c_int),
         ("out_rows", ctypes.c_int),
         ("balance_div", ctypes.c_int),
+        ("merge_heads", ctypes.c_int),
     ]
 
 

@@ -6,10 +6,13 @@
 namespace treeverify {
 
 // Merge the split partials of every row whose request was split and whose row tile the
-// forward did not merge itself: one CTA per (token, head), DV/4 threads, four columns each.
+// forward did not merge itself: one CTA per (token, p.merge_heads heads), DV/4 threads, four
+// columns each. Several heads a CTA (v12) keep the grid small: a CTA of a request that was not
+// split only finds that out and exits, which cost ~1 us a CTA, so a plan whose requests rarely
+// split (2048 tokens x 128 heads: 262k CTAs, ~250 us) paid that on every step.
 template <int DV, bool BF16>
 __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
-  const int tok = blockIdx.x, head = blockIdx.y;
+  const int tok = blockIdx.x;
   if (tok >= p.qo_indptr[p.batch]) return;
   int lo = 0, hi = p.batch - 1;  // request of this token: last b with qo_indptr[b] <= tok
   while (lo < hi) {
@@ -20,14 +23,18 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   const int T_b = p.qo_indptr[b + 1] - p.qo_indptr[b];
   const int n = num_splits(p, request_kv(p, b).prefix + T_b, batch_kv_sum(p));
   if (n == 1) return;  // the main kernel wrote the final output
-  const int G = p.group, row = (tok - p.qo_indptr[b]) * G + head % G;  // packed row, KV head
-  const int tile0 = row / p.fwd_bm * p.fwd_bm;
-  if (merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0))) return;
-  const long long base[1] = {(long long)tok * p.hq + head};
+  const int G = p.group, node = tok - p.qo_indptr[b];
+  const int h0 = blockIdx.y * p.merge_heads, h1 = min(p.hq, h0 + p.merge_heads);
   const int c[1] = {static_cast<int>(threadIdx.x) * 4};
-  float4 o[1];
-  merge_splits4<DV, 1>(p, base, n, c, o);
-  store_out4<BF16>(p, tok, head, c[0], o[0]);
+  for (int head = h0; head < h1; ++head) {
+    const int row = node * G + head % G;  // packed row of KV head head / G
+    const int tile0 = row / p.fwd_bm * p.fwd_bm;
+    if (merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0))) continue;
+    const long long base[1] = {(long long)tok * p.hq + head};
+    float4 o[1];
+    merge_splits4<DV, 1>(p, base, n, c, o);
+    store_out4<BF16>(p, tok, head, c[0], o[0]);
+  }
 }
 
 #ifdef TV_SGLANG_MASK_KERNEL  // compiled only into its own module

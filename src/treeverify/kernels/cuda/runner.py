@@ -21,7 +21,12 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
-from treeverify.kernels.splits import choose_splits, fused_merge_limit, merge_kernel_needed
+from treeverify.kernels.splits import (
+    choose_splits,
+    fused_merge_limit,
+    merge_heads_per_cta,
+    merge_kernel_needed,
+)
 
 
 class SplitWorkspace(NamedTuple):
@@ -85,8 +90,9 @@ class Launcher:
         forced = env.cuda_max_splits()
         if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
             self.splits = dataclasses.replace(self.splits, max_splits=forced, balance_div=0)
-        self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
-        self.merge_grid = (total_q_cap, hq, 1)
+        self.grid = (self.m_tiles, max_batch * hkv, self.splits.max_splits)  # splits slowest
+        self.merge_heads = merge_heads_per_cta(total_q_cap, hq)
+        self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
         self.merge_kernel_needed = merge_kernel_needed(
             max_splits=self.splits.max_splits,
@@ -101,7 +107,7 @@ class Launcher:
         if s == 1:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
             return SplitWorkspace(empty, empty, torch.empty(0, dtype=torch.int32, device=dev))
-        tiles = self.grid[0] * self.grid[2] if self.fused_merge_bytes else 0
+        tiles = self.grid[0] * self.grid[1] if self.fused_merge_bytes else 0
         return SplitWorkspace(
             torch.empty(s, self.total_q_cap, self.hq, self.dv, dtype=torch.float32, device=dev),
             torch.empty(s, self.total_q_cap, self.hq, dtype=torch.float32, device=dev),
@@ -164,6 +170,7 @@ class Launcher:
         params.mask_words = tree_mask.shape[1]
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
+        params.merge_heads = self.merge_heads
         params.total_q_cap = self.total_q_cap
         params.scale_log2 = scale_log2(sm_scale)
         return params
