@@ -21,6 +21,8 @@ from treeverify.kernels.sglang import extend_attention_fwd  # noqa: E402
 CASES = [
     (Case("gqa", 2, 1200, 40, 8, 2, 128, 128, False), 16, [1200, 0], [40, 3]),
     (Case("mla", 2, 700, 33, 8, 1, 576, 512, True), 1, [700, 5], [33, 20]),
+    # >= 8192 keys: a balanced plan (v12: splits last in the grid, the batch's key sum)
+    (Case("gqa-balanced", 2, 9000, 16, 8, 2, 128, 128, False), 16, [9000, 300], [16, 9]),
 ]
 worst = 0.0
 for portable, merge in [(p, m) for p in ("0", "1") for m in ("forward", "kernel")]:

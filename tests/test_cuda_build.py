@@ -129,6 +129,18 @@ def test_balanced_policy_spreads_a_mixed_batch():
     assert sum(n) * kw["hkv"] * kw["m_tiles"] <= 2 * 132  # about a wave, never the whole grid
 
 
+def test_balance_only_where_it_paid_on_the_h200():
+    from treeverify.kernels.splits import balance_pays
+
+    gqa = dict(max_tree=64, hq=32, hkv=8, dqk=128, dv=128, mla=False)
+    mla_tp1 = dict(max_tree=64, hq=128, hkv=1, dqk=576, dv=512, mla=True)
+    mla_tp8 = dict(max_tree=64, hq=8, hkv=1, dqk=576, dv=512, mla=True)
+    assert not balance_pays(max_kv=1088, **gqa)  # short contexts lost 0.6-0.8x
+    assert balance_pays(max_kv=8256, **gqa) and balance_pays(max_kv=8256, **mla_tp8)
+    assert not balance_pays(max_kv=8256, **mla_tp1)  # 17 MB of partials vs 5 MB of KV
+    assert balance_pays(max_kv=32832, **mla_tp1)
+
+
 def test_merge_heads_per_cta_bounds_the_merge_grid():
     from treeverify.kernels.splits import MERGE_MAX_CTAS, merge_heads_per_cta
 

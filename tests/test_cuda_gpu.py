@@ -420,7 +420,7 @@ def test_merge_kernel_launched_only_where_a_tile_can_exceed_the_limit(monkeypatc
                          ids=["gqa128", "mla"])  # fmt: skip
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
 def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch):
-    """SGLang's batch path's shape (8 requests, N=64, a plan sized for 4160 keys): with
+    """SGLang's batch path's shape (8 requests, N=64, a plan sized for 8256 keys): with
     balancing the grid has room for more splits than a uniform batch uses and the long requests
     take them. Captured once, replayed over mixed, uniform and padded batches: equal to the
     reference each time, and the forward and merge kernels agree on every request's splits
@@ -431,8 +431,8 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch)
     if portable:
         monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
     hq, hkv, dqk, dv, mla = shape
-    case = Case("b", 8, 4096, 64, hq, hkv, dqk, dv, mla)
-    page, max_batch, max_tree, max_kv = 16, 8, 64, 4160
+    case = Case("b", 8, 8192, 64, hq, hkv, dqk, dv, mla)
+    page, max_batch, max_tree, max_kv = 16, 8, 64, 8256
     first = make_inputs(case, page_size=page, device="cuda", seed=3)
     plans = {}
     for balance in ("1", "2"):
@@ -455,9 +455,9 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch)
         with torch.cuda.graph(graphs[key]):
             plan.run(q, kc, vc, outs[key])
     steps = [
-        [4096, 3000, 2100, 1500, 900, 400, 120, 1],  # mixed: the long ones split more
-        [4096] * 8,  # uniform: the same splits as unbalanced
-        [4000, 17, 2500],  # padded: 3 requests in a plan for 8
+        [8192, 6000, 4100, 3000, 1800, 800, 240, 1],  # mixed: the long ones split more
+        [8192] * 8,  # uniform: the same splits as unbalanced
+        [8000, 17, 5000],  # padded: 3 requests in a plan for 8
     ]
     for step, prefixes in enumerate(steps):
         nxt = make_inputs(case, page_size=page, device="cuda", seed=90 + step,

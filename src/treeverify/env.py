@@ -15,7 +15,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   (default: in the forward when the read is small), ``forward`` or ``kernel`` (tests, A/B runs).
 - ``TREEVERIFY_CUDA_SPLIT_BALANCE``: how many times a uniform batch's split count the CUDA
   backend's grid leaves room for, so the long requests of a batch of mixed lengths take more
-  splits (kernels/splits.py); default 2, ``1`` turns balancing off (A/B runs).
+  splits (kernels/splits.py; only plans where ``balance_pays``); default 2, ``1`` turns
+  balancing off (A/B runs).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.

@@ -127,6 +127,28 @@ def merge_bytes(splits: int, tile_rows: int, dv: int) -> int:
     return splits * tile_rows * dv * 4
 
 
+BALANCE_MIN_KV = 8192  # plans for shorter contexts never balance (measured: they lose)
+
+
+def balance_pays(
+    *, max_kv: int, max_tree: int, hq: int, hkv: int, dqk: int, dv: int, mla: bool
+) -> bool:
+    """Whether a plan should balance its splits (capacities only, so capture-safe).
+
+    Measured on the H200 (v12, `bench kernel --lengths mixed`, docs/performance.md): balanced
+    plans gained 1.08-1.51x on mixed batches at 8k-32k keys but lost 0.6-0.8x at 1k (and up to
+    0.75x on the equal-length 1k cases): a balanced plan launches the merge kernel and a
+    larger grid on every step, which short contexts cannot amortise. They also lost 0.9x where
+    one split's fp32 partials (tree rows x Hq x Dv x 4 bytes, written and read again) outweigh
+    the keys it saves reading: MLA at TP1 with N=64, 17 MB of partials a request against 5 MB
+    of latent KV for 4k keys. So: contexts of at least BALANCE_MIN_KV keys, and partials of a
+    request at most the KV bytes of half its capacity.
+    """
+    partial_bytes = max_tree * hq * dv * 4
+    kv_bytes_per_token = hkv * (dqk if mla else dqk + dv) * 2
+    return max_kv >= BALANCE_MIN_KV and partial_bytes <= (max_kv // 2) * kv_bytes_per_token
+
+
 MERGE_MAX_CTAS = 8192  # the merge kernel's grid, about two rounds of small CTAs on an H200
 
 

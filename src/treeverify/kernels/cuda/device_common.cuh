@@ -42,6 +42,7 @@ struct TreeAttnParams {
   int out_rows;             // rows of out; those past the last request's tree are zeroed
   int balance_div;          // > 0: balanced splits, a split at least the batch's keys / this
   int merge_heads;          // heads one merge-kernel CTA merges (grid.y = ceil(hq / this))
+  int splits_last;          // 1: the forward grid is (m-tiles, requests x heads, splits)
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -127,13 +128,18 @@ __device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) 
   return r;
 }
 
-// The forward grid is (m-tiles, requests x KV heads, splits): splits vary slowest, so the
-// hardware dispatches every request's first split before any later one. When a batch of mixed
-// lengths fills the GPU with its first splits, the long requests' later splits then start on
-// the SMs that the short requests free, instead of taking slots at launch ahead of other
-// requests' first splits (v12; with splits in y, balancing gained nothing on a full batch).
-__device__ __forceinline__ int cta_request_head() { return static_cast<int>(blockIdx.y); }
-__device__ __forceinline__ int cta_split() { return static_cast<int>(blockIdx.z); }
+// The forward grid: (m-tiles, splits, requests x KV heads), or for balanced plans
+// (p.splits_last) (m-tiles, requests x KV heads, splits): splits vary slowest, so the hardware
+// dispatches every request's first split before any later one. When a batch of mixed lengths
+// fills the GPU with its first splits, the long requests' later splits then start on the SMs
+// that the short requests free, instead of taking slots at launch ahead of other requests'
+// first splits (v12: with splits in y, balancing gained nothing on SGLang's full batch).
+__device__ __forceinline__ int cta_request_head(const TreeAttnParams& p) {
+  return static_cast<int>(p.splits_last ? blockIdx.y : blockIdx.z);
+}
+__device__ __forceinline__ int cta_split(const TreeAttnParams& p) {
+  return static_cast<int>(p.splits_last ? blockIdx.z : blockIdx.y);
+}
 
 // Keys of the whole batch, sum over requests of P_b + T_b, for the balanced split rule below;
 // 0 when the plan does not balance. Every warp computes it for itself, lanes over requests (no

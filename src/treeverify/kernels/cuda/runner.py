@@ -22,6 +22,7 @@ from treeverify import env
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
 from treeverify.kernels.splits import (
+    balance_pays,
     choose_splits,
     fused_merge_limit,
     merge_heads_per_cta,
@@ -85,12 +86,17 @@ class Launcher:
             bn=self.fwd.bn,
             num_sms=props.multi_processor_count,
             ctas_per_sm=ctas_per_sm,
-            balance=env.cuda_split_balance(),
-        )
+            balance=env.cuda_split_balance() if balance_pays(
+                max_kv=max_kv, max_tree=max_tree, hq=hq, hkv=hkv, dqk=dqk, dv=dv, mla=mla
+            ) else 1,
+        )  # fmt: skip
         forced = env.cuda_max_splits()
         if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
             self.splits = dataclasses.replace(self.splits, max_splits=forced, balance_div=0)
-        self.grid = (self.m_tiles, max_batch * hkv, self.splits.max_splits)  # splits slowest
+        # Balanced plans dispatch splits last (device_common.cuh, cta_split); others as v11.
+        self.splits_last = self.splits.balance_div > 0
+        bh, s = max_batch * hkv, self.splits.max_splits
+        self.grid = (self.m_tiles, bh, s) if self.splits_last else (self.m_tiles, s, bh)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq)
         self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
@@ -107,7 +113,7 @@ class Launcher:
         if s == 1:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
             return SplitWorkspace(empty, empty, torch.empty(0, dtype=torch.int32, device=dev))
-        tiles = self.grid[0] * self.grid[1] if self.fused_merge_bytes else 0
+        tiles = self.m_tiles * self.max_batch * self.hkv if self.fused_merge_bytes else 0
         return SplitWorkspace(
             torch.empty(s, self.total_q_cap, self.hq, self.dv, dtype=torch.float32, device=dev),
             torch.empty(s, self.total_q_cap, self.hq, dtype=torch.float32, device=dev),
@@ -171,6 +177,7 @@ class Launcher:
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
         params.merge_heads = self.merge_heads
+        params.splits_last = int(self.splits_last)
         params.total_q_cap = self.total_q_cap
         params.scale_log2 = scale_log2(sm_scale)
         return params

@@ -104,7 +104,7 @@ __device__ __forceinline__ void merge_tile_if_last(const TreeAttnParams& p, int 
   __threadfence();  // this thread's partials reach L2 before the tile's count does
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned* ctr = p.split_counters + (long long)cta_request_head() * gridDim.x + blockIdx.x;
+    unsigned* ctr = p.split_counters + (long long)cta_request_head(p) * gridDim.x + blockIdx.x;
     const unsigned prev = atomicAdd(ctr, 1u);
     s_last = prev == static_cast<unsigned>(n_splits - 1);
     if (s_last) *ctr = 0u;  // every split has counted: ready for the next launch

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(256, 1)
   const int g = lane >> 2, tq = lane & 3;
 
   zero_padding_rows<C::DV>(p);
-  const int bh = cta_request_head(), b = bh / p.hkv, kvh = bh % p.hkv;
+  const int bh = cta_request_head(p), b = bh / p.hkv, kvh = bh % p.hkv;
   const int qo0 = p.qo_indptr[b];
   const int T_b = p.qo_indptr[b + 1] - qo0;
   const RequestKV rk = request_kv(p, b);
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(256, 1)
   if (m0 >= rows) return;
   const int kv_batch = batch_kv_sum(p);
   const int n_splits = num_splits(p, P + T_b, kv_batch);
-  const int split = cta_split();
+  const int split = cta_split(p);
   if (split >= n_splits) return;
   const int node_hi = min(T_b, (m0 + BM - 1) / G + 1);
   const int chunk = split_chunk(p, P + T_b, kv_batch);
