@@ -46,9 +46,14 @@
 //   v11 (c263695) load_q_tile: one row per NT/BM threads, the division by the runtime group
 //       size once a thread instead of twice a chunk (ncu: ~27% of a small MLA case's warp
 //       samples in that loop). Small MLA-TP8 cases 1.10x (up to 1.23x), large unchanged. 48.3%
+//   v12c (b906c5e) balanced splits for batches of mixed lengths (kernels/splits.py): plans of
+//       >= 8k keys leave grid room for 2x a uniform batch's splits, no split shorter than
+//       the batch's mean share (batch_kv_sum), splits last in the grid (cta_split); the merge
+//       kernel takes several heads a CTA past 8192 CTAs. Mixed-length grid 37.4 -> 40.8%,
+//       the equal-length grid unchanged (47.8% vs 48.1% off, same lease).           47.8%
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
-// KV head). Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
+// KV head); the grid's y/z order of the last two is cta_split / cta_request_head's. Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
 // Each warp owns 16 rows and DV/WN output columns; WN warps share the same rows.
 
 #include "device_common.cuh"
