@@ -61,3 +61,32 @@ def test_plan_capacities_raise_value_errors_naming_them():
         _plan(case, 16, num_qo_heads=7)
     with pytest.raises(ValueError, match="backend"):
         _plan(case, 16, backend="tpu")
+
+
+def test_host_metadata_packed_into_the_buffers_the_kernels_read():
+    """plan() with host metadata packs it into one staging buffer laid out as the device one
+    (two of them, alternating) and copies the used span: the views the kernels read hold the
+    step's prefix lengths (zeros past the batch), qo_indptr (total_q past it), the batch's
+    page rows (zeros past each row's width) and its mask rows, step after step as the batch
+    shrinks and grows."""
+    case = Case("t", 3, 200, 20, 8, 2, 64, 64, False)
+    plan = _plan(case, 16)
+    for step, (prefixes, trees) in enumerate([([200, 3, 77], [20, 5, 9]), ([31], [20]),
+                                              ([0, 190], [1, 17])]):  # fmt: skip
+        inp = make_inputs(case, page_size=16, device="cpu", dtype=torch.float32, seed=step,
+                          prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+        plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+        b, total = len(prefixes), sum(trees)
+        width = inp["block_table"].shape[1]
+        assert plan.prefix_lens.tolist() == prefixes + [0] * (3 - b)
+        assert plan.qo_indptr.tolist() == inp["qo_indptr"].tolist() + [total] * (3 - b)
+        assert torch.equal(plan.block_table[:b, :width], inp["block_table"])
+        assert (plan.block_table[:b, width:] == 0).all()
+        words = inp["tree_mask"].shape[1]
+        assert torch.equal(plan.tree_mask[:total, :words], inp["tree_mask"])
+        assert (plan.tree_mask[:total, words:] == 0).all()
+        assert plan._stage_next == (step + 1) % 2  # the two staging buffers alternate
+    # the views are one buffer: what a captured graph reads sits at fixed addresses
+    base = plan._meta.data_ptr()
+    assert plan.prefix_lens.data_ptr() == base
+    assert plan.tree_mask.data_ptr() + plan.tree_mask.numel() * 4 == base + plan._meta.numel() * 4
