@@ -222,6 +222,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_SGLANG_KERNEL",
         "TREEVERIFY_CUDA_SPLIT_MERGE",
         "TREEVERIFY_CUDA_SPLIT_BALANCE",
+        "TREEVERIFY_CUDA_MERGE_GRID",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
     }
 

@@ -17,6 +17,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   backend's grid leaves room for, so the long requests of a batch of mixed lengths take more
   splits (kernels/splits.py; only plans where ``balance_pays``); default 2, ``1`` turns
   balancing off (A/B runs).
+- ``TREEVERIFY_CUDA_MERGE_GRID``: the CUDA backend's split-merge kernel: ``token`` (default; a
+  CTA per token and heads) or ``tile`` (a CTA per block of a row tile's rows; v13, to be
+  measured: kernels/cuda/merge_and_mask.cuh).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -55,6 +58,8 @@ VARIABLES: dict[str, str] = {
     "(default; in the forward when small, else a merge kernel), forward or kernel (tests, A/B).",
     "TREEVERIFY_CUDA_SPLIT_BALANCE": "Room in the CUDA backend's grid for this many times a "
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
+    "TREEVERIFY_CUDA_MERGE_GRID": "The CUDA split-merge kernel's grid: token (default; a CTA "
+    "per token and heads) or tile (a CTA per block of a row tile's rows; to be measured).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
     "whole KV tiles) or split (both take half of every tile: the v9 kernel, for A/B runs).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
@@ -132,6 +137,14 @@ def cuda_split_balance() -> int:
             f"TREEVERIFY_CUDA_SPLIT_BALANCE: expected an integer in 1..8, got {value!r}"
         )
     return int(value)
+
+
+def cuda_merge_grid() -> str:
+    """TREEVERIFY_CUDA_MERGE_GRID: token (default) or tile (kernels/cuda/variants.py)."""
+    value = os.environ.get("TREEVERIFY_CUDA_MERGE_GRID", "").strip().lower() or "token"
+    if value not in ("token", "tile"):
+        raise ValueError(f"TREEVERIFY_CUDA_MERGE_GRID: expected token or tile, got {value!r}")
+    return value
 
 
 def cuda_mla_schedule() -> str:

@@ -161,6 +161,17 @@ def merge_heads_per_cta(total_q_cap: int, hq: int) -> int:
     return heads
 
 
+def merge_row_blocks(tiles: int, bm: int) -> int:
+    """Row blocks per tile of the tile-grid merge kernel (TREEVERIFY_CUDA_MERGE_GRID=tile): the
+    most (a power of two, at most bm: a row each) that keep tiles x blocks within
+    MERGE_MAX_CTAS, so small plans merge a row a CTA as the token grid does and large ones
+    take several rows a CTA."""
+    blocks = 1
+    while blocks < bm and tiles * blocks * 2 <= MERGE_MAX_CTAS:
+        blocks *= 2
+    return blocks
+
+
 def merge_kernel_needed(*, max_splits: int, tile_rows: int, dv: int, limit: int) -> bool:
     """Whether some tile of a plan can exceed the limit (then the merge kernel is launched; it
     skips the tiles the forward merged). `tile_rows` = min(BM, the bucket's packed rows)."""

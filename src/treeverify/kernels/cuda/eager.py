@@ -29,6 +29,7 @@ def launcher_for(
         env.cuda_portable(),
         env.cuda_split_merge(),
         env.cuda_split_balance(),
+        env.cuda_merge_grid(),
         q.device,
         q.dtype,
         q.shape[1],

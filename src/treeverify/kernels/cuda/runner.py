@@ -27,6 +27,7 @@ from treeverify.kernels.splits import (
     fused_merge_limit,
     merge_heads_per_cta,
     merge_kernel_needed,
+    merge_row_blocks,
 )
 
 
@@ -67,7 +68,7 @@ class Launcher:
             portable=env.cuda_portable(),
             mla_schedule=env.cuda_mla_schedule(),
         )
-        self.merge = MergeVariant(dv, self.dtype_name)
+        self.merge = MergeVariant(dv, self.dtype_name, env.cuda_merge_grid())
         self.fwd_kernel = load(self.fwd, self.device)
         self.merge_kernel = load(self.merge, self.device)
         self.hq, self.hkv, self.dqk, self.dv, self.mla = hq, hkv, dqk, dv, mla
@@ -98,7 +99,11 @@ class Launcher:
         bh, s = max_batch * hkv, self.splits.max_splits
         self.grid = (self.m_tiles, bh, s) if self.splits_last else (self.m_tiles, s, bh)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq)
-        self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
+        if self.merge.grid == "tile":  # the forward's tiles, each in row blocks
+            tiles = self.m_tiles * max_batch * hkv
+            self.merge_grid = (self.m_tiles, max_batch * hkv, merge_row_blocks(tiles, self.fwd.bm))
+        else:
+            self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
         self.merge_kernel_needed = merge_kernel_needed(
             max_splits=self.splits.max_splits,

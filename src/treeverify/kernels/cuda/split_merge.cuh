@@ -7,9 +7,11 @@
 //   of the tile's n CTAs merges it and resets the counter to 0 for the next launch (graph
 //   replays, the next layer). One SM reading a large tile would be slower than a merge kernel
 //   spread over the GPU, hence the limit;
-// - tree_attn_merge (merge_and_mask.cuh), one CTA per (token, head), for the other tiles. The
-//   launcher launches it only when some tile of the plan can exceed the limit
-//   (kernels/splits.py: merge_kernel_needed), so plans of short trees launch one kernel.
+// - tree_attn_merge (merge_and_mask.cuh), one CTA per (token, p.merge_heads heads), for the
+//   other tiles, or with TREEVERIFY_CUDA_MERGE_GRID=tile tree_attn_merge_tiles, one CTA per
+//   block of a row tile's rows. The launcher launches it only when some tile of the plan can
+//   exceed the limit (kernels/splits.py: merge_kernel_needed), so plans of short trees launch
+//   one kernel.
 #pragma once
 
 #include "device_common.cuh"
@@ -94,6 +96,32 @@ __device__ __forceinline__ void store_out4(const TreeAttnParams& p, int tok, int
   *reinterpret_cast<uint2*>(og) = packed;
 }
 
+// Packed rows [r0, r1) of (request at qo0, KV head kvh), split n ways: merged into `out` by
+// the CTA's threads, four columns of two rows each at a time.
+template <int DV, bool BF16>
+__device__ __forceinline__ void merge_rows(const TreeAttnParams& p, int qo0, int kvh, int r0,
+                                           int r1, int n) {
+  constexpr int CH = DV / 4, I = 2;  // two rows' loads in flight per thread
+  const int G = p.group, total = (r1 - r0) * CH;
+  for (int idx0 = threadIdx.x; idx0 < total; idx0 += I * blockDim.x) {
+    long long base[I];
+    int c[I], tok[I], head[I];
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+      const int idx = idx0 + i * blockDim.x, row = r0 + min(idx, total - 1) / CH;
+      c[i] = (idx % CH) * 4;
+      tok[i] = qo0 + row / G;
+      head[i] = kvh * G + row % G;
+      base[i] = idx < total ? (long long)tok[i] * p.hq + head[i] : -1;
+    }
+    float4 o[I];
+    merge_splits4<DV, I>(p, base, n, c, o);
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+      if (base[i] >= 0) store_out4<BF16>(p, tok[i], head[i], c[i], o[i]);
+  }
+}
+
 // Called by every thread of a split CTA whose tile merges in the forward, after it wrote its
 // partials: the last of the tile's n_splits CTAs to arrive merges rows [m0, min(m0 + bm, rows))
 // of (request at qo0, KV head kvh). Counter: this CTA's (m-tile, request x KV head) of the grid.
@@ -112,25 +140,7 @@ __device__ __forceinline__ void merge_tile_if_last(const TreeAttnParams& p, int 
   __syncthreads();
   if (!s_last) return;
   __threadfence();  // order the partial reads after the count that said they are complete
-  constexpr int CH = DV / 4, I = 2;  // two rows' loads in flight per thread
-  const int tile_rows = min(bm, rows - m0), G = p.group, total = tile_rows * CH;
-  for (int idx0 = threadIdx.x; idx0 < total; idx0 += I * blockDim.x) {
-    long long base[I];
-    int c[I], tok[I], head[I];
-#pragma unroll
-    for (int i = 0; i < I; ++i) {
-      const int idx = idx0 + i * blockDim.x, row = m0 + min(idx, total - 1) / CH;
-      c[i] = (idx % CH) * 4;
-      tok[i] = qo0 + row / G;
-      head[i] = kvh * G + row % G;
-      base[i] = idx < total ? (long long)tok[i] * p.hq + head[i] : -1;
-    }
-    float4 o[I];
-    merge_splits4<DV, I>(p, base, n_splits, c, o);
-#pragma unroll
-    for (int i = 0; i < I; ++i)
-      if (base[i] >= 0) store_out4<BF16>(p, tok[i], head[i], c[i], o[i]);
-  }
+  merge_rows<DV, BF16>(p, qo0, kvh, m0, m0 + min(bm, rows - m0), n_splits);
 }
 
 // Rows [total_q, out_rows) of `out` belong to no request (padded batch slots of a graph

@@ -154,22 +154,27 @@ class GqaSm90Variant:
         return 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
 
 
+MERGE_GRIDS = ("token", "tile")
+
+
 @dataclass(frozen=True)
 class MergeVariant:
-    """tree_attn_merge<DV, BF16>: combines split partials (fp32 O + log2 LSE)."""
+    """tree_attn_merge<DV, BF16> (grid "token": a CTA per token and heads) or
+    tree_attn_merge_tiles<DV, BF16> ("tile": a CTA per block of a row tile's rows): combine
+    split partials (fp32 O + log2 LSE)."""
 
     dv: int
     dtype: str
+    grid: str = "token"
 
     @property
     def name(self) -> str:
-        return f"merge_v{self.dv}_{self.dtype}"
+        return f"merge_v{self.dv}_{self.dtype}" + ("_tiles" if self.grid == "tile" else "")
 
     @property
     def expr(self) -> str:
-        return (
-            f"treeverify::tree_attn_merge<{self.dv},{'true' if self.dtype == 'bf16' else 'false'}>"
-        )
+        kernel = "tree_attn_merge_tiles" if self.grid == "tile" else "tree_attn_merge"
+        return f"treeverify::{kernel}<{self.dv},{'true' if self.dtype == 'bf16' else 'false'}>"
 
     @property
     def threads(self) -> int:
@@ -350,7 +355,7 @@ def all_variants(arch: str) -> list[Variant]:
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
-            out.append(MergeVariant(dv, dtype))
+            out += [MergeVariant(dv, dtype, grid) for grid in MERGE_GRIDS]
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
