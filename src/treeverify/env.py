@@ -20,6 +20,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_CUDA_MERGE_GRID``: the CUDA backend's split-merge kernel: ``token`` (default; a
   CTA per token and heads) or ``tile`` (a CTA per block of a row tile's rows; v13, to be
   measured: kernels/cuda/merge_and_mask.cuh).
+- ``TREEVERIFY_CUDA_PDL``: ``1`` launches the CUDA backend's split-merge kernel with
+  programmatic dependent launch on sm_90+ (v13, to be measured); default off.
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -60,6 +62,8 @@ VARIABLES: dict[str, str] = {
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_MERGE_GRID": "The CUDA split-merge kernel's grid: token (default; a CTA "
     "per token and heads) or tile (a CTA per block of a row tile's rows; to be measured).",
+    "TREEVERIFY_CUDA_PDL": "1: launch the CUDA split-merge kernel with programmatic dependent "
+    "launch on sm_90+ (its early exits overlap the forward; to be measured). Default off.",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
     "whole KV tiles) or split (both take half of every tile: the v9 kernel, for A/B runs).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
@@ -145,6 +149,14 @@ def cuda_merge_grid() -> str:
     if value not in ("token", "tile"):
         raise ValueError(f"TREEVERIFY_CUDA_MERGE_GRID: expected token or tile, got {value!r}")
     return value
+
+
+def cuda_pdl() -> bool:
+    """TREEVERIFY_CUDA_PDL: 1 launches the split merge with programmatic dependent launch."""
+    value = os.environ.get("TREEVERIFY_CUDA_PDL", "0").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes"):
+        raise ValueError(f"TREEVERIFY_CUDA_PDL: expected 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes")
 
 
 def cuda_mla_schedule() -> str:

@@ -141,6 +141,22 @@ __device__ __forceinline__ int cta_split(const TreeAttnParams& p) {
   return static_cast<int>(p.splits_last ? blockIdx.z : blockIdx.y);
 }
 
+// Programmatic dependent launch (TREEVERIFY_CUDA_PDL=1, sm_90+): each forward CTA signals at
+// its start that the merge kernel after it may be scheduled; the merge kernel's CTAs decide
+// whether they have anything to merge (most exit) and wait for the forward grid to finish and
+// its writes to be visible only before reading the partials. No-ops in a normal launch and
+// before sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Keys of the whole batch, sum over requests of P_b + T_b, for the balanced split rule below;
 // 0 when the plan does not balance. Every warp computes it for itself, lanes over requests (no
 // shared memory, no barrier), so every lane of the calling warp must be converged; a CTA of

@@ -30,6 +30,7 @@ def launcher_for(
         env.cuda_split_merge(),
         env.cuda_split_balance(),
         env.cuda_merge_grid(),
+        env.cuda_pdl(),
         q.device,
         q.dtype,
         q.shape[1],

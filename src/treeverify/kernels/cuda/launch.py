@@ -127,9 +127,28 @@ class LoadedKernel:
         grid: tuple[int, int, int],
         args: list[ctypes._SimpleCData | ctypes.Structure],
         stream: int,
+        *,
+        programmatic: bool = False,
     ) -> None:
+        """Launch on `stream`. `programmatic`: programmatic dependent launch (sm_90+): the
+        kernel may start once every CTA of the kernel before it on the stream has executed
+        `griddepcontrol.launch_dependents` (or exited), and must `griddepcontrol.wait` before
+        reading what that kernel writes (device_common.cuh: pdl_trigger / pdl_wait)."""
         drv = _drv()
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        if programmatic:
+            config = drv.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = self.threads, 1, 1
+            config.sharedMemBytes = self.compiled.smem_bytes
+            config.hStream = drv.CUstream(stream)
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs, config.numAttrs = [attr], 1
+            res = drv.cuLaunchKernelEx(config, self._fn, ctypes.addressof(ptrs), 0)
+            _check(res, f"cuLaunchKernelEx({self.compiled.name}, grid={grid}, programmatic)")
+            return
         res = drv.cuLaunchKernel(
             self._fn,
             grid[0],

@@ -13,7 +13,7 @@ namespace treeverify {
 template <int DV, bool BF16>
 __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
   const int tok = blockIdx.x;
-  if (tok >= p.qo_indptr[p.batch]) return;
+  const int total_q = p.qo_indptr[p.batch];
   int lo = 0, hi = p.batch - 1;  // request of this token: last b with qo_indptr[b] <= tok
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -22,7 +22,11 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   const int b = lo;
   const int T_b = p.qo_indptr[b + 1] - p.qo_indptr[b];
   const int n = num_splits(p, request_kv(p, b).prefix + T_b, batch_kv_sum(p));
-  if (n == 1) return;  // the main kernel wrote the final output
+  // Programmatic launch: every CTA, even one with nothing to merge, waits for the forward to
+  // finish, so that this kernel's completion still means the forward's (stream order for the
+  // kernels after it); the request lookup above overlaps the forward.
+  pdl_wait();
+  if (tok >= total_q || n == 1) return;  // padding, or the main kernel wrote the output
   const int G = p.group, node = tok - p.qo_indptr[b];
   const int h0 = blockIdx.y * p.merge_heads, h1 = min(p.hq, h0 + p.merge_heads);
   const int c[1] = {static_cast<int>(threadIdx.x) * 4};
@@ -51,13 +55,13 @@ __global__ void __launch_bounds__(DV / 4)
   const int qo0 = p.qo_indptr[b];
   const int T_b = p.qo_indptr[b + 1] - qo0, rows = T_b * p.group;
   const int m0 = static_cast<int>(blockIdx.x) * p.fwd_bm;
-  if (m0 >= rows) return;
   const int n = num_splits(p, request_kv(p, b).prefix + T_b, batch_kv_sum(p));
   const int tile_rows = min(p.fwd_bm, rows - m0);
-  if (n == 1 || merged_in_forward<DV>(p, n, tile_rows)) return;
   const int per = (p.fwd_bm + static_cast<int>(gridDim.z) - 1) / static_cast<int>(gridDim.z);
   const int r0 = m0 + static_cast<int>(blockIdx.z) * per, r1 = min(m0 + tile_rows, r0 + per);
-  if (r0 < r1) merge_rows<DV, BF16>(p, qo0, kvh, r0, r1, n);
+  pdl_wait();  // as tree_attn_merge: every CTA, so completion still orders the stream
+  if (m0 >= rows || n == 1 || merged_in_forward<DV>(p, n, tile_rows) || r0 >= r1) return;
+  merge_rows<DV, BF16>(p, qo0, kvh, r0, r1, n);
 }
 
 #ifdef TV_SGLANG_MASK_KERNEL  // compiled only into its own module

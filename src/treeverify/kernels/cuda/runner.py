@@ -105,6 +105,8 @@ class Launcher:
         else:
             self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
+        # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh).
+        self.pdl = env.cuda_pdl() and torch.cuda.get_device_capability(self.device)[0] >= 9
         self.merge_kernel_needed = merge_kernel_needed(
             max_splits=self.splits.max_splits,
             tile_rows=min(self.fwd.bm, max_tree * self.group),
@@ -192,7 +194,7 @@ class Launcher:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.fwd_kernel.launch(self.grid, [params], stream)
         if self.merge_kernel_needed:
-            self.merge_kernel.launch(self.merge_grid, [params], stream)
+            self.merge_kernel.launch(self.merge_grid, [params], stream, programmatic=self.pdl)
 
 
 def _paged_strides(cache: torch.Tensor) -> tuple[int, int, int]:

@@ -105,6 +105,7 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
   const int g = lane >> 2, tq = lane & 3;
 
   zero_padding_rows<DV>(p);
+  pdl_trigger();  // the merge kernel may be scheduled as SMs free (TREEVERIFY_CUDA_PDL)
   const int bh = cta_request_head(p), b = bh / p.hkv, kvh = bh % p.hkv;
   const int qo0 = p.qo_indptr[b];
   const int T_b = p.qo_indptr[b + 1] - qo0;

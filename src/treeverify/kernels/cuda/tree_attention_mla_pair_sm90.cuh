@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(256, 1)
   const int g = lane >> 2, tq = lane & 3;
 
   zero_padding_rows<C::DV>(p);
+  pdl_trigger();  // the merge kernel may be scheduled as SMs free (TREEVERIFY_CUDA_PDL)
   const int bh = cta_request_head(p), b = bh / p.hkv, kvh = bh % p.hkv;
   const int qo0 = p.qo_indptr[b];
   const int T_b = p.qo_indptr[b + 1] - qo0;
