@@ -319,10 +319,11 @@ MERGE_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("grid", ["token", "tile"])
+@pytest.mark.parametrize("grid,pdl", [("token", "0"), ("tile", "0"), ("token", "1"),
+                                      ("tile", "1")])  # fmt: skip
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
-def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, grid, monkeypatch):
+def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, grid, pdl, monkeypatch):
     """Captured plans that merge every split tile in the forward, none, or those whose read is
     small (auto: the rest by the merge kernel, which must skip the others), replayed over
     lengths that change every request's split count and twice per replay (as two layers
@@ -333,6 +334,7 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, grid, 
     if portable:
         monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
     monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_GRID", grid)  # the merge kernel's two grids
+    monkeypatch.setenv("TREEVERIFY_CUDA_PDL", pdl)  # and its programmatic launch, in a graph
     hq, hkv, dqk, dv, mla = shape
     case = Case("m", 4, 1500, 17, hq, hkv, dqk, dv, mla)
     page, max_batch, max_tree, max_kv = 16, 4, 17, 1600
