@@ -17,6 +17,7 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda extra (cuda-py
 from treeverify.kernels.cuda.variants import (  # noqa: E402
     ALL_ARCHES,
     SMEM_LIMIT,
+    GqaSm90Variant,
     MlaSm90Variant,
     all_variants,
     fwd_variant,
@@ -48,7 +49,10 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
         assert "error" not in row, row
         assert row["registers"] > 0 and row["spill_bytes"] == 0, row
         assert row["smem_bytes"] <= SMEM_LIMIT[row["arch"]], row
+        if "_pp_" in row["variant"]:  # setmaxnreg 56 + 2 x 224 needs exactly 168 at launch
+            assert row["registers"] == 168, row
     assert "built, 0 failed" in proc.stdout
+    assert sum("_pp_" in row["variant"] for row in rows) == 4  # GQA ping-pong: d64/d128, 2 dtypes
 
 
 def test_variant_choice():
@@ -58,6 +62,11 @@ def test_variant_choice():
     small = fwd_variant("sm_120", 576, 512, True, "fp16")
     assert small.smem_bytes <= SMEM_LIMIT["sm_120"]
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256).bm == 128
+    pp = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="pingpong")
+    assert pp.schedule == "pingpong" and pp.threads == 384 and pp.bm == 128
+    assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64, gqa_schedule="pingpong").bm == 64
+    with pytest.raises(ValueError, match="schedule"):
+        GqaSm90Variant(128, 1, "bf16", schedule="pingpong")  # 128-row CTAs only
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64).bm == 64
     with pytest.raises(ValueError, match="head dims"):
         fwd_variant("sm_90a", 96, 96, False, "bf16")

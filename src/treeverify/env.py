@@ -22,6 +22,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   measured: kernels/cuda/merge_and_mask.cuh).
 - ``TREEVERIFY_CUDA_PDL``: ``1`` launches the CUDA backend's split-merge kernel with
   programmatic dependent launch on sm_90+ (v13, to be measured); default off.
+- ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``tile``
+  (default) or ``pingpong`` (a producer warpgroup and two consumers taking turns on the MMAs;
+  v14, not yet run on a GPU).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -64,6 +67,8 @@ VARIABLES: dict[str, str] = {
     "per token and heads) or tile (a CTA per block of a row tile's rows; to be measured).",
     "TREEVERIFY_CUDA_PDL": "1: launch the CUDA split-merge kernel with programmatic dependent "
     "launch on sm_90+ (its early exits overlap the forward; to be measured). Default off.",
+    "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: tile (default) or "
+    "pingpong (producer warpgroup + two consumers in turns; not yet run on a GPU).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
     "whole KV tiles) or split (both take half of every tile: the v9 kernel, for A/B runs).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
@@ -157,6 +162,14 @@ def cuda_pdl() -> bool:
     if value not in ("0", "1", "false", "true", "no", "yes"):
         raise ValueError(f"TREEVERIFY_CUDA_PDL: expected 0 or 1, got {value!r}")
     return value in ("1", "true", "yes")
+
+
+def cuda_gqa_schedule() -> str:
+    """TREEVERIFY_CUDA_GQA_SCHEDULE: tile (default) or pingpong (kernels/cuda/variants.py)."""
+    value = os.environ.get("TREEVERIFY_CUDA_GQA_SCHEDULE", "").strip().lower() or "tile"
+    if value not in ("tile", "pingpong"):
+        raise ValueError(f"TREEVERIFY_CUDA_GQA_SCHEDULE: expected tile or pingpong, got {value!r}")
+    return value
 
 
 def cuda_mla_schedule() -> str:

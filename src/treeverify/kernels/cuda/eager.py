@@ -31,6 +31,8 @@ def launcher_for(
         env.cuda_split_balance(),
         env.cuda_merge_grid(),
         env.cuda_pdl(),
+        env.cuda_gqa_schedule(),
+        env.cuda_max_splits(),
         q.device,
         q.dtype,
         q.shape[1],

@@ -67,6 +67,7 @@ class Launcher:
             rows=max_tree * (hq // hkv),
             portable=env.cuda_portable(),
             mla_schedule=env.cuda_mla_schedule(),
+            gqa_schedule=env.cuda_gqa_schedule(),
         )
         self.merge = MergeVariant(dv, self.dtype_name, env.cuda_merge_grid())
         self.fwd_kernel = load(self.fwd, self.device)

@@ -383,3 +383,4 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
 #include "tree_attention_sm90.cuh"      // sm_90a wgmma MLA kernel (instantiated only for sm_90a)
 #include "tree_attention_mla_pair_sm90.cuh"  // sm_90a MLA, whole tiles per warpgroup (v10)
 #include "tree_attention_gqa_sm90.cuh"  // sm_90a wgmma GQA kernel
+#include "tree_attention_gqa_pp_sm90.cuh"  // sm_90a GQA, producer + ping-pong consumers (v14)

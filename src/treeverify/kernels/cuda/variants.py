@@ -118,9 +118,14 @@ class MlaSm90Variant:
         return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
+GQA_SCHEDULES = ("tile", "pingpong")
+
+
 @dataclass(frozen=True)
 class GqaSm90Variant:
-    """tree_attn_gqa_sm90<D, BN, NWG, STAGES, BF16>: wgmma (sm_90a) GQA, 64 rows per warpgroup."""
+    """tree_attn_gqa_sm90<D, BN, NWG, STAGES, BF16>: wgmma (sm_90a) GQA, 64 rows per warpgroup
+    (schedule "tile"); or, schedule "pingpong" (NWG = 2 only), tree_attn_gqa_pp_sm90<D, BN,
+    STAGES, BF16>: a producer warpgroup and two consumer warpgroups taking turns on the MMAs."""
 
     d: int
     nwg: int
@@ -129,6 +134,13 @@ class GqaSm90Variant:
     stages: int = 4
     mla: bool = False
     defines: tuple[str, ...] = ()
+    schedule: str = "tile"
+
+    def __post_init__(self):
+        if self.schedule not in GQA_SCHEDULES:
+            raise ValueError(f"schedule: expected one of {GQA_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "pingpong" and self.nwg != 2:
+            raise ValueError("schedule: pingpong runs 128-row CTAs (nwg=2) only")
 
     @property
     def bm(self) -> int:
@@ -136,22 +148,26 @@ class GqaSm90Variant:
 
     @property
     def threads(self) -> int:
-        return 128 * self.nwg
+        return 128 * self.nwg + (128 if self.schedule == "pingpong" else 0)
 
     @property
     def name(self) -> str:
-        return f"fwd_gqa_sm90_wgmma_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
+        pp = "_pp" if self.schedule == "pingpong" else ""
+        return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
+        if self.schedule == "pingpong":
+            return f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16}>"
         return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{self.stages},{bf16}>"
 
     @property
     def smem_bytes(self) -> int:
-        """Must equal GqaSm90Cfg::SMEM_BYTES in tree_attention_gqa_sm90.cuh."""
+        """Must equal GqaSm90Cfg::SMEM_BYTES (GqaPpCfg's for pingpong: + the mbarriers)."""
         tile = self.bn * self.d * 2
-        return 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
+        base = 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
+        return base + (16 * self.stages if self.schedule == "pingpong" else 0)
 
 
 MERGE_GRIDS = ("token", "tile")
@@ -295,6 +311,7 @@ def fwd_variant(
     rows: int = 64,
     portable: bool = False,
     mla_schedule: str = "pair",
+    gqa_schedule: str = "tile",
 ) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
@@ -326,7 +343,7 @@ def fwd_variant(
             # 128 rows: one CTA per SM anyway (registers), so 4 stages deep; 64 rows (the
             # memory-bound small trees): 2 stages keep two CTAs per SM in flight instead.
             if rows >= 128:
-                return GqaSm90Variant(dqk, 2, dtype, stages=4)
+                return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=gqa_schedule)
             return GqaSm90Variant(dqk, 1, dtype, stages=2)
         bn = 32 if dqk == 256 else 64
         candidates = [FwdVariant(dqk, dv, 128, bn, 1, 2, dtype, False)] if rows >= 128 else []
@@ -354,6 +371,8 @@ def all_variants(arch: str) -> list[Variant]:
         if arch == "sm_90a":
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
+            for d in (64, 128):  # the GQA ping-pong kernel (TREEVERIFY_CUDA_GQA_SCHEDULE)
+                out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule="pingpong"))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out += [MergeVariant(dv, dtype, grid) for grid in MERGE_GRIDS]
     out.append(MaskVariant())

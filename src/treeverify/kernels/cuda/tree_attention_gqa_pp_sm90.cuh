@@ -1,0 +1,273 @@
+// sm_90a GQA tree-verify kernel, warp-specialised ("pingpong"; TREEVERIFY_CUDA_GQA_SCHEDULE=
+// pingpong, 128-row CTAs; v14 candidate, not yet run on a GPU). Included by tree_attention.cu
+// after tree_attention_gqa_sm90.cuh, whose work decomposition, split rule, masking and outputs
+// it keeps.
+//
+// Why: the tile schedule (tree_attn_gqa_sm90) runs QK -> softmax -> PV serially in each
+// warpgroup and ends every tile with a CTA barrier; on the GQA N=64 cases ncu put 19% of the
+// samples on that barrier and the tensor pipe at 34% (docs/performance.md, twelfth session).
+// Here:
+// - warpgroup 0 is a producer: it loads Q and the K/V tiles (page lookups, cp.async) into
+//   STAGES slots, each guarded by a "full" mbarrier (the producer's 128 threads arrive through
+//   cp.async.mbarrier.arrive once their copies land) and an "empty" one (the 256 consumer
+//   threads arrive once the slot's V has been read);
+// - warpgroups 1 and 2 each own 64 rows and take turns (two named barriers) issuing their
+//   MMAs: QK of tile j together with PV of tile j-1, so one warpgroup's softmax runs while
+//   the other's MMAs keep the tensor pipe busy. No CTA-wide barrier inside the loop;
+// - setmaxnreg moves registers from the producer (56) to the consumers (224); the launch must
+//   give every thread exactly 168 (384 threads, one CTA an SM), which a CPU test checks.
+#pragma once
+
+namespace treeverify {
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
+                   bar)
+               : "memory");
+}
+// Spin until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred ready;\n"
+      "TV_MBAR_RETRY:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+      " @!ready bra TV_MBAR_RETRY;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Arrive on `bar` when every earlier cp.async of this thread has landed; noinc: the arrival is
+// one of the barrier's expected count.
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void wg_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
+
+template <int D, int BN, int STAGES>
+struct GqaPpCfg {
+  static constexpr int BM = 128, NT = 384, CH = D / 8;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int T_BYTES = BN * D * 2;  // one K (or V) tile
+  // 1 KB alignment slack + Q + STAGES of K and V + K/V row pointers [STAGES][BN] each + the
+  // full and empty mbarriers [STAGES] each.
+  static constexpr int SMEM_BYTES =
+      1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN + 16 * STAGES;
+  static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224, LAUNCH_REGS = 168;
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS == 3 * LAUNCH_REGS, "the register file");
+  static_assert(STAGES >= 2 && STAGES <= 4, "slots in flight");
+  static_assert(BN == 64 && (D == 64 || D == 128), "tile shapes this kernel is written for");
+};
+
+// Named barriers (0 is __syncthreads): the two consumers' turns (256 threads each: one
+// warpgroup syncs, the other arrives) and the producer's own (128).
+enum : int { kPpTurn0 = 1, kPpTurn1 = 2, kPpProducer = 3 };
+
+template <int D, int BN, int STAGES, bool BF16>
+__global__ void __launch_bounds__(384, 1)
+    tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
+  using C = GqaPpCfg<D, BN, STAGES>;
+#ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
+  static_assert(C::SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
+#endif
+  constexpr int BM = C::BM;
+  using T = unsigned short;
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw_u32 = smem_u32(smem_raw);
+  unsigned char* base = smem_raw + (((raw_u32 + 1023u) & ~1023u) - raw_u32);
+  unsigned char* sQ = base;
+  unsigned char* sK = sQ + C::Q_BYTES;           // [STAGES][BN x D]
+  unsigned char* sV = sK + STAGES * C::T_BYTES;  // [STAGES][BN x D]
+  const T** sRowK = reinterpret_cast<const T**>(sV + STAGES * C::T_BYTES);  // [STAGES][BN]
+  const T** sRowV = sRowK + STAGES * BN;                                      // [STAGES][BN]
+  const unsigned full0 = smem_u32(sRowV + STAGES * BN);  // [STAGES] mbarriers, 8 B each
+  const unsigned empty0 = full0 + 8 * STAGES;            // [STAGES]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // The warpgroup's role, visibly warp-uniform to the compiler (a shuffle from lane 0): a
+  // role branch it cannot prove uniform makes it serialise every wgmma behind it (C7519).
+  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wi = warp & 3;
+  const int g = lane >> 2, tq = lane & 3;
+
+  zero_padding_rows<D>(p);
+  pdl_trigger();  // the merge kernel may be scheduled as SMs free (TREEVERIFY_CUDA_PDL)
+  const int bh = cta_request_head(p), b = bh / p.hkv, kvh = bh % p.hkv;
+  const int qo0 = p.qo_indptr[b];
+  const int T_b = p.qo_indptr[b + 1] - qo0;
+  const RequestKV rk = request_kv(p, b);
+  const int P = rk.prefix, G = p.group;
+  const int rows = T_b * G;
+  const int m0 = blockIdx.x * BM;
+  if (m0 >= rows) return;
+  const int kv_batch = batch_kv_sum(p);
+  const int n_splits = num_splits(p, P + T_b, kv_batch);
+  const int split = cta_split(p);
+  if (split >= n_splits) return;
+  const int node_hi = min(T_b, (m0 + BM - 1) / G + 1);
+  const int chunk = split_chunk(p, P + T_b, kv_batch);
+  const int kv_begin = split * chunk;
+  const int kv_stop = min(P + node_hi, kv_begin + chunk);
+  const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 128);   // the producer's threads, through cp.async
+      mbar_init(empty0 + 8 * s, 256);  // the consumers' threads
+    }
+  }
+  __syncthreads();  // barriers initialised before anyone arrives on or waits for them
+
+  if (wg == 0) {  // ---- producer: Q, then the K/V tiles into STAGES slots
+    setmaxnreg_dec<C::PRODUCER_REGS>();
+    const T* kg = static_cast<const T*>(p.k);
+    load_q_tile<BM, C::CH, 128>(sQ, p, m0, rows, qo0, kvh, G);  // lands with tile 0's copies
+    PageFetch next;
+    if (tid < BN) next = fetch_page(p, rk, P, kv_begin + tid, kv_stop);
+    for (int j = 0; j < n_tiles; ++j) {
+      const int slot = j % STAGES;
+      if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+      if (tid < BN) {
+        publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &sRowK[slot * BN + tid],
+                        &sRowV[slot * BN + tid]);
+        // The next tile's page lookup in flight while this one is copied and the next slot
+        // frees up.
+        if (j + 1 < n_tiles) next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + tid, kv_stop);
+      }
+      named_sync(kPpProducer, 128);  // tile j's row pointers published
+      unsigned char* dk = sK + slot * C::T_BYTES;
+      unsigned char* dv = sV + slot * C::T_BYTES;
+      static_assert(BN * C::CH % 128 == 0, "whole chunks per producer thread");
+#pragma unroll
+      for (int k = 0; k < BN * C::CH / 128; ++k) {
+        const int idx = tid + k * 128, r = idx / C::CH, c = idx % C::CH;
+        const T* kp = sRowK[slot * BN + r];
+        const T* vp = sRowV[slot * BN + r];
+        cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
+        cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
+      }
+      cp_async_mbar_arrive(full0 + 8 * slot);
+    }
+    cp_async_wait<0>();  // nothing in flight when the CTA moves on (n_tiles == 0: Q alone)
+    setmaxnreg_inc<C::LAUNCH_REGS>();  // after the consumers gave theirs back (epilogue)
+  } else {  // ---- consumers: 64 rows each, MMAs issued in turns
+    setmaxnreg_inc<C::CONSUMER_REGS>();
+    const int c = wg - 1;
+    const int my_turn = c == 0 ? kPpTurn0 : kPpTurn1, other_turn = c == 0 ? kPpTurn1 : kPpTurn0;
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m_run[2] = {-TV_INF, -TV_INF};
+    float l_run[2] = {0.f, 0.f};
+    // P of the previous tile, the A fragments of its PV; zero before the first tile, whose
+    // iteration then issues a PV of P = 0 against tile 0's V (landed, finite): the PV issue is
+    // unconditional, since a wgmma behind a branch the compiler cannot prove warpgroup-uniform
+    // serialises every wgmma (ptxas C7519).
+    unsigned pa[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    const unsigned q_addr = smem_u32(sQ) + c * 64 * 128;  // this warpgroup's 64 rows
+    const int r0 = c * 64 + 16 * wi + g;                  // row within the CTA tile (and + 8)
+    if (c == 1 && n_tiles > 0) named_arrive(kPpTurn0, 256);  // consumer 0 issues first
+    auto issue_pv = [&](int tile) {
+      const unsigned v_addr = smem_u32(sV + (tile % STAGES) * C::T_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const unsigned long long db = sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
+        mma_pv<D, BF16>(o, pa[kk], db);
+      }
+      wg_commit();
+    };
+    for (int it = 0; it < n_tiles; ++it) {
+      const int slot = it % STAGES;
+      mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);
+      fence_async_smem();  // the producer's cp.async writes -> the tensor cores' reads
+      const unsigned k_addr = smem_u32(sK + slot * C::T_BYTES);
+      float s[32];  // 64 rows x 64 tokens per warpgroup
+      named_sync(my_turn, 256);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned long long da =
+            sw128_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
+        const unsigned long long db =
+            sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
+        mma_qk64<D, BF16>(s, da, db, kk > 0);
+      }
+      wg_commit();
+      issue_pv(it > 0 ? it - 1 : 0);
+      named_arrive(other_turn, 256);  // the other warpgroup issues while this one does softmax
+      wg_wait1();  // S of tile it (PV of tile it-1 may still run)
+      pin(s);
+
+      const int t0 = kv_begin + it * BN;
+      if ((t0 + BN > P) || (t0 + BN > kv_stop))  // the tile reaches the tree or the split's end
+        frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0, P, kv_stop, rows, qo0, G);
+      float mx[2], alpha[2], m_use[2], rs[2];
+      frag_row_max<BN / 8>(s, mx);
+      online_max(m_run, mx, p.scale_log2, m_use, alpha);
+      frag_exp2<BN / 8>(s, m_use, p.scale_log2, rs);
+      l_run[0] = l_run[0] * alpha[0] + rs[0];
+      l_run[1] = l_run[1] * alpha[1] + rs[1];
+      wg_wait0();  // PV of tile it-1 done: o and pa free, its slot's V read
+      pin(o);
+      if (it > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+      rescale_rows(o, alpha);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+    }
+    if (n_tiles > 0) {  // the last tile's PV, in turn like the others
+      named_sync(my_turn, 256);
+      wg_fence();
+      issue_pv(n_tiles - 1);
+      if (c == 0) named_arrive(other_turn, 256);  // consumer 1 syncs once more; 0 does not
+      wg_wait0();
+      pin(o);
+    }
+
+    const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + r0 + h * 8;
+      if (row >= rows) continue;
+      const int tok = qo0 + row / G, head = kvh * G + row % G;
+      const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
+      if (n_splits == 1) {
+        T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
+              pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      } else {
+        const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
+        float* po = p.part_o + prow * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
+              make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
+      }
+    }
+    setmaxnreg_dec<C::LAUNCH_REGS>();  // back to the launch's share for the merge below
+  }
+  if (n_splits > 1 && merged_in_forward<D>(p, n_splits, min(BM, rows - m0)))
+    merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
+}
+
+}  // namespace treeverify

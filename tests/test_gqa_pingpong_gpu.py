@@ -1,0 +1,90 @@
+"""The sm_90a GQA ping-pong kernel (TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong: a producer warpgroup,
+mbarrier-guarded slots, two consumer warpgroups taking turns on the MMAs) against the reference.
+
+Not in scripts/gpu-check's default list: a barrier bug hangs rather than fails, so
+scripts/gqa_pingpong_ab runs this file under a timeout before anything else. Skipped without a
+CUDA GPU; the kernel exists on sm_90a only (elsewhere the schedule falls back to the tile
+kernel, which these tests then check too). Outputs are poisoned with NaN before the kernel runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_cuda_gpu import TOL, _cuda, _plan, _poisoned, _reference, _rel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (Hq, Hkv, D, page, prefixes, trees): >= 128 packed rows a KV head (the ping-pong CTA), tile
+# counts 0 (an m-tile past a split's keys), 1, 2, 4+ a split, empty prefixes, trees crossing a
+# tile edge, rows not filling the last m-tile, group sizes 4 and 8.
+EDGES = [
+    (32, 8, 128, 16, [0, 1, 63, 64, 65, 700], [64, 40, 33, 64, 64, 17]),
+    (32, 8, 64, 1, [5000, 130], [64, 64]),
+    (64, 8, 128, 16, [9000], [33]),
+    (32, 4, 128, 16, [300, 2000, 4100], [64, 20, 48]),
+]
+
+
+@pytest.mark.parametrize("splits", [None, "4"], ids=["policy", "4splits"])
+@pytest.mark.parametrize("edge", EDGES, ids=["tiles", "d64-page1", "group8", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_pingpong_matches_reference(edge, dtype, splits, monkeypatch):
+    from treeverify.bench.cases import Case, make_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong")
+    if splits:  # many splits: m-tiles whose later splits have no key (n_tiles == 0)
+        monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", splits)
+    hq, hkv, d, page, prefixes, trees = edge
+    case = Case("gqa", len(prefixes), max(prefixes), max(trees), hq, hkv, d, d, False)
+    inp = make_inputs(case, page_size=page, device="cuda", dtype=dtype, seed=len(prefixes),
+                      prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+    out = _cuda(inp, out=_poisoned(inp, d))
+    assert _rel(out, _reference(inp)) <= TOL
+
+
+def test_pingpong_captured_and_replayed_with_new_metadata(monkeypatch):
+    """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
+    counts (twice a replay, as two layers): equal to the reference every time."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong")
+    case = Case("pp", 4, 6000, 64, 32, 8, 128, 128, False)
+    first = make_inputs(case, page_size=16, device="cuda", seed=7)
+    plan = _plan(first, case, 16, 4, 64, first["block_table"].shape[1], 6064)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert plan._launcher.fwd.schedule == "pingpong" and plan._launcher.fwd.threads == 384
+    kc, vc = first["k_cache"], first["v_cache"]
+    q = torch.randn(4 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(4 * 64, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"], first["tree_mask"])
+    plan.run(q, kc, vc, outs[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for o in outs:
+            plan.run(q, kc, vc, o)
+    for step, (prefixes, trees) in enumerate([([6000, 0, 1, 3000], [64, 64, 9, 33]),
+                                              ([77], [64]), ([5000, 4000], [1, 64])]):  # fmt: skip
+        nxt = make_inputs(case, page_size=16, device="cuda", seed=30 + step,
+                          prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+        n_pages = nxt["k_cache"].shape[0]
+        kc[:n_pages].copy_(nxt["k_cache"])
+        vc[:n_pages].copy_(nxt["v_cache"])
+        total = nxt["q"].shape[0]
+        q.normal_()
+        q[:total].copy_(nxt["q"])
+        ref = _reference(dict(nxt, q=q[:total].clone(), k_cache=kc[:n_pages],
+                              v_cache=vc[:n_pages]))  # fmt: skip
+        plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o in outs:
+            assert _rel(o[:total], ref) <= TOL, step
+            assert (o[total:] == 0).all(), f"padding rows not zeroed (step {step})"
