@@ -116,7 +116,11 @@ class TreeverifyAttnBackend:
         self._outs[id(plan)] = torch.empty(
             plan.max_total_q, g.num_qo_heads, g.head_dim_v, dtype=g.dtype, device=g.device
         )
-        log.info("treeverify: verify plan for %d requests x %d tokens", max_batch, n)
+        log.info(
+            "treeverify: verify plan for %d requests x %d tokens, %.1f MB of device buffers "
+            "(split partials included: TREEVERIFY_CUDA_SPLIT_BALANCE=1 drops the balanced "
+            "plans' spare splits)", max_batch, n, plan.workspace_bytes / 2**20,
+        )  # fmt: skip
         return plan
 
     def _plan_for(self, batch: int, n: int, *, capture: bool):
