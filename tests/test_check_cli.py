@@ -240,3 +240,16 @@ def test_cuda_split_merge_mode(monkeypatch):
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "fused")
     with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
         fused_merge_limit(env.cuda_split_merge())
+
+
+def test_cuda_split_balance(monkeypatch):
+    """TREEVERIFY_CUDA_SPLIT_BALANCE: the caller's default unless set (2 for plans, 1 for the
+    SGLang integration's); out of range is an error naming it."""
+    monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_BALANCE", raising=False)
+    assert env.cuda_split_balance() == 2 and env.cuda_split_balance(default=1) == 1
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_BALANCE", "2")
+    assert env.cuda_split_balance(default=1) == 2
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_BALANCE", bad)
+        with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_BALANCE"):
+            env.cuda_split_balance()

@@ -53,6 +53,7 @@ class TreeAttentionPlan:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cuda",
         backend: str = "cuda",
+        split_balance: int | None = None,
     ):
         for name, value in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -119,6 +120,7 @@ class TreeAttentionPlan:
                 max_tree=max_tree,
                 max_kv=self.max_kv_len,
                 total_q_cap=self.max_total_q,
+                split_balance=split_balance,
             )  # compiles and loads the kernels now (warmup), never on a request
             self._workspace = self._launcher.workspace()
             self.part_o, self.part_lse = self._workspace.part_o, self._workspace.part_lse

@@ -24,6 +24,7 @@ import logging
 
 import torch
 
+from treeverify import env
 from treeverify.integrations.sglang.geometry import VerifyGeometry
 from treeverify.integrations.sglang.verify_metadata import (
     FULL_MASK,
@@ -112,14 +113,15 @@ class TreeverifyAttnBackend:
             head_dim_v=g.head_dim_v, mla=g.mla, page_size=g.page_size, max_batch=max_batch,
             max_tree=n, max_pages_per_request=g.max_pages, max_kv_len=g.max_context_len,
             sm_scale=g.head_dim_qk**-0.5, dtype=g.dtype, device=g.device, backend=self.kernel,
+            split_balance=env.cuda_split_balance(default=1),
         )  # fmt: skip
         self._outs[id(plan)] = torch.empty(
             plan.max_total_q, g.num_qo_heads, g.head_dim_v, dtype=g.dtype, device=g.device
         )
         log.info(
             "treeverify: verify plan for %d requests x %d tokens, %.1f MB of device buffers "
-            "(split partials included: TREEVERIFY_CUDA_SPLIT_BALANCE=1 drops the balanced "
-            "plans' spare splits)", max_batch, n, plan.workspace_bytes / 2**20,
+            "(split partials included; TREEVERIFY_CUDA_SPLIT_BALANCE=2 doubles them on long "
+            "contexts)", max_batch, n, plan.workspace_bytes / 2**20,
         )  # fmt: skip
         return plan
 

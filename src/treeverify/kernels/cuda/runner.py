@@ -52,7 +52,10 @@ class Launcher:
         max_tree: int,
         max_kv: int,
         total_q_cap: int,
+        split_balance: int | None = None,
     ):
+        """`split_balance`: the balanced split rule's grid factor (kernels/splits.py); None:
+        TREEVERIFY_CUDA_SPLIT_BALANCE (default 2)."""
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"q: the cuda backend takes bf16 or fp16, got {dtype}")
         self.device = torch.device(device)
@@ -88,7 +91,7 @@ class Launcher:
             bn=self.fwd.bn,
             num_sms=props.multi_processor_count,
             ctas_per_sm=ctas_per_sm,
-            balance=env.cuda_split_balance() if balance_pays(
+            balance=(split_balance or env.cuda_split_balance()) if balance_pays(
                 max_kv=max_kv, max_tree=max_tree, hq=hq, hkv=hkv, dqk=dqk, dv=dv, mla=mla
             ) else 1,
         )  # fmt: skip
