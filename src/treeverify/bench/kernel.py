@@ -83,14 +83,28 @@ def time_plan(
     return median_replay_seconds(graph, replays) / reps, result, plan
 
 
+def step_graph(plan, inp: dict) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, its output) of one plan.run (the timing graph holds `reps` of them): what a
+    verify step launches, for its host time; keep the output alive while the graph is."""
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    out = torch.empty(q.shape[0], plan.hq, plan.dv, dtype=q.dtype, device=q.device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        plan.run(q, k, v, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
+
+
 def host_step_seconds(
     plan, inp: dict, graph: torch.cuda.CUDAGraph, steps: int = 20, *, on_host: bool = True
 ) -> float:
     """Median host time of one verify step: re-plan with the step's metadata (written into the
-    captured buffers in place) and launch the graph; the GPU idle at the start, the time to
-    return, not the kernels' (the target: <= 50 us a step). `on_host`: the metadata as host
-    tensors, the path plan() is built for (one packed copy, no sync); else the device-resident
-    tensors, whose capacity checks read them back (a sync)."""
+    captured buffers in place) and launch `graph` (one step: step_graph); the GPU idle at the
+    start, the time to return, not the kernels' (the target: <= 50 us a step). `on_host`: the
+    metadata as host tensors, the path plan() is built for (packed copies, no sync); else the
+    device-resident tensors, whose capacity checks read them back (a sync)."""
     names = ("block_table", "prefix_lens", "qo_indptr", "tree_mask")
     meta = [inp[k].cpu() if on_host else inp[k] for k in names]
     times = []
@@ -200,10 +214,12 @@ def run_grid(
                     secs = median_replay_seconds(graph, replays) / reps
                     row["splits"] = plan.split_policy.max_splits
                     row["chunk"] = plan.split_policy.chunk
-                    row["host_step_us"] = host_step_seconds(plan, inp, graph) * 1e6
+                    one, _one_out = step_graph(plan, inp)
+                    row["host_step_us"] = host_step_seconds(plan, inp, one) * 1e6
                     row["host_step_device_meta_us"] = (
-                        host_step_seconds(plan, inp, graph, on_host=False) * 1e6
+                        host_step_seconds(plan, inp, one, on_host=False) * 1e6
                     )
+                    del one, _one_out
                     if backend == "triton":
                         row["triton_config"] = plan._triton.config.__dict__
                 elif backend in BASELINES:
