@@ -63,14 +63,15 @@ def test_plan_capacities_raise_value_errors_naming_them():
         _plan(case, 16, backend="tpu")
 
 
-def test_host_metadata_packed_into_the_buffers_the_kernels_read():
-    """plan() with host metadata packs it into one staging buffer laid out as the device one
-    (two of them, alternating) and copies the used span: the views the kernels read hold the
-    step's prefix lengths (zeros past the batch), qo_indptr (total_q past it), the batch's
-    page rows (zeros past each row's width) and its mask rows, step after step as the batch
-    shrinks and grows."""
+def test_host_metadata_written_into_the_buffers_the_kernels_read():
+    """plan() writes a step's metadata into the fixed buffers the kernels read: the step's prefix
+    lengths (zeros past the batch), qo_indptr (total_q past it), the batch's page rows (zeros
+    past each row's width and past the batch) and its mask rows, step after step as the batch
+    shrinks and grows, at the same addresses (what a captured graph reads)."""
     case = Case("t", 3, 200, 20, 8, 2, 64, 64, False)
     plan = _plan(case, 16)
+    addresses = [t.data_ptr() for t in (plan.prefix_lens, plan.qo_indptr, plan.block_table,
+                                        plan.tree_mask)]  # fmt: skip
     for step, (prefixes, trees) in enumerate([([200, 3, 77], [20, 5, 9]), ([31], [20]),
                                               ([0, 190], [1, 17])]):  # fmt: skip
         inp = make_inputs(case, page_size=16, device="cpu", dtype=torch.float32, seed=step,
@@ -81,12 +82,9 @@ def test_host_metadata_packed_into_the_buffers_the_kernels_read():
         assert plan.prefix_lens.tolist() == prefixes + [0] * (3 - b)
         assert plan.qo_indptr.tolist() == inp["qo_indptr"].tolist() + [total] * (3 - b)
         assert torch.equal(plan.block_table[:b, :width], inp["block_table"])
-        assert (plan.block_table[:b, width:] == 0).all()
+        assert (plan.block_table[:b, width:] == 0).all() and (plan.block_table[b:] == 0).all()
         words = inp["tree_mask"].shape[1]
         assert torch.equal(plan.tree_mask[:total, :words], inp["tree_mask"])
         assert (plan.tree_mask[:total, words:] == 0).all()
-        assert plan._stage_next == (step + 1) % 2  # the two staging buffers alternate
-    # the views are one buffer: what a captured graph reads sits at fixed addresses
-    base = plan._meta.data_ptr()
-    assert plan.prefix_lens.data_ptr() == base
-    assert plan.tree_mask.data_ptr() + plan.tree_mask.numel() * 4 == base + plan._meta.numel() * 4
+        assert [t.data_ptr() for t in (plan.prefix_lens, plan.qo_indptr, plan.block_table,
+                                       plan.tree_mask)] == addresses  # fmt: skip

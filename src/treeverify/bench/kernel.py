@@ -103,8 +103,9 @@ def host_step_seconds(
     """Median host time of one verify step: re-plan with the step's metadata (written into the
     captured buffers in place) and launch `graph` (one step: step_graph); the GPU idle at the
     start, the time to return, not the kernels' (the target: <= 50 us a step). `on_host`: the
-    metadata as host tensors, the path plan() is built for (packed copies, no sync); else the
-    device-resident tensors, whose capacity checks read them back (a sync)."""
+    metadata as host tensors, the path plan() is built for (copies queued through pinned
+    memory, no sync); else the device-resident tensors, whose capacity checks read them back
+    (a sync)."""
     names = ("block_table", "prefix_lens", "qo_indptr", "tree_mask")
     meta = [inp[k].cpu() if on_host else inp[k] for k in names]
     times = []

@@ -23,17 +23,6 @@ from treeverify.kernels.staging import copy_from_host
 from treeverify.kernels.validate import validate_tree_attention_args
 
 
-def _views(
-    buf: torch.Tensor, max_batch: int, max_pages: int, max_total_q: int, words: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(prefix_lens (B,), qo_indptr (B+1,), block_table (B, pages), tree_mask (Q, W)) views of
-    one packed int32 buffer, in that order."""
-    a = max_batch
-    b = a + max_batch + 1
-    c = b + max_batch * max_pages
-    return buf[:a], buf[a:b], buf[b:c].view(max_batch, max_pages), buf[c:].view(max_total_q, words)
-
-
 class TreeAttentionPlan:
     def __init__(
         self,
@@ -81,16 +70,11 @@ class TreeAttentionPlan:
         self.words = math.ceil(max_tree / 32)
         self.dtype, self.device, self.backend = dtype, torch.device(device), backend
         dev = self.device
-        # Metadata buffers at fixed addresses (captured graphs read these), views of one int32
-        # buffer laid out [prefix_lens | qo_indptr | block_table | tree_mask] so that a step's
-        # host metadata reaches the device in one copy (plan()).
-        words = 2 * max_batch + 1 + max_batch * self.max_pages + self.max_total_q * self.words
-        self._meta = torch.zeros(words, dtype=torch.int32, device=dev)
-        self.prefix_lens, self.qo_indptr, self.block_table, self.tree_mask = _views(
-            self._meta, max_batch, self.max_pages, self.max_total_q, self.words
-        )
-        self._stages: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # host buffers
-        self._stage_next = 0
+        # Metadata buffers at fixed addresses (captured graphs read these).
+        self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
+        self.prefix_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.qo_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
+        self.tree_mask = torch.zeros(self.max_total_q, self.words, dtype=torch.int32, device=dev)
         self.batch = 0  # requests in the last plan() (host copy, for the torch backend)
         self._launcher = None
         self._triton = None
@@ -192,13 +176,6 @@ class TreeAttentionPlan:
                 f"max_kv_len {self.max_kv_len}"
             )
         self.batch = batch
-        if any(t.is_cuda for t in (block_table, prefix_lens, qo_indptr)):
-            self._copy_each(block_table, prefix_lens, qo_indptr, tree_mask, batch, total_q)
-        else:
-            self._copy_packed(block_table, prefix_lens, qo_indptr, tree_mask, batch, total_q)
-
-    def _copy_each(self, block_table, prefix_lens, qo_indptr, tree_mask, batch, total_q) -> None:
-        """Device-resident metadata: a copy per buffer, every byte of each rewritten."""
         self.block_table.zero_()
         copy_from_host(self.block_table[:batch, : block_table.shape[1]], block_table)
         self.prefix_lens.zero_()
@@ -207,49 +184,6 @@ class TreeAttentionPlan:
         copy_from_host(self.qo_indptr[: batch + 1], qo_indptr)
         self.tree_mask.zero_()
         copy_from_host(self.tree_mask[:total_q, : tree_mask.shape[1]], tree_mask[:total_q])
-
-    def _copy_packed(self, block_table, prefix_lens, qo_indptr, tree_mask, batch, total_q):
-        """Host metadata: packed into a host buffer laid out as the device one, then one copy
-        of [prefix_lens | qo_indptr | the batch's block_table rows] and one of the mask's used
-        rows (a device-resident mask: a device copy). Rows past the batch / total_q keep
-        stale values that nothing reads: padding requests have no prefix and no tree."""
-        host = self._stage()
-        h_pl, h_qo, h_bt, h_mask = _views(host, self.max_batch, self.max_pages,
-                                          self.max_total_q, self.words)  # fmt: skip
-        h_pl.zero_()
-        h_pl[:batch].copy_(prefix_lens)
-        h_qo.fill_(total_q)  # padding requests: empty trees
-        h_qo[: batch + 1].copy_(qo_indptr)
-        rows = h_bt[:batch]
-        rows.zero_()
-        rows[:, : block_table.shape[1]].copy_(block_table)
-        head = 2 * self.max_batch + 1 + batch * self.max_pages  # words up to the batch's rows
-        self._meta[:head].copy_(host[:head], non_blocking=True)
-        if tree_mask.is_cuda:
-            self.tree_mask[:total_q].zero_()
-            copy_from_host(self.tree_mask[:total_q, : tree_mask.shape[1]], tree_mask[:total_q])
-        else:
-            used = h_mask[:total_q]
-            used.zero_()
-            used[:, : tree_mask.shape[1]].copy_(tree_mask[:total_q])
-            self.tree_mask[:total_q].copy_(used, non_blocking=True)
-        stage_event = self._stages[self._stage_next][1]
-        if stage_event is not None:
-            stage_event.record()  # the copies above are queued: the buffer is free once they ran
-        self._stage_next = (self._stage_next + 1) % len(self._stages)
-
-    def _stage(self) -> torch.Tensor:
-        """The next of two host buffers (pinned for a GPU plan), once its last copy has run:
-        two, so planning step k+1 while step k runs never waits for the GPU."""
-        if not self._stages:
-            cuda = self._meta.is_cuda
-            for _ in range(2):
-                host = torch.zeros(self._meta.numel(), dtype=torch.int32, pin_memory=cuda)
-                self._stages.append((host, torch.cuda.Event() if cuda else None))
-        host, event = self._stages[self._stage_next]
-        if event is not None:
-            event.synchronize()  # the copy queued two plans ago (long done in a steady loop)
-        return host
 
     def validate(self, q, k_cache, v_cache) -> None:
         """Full data validation of the planned metadata against a cache (syncs: eager only)."""
