@@ -55,6 +55,30 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
     assert sum("_pp_" in row["variant"] for row in rows) == 4  # GQA ping-pong: d64/d128, 2 dtypes
 
 
+def test_params_struct_matches_the_device_struct():
+    """launch.Params (ctypes) and TreeAttnParams (device_common.cuh) list the same fields in
+    the same order with the same kinds: a mismatch shifts every field after it on the GPU."""
+    import ctypes
+    import re
+
+    from treeverify.kernels.cuda.launch import Params
+
+    src = Path(__file__).resolve().parents[1] / "src/treeverify/kernels/cuda/device_common.cuh"
+    body = re.search(r"struct TreeAttnParams \{(.*?)\n\};", src.read_text(), re.S).group(1)
+    device = []
+    for decl in re.sub(r"//[^\n]*", "", body).split(";"):
+        decl = decl.strip()
+        if not decl:
+            continue
+        kind = ("ptr" if "*" in decl else "i64" if decl.startswith("long long")
+                else "f32" if decl.startswith("float") else "i32")  # fmt: skip
+        names = re.sub(r"^(const\s+)?(unsigned|long long|void|float|int)\s*\**", "", decl)
+        device += [(n.strip().lstrip("*"), kind) for n in names.split(",")]
+    kinds = {ctypes.c_void_p: "ptr", ctypes.c_longlong: "i64", ctypes.c_float: "f32",
+             ctypes.c_int: "i32"}  # fmt: skip
+    assert device == [(name, kinds[t]) for name, t in Params._fields_]
+
+
 def test_variant_choice():
     assert isinstance(fwd_variant("sm_90a", 576, 512, True, "bf16"), MlaSm90Variant)
     portable = fwd_variant("sm_90a", 576, 512, True, "bf16", portable=True)
