@@ -42,7 +42,6 @@ struct TreeAttnParams {
   int out_rows;             // rows of out; those past the last request's tree are zeroed
   int balance_div;          // > 0: balanced splits, a split at least the batch's keys / this
   int merge_heads;          // heads one merge-kernel CTA merges (grid.y = ceil(hq / this))
-  int splits_last;          // 1: the forward grid is (m-tiles, requests x heads, splits)
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -129,16 +128,16 @@ __device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) 
 }
 
 // The forward grid: (m-tiles, splits, requests x KV heads), or for balanced plans
-// (p.splits_last) (m-tiles, requests x KV heads, splits): splits vary slowest, so the hardware
+// (p.balance_div > 0) (m-tiles, requests x KV heads, splits): splits vary slowest, so the hardware
 // dispatches every request's first split before any later one. When a batch of mixed lengths
 // fills the GPU with its first splits, the long requests' later splits then start on the SMs
 // that the short requests free, instead of taking slots at launch ahead of other requests'
 // first splits (v12: with splits in y, balancing gained nothing on SGLang's full batch).
 __device__ __forceinline__ int cta_request_head(const TreeAttnParams& p) {
-  return static_cast<int>(p.splits_last ? blockIdx.y : blockIdx.z);
+  return static_cast<int>(p.balance_div > 0 ? blockIdx.y : blockIdx.z);
 }
 __device__ __forceinline__ int cta_split(const TreeAttnParams& p) {
-  return static_cast<int>(p.splits_last ? blockIdx.z : blockIdx.y);
+  return static_cast<int>(p.balance_div > 0 ? blockIdx.z : blockIdx.y);
 }
 
 // Programmatic dependent launch (TREEVERIFY_CUDA_PDL=1, sm_90+): each forward CTA signals at

@@ -78,7 +78,6 @@ class Params(ctypes.Structure):
         ("out_rows", ctypes.c_int),
         ("balance_div", ctypes.c_int),
         ("merge_heads", ctypes.c_int),
-        ("splits_last", ctypes.c_int),
     ]
 
 

@@ -99,9 +99,8 @@ class Launcher:
         if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
             self.splits = dataclasses.replace(self.splits, max_splits=forced, balance_div=0)
         # Balanced plans dispatch splits last (device_common.cuh, cta_split); others as v11.
-        self.splits_last = self.splits.balance_div > 0
         bh, s = max_batch * hkv, self.splits.max_splits
-        self.grid = (self.m_tiles, bh, s) if self.splits_last else (self.m_tiles, s, bh)
+        self.grid = (self.m_tiles, bh, s) if self.splits.balance_div else (self.m_tiles, s, bh)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq)
         if self.merge.grid == "tile":  # the forward's tiles, each in row blocks
             tiles = self.m_tiles * max_batch * hkv
@@ -188,7 +187,6 @@ class Launcher:
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
         params.merge_heads = self.merge_heads
-        params.splits_last = int(self.splits_last)
         params.total_q_cap = self.total_q_cap
         params.scale_log2 = scale_log2(sm_scale)
         return params
