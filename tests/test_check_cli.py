@@ -253,3 +253,23 @@ def test_cuda_split_balance(monkeypatch):
         monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_BALANCE", bad)
         with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_BALANCE"):
             env.cuda_split_balance()
+
+
+@pytest.mark.parametrize(
+    "name,reader,value,expected",
+    [
+        ("TREEVERIFY_CUDA_MERGE_GRID", env.cuda_merge_grid, " Tile ", "tile"),
+        ("TREEVERIFY_CUDA_GQA_SCHEDULE", env.cuda_gqa_schedule, "pingpong", "pingpong"),
+        ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, "yes", True),
+    ],
+)
+def test_kernel_flags_read_and_rejected_by_name(monkeypatch, name, reader, value, expected):
+    """The kernel flags: their default unset, a valid value read, a bad one an error naming
+    the variable."""
+    monkeypatch.delenv(name, raising=False)
+    assert reader() in ("token", "tile", False)
+    monkeypatch.setenv(name, value)
+    assert reader() == expected
+    monkeypatch.setenv(name, "sideways")
+    with pytest.raises(ValueError, match=name):
+        reader()

@@ -149,36 +149,40 @@ def cuda_split_balance(default: int = 2) -> int:
     return int(value)
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """A variable that names one of `choices` (case-insensitive; unset: the first)."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}: expected {' or '.join(choices)}, got {value!r}")
+    return value
+
+
+def _switch(name: str, default: str) -> bool:
+    """A 0/1 variable (also false/true, no/yes); `default` when unset."""
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes"):
+        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes")
+
+
 def cuda_merge_grid() -> str:
     """TREEVERIFY_CUDA_MERGE_GRID: token (default) or tile (kernels/cuda/variants.py)."""
-    value = os.environ.get("TREEVERIFY_CUDA_MERGE_GRID", "").strip().lower() or "token"
-    if value not in ("token", "tile"):
-        raise ValueError(f"TREEVERIFY_CUDA_MERGE_GRID: expected token or tile, got {value!r}")
-    return value
+    return _choice("TREEVERIFY_CUDA_MERGE_GRID", ("token", "tile"))
 
 
 def cuda_pdl() -> bool:
     """TREEVERIFY_CUDA_PDL: 1 launches the split merge with programmatic dependent launch."""
-    value = os.environ.get("TREEVERIFY_CUDA_PDL", "0").strip().lower()
-    if value not in ("0", "1", "false", "true", "no", "yes"):
-        raise ValueError(f"TREEVERIFY_CUDA_PDL: expected 0 or 1, got {value!r}")
-    return value in ("1", "true", "yes")
+    return _switch("TREEVERIFY_CUDA_PDL", "0")
 
 
 def cuda_gqa_schedule() -> str:
     """TREEVERIFY_CUDA_GQA_SCHEDULE: tile (default) or pingpong (kernels/cuda/variants.py)."""
-    value = os.environ.get("TREEVERIFY_CUDA_GQA_SCHEDULE", "").strip().lower() or "tile"
-    if value not in ("tile", "pingpong"):
-        raise ValueError(f"TREEVERIFY_CUDA_GQA_SCHEDULE: expected tile or pingpong, got {value!r}")
-    return value
+    return _choice("TREEVERIFY_CUDA_GQA_SCHEDULE", ("tile", "pingpong"))
 
 
 def cuda_mla_schedule() -> str:
     """TREEVERIFY_CUDA_MLA_SCHEDULE: pair (default) or split (kernels/cuda/variants.py)."""
-    value = os.environ.get("TREEVERIFY_CUDA_MLA_SCHEDULE", "").strip().lower() or "pair"
-    if value not in ("pair", "split"):
-        raise ValueError(f"TREEVERIFY_CUDA_MLA_SCHEDULE: expected pair or split, got {value!r}")
-    return value
+    return _choice("TREEVERIFY_CUDA_MLA_SCHEDULE", ("pair", "split"))
 
 
 def cuda_max_splits() -> int | None:
@@ -195,10 +199,7 @@ def cuda_max_splits() -> int | None:
 def decode_gemv() -> bool:
     """TREEVERIFY_DECODE_GEMV: 0 turns the decode GEMV (models/gemv.py) off, every linear layer
     back on cuBLAS (an A/B, or an escape hatch); default on. Read once per process."""
-    value = os.environ.get("TREEVERIFY_DECODE_GEMV", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "no", "yes"):
-        raise ValueError(f"TREEVERIFY_DECODE_GEMV: expected 0 or 1, got {value!r}")
-    return value in ("1", "true", "yes")
+    return _switch("TREEVERIFY_DECODE_GEMV", "1")
 
 
 def cache_dir() -> Path:
