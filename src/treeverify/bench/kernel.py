@@ -62,13 +62,7 @@ def capture_plan(case: Case, inp: dict, page_size: int, reps: int, backend: str 
     out = torch.full((q.shape[0], case.hq, case.dv), float("nan"), dtype=q.dtype, device=q.device)
     plan.run(q, k, v, out)  # warm up outside capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            plan.run(q, k, v, out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture_runs(plan, inp, out, reps)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -83,18 +77,25 @@ def time_plan(
     return median_replay_seconds(graph, replays) / reps, result, plan
 
 
-def step_graph(plan, inp: dict) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """(graph, its output) of one plan.run (the timing graph holds `reps` of them): what a
-    verify step launches, for its host time; keep the output alive while the graph is."""
+def _capture_runs(plan, inp: dict, out: torch.Tensor, reps: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `reps` plan.run launches into `out`, captured on a side stream."""
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
-    out = torch.empty(q.shape[0], plan.hq, plan.dv, dtype=q.dtype, device=q.device)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        plan.run(q, k, v, out)
+        for _ in range(reps):
+            plan.run(q, k, v, out)
     torch.cuda.current_stream().wait_stream(stream)
-    return graph, out
+    return graph
+
+
+def step_graph(plan, inp: dict) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, its output) of one plan.run (the timing graph holds `reps` of them): what a
+    verify step launches, for its host time; keep the output alive while the graph is."""
+    q = inp["q"]
+    out = torch.empty(q.shape[0], plan.hq, plan.dv, dtype=q.dtype, device=q.device)
+    return _capture_runs(plan, inp, out, 1), out
 
 
 def host_step_seconds(
