@@ -51,6 +51,22 @@ def _poisoned(inp: dict, dv: int) -> torch.Tensor:
     return torch.full((q.shape[0], q.shape[1], dv), float("nan"), dtype=q.dtype, device=q.device)
 
 
+def _load_step(nxt: dict, kc, vc, q) -> tuple[int, torch.Tensor]:
+    """A new step's cache pages and queries written into a captured plan's fixed tensors (kc,
+    vc: the pools; q: rows past the step get fresh noise): (its rows, the reference output)."""
+    n_pages = nxt["k_cache"].shape[0]
+    assert n_pages <= kc.shape[0], "the step's pages must fit the captured pool"
+    kc[:n_pages].copy_(nxt["k_cache"])
+    if vc is not None:
+        vc[:n_pages].copy_(nxt["v_cache"])
+    total = nxt["q"].shape[0]
+    q.normal_()
+    q[:total].copy_(nxt["q"])
+    ref = _reference(dict(nxt, q=q[:total].clone(), k_cache=kc[:n_pages],
+                          v_cache=None if vc is None else vc[:n_pages]))  # fmt: skip
+    return total, ref
+
+
 def _grid():
     from treeverify.bench.cases import load_grid
 
@@ -370,17 +386,8 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, grid, 
                                               ([1583, 1200], [17, 1])]):  # fmt: skip
         nxt = make_inputs(case, page_size=page, device="cuda", seed=70 + step,
                           prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
-        n_pages = nxt["k_cache"].shape[0]
-        assert n_pages <= pool
-        kc[:n_pages].copy_(nxt["k_cache"])
-        if vc is not None:
-            vc[:n_pages].copy_(nxt["v_cache"])
-        total = nxt["q"].shape[0]
-        q.normal_()
-        q[:total].copy_(nxt["q"])
-        eager_inp = dict(nxt, q=q[:total].clone(), k_cache=kc[:n_pages],
-                         v_cache=None if vc is None else vc[:n_pages])  # fmt: skip
-        ref = _reference(eager_inp)
+        assert nxt["k_cache"].shape[0] <= pool
+        total, ref = _load_step(nxt, kc, vc, q)
         for mode, plan in plans.items():
             plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
             for o in outs[mode]:
@@ -466,20 +473,12 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch)
     for step, prefixes in enumerate(steps):
         nxt = make_inputs(case, page_size=page, device="cuda", seed=90 + step,
                           prefix_lens=prefixes, tree_sizes=[64] * len(prefixes))  # fmt: skip
-        n_pages = nxt["k_cache"].shape[0]
-        kc[:n_pages].copy_(nxt["k_cache"])
-        if vc is not None:
-            vc[:n_pages].copy_(nxt["v_cache"])
-        total = nxt["q"].shape[0]
-        q.normal_()
-        q[:total].copy_(nxt["q"])
+        total, ref = _load_step(nxt, kc, vc, q)
         kv = [p + 64 for p in prefixes]
         if step == 0:
             assert max(policy_splits(balanced, kv)) > max(policy_splits(plain, kv))
         if step == 1:
             assert policy_splits(balanced, kv) == policy_splits(plain, kv)
-        ref = _reference(dict(nxt, q=q[:total].clone(), k_cache=kc[:n_pages],
-                              v_cache=None if vc is None else vc[:n_pages]))  # fmt: skip
         for key, plan in plans.items():
             plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
             outs[key].fill_(float("nan"))

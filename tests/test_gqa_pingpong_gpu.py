@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_cuda_gpu import TOL, _cuda, _plan, _poisoned, _reference, _rel
+from test_cuda_gpu import TOL, _cuda, _load_step, _plan, _poisoned, _reference, _rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,14 +72,7 @@ def test_pingpong_captured_and_replayed_with_new_metadata(monkeypatch):
                                               ([77], [64]), ([5000, 4000], [1, 64])]):  # fmt: skip
         nxt = make_inputs(case, page_size=16, device="cuda", seed=30 + step,
                           prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
-        n_pages = nxt["k_cache"].shape[0]
-        kc[:n_pages].copy_(nxt["k_cache"])
-        vc[:n_pages].copy_(nxt["v_cache"])
-        total = nxt["q"].shape[0]
-        q.normal_()
-        q[:total].copy_(nxt["q"])
-        ref = _reference(dict(nxt, q=q[:total].clone(), k_cache=kc[:n_pages],
-                              v_cache=vc[:n_pages]))  # fmt: skip
+        total, ref = _load_step(nxt, kc, vc, q)
         plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
         for o in outs:
             o.fill_(float("nan"))
