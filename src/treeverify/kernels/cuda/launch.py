@@ -9,6 +9,7 @@ any PyTorch kernel. Nothing here allocates device memory or synchronises.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 
@@ -106,6 +107,16 @@ def _check(result, what: str) -> None:
         raise RuntimeError(f"CUDA driver call {what} failed: {name.decode() if name else err}")
 
 
+@functools.cache
+def _programmatic_attr():
+    """The launch attribute that allows programmatic dependent launch (made once)."""
+    drv = _drv()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return attr
+
+
 class LoadedKernel:
     """One variant's function handle on one device, ready to launch."""
 
@@ -141,10 +152,7 @@ class LoadedKernel:
             config.blockDimX, config.blockDimY, config.blockDimZ = self.threads, 1, 1
             config.sharedMemBytes = self.compiled.smem_bytes
             config.hStream = drv.CUstream(stream)
-            attr = drv.CUlaunchAttribute()
-            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config.attrs, config.numAttrs = [attr], 1
+            config.attrs, config.numAttrs = [_programmatic_attr()], 1
             res = drv.cuLaunchKernelEx(config, self._fn, ctypes.addressof(ptrs), 0)
             _check(res, f"cuLaunchKernelEx({self.compiled.name}, grid={grid}, programmatic)")
             return
