@@ -1,0 +1,215 @@
+"""Split-KV on a GPU (CUDA backend): the merge inside the forward and by the merge kernel
+(token and tile grids, with and without programmatic dependent launch), the padding rows zeroed
+there, and balanced splits for batches of mixed lengths, each in a captured plan replayed over
+new lengths against the reference.
+
+Skipped where no CUDA GPU (or no cuda-python) exists; scripts/gpu-check runs them on the H200.
+Outputs are poisoned with NaN before the kernels run; inputs are fresh random data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from test_cuda_gpu import TOL, _load_step, _plan, _poisoned, _reference, _rel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# ---- v8: the split merge inside the forward (split_merge.cuh) and padding rows zeroed there.
+
+MERGE_SHAPES = [
+    # (hq, hkv, dqk, dv, mla): the engine's tiny GQA shape, a 1B-like one, MLA
+    (4, 2, 64, 64, False),
+    (32, 8, 128, 128, False),
+    (16, 1, 576, 512, True),
+]
+
+
+@pytest.mark.parametrize("grid,pdl", [("token", "0"), ("tile", "0"), ("token", "1"),
+                                      ("tile", "1")])  # fmt: skip
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
+@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
+def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, grid, pdl, monkeypatch):
+    """Captured plans that merge every split tile in the forward, none, or those whose read is
+    small (auto: the rest by the merge kernel, which must skip the others), replayed over
+    lengths that change every request's split count and twice per replay (as two layers
+    would): each equals the reference and the merge kernel's plan; the tile counters are back at
+    zero after each replay; rows of padding requests come out zero (out poisoned before)."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    if portable:
+        monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_GRID", grid)  # the merge kernel's two grids
+    monkeypatch.setenv("TREEVERIFY_CUDA_PDL", pdl)  # and its programmatic launch, in a graph
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("m", 4, 1500, 17, hq, hkv, dqk, dv, mla)
+    page, max_batch, max_tree, max_kv = 16, 4, 17, 1600
+    first = make_inputs(case, page_size=page, device="cuda", seed=1,
+                        prefix_lens=[1500, 1500, 1500], tree_sizes=[17, 17, 17])  # fmt: skip
+    pool = first["k_cache"].shape[0]
+    plans = {}
+    for mode in ("forward", "kernel", "auto"):
+        monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", mode)
+        plans[mode] = _plan(first, case, page, max_batch, max_tree, math.ceil(max_kv / page),
+                            max_kv)  # fmt: skip
+    assert not plans["forward"]._launcher.merge_kernel_needed
+    assert plans["kernel"]._launcher.merge_kernel_needed
+    assert plans["forward"].split_policy.max_splits >= 4  # lengths below reach several counts
+    rows = max_batch * max_tree
+    q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
+    kc, vc = first["k_cache"], first["v_cache"]
+    outs, graphs = {}, {}
+    for mode, plan in plans.items():
+        plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"],
+                  first["tree_mask"])  # fmt: skip
+        outs[mode] = (torch.empty(rows, hq, dv, device="cuda", dtype=torch.bfloat16),
+                      torch.empty(rows, hq, dv, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+        plan.run(q, kc, vc, outs[mode][0])  # warmup, eager
+        torch.cuda.synchronize()
+        graphs[mode] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[mode]):
+            plan.run(q, kc, vc, outs[mode][0])
+            plan.run(q, kc, vc, outs[mode][1])
+    for step, (prefixes, trees) in enumerate([([0, 40, 130], [1, 17, 5]),
+                                              ([1400, 63, 64, 700], [17, 2, 17, 9]),
+                                              ([300], [17]),
+                                              ([1583, 1200], [17, 1])]):  # fmt: skip
+        nxt = make_inputs(case, page_size=page, device="cuda", seed=70 + step,
+                          prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+        assert nxt["k_cache"].shape[0] <= pool
+        total, ref = _load_step(nxt, kc, vc, q)
+        for mode, plan in plans.items():
+            plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
+            for o in outs[mode]:
+                o.fill_(float("nan"))
+            graphs[mode].replay()
+        torch.cuda.synchronize()
+        for mode, plan in plans.items():
+            for o in outs[mode]:
+                assert _rel(o[:total], ref) <= TOL, (mode, step)
+                assert (o[total:] == 0).all(), f"{mode}: padding rows not zeroed (step {step})"
+            counters = plan._workspace.counters
+            assert int(counters.abs().sum()) == 0, f"{mode}: tile counters left {counters}"
+        # fused and separate merges read the same partials: equal up to summation order
+        assert _rel(outs["forward"][0][:total], outs["kernel"][0][:total].float()) <= 1e-2
+
+
+def test_merge_kernel_launched_only_where_a_tile_can_exceed_the_limit(monkeypatch):
+    """Decode plans never launch the merge kernel; 17-node trees over long contexts do (their
+    short contexts still merge in the forward); forcing the forward launches none."""
+    from treeverify.kernels.cuda.runner import Launcher
+
+    def launcher(tree, max_kv):
+        return Launcher(device=torch.device("cuda"), dtype=torch.bfloat16, hq=4, hkv=2, dqk=64,
+                        dv=64, mla=False, max_batch=1, max_tree=tree, max_kv=max_kv,
+                        total_q_cap=tree)  # fmt: skip
+
+    monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_MERGE", raising=False)
+    assert not launcher(1, 32768).merge_kernel_needed  # tiny-code decode
+    assert launcher(17, 32768).merge_kernel_needed  # DDTREE-16 verify, 64 splits
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "forward")
+    assert not launcher(17, 32768).merge_kernel_needed
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "sideways")
+    with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
+        launcher(17, 1041)
+
+
+# ---- v12: balanced splits (kernels/splits.py): a batch of mixed lengths spreads its long requests.
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128, 128, False), (8, 1, 576, 512, True)],
+                         ids=["gqa128", "mla"])  # fmt: skip
+@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
+def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch):
+    """SGLang's batch path's shape (8 requests, N=64, a plan sized for 8256 keys): with
+    balancing the grid has room for more splits than a uniform batch uses and the long requests
+    take them. Captured once, replayed over mixed, uniform and padded batches: equal to the
+    reference each time, and the forward and merge kernels agree on every request's splits
+    (they would not write a finite output otherwise: out is poisoned)."""
+    from treeverify.bench.cases import Case, make_inputs
+    from treeverify.kernels.splits import policy_splits
+
+    if portable:
+        monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("b", 8, 8192, 64, hq, hkv, dqk, dv, mla)
+    page, max_batch, max_tree, max_kv = 16, 8, 64, 8256
+    first = make_inputs(case, page_size=page, device="cuda", seed=3)
+    plans = {}
+    for balance in ("1", "2"):
+        monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_BALANCE", balance)
+        plans[balance] = _plan(first, case, page, max_batch, max_tree, max_kv // page, max_kv)
+    plain, balanced = plans["1"].split_policy, plans["2"].split_policy
+    assert plain.balance_div == 0 and balanced.balance_div == 8 * plain.max_splits
+    assert balanced.max_splits == 2 * plain.max_splits
+    kc, vc = first["k_cache"], first["v_cache"]
+    rows = max_batch * max_tree
+    q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
+    outs, graphs = {}, {}
+    for key, plan in plans.items():
+        plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"],
+                  first["tree_mask"])  # fmt: skip
+        outs[key] = torch.empty(rows, hq, dv, device="cuda", dtype=torch.bfloat16)
+        plan.run(q, kc, vc, outs[key])
+        torch.cuda.synchronize()
+        graphs[key] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[key]):
+            plan.run(q, kc, vc, outs[key])
+    steps = [
+        [8192, 6000, 4100, 3000, 1800, 800, 240, 1],  # mixed: the long ones split more
+        [8192] * 8,  # uniform: the same splits as unbalanced
+        [8000, 17, 5000],  # padded: 3 requests in a plan for 8
+    ]
+    for step, prefixes in enumerate(steps):
+        nxt = make_inputs(case, page_size=page, device="cuda", seed=90 + step,
+                          prefix_lens=prefixes, tree_sizes=[64] * len(prefixes))  # fmt: skip
+        total, ref = _load_step(nxt, kc, vc, q)
+        kv = [p + 64 for p in prefixes]
+        if step == 0:
+            assert max(policy_splits(balanced, kv)) > max(policy_splits(plain, kv))
+        if step == 1:
+            assert policy_splits(balanced, kv) == policy_splits(plain, kv)
+        for key, plan in plans.items():
+            plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
+            outs[key].fill_(float("nan"))
+            graphs[key].replay()
+        torch.cuda.synchronize()
+        for key in plans:
+            assert _rel(outs[key][:total], ref) <= TOL, (key, step)
+
+
+@pytest.mark.parametrize("grid", ["token", "tile"])
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
+def test_merge_kernel_with_several_heads_per_cta(shape, grid, monkeypatch):
+    """The merge kernel's CTA takes p.merge_heads heads (v12), or with the tile grid several
+    rows of a tile: the grid forced small so that it does here, the merge kernel doing every
+    merge, and the output still equals the reference."""
+    from treeverify.bench.cases import Case, make_inputs
+    from treeverify.kernels import splits
+
+    monkeypatch.setattr(splits, "MERGE_MAX_CTAS", 16)
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "kernel")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_GRID", grid)
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("h", 3, 1500, 17, hq, hkv, dqk, dv, mla)
+    inp = make_inputs(case, page_size=16, device="cuda", seed=5, prefix_lens=[1500, 7, 640],
+                      tree_sizes=[17, 3, 9])  # fmt: skip
+    plan = _plan(inp, case, 16, 3, 17, inp["block_table"].shape[1], 1600)
+    launcher = plan._launcher
+    assert launcher.merge_kernel_needed
+    if grid == "token":
+        assert launcher.merge_heads > 1
+        assert launcher.merge_grid[1] == -(-hq // launcher.merge_heads)
+    else:  # (m-tiles, requests x KV heads, row blocks): several rows a CTA
+        assert launcher.merge_grid[:2] == (launcher.m_tiles, 3 * hkv)
+        assert launcher.merge_grid[2] < launcher.fwd.bm
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    out = _poisoned(inp, dv)
+    plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
+    assert _rel(out, _reference(inp)) <= TOL
