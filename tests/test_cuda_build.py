@@ -85,9 +85,10 @@ def test_variant_choice():
     assert not isinstance(portable, MlaSm90Variant) and portable.smem_bytes <= SMEM_LIMIT["sm_90a"]
     small = fwd_variant("sm_120", 576, 512, True, "fp16")
     assert small.smem_bytes <= SMEM_LIMIT["sm_120"]
-    assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256).bm == 128
-    pp = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="pingpong")
+    pp = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256)  # the default schedule
     assert pp.schedule == "pingpong" and pp.threads == 384 and pp.bm == 128
+    tile = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="tile")
+    assert tile.schedule == "tile" and tile.threads == 256 and tile.bm == 128
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64, gqa_schedule="pingpong").bm == 64
     with pytest.raises(ValueError, match="schedule"):
         GqaSm90Variant(128, 1, "bf16", schedule="pingpong")  # 128-row CTAs only

@@ -1,10 +1,12 @@
-"""The sm_90a GQA ping-pong kernel (TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong: a producer warpgroup,
-mbarrier-guarded slots, two consumer warpgroups taking turns on the MMAs) against the reference.
+"""The sm_90a GQA kernels for 128-row CTAs against the reference: the ping-pong kernel (the
+default, TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong: a producer warpgroup, mbarrier-guarded slots, two
+consumer warpgroups taking turns on the MMAs) and the tile kernel it replaced (=tile, kept for
+A/B runs), on the same edge cases.
 
-Not in scripts/gpu-check's default list: a barrier bug hangs rather than fails, so
-scripts/gqa_pingpong_ab runs this file under a timeout before anything else. Skipped without a
-CUDA GPU; the kernel exists on sm_90a only (elsewhere the schedule falls back to the tile
-kernel, which these tests then check too). Outputs are poisoned with NaN before the kernel runs.
+A barrier bug hangs rather than fails: scripts/gpu-check runs the GPU tests under a timeout.
+Skipped without a CUDA GPU; both kernels exist on sm_90a only (elsewhere the schedule falls back
+to the portable kernel, which these tests then check too). Outputs are poisoned with NaN before
+the kernel runs.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ EDGES = [
 @pytest.mark.parametrize("splits", [None, "4"], ids=["policy", "4splits"])
 @pytest.mark.parametrize("edge", EDGES, ids=["tiles", "d64-page1", "group8", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_pingpong_matches_reference(edge, dtype, splits, monkeypatch):
+@pytest.mark.parametrize("schedule", ["pingpong", "tile"])
+def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     from treeverify.bench.cases import Case, make_inputs
 
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     if splits:  # many splits: m-tiles whose later splits have no key (n_tiles == 0)
         monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", splits)
     hq, hkv, d, page, prefixes, trees = edge
@@ -52,7 +55,7 @@ def test_pingpong_captured_and_replayed_with_new_metadata(monkeypatch):
     counts (twice a replay, as two layers): equal to the reference every time."""
     from treeverify.bench.cases import Case, make_inputs
 
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong")
+    monkeypatch.delenv("TREEVERIFY_CUDA_GQA_SCHEDULE", raising=False)  # the default
     case = Case("pp", 4, 6000, 64, 32, 8, 128, 128, False)
     first = make_inputs(case, page_size=16, device="cuda", seed=7)
     plan = _plan(first, case, 16, 4, 64, first["block_table"].shape[1], 6064)

@@ -22,10 +22,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   measured: kernels/cuda/merge_and_mask.cuh).
 - ``TREEVERIFY_CUDA_PDL``: ``1`` launches the CUDA backend's split-merge kernel with
   programmatic dependent launch on sm_90+ (v13, to be measured); default off.
-- ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``tile``
-  (default) or ``pingpong`` (a producer warpgroup and two consumers taking turns on the MMAs;
-  v14: 1.12x on the GQA N=64 cases, its own tests and sanitizers clean; the default once the
-  full GPU suite has run with it).
+- ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``pingpong``
+  (default since v14b: a producer warpgroup and two consumers taking turns on the MMAs, 1.12x
+  on the GQA N=64 cases) or ``tile`` (one warpgroup per 64 rows, each loading and computing;
+  kept for A/B runs).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -68,8 +68,8 @@ VARIABLES: dict[str, str] = {
     "per token and heads) or tile (a CTA per block of a row tile's rows; to be measured).",
     "TREEVERIFY_CUDA_PDL": "1: launch the CUDA split-merge kernel with programmatic dependent "
     "launch on sm_90+ (its early exits overlap the forward; to be measured). Default off.",
-    "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: tile (default) or "
-    "pingpong (producer warpgroup + two consumers in turns; v14, 1.12x on GQA N=64).",
+    "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
+    "producer warpgroup + two consumers in turns, v14) or tile (the v11 kernel, for A/B runs).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
     "whole KV tiles) or split (both take half of every tile: the v9 kernel, for A/B runs).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
@@ -176,8 +176,8 @@ def cuda_pdl() -> bool:
 
 
 def cuda_gqa_schedule() -> str:
-    """TREEVERIFY_CUDA_GQA_SCHEDULE: tile (default) or pingpong (kernels/cuda/variants.py)."""
-    return _choice("TREEVERIFY_CUDA_GQA_SCHEDULE", ("tile", "pingpong"))
+    """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong (default) or tile (kernels/cuda/variants.py)."""
+    return _choice("TREEVERIFY_CUDA_GQA_SCHEDULE", ("pingpong", "tile"))
 
 
 def cuda_mla_schedule() -> str:

@@ -311,7 +311,7 @@ def fwd_variant(
     rows: int = 64,
     portable: bool = False,
     mla_schedule: str = "pair",
-    gqa_schedule: str = "tile",
+    gqa_schedule: str = "pingpong",
 ) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
@@ -371,8 +371,8 @@ def all_variants(arch: str) -> list[Variant]:
         if arch == "sm_90a":
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
-            for d in (64, 128):  # the GQA ping-pong kernel (TREEVERIFY_CUDA_GQA_SCHEDULE)
-                out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule="pingpong"))
+            for d in (64, 128):  # the GQA tile kernel (TREEVERIFY_CUDA_GQA_SCHEDULE=tile)
+                out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule="tile"))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out += [MergeVariant(dv, dtype, grid) for grid in MERGE_GRIDS]
     out.append(MaskVariant())
