@@ -153,9 +153,11 @@ def _plan(inp, case, page, max_batch, max_tree, max_pages, max_kv):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("on_host", [False, True], ids=["device-meta", "host-meta"])
 @pytest.mark.parametrize("mla", [False, True])
-def test_capture_then_rewrite_metadata_in_place(mla):
-    """One graph captured; new lengths, trees and pages written into the plan; replay == eager."""
+def test_capture_then_rewrite_metadata_in_place(mla, on_host):
+    """One graph captured; new lengths, trees and pages written into the plan (from device
+    tensors, or from host tensors through the pinned staging ring); replay == eager."""
     from treeverify.bench.cases import Case, make_inputs
 
     case = Case(
@@ -194,7 +196,8 @@ def test_capture_then_rewrite_metadata_in_place(mla):
         kc[:n_pages].copy_(nxt["k_cache"])  # new cache content, same pool
         if vc is not None:
             vc[:n_pages].copy_(nxt["v_cache"])
-        plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
+        meta = [nxt[k] for k in ("block_table", "prefix_lens", "qo_indptr", "tree_mask")]
+        plan.plan(*[t.cpu() if on_host else t for t in meta])
         total = nxt["q"].shape[0]
         q.normal_()
         q[:total].copy_(nxt["q"])

@@ -24,8 +24,9 @@ def test_plan_run_equals_eager_across_replans(mla):
     case = Case("t", 3, 500, 40, 4 if mla else 8, 1 if mla else 2, 576 if mla else 64,
                 512 if mla else 64, mla)  # fmt: skip
     plan = _plan(case, 16)
-    meta = plan.block_table.nbytes + plan.prefix_lens.nbytes + plan.qo_indptr.nbytes
-    assert plan.workspace_bytes == meta + plan.tree_mask.nbytes  # torch plans hold no partials
+    views = (plan.block_table, plan.prefix_lens, plan.qo_indptr, plan.tree_mask)
+    meta = sum(t.nbytes for t in views)  # one buffer, each view 256-byte aligned in it
+    assert meta <= plan.workspace_bytes < meta + 4 * 256  # torch plans hold no partials
     for seed, (prefixes, trees) in enumerate([([500, 0, 37], [40, 1, 17]), ([9, 900], [3, 33])]):
         inp = make_inputs(case, page_size=16, device="cpu", dtype=torch.float32, seed=seed,
                           prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
@@ -66,8 +67,9 @@ def test_plan_capacities_raise_value_errors_naming_them():
 def test_host_metadata_written_into_the_buffers_the_kernels_read():
     """plan() writes a step's metadata into the fixed buffers the kernels read: the step's prefix
     lengths (zeros past the batch), qo_indptr (total_q past it), the batch's page rows (zeros
-    past each row's width and past the batch) and its mask rows, step after step as the batch
-    shrinks and grows, at the same addresses (what a captured graph reads)."""
+    past each row's width and past the batch) and its mask rows (zeros past them), step after
+    step as the batch shrinks and grows, at the same addresses (what a captured graph reads):
+    nothing of a larger earlier step survives."""
     case = Case("t", 3, 200, 20, 8, 2, 64, 64, False)
     plan = _plan(case, 16)
     addresses = [t.data_ptr() for t in (plan.prefix_lens, plan.qo_indptr, plan.block_table,
@@ -85,6 +87,20 @@ def test_host_metadata_written_into_the_buffers_the_kernels_read():
         assert (plan.block_table[:b, width:] == 0).all() and (plan.block_table[b:] == 0).all()
         words = inp["tree_mask"].shape[1]
         assert torch.equal(plan.tree_mask[:total, :words], inp["tree_mask"])
-        assert (plan.tree_mask[:total, words:] == 0).all()
+        assert (plan.tree_mask[:total, words:] == 0).all() and (plan.tree_mask[total:] == 0).all()
         assert [t.data_ptr() for t in (plan.prefix_lens, plan.qo_indptr, plan.block_table,
                                        plan.tree_mask)] == addresses  # fmt: skip
+
+
+def test_plan_rejects_metadata_whose_shapes_disagree():
+    case = Case("t", 2, 100, 16, 8, 2, 64, 64, False)
+    inp = make_inputs(case, page_size=16, device="cpu", dtype=torch.float32, seed=1)
+    plan = _plan(case, 16)
+    bt, pl, qo, mask = (inp[k] for k in ("block_table", "prefix_lens", "qo_indptr", "tree_mask"))
+    with pytest.raises(ValueError, match="block_table"):
+        plan.plan(bt[:1], pl, qo, mask)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        plan.plan(bt, pl, qo[:2], mask)
+    with pytest.raises(ValueError, match="tree_mask"):
+        plan.plan(bt, pl, qo, mask[:5])
+    plan.plan(bt, pl, qo, mask)  # the plan still works after the rejections

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from treeverify.kernels.plan_metadata import PlanMetadata
 from treeverify.kernels.staging import copy_from_host
 from treeverify.kernels.validate import validate_tree_attention_args
 
@@ -70,11 +72,12 @@ class TreeAttentionPlan:
         self.words = math.ceil(max_tree / 32)
         self.dtype, self.device, self.backend = dtype, torch.device(device), backend
         dev = self.device
-        # Metadata buffers at fixed addresses (captured graphs read these).
-        self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
-        self.prefix_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-        self.qo_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
-        self.tree_mask = torch.zeros(self.max_total_q, self.words, dtype=torch.int32, device=dev)
+        # Metadata buffers at fixed addresses (captured graphs read these): views of one buffer.
+        self._meta = PlanMetadata(max_batch, self.max_pages, self.max_total_q, self.words, dev)
+        self.block_table = self._meta.block_table  # (max_batch, max_pages)
+        self.prefix_lens = self._meta.prefix_lens  # (max_batch,)
+        self.qo_indptr = self._meta.qo_indptr  # (max_batch + 1,)
+        self.tree_mask = self._meta.tree_mask  # (max_total_q, words)
         self.batch = 0  # requests in the last plan() (host copy, for the torch backend)
         self._launcher = None
         self._triton = None
@@ -113,12 +116,12 @@ class TreeAttentionPlan:
     @property
     def workspace_bytes(self) -> int:
         """Device bytes this plan holds (metadata + split partials)."""
-        tensors = [self.block_table, self.prefix_lens, self.qo_indptr, self.tree_mask]
+        tensors = []
         if self._launcher is not None or self._triton is not None:
             tensors += [self.part_o, self.part_lse]
         if self._launcher is not None:
             tensors.append(self._workspace.counters)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self._meta.nbytes + sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def zeroes_padding_rows(self) -> bool:
@@ -140,19 +143,24 @@ class TreeAttentionPlan:
         tree_mask: torch.Tensor,  # (total_q, W) int32, W <= ceil(max_tree / 32)
     ) -> None:
         """Check capacities on the host, then queue the metadata's copies into the fixed
-        buffers. Host index tensors (prefix_lens, qo_indptr, and ideally the others) keep it from
-        ever waiting for the GPU: their copies go through pinned memory and are only enqueued, so
-        the next step can be planned while this one runs. Device prefix_lens / qo_indptr are
-        read back for the capacity checks (a sync)."""
+        buffers. Host tensors (the path this is built for) never wait for the GPU: they are
+        written into a pinned staging buffer and queued as two copies (kernels/plan_metadata.py),
+        so the next step can be planned while this one runs; the mask may live on the device.
+        Device prefix_lens / qo_indptr are read back for the capacity checks (a sync), and each
+        buffer is zeroed and refilled on the device."""
         batch = prefix_lens.shape[0] if isinstance(prefix_lens, torch.Tensor) else -1
         if not 1 <= batch <= self.max_batch:
             raise ValueError(
                 f"prefix_lens: batch {batch} exceeds the plan's max_batch "
                 f"{self.max_batch} (or is empty)"
             )
-        if block_table.dim() != 2 or block_table.shape[1] > self.max_pages:
+        if (
+            block_table.dim() != 2
+            or block_table.shape[0] != batch
+            or block_table.shape[1] > self.max_pages
+        ):
             raise ValueError(
-                f"block_table: expected (B, <= {self.max_pages}) pages, got "
+                f"block_table: expected ({batch}, <= {self.max_pages}) pages, got "
                 f"{tuple(block_table.shape)}"
             )
         if tree_mask.dim() != 2 or tree_mask.shape[1] > self.words:
@@ -160,22 +168,34 @@ class TreeAttentionPlan:
                 f"tree_mask: expected (total_q, <= {self.words}) words, got "
                 f"{tuple(tree_mask.shape)}"
             )
-        qo = qo_indptr.to("cpu", torch.int64)
-        pl = prefix_lens.to("cpu", torch.int64)
-        trees = qo[1:] - qo[:-1]
+        on_host = not (block_table.is_cuda or prefix_lens.is_cuda or qo_indptr.is_cuda)
+        qo = qo_indptr.numpy() if on_host else qo_indptr.cpu().numpy()  # (B+1,)
+        pl = prefix_lens.numpy() if on_host else prefix_lens.cpu().numpy()  # (B,)
+        if qo.shape != (batch + 1,):
+            raise ValueError(f"qo_indptr: expected ({batch + 1},) entries, got {qo.shape}")
+        trees = qo[1:].astype(np.int64) - qo[:-1]  # (B,)
         total_q = int(qo[-1])
         if total_q > self.max_total_q:
             raise ValueError(f"qo_indptr: total_q {total_q} exceeds max_total_q {self.max_total_q}")
-        if batch and int(trees.max()) > self.max_tree:
+        if int(trees.max()) > self.max_tree:
             raise ValueError(
                 f"qo_indptr: a tree of {int(trees.max())} nodes exceeds max_tree {self.max_tree}"
             )
-        if batch and int((pl + trees).max()) > self.max_kv_len:
+        if int((pl + trees).max()) > self.max_kv_len:
             raise ValueError(
                 f"prefix_lens: prefix + tree {int((pl + trees).max())} exceeds "
                 f"max_kv_len {self.max_kv_len}"
             )
+        if tree_mask.shape[0] < total_q:
+            raise ValueError(
+                f"tree_mask: expected >= {total_q} rows (total_q), got {tree_mask.shape[0]}"
+            )
         self.batch = batch
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if on_host and not capturing:
+            mask = tree_mask if tree_mask.is_cuda else tree_mask.numpy()
+            self._meta.write_from_host(block_table.numpy(), pl, qo, mask, total_q)
+            return
         self.block_table.zero_()
         copy_from_host(self.block_table[:batch, : block_table.shape[1]], block_table)
         self.prefix_lens.zero_()
@@ -184,6 +204,7 @@ class TreeAttentionPlan:
         copy_from_host(self.qo_indptr[: batch + 1], qo_indptr)
         self.tree_mask.zero_()
         copy_from_host(self.tree_mask[:total_q, : tree_mask.shape[1]], tree_mask[:total_q])
+        self._meta.written(batch, total_q)
 
     def validate(self, q, k_cache, v_cache) -> None:
         """Full data validation of the planned metadata against a cache (syncs: eager only)."""
