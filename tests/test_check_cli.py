@@ -260,7 +260,7 @@ def test_cuda_split_balance(monkeypatch):
     [
         ("TREEVERIFY_CUDA_MERGE_GRID", env.cuda_merge_grid, "token", " Tile ", "tile"),
         ("TREEVERIFY_CUDA_GQA_SCHEDULE", env.cuda_gqa_schedule, "pingpong", " Tile", "tile"),
-        ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, False, "yes", True),
+        ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, "auto", "yes", "1"),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

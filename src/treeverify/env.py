@@ -20,8 +20,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_CUDA_MERGE_GRID``: the CUDA backend's split-merge kernel: ``token`` (default; a
   CTA per token and heads) or ``tile`` (a CTA per block of a row tile's rows; v13, to be
   measured: kernels/cuda/merge_and_mask.cuh).
-- ``TREEVERIFY_CUDA_PDL``: ``1`` launches the CUDA backend's split-merge kernel with
-  programmatic dependent launch on sm_90+ (v13, to be measured); default off.
+- ``TREEVERIFY_CUDA_PDL``: the CUDA backend's split-merge kernel by programmatic dependent
+  launch on sm_90+: ``auto`` (default; where the forward grid fits in one wave, v13b: 1.04-1.09x
+  on the small cases, while on multi-wave grids the merge's early CTAs took SM slots from the
+  forward, 0.93x), ``1`` (always) or ``0`` (never).
 - ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``pingpong``
   (default since v14b: a producer warpgroup and two consumers taking turns on the MMAs, 1.12x
   on the GQA N=64 cases) or ``tile`` (one warpgroup per 64 rows, each loading and computing;
@@ -66,8 +68,8 @@ VARIABLES: dict[str, str] = {
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_MERGE_GRID": "The CUDA split-merge kernel's grid: token (default; a CTA "
     "per token and heads) or tile (a CTA per block of a row tile's rows; to be measured).",
-    "TREEVERIFY_CUDA_PDL": "1: launch the CUDA split-merge kernel with programmatic dependent "
-    "launch on sm_90+ (its early exits overlap the forward; to be measured). Default off.",
+    "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "
+    "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
     "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
     "producer warpgroup + two consumers in turns, v14) or tile (the v11 kernel, for A/B runs).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -170,9 +172,14 @@ def cuda_merge_grid() -> str:
     return _choice("TREEVERIFY_CUDA_MERGE_GRID", ("token", "tile"))
 
 
-def cuda_pdl() -> bool:
-    """TREEVERIFY_CUDA_PDL: 1 launches the split merge with programmatic dependent launch."""
-    return _switch("TREEVERIFY_CUDA_PDL", "0")
+def cuda_pdl() -> str:
+    """TREEVERIFY_CUDA_PDL: auto (default: programmatic dependent launch of the split merge where
+    the forward grid fits in one wave), 1 (always, sm_90+) or 0 (never)."""
+    value = os.environ.get("TREEVERIFY_CUDA_PDL", "").strip().lower() or "auto"
+    aliases = {"auto": "auto", "1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}
+    if value not in aliases:
+        raise ValueError(f"TREEVERIFY_CUDA_PDL: expected auto, 1 or 0, got {value!r}")
+    return aliases[value]
 
 
 def cuda_gqa_schedule() -> str:

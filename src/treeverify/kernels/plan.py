@@ -144,7 +144,7 @@ class TreeAttentionPlan:
     ) -> None:
         """Check capacities on the host, then queue the metadata's copies into the fixed
         buffers. Host tensors (the path this is built for) never wait for the GPU: they are
-        written into a pinned staging buffer and queued as two copies (kernels/plan_metadata.py),
+        written into a pinned staging buffer and queued as one copy (kernels/plan_metadata.py),
         so the next step can be planned while this one runs; the mask may live on the device.
         Device prefix_lens / qo_indptr are read back for the capacity checks (a sync), and each
         buffer is zeroed and refilled on the device."""
@@ -204,7 +204,7 @@ class TreeAttentionPlan:
         copy_from_host(self.qo_indptr[: batch + 1], qo_indptr)
         self.tree_mask.zero_()
         copy_from_host(self.tree_mask[:total_q, : tree_mask.shape[1]], tree_mask[:total_q])
-        self._meta.written(batch, total_q)
+        self._meta.written(batch)
 
     def validate(self, q, k_cache, v_cache) -> None:
         """Full data validation of the planned metadata against a cache (syncs: eager only)."""

@@ -6,16 +6,18 @@ dozen small torch ops, 145-310 us of host time a step on the H200's host against
 <= 50 us (scripts/host_step_profile.py, 2f9e56c: `fill_` 13 us, a staged copy 20-37 us). Here the
 buffers (prefix_lens, qo_indptr, tree_mask, block_table) are views of one int32 device buffer at
 fixed addresses, and a step's host metadata is written with numpy into a pinned staging buffer
-laid out the same way, then queued as two host-to-device copies:
+laid out the same way, then queued as one host-to-device copy of
 
-    [prefix_lens | qo_indptr | tree_mask rows]   [block_table rows]
+    [prefix_lens | qo_indptr | tree_mask | block_table rows]
 
 Every region is written whole within what is copied: prefix lengths zero past the batch,
-qo_indptr total_q past it, and the mask and page rows up to the larger of this step's and the
-previous step's extent (zeros past this step's), so the device buffers always read as if zeroed
-and refilled, and nothing from an earlier, larger batch survives. Staging buffers form a ring
-of two: one is rewritten only once the event recorded after its copies has passed, so the host
-never writes memory a queued copy still reads and waits only when the GPU runs two plans behind.
+qo_indptr total_q past it, the mask zero past the step's rows and words, and the page rows up to
+the larger of this step's and the previous step's batch (zeros past this step's), so the device
+buffers always read as if zeroed and refilled, and nothing from an earlier, larger batch
+survives. A mask already on the device (a speculative round's) is copied on the device after
+that. Staging buffers form a ring of two: one is rewritten only once the event recorded after its
+copy has passed, so the host never writes memory a queued copy still reads and waits only when
+the GPU runs two plans behind.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ class PlanMetadata:
             max_total_q, words
         )  # (max_total_q, words)
         self.block_table = self.buffer[self.off_table :].view(max_batch, max_pages)
-        self._table_rows = 0  # rows of block_table / tree_mask that may hold non-zero values
-        self._mask_rows = 0
+        self._table_rows = 0  # rows of block_table that may hold non-zero values
+        self._driver = self._check = None  # cuda.bindings.driver, on the first copy
+        self._streams: dict[int, object] = {}  # CUstream handles by stream
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
         self._next = 0
 
@@ -58,10 +61,10 @@ class PlanMetadata:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    def written(self, batch: int, total_q: int) -> None:
+    def written(self, batch: int) -> None:
         """Record that the buffers were zeroed and refilled another way (plan()'s device path):
-        rows past `batch` / `total_q` hold zeros."""
-        self._table_rows, self._mask_rows = batch, total_q
+        block_table rows past `batch` hold zeros."""
+        self._table_rows = batch
 
     def write_from_host(
         self,
@@ -75,36 +78,33 @@ class PlanMetadata:
         runs two plans behind). The caller has checked every capacity."""
         batch, cols = block_table.shape
         table_rows = max(batch, self._table_rows)
-        mask_rows = max(total_q, self._mask_rows)
-        host_mask = isinstance(tree_mask, np.ndarray)
-        stage, stage_np, done = self._slot()
-        stage_np[:batch] = prefix_lens
-        stage_np[batch : self.max_batch] = 0
-        q = stage_np[self.off_qo : self.off_qo + self.max_batch + 1]
+        stage, h, done = self._slot()
+        h[:batch] = prefix_lens
+        h[batch : self.max_batch] = 0
+        q = h[self.off_qo : self.off_qo + self.max_batch + 1]
         q[: batch + 1] = qo_indptr
         q[batch + 1 :] = total_q  # padding requests: empty trees
-        end_a = self.off_qo + self.max_batch + 1
+        m = h[self.off_mask : self.off_mask + self.max_total_q * self.words]
+        m = m.reshape(self.max_total_q, self.words)
+        host_mask = isinstance(tree_mask, np.ndarray)
         if host_mask:
             w = tree_mask.shape[1]
-            m = stage_np[self.off_mask : self.off_mask + mask_rows * self.words]
-            m = m.reshape(mask_rows, self.words)
             m[:total_q, :w] = tree_mask[:total_q]
             m[:total_q, w:] = 0
             m[total_q:] = 0
-            end_a = self.off_mask + mask_rows * self.words
-        t = stage_np[self.off_table : self.off_table + table_rows * self.max_pages]
+        else:
+            m[:] = 0
+        t = h[self.off_table : self.off_table + table_rows * self.max_pages]
         t = t.reshape(table_rows, self.max_pages)
         t[:batch, :cols] = block_table
         t[:batch, cols:] = 0
         t[batch:] = 0
-        self._copy(stage, 0, end_a)
-        self._copy(stage, self.off_table, self.off_table + table_rows * self.max_pages)
+        self._copy(stage, self.off_table + table_rows * self.max_pages)
         if not host_mask:  # a device mask (a speculative round's): copied on the device
-            self.tree_mask[:mask_rows].zero_()
             self.tree_mask[:total_q, : tree_mask.shape[1]].copy_(tree_mask[:total_q])
         if done is not None:
             done.record()
-        self._table_rows, self._mask_rows = batch, total_q
+        self._table_rows = batch
 
     def _slot(self) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
         """The next staging buffer of the ring, once no queued copy reads it any more."""
@@ -121,20 +121,22 @@ class PlanMetadata:
         self._next += 1
         return slot
 
-    def _copy(self, stage: torch.Tensor, start: int, end: int) -> None:
-        """Queue stage[start:end] -> buffer[start:end] on the current stream."""
-        if end <= start:
-            return
+    def _copy(self, stage: torch.Tensor, end: int) -> None:
+        """Queue stage[:end] -> buffer[:end] on the current stream."""
         if self.device.type != "cuda":
-            self.buffer[start:end].copy_(stage[start:end])
+            self.buffer[:end].copy_(stage[:end])
             return
-        from cuda.bindings import driver
+        if self._driver is None:
+            from cuda.bindings import driver
 
-        from treeverify.kernels.cuda.launch import _check
+            from treeverify.kernels.cuda.launch import _check
 
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        res = driver.cuMemcpyHtoDAsync(
-            self.buffer.data_ptr() + 4 * start, stage.data_ptr() + 4 * start,
-            4 * (end - start), driver.CUstream(stream),
-        )  # fmt: skip
-        _check(res, "cuMemcpyHtoDAsync(plan metadata)")
+            self._driver, self._check = driver, _check
+        handle = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = self._driver.CUstream(handle)
+        res = self._driver.cuMemcpyHtoDAsync(
+            self.buffer.data_ptr(), stage.data_ptr(), 4 * end, stream
+        )
+        self._check(res, "cuMemcpyHtoDAsync(plan metadata)")

@@ -108,8 +108,14 @@ class Launcher:
         else:
             self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
-        # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh).
-        self.pdl = env.cuda_pdl() and torch.cuda.get_device_capability(self.device)[0] >= 9
+        # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh). Auto:
+        # only where the forward is one wave: the merge's CTAs, resident early and waiting,
+        # would otherwise take SM slots from the forward's later waves (v13b: 0.93x there).
+        one_wave = math.prod(self.grid) <= props.multi_processor_count * ctas_per_sm
+        pdl = env.cuda_pdl()
+        self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9 and (
+            pdl == "1" or (pdl == "auto" and one_wave)
+        )
         self.merge_kernel_needed = merge_kernel_needed(
             max_splits=self.splits.max_splits,
             tile_rows=min(self.fwd.bm, max_tree * self.group),
