@@ -115,10 +115,8 @@ class PagedAttention:
         total = qo[-1]
         copy_from_host(self.slots[:total], slots)  # queued, never waits for the GPU
         self.slots[total:].fill_(self.cache.scratch_slot)
-        if self.cache.device.type == "cuda":  # pinned once; each plan then only queues copies
-            table = table.pin_memory()
         self._meta = (
-            table,  # (B, pages) host
+            table,  # (B, pages) host: each plan stages it in its pinned ring (plan_metadata.py)
             torch.tensor(prefix_lens, dtype=torch.int32),  # (B,) host: plan() checks it
             torch.tensor(qo, dtype=torch.int32),  # (B+1,) host
             mask if mask is not None else _masks(query_lens, tree_masks),  # (T, W)

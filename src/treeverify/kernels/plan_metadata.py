@@ -22,6 +22,8 @@ the GPU runs two plans behind.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -56,6 +58,14 @@ class PlanMetadata:
         self._streams: dict[int, object] = {}  # CUstream handles by stream
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
         self._next = 0
+
+    def __del__(self) -> None:
+        # The staging buffers go back to PyTorch's pinned-memory cache, which does not know about
+        # these driver copies: let the last ones finish before the memory can be handed out.
+        for _, _, event in getattr(self, "_ring", ()):
+            if event is not None:
+                with contextlib.suppress(Exception):  # at shutdown CUDA may already be gone
+                    event.synchronize()
 
     @property
     def nbytes(self) -> int:
