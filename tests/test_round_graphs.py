@@ -98,9 +98,9 @@ def test_rounds_the_whole_round_cannot_serve_take_the_general_path(params):
     assert llm.rounds.replays == 0 and llm.spec_stats["rounds"] > 0
 
 
-def test_ngram_drafts_take_the_general_path():
-    llm = _engine(speculative_draft_model_path="ngram")
-    assert llm.rounds is None  # only a DFlash drafter's rounds are whole graphs
+def test_ngram_whole_rounds_can_be_turned_off():
+    llm = _engine(speculative_draft_model_path="ngram", ngram_whole_rounds=False)
+    assert llm.rounds is None  # n-gram rounds on the general path (the GPU's default for now)
 
 
 def test_spec_diverge_fault_reaches_whole_rounds(monkeypatch):

@@ -38,7 +38,8 @@ def test_speculative_server_matches_plain_server():
         assert info["speculative"] == {"enabled": False}
     args = ["--model", "tiny-llama", "--speculative-algorithm", "DDTREE",
             "--speculative-ddtree-budget", "8", "--speculative-num-draft-tokens", "4"]  # fmt: skip
-    with ServerProcess(args + ["--no-speculative-adaptive"]) as spec:  # every step a round
+    # every step a round, each on the general path (draft, build, verify, accept one by one)
+    with ServerProcess(args + ["--no-speculative-adaptive", "--disable-round-graphs"]) as spec:
         assert _answers(spec.url) == expected
         assert _answers(spec.url, speculative=False) == expected
         info = httpx.get(spec.url + "/server_info", timeout=10).json()["speculative"]
@@ -53,7 +54,7 @@ def test_speculative_server_matches_plain_server():
         assert 0 <= info["outside_forward_share"] < 1
         metrics = httpx.get(spec.url + "/metrics", timeout=10).text
         assert 'treeverify_spec_round_seconds_total{model="tiny-llama",part="round"}' in metrics
-        assert info["whole_round_steps"] == 0  # n-gram drafts: the general path
+        assert info["whole_round_steps"] == 0  # --disable-round-graphs: the general path
         assert 'treeverify_spec_round_phase_seconds_total{model="tiny-llama",phase="verify"}' in (
             metrics
         )
@@ -68,6 +69,7 @@ def test_speculative_server_matches_plain_server():
         assert set(adaptive["cost_seconds_batch1"]) == {"0", "4", "8"}  # measured at startup
         steps = adaptive["steps_by_budget"]
         assert steps["8"] > 0 and sum(steps.values()) >= info["rounds"] > 0
+        assert info["whole_round_steps"] > 0  # greedy n-gram rounds as whole rounds (eager)
         metrics = httpx.get(adaptive_server.url + "/metrics", timeout=10).text
         for budget, n in steps.items():
             line = f'treeverify_spec_budget_steps_total{{budget="{budget}",model="tiny-llama"}}'

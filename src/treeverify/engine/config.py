@@ -81,6 +81,10 @@ class EngineConfig:
     # Greedy DFlash rounds as one replay each (engine/round_graphs.py; eager on the CPU); True:
     # every round takes the general path (draft, build, verify, accept graphs one by one)
     disable_round_graphs: bool = False
+    # Whole rounds for the n-gram drafter too (its history in device rings, engine/ngram_rings.py);
+    # None: where rounds run eagerly (the CPU), not yet where they are captured (a GPU: their
+    # capture has not run on one yet, docs/performance.md)
+    ngram_whole_rounds: bool | None = None
     # Launch a whole round's successor before reading its result, so the host's bookkeeping
     # overlaps the GPU (engine/round_graphs.py); None: on where rounds are captured (a GPU with
     # graphs), off on the CPU (nothing to overlap there; the tests turn it on)
@@ -180,6 +184,13 @@ class EngineConfig:
     def max_budget(self) -> int:
         """The largest tree budget a round may use (0: no speculation)."""
         return self.speculative_ddtree_budget if self.speculating else 0
+
+    @functools.cached_property
+    def ngram_rounds(self) -> bool:
+        """Whether greedy n-gram rounds take the whole-round path."""
+        if self.ngram_whole_rounds is not None:
+            return self.ngram_whole_rounds
+        return not (self.on_gpu and not self.disable_cuda_graph)
 
     @functools.cached_property
     def lookahead(self) -> bool:

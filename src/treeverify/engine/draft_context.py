@@ -237,6 +237,24 @@ class DraftContextCache:
             held = ctx.count if begin == ctx.end else 0  # rows skipped: the ring starts over
             ctx.end, ctx.count = begin + n, min(self.width, held + n)
 
+    def prepare(self, seqs: list, device: torch.device) -> None:
+        """Nothing to write before a round is staged: rows arrive by `observe` and `draft_meta`
+        projects what is pending (engine/ngram_rings.py writes its tokens here)."""
+
+    def write_path(self, meta: torch.Tensor, node: torch.Tensor, keep: torch.Tensor,
+                   tokens: torch.Tensor, hidden: torch.Tensor) -> None:  # fmt: skip
+        """A captured round's accepted rows into the rings: path node d (root first) at position
+        end + d, its keys/values from the target's tapped hidden states; rows not kept go to the
+        scratch ring. meta (4, b); node, keep (b, k); hidden (b * n, F)."""
+        b, k = node.shape
+        f = hidden.shape[-1]
+        feats = hidden.view(b, -1, f).gather(1, node[..., None].expand(-1, -1, f))  # (b, k, F)
+        pos = meta[2][:b, None] + torch.arange(k, device=node.device)[None, :]  # (b, k)
+        kv = self.drafter.context_kv(feats.reshape(b * k, -1), pos.reshape(-1))  # (b*k, nl, ..)
+        w = self.width
+        ring = torch.where(keep, meta[3][:b, None] * w + pos % w, self.scratch_slot * w)  # (b, k)
+        self.kv.view(-1, *self.kv.shape[2:]).index_copy_(0, ring.reshape(-1), kv.to(self.kv.dtype))
+
     def advance(self, request_id: str, rows: int) -> None:
         """`rows` positions from `end` on were written into the ring on the device (a captured
         round's accepted rows); nothing may be pending."""

@@ -3,7 +3,8 @@
     source.propose_batch(seqs, depth, device) -> (B, L, V) fp32 logits on the device
     source.observe(request_id, start, hidden)   the target's hidden states of committed tokens
 
-`NgramSource` needs nothing from the target. `DFlashSource` is handed, per sequence, the target's
+`NgramSource` needs nothing from the target (its whole rounds keep each request's newest tokens
+in device rings, engine/ngram_rings.py). `DFlashSource` is handed, per sequence, the target's
 hidden states (the configured layers' outputs, concatenated) of every token its KV cache gains,
 as chunks and accepted tree paths commit; it keeps the drafter's keys/values of them
 (`DraftContextCache`: each row projected once, into one ring per request in a device store) and
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from treeverify.engine.draft_context import DraftContextCache
+from treeverify.engine.ngram_rings import NgramTokenRings
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.staging import to_device
 from treeverify.models.shipped import SHIPPED_DRAFTERS, own_drafter, shipped_dir
@@ -34,6 +36,12 @@ class NgramSource:
 
     def __init__(self, vocab_size: int):
         self.drafter = NgramDrafter(vocab_size)
+        d = self.drafter  # whole rounds draft on the device from these (bit-identical logits)
+        self.context = NgramTokenRings(vocab_size, d.window, d.max_n, d.floor)
+
+    def capture(self, max_requests: int, device: torch.device) -> None:
+        """Fix the token rings (one per request) for captured whole rounds."""
+        self.context.fix(max_requests, device)
 
     def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
         """(B, L, V) on `device`: the votes are found on the host and sent as (b, d, token)
@@ -47,7 +55,7 @@ class NgramSource:
         pass
 
     def forget(self, request_id: str) -> None:
-        pass
+        self.context.forget(request_id)
 
 
 class DFlashSource:

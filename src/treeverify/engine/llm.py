@@ -6,7 +6,8 @@
 One step: `batch = scheduler.schedule()`, the speculating sequences' trees drafted (`tb`), one
 forward `runner.run(batch, tb)` over everything the step mixes, tokens sampled or accepted,
 `scheduler.postprocess(batch, tokens, kv_ahead)`. A step of greedy rounds with a DFlash drafter
-is one whole-round replay instead (engine/round_graphs.py; eager on the CPU), prefill chunks
+(or the n-gram one, `ngram_whole_rounds`) is one whole-round replay instead
+(engine/round_graphs.py; eager on the CPU), prefill chunks
 beside it in their own forward. Attention goes through `PagedAttention`: a
 `TreeAttentionPlan` over the paged cache. Every knob is an `EngineConfig` (`llm.config`).
 The server and the benchmarks use the facade (`add_request`, `step`, `abort`, `has_unfinished`,
@@ -140,7 +141,7 @@ class LLM(SpeculativeSteps, Introspection):
                 processor=self.processor,
             )  # fmt: skip
         self.controller = make_controller(config)
-        self.rounds: RoundGraphs | None = None  # whole greedy DFlash rounds, once made
+        self.rounds: RoundGraphs | None = None  # whole greedy rounds, once made
         self._step_budget: int | None = None  # the last step's budget when it was decode-only
         # (request ids, budget) the controller chose during the last step for this one: with
         # rounds launched ahead the choice is made when the next round is launched (below)
@@ -176,6 +177,8 @@ class LLM(SpeculativeSteps, Introspection):
                     self.startup["draft_graphs"] = source.capture(
                         bs, depths, ctx, self.device, max_requests=config.max_num_seqs + 1
                     )
+                elif config.ngram_rounds:  # whole n-gram rounds: their rings at fixed addresses
+                    source.capture(config.max_num_seqs + 1, self.device)
             self._make_round_graphs(capture=True)
             t0 = self._phase("capture", t0)
         elif on_gpu:
@@ -189,12 +192,14 @@ class LLM(SpeculativeSteps, Introspection):
             self.startup["memory"] = check_headroom(self.device)
 
     def _make_round_graphs(self, capture: bool) -> None:
-        """Whole greedy rounds per (batch bucket, budget) for a DFlash drafter (unless
-        disable_round_graphs): captured on a GPU, over the verify buckets' stages; on the CPU
-        the same body over stages made for it, run eagerly."""
+        """Whole greedy rounds per (batch bucket, budget) for a DFlash drafter, and for the
+        n-gram one where `ngram_rounds` (unless disable_round_graphs): captured on a GPU, over
+        the verify buckets' stages; on the CPU the same body over stages made for it, run
+        eagerly."""
         cfg = self.config
-        if (self.spec is None or cfg.disable_round_graphs
-                or not isinstance(self.spec.source, DFlashSource)):  # fmt: skip
+        if self.spec is None or cfg.disable_round_graphs:
+            return
+        if not isinstance(self.spec.source, DFlashSource) and not cfg.ngram_rounds:
             return
         graphs = self.runner.graphs
         if graphs is None:  # the CPU: stages (and bucket-sized plans, made on first use)

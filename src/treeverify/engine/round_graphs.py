@@ -178,7 +178,7 @@ class RoundGraphs:
         v["mask"][:rows, : mask.shape[1]].copy_(mask)
         graphs._unpack(stage, b, n)
         out = graphs.forward_rows(rows)  # (rows, V)
-        hidden = self.model.captured  # (rows, F) the drafter's tapped layers
+        hidden = getattr(self.model, "captured", None)  # (rows, F) DFlash's tapped layers
         acc = accept_greedy(tokens, parents, out.view(b, n, -1).argmax(-1), max_depth=depth)
         slots = v["slots"][:rows].view(b, n)  # (b, n) node i at position P + i
         packed = spec._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus)
@@ -186,12 +186,7 @@ class RoundGraphs:
         k = (packed.shape[1] - 2) // 2
         node = acc.path[:, :k].clamp(min=0)  # (b, k)
         keep = torch.arange(k, device=self.device)[None, :] < acc.length[:, None]  # (b, k)
-        feats = hidden.view(b, n, -1).gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))
-        pos = meta[2][:, None] + torch.arange(k, device=self.device)[None, :]  # (b, k)
-        kv = ctx.drafter.context_kv(feats.reshape(b * k, -1), pos.reshape(-1))  # (b*k, nl, ..)
-        w = ctx.width
-        ring = torch.where(keep, meta[3][:, None] * w + pos % w, ctx.scratch_slot * w)  # (b, k)
-        ctx.kv.view(-1, *ctx.kv.shape[2:]).index_copy_(0, ring.reshape(-1), kv.to(ctx.kv.dtype))
+        ctx.write_path(meta, node, keep, tokens, hidden)  # DFlash: their keys/values; n-gram: ids
         # the next round's inputs (what a round launched ahead replays with; a round the host
         # stages overwrites them)
         self.state.advance(self.meta.dev, b, acc.length, acc.bonus, v, ctx.window)
@@ -298,13 +293,15 @@ class RoundGraphs:
             b = self.bucket_for(seqs, budget)
             if b is None:
                 return None
-            # projects the rows observed since the last round (a prefill, plain steps) first
+            # DFlash: projects the rows observed since the last round (a prefill, plain steps);
+            # n-gram: writes the tokens committed since (engine/ngram_rings.py)
+            self.context.prepare(seqs, self.device)
             meta = self.meta.stage([s.request_id for s in seqs], [s.last_token_id for s in seqs])
             starts = [s.num_tokens - 1 for s in seqs]  # the roots' positions = the cached tokens
             for seq, end, start in zip(seqs, meta[2][: len(seqs)], starts, strict=True):
                 if end != start or seq.num_cached_tokens != start:
                     raise RuntimeError(
-                        f"dflash context of {seq.request_id}: rows end at position "
+                        f"draft context of {seq.request_id}: rows end at position "
                         f"{end}, the cache holds {seq.num_cached_tokens} tokens"
                     )
             for seq in seqs:  # after the checks: a failed round leaves nothing reserved

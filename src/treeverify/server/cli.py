@@ -133,7 +133,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--disable-round-graphs",
         action="store_true",
         help="run every speculative round piece by piece (draft, build, verify, accept) instead "
-        "of greedy DFlash rounds as one replay each (a debugging switch)",
+        "of greedy rounds as one replay each (DFlash drafts; n-gram drafts where rounds run "
+        "eagerly, on the CPU) (a debugging switch)",
     )
     p.add_argument(
         "--disable-round-lookahead",
