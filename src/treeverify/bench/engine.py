@@ -198,7 +198,9 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
                       drafter: str = "ngram") -> list[dict]:  # fmt: skip
     """Tokens/s of no speculation vs CHAIN vs DDTREE (n-gram drafter) on repetitive prompts;
     per-phase round time; outputs compared to the plain run (greedy, first divergence).
-    "DDTREE" is the fixed budget; "DDTREE+adaptive" the per-step budget up to it."""
+    "DDTREE" is the fixed budget; "DDTREE+adaptive" the per-step budget up to it;
+    "DDTREE+whole" the fixed budget with n-gram rounds as whole-round graphs
+    (`ngram_whole_rounds`, off by default on a GPU until measured)."""
     rows, plain = [], None
     prompts = repetitive_prompts(batch, prompt_len, seed=3)
     for algo in algorithms:
@@ -206,6 +208,8 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
             speculative_algorithm=algo.split("+")[0], speculative_ddtree_budget=budget,
             speculative_adaptive=algo.endswith("+adaptive") if "DDTREE" in algo else None,
             speculative_num_draft_tokens=depth, speculative_draft_model_path=drafter)  # fmt: skip
+        if algo.endswith("+whole"):
+            kw["ngram_whole_rounds"] = True
         llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
                   max_num_seqs=max(batch, 1), cuda_graph_max_bs=max(batch, 1), **kw)  # fmt: skip
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
@@ -229,6 +233,7 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
             if st["adaptive"] is not None:
                 row["steps_by_budget"] = st["adaptive"]["steps_by_budget"]
             row.update(avg_accept_length=st["avg_spec_accept_length"], rounds=st["rounds"],
+                       whole_round_steps=st["whole_round_steps"],
                        phase_seconds=st["phase_seconds"], round_seconds=st["round_seconds"],
                        forward_seconds=st["forward_seconds"],
                        outside_forward_pct=None if st["outside_forward_share"] is None
@@ -269,8 +274,11 @@ def run_suites(suites: list[str], models: dict[str, str]) -> dict:
                     rows += verify_forward(model)
                 elif suite == "spec":
                     rows += speculative_speed(model, algorithms=("none", "CHAIN", "DDTREE",
+                                                                 "DDTREE+whole",
                                                                  "DDTREE+adaptive"))  # fmt: skip
-                    rows += speculative_speed(model, batch=8, max_tokens=128)
+                    rows += speculative_speed(model, batch=8, max_tokens=128,
+                                              algorithms=("none", "CHAIN", "DDTREE",
+                                                          "DDTREE+whole"))  # fmt: skip
                     if model == "tiny-llama":  # the seeded DFlash drafter fits tiny-llama only
                         rows += speculative_speed(model, algorithms=("none", "DDTREE"),
                                                   drafter="tiny-dflash")  # fmt: skip

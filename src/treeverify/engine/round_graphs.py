@@ -37,11 +37,14 @@ request that finished at round k wastes one round of GPU work.
 
 A step whose decodes are all greedy rounds of DFlash-drafted requests without penalties,
 logit_bias or logprobs takes this path (prefill chunks in the same step run their own forward
-after the replay); any other round (sampled acceptance, n-gram drafts, a step with a plain or
-opted-out decode, reservations that do not fit the free pages together) takes the general one,
-whose results it equals (tests/test_round_graphs.py: step by step, through preemption, aborts
-and stops). On the CPU the same body runs eagerly (`capture=False`), which is how the tests
-check it without a GPU. Measured on the H200: docs/performance.md.
+after the replay); so do n-gram-drafted ones where `EngineConfig.ngram_rounds` (the context is
+then engine/ngram_rings.py: the requests' newest tokens, drafted by the device matcher; the
+round writes its accepted tokens where DFlash's writes keys/values). Any other round (sampled
+acceptance, a step with a plain or opted-out decode, reservations that do not fit the free pages
+together) takes the general one, whose results it equals (tests/test_round_graphs.py and
+tests/test_ngram_rounds.py: step by step, through preemption, aborts and stops). On the CPU
+the same body runs eagerly (`capture=False`), which is how the tests check it without a GPU.
+Measured on the H200: docs/performance.md.
 """
 
 from __future__ import annotations
