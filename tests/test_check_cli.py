@@ -224,6 +224,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_SPLIT_BALANCE",
         "TREEVERIFY_CUDA_MERGE_GRID",
         "TREEVERIFY_CUDA_PDL",
+        "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
     }

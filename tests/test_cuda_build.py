@@ -185,6 +185,8 @@ def test_merge_heads_per_cta_bounds_the_merge_grid():
         heads = merge_heads_per_cta(q, h)
         assert heads <= h or heads == 1
         assert q * -(-h // heads) <= MERGE_MAX_CTAS or heads >= h
+    assert merge_heads_per_cta(2048, 32, max_ctas=2048) == 32  # a tighter bound: wider CTAs
+    assert merge_heads_per_cta(512, 32, max_ctas=4096) == 4
 
 
 def test_merge_row_blocks_bound_the_tile_grid():

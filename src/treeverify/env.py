@@ -24,6 +24,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   launch on sm_90+: ``auto`` (default; where the forward grid fits in one wave, v13b: 1.04-1.09x
   on the small cases, while on multi-wave grids the merge's early CTAs took SM slots from the
   forward, 0.93x), ``1`` (always) or ``0`` (never).
+- ``TREEVERIFY_CUDA_MERGE_MAX_CTAS``: the bound on the token merge kernel's grid (default
+  8192; kernels/splits.py ``merge_heads_per_cta``): smaller makes each CTA merge more heads
+  after one request lookup (to be measured on SGLang's batch path, where most CTAs exit).
 - ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``pingpong``
   (default since v14b: a producer warpgroup and two consumers taking turns on the MMAs, 1.12x
   on the GQA N=64 cases) or ``tile`` (one warpgroup per 64 rows, each loading and computing;
@@ -70,6 +73,8 @@ VARIABLES: dict[str, str] = {
     "per token and heads) or tile (a CTA per block of a row tile's rows; to be measured).",
     "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
+    "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "Bound on the CUDA token merge kernel's grid (default "
+    "8192): smaller gives each CTA more heads, fewer request lookups (A/B runs).",
     "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
     "producer warpgroup + two consumers in turns, v14) or tile (the v11 kernel, for A/B runs).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -200,6 +205,20 @@ def cuda_max_splits() -> int | None:
         return None
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"TREEVERIFY_CUDA_MAX_SPLITS: expected an integer in 1..64, got {value!r}")
+    return int(value)
+
+
+def cuda_merge_max_ctas() -> int:
+    """TREEVERIFY_CUDA_MERGE_MAX_CTAS: the token merge kernel's grid bound (kernels/splits.py,
+    merge_heads_per_cta; default 8192): smaller gives each CTA more heads and the grid fewer
+    request lookups (an A/B for SGLang's batch path, where most CTAs find nothing to merge)."""
+    value = os.environ.get("TREEVERIFY_CUDA_MERGE_MAX_CTAS", "").strip()
+    if not value:
+        return 8192
+    if not value.isdigit() or not 64 <= int(value) <= 1 << 20:
+        raise ValueError(
+            f"TREEVERIFY_CUDA_MERGE_MAX_CTAS: expected an integer in 64..1048576, got {value!r}"
+        )
     return int(value)
 
 

@@ -152,11 +152,13 @@ def balance_pays(
 MERGE_MAX_CTAS = 8192  # the merge kernel's grid, about two rounds of small CTAs on an H200
 
 
-def merge_heads_per_cta(total_q_cap: int, hq: int) -> int:
+def merge_heads_per_cta(total_q_cap: int, hq: int, max_ctas: int = MERGE_MAX_CTAS) -> int:
     """Heads one merge-kernel CTA merges: the fewest (a power of two) that keep its grid of
-    total_q_cap x ceil(hq / heads) CTAs within MERGE_MAX_CTAS (1 for every plan under it)."""
+    total_q_cap x ceil(hq / heads) CTAs within `max_ctas` (1 for every plan under it). A CTA
+    looks its token's request up once for all its heads (a binary search over qo_indptr), then
+    exits when the request was not split: fewer, wider CTAs pay fewer lookups."""
     heads = 1
-    while heads < hq and total_q_cap * -(-hq // heads) > MERGE_MAX_CTAS:
+    while heads < hq and total_q_cap * -(-hq // heads) > max_ctas:
         heads *= 2
     return heads
 

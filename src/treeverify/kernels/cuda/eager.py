@@ -31,6 +31,7 @@ def launcher_for(
         env.cuda_split_balance(),
         env.cuda_merge_grid(),
         env.cuda_pdl(),
+        env.cuda_merge_max_ctas(),
         env.cuda_gqa_schedule(),
         env.cuda_max_splits(),
         q.device,

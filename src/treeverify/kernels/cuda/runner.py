@@ -101,7 +101,7 @@ class Launcher:
         # Balanced plans dispatch splits last (device_common.cuh, cta_split); others as v11.
         bh, s = max_batch * hkv, self.splits.max_splits
         self.grid = (self.m_tiles, bh, s) if self.splits.balance_div else (self.m_tiles, s, bh)
-        self.merge_heads = merge_heads_per_cta(total_q_cap, hq)
+        self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
         if self.merge.grid == "tile":  # the forward's tiles, each in row blocks
             tiles = self.m_tiles * max_batch * hkv
             self.merge_grid = (self.m_tiles, max_batch * hkv, merge_row_blocks(tiles, self.fwd.bm))
