@@ -142,3 +142,18 @@ def test_ngram_whole_rounds_through_preemption_and_abort_equal_plain_greedy():
     assert [s.output_token_ids for s in seqs] == want
     assert sum(s.num_preemptions for s in seqs + [victim]) > 0
     assert llm.rounds.replays > 0 and len(llm.spec.source.context) == 0
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["read-first", "lookahead"])
+def test_ngram_whole_rounds_with_adaptive_budgets_and_stops_equal_plain_greedy(lookahead):
+    """The controller's budgets (switches and probes, budget 0 included) and stop strings / EOS
+    inside a round's committed tokens: outputs equal plain greedy decoding."""
+    prompts = [CODE[0] * 2, CODE[2], "# a short docstring\n"]
+    for sp in (SamplingParams(temperature=0, max_tokens=40),
+               SamplingParams(temperature=0, max_tokens=40, stop=["\n\n", "return"])):  # fmt: skip
+        want = [(o.token_ids, o.text, o.finish_reason)
+                for o in LLM("tiny-code", num_pages=96).generate(prompts, sp)]  # fmt: skip
+        llm = _engine(round_lookahead=lookahead)  # adaptive: the default for DDTREE
+        got = [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, sp)]
+        assert got == want
+        assert llm.rounds.replays > 0 and len(llm.spec.source.context) == 0
