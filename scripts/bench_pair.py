@@ -53,14 +53,18 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
     """`adaptive`: True (the controller picks budgets), False (fixed), "general" (fixed,
     every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)
     or "read-first" (fixed, whole rounds without lookahead: each round read before the next is
-    launched, the A/B of the overlap), "no-trials" / "no-accept-trials" (adaptive without cost
-    / acceptance trials: the A/Bs of docs/ddtree.md's stale costs and thin evidence)."""
+    launched, the A/B of the overlap), "ngram-whole" (fixed, n-gram rounds as whole rounds:
+    `ngram_whole_rounds`, off by default on a GPU), "no-trials" / "no-accept-trials" (adaptive
+    without cost / acceptance trials: the A/Bs of docs/ddtree.md's stale costs and thin
+    evidence)."""
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
     if adaptive == "general":
         kw["disable_round_graphs"], adaptive = True, False
     elif adaptive == "read-first":
         kw["round_lookahead"], adaptive = False, False
+    elif adaptive == "ngram-whole":
+        kw["ngram_whole_rounds"], adaptive = True, False
     trials, accept_trials = adaptive != "no-trials", adaptive != "no-accept-trials"
     adaptive = bool(adaptive)
     if algo:
@@ -214,6 +218,9 @@ def speed_configs(args, block: int) -> list[tuple]:
     cfgs = configs(args, block, [int(b) for b in args.budget.split(",")])
     cfgs.append((f"DDTREE(ngram) b={args.ngram_budget}", "DDTREE", "ngram", args.ngram_budget,
                  args.ngram_depth, False))  # fmt: skip
+    if args.ngram_whole:  # the same, its rounds as whole-round graphs (engine/ngram_rings.py)
+        cfgs.append((f"DDTREE(ngram) b={args.ngram_budget} whole rounds", "DDTREE", "ngram",
+                     args.ngram_budget, args.ngram_depth, "ngram-whole"))  # fmt: skip
     if args.general:  # the first DDTREE(dflash) budget again, rounds on the general path
         b = int(args.budget.split(",")[0])
         cfgs.append((f"DDTREE(dflash) b={b} general path", "DDTREE", args.drafter, b, block - 1,
@@ -361,6 +368,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget", default="32", help="speed: DDTREE(dflash) budgets, comma list")
     p.add_argument("--ngram-budget", type=int, default=32)
     p.add_argument("--ngram-depth", type=int, default=8)
+    p.add_argument(
+        "--ngram-whole",
+        action="store_true",
+        help="speed: also DDTREE(ngram) with its rounds as whole-round graphs",
+    )
     p.add_argument(
         "--general",
         action="store_true",
