@@ -227,6 +227,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
+        "TREEVERIFY_FUSED_ROUTING",
     }
 
 

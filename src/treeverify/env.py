@@ -31,6 +31,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   (default since v14b: a producer warpgroup and two consumers taking turns on the MMAs, 1.12x
   on the GQA N=64 cases) or ``tile`` (one warpgroup per 64 rows, each loading and computing;
   kept for A/B runs).
+- ``TREEVERIFY_FUSED_ROUTING``: ``1`` selects MoE experts with one Triton kernel a layer on a
+  GPU (models/fused_routing.py) instead of ~15 PyTorch ops; default off until measured.
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -77,6 +79,8 @@ VARIABLES: dict[str, str] = {
     "8192): smaller gives each CTA more heads, fewer request lookups (A/B runs).",
     "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
     "producer warpgroup + two consumers in turns, v14) or tile (the v11 kernel, for A/B runs).",
+    "TREEVERIFY_FUSED_ROUTING": "1: MoE expert selection in one Triton kernel on a GPU "
+    "(models/fused_routing.py) instead of ~15 PyTorch ops; default off until measured.",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
     "whole KV tiles) or split (both take half of every tile: the v9 kernel, for A/B runs).",
     "TREEVERIFY_CACHE_DIR": "On-disk cache for compiled kernels and other build products "
@@ -226,6 +230,12 @@ def decode_gemv() -> bool:
     """TREEVERIFY_DECODE_GEMV: 0 turns the decode GEMV (models/gemv.py) off, every linear layer
     back on cuBLAS (an A/B, or an escape hatch); default on. Read once per process."""
     return _switch("TREEVERIFY_DECODE_GEMV", "1")
+
+
+def fused_routing() -> bool:
+    """TREEVERIFY_FUSED_ROUTING: 1 routes MoE tokens with the one-kernel expert selection on a
+    GPU (models/fused_routing.py); default off until measured. Read when a router is built."""
+    return _switch("TREEVERIFY_FUSED_ROUTING", "0")
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,79 @@
+"""The fused MoE routing kernel (models/fused_routing.py) on the CPU interpreter
+(TRITON_INTERPRET=1) against `select_experts`, the PyTorch routing it replaces: DeepSeek-V3's
+noaux_tc (sigmoid, biased choice, top-2 group sums), Kimi K2's (384 experts, no groups), the
+random:mla-moe and tiny-kimi layouts, softmax greedy and group-limited greedy; fresh random
+logits and biases, outputs poisoned before the kernel runs. tests/test_fused_routing_gpu.py runs
+it compiled on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: test_fused_routing_gpu.py runs there", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is decorated
+
+from treeverify.models import fused_routing  # noqa: E402
+from treeverify.models.moe import select_experts  # noqa: E402
+from treeverify.models.random_shapes import RANDOM_SHAPES  # noqa: E402
+from treeverify.models.tiny import tiny_kimi_config  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpreted_kernel():
+    fused_routing._kernel.cache_clear()  # decorate it now, under TRITON_INTERPRET=1
+    yield
+    fused_routing._kernel.cache_clear()
+
+
+def _configs():
+    mla_moe = RANDOM_SHAPES["random:mla-moe"]()
+    base = dataclasses.replace(mla_moe)  # noaux_tc, sigmoid, 64 experts, 8 groups keep 4, k 6
+    return {
+        "mla-moe": base,
+        "deepseek-v3": dataclasses.replace(base, n_routed_experts=256, num_experts_per_tok=8),
+        "kimi-k2": dataclasses.replace(
+            base, n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1
+        ),  # fmt: skip
+        "tiny-kimi": tiny_kimi_config(),
+        "softmax-greedy": dataclasses.replace(
+            base,
+            scoring_func="softmax",
+            topk_method="greedy",
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+        ),  # fmt: skip
+        "group-limited": dataclasses.replace(
+            base, scoring_func="softmax", topk_method="group_limited_greedy"
+        ),  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_fused_routing_equals_select_experts(name, tokens):
+    cfg = _configs()[name]
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(tokens, cfg.n_routed_experts, generator=g)
+    bias = 0.3 * torch.randn(cfg.n_routed_experts, generator=g)
+    want_idx, want_w = select_experts(logits, cfg, bias)
+    got_idx, got_w = fused_routing.route(logits, cfg, bias)
+    assert torch.equal(got_idx, want_idx), (name, seed)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6, msg=f"{name} seed {seed}")
+
+
+def test_unfusable_groups_are_refused_by_name():
+    cfg = dataclasses.replace(_configs()["mla-moe"], n_routed_experts=48)  # groups of 6
+    assert not fused_routing.fusable(cfg)
+    with pytest.raises(ValueError, match="cfg"):
+        fused_routing.route(torch.randn(1, 48), cfg, torch.zeros(48))
