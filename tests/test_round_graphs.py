@@ -114,15 +114,20 @@ def test_spec_diverge_fault_reaches_whole_rounds(monkeypatch):
     assert llm.rounds.replays > 0 and got != want
 
 
-def test_whole_rounds_through_preemption_and_abort():
+@pytest.mark.parametrize(
+    "drafter,lookahead", [(None, False), ("ngram", True)], ids=["dflash", "ngram-lookahead"]
+)
+def test_whole_rounds_through_preemption_and_abort(drafter, lookahead):
     """A pool too small for every request at once: rounds cannot reserve, requests are
     preempted and recomputed (their context rings restart from position 0), one is aborted
-    mid-generation; greedy outputs still equal plain decoding's, and every ring is given back."""
+    mid-generation; greedy outputs still equal plain decoding's, and every ring is given back.
+    Also with the n-gram drafter's token rings (engine/ngram_rings.py), rounds launched ahead."""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [p * 2 for p in CODE]
     small = dict(num_pages=14, max_num_seqs=4)  # 224 slots: not enough for 3 x (~110 + 40 + 16)
     want = [o.token_ids for o in LLM("tiny-code", **small).generate(prompts, sp)]
-    llm = LLM("tiny-code", speculative_algorithm="DDTREE", speculative_adaptive=False, **small)
+    llm = LLM("tiny-code", speculative_algorithm="DDTREE", speculative_adaptive=False,
+              speculative_draft_model_path=drafter, round_lookahead=lookahead, **small)  # fmt: skip
     seqs = [llm.add_request(p, sp) for p in prompts]
     victim = llm.add_request(CODE[0], sp)
     steps = 0
