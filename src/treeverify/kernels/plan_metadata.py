@@ -109,11 +109,13 @@ class PlanMetadata:
         t[:batch, :cols] = block_table
         t[:batch, cols:] = 0
         t[batch:] = 0
-        self._copy(stage, self.off_table + table_rows * self.max_pages)
+        # the plan's device's current stream (not the current device's: a plan may live on another)
+        stream = torch.cuda.current_stream(self.device) if done is not None else None
+        self._copy(stage, self.off_table + table_rows * self.max_pages, stream)
         if not host_mask:  # a device mask (a speculative round's): copied on the device
             self.tree_mask[:total_q, : tree_mask.shape[1]].copy_(tree_mask[:total_q])
         if done is not None:
-            done.record()
+            done.record(stream)
         self._table_rows = batch
 
     def _slot(self) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
@@ -131,9 +133,9 @@ class PlanMetadata:
         self._next += 1
         return slot
 
-    def _copy(self, stage: torch.Tensor, end: int) -> None:
-        """Queue stage[:end] -> buffer[:end] on the current stream."""
-        if self.device.type != "cuda":
+    def _copy(self, stage: torch.Tensor, end: int, stream: torch.cuda.Stream | None) -> None:
+        """Queue stage[:end] -> buffer[:end] on `stream` (None: the CPU, a plain copy)."""
+        if stream is None:
             self.buffer[:end].copy_(stage[:end])
             return
         if self._driver is None:
@@ -142,11 +144,11 @@ class PlanMetadata:
             from treeverify.kernels.cuda.launch import _check
 
             self._driver, self._check = driver, _check
-        handle = torch.cuda.current_stream(self.device).cuda_stream
-        stream = self._streams.get(handle)
-        if stream is None:
-            stream = self._streams[handle] = self._driver.CUstream(handle)
+        handle = stream.cuda_stream
+        cu_stream = self._streams.get(handle)
+        if cu_stream is None:
+            cu_stream = self._streams[handle] = self._driver.CUstream(handle)
         res = self._driver.cuMemcpyHtoDAsync(
-            self.buffer.data_ptr(), stage.data_ptr(), 4 * end, stream
+            self.buffer.data_ptr(), stage.data_ptr(), 4 * end, cu_stream
         )
         self._check(res, "cuMemcpyHtoDAsync(plan metadata)")
