@@ -222,7 +222,6 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_SGLANG_KERNEL",
         "TREEVERIFY_CUDA_SPLIT_MERGE",
         "TREEVERIFY_CUDA_SPLIT_BALANCE",
-        "TREEVERIFY_CUDA_MERGE_GRID",
         "TREEVERIFY_CUDA_PDL",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
@@ -260,7 +259,7 @@ def test_cuda_split_balance(monkeypatch):
 @pytest.mark.parametrize(
     "name,reader,default,value,expected",
     [
-        ("TREEVERIFY_CUDA_MERGE_GRID", env.cuda_merge_grid, "token", " Tile ", "tile"),
+        ("TREEVERIFY_CUDA_MERGE_MAX_CTAS", env.cuda_merge_max_ctas, None, " 2048", 2048),
         ("TREEVERIFY_CUDA_GQA_SCHEDULE", env.cuda_gqa_schedule, "pingpong", " Tile", "tile"),
         ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, "auto", "yes", "1"),
     ],

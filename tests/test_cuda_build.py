@@ -189,17 +189,6 @@ def test_merge_heads_per_cta_bounds_the_merge_grid():
     assert merge_heads_per_cta(512, 32, max_ctas=4096) == 4
 
 
-def test_merge_row_blocks_bound_the_tile_grid():
-    from treeverify.kernels.splits import MERGE_MAX_CTAS, merge_row_blocks
-
-    assert merge_row_blocks(2, 64) == 64  # a small plan: a row a CTA, as the token grid
-    assert merge_row_blocks(128, 128) == 64  # SGLang's batch path: 8192 CTAs of 2 rows
-    assert merge_row_blocks(20000, 128) == 1  # past the bound: whole tiles
-    for tiles, bm in [(1, 16), (7, 64), (300, 128), (4096, 64)]:
-        blocks = merge_row_blocks(tiles, bm)
-        assert 1 <= blocks <= bm and (tiles * blocks <= MERGE_MAX_CTAS or blocks == 1)
-
-
 def test_split_merge_limits_and_launch_rule():
     """A row tile merges in the forward when its read (splits x rows x dv x 4 B) is at most the
     limit; the merge kernel is launched only when some tile of the plan can exceed it."""

@@ -17,9 +17,6 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   backend's grid leaves room for, so the long requests of a batch of mixed lengths take more
   splits (kernels/splits.py; only plans where ``balance_pays``); default 2, ``1`` turns
   balancing off (A/B runs).
-- ``TREEVERIFY_CUDA_MERGE_GRID``: the CUDA backend's split-merge kernel: ``token`` (default; a
-  CTA per token and heads) or ``tile`` (a CTA per block of a row tile's rows; v13, to be
-  measured: kernels/cuda/merge_and_mask.cuh).
 - ``TREEVERIFY_CUDA_PDL``: the CUDA backend's split-merge kernel by programmatic dependent
   launch on sm_90+: ``auto`` (default; where the forward grid fits in one wave, v13b: 1.04-1.09x
   on the small cases, while on multi-wave grids the merge's early CTAs took SM slots from the
@@ -71,8 +68,6 @@ VARIABLES: dict[str, str] = {
     "(default; in the forward when small, else a merge kernel), forward or kernel (tests, A/B).",
     "TREEVERIFY_CUDA_SPLIT_BALANCE": "Room in the CUDA backend's grid for this many times a "
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
-    "TREEVERIFY_CUDA_MERGE_GRID": "The CUDA split-merge kernel's grid: token (default; a CTA "
-    "per token and heads) or tile (a CTA per block of a row tile's rows; to be measured).",
     "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
     "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "Bound on the CUDA token merge kernel's grid (default "
@@ -176,11 +171,6 @@ def _switch(name: str, default: str) -> bool:
     return value in ("1", "true", "yes")
 
 
-def cuda_merge_grid() -> str:
-    """TREEVERIFY_CUDA_MERGE_GRID: token (default) or tile (kernels/cuda/variants.py)."""
-    return _choice("TREEVERIFY_CUDA_MERGE_GRID", ("token", "tile"))
-
-
 def cuda_pdl() -> str:
     """TREEVERIFY_CUDA_PDL: auto (default: programmatic dependent launch of the split merge where
     the forward grid fits in one wave), 1 (always, sm_90+) or 0 (never)."""
@@ -212,13 +202,14 @@ def cuda_max_splits() -> int | None:
     return int(value)
 
 
-def cuda_merge_max_ctas() -> int:
+def cuda_merge_max_ctas() -> int | None:
     """TREEVERIFY_CUDA_MERGE_MAX_CTAS: the token merge kernel's grid bound (kernels/splits.py,
-    merge_heads_per_cta; default 8192): smaller gives each CTA more heads and the grid fewer
-    request lookups (an A/B for SGLang's batch path, where most CTAs find nothing to merge)."""
+    merge_heads_per_cta; unset: its MERGE_MAX_CTAS, 8192): smaller gives each CTA more heads
+    and the grid fewer request lookups (an A/B for SGLang's batch path, where most CTAs find
+    nothing to merge)."""
     value = os.environ.get("TREEVERIFY_CUDA_MERGE_MAX_CTAS", "").strip()
     if not value:
-        return 8192
+        return None
     if not value.isdigit() or not 64 <= int(value) <= 1 << 20:
         raise ValueError(
             f"TREEVERIFY_CUDA_MERGE_MAX_CTAS: expected an integer in 64..1048576, got {value!r}"

@@ -152,26 +152,17 @@ def balance_pays(
 MERGE_MAX_CTAS = 8192  # the merge kernel's grid, about two rounds of small CTAs on an H200
 
 
-def merge_heads_per_cta(total_q_cap: int, hq: int, max_ctas: int = MERGE_MAX_CTAS) -> int:
+def merge_heads_per_cta(total_q_cap: int, hq: int, max_ctas: int | None = None) -> int:
     """Heads one merge-kernel CTA merges: the fewest (a power of two) that keep its grid of
-    total_q_cap x ceil(hq / heads) CTAs within `max_ctas` (1 for every plan under it). A CTA
-    looks its token's request up once for all its heads (a binary search over qo_indptr), then
-    exits when the request was not split: fewer, wider CTAs pay fewer lookups."""
+    total_q_cap x ceil(hq / heads) CTAs within `max_ctas` (default MERGE_MAX_CTAS; 1 for every
+    plan under it). A CTA looks its token's request up once for all its heads (a binary search
+    over qo_indptr), then exits when the request was not split: fewer, wider CTAs pay fewer
+    lookups."""
+    max_ctas = max_ctas or MERGE_MAX_CTAS
     heads = 1
     while heads < hq and total_q_cap * -(-hq // heads) > max_ctas:
         heads *= 2
     return heads
-
-
-def merge_row_blocks(tiles: int, bm: int) -> int:
-    """Row blocks per tile of the tile-grid merge kernel (TREEVERIFY_CUDA_MERGE_GRID=tile): the
-    most (a power of two, at most bm: a row each) that keep tiles x blocks within
-    MERGE_MAX_CTAS, so small plans merge a row a CTA as the token grid does and large ones
-    take several rows a CTA."""
-    blocks = 1
-    while blocks < bm and tiles * blocks * 2 <= MERGE_MAX_CTAS:
-        blocks *= 2
-    return blocks
 
 
 def merge_kernel_needed(*, max_splits: int, tile_rows: int, dv: int, limit: int) -> bool:

@@ -29,7 +29,6 @@ def launcher_for(
         env.cuda_portable(),
         env.cuda_split_merge(),
         env.cuda_split_balance(),
-        env.cuda_merge_grid(),
         env.cuda_pdl(),
         env.cuda_merge_max_ctas(),
         env.cuda_gqa_schedule(),

@@ -41,29 +41,6 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   }
 }
 
-// The merge by row tile (TREEVERIFY_CUDA_MERGE_GRID=tile; v13, not yet measured): the
-// forward's tile grid, (m-tiles, requests x KV heads, row blocks), DV/4 threads, rows
-// [m0 + z * per, ...) of tile x of (request, KV head) y. A CTA knows its request from its grid
-// position, so one that has nothing to merge (request not split, or its tile merged in the
-// forward) exits after one round of loads, where the token grid's CTA first binary-searched
-// the request (the SGLang batch path's 512-token plan: a 13-16 us merge kernel that mostly
-// exits). Row blocks per tile: the launcher's, to keep about as many CTAs busy as rows merge.
-template <int DV, bool BF16>
-__global__ void __launch_bounds__(DV / 4)
-    tree_attn_merge_tiles(const __grid_constant__ TreeAttnParams p) {
-  const int bh = static_cast<int>(blockIdx.y), b = bh / p.hkv, kvh = bh % p.hkv;
-  const int qo0 = p.qo_indptr[b];
-  const int T_b = p.qo_indptr[b + 1] - qo0, rows = T_b * p.group;
-  const int m0 = static_cast<int>(blockIdx.x) * p.fwd_bm;
-  const int n = num_splits(p, request_kv(p, b).prefix + T_b, batch_kv_sum(p));
-  const int tile_rows = min(p.fwd_bm, rows - m0);
-  const int per = (p.fwd_bm + static_cast<int>(gridDim.z) - 1) / static_cast<int>(gridDim.z);
-  const int r0 = m0 + static_cast<int>(blockIdx.z) * per, r1 = min(m0 + tile_rows, r0 + per);
-  pdl_wait();  // as tree_attn_merge: every CTA, so completion still orders the stream
-  if (m0 >= rows || n == 1 || merged_in_forward<DV>(p, n, tile_rows) || r0 >= r1) return;
-  merge_rows<DV, BF16>(p, qo0, kvh, r0, r1, n);
-}
-
 #ifdef TV_SGLANG_MASK_KERNEL  // compiled only into its own module
 // SGLang's custom mask (bytes, per request row-major [N, prefix+N]; the prefix columns are all
 // visible in target verify, so only the last N are read) -> our packed tree mask

@@ -27,7 +27,6 @@ from treeverify.kernels.splits import (
     fused_merge_limit,
     merge_heads_per_cta,
     merge_kernel_needed,
-    merge_row_blocks,
 )
 
 
@@ -72,7 +71,7 @@ class Launcher:
             mla_schedule=env.cuda_mla_schedule(),
             gqa_schedule=env.cuda_gqa_schedule(),
         )
-        self.merge = MergeVariant(dv, self.dtype_name, env.cuda_merge_grid())
+        self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)
         self.merge_kernel = load(self.merge, self.device)
         self.hq, self.hkv, self.dqk, self.dv, self.mla = hq, hkv, dqk, dv, mla
@@ -102,15 +101,12 @@ class Launcher:
         bh, s = max_batch * hkv, self.splits.max_splits
         self.grid = (self.m_tiles, bh, s) if self.splits.balance_div else (self.m_tiles, s, bh)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
-        if self.merge.grid == "tile":  # the forward's tiles, each in row blocks
-            tiles = self.m_tiles * max_batch * hkv
-            self.merge_grid = (self.m_tiles, max_batch * hkv, merge_row_blocks(tiles, self.fwd.bm))
-        else:
-            self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
+        self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
         # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh). Auto:
-        # only where the forward is one wave: the merge's CTAs, resident early and waiting,
-        # would otherwise take SM slots from the forward's later waves (v13b: 0.93x there).
+        # only where the forward is one wave (v13b, measured 1.004x; the thought was that the
+        # merge's early, waiting CTAs take SM slots from a forward's later waves, but the one
+        # case PDL slows, 0.92x, is one wave: not understood yet, docs/performance.md).
         one_wave = math.prod(self.grid) <= props.multi_processor_count * ctas_per_sm
         pdl = env.cuda_pdl()
         self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9 and (

@@ -170,27 +170,22 @@ class GqaSm90Variant:
         return base + (16 * self.stages if self.schedule == "pingpong" else 0)
 
 
-MERGE_GRIDS = ("token", "tile")
-
-
 @dataclass(frozen=True)
 class MergeVariant:
-    """tree_attn_merge<DV, BF16> (grid "token": a CTA per token and heads) or
-    tree_attn_merge_tiles<DV, BF16> ("tile": a CTA per block of a row tile's rows): combine
-    split partials (fp32 O + log2 LSE)."""
+    """tree_attn_merge<DV, BF16>, a CTA per token and heads: combine split partials (fp32 O +
+    log2 LSE)."""
 
     dv: int
     dtype: str
-    grid: str = "token"
 
     @property
     def name(self) -> str:
-        return f"merge_v{self.dv}_{self.dtype}" + ("_tiles" if self.grid == "tile" else "")
+        return f"merge_v{self.dv}_{self.dtype}"
 
     @property
     def expr(self) -> str:
-        kernel = "tree_attn_merge_tiles" if self.grid == "tile" else "tree_attn_merge"
-        return f"treeverify::{kernel}<{self.dv},{'true' if self.dtype == 'bf16' else 'false'}>"
+        bf16 = "true" if self.dtype == "bf16" else "false"
+        return f"treeverify::tree_attn_merge<{self.dv},{bf16}>"
 
     @property
     def threads(self) -> int:
@@ -374,7 +369,7 @@ def all_variants(arch: str) -> list[Variant]:
             for d in (64, 128):  # the GQA tile kernel (TREEVERIFY_CUDA_GQA_SCHEDULE=tile)
                 out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule="tile"))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
-            out += [MergeVariant(dv, dtype, grid) for grid in MERGE_GRIDS]
+            out.append(MergeVariant(dv, dtype))
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
