@@ -140,7 +140,8 @@ __device__ __forceinline__ int cta_split(const TreeAttnParams& p) {
   return static_cast<int>(p.balance_div > 0 ? blockIdx.z : blockIdx.y);
 }
 
-// Programmatic dependent launch (TREEVERIFY_CUDA_PDL=1, sm_90+): each forward CTA signals at
+// Programmatic dependent launch (sm_90+; TREEVERIFY_CUDA_PDL, by default where the forward
+// grid is one wave, kernels/cuda/runner.py): each forward CTA signals at
 // its start that the merge kernel after it may be scheduled; the merge kernel's CTAs decide
 // whether they have anything to merge (most exit) and wait for the forward grid to finish and
 // its writes to be visible only before reading the partials. No-ops in a normal launch and
