@@ -37,12 +37,13 @@ def _params(rng: random.Random, plain: list[int]) -> list[SamplingParams]:
     ban on plain decoding's first token and a boost of another; then each prompt with a small
     frequency penalty."""
     kw = KW
+    boost = (plain[0] + 1 + rng.randrange(255)) % 256  # any token but the banned one
     return [
         SamplingParams(**kw, frequency_penalty=-rng.uniform(0.5, 1.5),
                        presence_penalty=rng.uniform(0, 1)),
         SamplingParams(**kw, frequency_penalty=rng.uniform(0.5, 2), presence_penalty=0.3),
         SamplingParams(**kw, presence_penalty=rng.uniform(-2, 2),
-                       logit_bias={str(plain[0]): -100, rng.randrange(256): rng.uniform(1, 4)}),
+                       logit_bias={str(plain[0]): -100, boost: rng.uniform(1, 4)}),
     ] + [_small_frequency(rng.uniform(0.02, 0.05)) for _ in PROMPTS]  # fmt: skip
 
 

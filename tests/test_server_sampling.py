@@ -98,9 +98,10 @@ def test_penalties_and_logit_bias_equal_the_engine(client):
     prompt = _prompt()
     llm = LLM("tiny-llama")
     first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    boost = (first + 1 + rng.randrange(255)) % 256  # any token but the banned one
     fields = dict(presence_penalty=round(rng.uniform(-2, 2), 3),
                   frequency_penalty=round(rng.uniform(-2, 2), 3),
-                  logit_bias={str(first): -100, str(rng.randrange(256)): 5.0})  # fmt: skip
+                  logit_bias={str(first): -100, str(boost): 5.0})  # fmt: skip
     r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=10, temperature=0,
                                   extra_body={"ignore_eos": True}, **fields)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **fields)
