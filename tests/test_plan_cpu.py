@@ -3,6 +3,8 @@ rewritten by plan() between runs, and capacities are enforced with ValueErrors n
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -104,3 +106,26 @@ def test_plan_rejects_metadata_whose_shapes_disagree():
     with pytest.raises(ValueError, match="tree_mask"):
         plan.plan(bt, pl, qo, mask[:5])
     plan.plan(bt, pl, qo, mask)  # the plan still works after the rejections
+
+
+@pytest.mark.parametrize("batch", [1, 5, 16, 17, 40])  # Python ints up to 16 requests, numpy past
+def test_capacity_checks_hold_exactly_at_the_limits(batch):
+    """A step exactly at max_tree, max_kv_len and max_total_q plans; one more node or token
+    than a capacity raises the ValueError naming it, whichever request carries it."""
+    import random
+
+    rng = random.Random()
+    trees = [rng.randint(1, 12) for _ in range(batch)]
+    prefixes = [rng.randint(0, 80) for _ in range(batch)]
+    qo = torch.tensor([0] + list(itertools.accumulate(trees)), dtype=torch.int32)
+    longest = max(p + t for p, t in zip(prefixes, trees, strict=True))
+    meta = (torch.zeros(batch, 8, dtype=torch.int32), torch.tensor(prefixes, dtype=torch.int32),
+            qo, torch.zeros(int(qo[-1]), 1, dtype=torch.int32))  # fmt: skip
+    limits = dict(max_batch=batch, max_tree=max(trees), max_kv_len=longest,
+                  max_total_q=int(qo[-1]), max_pages_per_request=8)  # fmt: skip
+    case = Case("t", batch, 80, 12, 8, 2, 64, 64, False)
+    _plan(case, 16, **limits).plan(*meta)  # exactly at every limit
+    for name in ("max_tree", "max_kv_len", "max_total_q"):
+        tight = dict(limits, **{name: limits[name] - 1})
+        with pytest.raises(ValueError, match=name):
+            _plan(case, 16, **tight).plan(*meta)

@@ -15,7 +15,9 @@ every step of its bucket after the metadata buffers are rewritten in place.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 
 import numpy as np
 import torch
@@ -23,6 +25,17 @@ import torch
 from treeverify.kernels.plan_metadata import PlanMetadata
 from treeverify.kernels.staging import copy_from_host
 from treeverify.kernels.validate import validate_tree_attention_args
+
+
+def _extents(qo: np.ndarray, pl: np.ndarray) -> tuple[int, int, int]:
+    """total_q, the largest tree and the longest prefix + tree of a step's qo_indptr (B+1,) and
+    prefix_lens (B,): plan()'s capacity checks."""
+    if pl.shape[0] <= 16:  # Python ints: a numpy call costs ~1 us of host time, a step ~4 of them
+        q, p = qo.tolist(), pl.tolist()
+        trees = [b - a for a, b in itertools.pairwise(q)]
+        return q[-1], max(trees), max(map(operator.add, p, trees))
+    trees = qo[1:].astype(np.int64) - qo[:-1]  # (B,)
+    return int(qo[-1]), int(trees.max()), int((pl + trees).max())
 
 
 class TreeAttentionPlan:
@@ -173,18 +186,16 @@ class TreeAttentionPlan:
         pl = prefix_lens.numpy() if on_host else prefix_lens.cpu().numpy()  # (B,)
         if qo.shape != (batch + 1,):
             raise ValueError(f"qo_indptr: expected ({batch + 1},) entries, got {qo.shape}")
-        trees = qo[1:].astype(np.int64) - qo[:-1]  # (B,)
-        total_q = int(qo[-1])
+        total_q, largest_tree, longest = _extents(qo, pl)
         if total_q > self.max_total_q:
             raise ValueError(f"qo_indptr: total_q {total_q} exceeds max_total_q {self.max_total_q}")
-        if int(trees.max()) > self.max_tree:
+        if largest_tree > self.max_tree:
             raise ValueError(
-                f"qo_indptr: a tree of {int(trees.max())} nodes exceeds max_tree {self.max_tree}"
+                f"qo_indptr: a tree of {largest_tree} nodes exceeds max_tree {self.max_tree}"
             )
-        if int((pl + trees).max()) > self.max_kv_len:
+        if longest > self.max_kv_len:
             raise ValueError(
-                f"prefix_lens: prefix + tree {int((pl + trees).max())} exceeds "
-                f"max_kv_len {self.max_kv_len}"
+                f"prefix_lens: prefix + tree {longest} exceeds max_kv_len {self.max_kv_len}"
             )
         if tree_mask.shape[0] < total_q:
             raise ValueError(

@@ -17,7 +17,8 @@ buffers always read as if zeroed and refilled, and nothing from an earlier, larg
 survives. A mask already on the device (a speculative round's) is copied on the device after
 that. Staging buffers form a ring of two: one is rewritten only once the event recorded after its
 copy has passed, so the host never writes memory a queued copy still reads and waits only when
-the GPU runs two plans behind.
+the GPU runs two plans behind. The stream, the copy and the events are driver calls on raw
+handles (no torch Stream or Event objects a step): host time is what this file is for.
 """
 
 from __future__ import annotations
@@ -35,18 +36,28 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+class _Slot:
+    """One staging buffer of the ring: pinned host memory laid out as the device buffer, its numpy
+    view, and the driver event recorded after the copy that reads it (None on the CPU)."""
+
+    __slots__ = ("stage", "host", "event")
+
+    def __init__(self, stage: torch.Tensor, event: object | None):
+        self.stage, self.host, self.event = stage, stage.numpy(), event
+
+
 class PlanMetadata:
     def __init__(
         self, max_batch: int, max_pages: int, max_total_q: int, words: int, device: torch.device
     ):
         self.max_batch, self.max_pages = max_batch, max_pages
         self.max_total_q, self.words = max_total_q, words
-        self.device = torch.device(device)
         self.off_qo = _round_up(max_batch)
         self.off_mask = _round_up(self.off_qo + max_batch + 1)
         self.off_table = _round_up(self.off_mask + max_total_q * words)
         size = self.off_table + max_batch * max_pages
-        self.buffer = torch.zeros(size, dtype=torch.int32, device=self.device)  # fixed address
+        self.buffer = torch.zeros(size, dtype=torch.int32, device=device)  # fixed address
+        self.device = self.buffer.device  # with its index ("cuda" alone: the current device)
         self.prefix_lens = self.buffer[:max_batch]  # (max_batch,)
         self.qo_indptr = self.buffer[self.off_qo : self.off_qo + max_batch + 1]  # (max_batch+1,)
         self.tree_mask = self.buffer[self.off_mask : self.off_mask + max_total_q * words].view(
@@ -54,18 +65,20 @@ class PlanMetadata:
         )  # (max_total_q, words)
         self.block_table = self.buffer[self.off_table :].view(max_batch, max_pages)
         self._table_rows = 0  # rows of block_table that may hold non-zero values
-        self._driver = self._check = None  # cuda.bindings.driver, on the first copy
-        self._streams: dict[int, object] = {}  # CUstream handles by stream
-        self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        self._drv = self._check = None  # cuda.bindings.driver and its error check, on first use
+        self._streams: dict[int, object] = {}  # CUstream handles by raw stream
+        self._ring: list[_Slot] = []
         self._next = 0
 
     def __del__(self) -> None:
         # The staging buffers go back to PyTorch's pinned-memory cache, which does not know about
         # these driver copies: let the last ones finish before the memory can be handed out.
-        for _, _, event in getattr(self, "_ring", ()):
-            if event is not None:
+        drv = getattr(self, "_drv", None)
+        for slot in getattr(self, "_ring", ()):
+            if slot.event is not None and drv is not None:
                 with contextlib.suppress(Exception):  # at shutdown CUDA may already be gone
-                    event.synchronize()
+                    drv.cuEventSynchronize(slot.event)
+                    drv.cuEventDestroy(slot.event)
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +101,8 @@ class PlanMetadata:
         runs two plans behind). The caller has checked every capacity."""
         batch, cols = block_table.shape
         table_rows = max(batch, self._table_rows)
-        stage, h, done = self._slot()
+        slot = self._slot()
+        h = slot.host
         h[:batch] = prefix_lens
         h[batch : self.max_batch] = 0
         q = h[self.off_qo : self.off_qo + self.max_batch + 1]
@@ -109,46 +123,58 @@ class PlanMetadata:
         t[:batch, :cols] = block_table
         t[:batch, cols:] = 0
         t[batch:] = 0
-        # the plan's device's current stream (not the current device's: a plan may live on another)
-        stream = torch.cuda.current_stream(self.device) if done is not None else None
-        self._copy(stage, self.off_table + table_rows * self.max_pages, stream)
+        end = self.off_table + table_rows * self.max_pages
+        if slot.event is None:  # the CPU: a plain copy
+            self.buffer[:end].copy_(slot.stage[:end])
+        else:
+            stream = self._stream()
+            res = self._drv.cuMemcpyHtoDAsync(
+                self.buffer.data_ptr(), slot.stage.data_ptr(), 4 * end, stream
+            )
+            self._check(res, "cuMemcpyHtoDAsync(plan metadata)")
         if not host_mask:  # a device mask (a speculative round's): copied on the device
             self.tree_mask[:total_q, : tree_mask.shape[1]].copy_(tree_mask[:total_q])
-        if done is not None:
-            done.record(stream)
+        if slot.event is not None:  # after the mask's copy too: both on the same stream
+            self._check(self._drv.cuEventRecord(slot.event, stream), "cuEventRecord(plan)")
         self._table_rows = batch
 
-    def _slot(self) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+    def _stream(self) -> object:
+        """The CUstream of the plan's device's current stream (not the current device's: a plan
+        may live on another), without making a torch Stream object each step."""
+        handle = torch._C._cuda_getCurrentRawStream(self.device.index)
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = self._drv.CUstream(handle)
+        return stream
+
+    def _slot(self) -> _Slot:
         """The next staging buffer of the ring, once no queued copy reads it any more."""
         cuda = self.device.type == "cuda"
         if len(self._ring) < (_RING if cuda else 1):  # made on first use (pinned host memory)
             stage = torch.zeros(self.buffer.numel(), dtype=torch.int32, pin_memory=cuda)
-            event = torch.cuda.Event() if cuda else None
-            self._ring.append((stage, stage.numpy(), event))
+            self._ring.append(_Slot(stage, self._new_event() if cuda else None))
             slot = self._ring[-1]
         else:
             slot = self._ring[self._next % len(self._ring)]
-            if slot[2] is not None and not slot[2].query():
-                slot[2].synchronize()  # the GPU runs two plans behind: wait for that copy
+            if slot.event is not None:
+                res = self._drv.cuEventQuery(slot.event)
+                if res[0] == self._drv.CUresult.CUDA_ERROR_NOT_READY:  # two plans behind: wait
+                    res = self._drv.cuEventSynchronize(slot.event)
+                self._check(res, "cuEventQuery(plan staging)")
         self._next += 1
         return slot
 
-    def _copy(self, stage: torch.Tensor, end: int, stream: torch.cuda.Stream | None) -> None:
-        """Queue stage[:end] -> buffer[:end] on `stream` (None: the CPU, a plain copy)."""
-        if stream is None:
-            self.buffer[:end].copy_(stage[:end])
-            return
-        if self._driver is None:
+    def _new_event(self) -> object:
+        """A driver event (no timing) in the plan's device's context; loads the driver calls."""
+        if self._drv is None:
             from cuda.bindings import driver
 
             from treeverify.kernels.cuda.launch import _check
 
-            self._driver, self._check = driver, _check
-        handle = stream.cuda_stream
-        cu_stream = self._streams.get(handle)
-        if cu_stream is None:
-            cu_stream = self._streams[handle] = self._driver.CUstream(handle)
-        res = self._driver.cuMemcpyHtoDAsync(
-            self.buffer.data_ptr(), stage.data_ptr(), 4 * end, cu_stream
-        )
-        self._check(res, "cuMemcpyHtoDAsync(plan metadata)")
+            self._drv, self._check = driver, _check
+        with torch.cuda.device(self.device):  # its primary context current for the create
+            res, event = self._drv.cuEventCreate(
+                int(self._drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            )
+        self._check((res,), "cuEventCreate(plan staging)")
+        return event
