@@ -87,6 +87,31 @@ def replay(traces: list[dict], tokens: int, costs: dict[int, float], policy,
             "steps_by_budget": dict(sorted(steps.items()))}  # fmt: skip
 
 
+def ceilings(traces: list[dict], tokens: int, costs: dict[int, float]) -> dict:
+    """What no causal controller can beat by much, at batch 1, in tokens/s: each request at its
+    own best fixed budget (an oracle that knows each request's text beforehand), and each step
+    at the budget with the best (accepted + 1) / cost at that position (an oracle that knows
+    the round's outcome before choosing: the most a per-round signal, such as the drafter's
+    confidence in this round's tree, could buy)."""
+    per_request_tokens = per_request_seconds = 0.0
+    for k in range(len(traces)):
+        rows = [replay(traces[k : k + 1], tokens, costs, b) for b in costs]
+        best = max(rows, key=lambda r: r["tokens_per_s"])
+        per_request_tokens += best["tokens"]
+        per_request_seconds += best["seconds"]
+    made_total, seconds = 0, 0.0
+    for trace in traces:
+        paths, made = trace["paths"], 0
+        while made < tokens and made < len(paths):
+            path = paths[made]
+            b = max(costs, key=lambda b: (len(cut(path, b)) if b else 1) / costs[b])
+            made += len(cut(path, b)) if b else 1
+            seconds += costs[b]
+        made_total += made
+    return {"per_request_best_fixed": round(per_request_tokens / per_request_seconds, 1),
+            "per_step_oracle": round(made_total / seconds, 1)}  # fmt: skip
+
+
 def table(costs_by_batch: dict[int, dict[int, float]]) -> CostModel:
     """A frozen cost model holding each batch size's curve (sizes between interpolate)."""
     m = CostModel(window=1)
@@ -221,6 +246,10 @@ def main() -> int:
             mark = " <- best fixed" if r is best else ""
             print(f"  {name:10s} {r['tokens_per_s']:9.1f} tok/s {r['speedup_vs_plain']:6.3f}x "
                   f"steps {r['steps_by_budget']}{mark}")  # fmt: skip
+        if args.batch == 1:
+            rows["ceilings"] = ceilings(traces, args.tokens, costs)
+            print("  ceilings  ", {k: f"{v / best['tokens_per_s']:.3f} of the best fixed"
+                                   for k, v in rows["ceilings"].items()})  # fmt: skip
         out["texts"][text] = rows
     if args.then:
         later = json.loads(args.then.read_text())["texts"]["code"][:8]

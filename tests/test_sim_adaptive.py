@@ -80,3 +80,18 @@ def test_batched_replay_accounting_and_the_batch8_table(sim):
         ctl = BudgetController(buckets, sim.table({1: one, 8: eight}))
         got = sim.replay_batch(data[text], 128, sim.table({1: one, 8: eight}), ctl, 8)
         assert got["tokens_per_s"] >= 0.95 * plain["tokens_per_s"], text
+
+
+def test_ceilings_bound_the_fixed_budgets_and_see_the_future(sim):
+    """The ceilings' oracles: per request at its best fixed budget, at least every fixed budget
+    (on these traces, whose requests commit ~128 tokens each); per step at the round's best
+    budget, on a trace that alternates easy and hard positions, above any fixed budget."""
+    costs = {0: 1.0, 4: 2.0, 16: 2.2}
+    data = json.loads(TRACES.read_text())["texts"]["code"]
+    got = sim.ceilings(data, 128, costs)
+    for b in costs:
+        assert got["per_request_best_fixed"] >= sim.replay(data, 128, costs, b)["tokens_per_s"]
+    easy, hard = [0, 1, 2, 3, 5, 8, 13, 15], [0]  # 8 tokens at 16 (4 at 4); the root alone
+    traces = [{"paths": [easy if i % 9 == 0 else hard for i in range(400)]}]
+    oracle = sim.ceilings(traces, 128, costs)["per_step_oracle"]
+    assert oracle > 1.2 * max(sim.replay(traces, 128, costs, b)["tokens_per_s"] for b in costs)
