@@ -37,13 +37,20 @@ def _round_up(n: int) -> int:
 
 
 class _Slot:
-    """One staging buffer of the ring: pinned host memory laid out as the device buffer, its numpy
-    view, and the driver event recorded after the copy that reads it (None on the CPU)."""
+    """One staging buffer of the ring: pinned host memory laid out as the device buffer, numpy
+    views of its four regions (made once: a step only assigns into them), and the driver event
+    recorded after the copy that reads it (None on the CPU)."""
 
-    __slots__ = ("stage", "host", "event")
+    __slots__ = ("stage", "prefix_lens", "qo_indptr", "tree_mask", "block_table", "event")
 
-    def __init__(self, stage: torch.Tensor, event: object | None):
-        self.stage, self.host, self.event = stage, stage.numpy(), event
+    def __init__(self, stage: torch.Tensor, meta: PlanMetadata, event: object | None):
+        h = stage.numpy()
+        self.stage, self.event = stage, event
+        self.prefix_lens = h[: meta.max_batch]  # (max_batch,)
+        self.qo_indptr = h[meta.off_qo : meta.off_qo + meta.max_batch + 1]  # (max_batch+1,)
+        mask = h[meta.off_mask : meta.off_mask + meta.max_total_q * meta.words]
+        self.tree_mask = mask.reshape(meta.max_total_q, meta.words)  # (max_total_q, words)
+        self.block_table = h[meta.off_table :].reshape(meta.max_batch, meta.max_pages)
 
 
 class PlanMetadata:
@@ -102,27 +109,26 @@ class PlanMetadata:
         batch, cols = block_table.shape
         table_rows = max(batch, self._table_rows)
         slot = self._slot()
-        h = slot.host
-        h[:batch] = prefix_lens
-        h[batch : self.max_batch] = 0
-        q = h[self.off_qo : self.off_qo + self.max_batch + 1]
-        q[: batch + 1] = qo_indptr
-        q[batch + 1 :] = total_q  # padding requests: empty trees
-        m = h[self.off_mask : self.off_mask + self.max_total_q * self.words]
-        m = m.reshape(self.max_total_q, self.words)
+        slot.prefix_lens[:batch] = prefix_lens
+        slot.prefix_lens[batch:] = 0
+        slot.qo_indptr[: batch + 1] = qo_indptr
+        slot.qo_indptr[batch + 1 :] = total_q  # padding requests: empty trees
+        m = slot.tree_mask
         host_mask = isinstance(tree_mask, np.ndarray)
         if host_mask:
             w = tree_mask.shape[1]
             m[:total_q, :w] = tree_mask[:total_q]
-            m[:total_q, w:] = 0
+            if w < self.words:
+                m[:total_q, w:] = 0
             m[total_q:] = 0
         else:
             m[:] = 0
-        t = h[self.off_table : self.off_table + table_rows * self.max_pages]
-        t = t.reshape(table_rows, self.max_pages)
+        t = slot.block_table
         t[:batch, :cols] = block_table
-        t[:batch, cols:] = 0
-        t[batch:] = 0
+        if cols < self.max_pages:
+            t[:batch, cols:] = 0
+        if table_rows > batch:
+            t[batch:table_rows] = 0
         end = self.off_table + table_rows * self.max_pages
         if slot.event is None:  # the CPU: a plain copy
             self.buffer[:end].copy_(slot.stage[:end])
@@ -152,7 +158,7 @@ class PlanMetadata:
         cuda = self.device.type == "cuda"
         if len(self._ring) < (_RING if cuda else 1):  # made on first use (pinned host memory)
             stage = torch.zeros(self.buffer.numel(), dtype=torch.int32, pin_memory=cuda)
-            self._ring.append(_Slot(stage, self._new_event() if cuda else None))
+            self._ring.append(_Slot(stage, self, self._new_event() if cuda else None))
             slot = self._ring[-1]
         else:
             slot = self._ring[self._next % len(self._ring)]
