@@ -42,10 +42,15 @@ def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
     llm = adaptive_llm()
     ctl = llm.controller
     assert ctl.buckets == (0, 4, 8, 16) and ctl.cost.frozen
-    # Sampled at T=1 from a random-weight model: the n-gram drafter never guesses right.
-    llm.generate([random_text(rng, 40)],
-                 SamplingParams(temperature=1.0, seed=rng.randrange(1 << 30), max_tokens=80,
-                                ignore_eos=True))  # fmt: skip
+    # Sampled at T=1 from a random-weight model: the n-gram drafter never guesses right, but
+    # for chance hits. Rarely (1 run in ~4000) enough of them come late in the 80 tokens that
+    # it is still dwelling one or two buckets up when they end: more such text brings it back.
+    for _ in range(3):
+        llm.generate([random_text(rng, 40)],
+                     SamplingParams(temperature=1.0, seed=rng.randrange(1 << 30), max_tokens=80,
+                                    ignore_eos=True))  # fmt: skip
+        if ctl.current == 0:
+            break
     assert ctl.current == 0
     assert ctl.steps_by_budget[0] >= 40
     assert ctl.global_estimate(16) < 0.5  # chance hits only
@@ -189,7 +194,12 @@ def test_speculative_budget_pins_rounds_the_controller_would_not_run():
         return SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True, **kw)
 
     want = llm.generate([text], sampled(speculative=False))[0].token_ids
-    llm.generate([random_text(rng, 40)], sampled())  # the controller learns: drafts never pay
+    # the controller learns: drafts never pay (but for chance hits, which in ~1e-3 of runs
+    # leave it dwelling one or two buckets up at the end: then more such text brings it back)
+    for _ in range(3):
+        llm.generate([random_text(rng, 40)], sampled())
+        if llm.controller.current == 0:
+            break
     assert llm.controller.current == 0
     rounds, committed = llm.spec.stats.rounds, llm.spec.stats.committed
     assert llm.generate([text], sampled(speculative_budget=8))[0].token_ids == want

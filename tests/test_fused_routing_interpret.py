@@ -21,6 +21,7 @@ if torch.cuda.is_available():
     pytest.skip("a GPU is present: test_fused_routing_gpu.py runs there", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is decorated
 
+from routing_draws import router_inputs  # noqa: E402
 from treeverify.models import fused_routing  # noqa: E402
 from treeverify.models.moe import select_experts  # noqa: E402
 from treeverify.models.random_shapes import RANDOM_SHAPES  # noqa: E402
@@ -63,9 +64,7 @@ def _configs():
 def test_fused_routing_equals_select_experts(name, tokens):
     cfg = _configs()[name]
     seed = random.randrange(2**31)
-    g = torch.Generator().manual_seed(seed)
-    logits = 2 * torch.randn(tokens, cfg.n_routed_experts, generator=g)
-    bias = 0.3 * torch.randn(cfg.n_routed_experts, generator=g)
+    logits, bias = router_inputs(cfg, tokens, torch.Generator().manual_seed(seed))  # no near-tie
     want_idx, want_w = select_experts(logits, cfg, bias)
     got_idx, got_w = fused_routing.route(logits, cfg, bias)
     assert torch.equal(got_idx, want_idx), (name, seed)

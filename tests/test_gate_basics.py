@@ -288,9 +288,11 @@ def test_g_test_false_alarm_rate_and_power():
     probs = rng.dirichlet(np.ones(6))
     fails = sum(
         g_test_pvalue(list(rng.multinomial(200, probs)), list(probs), sims=2000) < 0.05
-        for _ in range(300)
+        for _ in range(600)
     )
-    assert 2 <= fails <= 40  # expected 15 (sd ~3.8)
+    # expected ~28 (sd ~5): with its fixed-seed simulations the test rejects 3.5-6% of such
+    # draws (by the probs drawn); a correct sampler leaves these bounds in ~1e-8 of runs
+    assert 3 <= fails <= 70
     greedy = [0] * 6
     greedy[int(np.argmax(probs))] = 200
     assert g_test_pvalue(greedy, list(probs)) < 1e-4
