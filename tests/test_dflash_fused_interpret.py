@@ -9,27 +9,17 @@ tests/test_dflash_fused_gpu.py runs the same kernels compiled on a GPU.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: test_dflash_fused_gpu.py runs there", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
+from triton_interpreter import cache_cleared, interpret_on_cpu
+
+interpret_on_cpu("tests/test_dflash_fused_gpu.py")
 
 from dflash_rings import BF16, drafter, qk_fused_and_torch, reference_attention, rings  # noqa: E402
 from treeverify.spec import dflash_fused  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def interpreted_kernels():
-    dflash_fused._kernels.cache_clear()  # decorate them now, under TRITON_INTERPRET=1
-    yield
-    dflash_fused._kernels.cache_clear()
+interpreted_kernels = cache_cleared(dflash_fused._kernels)  # decorated under the interpreter
 
 
 @pytest.mark.parametrize(

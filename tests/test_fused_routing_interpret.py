@@ -8,18 +8,14 @@ it compiled on a GPU."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: test_fused_routing_gpu.py runs there", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is decorated
+from triton_interpreter import cache_cleared, interpret_on_cpu
+
+interpret_on_cpu("tests/test_fused_routing_gpu.py")
 
 from routing_draws import router_inputs  # noqa: E402
 from treeverify.models import fused_routing  # noqa: E402
@@ -27,12 +23,7 @@ from treeverify.models.moe import select_experts  # noqa: E402
 from treeverify.models.random_shapes import RANDOM_SHAPES  # noqa: E402
 from treeverify.models.tiny import tiny_kimi_config  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def interpreted_kernel():
-    fused_routing._kernel.cache_clear()  # decorate it now, under TRITON_INTERPRET=1
-    yield
-    fused_routing._kernel.cache_clear()
+interpreted_kernel = cache_cleared(fused_routing._kernel)  # decorated under the interpreter
 
 
 def _configs():
