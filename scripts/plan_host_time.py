@@ -16,28 +16,27 @@ import time
 
 import torch
 
+from treeverify.bench.cases import Case, load_grid
 from treeverify.kernels.plan import TreeAttentionPlan
 
-# name, Hq, Hkv, Dqk, Dv, mla, B, L, N (the grid's shapes)
-CASES = (
-    ("llama8b-gqa/B1/L1024/N16", 32, 8, 128, 128, False, 1, 1024, 16),
-    ("llama8b-gqa/B32/L32768/N64", 32, 8, 128, 128, False, 32, 32768, 64),
-    ("kimi-k2-mla-tp8/B8/L8192/N16", 8, 1, 576, 512, True, 8, 8192, 16),
+CASES = (  # as scripts/host_step_profile.py
+    "llama8b-gqa/B1/L1024/N16",
+    "llama8b-gqa/B32/L32768/N64",
+    "kimi-k2-mla-tp8/B8/L8192/N16",
 )
 
 
-def plan_us(case: tuple, iters: int) -> float:
-    _, hq, hkv, dqk, dv, mla, b, length, n = case
-    page = 16
-    pages = -(-(length + n) // page)
+def plan_us(case: Case, iters: int) -> float:
+    b, n, page = case.B, case.N, 16
+    pages = -(-(case.L + n) // page)
     plan = TreeAttentionPlan(
-        num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=dqk, head_dim_v=dv, mla=mla,
-        page_size=page, max_batch=b, max_tree=n, max_pages_per_request=pages, sm_scale=0.1,
-        device="cpu", backend="torch",
+        num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim_qk=case.dqk, head_dim_v=case.dv,
+        mla=case.mla, page_size=page, max_batch=b, max_tree=n, max_pages_per_request=pages,
+        sm_scale=0.1, device="cpu", backend="torch",
     )  # fmt: skip
     meta = (
         torch.randint(0, 1 << 20, (b, pages), dtype=torch.int32),  # (B, pages)
-        torch.full((b,), length, dtype=torch.int32),  # (B,)
+        torch.full((b,), case.L, dtype=torch.int32),  # (B,)
         torch.arange(b + 1, dtype=torch.int32) * n,  # (B+1,)
         torch.randint(0, 1 << 30, (b * n, -(-n // 32)), dtype=torch.int32),  # (B*N, W)
     )
@@ -58,7 +57,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=2000)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = {c[0]: round(plan_us(c, args.iters), 2) for c in CASES}
+    grid = {c.name: c for c in load_grid()[0]}
+    rows = {name: round(plan_us(grid[name], args.iters), 2) for name in CASES}
     for name, us in rows.items():
         print(f"{name:32s} plan {us:6.1f} us")
     if args.json:

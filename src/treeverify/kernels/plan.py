@@ -2,8 +2,9 @@
 
 The plan owns every buffer the kernels read or write, at fixed addresses, sized by the bucket's
 capacities: page table, prefix lengths, qo_indptr, tree mask, split-KV partial outputs and LSEs.
-`plan()` validates on the host and copies new metadata into those buffers (`copy_`); `run()`
-only launches (no allocation, no sync, no host-dependent grid), so one captured CUDA graph serves
+`plan()` checks capacities on the host and queues the new metadata into those buffers (host
+metadata: one copy through a pinned staging ring, kernels/plan_metadata.py); `run()` only
+launches (no allocation, no sync, no host-dependent grid), so one captured CUDA graph serves
 every step of its bucket after the metadata buffers are rewritten in place.
 
     plan = TreeAttentionPlan(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, page_size=16,

@@ -182,5 +182,5 @@ class PlanMetadata:
             res, event = self._drv.cuEventCreate(
                 int(self._drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
             )
-        self._check((res,), "cuEventCreate(plan staging)")
+        self._check(res, "cuEventCreate(plan staging)")
         return event
