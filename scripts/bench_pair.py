@@ -53,18 +53,18 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
     """`adaptive`: True (the controller picks budgets), False (fixed), "general" (fixed,
     every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)
     or "read-first" (fixed, whole rounds without lookahead: each round read before the next is
-    launched, the A/B of the overlap), "ngram-whole" (fixed, n-gram rounds as whole rounds:
-    `ngram_whole_rounds`, off by default on a GPU), "no-trials" / "no-accept-trials" (adaptive
-    without cost / acceptance trials: the A/Bs of docs/ddtree.md's stale costs and thin
-    evidence)."""
+    launched, the A/B of the overlap), "ngram-general" (fixed, n-gram rounds on the general
+    path, host votes: `ngram_whole_rounds=False`; whole rounds are the default), "no-trials" /
+    "no-accept-trials" (adaptive without cost / acceptance trials: the A/Bs of docs/ddtree.md's
+    stale costs and thin evidence)."""
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
     if adaptive == "general":
         kw["disable_round_graphs"], adaptive = True, False
     elif adaptive == "read-first":
         kw["round_lookahead"], adaptive = False, False
-    elif adaptive == "ngram-whole":
-        kw["ngram_whole_rounds"], adaptive = True, False
+    elif adaptive == "ngram-general":
+        kw["ngram_whole_rounds"], adaptive = False, False
     trials, accept_trials = adaptive != "no-trials", adaptive != "no-accept-trials"
     adaptive = bool(adaptive)
     if algo:
@@ -218,9 +218,9 @@ def speed_configs(args, block: int) -> list[tuple]:
     cfgs = configs(args, block, [int(b) for b in args.budget.split(",")])
     cfgs.append((f"DDTREE(ngram) b={args.ngram_budget}", "DDTREE", "ngram", args.ngram_budget,
                  args.ngram_depth, False))  # fmt: skip
-    if args.ngram_whole:  # the same, its rounds as whole-round graphs (engine/ngram_rings.py)
-        cfgs.append((f"DDTREE(ngram) b={args.ngram_budget} whole rounds", "DDTREE", "ngram",
-                     args.ngram_budget, args.ngram_depth, "ngram-whole"))  # fmt: skip
+    if args.ngram_general:  # the same on the general path (the A/B of engine/ngram_rings.py)
+        cfgs.append((f"DDTREE(ngram) b={args.ngram_budget} general path", "DDTREE", "ngram",
+                     args.ngram_budget, args.ngram_depth, "ngram-general"))  # fmt: skip
     if args.general:  # the first DDTREE(dflash) budget again, rounds on the general path
         b = int(args.budget.split(",")[0])
         cfgs.append((f"DDTREE(dflash) b={b} general path", "DDTREE", args.drafter, b, block - 1,
@@ -236,7 +236,7 @@ def speed_configs(args, block: int) -> list[tuple]:
         if args.no_accept_trials_too:
             cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} no acceptance trials", "DDTREE",
                          args.drafter, args.adaptive, block - 1, "no-accept-trials"))  # fmt: skip
-        if args.ngram_adaptive:  # the n-gram drafter's rounds (general path) under the controller
+        if args.ngram_adaptive:  # the n-gram drafter's (whole) rounds under the controller
             cfgs.append((f"DDTREE(ngram) adaptive<={args.adaptive}", "DDTREE", "ngram",
                          args.adaptive, args.ngram_depth, True))  # fmt: skip
     return cfgs
@@ -369,9 +369,9 @@ def main(argv=None) -> int:
     p.add_argument("--ngram-budget", type=int, default=32)
     p.add_argument("--ngram-depth", type=int, default=8)
     p.add_argument(
-        "--ngram-whole",
+        "--ngram-general",
         action="store_true",
-        help="speed: also DDTREE(ngram) with its rounds as whole-round graphs",
+        help="speed: also DDTREE(ngram) with its rounds on the general path (whole rounds off)",
     )
     p.add_argument(
         "--general",

@@ -178,8 +178,9 @@ def test_balance_only_where_it_paid_on_the_h200():
 def test_merge_heads_per_cta_bounds_the_merge_grid():
     from treeverify.kernels.splits import MERGE_MAX_CTAS, merge_heads_per_cta
 
-    assert merge_heads_per_cta(64, 128) == 1  # 8192 CTAs: as before v12
-    assert merge_heads_per_cta(2048, 128) == 32  # 262k (tok, head) CTAs -> 8192
+    assert merge_heads_per_cta(16, 128) == 1  # 2048 (token, head) CTAs: one head each
+    assert merge_heads_per_cta(64, 128) == 4  # 8192 -> 2048
+    assert merge_heads_per_cta(2048, 128) == 128  # 262k -> 2048: all 128 heads in one CTA
     assert merge_heads_per_cta(16384, 8) == 8  # never more heads than the model has
     for q, h in [(16, 4), (512, 32), (2048, 32), (4096, 128), (100, 3)]:
         heads = merge_heads_per_cta(q, h)

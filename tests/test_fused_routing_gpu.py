@@ -1,6 +1,6 @@
 """The fused MoE routing kernel (models/fused_routing.py) compiled on a GPU: equal to
 `select_experts` on fresh random logits for the DeepSeek-V3, Kimi K2 and random:mla-moe layouts
-(prefill- and decode-sized), and an MLA+MoE engine with it on (TREEVERIFY_FUSED_ROUTING=1) gives
+(prefill- and decode-sized), and an MLA+MoE engine with it on (the default) gives
 the same greedy tokens with CUDA graphs as eagerly (the kernel captures). Skipped without a GPU;
 the CPU interpreter runs the kernel in test_fused_routing_interpret.py."""
 
@@ -47,7 +47,7 @@ def test_an_engine_with_fused_routing_captures_and_matches_eager(monkeypatch):
     from treeverify.engine.llm import LLM
     from treeverify.engine.sampling_params import SamplingParams
 
-    monkeypatch.setenv("TREEVERIFY_FUSED_ROUTING", "1")
+    monkeypatch.delenv("TREEVERIFY_FUSED_ROUTING", raising=False)  # on by default on a GPU
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["The capital of France is", "def main():\n    return"]
     outs = {}
@@ -55,6 +55,7 @@ def test_an_engine_with_fused_routing_captures_and_matches_eager(monkeypatch):
         llm = LLM("tiny-kimi", device="cuda", num_pages=64, disable_cuda_graph=not graphs)
         routers = [m for m in llm.model.modules() if isinstance(m, Router)]
         assert routers and all(r.fused for r in routers)
+        assert llm.startup["moe_routing"].startswith("MoE routing: one Triton kernel")
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, sp)]
         del llm
     assert outs[True] == outs[False]

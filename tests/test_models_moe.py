@@ -78,3 +78,34 @@ def test_dense_equals_grouped_and_counts():
         model.set_moe_impl("gather")
         gathered = model(ids, pos)
     torch.testing.assert_close(gathered, grouped, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_routing_switch_is_read_checked_and_described(monkeypatch):
+    """TREEVERIFY_FUSED_ROUTING: on unless 0; a bad value names the variable; a router built on
+    the CPU may hold the switch on but still routes with the PyTorch ops (the kernel is Triton on
+    a GPU), and the startup line says which path a GPU takes."""
+    import pytest
+
+    from treeverify import env
+    from treeverify.models import fused_routing
+    from treeverify.models.moe import Router
+
+    monkeypatch.delenv("TREEVERIFY_FUSED_ROUTING", raising=False)
+    assert env.fused_routing() is True
+    monkeypatch.setenv("TREEVERIFY_FUSED_ROUTING", "0")
+    assert env.fused_routing() is False
+    assert Router(routing_cfg()).fused is False
+    monkeypatch.setenv("TREEVERIFY_FUSED_ROUTING", "sometimes")
+    with pytest.raises(ValueError, match="TREEVERIFY_FUSED_ROUTING"):
+        env.fused_routing()
+    monkeypatch.setenv("TREEVERIFY_FUSED_ROUTING", "1")
+    router = Router(routing_cfg())
+    assert router.fused is fused_routing.available()
+    x = torch.randn(5, router.cfg.hidden_size)
+    want_idx, want_w = select_experts(torch.nn.functional.linear(x, router.weight), router.cfg,
+                                      router.e_score_correction_bias)  # fmt: skip
+    got_idx, got_w = router(x)  # CPU logits: the PyTorch path whatever the switch says
+    assert torch.equal(got_idx, want_idx)
+    torch.testing.assert_close(got_w, want_w)
+    assert fused_routing.describe(True).startswith("MoE routing: one Triton kernel")
+    assert "TREEVERIFY_FUSED_ROUTING=0" in fused_routing.describe(False)

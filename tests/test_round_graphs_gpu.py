@@ -72,21 +72,21 @@ def test_whole_rounds_equal_the_general_path(knobs):
 
 
 def test_ngram_whole_rounds_captured_equal_the_general_path():
-    """The n-gram drafter's whole rounds (ngram_whole_rounds: off by default on a GPU until
-    measured) captured, read first and launched ahead: the same greedy tokens as its general
-    path (host votes), batched and alone."""
+    """The n-gram drafter's whole rounds (ngram_whole_rounds, the default) captured, read first
+    and launched ahead: the same greedy tokens as its general path (host votes,
+    ngram_whole_rounds=False), batched and alone."""
     seed = int.from_bytes(os.urandom(4), "little")
     prompts = [p * 2 for p in _prompts(random.Random(seed), 3)]  # repeats: the n-gram drafts
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     knobs = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
                  speculative_adaptive=False, speculative_draft_model_path="ngram")  # fmt: skip
     outs = {}
-    variants = (("ahead", {"ngram_whole_rounds": True}),
-                ("whole", {"ngram_whole_rounds": True, "round_lookahead": False}),
-                ("general", {}))  # fmt: skip
+    variants = (("ahead", {}),
+                ("whole", {"round_lookahead": False}),
+                ("general", {"ngram_whole_rounds": False}))  # fmt: skip
     for name, extra in variants:
         llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=4, **knobs, **extra)
-        assert (llm.rounds is not None) == (name != "general")  # the GPU's default: general
+        assert (llm.rounds is not None) == (name != "general")
         outs[name] = [o.token_ids for o in llm.generate(prompts, sp)]
         outs[name].append(llm.generate(prompts[:1], sp)[0].token_ids)
         if name != "general":

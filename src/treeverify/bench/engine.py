@@ -199,8 +199,9 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
     """Tokens/s of no speculation vs CHAIN vs DDTREE (n-gram drafter) on repetitive prompts;
     per-phase round time; outputs compared to the plain run (greedy, first divergence).
     "DDTREE" is the fixed budget; "DDTREE+adaptive" the per-step budget up to it;
-    "DDTREE+whole" the fixed budget with n-gram rounds as whole-round graphs
-    (`ngram_whole_rounds`, off by default on a GPU until measured)."""
+    "DDTREE" runs the n-gram drafter's rounds on the general path (`ngram_whole_rounds=False`,
+    host votes) and "DDTREE+whole" as whole-round graphs (the default since the sixteenth
+    session), so the pair is that A/B."""
     rows, plain = [], None
     prompts = repetitive_prompts(batch, prompt_len, seed=3)
     for algo in algorithms:
@@ -208,8 +209,8 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
             speculative_algorithm=algo.split("+")[0], speculative_ddtree_budget=budget,
             speculative_adaptive=algo.endswith("+adaptive") if "DDTREE" in algo else None,
             speculative_num_draft_tokens=depth, speculative_draft_model_path=drafter)  # fmt: skip
-        if algo.endswith("+whole"):
-            kw["ngram_whole_rounds"] = True
+        if "DDTREE" in algo:
+            kw["ngram_whole_rounds"] = algo.endswith("+whole")
         llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
                   max_num_seqs=max(batch, 1), cuda_graph_max_bs=max(batch, 1), **kw)  # fmt: skip
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,

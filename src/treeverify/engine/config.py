@@ -82,8 +82,8 @@ class EngineConfig:
     # every round takes the general path (draft, build, verify, accept graphs one by one)
     disable_round_graphs: bool = False
     # Whole rounds for the n-gram drafter too (its history in device rings, engine/ngram_rings.py);
-    # None: where rounds run eagerly (the CPU), not yet where they are captured (a GPU: their
-    # capture has not run on one yet, docs/performance.md)
+    # None: on (on the H200 1.7-2.3x the general path's tokens/s on tiny-code, docs/performance.md,
+    # sixteenth session); False: every n-gram round takes the general path (host votes)
     ngram_whole_rounds: bool | None = None
     # Launch a whole round's successor before reading its result, so the host's bookkeeping
     # overlaps the GPU (engine/round_graphs.py); None: on where rounds are captured (a GPU with
@@ -187,10 +187,8 @@ class EngineConfig:
 
     @functools.cached_property
     def ngram_rounds(self) -> bool:
-        """Whether greedy n-gram rounds take the whole-round path."""
-        if self.ngram_whole_rounds is not None:
-            return self.ngram_whole_rounds
-        return not (self.on_gpu and not self.disable_cuda_graph)
+        """Whether greedy n-gram rounds take the whole-round path (default: yes)."""
+        return self.ngram_whole_rounds is not False
 
     @functools.cached_property
     def lookahead(self) -> bool:

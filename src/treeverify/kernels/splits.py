@@ -149,7 +149,10 @@ def balance_pays(
     return max_kv >= BALANCE_MIN_KV and partial_bytes <= (max_kv // 2) * kv_bytes_per_token
 
 
-MERGE_MAX_CTAS = 8192  # the merge kernel's grid, about two rounds of small CTAs on an H200
+# The merge kernel's grid bound: 2048 CTAs took the grid 1.008x (equal lengths) / 1.009x (mixed)
+# over 8192 on the H200 (sixteenth session, one pass; no case under 0.97x); 512 helped MLA more
+# (up to 1.13x) but cost GQA up to 0.82x, whose 32 heads a token then crowd each CTA.
+MERGE_MAX_CTAS = 2048
 
 
 def merge_heads_per_cta(total_q_cap: int, hq: int, max_ctas: int | None = None) -> int:

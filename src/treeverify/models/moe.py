@@ -72,8 +72,10 @@ class Router(nn.Module):
             )
         else:
             self.e_score_correction_bias = None
-        # one Triton kernel instead of ~15 ops on a GPU (TREEVERIFY_FUSED_ROUTING=1)
-        self.fused = env.fused_routing() and fused_routing.fusable(cfg)
+        # one Triton kernel instead of ~15 ops on a GPU (TREEVERIFY_FUSED_ROUTING=0: the ops)
+        self.fused = (
+            env.fused_routing() and fused_routing.fusable(cfg) and fused_routing.available()
+        )
 
     def forward(self, x: torch.Tensor):  # x (T, hidden)
         logits = F.linear(x.float(), self.weight.float())  # (T, E)
