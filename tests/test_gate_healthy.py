@@ -55,6 +55,10 @@ def test_three_healthy_runs_pass(server, tmp_path, capsys):
             assert names[probe] == "pass", report
         for probe in ("chat", "sampled"):
             assert names[probe] == "pass", report
+        # the seeded-reproducibility requests pinned at the server's budget (gate/sampled.py)
+        sampled = next(p for p in report["probes"] if p["name"] == "sampled")
+        assert sampled["data"]["speculative_budget"] == 8, sampled
+        assert "reproducible at budget 8" in sampled["detail"], sampled
         assert names["copy"] == "skip"  # random weights do not copy
         ready = report["probes"][0]["detail"]
         assert ready.startswith("ready: model 'tiny-llama' completed (HTTP 200")

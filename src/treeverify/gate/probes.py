@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from treeverify.gate import chat, copying, sampled
 from treeverify.gate import golden as G
-from treeverify.gate.client import HttpError
 from treeverify.gate.codes import ExitCode
-from treeverify.gate.probing import Ctx, Fail, Tally, greedy, plain, run_probe
+from treeverify.gate.probing import Ctx, Fail, Tally, greedy, pin_budget, plain, run_probe
 from treeverify.gate.report import ProbeResult
 
 __all__ = ["FULL", "Ctx", "Fail", "record", "run_probe"]
@@ -193,7 +192,7 @@ def speculation(ctx: Ctx) -> ProbeResult:
             t.agree(f"{p[:24]!r}", p, ref, greedy(ctx, p, 24), trusted=True)
             t.agree_text(f"{p[:24]!r}", p, ref, plain(ctx, p, 24).text, trusted=True)
     elif spec.get("enabled"):
-        pin = _pin_budget(ctx, spec, prompts[0], t)
+        pin = pin_budget(ctx, prompts[0], t.notes)
         how = "per-request speculative on vs off" + (
             f", on pinned at budget {pin['speculative_budget']}" if pin else "")  # fmt: skip
         rounds = _rounds(ctx)  # now: earlier probes' requests (and the pin check) ran rounds too
@@ -228,24 +227,6 @@ EARLY = 4  # a divergence within a request's first EARLY tokens counts as early
 def _rounds(ctx: Ctx) -> int | None:
     """The server's speculative rounds so far (/server_info), None if it does not say."""
     return ((ctx.client.server_info() or {}).get("speculative") or {}).get("rounds")
-
-
-def _pin_budget(ctx: Ctx, spec: dict, prompt: str, t: Tally) -> dict:
-    """{"speculative_budget": B} with the server's largest budget, when it takes the field:
-    an adaptive controller may decode these short probe requests plainly (budget 0), and the
-    comparison would then check nothing. A server without the field answers 400: no pin."""
-    budget = spec.get("budget")
-    if not isinstance(budget, int) or budget < 1:
-        return {}
-    pin = {"speculative_budget": budget}
-    try:
-        plain(ctx, prompt, 2, **pin)
-    except HttpError as exc:
-        if exc.status != 400:
-            raise
-        t.notes.append(f"the server refused speculative_budget ({str(exc)[:80]}): not pinned")
-        return {}
-    return pin
 
 
 def _sampled_on_vs_off(ctx: Ctx, t: Tally, pin: dict | None = None) -> None:

@@ -83,6 +83,27 @@ def plain(ctx: Ctx, prompt, max_tokens: int, client: Client | None = None, **ext
     return c.complete(prompt, max_tokens, extra={"ignore_eos": True, **extra})
 
 
+def pin_budget(ctx: Ctx, prompt, notes: list[str]) -> dict:
+    """{"speculative_budget": B} with the server's largest budget, when it speculates and takes
+    the field: an adaptive controller may decode short probe requests plainly (budget 0), or
+    at budgets that move between two requests as its measured costs do (different trees, so a
+    bf16 verify forward's numerics differ). A server without the field answers 400: no pin,
+    and a note says so."""
+    spec = (ctx.server_info or {}).get("speculative") or {}
+    budget = spec.get("budget")
+    if not spec.get("enabled") or not isinstance(budget, int) or budget < 1:
+        return {}
+    pin = {"speculative_budget": budget}
+    try:
+        plain(ctx, prompt, 2, **pin)
+    except HttpError as exc:
+        if exc.status != 400:
+            raise
+        notes.append(f"the server refused speculative_budget ({str(exc)[:80]}): not pinned")
+        return {}
+    return pin
+
+
 class Tally:
     """One probe's findings: failures, tolerated near-ties, and the evidence for each swap."""
 
