@@ -209,8 +209,8 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
             speculative_algorithm=algo.split("+")[0], speculative_ddtree_budget=budget,
             speculative_adaptive=algo.endswith("+adaptive") if "DDTREE" in algo else None,
             speculative_num_draft_tokens=depth, speculative_draft_model_path=drafter)  # fmt: skip
-        if "DDTREE" in algo:
-            kw["ngram_whole_rounds"] = algo.endswith("+whole")
+        if algo == "DDTREE":  # the A/B side of "DDTREE+whole": n-gram rounds on the general path
+            kw["ngram_whole_rounds"] = False
         llm = LLM(model, device="cuda", num_pages=num_pages, disable_cuda_graph=not graphs,
                   max_num_seqs=max(batch, 1), cuda_graph_max_bs=max(batch, 1), **kw)  # fmt: skip
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
