@@ -78,8 +78,8 @@ class EngineConfig:
     mem_fraction_static: float = 0.88
     cuda_graph_max_bs: int | None = None  # None: min(max_num_seqs, 32)
     disable_cuda_graph: bool = False
-    # Greedy DFlash rounds as one replay each (engine/round_graphs.py; eager on the CPU); True:
-    # every round takes the general path (draft, build, verify, accept graphs one by one)
+    # Greedy DFlash and n-gram rounds as one replay each (engine/round_graphs.py; eager on the
+    # CPU); True: every round takes the general path (draft, build, verify, accept one by one)
     disable_round_graphs: bool = False
     # Whole rounds for the n-gram drafter too (its history in device rings, engine/ngram_rings.py);
     # None: on (on the H200 1.7-2.3x the general path's tokens/s on tiny-code, docs/performance.md,

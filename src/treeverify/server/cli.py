@@ -133,8 +133,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--disable-round-graphs",
         action="store_true",
         help="run every speculative round piece by piece (draft, build, verify, accept) instead "
-        "of greedy rounds as one replay each (DFlash drafts; n-gram drafts where rounds run "
-        "eagerly, on the CPU) (a debugging switch)",
+        "of greedy rounds as one replay each (DFlash and n-gram drafts) (a debugging switch, "
+        "and the escape hatch should whole rounds misbehave)",
     )
     p.add_argument(
         "--disable-round-lookahead",
