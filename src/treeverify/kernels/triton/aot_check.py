@@ -102,7 +102,7 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None
                 fwd_sig.setdefault(n, "i32")
             consts = dict(G=hq // hkv, PAGE_SIZE=page, DV=dv, DR=dqk - dv, V_FROM_K=mla,
                           BM=cfg.bm, BN=cfg.bn, PREC="tf32x3" if ty == "fp32" else "tf32",
-                          INTERP_BF16=False)  # fmt: skip
+                          INTERP_BF16=False, BLOCK_B=16)  # fmt: skip
             aligned = [n for n, t in fwd_sig.items() if t.startswith("*")]
             aligned += ["stride_qt", "stride_qh", "stride_kp", "stride_kh", "stride_vp",
                         "stride_vh", "stride_ot", "stride_oh"]  # fmt: skip
@@ -123,7 +123,7 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None
                      "PrefixLens": "*i32", "QoIndptr": "*i32"}  # fmt: skip
         for n in tree_attn_merge.arg_names:
             merge_sig.setdefault(n, "i32")
-        consts = dict(DV=dv, LOG_B=6, INTERP_BF16=False)
+        consts = dict(DV=dv, LOG_B=6, INTERP_BF16=False, BLOCK_B=16)
         try:
             k = _compile(tree_attn_merge, merge_sig, consts, ["Out", "PartO", "PartLse"], arch,
                          4 if dv >= 256 else 2, 1)  # fmt: skip
