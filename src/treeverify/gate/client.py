@@ -53,6 +53,13 @@ class Streamed:
     finish_reason: str | None
 
 
+# A pooled connection idle this long is dropped rather than reused. httpx's default (5 s) equals
+# uvicorn's keep-alive timeout (ours, SGLang's): a request sent just as the server closes the
+# idle connection dies unanswered ("Server disconnected"), a transport error the gate would
+# report as INFRA on a healthy server. Reconnecting after a second's idle costs ~1 ms.
+KEEPALIVE_S = 1.0
+
+
 class Client:
     def __init__(
         self,
@@ -70,7 +77,9 @@ class Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(
             timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+            limits=httpx.Limits(
+                max_connections=64, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+            ),
             headers=headers,
         )
 
