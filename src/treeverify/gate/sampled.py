@@ -2,9 +2,10 @@
 
 1. Seeded reproducibility: the same seed gives the same text (twice, and streamed). On a
    speculating server the three requests are pinned at its largest budget (`pin_budget`) where
-   it takes the field: an adaptive controller's budgets move between requests, a different tree
-   changes the bf16 verify forward's numerics, and a sampled token then flips where its
-   perturbed scores nearly tie (seen on the H200: 5 tokens in, seed 1597723316). Pinned, the
+   it takes the field: an adaptive controller's budgets can move between requests, a different
+   tree changes the bf16 verify forward's numerics, and a sampled token then flips where its
+   perturbed scores nearly tie (the likely cause of a false alarm on the H200, 5 tokens in,
+   seed 1597723316). Pinned, the
    requests run the same trees and must agree exactly; speculation on vs off is the
    speculation probe's comparison, which tolerates those flips.
 2. First-token frequencies against the reported probabilities: ``samples`` first tokens are drawn
