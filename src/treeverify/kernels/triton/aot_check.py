@@ -74,9 +74,12 @@ def _ptxas_usage(ptx: str, arch: int) -> str:
     return f"regs={regs[-1] if regs else '?'} spill_stores={spill[-1] if spill else '?'}B"
 
 
-def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None) -> list[str]:
+def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None,
+          balanced: bool = False) -> list[str]:  # fmt: skip
     """One line per compiled kernel; `override` (dict of TritonConfig fields) replaces the
-    chosen tile config's fields, for sweeps."""
+    chosen tile config's fields, for sweeps; `balanced`: the kernels as a balanced plan
+    compiles them (kernels/splits.py: with the batch sum of 16 lanes), else as every other."""
+    block_b = 16 if balanced else 0
     from dataclasses import replace
 
     from treeverify.kernels.triton.runner import choose_config
@@ -102,7 +105,7 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None
                 fwd_sig.setdefault(n, "i32")
             consts = dict(G=hq // hkv, PAGE_SIZE=page, DV=dv, DR=dqk - dv, V_FROM_K=mla,
                           BM=cfg.bm, BN=cfg.bn, PREC="tf32x3" if ty == "fp32" else "tf32",
-                          INTERP_BF16=False, BLOCK_B=16)  # fmt: skip
+                          INTERP_BF16=False, BLOCK_B=block_b)  # fmt: skip
             aligned = [n for n, t in fwd_sig.items() if t.startswith("*")]
             aligned += ["stride_qt", "stride_qh", "stride_kp", "stride_kh", "stride_vp",
                         "stride_vh", "stride_ot", "stride_oh"]  # fmt: skip
@@ -123,7 +126,7 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None
                      "PrefixLens": "*i32", "QoIndptr": "*i32"}  # fmt: skip
         for n in tree_attn_merge.arg_names:
             merge_sig.setdefault(n, "i32")
-        consts = dict(DV=dv, LOG_B=6, INTERP_BF16=False, BLOCK_B=16)
+        consts = dict(DV=dv, LOG_B=6, INTERP_BF16=False, BLOCK_B=block_b)
         try:
             k = _compile(tree_attn_merge, merge_sig, consts, ["Out", "PartO", "PartLse"], arch,
                          4 if dv >= 256 else 2, 1)  # fmt: skip
@@ -138,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--family", action="append", help="limit to these families")
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ap.add_argument("--balanced", action="store_true", help="the balanced plans' build")
     for field in ("bm", "bn", "num_warps", "num_stages"):
         ap.add_argument(f"--{field}", type=int, help="override the chosen config")
     args = ap.parse_args(argv)
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter does not compile")
     dtypes = ({v: k for k, v in _TY.items()}[args.dtype],)
-    lines = check(args.arch, args.family, dtypes, override)
+    lines = check(args.arch, args.family, dtypes, override, balanced=args.balanced)
     print("\n".join(lines))
     return 1 if any("FAILED" in ln for ln in lines) else 0
 

@@ -146,8 +146,9 @@ class TritonTreeAttention:
         self.grid = (self.m_tiles, self.splits.max_splits, max_batch * hkv)
         self.merge_grid = (total_q_cap, hq)
         self.log_b = max(1, max_batch.bit_length())
-        # Lanes of the balanced rule's batch sum: a power of two >= max_batch.
-        self.block_b = max(16, triton.next_power_of_2(max_batch))
+        # Lanes of the balanced rule's batch sum: a power of two >= max_batch; 0 where the plan
+        # does not balance (the kernels then compile no batch sum: tree_attention._split_chunk).
+        self.block_b = max(16, triton.next_power_of_2(max_batch)) if self.splits.balance_div else 0
         self.prec = "tf32x3" if dtype == torch.float32 else "tf32"  # 16-bit: ignored
         # The CPU interpreter's bf16 tl.dot multiplies raw uint16 bits and its casts truncate.
         self.interp_bf16 = INTERPRETED and dtype == torch.bfloat16

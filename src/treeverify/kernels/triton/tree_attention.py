@@ -141,20 +141,19 @@ def _attend_tile(
 
 
 @triton.jit
-def _split_chunk(kv_total, kv_batch, max_splits, chunk, balance_div):
-    """KV keys per split of a request (kernels/splits.py's rule, balanced when balance_div > 0)."""
+def _split_chunk(PrefixLens, QoIndptr, batch, kv_total, max_splits, chunk, balance_div,
+                 BLOCK_B: tl.constexpr):  # fmt: skip
+    """KV keys per split of a request with kv_total keys (kernels/splits.py's rule). BLOCK_B:
+    lanes of the balanced rule's batch sum (a power of two >= batch), 0 for a plan that does
+    not balance, which then compiles none of it: evaluated by every CTA (v12), the sum took the
+    MLA forward's register spills under Triton 3.6 from 288 to 1236 bytes (sm_90, aot_check)."""
     c = tl.maximum(chunk, (kv_total + max_splits - 1) // max_splits)
-    share = (kv_batch + balance_div - 1) // tl.maximum(balance_div, 1)
-    c = tl.where(balance_div > 0, tl.maximum(c, share), c)
+    if BLOCK_B > 0:  # no split shorter than the batch's keys / balance_div
+        offs = tl.arange(0, BLOCK_B)
+        prefixes = tl.load(PrefixLens + offs, mask=offs < batch, other=0)
+        kv_batch = tl.sum(prefixes, 0) + tl.load(QoIndptr + batch) - tl.load(QoIndptr)
+        c = tl.maximum(c, (kv_batch + balance_div - 1) // balance_div)
     return (c + chunk - 1) // chunk * chunk  # whole units
-
-
-@triton.jit
-def _batch_kv_sum(PrefixLens, QoIndptr, batch, BLOCK_B: tl.constexpr):
-    """The batch's keys, sum over requests of P_r + T_r (the balanced rule's numerator)."""
-    offs = tl.arange(0, BLOCK_B)
-    prefixes = tl.load(PrefixLens + offs, mask=offs < batch, other=0)
-    return tl.sum(prefixes, 0) + tl.load(QoIndptr + batch) - tl.load(QoIndptr)
 
 
 @triton.jit
@@ -211,8 +210,8 @@ def tree_attn_fwd(
     rows = T * G
     m0 = pid_m * BM
     kv_total = P + T
-    kv_batch = tl.where(balance_div > 0, _batch_kv_sum(PrefixLens, QoIndptr, batch, BLOCK_B), 0)
-    chunk_b = _split_chunk(kv_total, kv_batch, max_splits, chunk, balance_div)
+    chunk_b = _split_chunk(PrefixLens, QoIndptr, batch, kv_total, max_splits, chunk, balance_div,
+                           BLOCK_B)  # fmt: skip
     n_splits = tl.maximum(1, (kv_total + chunk_b - 1) // chunk_b)
     if (m0 >= rows) | (split >= n_splits):
         return
@@ -308,8 +307,8 @@ def tree_attn_merge(
     b = lo
     T = tl.load(QoIndptr + b + 1) - tl.load(QoIndptr + b)
     kv_total = tl.load(PrefixLens + b) + T
-    kv_batch = tl.where(balance_div > 0, _batch_kv_sum(PrefixLens, QoIndptr, batch, BLOCK_B), 0)
-    chunk_b = _split_chunk(kv_total, kv_batch, max_splits, chunk, balance_div)
+    chunk_b = _split_chunk(PrefixLens, QoIndptr, batch, kv_total, max_splits, chunk, balance_div,
+                           BLOCK_B)  # fmt: skip
     n = tl.maximum(1, (kv_total + chunk_b - 1) // chunk_b)
     if (tok >= total_q) | (n == 1):
         return  # padding row, or the forward kernel wrote the final output
