@@ -87,6 +87,7 @@ def test_fused_routing_switch_is_read_checked_and_described(monkeypatch):
     import pytest
 
     from treeverify import env
+    from treeverify.kernels.api import triton_available
     from treeverify.models import fused_routing
     from treeverify.models.moe import Router
 
@@ -100,7 +101,7 @@ def test_fused_routing_switch_is_read_checked_and_described(monkeypatch):
         env.fused_routing()
     monkeypatch.setenv("TREEVERIFY_FUSED_ROUTING", "1")
     router = Router(routing_cfg())
-    assert router.fused is fused_routing.available()
+    assert router.fused is triton_available()
     x = torch.randn(5, router.cfg.hidden_size)
     want_idx, want_w = select_experts(torch.nn.functional.linear(x, router.weight), router.cfg,
                                       router.e_score_correction_bias)  # fmt: skip

@@ -7,6 +7,8 @@ under TRITON_INTERPRET=1), "auto" (cuda when it applies and imports, else torch)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from treeverify.kernels.reference import tree_attention_reference
@@ -41,6 +43,17 @@ def triton_backend():
             f"triton >= 3.6 (pip install 'treeverify[triton]'); backend='torch' runs everywhere."
         ) from exc
     return tree_attention_triton
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when triton imports: the compiler of the Triton backend and of the fused model and
+    draft kernels, each of which keeps its PyTorch path without it."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def cuda_backend_available() -> bool:

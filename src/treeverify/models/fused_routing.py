@@ -103,16 +103,6 @@ def _kernel():
     return route_kernel
 
 
-@functools.cache
-def available() -> bool:
-    """Whether Triton imports (the kernel's compiler); without it routing stays on PyTorch."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def describe(fused: bool) -> str:
     """One line for the startup log and /server_info: which path MoE routing takes on a GPU."""
     if fused:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeverify import env
+from treeverify.kernels.api import triton_available
 from treeverify.models import fused_routing
 from treeverify.models.config import DeepseekV3Config
 from treeverify.models.layers import MLP
@@ -73,9 +74,7 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
         # one Triton kernel instead of ~15 ops on a GPU (TREEVERIFY_FUSED_ROUTING=0: the ops)
-        self.fused = (
-            env.fused_routing() and fused_routing.fusable(cfg) and fused_routing.available()
-        )
+        self.fused = env.fused_routing() and fused_routing.fusable(cfg) and triton_available()
 
     def forward(self, x: torch.Tensor):  # x (T, hidden)
         logits = F.linear(x.float(), self.weight.float())  # (T, E)

@@ -81,6 +81,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treeverify.kernels.api import triton_available
+
 __all__ = [
     "LOGPROB_FLOOR",
     "DraftTree",
@@ -210,14 +212,6 @@ def sibling_chain(prev_score: Tensor, a: Tensor, use_triton: bool = False) -> Te
     return chain.permute(1, 2, 0)
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def build_tree_from_topk(
     lp: Tensor,
     ids: Tensor,
@@ -242,7 +236,7 @@ def build_tree_from_topk(
 
         if backend == "heap" or (budget <= tree_heap.MAX_BUDGET and tree_heap.available()):
             return tree_heap.build_tree_heap(lp, ids, budget, root_tokens, with_mask=with_mask)
-    use_triton = backend == "triton" or (backend == "auto" and lp.is_cuda and _triton_available())
+    use_triton = backend == "triton" or (backend == "auto" and lp.is_cuda and triton_available())
     if use_triton and not lp.is_cuda:
         raise ValueError("backend='triton' needs CUDA tensors")
     if lp.dim() != 3 or ids.shape != lp.shape:
