@@ -81,10 +81,10 @@ class EngineConfig:
     # Greedy DFlash and n-gram rounds as one replay each (engine/round_graphs.py; eager on the
     # CPU); True: every round takes the general path (draft, build, verify, accept one by one)
     disable_round_graphs: bool = False
-    # Whole rounds for the n-gram drafter too (its history in device rings, engine/ngram_rings.py);
-    # None: on (on the H200 1.7-2.3x the general path's tokens/s on tiny-code, docs/performance.md,
+    # Whole rounds for the n-gram drafter too (its history in device rings, engine/ngram_rings.py;
+    # on the H200 1.7-2.3x the general path's tokens/s on tiny-code, docs/performance.md,
     # sixteenth session); False: every n-gram round takes the general path (host votes)
-    ngram_whole_rounds: bool | None = None
+    ngram_whole_rounds: bool = True
     # Launch a whole round's successor before reading its result, so the host's bookkeeping
     # overlaps the GPU (engine/round_graphs.py); None: on where rounds are captured (a GPU with
     # graphs), off on the CPU (nothing to overlap there; the tests turn it on)
@@ -184,11 +184,6 @@ class EngineConfig:
     def max_budget(self) -> int:
         """The largest tree budget a round may use (0: no speculation)."""
         return self.speculative_ddtree_budget if self.speculating else 0
-
-    @functools.cached_property
-    def ngram_rounds(self) -> bool:
-        """Whether greedy n-gram rounds take the whole-round path (default: yes)."""
-        return self.ngram_whole_rounds is not False
 
     @functools.cached_property
     def lookahead(self) -> bool:

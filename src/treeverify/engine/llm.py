@@ -181,7 +181,7 @@ class LLM(SpeculativeSteps, Introspection):
                     self.startup["draft_graphs"] = source.capture(
                         bs, depths, ctx, self.device, max_requests=config.max_num_seqs + 1
                     )
-                elif config.ngram_rounds:  # whole n-gram rounds: their rings at fixed addresses
+                elif config.ngram_whole_rounds:  # their rings at fixed addresses
                     source.capture(config.max_num_seqs + 1, self.device)
             self._make_round_graphs(capture=True)
             t0 = self._phase("capture", t0)
@@ -197,13 +197,13 @@ class LLM(SpeculativeSteps, Introspection):
 
     def _make_round_graphs(self, capture: bool) -> None:
         """Whole greedy rounds per (batch bucket, budget) for a DFlash drafter, and for the
-        n-gram one where `ngram_rounds` (unless disable_round_graphs): captured on a GPU, over
+        n-gram one where `ngram_whole_rounds` (unless disable_round_graphs): captured on a GPU, over
         the verify buckets' stages; on the CPU the same body over stages made for it, run
         eagerly."""
         cfg = self.config
         if self.spec is None or cfg.disable_round_graphs:
             return
-        if not isinstance(self.spec.source, DFlashSource) and not cfg.ngram_rounds:
+        if not isinstance(self.spec.source, DFlashSource) and not cfg.ngram_whole_rounds:
             return
         graphs = self.runner.graphs
         if graphs is None:  # the CPU: stages (and bucket-sized plans, made on first use)

@@ -37,7 +37,7 @@ request that finished at round k wastes one round of GPU work.
 
 A step whose decodes are all greedy rounds of DFlash-drafted requests without penalties,
 logit_bias or logprobs takes this path (prefill chunks in the same step run their own forward
-after the replay); so do n-gram-drafted ones where `EngineConfig.ngram_rounds` (the context is
+after the replay); so do n-gram-drafted ones (`EngineConfig.ngram_whole_rounds`; the context is
 then engine/ngram_rings.py: the requests' newest tokens, drafted by the device matcher; the
 round writes its accepted tokens where DFlash's writes keys/values). Any other round (sampled
 acceptance, a step with a plain or opted-out decode, reservations that do not fit the free pages
