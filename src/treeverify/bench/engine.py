@@ -198,10 +198,9 @@ def speculative_speed(model: str, *, algorithms=("none", "CHAIN", "DDTREE"), bat
                       drafter: str = "ngram") -> list[dict]:  # fmt: skip
     """Tokens/s of no speculation vs CHAIN vs DDTREE (n-gram drafter) on repetitive prompts;
     per-phase round time; outputs compared to the plain run (greedy, first divergence).
-    "DDTREE" is the fixed budget; "DDTREE+adaptive" the per-step budget up to it;
-    "DDTREE" runs the n-gram drafter's rounds on the general path (`ngram_whole_rounds=False`,
-    host votes) and "DDTREE+whole" as whole-round graphs (the default since the sixteenth
-    session), so the pair is that A/B."""
+    "DDTREE" is the fixed budget with the n-gram drafter's rounds on the general path
+    (`ngram_whole_rounds=False`, host votes), "DDTREE+whole" the same as whole-round graphs (the
+    engine's default): that pair is the A/B; "DDTREE+adaptive" the per-step budget up to it."""
     rows, plain = [], None
     prompts = repetitive_prompts(batch, prompt_len, seed=3)
     for algo in algorithms:

@@ -79,11 +79,12 @@ def check(arch: int = 90, families=None, dtypes=(torch.bfloat16,), override=None
     """One line per compiled kernel; `override` (dict of TritonConfig fields) replaces the
     chosen tile config's fields, for sweeps; `balanced`: the kernels as a balanced plan
     compiles them (kernels/splits.py: with the batch sum of 16 lanes), else as every other."""
-    block_b = 16 if balanced else 0
     from dataclasses import replace
 
     from treeverify.kernels.triton.runner import choose_config
     from treeverify.kernels.triton.tree_attention import tree_attn_fwd, tree_attn_merge
+
+    block_b = 16 if balanced else 0
 
     lines = []
     for name, hq, hkv, dqk, dv, mla, max_tree, page in FAMILIES:
