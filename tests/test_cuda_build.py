@@ -89,6 +89,9 @@ def test_variant_choice():
     assert pp.schedule == "pingpong" and pp.threads == 384 and pp.bm == 128
     tile = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="tile")
     assert tile.schedule == "tile" and tile.threads == 256 and tile.bm == 128
+    ppd = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="pingpong-direct")
+    assert ppd.threads == 384 and ppd.smem_bytes == pp.smem_bytes and ppd.name != pp.name
+    assert ppd.expr.endswith(",true>") and pp.expr.endswith(",false>")
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64, gqa_schedule="pingpong").bm == 64
     with pytest.raises(ValueError, match="schedule"):
         GqaSm90Variant(128, 1, "bf16", schedule="pingpong")  # 128-row CTAs only

@@ -1,7 +1,8 @@
 """The sm_90a GQA kernels for 128-row CTAs against the reference: the ping-pong kernel (the
 default, TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong: a producer warpgroup, mbarrier-guarded slots, two
-consumer warpgroups taking turns on the MMAs) and the tile kernel it replaced (=tile, kept for
-A/B runs), on the same edge cases.
+consumer warpgroups taking turns on the MMAs), its variant whose producer threads look their own
+KV rows up (=pingpong-direct) and the tile kernel it replaced (=tile, kept for A/B runs), on the
+same edge cases.
 
 A barrier bug hangs rather than fails: scripts/gpu-check runs the GPU tests under a timeout.
 Skipped without a CUDA GPU; both kernels exist on sm_90a only (elsewhere the schedule falls back
@@ -35,7 +36,7 @@ EDGES = [
 @pytest.mark.parametrize("splits", [None, "4"], ids=["policy", "4splits"])
 @pytest.mark.parametrize("edge", EDGES, ids=["tiles", "d64-page1", "group8", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("schedule", ["pingpong", "tile"])
+@pytest.mark.parametrize("schedule", ["pingpong", "tile", "pingpong-direct"])
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     from treeverify.bench.cases import Case, make_inputs
 
@@ -50,17 +51,22 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
     assert _rel(out, _reference(inp)) <= TOL
 
 
-def test_pingpong_captured_and_replayed_with_new_metadata(monkeypatch):
+@pytest.mark.parametrize("schedule", [None, "pingpong-direct"], ids=["default", "direct"])
+def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
     counts (twice a replay, as two layers): equal to the reference every time."""
     from treeverify.bench.cases import Case, make_inputs
 
-    monkeypatch.delenv("TREEVERIFY_CUDA_GQA_SCHEDULE", raising=False)  # the default
+    if schedule:
+        monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
+    else:
+        monkeypatch.delenv("TREEVERIFY_CUDA_GQA_SCHEDULE", raising=False)
     case = Case("pp", 4, 6000, 64, 32, 8, 128, 128, False)
     first = make_inputs(case, page_size=16, device="cuda", seed=7)
     plan = _plan(first, case, 16, 4, 64, first["block_table"].shape[1], 6064)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert plan._launcher.fwd.schedule == "pingpong" and plan._launcher.fwd.threads == 384
+        assert plan._launcher.fwd.schedule == (schedule or "pingpong")
+        assert plan._launcher.fwd.threads == 384
     kc, vc = first["k_cache"], first["v_cache"]
     q = torch.randn(4 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
     outs = [torch.empty(4 * 64, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]

@@ -14,6 +14,13 @@
 // - warpgroups 1 and 2 each own 64 rows and take turns (two named barriers) issuing their
 //   MMAs: QK of tile j together with PV of tile j-1, so one warpgroup's softmax runs while
 //   the other's MMAs keep the tensor pipe busy. No CTA-wide barrier inside the loop;
+// - OWN_ROWS (schedule "pingpong-direct", v15): two producer threads a KV row, each looking the
+//   row's page up itself and copying every other 16-byte chunk of it (a pair: 32 contiguous
+//   bytes, one sector, an instruction), its pointers in registers. Without it, 64 threads publish
+//   row pointers in shared memory, the producers meet at a named barrier and every copy waits on
+//   a shared load first: ncu (B8/L32768/N64, 67650b1) put the producer at ~370 instructions a
+//   tile, latency-bound, never waiting for a free slot, while the consumers spun on the full
+//   barrier for 23% of their samples: the producer set the tile's time;
 // - setmaxnreg moves registers from the producer (56) to the consumers (224); the launch must
 //   give every thread exactly 168 (384 threads, one CTA an SM), which a CPU test checks.
 #pragma once
@@ -74,7 +81,7 @@ struct GqaPpCfg {
 // warpgroup syncs, the other arrives) and the producer's own (128).
 enum : int { kPpTurn0 = 1, kPpTurn1 = 2, kPpProducer = 3 };
 
-template <int D, int BN, int STAGES, bool BF16>
+template <int D, int BN, int STAGES, bool BF16, bool OWN_ROWS = false>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
   using C = GqaPpCfg<D, BN, STAGES>;
@@ -133,31 +140,59 @@ __global__ void __launch_bounds__(384, 1)
     setmaxnreg_dec<C::PRODUCER_REGS>();
     const T* kg = static_cast<const T*>(p.k);
     load_q_tile<BM, C::CH, 128>(sQ, p, m0, rows, qo0, kvh, G);  // lands with tile 0's copies
-    PageFetch next;
-    if (tid < BN) next = fetch_page(p, rk, P, kv_begin + tid, kv_stop);
-    for (int j = 0; j < n_tiles; ++j) {
-      const int slot = j % STAGES;
-      if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
-      if (tid < BN) {
-        publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &sRowK[slot * BN + tid],
-                        &sRowV[slot * BN + tid]);
-        // The next tile's page lookup in flight while this one is copied and the next slot
-        // frees up.
-        if (j + 1 < n_tiles) next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + tid, kv_stop);
-      }
-      named_sync(kPpProducer, 128);  // tile j's row pointers published
-      unsigned char* dk = sK + slot * C::T_BYTES;
-      unsigned char* dv = sV + slot * C::T_BYTES;
-      static_assert(BN * C::CH % 128 == 0, "whole chunks per producer thread");
+    if constexpr (OWN_ROWS) {
+      static_assert(2 * BN == 128 && C::CH % 2 == 0, "two producer threads a row");
+      const int r = tid >> 1, h = tid & 1;
+      PageFetch next = fetch_page(p, rk, P, kv_begin + r, kv_stop);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % STAGES;
+        if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+        const T* kp;
+        const T* vp;
+        publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &kp, &vp);
+        // The next tile's lookup in flight while this one is copied and its slot frees up.
+        if (j + 1 < n_tiles) next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + r, kv_stop);
+        const int bytes = kp ? 16 : 0;  // rows past the split's keys: zero-filled
+        const T* ks = (kp ? kp : kg) + 8 * h;
+        const T* vs = (vp ? vp : kg) + 8 * h;
+        unsigned char* dk = sK + slot * C::T_BYTES;
+        unsigned char* dv = sV + slot * C::T_BYTES;
 #pragma unroll
-      for (int k = 0; k < BN * C::CH / 128; ++k) {
-        const int idx = tid + k * 128, r = idx / C::CH, c = idx % C::CH;
-        const T* kp = sRowK[slot * BN + r];
-        const T* vp = sRowV[slot * BN + r];
-        cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
-        cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
+        for (int k = 0; k < C::CH / 2; ++k) {  // chunks 2k + h of the row
+          const unsigned off = sw_off<BN>(r, 2 * k + h);
+          cp_async16(dk + off, ks + 16 * k, bytes);
+          cp_async16(dv + off, vs + 16 * k, bytes);
+        }
+        cp_async_mbar_arrive(full0 + 8 * slot);
       }
-      cp_async_mbar_arrive(full0 + 8 * slot);
+    } else {
+      PageFetch next;
+      if (tid < BN) next = fetch_page(p, rk, P, kv_begin + tid, kv_stop);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % STAGES;
+        if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+        if (tid < BN) {
+          publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &sRowK[slot * BN + tid],
+                          &sRowV[slot * BN + tid]);
+          // The next tile's page lookup in flight while this one is copied and the next slot
+          // frees up.
+          if (j + 1 < n_tiles)
+            next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + tid, kv_stop);
+        }
+        named_sync(kPpProducer, 128);  // tile j's row pointers published
+        unsigned char* dk = sK + slot * C::T_BYTES;
+        unsigned char* dv = sV + slot * C::T_BYTES;
+        static_assert(BN * C::CH % 128 == 0, "whole chunks per producer thread");
+#pragma unroll
+        for (int k = 0; k < BN * C::CH / 128; ++k) {
+          const int idx = tid + k * 128, r = idx / C::CH, c = idx % C::CH;
+          const T* kp = sRowK[slot * BN + r];
+          const T* vp = sRowV[slot * BN + r];
+          cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
+          cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
+        }
+        cp_async_mbar_arrive(full0 + 8 * slot);
+      }
     }
     cp_async_wait<0>();  // nothing in flight when the CTA moves on (n_tiles == 0: Q alone)
     setmaxnreg_inc<C::LAUNCH_REGS>();  // after the consumers gave theirs back (epilogue)

@@ -118,14 +118,16 @@ class MlaSm90Variant:
         return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
-GQA_SCHEDULES = ("tile", "pingpong")
+GQA_SCHEDULES = ("tile", "pingpong", "pingpong-direct")
 
 
 @dataclass(frozen=True)
 class GqaSm90Variant:
     """tree_attn_gqa_sm90<D, BN, NWG, STAGES, BF16>: wgmma (sm_90a) GQA, 64 rows per warpgroup
     (schedule "tile"); or, schedule "pingpong" (NWG = 2 only), tree_attn_gqa_pp_sm90<D, BN,
-    STAGES, BF16>: a producer warpgroup and two consumer warpgroups taking turns on the MMAs."""
+    STAGES, BF16>: a producer warpgroup and two consumer warpgroups taking turns on the MMAs;
+    "pingpong-direct": the same with each producer thread looking its own KV row up
+    (OWN_ROWS: no shared row pointers, no producer barrier; v15)."""
 
     d: int
     nwg: int
@@ -139,8 +141,12 @@ class GqaSm90Variant:
     def __post_init__(self):
         if self.schedule not in GQA_SCHEDULES:
             raise ValueError(f"schedule: expected one of {GQA_SCHEDULES}, got {self.schedule!r}")
-        if self.schedule == "pingpong" and self.nwg != 2:
+        if self.pingpong and self.nwg != 2:
             raise ValueError("schedule: pingpong runs 128-row CTAs (nwg=2) only")
+
+    @property
+    def pingpong(self) -> bool:
+        return self.schedule.startswith("pingpong")
 
     @property
     def bm(self) -> int:
@@ -148,18 +154,21 @@ class GqaSm90Variant:
 
     @property
     def threads(self) -> int:
-        return 128 * self.nwg + (128 if self.schedule == "pingpong" else 0)
+        return 128 * self.nwg + (128 if self.pingpong else 0)
 
     @property
     def name(self) -> str:
-        pp = "_pp" if self.schedule == "pingpong" else ""
+        pp = {"tile": "", "pingpong": "_pp", "pingpong-direct": "_ppd"}[self.schedule]
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
-        if self.schedule == "pingpong":
-            return f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16}>"
+        if self.pingpong:
+            own = "true" if self.schedule == "pingpong-direct" else "false"
+            return (
+                f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16},{own}>"
+            )
         return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{self.stages},{bf16}>"
 
     @property
@@ -167,7 +176,7 @@ class GqaSm90Variant:
         """Must equal GqaSm90Cfg::SMEM_BYTES (GqaPpCfg's for pingpong: + the mbarriers)."""
         tile = self.bn * self.d * 2
         base = 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
-        return base + (16 * self.stages if self.schedule == "pingpong" else 0)
+        return base + (16 * self.stages if self.pingpong else 0)
 
 
 @dataclass(frozen=True)
@@ -366,8 +375,9 @@ def all_variants(arch: str) -> list[Variant]:
         if arch == "sm_90a":
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
-            for d in (64, 128):  # the GQA tile kernel (TREEVERIFY_CUDA_GQA_SCHEDULE=tile)
-                out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule="tile"))
+            for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
+                for schedule in ("tile", "pingpong-direct"):
+                    out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
     out.append(MaskVariant())
