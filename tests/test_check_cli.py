@@ -225,7 +225,6 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_PDL",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
-        "TREEVERIFY_CUDA_GQA_STAGES",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
         "TREEVERIFY_FUSED_ROUTING",
     }
@@ -262,7 +261,6 @@ def test_cuda_split_balance(monkeypatch):
     [
         ("TREEVERIFY_CUDA_MERGE_MAX_CTAS", env.cuda_merge_max_ctas, None, " 2048", 2048),
         ("TREEVERIFY_CUDA_GQA_SCHEDULE", env.cuda_gqa_schedule, "pingpong", " Tile", "tile"),
-        ("TREEVERIFY_CUDA_GQA_STAGES", env.cuda_gqa_stages, 4, "5 ", 5),
         ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, "auto", "yes", "1"),
     ],
 )

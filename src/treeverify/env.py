@@ -29,8 +29,6 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   on the GQA N=64 cases), ``tile`` (one warpgroup per 64 rows, each loading and computing;
   kept for A/B runs) or ``pingpong-direct`` (the ping-pong kernel whose producer threads look
   their own KV rows up: no shared row pointers, no producer barrier; v15, being measured).
-- ``TREEVERIFY_CUDA_GQA_STAGES``: K/V slots of the ping-pong GQA kernel: ``4`` (default) or
-  ``5`` (one more tile of load latency hidden; v15b, being measured).
 - ``TREEVERIFY_FUSED_ROUTING``: ``0`` turns off the one-Triton-kernel MoE expert selection a
   GPU uses by default (models/fused_routing.py; ~15 PyTorch ops a layer instead).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
@@ -78,8 +76,6 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
     "producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs) or "
     "pingpong-direct (producer threads look their own KV rows up, v15).",
-    "TREEVERIFY_CUDA_GQA_STAGES": "K/V slots of the ping-pong GQA kernel: 4 (default) or 5 "
-    "(one more tile of load latency hidden, v15b).",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -191,12 +187,6 @@ def cuda_gqa_schedule() -> str:
     """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong (default), tile or pingpong-direct
     (kernels/cuda/variants.py)."""
     return _choice("TREEVERIFY_CUDA_GQA_SCHEDULE", ("pingpong", "tile", "pingpong-direct"))
-
-
-def cuda_gqa_stages() -> int:
-    """TREEVERIFY_CUDA_GQA_STAGES: K/V slots of the ping-pong GQA kernel (4, default, or 5:
-    one more tile of load latency hidden, 198 KB of shared memory; v15b, being measured)."""
-    return int(_choice("TREEVERIFY_CUDA_GQA_STAGES", ("4", "5")))
 
 
 def cuda_mla_schedule() -> str:

@@ -70,7 +70,6 @@ class Launcher:
             portable=env.cuda_portable(),
             mla_schedule=env.cuda_mla_schedule(),
             gqa_schedule=env.cuda_gqa_schedule(),
-            gqa_stages=env.cuda_gqa_stages(),
         )
         self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)

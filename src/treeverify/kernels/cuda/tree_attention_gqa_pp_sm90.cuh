@@ -73,7 +73,7 @@ struct GqaPpCfg {
       1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN + 16 * STAGES;
   static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224, LAUNCH_REGS = 168;
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS == 3 * LAUNCH_REGS, "the register file");
-  static_assert(STAGES >= 2 && STAGES <= 5, "slots in flight (5: 198 KB of shared memory)");
+  static_assert(STAGES >= 2 && STAGES <= 4, "slots in flight");
   static_assert(BN == 64 && (D == 64 || D == 128), "tile shapes this kernel is written for");
 };
 

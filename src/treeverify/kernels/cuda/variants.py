@@ -316,7 +316,6 @@ def fwd_variant(
     portable: bool = False,
     mla_schedule: str = "pair",
     gqa_schedule: str = "pingpong",
-    gqa_stages: int = 4,
 ) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
@@ -348,8 +347,7 @@ def fwd_variant(
             # 128 rows: one CTA per SM anyway (registers), so 4 stages deep; 64 rows (the
             # memory-bound small trees): 2 stages keep two CTAs per SM in flight instead.
             if rows >= 128:
-                stages = gqa_stages if gqa_schedule != "tile" else 4
-                return GqaSm90Variant(dqk, 2, dtype, stages=stages, schedule=gqa_schedule)
+                return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=gqa_schedule)
             return GqaSm90Variant(dqk, 1, dtype, stages=2)
         bn = 32 if dqk == 256 else 64
         candidates = [FwdVariant(dqk, dv, 128, bn, 1, 2, dtype, False)] if rows >= 128 else []
