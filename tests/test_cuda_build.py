@@ -91,7 +91,9 @@ def test_variant_choice():
     assert tile.schedule == "tile" and tile.threads == 256 and tile.bm == 128
     ppd = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="pingpong-direct")
     assert ppd.threads == 384 and ppd.smem_bytes == pp.smem_bytes and ppd.name != pp.name
-    assert ppd.expr.endswith(",true>") and pp.expr.endswith(",false>")
+    assert ppd.expr.endswith(",1>") and pp.expr.endswith(",0>")
+    pps = fwd_variant("sm_90a", 64, 64, False, "fp16", rows=128, gqa_schedule="pingpong-shfl")
+    assert pps.expr.endswith(",2>") and pps.threads == 384 and "_pps_" in pps.name
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64, gqa_schedule="pingpong").bm == 64
     with pytest.raises(ValueError, match="schedule"):
         GqaSm90Variant(128, 1, "bf16", schedule="pingpong")  # 128-row CTAs only

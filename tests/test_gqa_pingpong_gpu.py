@@ -1,8 +1,8 @@
 """The sm_90a GQA kernels for 128-row CTAs against the reference: the ping-pong kernel (the
 default, TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong: a producer warpgroup, mbarrier-guarded slots, two
-consumer warpgroups taking turns on the MMAs), its variant whose producer threads look their own
-KV rows up (=pingpong-direct) and the tile kernel it replaced (=tile, kept for A/B runs), on the
-same edge cases.
+consumer warpgroups taking turns on the MMAs), its variants whose producer threads look their
+own KV rows up (=pingpong-direct) or share them by warp shuffles (=pingpong-shfl), and the tile
+kernel it replaced (=tile, kept for A/B runs), on the same edge cases.
 
 A barrier bug hangs rather than fails: scripts/gpu-check runs the GPU tests under a timeout.
 Skipped without a CUDA GPU; both kernels exist on sm_90a only (elsewhere the schedule falls back
@@ -36,7 +36,7 @@ EDGES = [
 @pytest.mark.parametrize("splits", [None, "4"], ids=["policy", "4splits"])
 @pytest.mark.parametrize("edge", EDGES, ids=["tiles", "d64-page1", "group8", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("schedule", ["pingpong", "tile", "pingpong-direct"])
+@pytest.mark.parametrize("schedule", ["pingpong", "tile", "pingpong-direct", "pingpong-shfl"])
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     from treeverify.bench.cases import Case, make_inputs
 
@@ -51,7 +51,9 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
     assert _rel(out, _reference(inp)) <= TOL
 
 
-@pytest.mark.parametrize("schedule", [None, "pingpong-direct"], ids=["default", "direct"])
+@pytest.mark.parametrize(
+    "schedule", [None, "pingpong-direct", "pingpong-shfl"], ids=["default", "direct", "shfl"]
+)
 def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
     counts (twice a replay, as two layers): equal to the reference every time."""

@@ -27,8 +27,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``pingpong``
   (default since v14b: a producer warpgroup and two consumers taking turns on the MMAs, 1.12x
   on the GQA N=64 cases), ``tile`` (one warpgroup per 64 rows, each loading and computing;
-  kept for A/B runs) or ``pingpong-direct`` (the ping-pong kernel whose producer threads look
-  their own KV rows up: no shared row pointers, no producer barrier; v15, being measured).
+  kept for A/B runs), ``pingpong-direct`` (the ping-pong kernel whose producer threads look
+  their own KV rows up: v15, 1.09-1.13x on short contexts at page size 1, 0.47-0.94x where the
+  KV streams from DRAM) or ``pingpong-shfl`` (each producer warp looks its rows up and hands the
+  pointers over by shuffles, the default's copy pattern kept: v16, not yet measured).
 - ``TREEVERIFY_FUSED_ROUTING``: ``0`` turns off the one-Triton-kernel MoE expert selection a
   GPU uses by default (models/fused_routing.py; ~15 PyTorch ops a layer instead).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
@@ -75,7 +77,8 @@ VARIABLES: dict[str, str] = {
     "2048): smaller gives each CTA more heads, fewer request lookups (A/B runs).",
     "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
     "producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs) or "
-    "pingpong-direct (producer threads look their own KV rows up, v15).",
+    "pingpong-direct (producer threads look their own KV rows up, v15) or pingpong-shfl (producer "
+    "warps share row pointers by shuffles, v16).",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -184,9 +187,11 @@ def cuda_pdl() -> str:
 
 
 def cuda_gqa_schedule() -> str:
-    """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong (default), tile or pingpong-direct
+    """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong (default), tile, pingpong-direct or pingpong-shfl
     (kernels/cuda/variants.py)."""
-    return _choice("TREEVERIFY_CUDA_GQA_SCHEDULE", ("pingpong", "tile", "pingpong-direct"))
+    return _choice(
+        "TREEVERIFY_CUDA_GQA_SCHEDULE", ("pingpong", "tile", "pingpong-direct", "pingpong-shfl")
+    )
 
 
 def cuda_mla_schedule() -> str:

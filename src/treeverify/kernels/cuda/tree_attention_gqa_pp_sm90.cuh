@@ -20,7 +20,12 @@
 //   row pointers in shared memory, the producers meet at a named barrier and every copy waits on
 //   a shared load first: ncu (B8/L32768/N64, 67650b1) put the producer at ~370 instructions a
 //   tile, latency-bound, never waiting for a free slot, while the consumers spun on the full
-//   barrier for 23% of their samples: the producer set the tile's time;
+//   barrier for 23% of their samples: the producer set the tile's time. Measured 0.985x on the
+//   grid: at long contexts its copies (32 bytes of 16 rows each) cost DRAM efficiency;
+// - PRODUCER == kProducerShuffle (schedule "pingpong-shfl", v16, not yet measured): the default's
+//   copy pattern (16 threads a row, two whole rows a warp instruction), each warp looking up
+//   the 16 rows it copies (lanes 0-15 the K pointers, 16-31 the V ones) and handing the pointers
+//   over by shuffles: no shared row pointers, no producer barrier, no shared load before a copy;
 // - setmaxnreg moves registers from the producer (56) to the consumers (224); the launch must
 //   give every thread exactly 168 (384 threads, one CTA an SM), which a CPU test checks.
 #pragma once
@@ -81,7 +86,10 @@ struct GqaPpCfg {
 // warpgroup syncs, the other arrives) and the producer's own (128).
 enum : int { kPpTurn0 = 1, kPpTurn1 = 2, kPpProducer = 3 };
 
-template <int D, int BN, int STAGES, bool BF16, bool OWN_ROWS = false>
+// How the producer warpgroup finds each KV row (the schedules above).
+enum : int { kProducerShared = 0, kProducerOwnRows = 1, kProducerShuffle = 2 };
+
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
   using C = GqaPpCfg<D, BN, STAGES>;
@@ -140,7 +148,39 @@ __global__ void __launch_bounds__(384, 1)
     setmaxnreg_dec<C::PRODUCER_REGS>();
     const T* kg = static_cast<const T*>(p.k);
     load_q_tile<BM, C::CH, 128>(sQ, p, m0, rows, qo0, kvh, G);  // lands with tile 0's copies
-    if constexpr (OWN_ROWS) {
+    if constexpr (PRODUCER == kProducerShuffle) {
+      // A warp instruction copies RPW whole rows (CH threads a row); over its STEPS steps warp w
+      // copies rows w * RPW + g + STEP_ROWS * k (g = lane / CH), 16 rows. Lane l owns one of
+      // them (l & 15 picks it; lanes 0-15 hand out K pointers, 16-31 V ones), so the row a lane
+      // copies in step k is owned by lane g + RPW * k (+16 for V). Every row a lane copies has
+      // the same swizzle (STEP_ROWS is a multiple of 8): destinations differ by immediates.
+      constexpr int RPW = 32 / C::CH, STEP_ROWS = 128 / C::CH, STEPS = BN * C::CH / 128;
+      static_assert(RPW * STEPS == 16 && STEP_ROWS % 8 == 0, "16 rows a warp, fixed swizzle");
+      const int w = tid >> 5, lane = tid & 31, g = lane / C::CH, c = lane % C::CH;
+      const int own = w * RPW + (lane & 15) % RPW + STEP_ROWS * ((lane & 15) / RPW);
+      const unsigned dst0 = sw_off<BN>(w * RPW + g, c);
+      PageFetch next = fetch_page(p, rk, P, kv_begin + own, kv_stop);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % STAGES;
+        if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+        const T* kp;
+        const T* vp;
+        publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &kp, &vp);
+        const unsigned long long mine = reinterpret_cast<unsigned long long>(lane < 16 ? kp : vp);
+        if (j + 1 < n_tiles) next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + own, kv_stop);
+        unsigned char* dk = sK + slot * C::T_BYTES + dst0;
+        unsigned char* dv = sV + slot * C::T_BYTES + dst0;
+#pragma unroll
+        for (int k = 0; k < STEPS; ++k) {
+          const T* kr = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, mine, g + RPW * k));
+          const T* vr =
+              reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, mine, 16 + g + RPW * k));
+          cp_async16(dk + k * STEP_ROWS * 128, kr ? kr + c * 8 : kg, kr ? 16 : 0);
+          cp_async16(dv + k * STEP_ROWS * 128, vr ? vr + c * 8 : kg, vr ? 16 : 0);
+        }
+        cp_async_mbar_arrive(full0 + 8 * slot);
+      }
+    } else if constexpr (PRODUCER == kProducerOwnRows) {
       static_assert(2 * BN == 128 && C::CH % 2 == 0, "two producer threads a row");
       const int r = tid >> 1, h = tid & 1;
       PageFetch next = fetch_page(p, rk, P, kv_begin + r, kv_stop);

@@ -118,7 +118,9 @@ class MlaSm90Variant:
         return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
-GQA_SCHEDULES = ("tile", "pingpong", "pingpong-direct")
+GQA_SCHEDULES = ("tile", "pingpong", "pingpong-direct", "pingpong-shfl")
+# The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh).
+PP_PRODUCERS = {"pingpong": 0, "pingpong-direct": 1, "pingpong-shfl": 2}
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,9 @@ class GqaSm90Variant:
     """tree_attn_gqa_sm90<D, BN, NWG, STAGES, BF16>: wgmma (sm_90a) GQA, 64 rows per warpgroup
     (schedule "tile"); or, schedule "pingpong" (NWG = 2 only), tree_attn_gqa_pp_sm90<D, BN,
     STAGES, BF16>: a producer warpgroup and two consumer warpgroups taking turns on the MMAs;
-    "pingpong-direct": the same with each producer thread looking its own KV row up
-    (OWN_ROWS: no shared row pointers, no producer barrier; v15)."""
+    "pingpong-direct": the same with each producer thread looking its own KV row up (v15);
+    "pingpong-shfl": each producer warp looking its rows up, pointers handed over by shuffles
+    (v16)."""
 
     d: int
     nwg: int
@@ -158,16 +161,18 @@ class GqaSm90Variant:
 
     @property
     def name(self) -> str:
-        pp = {"tile": "", "pingpong": "_pp", "pingpong-direct": "_ppd"}[self.schedule]
+        pp = {"tile": "", "pingpong": "_pp", "pingpong-direct": "_ppd", "pingpong-shfl": "_pps"}[
+            self.schedule
+        ]
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
         if self.pingpong:
-            own = "true" if self.schedule == "pingpong-direct" else "false"
+            prod = PP_PRODUCERS[self.schedule]
             return (
-                f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16},{own}>"
+                f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16},{prod}>"
             )
         return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{self.stages},{bf16}>"
 
@@ -376,7 +381,7 @@ def all_variants(arch: str) -> list[Variant]:
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
-                for schedule in ("tile", "pingpong-direct"):
+                for schedule in ("tile", "pingpong-direct", "pingpong-shfl"):
                     out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
