@@ -225,6 +225,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_PDL",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
+        "TREEVERIFY_CUDA_TMA_MIN_PAGE",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
         "TREEVERIFY_FUSED_ROUTING",
     }
@@ -262,6 +263,7 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_MERGE_MAX_CTAS", env.cuda_merge_max_ctas, None, " 2048", 2048),
         ("TREEVERIFY_CUDA_GQA_SCHEDULE", env.cuda_gqa_schedule, "pingpong", " Tile", "tile"),
         ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, "auto", "yes", "1"),
+        ("TREEVERIFY_CUDA_TMA_MIN_PAGE", env.cuda_tma_min_page, 8, " 16", 16),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

@@ -1,8 +1,10 @@
 """The sm_90a GQA kernels for 128-row CTAs against the reference: the ping-pong kernel (the
 default, TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong: a producer warpgroup, mbarrier-guarded slots, two
 consumer warpgroups taking turns on the MMAs), its variants whose producer threads look their
-own KV rows up (=pingpong-direct) or share them by warp shuffles (=pingpong-shfl), and the tile
-kernel it replaced (=tile, kept for A/B runs), on the same edge cases.
+own KV rows up (=pingpong-direct) or share them by warp shuffles (=pingpong-shfl) or load whole
+paged tiles by TMA (=pingpong-tma), and the tile kernel it replaced (=tile, kept for A/B runs),
+on the same edge cases; the TMA producer also at every page size it takes, through the SGLang
+drop-in, and captured.
 
 A barrier bug hangs rather than fails: scripts/gpu-check runs the GPU tests under a timeout.
 Skipped without a CUDA GPU; both kernels exist on sm_90a only (elsewhere the schedule falls back
@@ -36,7 +38,9 @@ EDGES = [
 @pytest.mark.parametrize("splits", [None, "4"], ids=["policy", "4splits"])
 @pytest.mark.parametrize("edge", EDGES, ids=["tiles", "d64-page1", "group8", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("schedule", ["pingpong", "tile", "pingpong-direct", "pingpong-shfl"])
+@pytest.mark.parametrize(
+    "schedule", ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"]
+)
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     from treeverify.bench.cases import Case, make_inputs
 
@@ -52,7 +56,9 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
 
 
 @pytest.mark.parametrize(
-    "schedule", [None, "pingpong-direct", "pingpong-shfl"], ids=["default", "direct", "shfl"]
+    "schedule",
+    [None, "pingpong-direct", "pingpong-shfl", "pingpong-tma"],
+    ids=["default", "direct", "shfl", "tma"],
 )
 def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
@@ -75,6 +81,8 @@ def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch)
     plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"], first["tree_mask"])
     plan.run(q, kc, vc, outs[0])
     torch.cuda.synchronize()
+    if schedule == "pingpong-tma" and torch.cuda.get_device_capability()[0] == 9:
+        assert plan._params.tma_rows == 16  # page 16: whole tiles by TMA, 16-row boxes
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for o in outs:
@@ -92,3 +100,60 @@ def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch)
         for o in outs:
             assert _rel(o[:total], ref) <= TOL, step
             assert (o[total:] == 0).all(), f"padding rows not zeroed (step {step})"
+
+
+def _is_sm90() -> bool:
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("splits", [None, "3"], ids=["policy", "3splits"])
+@pytest.mark.parametrize("page", [1, 2, 4, 8, 32, 64, 128, 48])
+def test_tma_producer_at_every_page_size(page, splits, monkeypatch):
+    """Schedule pingpong-tma with TREEVERIFY_CUDA_TMA_MIN_PAGE=1: boxes of 1-64 rows (a page,
+    or 64 rows of a larger one), prefixes ending inside a page, at a page edge and a tile edge,
+    the tree's rows by TMA too (our layout keeps them in the pool); page 48 (neither divides
+    nor is a multiple of the 64-row tile) takes the cp.async path. Checks the plan set the box
+    rows it should, so a silent fallback cannot pass for TMA."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-tma")
+    monkeypatch.setenv("TREEVERIFY_CUDA_TMA_MIN_PAGE", "1")
+    if splits:
+        monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", splits)
+    prefixes, trees = [0, 1, 63, 64, 65, 700, 3000], [64, 64, 33, 64, 17, 64, 64]
+    case = Case("tma", len(prefixes), max(prefixes), 64, 32, 8, 128, 128, False)
+    inp = make_inputs(case, page_size=page, device="cuda", dtype=torch.bfloat16, seed=page,
+                      prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+    pages = inp["block_table"].shape[1]
+    plan = _plan(inp, case, page, len(prefixes), 64, pages, pages * page)
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    out = _poisoned(inp, 128)
+    plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
+    torch.cuda.synchronize()
+    if _is_sm90():
+        assert plan._params.tma_rows == (0 if page == 48 else min(page, 64))
+    total = inp["q"].shape[0]
+    assert _rel(out[:total], _reference(inp)) <= TOL
+
+
+def test_tma_producer_through_the_sglang_drop_in(monkeypatch):
+    """SGLang's layout (a (slots, H, D) pool, tree K/V in the extend buffers): prefix tiles by
+    1-row TMA boxes, the tiles that reach the tree by cp.async; eager and captured."""
+    from test_cuda_gpu import _sglang_inputs
+    from treeverify.kernels.sglang import extend_attention_fwd
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-tma")
+    monkeypatch.setenv("TREEVERIFY_CUDA_TMA_MIN_PAGE", "1")
+    sg, ours, dv = _sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5)
+    o = torch.full((sg["q_extend"].shape[0], 32, dv), float("nan"), device="cuda",
+                   dtype=torch.bfloat16)  # fmt: skip
+    extend_attention_fwd(o_extend=o, **sg)
+    assert _rel(o, _reference(ours)) <= TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        extend_attention_fwd(o_extend=o, **sg)
+    sg["q_extend"].normal_()
+    o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(o, _reference(ours)) <= TOL

@@ -30,7 +30,11 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   kept for A/B runs), ``pingpong-direct`` (the ping-pong kernel whose producer threads look
   their own KV rows up: v15, 1.09-1.13x on short contexts at page size 1, 0.47-0.94x where the
   KV streams from DRAM) or ``pingpong-shfl`` (each producer warp looks its rows up and hands the
-  pointers over by shuffles, the default's copy pattern kept: v16, not yet measured).
+  pointers over by shuffles, the default's copy pattern kept: v16, not yet measured) or
+  ``pingpong-tma`` (whole tiles of paged keys by TMA, one box a page: v17, not yet measured).
+- ``TREEVERIFY_CUDA_TMA_MIN_PAGE``: the smallest KV page size the ``pingpong-tma`` schedule
+  loads by TMA (default 8: a box of 8 rows fills one 1024-byte swizzle atom; smaller pages
+  take the cp.async path; 1 lets every page size that divides 64 try TMA, for GPU tests).
 - ``TREEVERIFY_FUSED_ROUTING``: ``0`` turns off the one-Triton-kernel MoE expert selection a
   GPU uses by default (models/fused_routing.py; ~15 PyTorch ops a layer instead).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
@@ -78,7 +82,9 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
     "producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs) or "
     "pingpong-direct (producer threads look their own KV rows up, v15) or pingpong-shfl (producer "
-    "warps share row pointers by shuffles, v16).",
+    "warps share row pointers by shuffles, v16) or pingpong-tma (paged tiles by TMA, v17).",
+    "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
+    "by TMA (default 8; smaller pages use cp.async; 1: try every page size, GPU tests).",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -187,11 +193,23 @@ def cuda_pdl() -> str:
 
 
 def cuda_gqa_schedule() -> str:
-    """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong (default), tile, pingpong-direct or pingpong-shfl
-    (kernels/cuda/variants.py)."""
+    """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong (default), tile, pingpong-direct, pingpong-shfl
+    or pingpong-tma (kernels/cuda/variants.py)."""
     return _choice(
-        "TREEVERIFY_CUDA_GQA_SCHEDULE", ("pingpong", "tile", "pingpong-direct", "pingpong-shfl")
+        "TREEVERIFY_CUDA_GQA_SCHEDULE",
+        ("pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"),
     )
+
+
+def cuda_tma_min_page() -> int:
+    """TREEVERIFY_CUDA_TMA_MIN_PAGE: the smallest page size the pingpong-tma schedule loads by
+    TMA (default 8; kernels/cuda/tma.py)."""
+    value = os.environ.get("TREEVERIFY_CUDA_TMA_MIN_PAGE", "").strip() or "8"
+    if not value.isdigit() or not 1 <= int(value) <= 1 << 20:
+        raise ValueError(
+            f"TREEVERIFY_CUDA_TMA_MIN_PAGE: expected a positive integer, got {value!r}"
+        )
+    return int(value)
 
 
 def cuda_mla_schedule() -> str:

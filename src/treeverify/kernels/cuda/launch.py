@@ -79,6 +79,7 @@ class Params(ctypes.Structure):
         ("out_rows", ctypes.c_int),
         ("balance_div", ctypes.c_int),
         ("merge_heads", ctypes.c_int),
+        ("tma_rows", ctypes.c_int),
     ]
 
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from treeverify import env
+from treeverify.kernels.cuda import tma
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
 from treeverify.kernels.splits import (
@@ -191,12 +192,29 @@ class Launcher:
         params.merge_heads = self.merge_heads
         params.total_q_cap = self.total_q_cap
         params.scale_log2 = scale_log2(sm_scale)
+        self._fill_tma(params, k, v)
         return params
+
+    def _fill_tma(self, params: Params, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Schedule "pingpong-tma": the K and V pools' tensor maps (kept on `params` for
+        launch(); cached per pool) and the box rows, or tma_rows 0 (every tile by cp.async)
+        where the page size or the pool's layout does not suit TMA (kernels/cuda/tma.py)."""
+        params.tma_rows = 0
+        if not getattr(self.fwd, "tma", False):
+            return
+        rows = tma.box_rows(params.page_size, self.dqk)
+        pools = (k, k if v is None else v)
+        if rows and all(tma.encodable(c) for c in pools):
+            params.tma_rows = rows
+            params.tma_maps = tuple(tma.tensor_map(c, rows) for c in pools)
+        else:  # the kernel still takes two maps: any encoded bytes do, it reads none
+            params.tma_maps = (tma.TmaMap(), tma.TmaMap())
 
     def launch(self, params: Params) -> None:
         """Forward, then the merge kernel where needed (it skips rows the forward merged)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.fwd_kernel.launch(self.grid, [params], stream)
+        args = [params, *params.tma_maps] if getattr(self.fwd, "tma", False) else [params]
+        self.fwd_kernel.launch(self.grid, args, stream)
         if self.merge_kernel_needed:
             self.merge_kernel.launch(self.merge_grid, [params], stream, programmatic=self.pdl)
 

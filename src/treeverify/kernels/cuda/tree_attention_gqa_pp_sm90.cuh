@@ -26,6 +26,14 @@
 //   copy pattern (16 threads a row, two whole rows a warp instruction), each warp looking up
 //   the 16 rows it copies (lanes 0-15 the K pointers, 16-31 the V ones) and handing the pointers
 //   over by shuffles: no shared row pointers, no producer barrier, no shared load before a copy;
+// - PRODUCER == kProducerTma (schedule "pingpong-tma", v17, entry tree_attn_gqa_pp_tma_sm90):
+//   whole tiles of paged prefix keys come by TMA, one box a page (or 64 rows of a larger page)
+//   and a 64-column half, issued by the producer's first warp, each lane for its own pages; the
+//   host (kernels/cuda/tma.py) encodes a tensor map of the K and of the V pool and sets
+//   p.tma_rows (the box rows; 0: no TMA, every tile as schedule "pingpong"). Tiles that reach
+//   SGLang's extend buffers (keys >= P with k_ext) or the split's end take the cp.async path,
+//   so only the last tile or two of a split do. Why: the ncu profile above puts the tile's time
+//   on the producer's ~370 instructions; a TMA tile costs it ~20;
 // - setmaxnreg moves registers from the producer (56) to the consumers (224); the launch must
 //   give every thread exactly 168 (384 threads, one CTA an SM), which a CPU test checks.
 #pragma once
@@ -63,6 +71,33 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+// Expect `bytes` more transaction bytes in the barrier's current phase (TMA completions).
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// `count` arrivals at once (one thread standing in for the warpgroup's 128).
+__device__ __forceinline__ void mbar_arrive_count(unsigned bar, unsigned count) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+                   bar),
+               "r"(count)
+               : "memory");
+}
+// A tensor map (CUtensorMap, 128 bytes, 64-byte aligned) passed as a __grid_constant__ kernel
+// parameter; the host encodes it (kernels/cuda/tma.py).
+struct alignas(64) TmaDesc {
+  unsigned long long opaque[16];
+};
+// One TMA box of a rank-4 map (coordinates innermost first) into shared memory at `dst`,
+// completing `bytes` of the barrier's transaction count when it lands.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
+                                            int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
 __device__ __forceinline__ void wg_wait1() {
   asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
@@ -87,11 +122,80 @@ struct GqaPpCfg {
 enum : int { kPpTurn0 = 1, kPpTurn1 = 2, kPpProducer = 3 };
 
 // How the producer warpgroup finds each KV row (the schedules above).
-enum : int { kProducerShared = 0, kProducerOwnRows = 1, kProducerShuffle = 2 };
+enum : int { kProducerShared = 0, kProducerOwnRows = 1, kProducerShuffle = 2, kProducerTma = 3 };
 
-template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared>
-__global__ void __launch_bounds__(384, 1)
-    tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
+// kProducerTma's first phase, run by the whole producer warpgroup: tiles 0 .. n_tma - 1 (those
+// whose keys all lie in the paged pool below the split's end) by TMA from warp 0; returns
+// n_tma, where the cp.async path takes over. Lane l of warp 0 owns boxes l and l + 32 of a
+// tile (a box: R = p.tma_rows rows of one page, one 64-column half), looks their pages up a
+// tile ahead and issues them; lane 0 tells the slot's full barrier the bytes to expect and
+// arrives for the warpgroup (count 128). Tile 0 also carries Q (load_q_tile's cp.async): there
+// every producer thread arrives through cp.async instead.
+template <int D, int BN, int STAGES>
+__device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestKV& rk, int P,
+                                         int kvh, int kv_begin, int kv_stop, int n_tiles,
+                                         unsigned char* sK, unsigned char* sV, unsigned full0,
+                                         unsigned empty0, const TmaDesc* tmk, const TmaDesc* tmv) {
+  using C = GqaPpCfg<D, BN, STAGES>;
+  const int R = p.tma_rows;
+  if (R <= 0) return 0;
+  const int lim = p.k_ext != nullptr ? min(P, kv_stop) : kv_stop;  // paged keys end here
+  const int n_tma = min(n_tiles, max(0, (lim - kv_begin) / BN));
+  if (n_tma == 0) return 0;
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid >= 32) {
+    cp_async_mbar_arrive(full0);  // this thread's Q copies, with tile 0 (96 of the 128)
+  } else {
+    const int NB = BN / R, ps = p.page_size;  // boxes a tile (the host makes R divide BN)
+    auto page_of = [&](int j, int i) -> int {
+      if (i >= NB) return 0;
+      const int pi = (kv_begin + j * BN + i * R) / ps;
+      return p.bt_i64 ? static_cast<int>(
+                            static_cast<const long long*>(p.block_table)[rk.row_off + pi])
+                      : static_cast<const int*>(p.block_table)[rk.row_off + pi];
+    };
+    int pg0 = page_of(0, lane), pg1 = page_of(0, lane + 32);
+    for (int j = 0; j < n_tma; ++j) {
+      const int slot = j % STAGES;
+      const unsigned full = full0 + 8 * slot;
+      if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+      const int cur0 = pg0, cur1 = pg1;
+      if (j + 1 < n_tma) {  // the next tile's pages in flight while this one is issued
+        pg0 = page_of(j + 1, lane);
+        pg1 = page_of(j + 1, lane + 32);
+      }
+      if (lane == 0) mbar_expect_tx(full, 2 * C::T_BYTES);
+      __syncwarp();
+      const unsigned dk = smem_u32(sK + slot * C::T_BYTES), dv = smem_u32(sV + slot * C::T_BYTES);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = lane + 32 * u;
+        if (i < NB) {
+          const int t = kv_begin + j * BN + i * R;
+          const int in_page = t % ps, page = u == 0 ? cur0 : cur1;
+#pragma unroll
+          for (int h = 0; h < D / 64; ++h) {  // rows i*R.. of the tile's 64-column half h
+            const unsigned off = h * (BN * 128) + i * R * 128;
+            tma_load_4d(dk + off, tmk, full, h * 64, kvh, in_page, page);
+            tma_load_4d(dv + off, tmv, full, h * 64, kvh, in_page, page);
+          }
+        }
+      }
+      __syncwarp();
+      if (j == 0) cp_async_mbar_arrive(full);  // with this lane's Q copies (32 of the 128)
+      else if (lane == 0) mbar_arrive_count(full, 128);
+    }
+  }
+  // Warp 0 waited for every slot in order: the cp.async path's own waits, from tile n_tma on,
+  // then see each empty barrier at most one phase behind (a parity wait is exact there).
+  named_sync(kPpProducer, 128);
+  return n_tma;
+}
+
+// The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps.
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER>
+__device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDesc* tmk,
+                                            const TmaDesc* tmv) {
   using C = GqaPpCfg<D, BN, STAGES>;
 #ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
   static_assert(C::SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
@@ -205,10 +309,14 @@ __global__ void __launch_bounds__(384, 1)
         }
         cp_async_mbar_arrive(full0 + 8 * slot);
       }
-    } else {
+    } else {  // kProducerShared, and kProducerTma's tiles after its TMA ones
+      int j0 = 0;
+      if constexpr (PRODUCER == kProducerTma)
+        j0 = tma_tiles<D, BN, STAGES>(p, rk, P, kvh, kv_begin, kv_stop, n_tiles, sK, sV, full0,
+                                      empty0, tmk, tmv);
       PageFetch next;
-      if (tid < BN) next = fetch_page(p, rk, P, kv_begin + tid, kv_stop);
-      for (int j = 0; j < n_tiles; ++j) {
+      if (tid < BN) next = fetch_page(p, rk, P, kv_begin + j0 * BN + tid, kv_stop);
+      for (int j = j0; j < n_tiles; ++j) {
         const int slot = j % STAGES;
         if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
         if (tid < BN) {
@@ -343,6 +451,21 @@ __global__ void __launch_bounds__(384, 1)
   }
   if (n_splits > 1 && merged_in_forward<D>(p, n_splits, min(BM, rows - m0)))
     merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
+}
+
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared>
+__global__ void __launch_bounds__(384, 1)
+    tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
+  static_assert(PRODUCER != kProducerTma, "the TMA producer's entry is tree_attn_gqa_pp_tma_sm90");
+  gqa_pp_body<D, BN, STAGES, BF16, PRODUCER>(p, nullptr, nullptr);
+}
+
+template <int D, int BN, int STAGES, bool BF16>
+__global__ void __launch_bounds__(384, 1)
+    tree_attn_gqa_pp_tma_sm90(const __grid_constant__ TreeAttnParams p,
+                              const __grid_constant__ TmaDesc tmk,
+                              const __grid_constant__ TmaDesc tmv) {
+  gqa_pp_body<D, BN, STAGES, BF16, kProducerTma>(p, &tmk, &tmv);
 }
 
 }  // namespace treeverify

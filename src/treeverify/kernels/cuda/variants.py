@@ -118,8 +118,9 @@ class MlaSm90Variant:
         return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
-GQA_SCHEDULES = ("tile", "pingpong", "pingpong-direct", "pingpong-shfl")
-# The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh).
+GQA_SCHEDULES = ("tile", "pingpong", "pingpong-direct", "pingpong-shfl", "pingpong-tma")
+# The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh;
+# pingpong-tma, 3, has its own entry point, which takes the K and V tensor maps too).
 PP_PRODUCERS = {"pingpong": 0, "pingpong-direct": 1, "pingpong-shfl": 2}
 
 
@@ -130,7 +131,8 @@ class GqaSm90Variant:
     STAGES, BF16>: a producer warpgroup and two consumer warpgroups taking turns on the MMAs;
     "pingpong-direct": the same with each producer thread looking its own KV row up (v15);
     "pingpong-shfl": each producer warp looking its rows up, pointers handed over by shuffles
-    (v16)."""
+    (v16); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
+    K and V pools' tensor maps after the parameters, kernels/cuda/tma.py)."""
 
     d: int
     nwg: int
@@ -152,6 +154,10 @@ class GqaSm90Variant:
         return self.schedule.startswith("pingpong")
 
     @property
+    def tma(self) -> bool:
+        return self.schedule == "pingpong-tma"
+
+    @property
     def bm(self) -> int:
         return 64 * self.nwg
 
@@ -161,14 +167,20 @@ class GqaSm90Variant:
 
     @property
     def name(self) -> str:
-        pp = {"tile": "", "pingpong": "_pp", "pingpong-direct": "_ppd", "pingpong-shfl": "_pps"}[
-            self.schedule
-        ]
+        pp = {
+            "tile": "",
+            "pingpong": "_pp",
+            "pingpong-direct": "_ppd",
+            "pingpong-shfl": "_pps",
+            "pingpong-tma": "_ppt",
+        }[self.schedule]
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
+        if self.tma:
+            return f"treeverify::tree_attn_gqa_pp_tma_sm90<{self.d},{self.bn},{self.stages},{bf16}>"
         if self.pingpong:
             prod = PP_PRODUCERS[self.schedule]
             return (
@@ -381,7 +393,7 @@ def all_variants(arch: str) -> list[Variant]:
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
-                for schedule in ("tile", "pingpong-direct", "pingpong-shfl"):
+                for schedule in ("tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"):
                     out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
