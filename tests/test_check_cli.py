@@ -226,6 +226,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         "TREEVERIFY_CUDA_TMA_MIN_PAGE",
+        "TREEVERIFY_CUDA_GQA_Q_REGS",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
         "TREEVERIFY_FUSED_ROUTING",
     }

@@ -50,11 +50,12 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
         assert "error" not in row, row
         assert row["registers"] > 0 and row["spill_bytes"] == 0, row
         assert row["smem_bytes"] <= SMEM_LIMIT[row["arch"]], row
-        if re.search(r"_pp[dst]?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168 at launch
+        if re.search(r"_pp[dst]?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168 at launch
             assert row["registers"] == 168, row
     assert "built, 0 failed" in proc.stdout
-    # GQA ping-pong, four producers (pp, ppd, pps, ppt): d64/d128, 2 dtypes each
-    assert sum(bool(re.search(r"_pp[dst]?_", row["variant"])) for row in rows) == 16
+    # GQA ping-pong, four producers (pp, ppd, pps, ppt) and two with Q in registers (ppq,
+    # pptq): d64/d128, 2 dtypes each
+    assert sum(bool(re.search(r"_pp[dst]?q?_", row["variant"])) for row in rows) == 24
 
 
 def test_params_struct_matches_the_device_struct():
@@ -97,6 +98,16 @@ def test_variant_choice():
     pps = fwd_variant("sm_90a", 64, 64, False, "fp16", rows=128, gqa_schedule="pingpong-shfl")
     assert pps.expr.endswith(",2>") and pps.threads == 384 and "_pps_" in pps.name
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64, gqa_schedule="pingpong").bm == 64
+    ppq = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_q_regs=True)
+    assert ppq.q_regs and ppq.expr.endswith(",0,true>") and "_ppq_" in ppq.name
+    pptq = fwd_variant("sm_90a", 64, 64, False, "bf16", 256, gqa_schedule="pingpong-tma",
+                       gqa_q_regs=True)  # fmt: skip
+    assert pptq.tma and pptq.expr.endswith(",true>") and "_pptq_" in pptq.name
+    # Q in registers is a ping-pong option: the tile kernel ignores the flag, a direct build fails
+    assert not fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="tile",
+                           gqa_q_regs=True).q_regs  # fmt: skip
+    with pytest.raises(ValueError, match="q_regs"):
+        GqaSm90Variant(128, 2, "bf16", schedule="tile", q_regs=True)
     with pytest.raises(ValueError, match="schedule"):
         GqaSm90Variant(128, 1, "bf16", schedule="pingpong")  # 128-row CTAs only
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64).bm == 64

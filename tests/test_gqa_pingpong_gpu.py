@@ -39,12 +39,17 @@ EDGES = [
 @pytest.mark.parametrize("edge", EDGES, ids=["tiles", "d64-page1", "group8", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
-    "schedule", ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"]
-)
+    "schedule",
+    ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q",
+     "pingpong-tma:q"],
+)  # fmt: skip
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
+    """`:q`: with TREEVERIFY_CUDA_GQA_Q_REGS=1 (Q's fragments in registers)."""
     from treeverify.bench.cases import Case, make_inputs
 
+    schedule, _, q_regs = schedule.partition(":")
     monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_Q_REGS", "1" if q_regs else "0")
     if splits:  # many splits: m-tiles whose later splits have no key (n_tiles == 0)
         monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", splits)
     hq, hkv, d, page, prefixes, trees = edge
@@ -57,14 +62,16 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
 
 @pytest.mark.parametrize(
     "schedule",
-    [None, "pingpong-direct", "pingpong-shfl", "pingpong-tma"],
-    ids=["default", "direct", "shfl", "tma"],
+    [None, "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q"],
+    ids=["default", "direct", "shfl", "tma", "q-regs"],
 )
 def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
     counts (twice a replay, as two layers): equal to the reference every time."""
     from treeverify.bench.cases import Case, make_inputs
 
+    schedule, _, q_regs = (schedule or "").partition(":")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_Q_REGS", "1" if q_regs else "0")
     if schedule:
         monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     else:
@@ -74,6 +81,7 @@ def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch)
     plan = _plan(first, case, 16, 4, 64, first["block_table"].shape[1], 6064)
     if torch.cuda.get_device_capability()[0] == 9:
         assert plan._launcher.fwd.schedule == (schedule or "pingpong")
+        assert plan._launcher.fwd.q_regs == bool(q_regs)
         assert plan._launcher.fwd.threads == 384
     kc, vc = first["k_cache"], first["v_cache"]
     q = torch.randn(4 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)

@@ -32,6 +32,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   KV streams from DRAM) or ``pingpong-shfl`` (each producer warp looks its rows up and hands the
   pointers over by shuffles, the default's copy pattern kept: v16, not yet measured) or
   ``pingpong-tma`` (whole tiles of paged keys by TMA, one box a page: v17, not yet measured).
+- ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
+  registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; default
+  ``0`` until measured).
 - ``TREEVERIFY_CUDA_TMA_MIN_PAGE``: the smallest KV page size the ``pingpong-tma`` schedule
   loads by TMA (default 8: a box of 8 rows fills one 1024-byte swizzle atom; smaller pages
   take the cp.async path; 1 lets every page size that divides 64 try TMA, for GPU tests).
@@ -83,6 +86,8 @@ VARIABLES: dict[str, str] = {
     "producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs) or "
     "pingpong-direct (producer threads look their own KV rows up, v15) or pingpong-shfl (producer "
     "warps share row pointers by shuffles, v16) or pingpong-tma (paged tiles by TMA, v17).",
+    "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
+    "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
     "by TMA (default 8; smaller pages use cp.async; 1: try every page size, GPU tests).",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
@@ -199,6 +204,11 @@ def cuda_gqa_schedule() -> str:
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         ("pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"),
     )
+
+
+def cuda_gqa_q_regs() -> bool:
+    """TREEVERIFY_CUDA_GQA_Q_REGS: the ping-pong GQA kernels' QK with Q in registers (v18)."""
+    return _switch("TREEVERIFY_CUDA_GQA_Q_REGS", "0")
 
 
 def cuda_tma_min_page() -> int:

@@ -71,6 +71,7 @@ class Launcher:
             portable=env.cuda_portable(),
             mla_schedule=env.cuda_mla_schedule(),
             gqa_schedule=env.cuda_gqa_schedule(),
+            gqa_q_regs=env.cuda_gqa_q_regs(),
         )
         self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)

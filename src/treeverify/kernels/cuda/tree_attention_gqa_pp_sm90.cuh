@@ -34,6 +34,12 @@
 //   SGLang's extend buffers (keys >= P with k_ext) or the split's end take the cp.async path,
 //   so only the last tile or two of a split do. Why: the ncu profile above puts the tile's time
 //   on the producer's ~370 instructions; a TMA tile costs it ~20;
+// - Q_REGS (TREEVERIFY_CUDA_GQA_Q_REGS=1, v18): each consumer loads its Q fragments into
+//   registers once (ldmatrix) and issues QK as register-A wgmma. Why: an SS m64n64k16 reads
+//   2 KB of Q and 2 KB of K from shared memory for 131 kFLOP, 128 B a cycle at the tensor
+//   pipe's rate, all the bandwidth shared memory has; per CTA tile the consumers read ~96 KB
+//   (64 KB of it QK) while the producer writes 32 KB, ~1,000 cycles of shared-memory traffic
+//   against ~1,000 of MMA. With Q in registers QK reads 32 KB a tile: 64 KB less;
 // - setmaxnreg moves registers from the producer (56) to the consumers (224); the launch must
 //   give every thread exactly 168 (384 threads, one CTA an SM), which a CPU test checks.
 #pragma once
@@ -193,7 +199,7 @@ __device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestK
 }
 
 // The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps.
-template <int D, int BN, int STAGES, bool BF16, int PRODUCER>
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS>
 __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDesc* tmk,
                                             const TmaDesc* tmv) {
   using C = GqaPpCfg<D, BN, STAGES>;
@@ -362,6 +368,18 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     for (int kk = 0; kk < BN / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
     const unsigned q_addr = smem_u32(sQ) + c * 64 * 128;  // this warpgroup's 64 rows
     const int r0 = c * 64 + 16 * wi + g;                  // row within the CTA tile (and + 8)
+    // Q_REGS: this warp's 16 rows of Q as wgmma A fragments, k-step kk in qa[kk] (the
+    // mma.sync m16n8k16 A layout); Q lands with tile 0, so the first full barrier covers it.
+    unsigned qa[Q_REGS ? D / 16 : 1][4];
+    if constexpr (Q_REGS) {
+      if (n_tiles > 0) {
+        mbar_wait(full0, 0);
+        const int qrow = c * 64 + 16 * wi + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+          ldsm_x4(qa[kk], sQ + sw_off<BM>(qrow, 2 * kk + (lane >> 4)));
+      }
+    }
     if (c == 1 && n_tiles > 0) named_arrive(kPpTurn0, 256);  // consumer 0 issues first
     auto issue_pv = [&](int tile) {
       const unsigned v_addr = smem_u32(sV + (tile % STAGES) * C::T_BYTES);
@@ -382,11 +400,15 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned long long da =
-            sw128_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
         const unsigned long long db =
             sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
-        mma_qk64<D, BF16>(s, da, db, kk > 0);
+        if constexpr (Q_REGS) {
+          mma_qk64_rs<D, BF16>(s, qa[kk], db, kk > 0);
+        } else {
+          const unsigned long long da =
+              sw128_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
+          mma_qk64<D, BF16>(s, da, db, kk > 0);
+        }
       }
       wg_commit();
       issue_pv(it > 0 ? it - 1 : 0);
@@ -453,19 +475,20 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
 
-template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared>
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared,
+          bool Q_REGS = false>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
   static_assert(PRODUCER != kProducerTma, "the TMA producer's entry is tree_attn_gqa_pp_tma_sm90");
-  gqa_pp_body<D, BN, STAGES, BF16, PRODUCER>(p, nullptr, nullptr);
+  gqa_pp_body<D, BN, STAGES, BF16, PRODUCER, Q_REGS>(p, nullptr, nullptr);
 }
 
-template <int D, int BN, int STAGES, bool BF16>
+template <int D, int BN, int STAGES, bool BF16, bool Q_REGS = false>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_tma_sm90(const __grid_constant__ TreeAttnParams p,
                               const __grid_constant__ TmaDesc tmk,
                               const __grid_constant__ TmaDesc tmv) {
-  gqa_pp_body<D, BN, STAGES, BF16, kProducerTma>(p, &tmk, &tmv);
+  gqa_pp_body<D, BN, STAGES, BF16, kProducerTma, Q_REGS>(p, &tmk, &tmv);
 }
 
 }  // namespace treeverify

@@ -27,6 +27,14 @@ __device__ __forceinline__ void mma_qk64(float (&s)[32], unsigned long long a,
   if constexpr (BF16) wgmma_m64n64k16_ss_bf16<0>(s, a, b, acc);
   else wgmma_m64n64k16_ss_f16<0>(s, a, b, acc);
 }
+// QK with Q's fragments in registers (the GQA ping-pong kernel's Q_REGS): only K is read from
+// shared memory, 2 KB a wgmma instead of 4 KB.
+template <int D, bool BF16>
+__device__ __forceinline__ void mma_qk64_rs(float (&s)[32], const unsigned (&a)[4],
+                                            unsigned long long b, int acc) {
+  if constexpr (BF16) wgmma_m64n64k16_rs_bf16<0>(s, a, b, acc);
+  else wgmma_m64n64k16_rs_f16<0>(s, a, b, acc);
+}
 template <int D, bool BF16>
 __device__ __forceinline__ void mma_pv(float (&o)[D / 2], const unsigned (&a)[4],
                                        unsigned long long b) {

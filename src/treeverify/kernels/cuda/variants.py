@@ -132,7 +132,8 @@ class GqaSm90Variant:
     "pingpong-direct": the same with each producer thread looking its own KV row up (v15);
     "pingpong-shfl": each producer warp looking its rows up, pointers handed over by shuffles
     (v16); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
-    K and V pools' tensor maps after the parameters, kernels/cuda/tma.py)."""
+    K and V pools' tensor maps after the parameters, kernels/cuda/tma.py). `q_regs` (ping-pong
+    schedules, v18): QK as register-A wgmma, Q's fragments loaded once."""
 
     d: int
     nwg: int
@@ -142,12 +143,15 @@ class GqaSm90Variant:
     mla: bool = False
     defines: tuple[str, ...] = ()
     schedule: str = "tile"
+    q_regs: bool = False
 
     def __post_init__(self):
         if self.schedule not in GQA_SCHEDULES:
             raise ValueError(f"schedule: expected one of {GQA_SCHEDULES}, got {self.schedule!r}")
         if self.pingpong and self.nwg != 2:
             raise ValueError("schedule: pingpong runs 128-row CTAs (nwg=2) only")
+        if self.q_regs and not self.pingpong:
+            raise ValueError("q_regs: only the ping-pong schedules keep Q in registers")
 
     @property
     def pingpong(self) -> bool:
@@ -173,18 +177,22 @@ class GqaSm90Variant:
             "pingpong-direct": "_ppd",
             "pingpong-shfl": "_pps",
             "pingpong-tma": "_ppt",
-        }[self.schedule]
+        }[self.schedule] + ("q" if self.q_regs else "")
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
+        q = ",true" if self.q_regs else ""
         if self.tma:
-            return f"treeverify::tree_attn_gqa_pp_tma_sm90<{self.d},{self.bn},{self.stages},{bf16}>"
+            return (
+                f"treeverify::tree_attn_gqa_pp_tma_sm90<{self.d},{self.bn},{self.stages},{bf16}{q}>"
+            )
         if self.pingpong:
             prod = PP_PRODUCERS[self.schedule]
             return (
-                f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16},{prod}>"
+                f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16},"
+                f"{prod}{q}>"
             )
         return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{self.stages},{bf16}>"
 
@@ -333,6 +341,7 @@ def fwd_variant(
     portable: bool = False,
     mla_schedule: str = "pair",
     gqa_schedule: str = "pingpong",
+    gqa_q_regs: bool = False,
 ) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
@@ -364,7 +373,8 @@ def fwd_variant(
             # 128 rows: one CTA per SM anyway (registers), so 4 stages deep; 64 rows (the
             # memory-bound small trees): 2 stages keep two CTAs per SM in flight instead.
             if rows >= 128:
-                return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=gqa_schedule)
+                q_regs = gqa_q_regs and gqa_schedule != "tile"
+                return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=gqa_schedule, q_regs=q_regs)
             return GqaSm90Variant(dqk, 1, dtype, stages=2)
         bn = 32 if dqk == 256 else 64
         candidates = [FwdVariant(dqk, dv, 128, bn, 1, 2, dtype, False)] if rows >= 128 else []
@@ -395,6 +405,12 @@ def all_variants(arch: str) -> list[Variant]:
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
                 for schedule in ("tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"):
                     out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
+                for schedule in ("pingpong", "pingpong-tma"):  # TREEVERIFY_CUDA_GQA_Q_REGS
+                    out.append(
+                        fwd_variant(
+                            arch, d, d, False, dtype, 128, gqa_schedule=schedule, gqa_q_regs=True
+                        )
+                    )
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
     out.append(MaskVariant())
