@@ -50,12 +50,12 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
         assert "error" not in row, row
         assert row["registers"] > 0 and row["spill_bytes"] == 0, row
         assert row["smem_bytes"] <= SMEM_LIMIT[row["arch"]], row
-        if re.search(r"_pp[dst]?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168 at launch
+        if re.search(r"_pp([dst]|t2)?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168
             assert row["registers"] == 168, row
     assert "built, 0 failed" in proc.stdout
-    # GQA ping-pong, four producers (pp, ppd, pps, ppt) and two with Q in registers (ppq,
-    # pptq): d64/d128, 2 dtypes each
-    assert sum(bool(re.search(r"_pp[dst]?q?_", row["variant"])) for row in rows) == 24
+    # GQA ping-pong, five producers (pp, ppd, pps, ppt, ppt2) and three with Q in registers
+    # (ppq, pptq, ppt2q): d64/d128, 2 dtypes each
+    assert sum(bool(re.search(r"_pp([dst]|t2)?q?_", row["variant"])) for row in rows) == 32
 
 
 def test_params_struct_matches_the_device_struct():
@@ -103,6 +103,9 @@ def test_variant_choice():
     pptq = fwd_variant("sm_90a", 64, 64, False, "bf16", 256, gqa_schedule="pingpong-tma",
                        gqa_q_regs=True)  # fmt: skip
     assert pptq.tma and pptq.expr.endswith(",true>") and "_pptq_" in pptq.name
+    pair = fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="pingpong-tma2")
+    assert pair.tma and pair.cluster == 2 and pair.expr.endswith(",true,false,true>")
+    assert pp.cluster == 1 and "_ppt2_" in pair.name
     # Q in registers is a ping-pong option: the tile kernel ignores the flag, a direct build fails
     assert not fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="tile",
                            gqa_q_regs=True).q_regs  # fmt: skip

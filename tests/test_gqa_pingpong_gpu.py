@@ -41,7 +41,7 @@ EDGES = [
 @pytest.mark.parametrize(
     "schedule",
     ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q",
-     "pingpong-tma:q"],
+     "pingpong-tma:q", "pingpong-tma2"],
 )  # fmt: skip
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     """`:q`: with TREEVERIFY_CUDA_GQA_Q_REGS=1 (Q's fragments in registers)."""
@@ -62,8 +62,8 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
 
 @pytest.mark.parametrize(
     "schedule",
-    [None, "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q"],
-    ids=["default", "direct", "shfl", "tma", "q-regs"],
+    [None, "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q", "pingpong-tma2"],
+    ids=["default", "direct", "shfl", "tma", "q-regs", "tma2"],
 )
 def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
@@ -89,7 +89,7 @@ def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch)
     plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"], first["tree_mask"])
     plan.run(q, kc, vc, outs[0])
     torch.cuda.synchronize()
-    if schedule == "pingpong-tma" and torch.cuda.get_device_capability()[0] == 9:
+    if schedule.startswith("pingpong-tma") and torch.cuda.get_device_capability()[0] == 9:
         assert plan._params.tma_rows == 16  # page 16: whole tiles by TMA, 16-row boxes
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -116,15 +116,18 @@ def _is_sm90() -> bool:
 
 @pytest.mark.parametrize("splits", [None, "3"], ids=["policy", "3splits"])
 @pytest.mark.parametrize("page", [1, 2, 4, 8, 32, 64, 128, 48])
-def test_tma_producer_at_every_page_size(page, splits, monkeypatch):
+@pytest.mark.parametrize("schedule", ["pingpong-tma", "pingpong-tma2"], ids=["tma", "tma2"])
+def test_tma_producer_at_every_page_size(schedule, page, splits, monkeypatch):
     """Schedule pingpong-tma with TREEVERIFY_CUDA_TMA_MIN_PAGE=1: boxes of 1-64 rows (a page,
     or 64 rows of a larger one), prefixes ending inside a page, at a page edge and a tile edge,
     the tree's rows by TMA too (our layout keeps them in the pool); page 48 (neither divides
     nor is a multiple of the 64-row tile) takes the cp.async path. Checks the plan set the box
-    rows it should, so a silent fallback cannot pass for TMA."""
+    rows it should, so a silent fallback cannot pass for TMA. tma2: the pairs of 128-row CTAs
+    in clusters sharing the tiles below the tree (trees of 17-64 nodes: pairs with and without
+    a second CTA's rows)."""
     from treeverify.bench.cases import Case, make_inputs
 
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-tma")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     monkeypatch.setenv("TREEVERIFY_CUDA_TMA_MIN_PAGE", "1")
     if splits:
         monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", splits)
@@ -144,13 +147,14 @@ def test_tma_producer_at_every_page_size(page, splits, monkeypatch):
     assert _rel(out[:total], _reference(inp)) <= TOL
 
 
-def test_tma_producer_through_the_sglang_drop_in(monkeypatch):
+@pytest.mark.parametrize("schedule", ["pingpong-tma", "pingpong-tma2"], ids=["tma", "tma2"])
+def test_tma_producer_through_the_sglang_drop_in(schedule, monkeypatch):
     """SGLang's layout (a (slots, H, D) pool, tree K/V in the extend buffers): prefix tiles by
     1-row TMA boxes, the tiles that reach the tree by cp.async; eager and captured."""
     from test_cuda_gpu import _sglang_inputs
     from treeverify.kernels.sglang import extend_attention_fwd
 
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-tma")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     monkeypatch.setenv("TREEVERIFY_CUDA_TMA_MIN_PAGE", "1")
     sg, ours, dv = _sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5)
     o = torch.full((sg["q_extend"].shape[0], 32, dv), float("nan"), device="cuda",

@@ -31,7 +31,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   their own KV rows up: v15, 1.09-1.13x on short contexts at page size 1, 0.47-0.94x where the
   KV streams from DRAM) or ``pingpong-shfl`` (each producer warp looks its rows up and hands the
   pointers over by shuffles, the default's copy pattern kept: v16, not yet measured) or
-  ``pingpong-tma`` (whole tiles of paged keys by TMA, one box a page: v17, not yet measured).
+  ``pingpong-tma`` (whole tiles of paged keys by TMA, one box a page: v17, 1.01x) or
+  ``pingpong-tma2`` (the same in 2-CTA clusters sharing each tile by multicast: v19).
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; default
   ``0`` until measured).
@@ -85,7 +86,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
     "producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs) or "
     "pingpong-direct (producer threads look their own KV rows up, v15) or pingpong-shfl (producer "
-    "warps share row pointers by shuffles, v16) or pingpong-tma (paged tiles by TMA, v17).",
+    "warps share row pointers by shuffles, v16) or pingpong-tma (paged tiles by TMA, v17) or "
+    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -202,7 +204,7 @@ def cuda_gqa_schedule() -> str:
     or pingpong-tma (kernels/cuda/variants.py)."""
     return _choice(
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
-        ("pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"),
+        ("pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong-tma2"),
     )
 
 

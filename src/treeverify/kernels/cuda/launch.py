@@ -118,6 +118,16 @@ def _programmatic_attr():
     return attr
 
 
+@functools.cache
+def _cluster_attr(x: int):
+    """The launch attribute for clusters of `x` CTAs along grid x (made once per size)."""
+    drv = _drv()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = x, 1, 1
+    return attr
+
+
 class LoadedKernel:
     """One variant's function handle on one device, ready to launch."""
 
@@ -140,22 +150,30 @@ class LoadedKernel:
         stream: int,
         *,
         programmatic: bool = False,
+        cluster: int = 1,
     ) -> None:
         """Launch on `stream`. `programmatic`: programmatic dependent launch (sm_90+): the
         kernel may start once every CTA of the kernel before it on the stream has executed
         `griddepcontrol.launch_dependents` (or exited), and must `griddepcontrol.wait` before
-        reading what that kernel writes (device_common.cuh: pdl_trigger / pdl_wait)."""
+        reading what that kernel writes (device_common.cuh: pdl_trigger / pdl_wait).
+        `cluster` > 1: thread-block clusters of that many CTAs along x (grid[0] a multiple)."""
         drv = _drv()
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        if programmatic:
+        if programmatic or cluster > 1:
+            attrs = [_programmatic_attr()] if programmatic else []
+            if cluster > 1:
+                if grid[0] % cluster:
+                    raise ValueError(f"grid: x = {grid[0]} is not a multiple of cluster {cluster}")
+                attrs.append(_cluster_attr(cluster))
             config = drv.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX, config.blockDimY, config.blockDimZ = self.threads, 1, 1
             config.sharedMemBytes = self.compiled.smem_bytes
             config.hStream = drv.CUstream(stream)
-            config.attrs, config.numAttrs = [_programmatic_attr()], 1
+            config.attrs, config.numAttrs = attrs, len(attrs)
             res = drv.cuLaunchKernelEx(config, self._fn, ctypes.addressof(ptrs), 0)
-            _check(res, f"cuLaunchKernelEx({self.compiled.name}, grid={grid}, programmatic)")
+            what = f"programmatic={programmatic}, cluster={cluster}"
+            _check(res, f"cuLaunchKernelEx({self.compiled.name}, grid={grid}, {what})")
             return
         res = drv.cuLaunchKernel(
             self._fn,

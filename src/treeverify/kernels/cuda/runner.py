@@ -101,7 +101,11 @@ class Launcher:
             self.splits = dataclasses.replace(self.splits, max_splits=forced, balance_div=0)
         # Balanced plans dispatch splits last (device_common.cuh, cta_split); others as v11.
         bh, s = max_batch * hkv, self.splits.max_splits
-        self.grid = (self.m_tiles, bh, s) if self.splits.balance_div else (self.m_tiles, s, bh)
+        # Cluster launches (schedule pingpong-tma2) pair m-tiles: x rounded up to a multiple
+        # (a CTA past the rows exits at once); the split counters are sized by grid x too.
+        self.cluster = getattr(self.fwd, "cluster", 1)
+        self.grid_x = -(-self.m_tiles // self.cluster) * self.cluster
+        self.grid = (self.grid_x, bh, s) if self.splits.balance_div else (self.grid_x, s, bh)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
         self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
@@ -127,7 +131,7 @@ class Launcher:
         if s == 1:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
             return SplitWorkspace(empty, empty, torch.empty(0, dtype=torch.int32, device=dev))
-        tiles = self.m_tiles * self.max_batch * self.hkv if self.fused_merge_bytes else 0
+        tiles = self.grid_x * self.max_batch * self.hkv if self.fused_merge_bytes else 0
         return SplitWorkspace(
             torch.empty(s, self.total_q_cap, self.hq, self.dv, dtype=torch.float32, device=dev),
             torch.empty(s, self.total_q_cap, self.hq, dtype=torch.float32, device=dev),
@@ -215,7 +219,7 @@ class Launcher:
         """Forward, then the merge kernel where needed (it skips rows the forward merged)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         args = [params, *params.tma_maps] if getattr(self.fwd, "tma", False) else [params]
-        self.fwd_kernel.launch(self.grid, args, stream)
+        self.fwd_kernel.launch(self.grid, args, stream, cluster=self.cluster)
         if self.merge_kernel_needed:
             self.merge_kernel.launch(self.merge_grid, [params], stream, programmatic=self.pdl)
 

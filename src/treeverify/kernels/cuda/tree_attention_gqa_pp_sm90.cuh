@@ -34,6 +34,14 @@
 //   SGLang's extend buffers (keys >= P with k_ext) or the split's end take the cp.async path,
 //   so only the last tile or two of a split do. Why: the ncu profile above puts the tile's time
 //   on the producer's ~370 instructions; a TMA tile costs it ~20;
+// - MC (schedule "pingpong-tma2", v19): the two 128-row CTAs of a KV head (grid x pairs,
+//   launched as 2-CTA clusters) share each TMA tile: rank 0 issues the K boxes and rank 1 the
+//   V boxes, each multicast into both CTAs' slot, so a tile crosses the L2 -> SM fabric once
+//   instead of twice. A producer may refill a slot only when both CTAs' consumers are done with
+//   it: besides its own empty barrier it waits on `peer_empty`, which the partner's consumer
+//   warps arrive on remotely. Why: ncu of v17 (B8/L8192/N64) has the consumers waiting on their
+//   full barrier for ~19% of their samples with the producer idle: the loads are issued at once
+//   and land late, while the KV streams through the fabric twice (~3 TB/s);
 // - Q_REGS (TREEVERIFY_CUDA_GQA_Q_REGS=1, v18): each consumer loads its Q fragments into
 //   registers once (ldmatrix) and issues QK as register-A wgmma. Why: an SS m64n64k16 reads
 //   2 KB of Q and 2 KB of K from shared memory for 131 kFLOP, 128 B a cycle at the tensor
@@ -104,6 +112,45 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc* map, un
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// The same box multicast into the shared memory of every CTA in `mask` (same offsets), each
+// CTA's barrier at `bar` completing the bytes it received.
+__device__ __forceinline__ void tma_load_4d_mc(unsigned dst, const TmaDesc* map, unsigned bar,
+                                               int c0, int c1, int c2, int c3,
+                                               unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(bar), "h"(mask)
+      : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of both CTAs of the cluster (release / acquire: barrier inits, remote arrivals).
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// `count` arrivals on the barrier at the same offset in cluster CTA `peer`.
+__device__ __forceinline__ void mbar_arrive_remote(unsigned bar, unsigned peer, unsigned count) {
+  asm volatile(
+      "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra], %2;\n}\n" ::"r"(bar),
+      "r"(peer), "r"(count)
+      : "memory");
+}
+// mbar_wait for a barrier that other CTAs of the cluster arrive on.
+__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred ready;\n"
+      "TV_MBAR_RETRY_CL:\n"
+      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%0], %1;\n"
+      " @!ready bra TV_MBAR_RETRY_CL;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 __device__ __forceinline__ void wg_wait1() {
   asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
@@ -114,9 +161,9 @@ struct GqaPpCfg {
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int T_BYTES = BN * D * 2;  // one K (or V) tile
   // 1 KB alignment slack + Q + STAGES of K and V + K/V row pointers [STAGES][BN] each + the
-  // full and empty mbarriers [STAGES] each.
+  // full, empty and peer_empty (MC) mbarriers [STAGES] each.
   static constexpr int SMEM_BYTES =
-      1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN + 16 * STAGES;
+      1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN + 24 * STAGES;
   static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224, LAUNCH_REGS = 168;
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS == 3 * LAUNCH_REGS, "the register file");
   static_assert(STAGES >= 2 && STAGES <= 4, "slots in flight");
@@ -137,16 +184,16 @@ enum : int { kProducerShared = 0, kProducerOwnRows = 1, kProducerShuffle = 2, kP
 // tile ahead and issues them; lane 0 tells the slot's full barrier the bytes to expect and
 // arrives for the warpgroup (count 128). Tile 0 also carries Q (load_q_tile's cp.async): there
 // every producer thread arrives through cp.async instead.
+// MC (`mc` true for this cluster): each CTA issues half the boxes (rank 0 K, rank 1 V) into
+// both CTAs, and refills a slot only once the partner's consumers freed it too (peer_empty0).
 template <int D, int BN, int STAGES>
-__device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestKV& rk, int P,
-                                         int kvh, int kv_begin, int kv_stop, int n_tiles,
-                                         unsigned char* sK, unsigned char* sV, unsigned full0,
-                                         unsigned empty0, const TmaDesc* tmk, const TmaDesc* tmv) {
+__device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestKV& rk, int n_tma,
+                                         int kvh, int kv_begin, unsigned char* sK,
+                                         unsigned char* sV, unsigned full0, unsigned empty0,
+                                         const TmaDesc* tmk, const TmaDesc* tmv, bool mc,
+                                         unsigned rank, unsigned peer_empty0) {
   using C = GqaPpCfg<D, BN, STAGES>;
   const int R = p.tma_rows;
-  if (R <= 0) return 0;
-  const int lim = p.k_ext != nullptr ? min(P, kv_stop) : kv_stop;  // paged keys end here
-  const int n_tma = min(n_tiles, max(0, (lim - kv_begin) / BN));
   if (n_tma == 0) return 0;
   const int tid = threadIdx.x, lane = tid & 31;
   if (tid >= 32) {
@@ -164,7 +211,10 @@ __device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestK
     for (int j = 0; j < n_tma; ++j) {
       const int slot = j % STAGES;
       const unsigned full = full0 + 8 * slot;
-      if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+      if (j >= STAGES) {
+        mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+        if (mc) mbar_wait_cluster(peer_empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+      }
       const int cur0 = pg0, cur1 = pg1;
       if (j + 1 < n_tma) {  // the next tile's pages in flight while this one is issued
         pg0 = page_of(j + 1, lane);
@@ -182,8 +232,14 @@ __device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestK
 #pragma unroll
           for (int h = 0; h < D / 64; ++h) {  // rows i*R.. of the tile's 64-column half h
             const unsigned off = h * (BN * 128) + i * R * 128;
-            tma_load_4d(dk + off, tmk, full, h * 64, kvh, in_page, page);
-            tma_load_4d(dv + off, tmv, full, h * 64, kvh, in_page, page);
+            if (!mc) {
+              tma_load_4d(dk + off, tmk, full, h * 64, kvh, in_page, page);
+              tma_load_4d(dv + off, tmv, full, h * 64, kvh, in_page, page);
+            } else if (rank == 0) {
+              tma_load_4d_mc(dk + off, tmk, full, h * 64, kvh, in_page, page, 3);
+            } else {
+              tma_load_4d_mc(dv + off, tmv, full, h * 64, kvh, in_page, page, 3);
+            }
           }
         }
       }
@@ -199,7 +255,7 @@ __device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestK
 }
 
 // The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps.
-template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS>
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS, bool MC>
 __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDesc* tmk,
                                             const TmaDesc* tmv) {
   using C = GqaPpCfg<D, BN, STAGES>;
@@ -218,6 +274,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
   const T** sRowV = sRowK + STAGES * BN;                                      // [STAGES][BN]
   const unsigned full0 = smem_u32(sRowV + STAGES * BN);  // [STAGES] mbarriers, 8 B each
   const unsigned empty0 = full0 + 8 * STAGES;            // [STAGES]
+  const unsigned peer_empty0 = empty0 + 8 * STAGES;      // [STAGES], MC only
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // The warpgroup's role, visibly warp-uniform to the compiler (a shuffle from lane 0): a
@@ -244,15 +301,33 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
   const int kv_begin = split * chunk;
   const int kv_stop = min(P + node_hi, kv_begin + chunk);
   const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
+  // kProducerTma: tiles 0 .. n_tma - 1 (whole tiles of paged keys below the split's end and,
+  // with MC or SGLang's extend buffers, below the tree: then both CTAs of a pair agree on it)
+  // come by TMA. MC pairs share them when both CTAs have rows (uniform over the cluster).
+  int n_tma = 0;
+  bool mc = false;
+  unsigned rank = 0;
+  if constexpr (PRODUCER == kProducerTma) {
+    if (p.tma_rows > 0) {
+      mc = MC && rows > ((static_cast<int>(blockIdx.x) | 1) * BM);
+      const int lim = (p.k_ext != nullptr || mc) ? min(P, kv_stop) : kv_stop;
+      n_tma = min(n_tiles, max(0, (lim - kv_begin) / BN));
+    }
+    if (mc) rank = cluster_rank();
+  }
 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 128);   // the producer's threads, through cp.async
       mbar_init(empty0 + 8 * s, 256);  // the consumers' threads
+      if (mc) mbar_init(peer_empty0 + 8 * s, 256);  // the partner's consumers, 32 a warp
     }
+    if (mc) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();  // barriers initialised before anyone arrives on or waits for them
+  // Barriers initialised before anyone (with MC: either CTA) arrives on or waits for them.
+  if (mc) cluster_sync_all();
+  else __syncthreads();
 
   if (wg == 0) {  // ---- producer: Q, then the K/V tiles into STAGES slots
     setmaxnreg_dec<C::PRODUCER_REGS>();
@@ -318,8 +393,8 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     } else {  // kProducerShared, and kProducerTma's tiles after its TMA ones
       int j0 = 0;
       if constexpr (PRODUCER == kProducerTma)
-        j0 = tma_tiles<D, BN, STAGES>(p, rk, P, kvh, kv_begin, kv_stop, n_tiles, sK, sV, full0,
-                                      empty0, tmk, tmv);
+        j0 = tma_tiles<D, BN, STAGES>(p, rk, n_tma, kvh, kv_begin, sK, sV, full0, empty0, tmk,
+                                      tmv, mc, rank, peer_empty0);
       PageFetch next;
       if (tid < BN) next = fetch_page(p, rk, P, kv_begin + j0 * BN + tid, kv_stop);
       for (int j = j0; j < n_tiles; ++j) {
@@ -427,7 +502,12 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       l_run[1] = l_run[1] * alpha[1] + rs[1];
       wg_wait0();  // PV of tile it-1 done: o and pa free, its slot's V read
       pin(o);
-      if (it > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+      if (it > 0) {
+        mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        // MC: the partner refills this slot in both CTAs; tell it this warp is done with it.
+        if (mc && it - 1 < n_tma && lane == 0)
+          mbar_arrive_remote(peer_empty0 + 8 * ((it - 1) % STAGES), rank ^ 1u, 32);
+      }
       rescale_rows(o, alpha);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
@@ -471,6 +551,8 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     }
     setmaxnreg_dec<C::LAUNCH_REGS>();  // back to the launch's share for the merge below
   }
+  // MC: neither CTA leaves while the other may still arrive on its barriers.
+  if (mc) cluster_sync_all();
   if (n_splits > 1 && merged_in_forward<D>(p, n_splits, min(BM, rows - m0)))
     merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
@@ -480,15 +562,16 @@ template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared,
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
   static_assert(PRODUCER != kProducerTma, "the TMA producer's entry is tree_attn_gqa_pp_tma_sm90");
-  gqa_pp_body<D, BN, STAGES, BF16, PRODUCER, Q_REGS>(p, nullptr, nullptr);
+  gqa_pp_body<D, BN, STAGES, BF16, PRODUCER, Q_REGS, false>(p, nullptr, nullptr);
 }
 
-template <int D, int BN, int STAGES, bool BF16, bool Q_REGS = false>
+// MC: launched as 2-CTA clusters along x (kernels/cuda/launch.py), grid x even.
+template <int D, int BN, int STAGES, bool BF16, bool Q_REGS = false, bool MC = false>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_tma_sm90(const __grid_constant__ TreeAttnParams p,
                               const __grid_constant__ TmaDesc tmk,
                               const __grid_constant__ TmaDesc tmv) {
-  gqa_pp_body<D, BN, STAGES, BF16, kProducerTma, Q_REGS>(p, &tmk, &tmv);
+  gqa_pp_body<D, BN, STAGES, BF16, kProducerTma, Q_REGS, MC>(p, &tmk, &tmv);
 }
 
 }  // namespace treeverify

@@ -118,7 +118,14 @@ class MlaSm90Variant:
         return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
-GQA_SCHEDULES = ("tile", "pingpong", "pingpong-direct", "pingpong-shfl", "pingpong-tma")
+GQA_SCHEDULES = (
+    "tile",
+    "pingpong",
+    "pingpong-direct",
+    "pingpong-shfl",
+    "pingpong-tma",
+    "pingpong-tma2",
+)
 # The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh;
 # pingpong-tma, 3, has its own entry point, which takes the K and V tensor maps too).
 PP_PRODUCERS = {"pingpong": 0, "pingpong-direct": 1, "pingpong-shfl": 2}
@@ -132,7 +139,9 @@ class GqaSm90Variant:
     "pingpong-direct": the same with each producer thread looking its own KV row up (v15);
     "pingpong-shfl": each producer warp looking its rows up, pointers handed over by shuffles
     (v16); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
-    K and V pools' tensor maps after the parameters, kernels/cuda/tma.py). `q_regs` (ping-pong
+    K and V pools' tensor maps after the parameters, kernels/cuda/tma.py); "pingpong-tma2": the
+    same launched as 2-CTA clusters whose pair shares each TMA tile by multicast (v19; `cluster`
+    2: grid x rounded up to even). `q_regs` (ping-pong
     schedules, v18): QK as register-A wgmma, Q's fragments loaded once."""
 
     d: int
@@ -159,7 +168,12 @@ class GqaSm90Variant:
 
     @property
     def tma(self) -> bool:
-        return self.schedule == "pingpong-tma"
+        return self.schedule in ("pingpong-tma", "pingpong-tma2")
+
+    @property
+    def cluster(self) -> int:
+        """CTAs a cluster along grid x (1: no cluster launch)."""
+        return 2 if self.schedule == "pingpong-tma2" else 1
 
     @property
     def bm(self) -> int:
@@ -177,6 +191,7 @@ class GqaSm90Variant:
             "pingpong-direct": "_ppd",
             "pingpong-shfl": "_pps",
             "pingpong-tma": "_ppt",
+            "pingpong-tma2": "_ppt2",
         }[self.schedule] + ("q" if self.q_regs else "")
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
@@ -185,8 +200,10 @@ class GqaSm90Variant:
         bf16 = "true" if self.dtype == "bf16" else "false"
         q = ",true" if self.q_regs else ""
         if self.tma:
+            mc = ("" if self.q_regs else ",false") + ",true" if self.cluster == 2 else ""
             return (
-                f"treeverify::tree_attn_gqa_pp_tma_sm90<{self.d},{self.bn},{self.stages},{bf16}{q}>"
+                f"treeverify::tree_attn_gqa_pp_tma_sm90<{self.d},{self.bn},{self.stages},{bf16}"
+                f"{q}{mc}>"
             )
         if self.pingpong:
             prod = PP_PRODUCERS[self.schedule]
@@ -201,7 +218,7 @@ class GqaSm90Variant:
         """Must equal GqaSm90Cfg::SMEM_BYTES (GqaPpCfg's for pingpong: + the mbarriers)."""
         tile = self.bn * self.d * 2
         base = 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
-        return base + (16 * self.stages if self.pingpong else 0)
+        return base + (24 * self.stages if self.pingpong else 0)
 
 
 @dataclass(frozen=True)
@@ -403,9 +420,16 @@ def all_variants(arch: str) -> list[Variant]:
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
-                for schedule in ("tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma"):
+                others = (
+                    "tile",
+                    "pingpong-direct",
+                    "pingpong-shfl",
+                    "pingpong-tma",
+                    "pingpong-tma2",
+                )
+                for schedule in others:
                     out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
-                for schedule in ("pingpong", "pingpong-tma"):  # TREEVERIFY_CUDA_GQA_Q_REGS
+                for schedule in ("pingpong", "pingpong-tma", "pingpong-tma2"):  # ..._GQA_Q_REGS
                     out.append(
                         fwd_variant(
                             arch, d, d, False, dtype, 128, gqa_schedule=schedule, gqa_q_regs=True
