@@ -50,12 +50,12 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
         assert "error" not in row, row
         assert row["registers"] > 0 and row["spill_bytes"] == 0, row
         assert row["smem_bytes"] <= SMEM_LIMIT[row["arch"]], row
-        if re.search(r"_pp([dst]|t2)?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168
+        if re.search(r"_pp([dsta]|t2)?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168
             assert row["registers"] == 168, row
     assert "built, 0 failed" in proc.stdout
-    # GQA ping-pong, five producers (pp, ppd, pps, ppt, ppt2) and three with Q in registers
-    # (ppq, pptq, ppt2q): d64/d128, 2 dtypes each
-    assert sum(bool(re.search(r"_pp([dst]|t2)?q?_", row["variant"])) for row in rows) == 32
+    # GQA ping-pong, six producers (pp, ppd, pps, ppt, ppt2, ppa) and three with Q in
+    # registers (ppq, pptq, ppt2q): d64/d128, 2 dtypes each
+    assert sum(bool(re.search(r"_pp([dsta]|t2)?q?_", row["variant"])) for row in rows) == 36
 
 
 def test_params_struct_matches_the_device_struct():

@@ -41,7 +41,7 @@ EDGES = [
 @pytest.mark.parametrize(
     "schedule",
     ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q",
-     "pingpong-tma:q", "pingpong-tma2"],
+     "pingpong-tma:q", "pingpong-tma2", "pingpong-auto"],
 )  # fmt: skip
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     """`:q`: with TREEVERIFY_CUDA_GQA_Q_REGS=1 (Q's fragments in registers)."""
@@ -62,8 +62,16 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
 
 @pytest.mark.parametrize(
     "schedule",
-    [None, "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q", "pingpong-tma2"],
-    ids=["default", "direct", "shfl", "tma", "q-regs", "tma2"],
+    [
+        None,
+        "pingpong-direct",
+        "pingpong-shfl",
+        "pingpong-tma",
+        "pingpong:q",
+        "pingpong-tma2",
+        "pingpong-auto",
+    ],
+    ids=["default", "direct", "shfl", "tma", "q-regs", "tma2", "auto"],
 )
 def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
@@ -169,3 +177,37 @@ def test_tma_producer_through_the_sglang_drop_in(schedule, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(o, _reference(ours)) <= TOL
+
+
+def test_auto_producer_switches_with_the_batch_inside_one_graph(monkeypatch):
+    """pingpong-auto picks the direct producer for batches of <= 32k keys and the shared one
+    above, on the device per launch: one captured graph replayed on a small batch (direct) and
+    a large one (> 32k keys: shared), each equal to the reference."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-auto")
+    case = Case("auto", 8, 8000, 64, 32, 8, 128, 128, False)
+    first = make_inputs(case, page_size=16, device="cuda", seed=3)
+    plan = _plan(first, case, 16, 8, 64, first["block_table"].shape[1], 8064)
+    if _is_sm90():
+        assert plan._launcher.fwd.schedule == "pingpong-auto"
+    kc, vc = first["k_cache"], first["v_cache"]
+    q = torch.randn(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"], first["tree_mask"])
+    plan.run(q, kc, vc, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, kc, vc, out)
+    small = ([3000, 17, 900], [64, 40, 64])  # ~4k keys: the direct producer
+    large = ([8000, 7000, 7999, 5000, 6000, 7500, 8000, 64], [64] * 8)  # ~49k keys: shared
+    for step, (prefixes, trees) in enumerate([small, large, small]):
+        nxt = make_inputs(case, page_size=16, device="cuda", seed=40 + step,
+                          prefix_lens=prefixes, tree_sizes=trees)  # fmt: skip
+        total, ref = _load_step(nxt, kc, vc, q)
+        plan.plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"], nxt["tree_mask"])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out[:total], ref) <= TOL, step

@@ -32,7 +32,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   KV streams from DRAM) or ``pingpong-shfl`` (each producer warp looks its rows up and hands the
   pointers over by shuffles, the default's copy pattern kept: v16, not yet measured) or
   ``pingpong-tma`` (whole tiles of paged keys by TMA, one box a page: v17, 1.01x) or
-  ``pingpong-tma2`` (the same in 2-CTA clusters sharing each tile by multicast: v19).
+  ``pingpong-tma2`` (the same in 2-CTA clusters sharing each tile by multicast: v19, 0.93x) or
+  ``pingpong-auto`` (v15's direct producer on batches of at most 32k keys, the default's above:
+  v20).
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; default
   ``0`` until measured).
@@ -87,7 +89,8 @@ VARIABLES: dict[str, str] = {
     "producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs) or "
     "pingpong-direct (producer threads look their own KV rows up, v15) or pingpong-shfl (producer "
     "warps share row pointers by shuffles, v16) or pingpong-tma (paged tiles by TMA, v17) or "
-    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
+    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19) or pingpong-auto (the direct "
+    "producer on batches of <= 32k keys, v20).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -204,7 +207,15 @@ def cuda_gqa_schedule() -> str:
     or pingpong-tma (kernels/cuda/variants.py)."""
     return _choice(
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
-        ("pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong-tma2"),
+        (
+            "pingpong",
+            "tile",
+            "pingpong-direct",
+            "pingpong-shfl",
+            "pingpong-tma",
+            "pingpong-tma2",
+            "pingpong-auto",
+        ),
     )
 
 

@@ -162,8 +162,12 @@ __device__ __forceinline__ void pdl_wait() {
 // 0 when the plan does not balance. Every warp computes it for itself, lanes over requests (no
 // shared memory, no barrier), so every lane of the calling warp must be converged; a CTA of
 // fewer than 32 threads (the merge for DV = 64 has 16) reduces over its own lanes.
+__device__ __forceinline__ int batch_keys(const TreeAttnParams& p);
 __device__ __forceinline__ int batch_kv_sum(const TreeAttnParams& p) {
-  if (p.balance_div <= 0) return 0;
+  return p.balance_div > 0 ? batch_keys(p) : 0;
+}
+// The batch's keys whatever the plan (same convergence rule as batch_kv_sum).
+__device__ __forceinline__ int batch_keys(const TreeAttnParams& p) {
   int s;
   if (p.kv_indptr != nullptr) {
     s = p.kv_indptr[p.batch] - p.kv_indptr[0];

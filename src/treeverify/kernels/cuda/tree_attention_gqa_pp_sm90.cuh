@@ -22,6 +22,10 @@
 //   tile, latency-bound, never waiting for a free slot, while the consumers spun on the full
 //   barrier for 23% of their samples: the producer set the tile's time. Measured 0.985x on the
 //   grid: at long contexts its copies (32 bytes of 16 rows each) cost DRAM efficiency;
+// - PRODUCER == kProducerAuto (schedule "pingpong-auto", v20): the OWN_ROWS producer where the
+//   whole batch has at most kAutoDirectMaxKeys keys (v15 measured 1.03-1.13x on the grid's
+//   N=64 cases of <= 32k keys, 0.47-0.94x on those of >= 64k), the shared one otherwise;
+//   decided per launch on the device from the batch's lengths (one captured graph serves both);
 // - PRODUCER == kProducerShuffle (schedule "pingpong-shfl", v16, not yet measured): the default's
 //   copy pattern (16 threads a row, two whole rows a warp instruction), each warp looking up
 //   the 16 rows it copies (lanes 0-15 the K pointers, 16-31 the V ones) and handing the pointers
@@ -175,7 +179,14 @@ struct GqaPpCfg {
 enum : int { kPpTurn0 = 1, kPpTurn1 = 2, kPpProducer = 3 };
 
 // How the producer warpgroup finds each KV row (the schedules above).
-enum : int { kProducerShared = 0, kProducerOwnRows = 1, kProducerShuffle = 2, kProducerTma = 3 };
+enum : int {
+  kProducerShared = 0,
+  kProducerOwnRows = 1,
+  kProducerShuffle = 2,
+  kProducerTma = 3,
+  kProducerAuto = 4
+};
+constexpr int kAutoDirectMaxKeys = 32768;  // kProducerAuto's crossover (v15's grid, above)
 
 // kProducerTma's first phase, run by the whole producer warpgroup: tiles 0 .. n_tma - 1 (those
 // whose keys all lie in the paged pool below the split's end) by TMA from warp 0; returns
@@ -333,6 +344,8 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     setmaxnreg_dec<C::PRODUCER_REGS>();
     const T* kg = static_cast<const T*>(p.k);
     load_q_tile<BM, C::CH, 128>(sQ, p, m0, rows, qo0, kvh, G);  // lands with tile 0's copies
+    bool own_rows = PRODUCER == kProducerOwnRows;
+    if constexpr (PRODUCER == kProducerAuto) own_rows = batch_keys(p) <= kAutoDirectMaxKeys;
     if constexpr (PRODUCER == kProducerShuffle) {
       // A warp instruction copies RPW whole rows (CH threads a row); over its STEPS steps warp w
       // copies rows w * RPW + g + STEP_ROWS * k (g = lane / CH), 16 rows. Lane l owns one of
@@ -365,7 +378,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
         }
         cp_async_mbar_arrive(full0 + 8 * slot);
       }
-    } else if constexpr (PRODUCER == kProducerOwnRows) {
+    } else if (own_rows) {  // kProducerOwnRows, or kProducerAuto on a small batch
       static_assert(2 * BN == 128 && C::CH % 2 == 0, "two producer threads a row");
       const int r = tid >> 1, h = tid & 1;
       PageFetch next = fetch_page(p, rk, P, kv_begin + r, kv_stop);
@@ -390,7 +403,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
         }
         cp_async_mbar_arrive(full0 + 8 * slot);
       }
-    } else {  // kProducerShared, and kProducerTma's tiles after its TMA ones
+    } else {  // kProducerShared (Auto on a large batch), and kProducerTma's tiles after its TMA ones
       int j0 = 0;
       if constexpr (PRODUCER == kProducerTma)
         j0 = tma_tiles<D, BN, STAGES>(p, rk, n_tma, kvh, kv_begin, sK, sV, full0, empty0, tmk,

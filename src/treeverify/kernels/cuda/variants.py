@@ -125,10 +125,11 @@ GQA_SCHEDULES = (
     "pingpong-shfl",
     "pingpong-tma",
     "pingpong-tma2",
+    "pingpong-auto",
 )
 # The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh;
 # pingpong-tma, 3, has its own entry point, which takes the K and V tensor maps too).
-PP_PRODUCERS = {"pingpong": 0, "pingpong-direct": 1, "pingpong-shfl": 2}
+PP_PRODUCERS = {"pingpong": 0, "pingpong-direct": 1, "pingpong-shfl": 2, "pingpong-auto": 4}
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,8 @@ class GqaSm90Variant:
     STAGES, BF16>: a producer warpgroup and two consumer warpgroups taking turns on the MMAs;
     "pingpong-direct": the same with each producer thread looking its own KV row up (v15);
     "pingpong-shfl": each producer warp looking its rows up, pointers handed over by shuffles
-    (v16); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
+    (v16); "pingpong-auto": the direct producer on batches of <= 32k keys, the shared one
+    above (v20); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
     K and V pools' tensor maps after the parameters, kernels/cuda/tma.py); "pingpong-tma2": the
     same launched as 2-CTA clusters whose pair shares each TMA tile by multicast (v19; `cluster`
     2: grid x rounded up to even). `q_regs` (ping-pong
@@ -192,6 +194,7 @@ class GqaSm90Variant:
             "pingpong-shfl": "_pps",
             "pingpong-tma": "_ppt",
             "pingpong-tma2": "_ppt2",
+            "pingpong-auto": "_ppa",
         }[self.schedule] + ("q" if self.q_regs else "")
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
@@ -426,6 +429,7 @@ def all_variants(arch: str) -> list[Variant]:
                     "pingpong-shfl",
                     "pingpong-tma",
                     "pingpong-tma2",
+                    "pingpong-auto",
                 )
                 for schedule in others:
                     out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
