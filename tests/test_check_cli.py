@@ -262,7 +262,7 @@ def test_cuda_split_balance(monkeypatch):
     "name,reader,default,value,expected",
     [
         ("TREEVERIFY_CUDA_MERGE_MAX_CTAS", env.cuda_merge_max_ctas, None, " 2048", 2048),
-        ("TREEVERIFY_CUDA_GQA_SCHEDULE", env.cuda_gqa_schedule, "pingpong", " Tile", "tile"),
+        ("TREEVERIFY_CUDA_GQA_SCHEDULE", env.cuda_gqa_schedule, "pingpong-auto", " Tile", "tile"),
         ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, "auto", "yes", "1"),
         ("TREEVERIFY_CUDA_TMA_MIN_PAGE", env.cuda_tma_min_page, 8, " 16", 16),
     ],

@@ -53,9 +53,9 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
         if re.search(r"_pp([dsta]|t2)?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168
             assert row["registers"] == 168, row
     assert "built, 0 failed" in proc.stdout
-    # GQA ping-pong, six producers (pp, ppd, pps, ppt, ppt2, ppa) and three with Q in
-    # registers (ppq, pptq, ppt2q): d64/d128, 2 dtypes each
-    assert sum(bool(re.search(r"_pp([dsta]|t2)?q?_", row["variant"])) for row in rows) == 36
+    # GQA ping-pong, six producers (pp, ppd, pps, ppt, ppt2, ppa) and four with Q in
+    # registers (ppq, pptq, ppt2q, ppaq): d64/d128, 2 dtypes each
+    assert sum(bool(re.search(r"_pp([dsta]|t2)?q?_", row["variant"])) for row in rows) == 40
 
 
 def test_params_struct_matches_the_device_struct():
@@ -89,16 +89,17 @@ def test_variant_choice():
     small = fwd_variant("sm_120", 576, 512, True, "fp16")
     assert small.smem_bytes <= SMEM_LIMIT["sm_120"]
     pp = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256)  # the default schedule
-    assert pp.schedule == "pingpong" and pp.threads == 384 and pp.bm == 128
+    assert pp.schedule == "pingpong-auto" and pp.threads == 384 and pp.bm == 128
     tile = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="tile")
     assert tile.schedule == "tile" and tile.threads == 256 and tile.bm == 128
     ppd = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_schedule="pingpong-direct")
     assert ppd.threads == 384 and ppd.smem_bytes == pp.smem_bytes and ppd.name != pp.name
-    assert ppd.expr.endswith(",1>") and pp.expr.endswith(",0>")
+    assert ppd.expr.endswith(",1>") and pp.expr.endswith(",4>") and "_ppa_" in pp.name
     pps = fwd_variant("sm_90a", 64, 64, False, "fp16", rows=128, gqa_schedule="pingpong-shfl")
     assert pps.expr.endswith(",2>") and pps.threads == 384 and "_pps_" in pps.name
     assert fwd_variant("sm_90a", 128, 128, False, "bf16", rows=64, gqa_schedule="pingpong").bm == 64
-    ppq = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256, gqa_q_regs=True)
+    ppq = fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="pingpong",
+                      gqa_q_regs=True)  # fmt: skip
     assert ppq.q_regs and ppq.expr.endswith(",0,true>") and "_ppq_" in ppq.name
     pptq = fwd_variant("sm_90a", 64, 64, False, "bf16", 256, gqa_schedule="pingpong-tma",
                        gqa_q_regs=True)  # fmt: skip

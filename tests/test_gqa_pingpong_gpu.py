@@ -88,7 +88,7 @@ def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch)
     first = make_inputs(case, page_size=16, device="cuda", seed=7)
     plan = _plan(first, case, 16, 4, 64, first["block_table"].shape[1], 6064)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert plan._launcher.fwd.schedule == (schedule or "pingpong")
+        assert plan._launcher.fwd.schedule == (schedule or "pingpong-auto")
         assert plan._launcher.fwd.q_regs == bool(q_regs)
         assert plan._launcher.fwd.threads == 384
     kc, vc = first["k_cache"], first["v_cache"]

@@ -24,20 +24,21 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_CUDA_MERGE_MAX_CTAS``: the bound on the token merge kernel's grid (default
   2048; kernels/splits.py ``merge_heads_per_cta``): smaller makes each CTA merge more heads
   after one request lookup (8192, the earlier default, measured 0.99x on the grid).
-- ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``pingpong``
-  (default since v14b: a producer warpgroup and two consumers taking turns on the MMAs, 1.12x
-  on the GQA N=64 cases), ``tile`` (one warpgroup per 64 rows, each loading and computing;
-  kept for A/B runs), ``pingpong-direct`` (the ping-pong kernel whose producer threads look
-  their own KV rows up: v15, 1.09-1.13x on short contexts at page size 1, 0.47-0.94x where the
-  KV streams from DRAM) or ``pingpong-shfl`` (each producer warp looks its rows up and hands the
-  pointers over by shuffles, the default's copy pattern kept: v16, not yet measured) or
-  ``pingpong-tma`` (whole tiles of paged keys by TMA, one box a page: v17, 1.01x) or
-  ``pingpong-tma2`` (the same in 2-CTA clusters sharing each tile by multicast: v19, 0.93x) or
-  ``pingpong-auto`` (v15's direct producer on batches of at most 32k keys, the default's above:
-  v20).
+- ``TREEVERIFY_CUDA_GQA_SCHEDULE``: the sm_90a GQA kernel for 128-row CTAs: ``pingpong-auto``
+  (default since v20: the ping-pong kernel with v15's direct producer on batches of at most 32k keys
+  and the shared-pointer one above, chosen per launch on the device: grid 1.00x, SGLang's GQA batch
+  path 1.22x at page 1, 1.10x at page 16), ``pingpong`` (v14b: a producer warpgroup and two
+  consumers taking turns on the MMAs, 1.12x on the GQA N=64 cases; its producer shares row pointers
+  through shared memory), ``tile`` (one warpgroup per 64 rows, each loading and computing; kept for
+  A/B runs), ``pingpong-direct`` (the ping-pong kernel whose producer threads look their own KV rows
+  up: v15, 1.09-1.13x on short contexts at page size 1, 0.47-0.94x where the KV streams from DRAM)
+  or ``pingpong-shfl`` (each producer warp looks its rows up and hands the pointers over by
+  shuffles, pingpong's copy pattern kept: v16, 1.02x) or ``pingpong-tma`` (whole tiles of paged keys
+  by TMA, one box a page: v17, 1.01x) or ``pingpong-tma2`` (the same in 2-CTA clusters sharing each
+  tile by multicast: v19, 0.93x).
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
-  registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; default
-  ``0`` until measured).
+  registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
+  1.01x, so default ``0``).
 - ``TREEVERIFY_CUDA_TMA_MIN_PAGE``: the smallest KV page size the ``pingpong-tma`` schedule
   loads by TMA (default 8: a box of 8 rows fills one 1024-byte swizzle atom; smaller pages
   take the cp.async path; 1 lets every page size that divides 64 try TMA, for GPU tests).
@@ -85,12 +86,12 @@ VARIABLES: dict[str, str] = {
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
     "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "Bound on the CUDA token merge kernel's grid (default "
     "2048): smaller gives each CTA more heads, fewer request lookups (A/B runs).",
-    "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong (default; "
-    "producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs) or "
-    "pingpong-direct (producer threads look their own KV rows up, v15) or pingpong-shfl (producer "
-    "warps share row pointers by shuffles, v16) or pingpong-tma (paged tiles by TMA, v17) or "
-    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19) or pingpong-auto (the direct "
-    "producer on batches of <= 32k keys, v20).",
+    "TREEVERIFY_CUDA_GQA_SCHEDULE": "The sm_90a GQA kernel for 128-row CTAs: pingpong-auto "
+    "(default, v20: the direct producer on batches of <= 32k keys, pingpong's above), pingpong "
+    "(producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs), "
+    "pingpong-direct (producer threads look their own KV rows up, v15), pingpong-shfl (producer "
+    "warps share row pointers by shuffles, v16), pingpong-tma (paged tiles by TMA, v17) or "
+    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -203,18 +204,18 @@ def cuda_pdl() -> str:
 
 
 def cuda_gqa_schedule() -> str:
-    """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong (default), tile, pingpong-direct, pingpong-shfl
-    or pingpong-tma (kernels/cuda/variants.py)."""
+    """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong-auto (default), pingpong, tile, pingpong-direct,
+    pingpong-shfl, pingpong-tma or pingpong-tma2 (kernels/cuda/variants.py)."""
     return _choice(
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         (
+            "pingpong-auto",
             "pingpong",
             "tile",
             "pingpong-direct",
             "pingpong-shfl",
             "pingpong-tma",
             "pingpong-tma2",
-            "pingpong-auto",
         ),
     )
 

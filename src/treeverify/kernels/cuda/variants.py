@@ -360,7 +360,7 @@ def fwd_variant(
     rows: int = 64,
     portable: bool = False,
     mla_schedule: str = "pair",
-    gqa_schedule: str = "pingpong",
+    gqa_schedule: str = "pingpong-auto",
     gqa_q_regs: bool = False,
 ) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
@@ -425,15 +425,16 @@ def all_variants(arch: str) -> list[Variant]:
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
                 others = (
                     "tile",
+                    "pingpong",
                     "pingpong-direct",
                     "pingpong-shfl",
                     "pingpong-tma",
                     "pingpong-tma2",
-                    "pingpong-auto",
                 )
                 for schedule in others:
                     out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
-                for schedule in ("pingpong", "pingpong-tma", "pingpong-tma2"):  # ..._GQA_Q_REGS
+                # TREEVERIFY_CUDA_GQA_Q_REGS=1 with the default and three other schedules
+                for schedule in ("pingpong-auto", "pingpong", "pingpong-tma", "pingpong-tma2"):
                     out.append(
                         fwd_variant(
                             arch, d, d, False, dtype, 128, gqa_schedule=schedule, gqa_q_regs=True
