@@ -1,5 +1,6 @@
 // sm_90a GQA tree-verify kernel, warp-specialised ("pingpong"; TREEVERIFY_CUDA_GQA_SCHEDULE=
-// pingpong, 128-row CTAs; v14: 1.12x on the grid's GQA N=64 cases, H200, 34d9489). Included by tree_attention.cu
+// pingpong-auto, the default since v20, and the other ping-pong schedules below; 128-row CTAs;
+// v14: 1.12x on the grid's GQA N=64 cases, H200, 34d9489). Included by tree_attention.cu
 // after tree_attention_gqa_sm90.cuh, whose work decomposition, split rule, masking and outputs
 // it keeps.
 //
@@ -25,8 +26,9 @@
 // - PRODUCER == kProducerAuto (schedule "pingpong-auto", v20): the OWN_ROWS producer where the
 //   whole batch has at most kAutoDirectMaxKeys keys (v15 measured 1.03-1.13x on the grid's
 //   N=64 cases of <= 32k keys, 0.47-0.94x on those of >= 64k), the shared one otherwise;
-//   decided per launch on the device from the batch's lengths (one captured graph serves both);
-// - PRODUCER == kProducerShuffle (schedule "pingpong-shfl", v16, not yet measured): the default's
+//   decided per launch on the device from the batch's lengths (one captured graph serves both;
+//   the default: grid 1.00x, SGLang's GQA batch path 1.10-1.22x);
+// - PRODUCER == kProducerShuffle (schedule "pingpong-shfl", v16, 1.02x): the shared producer's
 //   copy pattern (16 threads a row, two whole rows a warp instruction), each warp looking up
 //   the 16 rows it copies (lanes 0-15 the K pointers, 16-31 the V ones) and handing the pointers
 //   over by shuffles: no shared row pointers, no producer barrier, no shared load before a copy;
