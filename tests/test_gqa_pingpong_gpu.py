@@ -159,24 +159,11 @@ def test_tma_producer_at_every_page_size(schedule, page, splits, monkeypatch):
 def test_tma_producer_through_the_sglang_drop_in(schedule, monkeypatch):
     """SGLang's layout (a (slots, H, D) pool, tree K/V in the extend buffers): prefix tiles by
     1-row TMA boxes, the tiles that reach the tree by cp.async; eager and captured."""
-    from test_cuda_gpu import _sglang_inputs
-    from treeverify.kernels.sglang import extend_attention_fwd
+    from test_cuda_gpu import _check_drop_in_eager_and_captured, _sglang_inputs
 
     monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     monkeypatch.setenv("TREEVERIFY_CUDA_TMA_MIN_PAGE", "1")
-    sg, ours, dv = _sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5)
-    o = torch.full((sg["q_extend"].shape[0], 32, dv), float("nan"), device="cuda",
-                   dtype=torch.bfloat16)  # fmt: skip
-    extend_attention_fwd(o_extend=o, **sg)
-    assert _rel(o, _reference(ours)) <= TOL
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        extend_attention_fwd(o_extend=o, **sg)
-    sg["q_extend"].normal_()
-    o.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert _rel(o, _reference(ours)) <= TOL
+    _check_drop_in_eager_and_captured(*_sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5))
 
 
 def test_auto_producer_switches_with_the_batch_inside_one_graph(monkeypatch):

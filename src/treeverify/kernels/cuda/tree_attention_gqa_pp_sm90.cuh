@@ -68,15 +68,19 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
                    bar)
                : "memory");
 }
-// Spin until the barrier's phase with this parity has completed.
+// Spin until the barrier's phase with this parity has completed. CLUSTER: a barrier that other
+// CTAs of the cluster arrive on (acquire at cluster scope).
+#define TV_MBAR_WAIT_LOOP(SEM)                                                  \
+  "{\n .reg .pred ready;\n"                                                    \
+  "TV_MBAR_RETRY:\n"                                                           \
+  " mbarrier.try_wait.parity" SEM ".shared::cta.b64 ready, [%0], %1;\n"        \
+  " @!ready bra TV_MBAR_RETRY;\n}\n"
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred ready;\n"
-      "TV_MBAR_RETRY:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
-      " @!ready bra TV_MBAR_RETRY;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  if constexpr (CLUSTER)
+    asm volatile(TV_MBAR_WAIT_LOOP(".acquire.cluster")::"r"(bar), "r"(parity) : "memory");
+  else
+    asm volatile(TV_MBAR_WAIT_LOOP("")::"r"(bar), "r"(parity) : "memory");
 }
 // Arrive on `bar` when every earlier cp.async of this thread has landed; noinc: the arrival is
 // one of the barrier's expected count.
@@ -145,16 +149,6 @@ __device__ __forceinline__ void mbar_arrive_remote(unsigned bar, unsigned peer, 
       "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
       " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra], %2;\n}\n" ::"r"(bar),
       "r"(peer), "r"(count)
-      : "memory");
-}
-// mbar_wait for a barrier that other CTAs of the cluster arrive on.
-__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred ready;\n"
-      "TV_MBAR_RETRY_CL:\n"
-      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%0], %1;\n"
-      " @!ready bra TV_MBAR_RETRY_CL;\n}\n" ::"r"(bar),
-      "r"(parity)
       : "memory");
 }
 __device__ __forceinline__ void wg_wait1() {
@@ -226,7 +220,7 @@ __device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestK
       const unsigned full = full0 + 8 * slot;
       if (j >= STAGES) {
         mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
-        if (mc) mbar_wait_cluster(peer_empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
+        if (mc) mbar_wait<true>(peer_empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
       }
       const int cur0 = pg0, cur1 = pg1;
       if (j + 1 < n_tma) {  // the next tile's pages in flight while this one is issued

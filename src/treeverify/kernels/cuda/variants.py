@@ -118,14 +118,14 @@ class MlaSm90Variant:
         return 1024 + q + 2 * kv + pt + 8 * self.bm + 16 * self.bn
 
 
-GQA_SCHEDULES = (
+GQA_SCHEDULES = (  # the default (TREEVERIFY_CUDA_GQA_SCHEDULE unset) first
+    "pingpong-auto",
     "tile",
     "pingpong",
     "pingpong-direct",
     "pingpong-shfl",
     "pingpong-tma",
     "pingpong-tma2",
-    "pingpong-auto",
 )
 # The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh;
 # pingpong-tma, 3, has its own entry point, which takes the K and V tensor maps too).
@@ -423,15 +423,7 @@ def all_variants(arch: str) -> list[Variant]:
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
-                others = (
-                    "tile",
-                    "pingpong",
-                    "pingpong-direct",
-                    "pingpong-shfl",
-                    "pingpong-tma",
-                    "pingpong-tma2",
-                )
-                for schedule in others:
+                for schedule in GQA_SCHEDULES[1:]:  # every one but the default
                     out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
                 # TREEVERIFY_CUDA_GQA_Q_REGS=1 with the default and three other schedules
                 for schedule in ("pingpong-auto", "pingpong", "pingpong-tma", "pingpong-tma2"):
