@@ -1,10 +1,13 @@
-"""The sm_90a GQA kernels for 128-row CTAs against the reference: the ping-pong kernel (the
-default, TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong: a producer warpgroup, mbarrier-guarded slots, two
-consumer warpgroups taking turns on the MMAs), its variants whose producer threads look their
-own KV rows up (=pingpong-direct) or share them by warp shuffles (=pingpong-shfl) or load whole
-paged tiles by TMA (=pingpong-tma), and the tile kernel it replaced (=tile, kept for A/B runs),
-on the same edge cases; the TMA producer also at every page size it takes, through the SGLang
-drop-in, and captured.
+"""The sm_90a GQA kernels for 128-row CTAs against the reference: the ping-pong kernel (a
+producer warpgroup, mbarrier-guarded slots, two consumer warpgroups taking turns on the MMAs)
+with each of its producers: the default's (TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong-auto: one of the
+next two per launch, by the batch's key count), row pointers shared through shared memory
+(=pingpong), producer threads looking their own rows up (=pingpong-direct), warp shuffles
+(=pingpong-shfl), whole paged tiles by TMA (=pingpong-tma) and TMA tiles multicast to a 2-CTA
+cluster (=pingpong-tma2); Q in registers (`:q`, TREEVERIFY_CUDA_GQA_Q_REGS=1); and the tile
+kernel it replaced (=tile, kept for A/B runs), on the same edge cases. The TMA producers also at
+every page size they take and through the SGLang drop-in; every producer captured and replayed
+with new metadata; the auto producer switching inside one graph.
 
 A barrier bug hangs rather than fails: scripts/gpu-check runs the GPU tests under a timeout.
 Skipped without a CUDA GPU; both kernels exist on sm_90a only (elsewhere the schedule falls back
