@@ -44,3 +44,13 @@ def test_encodable_wants_16_byte_strides_and_a_contiguous_row():
     assert tma.encodable(torch.empty(10, 16, 8, 128, dtype=torch.bfloat16)[:, :, 2:4])
     assert not tma.encodable(torch.empty(10, 16, 8, 132, dtype=torch.bfloat16)[..., :128])
     assert not tma.encodable(torch.empty(10, 16, 8, 128, dtype=torch.bfloat16).transpose(2, 3))
+
+
+def test_tensor_map_is_none_for_a_pool_tma_cannot_read_and_caches_the_answer(monkeypatch):
+    """A pool with 264-byte rows cannot be a tensor map: None (the launcher then loads every
+    tile by cp.async), decided without the CUDA driver and remembered for the next step."""
+    pool = torch.empty(10, 16, 8, 132, dtype=torch.bfloat16)[..., :128]
+    assert tma.tensor_map(pool, 16) is None
+    monkeypatch.setattr(tma, "encodable", lambda cache: pytest.fail("not cached"))
+    assert tma.tensor_map(pool, 16) is None
+    assert tma.box_rows(4, 128, min_page=1) == 4 and tma.box_rows(4, 128, min_page=8) == 0

@@ -158,15 +158,11 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// Keys of the whole batch, sum over requests of P_b + T_b, for the balanced split rule below;
-// 0 when the plan does not balance. Every warp computes it for itself, lanes over requests (no
-// shared memory, no barrier), so every lane of the calling warp must be converged; a CTA of
-// fewer than 32 threads (the merge for DV = 64 has 16) reduces over its own lanes.
-__device__ __forceinline__ int batch_keys(const TreeAttnParams& p);
-__device__ __forceinline__ int batch_kv_sum(const TreeAttnParams& p) {
-  return p.balance_div > 0 ? batch_keys(p) : 0;
-}
-// The batch's keys whatever the plan (same convergence rule as batch_kv_sum).
+// Keys of the whole batch, sum over requests of P_b + T_b (the balanced split rule below, the
+// GQA ping-pong kernel's producer choice). Every warp computes it for itself, lanes over
+// requests (no shared memory, no barrier), so every lane of the calling warp must be
+// converged; a CTA of fewer than 32 threads (the merge for DV = 64 has 16) reduces over its own
+// lanes.
 __device__ __forceinline__ int batch_keys(const TreeAttnParams& p) {
   int s;
   if (p.kv_indptr != nullptr) {
@@ -179,6 +175,10 @@ __device__ __forceinline__ int batch_keys(const TreeAttnParams& p) {
     for (int o = lanes >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(mask, s, o, lanes);
   }
   return s + p.qo_indptr[p.batch] - p.qo_indptr[0];
+}
+// batch_keys for the balanced split rule: 0 when the plan does not balance.
+__device__ __forceinline__ int batch_kv_sum(const TreeAttnParams& p) {
+  return p.balance_div > 0 ? batch_keys(p) : 0;
 }
 
 // Splits of request b: the plan fixes (max_splits, chunk = the split granularity, a multiple

@@ -104,6 +104,9 @@ class Launcher:
         # Cluster launches (schedule pingpong-tma2) pair m-tiles: x rounded up to a multiple
         # (a CTA past the rows exits at once); the split counters are sized by grid x too.
         self.cluster = getattr(self.fwd, "cluster", 1)
+        # Schedules that take TMA tensor maps (pingpong-tma*): whether, and from which page size.
+        self.tma = getattr(self.fwd, "tma", False)
+        self.tma_min_page = env.cuda_tma_min_page() if self.tma else 0
         self.grid_x = -(-self.m_tiles // self.cluster) * self.cluster
         self.grid = (self.grid_x, bh, s) if self.splits.balance_div else (self.grid_x, s, bh)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
@@ -205,20 +208,19 @@ class Launcher:
         launch(); cached per pool) and the box rows, or tma_rows 0 (every tile by cp.async)
         where the page size or the pool's layout does not suit TMA (kernels/cuda/tma.py)."""
         params.tma_rows = 0
-        if not getattr(self.fwd, "tma", False):
+        if not self.tma:
             return
-        rows = tma.box_rows(params.page_size, self.dqk)
-        pools = (k, k if v is None else v)
-        if rows and all(tma.encodable(c) for c in pools):
-            params.tma_rows = rows
-            params.tma_maps = tuple(tma.tensor_map(c, rows) for c in pools)
-        else:  # the kernel still takes two maps: any encoded bytes do, it reads none
-            params.tma_maps = (tma.TmaMap(), tma.TmaMap())
+        params.tma_maps = (tma.NO_MAP, tma.NO_MAP)  # the kernel takes two maps either way
+        rows = tma.box_rows(params.page_size, self.dqk, self.tma_min_page)
+        if rows:
+            maps = tuple(tma.tensor_map(c, rows) for c in (k, k if v is None else v))
+            if None not in maps:
+                params.tma_rows, params.tma_maps = rows, maps
 
     def launch(self, params: Params) -> None:
         """Forward, then the merge kernel where needed (it skips rows the forward merged)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        args = [params, *params.tma_maps] if getattr(self.fwd, "tma", False) else [params]
+        args = [params, *params.tma_maps] if self.tma else [params]
         self.fwd_kernel.launch(self.grid, args, stream, cluster=self.cluster)
         if self.merge_kernel_needed:
             self.merge_kernel.launch(self.merge_grid, [params], stream, programmatic=self.pdl)

@@ -31,15 +31,19 @@ TILE_ROWS = 64  # the kernel's KV tile (GqaPpCfg's BN)
 TmaMap = ctypes.c_uint64 * 16  # CUtensorMap's 128 bytes, passed by value to the kernel
 
 CACHE_MAX = 4096  # maps kept (two a layer in a serving engine); eager callers with fresh pools
-_cache: dict[tuple, TmaMap] = {}
+_cache: dict[tuple, TmaMap | None] = {}
 _lock = threading.Lock()
+NO_MAP = TmaMap()  # what the kernel takes where it loads no tile by TMA (it reads none)
 
 
-def box_rows(page_size: int, head_dim: int) -> int:
+def box_rows(page_size: int, head_dim: int, min_page: int | None = None) -> int:
     """Rows of a TMA box for this page size, or 0 where the pool takes the cp.async path: page
     sizes that neither divide the 64-row tile nor are a multiple of it, pages smaller than
-    TREEVERIFY_CUDA_TMA_MIN_PAGE (default 8), or head dims other than 64 and 128."""
-    if head_dim not in (64, 128) or page_size < env.cuda_tma_min_page():
+    `min_page` (None: TREEVERIFY_CUDA_TMA_MIN_PAGE, default 8), or head dims other than 64 and
+    128."""
+    if min_page is None:
+        min_page = env.cuda_tma_min_page()
+    if head_dim not in (64, 128) or page_size < min_page:
         return 0
     if TILE_ROWS % page_size and page_size % TILE_ROWS:
         return 0
@@ -73,16 +77,26 @@ def encodable(cache: torch.Tensor) -> bool:
     )
 
 
-def tensor_map(cache: torch.Tensor, rows: int) -> TmaMap:
-    """The (cached) tensor map of one K or V pool with boxes of `rows` rows."""
-    dims, strides = pool_geometry(cache)
-    key = (cache.data_ptr(), cache.dtype, tuple(dims), tuple(strides), rows, cache.device.index)
+def tensor_map(cache: torch.Tensor, rows: int) -> TmaMap | None:
+    """The tensor map of one K or V pool with boxes of `rows` rows, or None where the pool
+    cannot be one (`encodable`). Cached per pool: the per-step cost is one dict lookup."""
+    key = (cache.data_ptr(), cache.dtype, cache.shape, cache.stride(), rows, cache.device.index)
     with _lock:
-        found = _cache.get(key)
-    if found is not None:
-        return found
+        if key in _cache:
+            return _cache[key]
+    words = _encode(cache, rows) if encodable(cache) else None
+    with _lock:
+        if len(_cache) >= CACHE_MAX:  # pools that came and went (eager calls): start over
+            _cache.clear()
+        _cache[key] = words
+    return words
+
+
+def _encode(cache: torch.Tensor, rows: int) -> TmaMap:
+    """cuTensorMapEncodeTiled on the pool's rank-4 view (module docstring)."""
     from cuda.bindings import driver
 
+    dims, strides = pool_geometry(cache)
     dtypes = {
         torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -108,9 +122,4 @@ def tensor_map(cache: torch.Tensor, rows: int) -> TmaMap:
             f"cuTensorMapEncodeTiled(dims={dims}, strides={strides}, box rows={rows}) failed: "
             f"{name.decode() if name else err}"
         )
-    words = TmaMap(*[int(w) for w in tmap.opaque])
-    with _lock:
-        if len(_cache) >= CACHE_MAX:  # pools that came and went (eager calls): start over
-            _cache.clear()
-        _cache[key] = words
-    return words
+    return TmaMap(*[int(w) for w in tmap.opaque])

@@ -383,4 +383,6 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
 #include "tree_attention_sm90.cuh"      // sm_90a wgmma MLA kernel (instantiated only for sm_90a)
 #include "tree_attention_mla_pair_sm90.cuh"  // sm_90a MLA, whole tiles per warpgroup (v10)
 #include "tree_attention_gqa_sm90.cuh"  // sm_90a wgmma GQA kernel
+#include "sm90_async.cuh"  // mbarrier, TMA and cluster PTX wrappers
+#include "gqa_pp_tma_producer.cuh"  // the GQA ping-pong kernel's TMA phase
 #include "tree_attention_gqa_pp_sm90.cuh"  // sm_90a GQA, producer + ping-pong consumers (v14)

@@ -15,145 +15,33 @@
 // - warpgroups 1 and 2 each own 64 rows and take turns (two named barriers) issuing their
 //   MMAs: QK of tile j together with PV of tile j-1, so one warpgroup's softmax runs while
 //   the other's MMAs keep the tensor pipe busy. No CTA-wide barrier inside the loop;
-// - OWN_ROWS (schedule "pingpong-direct", v15): two producer threads a KV row, each looking the
-//   row's page up itself and copying every other 16-byte chunk of it (a pair: 32 contiguous
-//   bytes, one sector, an instruction), its pointers in registers. Without it, 64 threads publish
-//   row pointers in shared memory, the producers meet at a named barrier and every copy waits on
-//   a shared load first: ncu (B8/L32768/N64, 67650b1) put the producer at ~370 instructions a
-//   tile, latency-bound, never waiting for a free slot, while the consumers spun on the full
-//   barrier for 23% of their samples: the producer set the tile's time. Measured 0.985x on the
-//   grid: at long contexts its copies (32 bytes of 16 rows each) cost DRAM efficiency;
-// - PRODUCER == kProducerAuto (schedule "pingpong-auto", v20): the OWN_ROWS producer where the
-//   whole batch has at most kAutoDirectMaxKeys keys (v15 measured 1.03-1.13x on the grid's
-//   N=64 cases of <= 32k keys, 0.47-0.94x on those of >= 64k), the shared one otherwise;
-//   decided per launch on the device from the batch's lengths (one captured graph serves both;
-//   the default: grid 1.00x, SGLang's GQA batch path 1.10-1.22x);
-// - PRODUCER == kProducerShuffle (schedule "pingpong-shfl", v16, 1.02x): the shared producer's
-//   copy pattern (16 threads a row, two whole rows a warp instruction), each warp looking up
-//   the 16 rows it copies (lanes 0-15 the K pointers, 16-31 the V ones) and handing the pointers
-//   over by shuffles: no shared row pointers, no producer barrier, no shared load before a copy;
-// - PRODUCER == kProducerTma (schedule "pingpong-tma", v17, entry tree_attn_gqa_pp_tma_sm90):
-//   whole tiles of paged prefix keys come by TMA, one box a page (or 64 rows of a larger page)
-//   and a 64-column half, issued by the producer's first warp, each lane for its own pages; the
-//   host (kernels/cuda/tma.py) encodes a tensor map of the K and of the V pool and sets
-//   p.tma_rows (the box rows; 0: no TMA, every tile as schedule "pingpong"). Tiles that reach
-//   SGLang's extend buffers (keys >= P with k_ext) or the split's end take the cp.async path,
-//   so only the last tile or two of a split do. Why: the ncu profile above puts the tile's time
-//   on the producer's ~370 instructions; a TMA tile costs it ~20;
-// - MC (schedule "pingpong-tma2", v19): the two 128-row CTAs of a KV head (grid x pairs,
-//   launched as 2-CTA clusters) share each TMA tile: rank 0 issues the K boxes and rank 1 the
-//   V boxes, each multicast into both CTAs' slot, so a tile crosses the L2 -> SM fabric once
-//   instead of twice. A producer may refill a slot only when both CTAs' consumers are done with
-//   it: besides its own empty barrier it waits on `peer_empty`, which the partner's consumer
-//   warps arrive on remotely. Why: ncu of v17 (B8/L8192/N64) has the consumers waiting on their
-//   full barrier for ~19% of their samples with the producer idle: the loads are issued at once
-//   and land late, while the KV streams through the fabric twice (~3 TB/s);
-// - Q_REGS (TREEVERIFY_CUDA_GQA_Q_REGS=1, v18): each consumer loads its Q fragments into
-//   registers once (ldmatrix) and issues QK as register-A wgmma. Why: an SS m64n64k16 reads
-//   2 KB of Q and 2 KB of K from shared memory for 131 kFLOP, 128 B a cycle at the tensor
-//   pipe's rate, all the bandwidth shared memory has; per CTA tile the consumers read ~96 KB
-//   (64 KB of it QK) while the producer writes 32 KB, ~1,000 cycles of shared-memory traffic
-//   against ~1,000 of MMA. With Q in registers QK reads 32 KB a tile: 64 KB less;
+// - how the producer finds and copies each KV row is a template choice (PRODUCER; the
+//   measurements and the ncu profiles behind each are in docs/performance.md, seventeenth and
+//   eighteenth sessions):
+//   kProducerShared ("pingpong", v14): 64 threads publish row pointers in shared memory, a
+//     producer barrier, then whole-row cp.async copies;
+//   kProducerOwnRows ("pingpong-direct", v15): two threads a row look its page up themselves
+//     and copy alternate 16-byte chunks, pointers in registers (1.03-1.13x on small batches,
+//     0.47-0.94x on large ones: 32 bytes of 16 rows an instruction cost DRAM efficiency);
+//   kProducerAuto ("pingpong-auto", v20, the default): OwnRows on batches of at most
+//     kAutoDirectMaxKeys keys, Shared above, chosen per launch from the batch's lengths, so
+//     one captured graph serves both (grid 1.00x, SGLang's GQA batch path 1.10-1.22x);
+//   kProducerShuffle ("pingpong-shfl", v16, 1.02x): each warp looks its 16 rows up and hands
+//     the pointers over by shuffles, Shared's whole-row copies kept;
+//   kProducerTma ("pingpong-tma", v17, 1.01x; entry tree_attn_gqa_pp_tma_sm90): whole tiles of
+//     paged keys by TMA, a box a page (or 64 rows of a larger one) and 64-column half, from
+//     the tensor maps kernels/cuda/tma.py encodes (p.tma_rows: the box rows, 0 for none);
+//     tiles reaching SGLang's extend buffers or the split's end go the Shared way;
+// - MC ("pingpong-tma2", v19, 0.93x): the two 128-row CTAs of a KV head as a 2-CTA cluster,
+//   rank 0 multicasting each TMA tile's K boxes and rank 1 its V boxes into both; a slot is
+//   refilled once both CTAs' consumers freed it (`peer_empty`, arrived on remotely);
+// - Q_REGS (TREEVERIFY_CUDA_GQA_Q_REGS=1, v18, 1.01x): Q's fragments loaded into registers once
+//   and QK issued as register-A wgmma, half of QK's shared-memory reads;
 // - setmaxnreg moves registers from the producer (56) to the consumers (224); the launch must
 //   give every thread exactly 168 (384 threads, one CTA an SM), which a CPU test checks.
 #pragma once
 
 namespace treeverify {
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
-                   bar)
-               : "memory");
-}
-// Spin until the barrier's phase with this parity has completed. CLUSTER: a barrier that other
-// CTAs of the cluster arrive on (acquire at cluster scope).
-#define TV_MBAR_WAIT_LOOP(SEM)                                                  \
-  "{\n .reg .pred ready;\n"                                                    \
-  "TV_MBAR_RETRY:\n"                                                           \
-  " mbarrier.try_wait.parity" SEM ".shared::cta.b64 ready, [%0], %1;\n"        \
-  " @!ready bra TV_MBAR_RETRY;\n}\n"
-template <bool CLUSTER = false>
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  if constexpr (CLUSTER)
-    asm volatile(TV_MBAR_WAIT_LOOP(".acquire.cluster")::"r"(bar), "r"(parity) : "memory");
-  else
-    asm volatile(TV_MBAR_WAIT_LOOP("")::"r"(bar), "r"(parity) : "memory");
-}
-// Arrive on `bar` when every earlier cp.async of this thread has landed; noinc: the arrival is
-// one of the barrier's expected count.
-__device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-// Expect `bytes` more transaction bytes in the barrier's current phase (TMA completions).
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-// `count` arrivals at once (one thread standing in for the warpgroup's 128).
-__device__ __forceinline__ void mbar_arrive_count(unsigned bar, unsigned count) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
-                   bar),
-               "r"(count)
-               : "memory");
-}
-// A tensor map (CUtensorMap, 128 bytes, 64-byte aligned) passed as a __grid_constant__ kernel
-// parameter; the host encodes it (kernels/cuda/tma.py).
-struct alignas(64) TmaDesc {
-  unsigned long long opaque[16];
-};
-// One TMA box of a rank-4 map (coordinates innermost first) into shared memory at `dst`,
-// completing `bytes` of the barrier's transaction count when it lands.
-__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc* map, unsigned bar, int c0,
-                                            int c1, int c2, int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-}
-// The same box multicast into the shared memory of every CTA in `mask` (same offsets), each
-// CTA's barrier at `bar` completing the bytes it received.
-__device__ __forceinline__ void tma_load_4d_mc(unsigned dst, const TmaDesc* map, unsigned bar,
-                                               int c0, int c1, int c2, int c3,
-                                               unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-      "r"(bar), "h"(mask)
-      : "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// Every thread of both CTAs of the cluster (release / acquire: barrier inits, remote arrivals).
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-// `count` arrivals on the barrier at the same offset in cluster CTA `peer`.
-__device__ __forceinline__ void mbar_arrive_remote(unsigned bar, unsigned peer, unsigned count) {
-  asm volatile(
-      "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
-      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra], %2;\n}\n" ::"r"(bar),
-      "r"(peer), "r"(count)
-      : "memory");
-}
-__device__ __forceinline__ void wg_wait1() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
 
 template <int D, int BN, int STAGES>
 struct GqaPpCfg {
@@ -183,83 +71,6 @@ enum : int {
   kProducerAuto = 4
 };
 constexpr int kAutoDirectMaxKeys = 32768;  // kProducerAuto's crossover (v15's grid, above)
-
-// kProducerTma's first phase, run by the whole producer warpgroup: tiles 0 .. n_tma - 1 (those
-// whose keys all lie in the paged pool below the split's end) by TMA from warp 0; returns
-// n_tma, where the cp.async path takes over. Lane l of warp 0 owns boxes l and l + 32 of a
-// tile (a box: R = p.tma_rows rows of one page, one 64-column half), looks their pages up a
-// tile ahead and issues them; lane 0 tells the slot's full barrier the bytes to expect and
-// arrives for the warpgroup (count 128). Tile 0 also carries Q (load_q_tile's cp.async): there
-// every producer thread arrives through cp.async instead.
-// MC (`mc` true for this cluster): each CTA issues half the boxes (rank 0 K, rank 1 V) into
-// both CTAs, and refills a slot only once the partner's consumers freed it too (peer_empty0).
-template <int D, int BN, int STAGES>
-__device__ __forceinline__ int tma_tiles(const TreeAttnParams& p, const RequestKV& rk, int n_tma,
-                                         int kvh, int kv_begin, unsigned char* sK,
-                                         unsigned char* sV, unsigned full0, unsigned empty0,
-                                         const TmaDesc* tmk, const TmaDesc* tmv, bool mc,
-                                         unsigned rank, unsigned peer_empty0) {
-  using C = GqaPpCfg<D, BN, STAGES>;
-  const int R = p.tma_rows;
-  if (n_tma == 0) return 0;
-  const int tid = threadIdx.x, lane = tid & 31;
-  if (tid >= 32) {
-    cp_async_mbar_arrive(full0);  // this thread's Q copies, with tile 0 (96 of the 128)
-  } else {
-    const int NB = BN / R, ps = p.page_size;  // boxes a tile (the host makes R divide BN)
-    auto page_of = [&](int j, int i) -> int {
-      if (i >= NB) return 0;
-      const int pi = (kv_begin + j * BN + i * R) / ps;
-      return p.bt_i64 ? static_cast<int>(
-                            static_cast<const long long*>(p.block_table)[rk.row_off + pi])
-                      : static_cast<const int*>(p.block_table)[rk.row_off + pi];
-    };
-    int pg0 = page_of(0, lane), pg1 = page_of(0, lane + 32);
-    for (int j = 0; j < n_tma; ++j) {
-      const int slot = j % STAGES;
-      const unsigned full = full0 + 8 * slot;
-      if (j >= STAGES) {
-        mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
-        if (mc) mbar_wait<true>(peer_empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
-      }
-      const int cur0 = pg0, cur1 = pg1;
-      if (j + 1 < n_tma) {  // the next tile's pages in flight while this one is issued
-        pg0 = page_of(j + 1, lane);
-        pg1 = page_of(j + 1, lane + 32);
-      }
-      if (lane == 0) mbar_expect_tx(full, 2 * C::T_BYTES);
-      __syncwarp();
-      const unsigned dk = smem_u32(sK + slot * C::T_BYTES), dv = smem_u32(sV + slot * C::T_BYTES);
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int i = lane + 32 * u;
-        if (i < NB) {
-          const int t = kv_begin + j * BN + i * R;
-          const int in_page = t % ps, page = u == 0 ? cur0 : cur1;
-#pragma unroll
-          for (int h = 0; h < D / 64; ++h) {  // rows i*R.. of the tile's 64-column half h
-            const unsigned off = h * (BN * 128) + i * R * 128;
-            if (!mc) {
-              tma_load_4d(dk + off, tmk, full, h * 64, kvh, in_page, page);
-              tma_load_4d(dv + off, tmv, full, h * 64, kvh, in_page, page);
-            } else if (rank == 0) {
-              tma_load_4d_mc(dk + off, tmk, full, h * 64, kvh, in_page, page, 3);
-            } else {
-              tma_load_4d_mc(dv + off, tmv, full, h * 64, kvh, in_page, page, 3);
-            }
-          }
-        }
-      }
-      __syncwarp();
-      if (j == 0) cp_async_mbar_arrive(full);  // with this lane's Q copies (32 of the 128)
-      else if (lane == 0) mbar_arrive_count(full, 128);
-    }
-  }
-  // Warp 0 waited for every slot in order: the cp.async path's own waits, from tile n_tma on,
-  // then see each empty barrier at most one phase behind (a parity wait is exact there).
-  named_sync(kPpProducer, 128);
-  return n_tma;
-}
 
 // The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps.
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS, bool MC>
@@ -399,11 +210,17 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
         }
         cp_async_mbar_arrive(full0 + 8 * slot);
       }
-    } else {  // kProducerShared (Auto on a large batch), and kProducerTma's tiles after its TMA ones
+    } else {  // kProducerShared (Auto on a large batch); kProducerTma after its TMA tiles
       int j0 = 0;
       if constexpr (PRODUCER == kProducerTma)
+      {  // kProducerTma's first tiles by TMA (gqa_pp_tma_producer.cuh)
         j0 = tma_tiles<D, BN, STAGES>(p, rk, n_tma, kvh, kv_begin, sK, sV, full0, empty0, tmk,
                                       tmv, mc, rank, peer_empty0);
+        // Warp 0 waited for every slot in order: the cp.async path's own waits, from tile
+        // n_tma on, then see each empty barrier at most one phase behind (a parity wait is
+        // exact there).
+        if (j0 > 0) named_sync(kPpProducer, 128);
+      }
       PageFetch next;
       if (tid < BN) next = fetch_page(p, rk, P, kv_begin + j0 * BN + tid, kv_stop);
       for (int j = j0; j < n_tiles; ++j) {

@@ -143,8 +143,8 @@ class GqaSm90Variant:
     above (v20); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
     K and V pools' tensor maps after the parameters, kernels/cuda/tma.py); "pingpong-tma2": the
     same launched as 2-CTA clusters whose pair shares each TMA tile by multicast (v19; `cluster`
-    2: grid x rounded up to even). `q_regs` (ping-pong
-    schedules, v18): QK as register-A wgmma, Q's fragments loaded once."""
+    2: grid x rounded up to even). `q_regs` (ping-pong schedules, v18): QK as register-A
+    wgmma, Q's fragments loaded once."""
 
     d: int
     nwg: int
