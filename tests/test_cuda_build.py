@@ -272,3 +272,20 @@ def test_mla_schedule_is_read_checked_and_selects_the_kernel(monkeypatch):
     assert {pair, split} <= set(all_variants("sm_90a"))
     with pytest.raises(ValueError, match="schedule"):
         MlaSm90Variant(64, "bf16", "seesaw")
+
+
+def test_env_and_variants_agree_on_the_gqa_schedules(monkeypatch):
+    """env.py (which imports no kernel code) lists the schedules TREEVERIFY_CUDA_GQA_SCHEDULE
+    takes; variants.GQA_SCHEDULES is what fwd_variant builds: the same set, the same default."""
+    from treeverify import env
+    from treeverify.kernels.cuda.variants import GQA_SCHEDULES
+
+    monkeypatch.delenv("TREEVERIFY_CUDA_GQA_SCHEDULE", raising=False)
+    assert env.cuda_gqa_schedule() == GQA_SCHEDULES[0]
+    for schedule in GQA_SCHEDULES:
+        monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
+        assert env.cuda_gqa_schedule() == schedule
+        assert fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule=schedule)
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-nope")
+    with pytest.raises(ValueError, match="TREEVERIFY_CUDA_GQA_SCHEDULE"):
+        env.cuda_gqa_schedule()
