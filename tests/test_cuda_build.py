@@ -48,7 +48,9 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
     assert len(rows) == sum(len(all_variants(a)) for a in ALL_ARCHES)
     for row in rows:
         assert "error" not in row, row
-        assert row["registers"] > 0 and row["spill_bytes"] == 0, row
+        # the 256-row CTA (v21) keeps a few floats of softmax state in local memory (L1)
+        spill_ok = 160 if "_pp2_d128" in row["variant"] else 0
+        assert row["registers"] > 0 and row["spill_bytes"] <= spill_ok, row
         assert row["smem_bytes"] <= SMEM_LIMIT[row["arch"]], row
         if re.search(r"_pp([dsta]|t2)?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168
             assert row["registers"] == 168, row
@@ -107,6 +109,16 @@ def test_variant_choice():
     pair = fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="pingpong-tma2")
     assert pair.tma and pair.cluster == 2 and pair.expr.endswith(",true,false,true>")
     assert pp.cluster == 1 and "_ppt2_" in pair.name
+    # 256-row CTAs (v21) where trees x group reach 256 rows; below that the default schedule
+    pp2 = fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="pingpong-256")
+    assert pp2.bm == 256 and pp2.threads == 384 and pp2.expr.endswith(",1,false,2>")
+    assert pp2.smem_bytes == pp.smem_bytes + 128 * 128 * 2 and "_pp2_m256" in pp2.name
+    assert fwd_variant("sm_90a", 128, 128, False, "bf16", 255,
+                       gqa_schedule="pingpong-256") == pp  # fmt: skip
+    assert not fwd_variant("sm_90a", 64, 64, False, "bf16", 512, gqa_schedule="pingpong-256",
+                           gqa_q_regs=True).q_regs  # fmt: skip
+    with pytest.raises(ValueError, match="q_regs"):
+        GqaSm90Variant(128, 2, "bf16", schedule="pingpong-256", q_regs=True)
     # Q in registers is a ping-pong option: the tile kernel ignores the flag, a direct build fails
     assert not fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="tile",
                            gqa_q_regs=True).q_regs  # fmt: skip

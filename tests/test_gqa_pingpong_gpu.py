@@ -3,8 +3,8 @@ producer warpgroup, mbarrier-guarded slots, two consumer warpgroups taking turns
 with each of its producers: the default's (TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong-auto: one of the
 next two per launch, by the batch's key count), row pointers shared through shared memory
 (=pingpong), producer threads looking their own rows up (=pingpong-direct), warp shuffles
-(=pingpong-shfl), whole paged tiles by TMA (=pingpong-tma) and TMA tiles multicast to a 2-CTA
-cluster (=pingpong-tma2); Q in registers (`:q`, TREEVERIFY_CUDA_GQA_Q_REGS=1); and the tile
+(=pingpong-shfl), whole paged tiles by TMA (=pingpong-tma), TMA tiles multicast to a 2-CTA
+cluster (=pingpong-tma2) and 256-row CTAs (=pingpong-256, where the rows reach 256); Q in registers (`:q`, TREEVERIFY_CUDA_GQA_Q_REGS=1); and the tile
 kernel it replaced (=tile, kept for A/B runs), on the same edge cases. The TMA producers also at
 every page size they take and through the SGLang drop-in; every producer captured and replayed
 with new metadata; the auto producer switching inside one graph.
@@ -44,7 +44,7 @@ EDGES = [
 @pytest.mark.parametrize(
     "schedule",
     ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q",
-     "pingpong-tma:q", "pingpong-tma2", "pingpong-auto"],
+     "pingpong-tma:q", "pingpong-tma2", "pingpong-auto", "pingpong-256"],
 )  # fmt: skip
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     """`:q`: with TREEVERIFY_CUDA_GQA_Q_REGS=1 (Q's fragments in registers)."""
@@ -73,8 +73,9 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
         "pingpong:q",
         "pingpong-tma2",
         "pingpong-auto",
+        "pingpong-256",
     ],
-    ids=["default", "direct", "shfl", "tma", "q-regs", "tma2", "auto"],
+    ids=["default", "direct", "shfl", "tma", "q-regs", "tma2", "auto", "256"],
 )
 def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
@@ -169,18 +170,20 @@ def test_tma_producer_through_the_sglang_drop_in(schedule, monkeypatch):
     _check_drop_in_eager_and_captured(*_sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5))
 
 
-def test_auto_producer_switches_with_the_batch_inside_one_graph(monkeypatch):
+@pytest.mark.parametrize("schedule", ["pingpong-auto", "pingpong-256"])
+def test_auto_producer_switches_with_the_batch_inside_one_graph(schedule, monkeypatch):
     """pingpong-auto picks the direct producer for batches of <= 32k keys and the shared one
     above, on the device per launch: one captured graph replayed on a small batch (direct) and
-    a large one (> 32k keys: shared), each equal to the reference."""
+    a large one (> 32k keys: shared), each equal to the reference (pingpong-256, the direct
+    producer throughout, over the same batches)."""
     from treeverify.bench.cases import Case, make_inputs
 
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-auto")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     case = Case("auto", 8, 8000, 64, 32, 8, 128, 128, False)
     first = make_inputs(case, page_size=16, device="cuda", seed=3)
     plan = _plan(first, case, 16, 8, 64, first["block_table"].shape[1], 8064)
     if _is_sm90():
-        assert plan._launcher.fwd.schedule == "pingpong-auto"
+        assert plan._launcher.fwd.schedule == schedule
     kc, vc = first["k_cache"], first["v_cache"]
     q = torch.randn(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)

@@ -91,7 +91,8 @@ VARIABLES: dict[str, str] = {
     "(producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs), "
     "pingpong-direct (producer threads look their own KV rows up, v15), pingpong-shfl (producer "
     "warps share row pointers by shuffles, v16), pingpong-tma (paged tiles by TMA, v17) or "
-    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
+    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19) or pingpong-256 (256-row CTAs "
+    "where trees x group reach 256 rows, pingpong-auto below that, v21).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -205,7 +206,7 @@ def cuda_pdl() -> str:
 
 def cuda_gqa_schedule() -> str:
     """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong-auto (default), pingpong, tile, pingpong-direct,
-    pingpong-shfl, pingpong-tma or pingpong-tma2 (kernels/cuda/variants.py)."""
+    pingpong-shfl, pingpong-tma, pingpong-tma2 or pingpong-256 (kernels/cuda/variants.py)."""
     return _choice(
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         (
@@ -216,6 +217,7 @@ def cuda_gqa_schedule() -> str:
             "pingpong-shfl",
             "pingpong-tma",
             "pingpong-tma2",
+            "pingpong-256",
         ),
     )
 

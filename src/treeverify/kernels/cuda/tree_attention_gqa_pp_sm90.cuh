@@ -37,46 +37,23 @@
 //   refilled once both CTAs' consumers freed it (`peer_empty`, arrived on remotely);
 // - Q_REGS (TREEVERIFY_CUDA_GQA_Q_REGS=1, v18, 1.01x): Q's fragments loaded into registers once
 //   and QK issued as register-A wgmma, half of QK's shared-memory reads;
+// - H = 2 ("pingpong-256", v21): 256-row CTAs, each consumer warpgroup 128 rows as two halves
+//   (gqa_pp256_consumers.cuh), the OwnRows producer (the Shared one spills in the 40
+//   registers left to it); one KV tile serves twice the rows;
 // - setmaxnreg moves registers from the producer (56) to the consumers (224); the launch must
 //   give every thread exactly 168 (384 threads, one CTA an SM), which a CPU test checks.
 #pragma once
 
 namespace treeverify {
 
-template <int D, int BN, int STAGES>
-struct GqaPpCfg {
-  static constexpr int BM = 128, NT = 384, CH = D / 8;
-  static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int T_BYTES = BN * D * 2;  // one K (or V) tile
-  // 1 KB alignment slack + Q + STAGES of K and V + K/V row pointers [STAGES][BN] each + the
-  // full, empty and peer_empty (MC) mbarriers [STAGES] each.
-  static constexpr int SMEM_BYTES =
-      1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN + 24 * STAGES;
-  static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224, LAUNCH_REGS = 168;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS == 3 * LAUNCH_REGS, "the register file");
-  static_assert(STAGES >= 2 && STAGES <= 4, "slots in flight");
-  static_assert(BN == 64 && (D == 64 || D == 128), "tile shapes this kernel is written for");
-};
-
-// Named barriers (0 is __syncthreads): the two consumers' turns (256 threads each: one
-// warpgroup syncs, the other arrives) and the producer's own (128).
-enum : int { kPpTurn0 = 1, kPpTurn1 = 2, kPpProducer = 3 };
-
-// How the producer warpgroup finds each KV row (the schedules above).
-enum : int {
-  kProducerShared = 0,
-  kProducerOwnRows = 1,
-  kProducerShuffle = 2,
-  kProducerTma = 3,
-  kProducerAuto = 4
-};
-constexpr int kAutoDirectMaxKeys = 32768;  // kProducerAuto's crossover (v15's grid, above)
-
-// The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps.
-template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS, bool MC>
+// The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps; H:
+// 64-row halves a consumer warpgroup owns (2: the 256-row CTA, gqa_pp256_consumers.cuh).
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS, bool MC, int H = 1>
 __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDesc* tmk,
                                             const TmaDesc* tmv) {
-  using C = GqaPpCfg<D, BN, STAGES>;
+  using C = GqaPpCfg<D, BN, STAGES, H>;
+  static_assert(H == 1 || (PRODUCER != kProducerTma && !Q_REGS && !MC),
+                "the 256-row CTA takes the cp.async producers, Q from shared memory");
 #ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
   static_assert(C::SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
 #endif
@@ -150,7 +127,11 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
   if (wg == 0) {  // ---- producer: Q, then the K/V tiles into STAGES slots
     setmaxnreg_dec<C::PRODUCER_REGS>();
     const T* kg = static_cast<const T*>(p.k);
-    load_q_tile<BM, C::CH, 128>(sQ, p, m0, rows, qo0, kvh, G);  // lands with tile 0's copies
+    // Q lands with tile 0's copies; 128-row blocks (H of them), each in its own layout.
+#pragma unroll
+    for (int qb = 0; qb < H; ++qb)
+      load_q_tile<128, C::CH, 128>(sQ + qb * C::Q_BLOCK_BYTES, p, m0 + qb * 128, rows, qo0, kvh,
+                                   G);
     bool own_rows = PRODUCER == kProducerOwnRows;
     if constexpr (PRODUCER == kProducerAuto) own_rows = batch_keys(p) <= kAutoDirectMaxKeys;
     if constexpr (PRODUCER == kProducerShuffle) {
@@ -251,6 +232,12 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     }
     cp_async_wait<0>();  // nothing in flight when the CTA moves on (n_tiles == 0: Q alone)
     setmaxnreg_inc<C::LAUNCH_REGS>();  // after the consumers gave theirs back (epilogue)
+  } else if constexpr (H == 2) {  // ---- consumers: 128 rows each (gqa_pp256_consumers.cuh)
+    setmaxnreg_inc<C::CONSUMER_REGS>();
+    gqa_pp256_consume<D, BN, STAGES, BF16>(p, sQ, sK, sV, full0, empty0, wg - 1, m0, rows, qo0,
+                                           kvh, G, P, kv_begin, kv_stop, n_tiles, split,
+                                           n_splits);
+    setmaxnreg_dec<C::LAUNCH_REGS>();
   } else {  // ---- consumers: 64 rows each, MMAs issued in turns
     setmaxnreg_inc<C::CONSUMER_REGS>();
     const int c = wg - 1;
@@ -352,29 +339,8 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       pin(o);
     }
 
-    const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + r0 + h * 8;
-      if (row >= rows) continue;
-      const int tok = qo0 + row / G, head = kvh * G + row % G;
-      const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
-      if (n_splits == 1) {
-        T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-          *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
-              pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      } else {
-        const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
-        float* po = p.part_o + prow * D;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-          *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
-              make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
-      }
-    }
+    gqa_pp_store_rows<D, BF16>(p, o, m_run, l_run, m0 + r0, rows, qo0, kvh, G, split, n_splits,
+                               tq);
     setmaxnreg_dec<C::LAUNCH_REGS>();  // back to the launch's share for the merge below
   }
   // MC: neither CTA leaves while the other may still arrive on its barriers.
@@ -384,11 +350,11 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
 }
 
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared,
-          bool Q_REGS = false>
+          bool Q_REGS = false, int H = 1>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
   static_assert(PRODUCER != kProducerTma, "the TMA producer's entry is tree_attn_gqa_pp_tma_sm90");
-  gqa_pp_body<D, BN, STAGES, BF16, PRODUCER, Q_REGS, false>(p, nullptr, nullptr);
+  gqa_pp_body<D, BN, STAGES, BF16, PRODUCER, Q_REGS, false, H>(p, nullptr, nullptr);
 }
 
 // MC: launched as 2-CTA clusters along x (kernels/cuda/launch.py), grid x even.

@@ -126,10 +126,17 @@ GQA_SCHEDULES = (  # the default (TREEVERIFY_CUDA_GQA_SCHEDULE unset) first
     "pingpong-shfl",
     "pingpong-tma",
     "pingpong-tma2",
+    "pingpong-256",
 )
 # The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh;
 # pingpong-tma, 3, has its own entry point, which takes the K and V tensor maps too).
-PP_PRODUCERS = {"pingpong": 0, "pingpong-direct": 1, "pingpong-shfl": 2, "pingpong-auto": 4}
+PP_PRODUCERS = {
+    "pingpong": 0,
+    "pingpong-direct": 1,
+    "pingpong-shfl": 2,
+    "pingpong-auto": 4,
+    "pingpong-256": 1,  # the direct producer: the shared one spills in 40 registers
+}
 
 
 @dataclass(frozen=True)
@@ -143,8 +150,9 @@ class GqaSm90Variant:
     above (v20); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
     K and V pools' tensor maps after the parameters, kernels/cuda/tma.py); "pingpong-tma2": the
     same launched as 2-CTA clusters whose pair shares each TMA tile by multicast (v19; `cluster`
-    2: grid x rounded up to even). `q_regs` (ping-pong schedules, v18): QK as register-A
-    wgmma, Q's fragments loaded once."""
+    2: grid x rounded up to even); "pingpong-256": 256-row CTAs (each consumer warpgroup two
+    64-row halves, the direct producer; v21, H = 2). `q_regs` (ping-pong schedules, v18): QK as
+    register-A wgmma, Q's fragments loaded once."""
 
     d: int
     nwg: int
@@ -163,6 +171,8 @@ class GqaSm90Variant:
             raise ValueError("schedule: pingpong runs 128-row CTAs (nwg=2) only")
         if self.q_regs and not self.pingpong:
             raise ValueError("q_regs: only the ping-pong schedules keep Q in registers")
+        if self.q_regs and self.schedule == "pingpong-256":
+            raise ValueError("q_regs: the 256-row CTA reads Q from shared memory")
 
     @property
     def pingpong(self) -> bool:
@@ -179,7 +189,7 @@ class GqaSm90Variant:
 
     @property
     def bm(self) -> int:
-        return 64 * self.nwg
+        return 256 if self.schedule == "pingpong-256" else 64 * self.nwg
 
     @property
     def threads(self) -> int:
@@ -195,6 +205,7 @@ class GqaSm90Variant:
             "pingpong-tma": "_ppt",
             "pingpong-tma2": "_ppt2",
             "pingpong-auto": "_ppa",
+            "pingpong-256": "_pp2",
         }[self.schedule] + ("q" if self.q_regs else "")
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
@@ -210,9 +221,10 @@ class GqaSm90Variant:
             )
         if self.pingpong:
             prod = PP_PRODUCERS[self.schedule]
+            h = ",false,2" if self.schedule == "pingpong-256" else ""
             return (
                 f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16},"
-                f"{prod}{q}>"
+                f"{prod}{q}{h}>"
             )
         return f"treeverify::tree_attn_gqa_sm90<{self.d},{self.bn},{self.nwg},{self.stages},{bf16}>"
 
@@ -366,7 +378,8 @@ def fwd_variant(
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
     `rows` = tree nodes x query heads per KV head (the packed rows one KV tile can serve): GQA
-    takes 128-row CTAs (8 warps) when there are that many, halving KV tile loads per FLOP.
+    takes 128-row CTAs (8 warps) when there are that many, halving KV tile loads per FLOP, and
+    with `gqa_schedule` "pingpong-256" 256-row CTAs from 256 rows on.
     """
     if arch not in SMEM_LIMIT:
         raise ValueError(f"arch: expected one of {', '.join(ALL_ARCHES)}, got {arch!r}")
@@ -392,8 +405,10 @@ def fwd_variant(
         if arch == "sm_90a" and not portable and dqk in (64, 128):
             # 128 rows: one CTA per SM anyway (registers), so 4 stages deep; 64 rows (the
             # memory-bound small trees): 2 stages keep two CTAs per SM in flight instead.
+            if gqa_schedule == "pingpong-256" and rows < 256:  # a 256-row CTA would idle half
+                gqa_schedule = GQA_SCHEDULES[0]
             if rows >= 128:
-                q_regs = gqa_q_regs and gqa_schedule != "tile"
+                q_regs = gqa_q_regs and gqa_schedule not in ("tile", "pingpong-256")
                 return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=gqa_schedule, q_regs=q_regs)
             return GqaSm90Variant(dqk, 1, dtype, stages=2)
         bn = 32 if dqk == 256 else 64
@@ -423,8 +438,8 @@ def all_variants(arch: str) -> list[Variant]:
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
-                for schedule in GQA_SCHEDULES[1:]:  # every one but the default
-                    out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
+                for schedule in GQA_SCHEDULES[1:]:  # every one but the default (256 rows: all)
+                    out.append(fwd_variant(arch, d, d, False, dtype, 256, gqa_schedule=schedule))
                 # TREEVERIFY_CUDA_GQA_Q_REGS=1 with the default and three other schedules
                 for schedule in ("pingpong-auto", "pingpong", "pingpong-tma", "pingpong-tma2"):
                     out.append(

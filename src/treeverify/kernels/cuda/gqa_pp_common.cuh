@@ -1,0 +1,81 @@
+// What the GQA ping-pong kernels share (tree_attention_gqa_pp_sm90.cuh and the 256-row
+// consumers, gqa_pp256_consumers.cuh): the CTA's shape and shared-memory layout, the named
+// barriers, the producer kinds, and the epilogue that writes a warpgroup's 64 rows of O.
+// Included by tree_attention.cu after tree_attention_gqa_sm90.cuh and sm90_async.cuh.
+#pragma once
+
+namespace treeverify {
+
+// H: 64-row halves a consumer warpgroup owns (1: 128-row CTAs; 2: 256-row CTAs, v21, one KV
+// tile serving twice the rows, so half the KV bytes an SM takes in per FLOP). Q is stored as
+// 128-row blocks (one a consumer warpgroup when H = 2), each in load_q_tile's swizzled layout.
+template <int D, int BN, int STAGES, int H = 1>
+struct GqaPpCfg {
+  static constexpr int BM = 128 * H, NT = 384, CH = D / 8;
+  static constexpr int Q_BLOCK_BYTES = 128 * D * 2;  // one 128-row block of Q
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int T_BYTES = BN * D * 2;  // one K (or V) tile
+  // 1 KB alignment slack + Q + STAGES of K and V + K/V row pointers [STAGES][BN] each + the
+  // full, empty and peer_empty (MC) mbarriers [STAGES] each.
+  static constexpr int SMEM_BYTES =
+      1024 + Q_BYTES + 2 * STAGES * T_BYTES + 16 * STAGES * BN + 24 * STAGES;
+  // The 256-row CTA's consumers hold twice O: 8 more registers each, from the producer (its
+  // direct path fits in 40; they still keep ~4 floats of softmax state in local memory).
+  static constexpr int PRODUCER_REGS = H == 1 ? 56 : 40, CONSUMER_REGS = H == 1 ? 224 : 232;
+  static constexpr int LAUNCH_REGS = 168;
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS == 3 * LAUNCH_REGS, "the register file");
+  static_assert(STAGES >= 2 && STAGES <= 4, "slots in flight");
+  static_assert(BN == 64 && (D == 64 || D == 128), "tile shapes this kernel is written for");
+  static_assert(H == 1 || H == 2, "64 or 128 rows a consumer warpgroup");
+};
+
+// Named barriers (0 is __syncthreads): the two consumers' turns (256 threads each: one
+// warpgroup syncs, the other arrives) and the producer's own (128).
+enum : int { kPpTurn0 = 1, kPpTurn1 = 2, kPpProducer = 3 };
+
+// How the producer warpgroup finds each KV row (the schedules in tree_attention_gqa_pp_sm90.cuh).
+enum : int {
+  kProducerShared = 0,
+  kProducerOwnRows = 1,
+  kProducerShuffle = 2,
+  kProducerTma = 3,
+  kProducerAuto = 4
+};
+constexpr int kAutoDirectMaxKeys = 32768;  // kProducerAuto's crossover (v15's grid)
+
+// A warpgroup's 64 rows of O (this thread: fragment rows `row0` and row0 + 8, packed (node,
+// head) rows of the request) normalised by their sums: to out when the request has one split,
+// else to the split's fp32 partials with each row's log2-LSE.
+template <int D, bool BF16>
+__device__ __forceinline__ void gqa_pp_store_rows(const TreeAttnParams& p, const float (&o)[D / 2],
+                                                  const float (&m_run)[2],
+                                                  const float (&l_run)[2], int row0, int rows,
+                                                  int qo0, int kvh, int G, int split,
+                                                  int n_splits, int tq) {
+  using T = unsigned short;
+  const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + h * 8;
+    if (row >= rows) continue;
+    const int tok = qo0 + row / G, head = kvh * G + row % G;
+    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
+    if (n_splits == 1) {
+      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
+            pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+    } else {
+      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
+      float* po = p.part_o + prow * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
+            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
+    }
+  }
+}
+
+}  // namespace treeverify
