@@ -84,6 +84,18 @@ def test_params_struct_matches_the_device_struct():
     assert device == [(name, kinds[t]) for name, t in Params._fields_]
 
 
+def test_gqa_wide_rule():
+    """256-row CTAs (v21) by TREEVERIFY_CUDA_GQA_256: auto takes them where the unsplit grid
+    fills the SMs (the measured wins), never below 256 rows, 1 / 0 force."""
+    from treeverify.kernels.cuda.variants import gqa_wide_pays
+
+    assert gqa_wide_pays("auto", 256, 32 * 8, 132)  # B32 x 8 KV heads: 1.11-1.21x measured
+    assert not gqa_wide_pays("auto", 256, 8 * 8, 132)  # B8: 0.69-1.07x measured
+    assert not gqa_wide_pays("auto", 255, 10**6, 132)
+    assert gqa_wide_pays("1", 256, 1, 132) and not gqa_wide_pays("1", 128, 1, 132)
+    assert not gqa_wide_pays("0", 1024, 10**6, 132)
+
+
 def test_variant_choice():
     assert isinstance(fwd_variant("sm_90a", 576, 512, True, "bf16"), MlaSm90Variant)
     portable = fwd_variant("sm_90a", 576, 512, True, "bf16", portable=True)
@@ -109,14 +121,16 @@ def test_variant_choice():
     pair = fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="pingpong-tma2")
     assert pair.tma and pair.cluster == 2 and pair.expr.endswith(",true,false,true>")
     assert pp.cluster == 1 and "_ppt2_" in pair.name
-    # 256-row CTAs (v21) where trees x group reach 256 rows; below that the default schedule
-    pp2 = fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="pingpong-256")
+    # The default schedule's 256-row CTAs (v21) where trees x group reach 256 rows, and only the
+    # default's: another schedule or fewer rows keep their 128-row kernel
+    pp2 = fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_wide=True)
     assert pp2.bm == 256 and pp2.threads == 384 and pp2.expr.endswith(",1,false,2>")
-    assert pp2.smem_bytes == pp.smem_bytes + 128 * 128 * 2 and "_pp2_m256" in pp2.name
-    assert fwd_variant("sm_90a", 128, 128, False, "bf16", 255,
-                       gqa_schedule="pingpong-256") == pp  # fmt: skip
-    assert not fwd_variant("sm_90a", 64, 64, False, "bf16", 512, gqa_schedule="pingpong-256",
-                           gqa_q_regs=True).q_regs  # fmt: skip
+    assert pp2.smem_bytes == pp.smem_bytes + 128 * 128 * 2 and "_pp2_d128_m256" in pp2.name
+    assert fwd_variant("sm_90a", 128, 128, False, "bf16", 255, gqa_wide=True) == pp
+    assert fwd_variant("sm_90a", 128, 128, False, "bf16", 256, gqa_schedule="pingpong",
+                       gqa_wide=True).bm == 128  # fmt: skip
+    assert fwd_variant("sm_90a", 64, 64, False, "bf16", 512, gqa_q_regs=True,
+                       gqa_wide=True).schedule == "pingpong-256"  # fmt: skip
     with pytest.raises(ValueError, match="q_regs"):
         GqaSm90Variant(128, 2, "bf16", schedule="pingpong-256", q_regs=True)
     # Q in registers is a ping-pong option: the tile kernel ignores the flag, a direct build fails

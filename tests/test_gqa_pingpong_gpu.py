@@ -4,10 +4,11 @@ with each of its producers: the default's (TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong
 next two per launch, by the batch's key count), row pointers shared through shared memory
 (=pingpong), producer threads looking their own rows up (=pingpong-direct), warp shuffles
 (=pingpong-shfl), whole paged tiles by TMA (=pingpong-tma), TMA tiles multicast to a 2-CTA
-cluster (=pingpong-tma2) and 256-row CTAs (=pingpong-256, where the rows reach 256); Q in registers (`:q`, TREEVERIFY_CUDA_GQA_Q_REGS=1); and the tile
-kernel it replaced (=tile, kept for A/B runs), on the same edge cases. The TMA producers also at
-every page size they take and through the SGLang drop-in; every producer captured and replayed
-with new metadata; the auto producer switching inside one graph.
+cluster (=pingpong-tma2); the default's 256-row CTAs (`:256`, TREEVERIFY_CUDA_GQA_256=1); Q in
+registers (`:q`, TREEVERIFY_CUDA_GQA_Q_REGS=1); and the tile kernel it replaced (=tile, kept
+for A/B runs), on the same edge cases. The TMA producers also at every page size they take and
+through the SGLang drop-in; every producer captured and replayed with new metadata; the auto
+producer switching inside one graph.
 
 A barrier bug hangs rather than fails: scripts/gpu-check runs the GPU tests under a timeout.
 Skipped without a CUDA GPU; both kernels exist on sm_90a only (elsewhere the schedule falls back
@@ -44,15 +45,18 @@ EDGES = [
 @pytest.mark.parametrize(
     "schedule",
     ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q",
-     "pingpong-tma:q", "pingpong-tma2", "pingpong-auto", "pingpong-256"],
+     "pingpong-tma:q", "pingpong-tma2", "pingpong-auto", "pingpong-auto:256"],
 )  # fmt: skip
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
-    """`:q`: with TREEVERIFY_CUDA_GQA_Q_REGS=1 (Q's fragments in registers)."""
+    """`:q`: with TREEVERIFY_CUDA_GQA_Q_REGS=1 (Q's fragments in registers); `:256`: with
+    TREEVERIFY_CUDA_GQA_256=1 (the default schedule's 256-row CTAs wherever the rows reach 256;
+    0 otherwise, so the plain entries keep 128-row CTAs)."""
     from treeverify.bench.cases import Case, make_inputs
 
-    schedule, _, q_regs = schedule.partition(":")
+    schedule, *opts = schedule.split(":")
     monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_Q_REGS", "1" if q_regs else "0")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_Q_REGS", "1" if "q" in opts else "0")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_256", "1" if "256" in opts else "0")
     if splits:  # many splits: m-tiles whose later splits have no key (n_tiles == 0)
         monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", splits)
     hq, hkv, d, page, prefixes, trees = edge
@@ -73,7 +77,7 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
         "pingpong:q",
         "pingpong-tma2",
         "pingpong-auto",
-        "pingpong-256",
+        "pingpong-auto:256",
     ],
     ids=["default", "direct", "shfl", "tma", "q-regs", "tma2", "auto", "256"],
 )
@@ -82,8 +86,9 @@ def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch)
     counts (twice a replay, as two layers): equal to the reference every time."""
     from treeverify.bench.cases import Case, make_inputs
 
-    schedule, _, q_regs = (schedule or "").partition(":")
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_Q_REGS", "1" if q_regs else "0")
+    schedule, *opts = (schedule or "").split(":")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_Q_REGS", "1" if "q" in opts else "0")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_256", "1" if "256" in opts else "0")
     if schedule:
         monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     else:
@@ -92,8 +97,9 @@ def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch)
     first = make_inputs(case, page_size=16, device="cuda", seed=7)
     plan = _plan(first, case, 16, 4, 64, first["block_table"].shape[1], 6064)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert plan._launcher.fwd.schedule == (schedule or "pingpong-auto")
-        assert plan._launcher.fwd.q_regs == bool(q_regs)
+        wide = "pingpong-256" if "256" in opts else None
+        assert plan._launcher.fwd.schedule == (wide or schedule or "pingpong-auto")
+        assert plan._launcher.fwd.q_regs == ("q" in opts)
         assert plan._launcher.fwd.threads == 384
     kc, vc = first["k_cache"], first["v_cache"]
     q = torch.randn(4 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -170,20 +176,21 @@ def test_tma_producer_through_the_sglang_drop_in(schedule, monkeypatch):
     _check_drop_in_eager_and_captured(*_sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5))
 
 
-@pytest.mark.parametrize("schedule", ["pingpong-auto", "pingpong-256"])
-def test_auto_producer_switches_with_the_batch_inside_one_graph(schedule, monkeypatch):
+@pytest.mark.parametrize("wide", ["0", "1"], ids=["128rows", "256rows"])
+def test_auto_producer_switches_with_the_batch_inside_one_graph(wide, monkeypatch):
     """pingpong-auto picks the direct producer for batches of <= 32k keys and the shared one
     above, on the device per launch: one captured graph replayed on a small batch (direct) and
-    a large one (> 32k keys: shared), each equal to the reference (pingpong-256, the direct
-    producer throughout, over the same batches)."""
+    a large one (> 32k keys: shared), each equal to the reference; the same batches through the
+    256-row CTAs (TREEVERIFY_CUDA_GQA_256=1, the direct producer throughout)."""
     from treeverify.bench.cases import Case, make_inputs
 
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-auto")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_256", wide)
     case = Case("auto", 8, 8000, 64, 32, 8, 128, 128, False)
     first = make_inputs(case, page_size=16, device="cuda", seed=3)
     plan = _plan(first, case, 16, 8, 64, first["block_table"].shape[1], 8064)
     if _is_sm90():
-        assert plan._launcher.fwd.schedule == schedule
+        assert plan._launcher.fwd.bm == (256 if wide == "1" else 128)
     kc, vc = first["k_cache"], first["v_cache"]
     q = torch.randn(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)

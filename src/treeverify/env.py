@@ -36,6 +36,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   shuffles, pingpong's copy pattern kept: v16, 1.02x) or ``pingpong-tma`` (whole tiles of paged keys
   by TMA, one box a page: v17, 1.01x) or ``pingpong-tma2`` (the same in 2-CTA clusters sharing each
   tile by multicast: v19, 0.93x).
+- ``TREEVERIFY_CUDA_GQA_256``: the default GQA schedule's 256-row CTAs (v21: one KV tile serves
+  256 rows, half the KV an SM takes in per FLOP; 1.11-1.21x on the grid's B32 N=64 cases,
+  0.69-0.85x on small batches) where trees x group reach 256 rows: ``auto`` (default: where
+  batch x KV heads x 256-row tiles reach the SM count), ``1`` (always) or ``0`` (never).
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
   1.01x, so default ``0``).
@@ -91,8 +95,10 @@ VARIABLES: dict[str, str] = {
     "(producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs), "
     "pingpong-direct (producer threads look their own KV rows up, v15), pingpong-shfl (producer "
     "warps share row pointers by shuffles, v16), pingpong-tma (paged tiles by TMA, v17) or "
-    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19) or pingpong-256 (256-row CTAs "
-    "where trees x group reach 256 rows, pingpong-auto below that, v21).",
+    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
+    "TREEVERIFY_CUDA_GQA_256": "The default GQA schedule's 256-row CTAs (v21) where trees x "
+    "group reach 256 rows: auto (default; where batch x KV heads fill the GPU's SMs), 1 "
+    "(wherever the rows reach 256) or 0 (never: 128-row CTAs).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -206,7 +212,7 @@ def cuda_pdl() -> str:
 
 def cuda_gqa_schedule() -> str:
     """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong-auto (default), pingpong, tile, pingpong-direct,
-    pingpong-shfl, pingpong-tma, pingpong-tma2 or pingpong-256 (kernels/cuda/variants.py)."""
+    pingpong-shfl, pingpong-tma or pingpong-tma2 (kernels/cuda/variants.py)."""
     return _choice(
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         (
@@ -217,9 +223,14 @@ def cuda_gqa_schedule() -> str:
             "pingpong-shfl",
             "pingpong-tma",
             "pingpong-tma2",
-            "pingpong-256",
         ),
     )
+
+
+def cuda_gqa_256() -> str:
+    """TREEVERIFY_CUDA_GQA_256: auto (default), 1 or 0: the default GQA schedule's 256-row CTAs
+    (kernels/cuda/variants.py, gqa_wide)."""
+    return _choice("TREEVERIFY_CUDA_GQA_256", ("auto", "1", "0"))
 
 
 def cuda_gqa_q_regs() -> bool:

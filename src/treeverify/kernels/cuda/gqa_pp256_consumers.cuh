@@ -1,5 +1,6 @@
-// The consumers of the GQA ping-pong kernel's 256-row CTA (v21, TREEVERIFY_CUDA_GQA_SCHEDULE=
-// pingpong-256; gqa_pp_body with H = 2, tree_attention_gqa_pp_sm90.cuh). Included by
+// The consumers of the GQA ping-pong kernel's 256-row CTA (v21: the default schedule's shape
+// where batch x KV heads fill the GPU, TREEVERIFY_CUDA_GQA_256; gqa_pp_body with H = 2,
+// tree_attention_gqa_pp_sm90.cuh). Included by
 // tree_attention.cu after gqa_pp_common.cuh.
 //
 // Why: every 128-row GQA kernel we have takes in ~13-16 B of KV a cycle an SM, whichever

@@ -21,7 +21,7 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda import tma
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
-from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant
+from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant, gqa_wide_pays
 from treeverify.kernels.splits import (
     balance_pays,
     choose_splits,
@@ -61,18 +61,24 @@ class Launcher:
         self.device = torch.device(device)
         self.dtype_name = "bf16" if dtype == torch.bfloat16 else "fp16"
         self.arch = device_arch(self.device)
+        props = torch.cuda.get_device_properties(self.device)
+        rows = max_tree * (hq // hkv)  # packed rows of one KV head
         self.fwd = fwd_variant(
             self.arch,
             dqk,
             dv,
             mla,
             self.dtype_name,
-            rows=max_tree * (hq // hkv),
+            rows=rows,
             portable=env.cuda_portable(),
             mla_schedule=env.cuda_mla_schedule(),
             gqa_schedule=env.cuda_gqa_schedule(),
             gqa_q_regs=env.cuda_gqa_q_regs(),
-        )
+            gqa_wide=not mla and gqa_wide_pays(
+                env.cuda_gqa_256(), rows, max_batch * hkv * math.ceil(rows / 256),
+                props.multi_processor_count,
+            ),
+        )  # fmt: skip
         self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)
         self.merge_kernel = load(self.merge, self.device)
@@ -80,7 +86,6 @@ class Launcher:
         self.group = hq // hkv
         self.max_batch, self.max_tree, self.total_q_cap = max_batch, max_tree, total_q_cap
         self.m_tiles = math.ceil(max_tree * self.group / self.fwd.bm)
-        props = torch.cuda.get_device_properties(self.device)
         by_smem = (228 * 1024) // (self.fwd.smem_bytes + 1024)  # 1 KB reserved per CTA
         by_regs = 65536 // max(1, self.fwd_kernel.compiled.registers * self.fwd.threads)
         ctas_per_sm = max(1, min(2, by_smem, by_regs))

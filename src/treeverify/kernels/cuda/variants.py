@@ -126,8 +126,10 @@ GQA_SCHEDULES = (  # the default (TREEVERIFY_CUDA_GQA_SCHEDULE unset) first
     "pingpong-shfl",
     "pingpong-tma",
     "pingpong-tma2",
-    "pingpong-256",
 )
+# The default schedule's 256-row CTAs (v21; fwd_variant's `gqa_wide`, TREEVERIFY_CUDA_GQA_256):
+# not a schedule of its own in the environment, a shape the default takes where it pays.
+GQA_WIDE = "pingpong-256"
 # The ping-pong kernel's PRODUCER template argument per schedule (tree_attention_gqa_pp_sm90.cuh;
 # pingpong-tma, 3, has its own entry point, which takes the K and V tensor maps too).
 PP_PRODUCERS = {
@@ -135,8 +137,21 @@ PP_PRODUCERS = {
     "pingpong-direct": 1,
     "pingpong-shfl": 2,
     "pingpong-auto": 4,
-    "pingpong-256": 1,  # the direct producer: the shared one spills in 40 registers
+    GQA_WIDE: 1,  # the direct producer: the shared one spills in the 40 registers left to it
 }
+
+
+def gqa_wide_pays(mode: str, rows: int, ctas: int, num_sms: int) -> bool:
+    """Whether the default GQA schedule takes 256-row CTAs (v21): `rows` = tree nodes x group
+    (the packed rows of one KV head), `ctas` = batch x KV heads x 256-row tiles (the grid before
+    any split). Mode (TREEVERIFY_CUDA_GQA_256) "1": wherever rows reach 256; "0": never; "auto":
+    where those CTAs alone fill the GPU. Measured (H200, 86685da, page 16): 1.11-1.21x on the
+    B32 N=64 cases (256 CTAs), 0.69-0.85x where a small batch needs splits to fill 132 SMs
+    (B1/B8 at L1024-8192) and 1.04-1.07x on B1/B8 at L >= 8192: the rule keeps the losses out
+    at the price of those small gains."""
+    if rows < 256 or mode == "0":
+        return False
+    return mode == "1" or ctas >= num_sms
 
 
 @dataclass(frozen=True)
@@ -150,8 +165,9 @@ class GqaSm90Variant:
     above (v20); "pingpong-tma": whole tiles of paged keys by TMA (v17; `tma`: the launch passes the
     K and V pools' tensor maps after the parameters, kernels/cuda/tma.py); "pingpong-tma2": the
     same launched as 2-CTA clusters whose pair shares each TMA tile by multicast (v19; `cluster`
-    2: grid x rounded up to even); "pingpong-256": 256-row CTAs (each consumer warpgroup two
-    64-row halves, the direct producer; v21, H = 2). `q_regs` (ping-pong schedules, v18): QK as
+    2: grid x rounded up to even); GQA_WIDE ("pingpong-256", not an environment choice: the
+    default's shape where gqa_wide_pays): 256-row CTAs (each consumer warpgroup two 64-row
+    halves, the direct producer; v21, H = 2). `q_regs` (ping-pong schedules, v18): QK as
     register-A wgmma, Q's fragments loaded once."""
 
     d: int
@@ -165,13 +181,13 @@ class GqaSm90Variant:
     q_regs: bool = False
 
     def __post_init__(self):
-        if self.schedule not in GQA_SCHEDULES:
+        if self.schedule not in (*GQA_SCHEDULES, GQA_WIDE):
             raise ValueError(f"schedule: expected one of {GQA_SCHEDULES}, got {self.schedule!r}")
         if self.pingpong and self.nwg != 2:
             raise ValueError("schedule: pingpong runs 128-row CTAs (nwg=2) only")
         if self.q_regs and not self.pingpong:
             raise ValueError("q_regs: only the ping-pong schedules keep Q in registers")
-        if self.q_regs and self.schedule == "pingpong-256":
+        if self.q_regs and self.schedule == GQA_WIDE:
             raise ValueError("q_regs: the 256-row CTA reads Q from shared memory")
 
     @property
@@ -189,7 +205,7 @@ class GqaSm90Variant:
 
     @property
     def bm(self) -> int:
-        return 256 if self.schedule == "pingpong-256" else 64 * self.nwg
+        return 256 if self.schedule == GQA_WIDE else 64 * self.nwg
 
     @property
     def threads(self) -> int:
@@ -205,7 +221,7 @@ class GqaSm90Variant:
             "pingpong-tma": "_ppt",
             "pingpong-tma2": "_ppt2",
             "pingpong-auto": "_ppa",
-            "pingpong-256": "_pp2",
+            GQA_WIDE: "_pp2",
         }[self.schedule] + ("q" if self.q_regs else "")
         return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
 
@@ -221,7 +237,7 @@ class GqaSm90Variant:
             )
         if self.pingpong:
             prod = PP_PRODUCERS[self.schedule]
-            h = ",false,2" if self.schedule == "pingpong-256" else ""
+            h = ",false,2" if self.schedule == GQA_WIDE else ""
             return (
                 f"treeverify::tree_attn_gqa_pp_sm90<{self.d},{self.bn},{self.stages},{bf16},"
                 f"{prod}{q}{h}>"
@@ -374,12 +390,14 @@ def fwd_variant(
     mla_schedule: str = "pair",
     gqa_schedule: str = "pingpong-auto",
     gqa_q_regs: bool = False,
+    gqa_wide: bool = False,
 ) -> FwdVariant | MlaSm90Variant | GqaSm90Variant:
     """The forward instance for a problem family on an arch (tiles sized to its shared memory).
 
     `rows` = tree nodes x query heads per KV head (the packed rows one KV tile can serve): GQA
     takes 128-row CTAs (8 warps) when there are that many, halving KV tile loads per FLOP, and
-    with `gqa_schedule` "pingpong-256" 256-row CTAs from 256 rows on.
+    with `gqa_wide` (the default schedule only; gqa_wide_pays decides) 256-row CTAs from 256
+    rows on.
     """
     if arch not in SMEM_LIMIT:
         raise ValueError(f"arch: expected one of {', '.join(ALL_ARCHES)}, got {arch!r}")
@@ -405,10 +423,10 @@ def fwd_variant(
         if arch == "sm_90a" and not portable and dqk in (64, 128):
             # 128 rows: one CTA per SM anyway (registers), so 4 stages deep; 64 rows (the
             # memory-bound small trees): 2 stages keep two CTAs per SM in flight instead.
-            if gqa_schedule == "pingpong-256" and rows < 256:  # a 256-row CTA would idle half
-                gqa_schedule = GQA_SCHEDULES[0]
+            if gqa_wide and rows >= 256 and gqa_schedule == GQA_SCHEDULES[0]:
+                return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=GQA_WIDE)
             if rows >= 128:
-                q_regs = gqa_q_regs and gqa_schedule not in ("tile", "pingpong-256")
+                q_regs = gqa_q_regs and gqa_schedule != "tile"
                 return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=gqa_schedule, q_regs=q_regs)
             return GqaSm90Variant(dqk, 1, dtype, stages=2)
         bn = 32 if dqk == 256 else 64
@@ -438,8 +456,9 @@ def all_variants(arch: str) -> list[Variant]:
             for schedule in MLA_SCHEDULES:
                 out.append(fwd_variant(arch, *MLA_DIMS, True, dtype, mla_schedule=schedule))
             for d in (64, 128):  # the other GQA schedules (TREEVERIFY_CUDA_GQA_SCHEDULE)
-                for schedule in GQA_SCHEDULES[1:]:  # every one but the default (256 rows: all)
-                    out.append(fwd_variant(arch, d, d, False, dtype, 256, gqa_schedule=schedule))
+                for schedule in GQA_SCHEDULES[1:]:  # every one but the default
+                    out.append(fwd_variant(arch, d, d, False, dtype, 128, gqa_schedule=schedule))
+                out.append(fwd_variant(arch, d, d, False, dtype, 256, gqa_wide=True))  # v21
                 # TREEVERIFY_CUDA_GQA_Q_REGS=1 with the default and three other schedules
                 for schedule in ("pingpong-auto", "pingpong", "pingpong-tma", "pingpong-tma2"):
                     out.append(
