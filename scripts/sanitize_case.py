@@ -1,11 +1,11 @@
 """A small representative run of every CUDA kernel, for compute-sanitizer (memcheck/racecheck).
 
 Both kernel families (the sm_90a wgmma kernels, then the portable mma.sync ones via
-TREEVERIFY_CUDA_PORTABLE=1): GQA with a 128-row CTA and split-KV + merge, MLA with the
-warpgroup / warp-pair P exchange, page sizes 1 and 16, an empty prefix, a multi-word tree mask,
-and the SGLang drop-in with its mask kernel; each with the split merge in the forward (the last
-split CTA of a row tile merges, TREEVERIFY_CUDA_SPLIT_MERGE=forward) and as its own kernel.
-Exits 1 on a wrong result.
+TREEVERIFY_CUDA_PORTABLE=1): GQA with a 128-row CTA and split-KV + merge, a 256-row one, MLA
+with the warpgroup / warp-pair P exchange, page sizes 1 and 16, an empty prefix, a multi-word
+tree mask, and the SGLang drop-in with its mask kernel; each with the split merge in the forward
+(the last split CTA of a row tile merges, TREEVERIFY_CUDA_SPLIT_MERGE=forward) and as its own
+kernel. Exits 1 on a wrong result.
 """
 
 import os
@@ -23,7 +23,11 @@ CASES = [
     (Case("mla", 2, 700, 33, 8, 1, 576, 512, True), 1, [700, 5], [33, 20]),
     # >= 8192 keys: a balanced plan (v12: splits last in the grid, the batch's key sum)
     (Case("gqa-balanced", 2, 9000, 16, 8, 2, 128, 128, False), 16, [9000, 300], [16, 9]),
+    # 64 nodes x group 4: the 256-row CTA (v21; TREEVERIFY_CUDA_GQA_256=1 below, which only
+    # this case's rows reach)
+    (Case("gqa-256", 2, 1300, 64, 8, 2, 128, 128, False), 16, [1300, 70], [64, 50]),
 ]
+os.environ["TREEVERIFY_CUDA_GQA_256"] = "1"
 worst = 0.0
 for portable, merge in [(p, m) for p in ("0", "1") for m in ("forward", "kernel")]:
     os.environ["TREEVERIFY_CUDA_PORTABLE"] = portable
