@@ -51,6 +51,9 @@
 //       the batch's mean share (batch_kv_sum), splits last in the grid (cta_split); the merge
 //       kernel takes several heads a CTA past 8192 CTAs. Mixed-length grid 37.4 -> 40.8%,
 //       the equal-length grid unchanged (47.8% vs 48.1% off, same lease).           47.8%
+//   v13b-v21: the merge by PDL (device_common.cuh) and the GQA ping-pong kernels, listed in
+//       tree_attention_gqa_pp_sm90.cuh (v21: 256-row CTAs, gqa_pp256_consumers.cuh); every
+//       version's prediction and figure: docs/performance.md.
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head); the grid's y/z order of the last two is cta_split / cta_request_head's. Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
