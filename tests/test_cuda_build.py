@@ -96,6 +96,44 @@ def test_gqa_wide_rule():
     assert not gqa_wide_pays("0", 1024, 10**6, 132)
 
 
+def test_gqa_wide_rule_at_page_size_1():
+    """At page size 1 auto keeps 128-row CTAs on batches over the auto producer's crossover
+    (the 256-row CTA's direct producer lost 0.91x there), as the device's constant says."""
+    from treeverify.kernels.cuda.variants import AUTO_DIRECT_MAX_KEYS, gqa_wide_pays
+
+    cuh = Path(__file__).resolve().parents[1] / "src/treeverify/kernels/cuda/gqa_pp_common.cuh"
+    assert f"kAutoDirectMaxKeys = {AUTO_DIRECT_MAX_KEYS};" in cuh.read_text()
+    assert gqa_wide_pays("auto", 256, 256, 132, page_size=1, batch_keys=32 * 1024)
+    assert not gqa_wide_pays("auto", 256, 256, 132, page_size=1, batch_keys=32 * 32768)
+    assert gqa_wide_pays("auto", 256, 256, 132, page_size=16, batch_keys=32 * 32768)
+    assert gqa_wide_pays("1", 256, 256, 132, page_size=1, batch_keys=32 * 32768)
+
+
+def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
+    """The eager path caches launchers by launcher_flags(): a flag it missed would make a test
+    (or an A/B) that changes it between calls run a launcher made under the old value."""
+    from treeverify.kernels.cuda.runner import launcher_flags
+
+    flags = {
+        "TREEVERIFY_CUDA_PORTABLE": "1", "TREEVERIFY_CUDA_MLA_SCHEDULE": "split",
+        "TREEVERIFY_CUDA_GQA_SCHEDULE": "tile", "TREEVERIFY_CUDA_GQA_Q_REGS": "1",
+        "TREEVERIFY_CUDA_GQA_256": "auto", "TREEVERIFY_CUDA_SPLIT_BALANCE": "3",
+        "TREEVERIFY_CUDA_MAX_SPLITS": "4", "TREEVERIFY_CUDA_TMA_MIN_PAGE": "2",
+        "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "512", "TREEVERIFY_CUDA_SPLIT_MERGE": "kernel",
+        "TREEVERIFY_CUDA_PDL": "0",
+    }  # fmt: skip
+    for name in flags:
+        monkeypatch.delenv(name, raising=False)
+    base = launcher_flags()
+    for name, value in flags.items():
+        monkeypatch.setenv(name, value)
+        assert launcher_flags() != base, name
+        monkeypatch.delenv(name)
+    src = Path(__file__).resolve().parents[1] / "src/treeverify/kernels/cuda/runner.py"
+    read = set(re.findall(r"env\.(cuda_\w+)\(", src.read_text()))
+    assert read == {f"cuda_{n.removeprefix('TREEVERIFY_CUDA_').lower()}" for n in flags}
+
+
 def test_variant_choice():
     assert isinstance(fwd_variant("sm_90a", 576, 512, True, "bf16"), MlaSm90Variant)
     portable = fwd_variant("sm_90a", 576, 512, True, "bf16", portable=True)

@@ -38,8 +38,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   tile by multicast: v19, 0.93x).
 - ``TREEVERIFY_CUDA_GQA_256``: the default GQA schedule's 256-row CTAs (v21: one KV tile serves
   256 rows, half the KV an SM takes in per FLOP; 1.11-1.21x on the grid's B32 N=64 cases,
-  0.69-0.85x on small batches) where trees x group reach 256 rows: ``auto`` (default: where
-  batch x KV heads x 256-row tiles reach the SM count), ``1`` (always) or ``0`` (never).
+  0.69-0.85x on small batches) where trees x group reach 256 rows: ``0`` (default, until its
+  edge-case GPU tests have run: the eager cache that ran them ignored this flag, fixed after the
+  last GPU run), ``auto`` (where batch x KV heads x 256-row tiles reach the SM count, not at
+  page size 1 past 32k batch keys: grid 1.018x at page 16, 1.009x at page 1) or ``1`` (always).
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
   1.01x, so default ``0``).
@@ -97,8 +99,9 @@ VARIABLES: dict[str, str] = {
     "warps share row pointers by shuffles, v16), pingpong-tma (paged tiles by TMA, v17) or "
     "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
     "TREEVERIFY_CUDA_GQA_256": "The default GQA schedule's 256-row CTAs (v21) where trees x "
-    "group reach 256 rows: auto (default; where batch x KV heads fill the GPU's SMs), 1 "
-    "(wherever the rows reach 256) or 0 (never: 128-row CTAs).",
+    "group reach 256 rows: 0 (default: 128-row CTAs until the 256-row kernel's edge-case GPU "
+    "tests have run), auto (where batch x KV heads fill the GPU's SMs: grid 1.018x at page 16) "
+    "or 1 (wherever the rows reach 256).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -228,9 +231,9 @@ def cuda_gqa_schedule() -> str:
 
 
 def cuda_gqa_256() -> str:
-    """TREEVERIFY_CUDA_GQA_256: auto (default), 1 or 0: the default GQA schedule's 256-row CTAs
-    (kernels/cuda/variants.py, gqa_wide)."""
-    return _choice("TREEVERIFY_CUDA_GQA_256", ("auto", "1", "0"))
+    """TREEVERIFY_CUDA_GQA_256: 0 (default), auto or 1: the default GQA schedule's 256-row CTAs
+    (kernels/cuda/variants.py, gqa_wide_pays)."""
+    return _choice("TREEVERIFY_CUDA_GQA_256", ("0", "auto", "1"))
 
 
 def cuda_gqa_q_regs() -> bool:

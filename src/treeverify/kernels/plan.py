@@ -122,6 +122,7 @@ class TreeAttentionPlan:
                 max_kv=self.max_kv_len,
                 total_q_cap=self.max_total_q,
                 split_balance=split_balance,
+                page_size=page_size,
             )  # compiles and loads the kernels now (warmup), never on a request
             self._workspace = self._launcher.workspace()
             self.part_o, self.part_lse = self._workspace.part_o, self._workspace.part_lse

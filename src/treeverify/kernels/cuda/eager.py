@@ -6,9 +6,8 @@ from collections import OrderedDict
 
 import torch
 
-from treeverify import env
 from treeverify.kernels.cuda.launch import Params
-from treeverify.kernels.cuda.runner import Launcher, check_alignment
+from treeverify.kernels.cuda.runner import Launcher, check_alignment, launcher_flags
 from treeverify.kernels.eager import cached, eager_bucket, eager_out
 
 _launchers: OrderedDict[tuple, Launcher] = OrderedDict()  # recent eager buckets
@@ -26,17 +25,12 @@ def launcher_for(
 ) -> Launcher:
     """A Launcher for this exact bucket, reused across calls with the same sizes (small LRU)."""
     key = (
-        env.cuda_portable(),
-        env.cuda_split_merge(),
-        env.cuda_split_balance(),
-        env.cuda_pdl(),
-        env.cuda_merge_max_ctas(),
-        env.cuda_gqa_schedule(),
-        env.cuda_max_splits(),
+        *launcher_flags(),
         q.device,
         q.dtype,
         q.shape[1],
         k_cache.shape[-2],
+        k_cache.shape[1] if k_cache.dim() == 4 else 1,  # the page size
         q.shape[2],
         dv,
         mla,
@@ -60,6 +54,7 @@ def launcher_for(
             max_tree=max_tree,
             max_kv=max_kv,
             total_q_cap=total_q_cap,
+            page_size=k_cache.shape[1] if k_cache.dim() == 4 else 1,
         ),
     )
 

@@ -41,7 +41,9 @@ enum : int {
   kProducerTma = 3,
   kProducerAuto = 4
 };
-constexpr int kAutoDirectMaxKeys = 32768;  // kProducerAuto's crossover (v15's grid)
+// kProducerAuto's crossover (v15's grid); variants.py's AUTO_DIRECT_MAX_KEYS (a CPU test
+// checks they agree).
+constexpr int kAutoDirectMaxKeys = 32768;
 
 // A warpgroup's 64 rows of O (this thread: fragment rows `row0` and row0 + 8, packed (node,
 // head) rows of the request) normalised by their sums: to out when the request has one split,

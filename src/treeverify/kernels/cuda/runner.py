@@ -37,6 +37,25 @@ class SplitWorkspace(NamedTuple):
     counters: torch.Tensor  # (m_tiles * max_batch * Hkv,) int32 zeros, or empty: merge kernel
 
 
+def launcher_flags() -> tuple:
+    """Every environment flag a Launcher reads when it is made (kernel choice, splits, merge,
+    launch mode): what a cache of launchers must key on, so that a flag changed between calls
+    (tests, A/B runs) gets a launcher built under it rather than one made under the old value."""
+    return (
+        env.cuda_portable(),
+        env.cuda_mla_schedule(),
+        env.cuda_gqa_schedule(),
+        env.cuda_gqa_q_regs(),
+        env.cuda_gqa_256(),
+        env.cuda_split_balance(),
+        env.cuda_max_splits(),
+        env.cuda_tma_min_page(),
+        env.cuda_merge_max_ctas(),
+        env.cuda_split_merge(),
+        env.cuda_pdl(),
+    )
+
+
 class Launcher:
     def __init__(
         self,
@@ -53,9 +72,11 @@ class Launcher:
         max_kv: int,
         total_q_cap: int,
         split_balance: int | None = None,
+        page_size: int = 16,
     ):
         """`split_balance`: the balanced split rule's grid factor (kernels/splits.py); None:
-        TREEVERIFY_CUDA_SPLIT_BALANCE (default 2)."""
+        TREEVERIFY_CUDA_SPLIT_BALANCE (default 2). `page_size`: the KV pool's (one kernel choice,
+        the 256-row GQA CTA, depends on it: gqa_wide_pays)."""
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"q: the cuda backend takes bf16 or fp16, got {dtype}")
         self.device = torch.device(device)
@@ -76,7 +97,7 @@ class Launcher:
             gqa_q_regs=env.cuda_gqa_q_regs(),
             gqa_wide=not mla and gqa_wide_pays(
                 env.cuda_gqa_256(), rows, max_batch * hkv * math.ceil(rows / 256),
-                props.multi_processor_count,
+                props.multi_processor_count, page_size, max_batch * max_kv,
             ),
         )  # fmt: skip
         self.merge = MergeVariant(dv, self.dtype_name)

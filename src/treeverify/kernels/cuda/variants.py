@@ -127,6 +127,9 @@ GQA_SCHEDULES = (  # the default (TREEVERIFY_CUDA_GQA_SCHEDULE unset) first
     "pingpong-tma",
     "pingpong-tma2",
 )
+# kProducerAuto's crossover (gqa_pp_common.cuh, kAutoDirectMaxKeys): the direct producer on
+# batches of at most this many keys.
+AUTO_DIRECT_MAX_KEYS = 32768
 # The default schedule's 256-row CTAs (v21; fwd_variant's `gqa_wide`, TREEVERIFY_CUDA_GQA_256):
 # not a schedule of its own in the environment, a shape the default takes where it pays.
 GQA_WIDE = "pingpong-256"
@@ -141,17 +144,24 @@ PP_PRODUCERS = {
 }
 
 
-def gqa_wide_pays(mode: str, rows: int, ctas: int, num_sms: int) -> bool:
+def gqa_wide_pays(
+    mode: str, rows: int, ctas: int, num_sms: int, page_size: int = 16, batch_keys: int = 0
+) -> bool:
     """Whether the default GQA schedule takes 256-row CTAs (v21): `rows` = tree nodes x group
     (the packed rows of one KV head), `ctas` = batch x KV heads x 256-row tiles (the grid before
-    any split). Mode (TREEVERIFY_CUDA_GQA_256) "1": wherever rows reach 256; "0": never; "auto":
-    where those CTAs alone fill the GPU. Measured (H200, 86685da, page 16): 1.11-1.21x on the
-    B32 N=64 cases (256 CTAs), 0.69-0.85x where a small batch needs splits to fill 132 SMs
-    (B1/B8 at L1024-8192) and 1.04-1.07x on B1/B8 at L >= 8192: the rule keeps the losses out
-    at the price of those small gains."""
+    any split), `batch_keys` = batch x the plan's KV capacity. Mode (TREEVERIFY_CUDA_GQA_256)
+    "1": wherever rows reach 256; "0": never; "auto": where those CTAs alone fill the GPU, except
+    at page size 1 on batches of more than kAutoDirectMaxKeys keys (the 256-row CTA's direct
+    producer copies scattered 16-byte pieces of single-row pages there; the 128-row kernel
+    switches to its shared producer). Measured (H200, 86685da and 6ed4d37): page 16 B32 N=64
+    1.10-1.21x (256 CTAs), 0.69-0.85x where a small batch needs splits to fill 132 SMs (B1/B8
+    at L1024-8192), 1.04-1.07x on B1/B8 at L >= 8192 (left out with the losses); page 1 B32
+    L1024 1.27x, L32768 0.91x."""
     if rows < 256 or mode == "0":
         return False
-    return mode == "1" or ctas >= num_sms
+    if mode == "1":
+        return True
+    return ctas >= num_sms and (page_size > 1 or batch_keys <= AUTO_DIRECT_MAX_KEYS)
 
 
 @dataclass(frozen=True)
