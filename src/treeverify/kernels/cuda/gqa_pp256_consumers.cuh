@@ -94,13 +94,7 @@ __device__ __forceinline__ void gqa_pp256_consume(const TreeAttnParams& p,
     pin(o0);
     pin(o1);
     rescale_rows(o, alpha);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    pack_p_frags<BN / 8, BF16>(s, pa);
   };
 
   // Turns: each warpgroup syncs on its own barrier and arrives on the other's once a turn;
@@ -133,9 +127,9 @@ __device__ __forceinline__ void gqa_pp256_consume(const TreeAttnParams& p,
     wg_wait0();
     pin(o1);
   }
-  gqa_pp_store_rows<D, BF16>(p, o0, m_run[0], l_run[0], m0 + r0, rows, qo0, kvh, G, split,
+  gqa_store_rows<D, BF16>(p, o0, m_run[0], l_run[0], m0 + r0, rows, qo0, kvh, G, split,
                              n_splits, tq);
-  gqa_pp_store_rows<D, BF16>(p, o1, m_run[1], l_run[1], m0 + r0 + 64, rows, qo0, kvh, G, split,
+  gqa_store_rows<D, BF16>(p, o1, m_run[1], l_run[1], m0 + r0 + 64, rows, qo0, kvh, G, split,
                              n_splits, tq);
 }
 

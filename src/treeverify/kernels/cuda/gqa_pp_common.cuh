@@ -1,6 +1,6 @@
 // What the GQA ping-pong kernels share (tree_attention_gqa_pp_sm90.cuh and the 256-row
 // consumers, gqa_pp256_consumers.cuh): the CTA's shape and shared-memory layout, the named
-// barriers, the producer kinds, and the epilogue that writes a warpgroup's 64 rows of O.
+// barriers and the producer kinds.
 // Included by tree_attention.cu after tree_attention_gqa_sm90.cuh and sm90_async.cuh.
 #pragma once
 
@@ -44,40 +44,5 @@ enum : int {
 // kProducerAuto's crossover (v15's grid); variants.py's AUTO_DIRECT_MAX_KEYS (a CPU test
 // checks they agree).
 constexpr int kAutoDirectMaxKeys = 32768;
-
-// A warpgroup's 64 rows of O (this thread: fragment rows `row0` and row0 + 8, packed (node,
-// head) rows of the request) normalised by their sums: to out when the request has one split,
-// else to the split's fp32 partials with each row's log2-LSE.
-template <int D, bool BF16>
-__device__ __forceinline__ void gqa_pp_store_rows(const TreeAttnParams& p, const float (&o)[D / 2],
-                                                  const float (&m_run)[2],
-                                                  const float (&l_run)[2], int row0, int rows,
-                                                  int qo0, int kvh, int G, int split,
-                                                  int n_splits, int tq) {
-  using T = unsigned short;
-  const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + h * 8;
-    if (row >= rows) continue;
-    const int tok = qo0 + row / G, head = kvh * G + row % G;
-    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
-    if (n_splits == 1) {
-      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
-            pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-    } else {
-      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
-      float* po = p.part_o + prow * D;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
-            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
-    }
-  }
-}
 
 }  // namespace treeverify

@@ -93,4 +93,18 @@ __device__ __forceinline__ void rescale_rows(float (&o)[R], const float (&alpha)
   }
 }
 
+// P (this thread's exponentiated scores, the S fragment) as the A fragments of PV: k-step kk
+// takes columns 16 kk .. 16 kk + 15 (the accumulator layout is the A-fragment layout).
+template <int NJ, bool BF16>
+__device__ __forceinline__ void pack_p_frags(const float (&s)[4 * NJ],
+                                             unsigned (&pa)[NJ / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NJ / 2; ++kk) {
+    pa[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
 }  // namespace treeverify

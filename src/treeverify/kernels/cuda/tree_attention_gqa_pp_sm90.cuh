@@ -323,13 +323,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
           mbar_arrive_remote(peer_empty0 + 8 * ((it - 1) % STAGES), rank ^ 1u, 32);
       }
       rescale_rows(o, alpha);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        pa[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
-      }
+      pack_p_frags<BN / 8, BF16>(s, pa);
     }
     if (n_tiles > 0) {  // the last tile's PV, in turn like the others
       named_sync(my_turn, 256);
@@ -340,7 +334,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       pin(o);
     }
 
-    gqa_pp_store_rows<D, BF16>(p, o, m_run, l_run, m0 + r0, rows, qo0, kvh, G, split, n_splits,
+    gqa_store_rows<D, BF16>(p, o, m_run, l_run, m0 + r0, rows, qo0, kvh, G, split, n_splits,
                                tq);
     setmaxnreg_dec<C::LAUNCH_REGS>();  // back to the launch's share for the merge below
   }

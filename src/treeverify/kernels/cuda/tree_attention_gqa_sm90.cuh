@@ -47,6 +47,41 @@ __device__ __forceinline__ void mma_pv(float (&o)[D / 2], const unsigned (&a)[4]
   }
 }
 
+// The sm_90a GQA kernels' epilogue (this tile kernel, the ping-pong ones): a warpgroup's 64
+// rows of O (this thread: fragment rows `row0` and row0 + 8, packed (node,
+// head) rows of the request) normalised by their sums: to out when the request has one split,
+// else to the split's fp32 partials with each row's log2-LSE.
+template <int D, bool BF16>
+__device__ __forceinline__ void gqa_store_rows(const TreeAttnParams& p, const float (&o)[D / 2],
+                                               const float (&m_run)[2], const float (&l_run)[2],
+                                               int row0, int rows, int qo0, int kvh, int G,
+                                               int split, int n_splits, int tq) {
+  using T = unsigned short;
+  const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + h * 8;
+    if (row >= rows) continue;
+    const int tok = qo0 + row / G, head = kvh * G + row % G;
+    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
+    if (n_splits == 1) {
+      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
+            pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+    } else {
+      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
+      float* po = p.part_o + prow * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
+            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
+    }
+  }
+}
+
 template <int D, int BN, int NWG, int STAGES, bool BF16>
 __global__ void __launch_bounds__(128 * NWG, 1)
     tree_attn_gqa_sm90(const __grid_constant__ TreeAttnParams p) {
@@ -193,30 +228,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   }
   cp_async_wait<0>();
 
-  const float l_tot[2] = {quad_sum(l_run[0]), quad_sum(l_run[1])};
   const int r0 = wg * 64 + 16 * wi + g;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = m0 + r0 + h * 8;
-    if (row >= rows) continue;
-    const int tok = qo0 + row / G, head = kvh * G + row % G;
-    const float inv = l_tot[h] > 0.f ? 1.f / l_tot[h] : 0.f;
-    if (n_splits == 1) {
-      T* og = static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
-            pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-    } else {
-      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
-      float* po = p.part_o + prow * D;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
-            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
-    }
-  }
+  gqa_store_rows<D, BF16>(p, o, m_run, l_run, m0 + r0, rows, qo0, kvh, G, split, n_splits, tq);
   if (n_splits > 1 && merged_in_forward<D>(p, n_splits, min(BM, rows - m0)))
     merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
