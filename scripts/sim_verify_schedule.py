@@ -1,0 +1,89 @@
+"""A model of the GQA verify kernel's schedule on the GPU for one SGLang harness batch: which
+request's CTAs set the forward's time, with and without balanced splits, in microseconds of CPU.
+
+The batch is scripts/sglang_backend_compare.py's timed draw (its fifth, for --seed), the split
+plan the launcher's (kernels/splits.py), and each CTA takes its 64-key tiles at a fixed time
+per tile (measured on the H200, nineteenth session: 1.44 us for a 128-row CTA, ~2.65 us for a
+256-row one) plus ~1 us of prologue; CTAs are dispatched in the grid's order onto one slot an
+SM (the ping-pong kernels run one CTA an SM). The merge (kernel or in-forward) and the rest of
+the replay are not modelled: compare the printed times with each other, not with a replay.
+
+    PYTHONPATH=src python3 scripts/sim_verify_schedule.py [--seed 2026] [--page 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import random
+
+from treeverify.kernels.splits import choose_splits, num_splits, split_chunk
+
+
+def harness_prefixes(page: int, seed: int, batch: int = 8, n: int = 64, max_prefix: int = 4096):
+    """The prefixes of the harness's fifth draw (eager, capture, three replays: the last one is
+    timed), consuming its random stream the way Step.draw does."""
+    rng = random.Random(seed)
+    num_pages = batch * -(-(max_prefix + n) // page) + 2
+    prefix: list[int] = []
+    for _ in range(5):
+        prefix = [rng.randint(1, max_prefix) for _ in range(batch)]
+        rng.shuffle(list(range(1, num_pages)))
+        for _ in range(batch):
+            [rng.randrange(i) for i in range(1, n)]
+    return prefix
+
+
+def forward_us(
+    prefix: list[int],
+    *,
+    n: int,
+    hkv: int,
+    m_tiles: int,
+    balance: int,
+    tile_us: float,
+    sms: int = 132,
+    max_kv: int = 8192,
+) -> tuple[float, int]:
+    """The modelled forward time and the plan's split count."""
+    pol = choose_splits(batch=len(prefix), hkv=hkv, m_tiles=m_tiles, max_kv=max_kv, bn=64,
+                        num_sms=sms, ctas_per_sm=1, balance=balance)  # fmt: skip
+    kv = [p + n for p in prefix]
+    total = sum(kv)
+    ctas = []
+    for b, k in enumerate(kv):
+        args = dict(kv_batch=total, balance_div=pol.balance_div)
+        ns = num_splits(k, pol.max_splits, pol.chunk, **args)
+        c = split_chunk(k, pol.max_splits, pol.chunk, **args)
+        for s in range(pol.max_splits):
+            keys = min(k, (s + 1) * c) - s * c if s < ns else 0
+            dur = math.ceil(keys / 64) * tile_us + 1.0 if keys > 0 else 0.3
+            for h in range(hkv):
+                for x in range(m_tiles):  # balanced plans dispatch splits last (cta_split)
+                    ctas.append(((s, b, h, x) if pol.balance_div else (b, h, s, x), dur))
+    slots = [0.0] * sms
+    end = 0.0
+    for _, dur in sorted(ctas):
+        t = heapq.heappop(slots) + dur
+        heapq.heappush(slots, t)
+        end = max(end, t)
+    return end, pol.max_splits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--page", type=int, default=16)
+    args = ap.parse_args()
+    prefix = harness_prefixes(args.page, args.seed)
+    print(f"page {args.page}, seed {args.seed}: prefixes {prefix}")
+    for name, m_tiles, tile_us in (("128-row CTAs", 2, 1.44), ("256-row CTAs", 1, 2.65)):
+        for balance in (1, 2):
+            us, splits = forward_us(prefix, n=64, hkv=8, m_tiles=m_tiles, balance=balance,
+                                    tile_us=tile_us)  # fmt: skip
+            print(f"  {name}, balance {balance}: {splits} splits a plan, forward ~{us:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
