@@ -120,7 +120,7 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
         "TREEVERIFY_CUDA_GQA_256": "auto", "TREEVERIFY_CUDA_SPLIT_BALANCE": "3",
         "TREEVERIFY_CUDA_MAX_SPLITS": "4", "TREEVERIFY_CUDA_TMA_MIN_PAGE": "2",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "512", "TREEVERIFY_CUDA_SPLIT_MERGE": "kernel",
-        "TREEVERIFY_CUDA_PDL": "0",
+        "TREEVERIFY_CUDA_PDL": "0", "TREEVERIFY_CUDA_MERGE_ILP": "1",
     }  # fmt: skip
     for name in flags:
         monkeypatch.delenv(name, raising=False)
@@ -132,6 +132,21 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
     src = Path(__file__).resolve().parents[1] / "src/treeverify/kernels/cuda/runner.py"
     read = set(re.findall(r"env\.(cuda_\w+)\(", src.read_text()))
     assert read == {f"cuda_{n.removeprefix('TREEVERIFY_CUDA_').lower()}" for n in flags}
+
+
+def test_merge_variant_choice():
+    """The merge kernel's loads in flight (v22): v12's one head x 8 splits unless
+    TREEVERIFY_CUDA_MERGE_ILP asks; then 4 heads x 4 splits where a CTA merges >= 4 heads, else
+    32 splits of one head past 8 splits; each a distinct build."""
+    from treeverify.kernels.cuda.variants import MergeVariant, merge_variant
+
+    assert merge_variant(128, "bf16", False, 8, 64) == MergeVariant(128, "bf16")
+    assert merge_variant(128, "bf16", True, 8, 2) == MergeVariant(128, "bf16", 4, 4)
+    assert merge_variant(512, "bf16", True, 1, 64) == MergeVariant(512, "bf16", 1, 32)
+    assert merge_variant(512, "bf16", True, 2, 8) == MergeVariant(512, "bf16")
+    names = {MergeVariant(128, "bf16", h, u).name for h, u in ((1, 8), (4, 4), (1, 32))}
+    assert names == {"merge_v128_bf16", "merge_v128_h4u4_bf16", "merge_v128_h1u32_bf16"}
+    assert MergeVariant(128, "fp16", 4, 4).expr == "treeverify::tree_attn_merge<128,false,4,4>"
 
 
 def test_variant_choice():

@@ -182,15 +182,19 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch)
             assert _rel(outs[key][:total], ref) <= TOL, (key, step)
 
 
+@pytest.mark.parametrize("ilp", ["0", "1"], ids=["merge-v12", "merge-ilp"])
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
-def test_merge_kernel_with_several_heads_per_cta(shape, monkeypatch):
+def test_merge_kernel_with_several_heads_per_cta(shape, ilp, monkeypatch):
     """The merge kernel's CTA takes p.merge_heads heads (v12): the grid forced small
     (TREEVERIFY_CUDA_MERGE_MAX_CTAS) so that it does here, the merge kernel doing every merge,
-    and the output still equals the reference."""
+    and the output still equals the reference; with TREEVERIFY_CUDA_MERGE_ILP=1 (v22) as four
+    heads of loads at once where the CTA has at least four (a last group part-empty where the
+    heads do not divide by four)."""
     from treeverify.bench.cases import Case, make_inputs
 
     monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_MAX_CTAS", "64")
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "kernel")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_ILP", ilp)
     hq, hkv, dqk, dv, mla = shape
     case = Case("h", 3, 1500, 17, hq, hkv, dqk, dv, mla)
     inp = make_inputs(case, page_size=16, device="cuda", seed=5, prefix_lens=[1500, 7, 640],
@@ -201,6 +205,35 @@ def test_merge_kernel_with_several_heads_per_cta(shape, monkeypatch):
     assert launcher.merge_heads > 1
     assert launcher.merge_grid[1] == -(-hq // launcher.merge_heads)
     assert launcher.merge_grid[0] * launcher.merge_grid[1] <= 64 or launcher.merge_heads >= hq
+    wide = ilp == "1" and launcher.merge_heads >= 4
+    assert (launcher.merge.hi, launcher.merge.u) == ((4, 4) if wide else (1, 8))
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    out = _poisoned(inp, dv)
+    plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
+    assert _rel(out, _reference(inp)) <= TOL
+
+
+@pytest.mark.parametrize("ilp", ["0", "1"], ids=["merge-v12", "merge-ilp"])
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
+def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
+    """Rows split 24 ways (TREEVERIFY_CUDA_MAX_SPLITS), merged by the kernel: with
+    TREEVERIFY_CUDA_MERGE_ILP=1 one head's 32 splits of loads at once (v22; 24 valid, the rest
+    predicated off), equal to the reference; splits that saw no key (the short requests') weigh
+    nothing."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", "24")
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "kernel")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_ILP", ilp)
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("s", 2, 3000, 9, hq, hkv, dqk, dv, mla)
+    inp = make_inputs(case, page_size=16, device="cuda", seed=8, prefix_lens=[3000, 40],
+                      tree_sizes=[9, 5])  # fmt: skip
+    plan = _plan(inp, case, 16, 2, 9, inp["block_table"].shape[1], 3100)
+    launcher = plan._launcher
+    assert launcher.merge_kernel_needed and launcher.splits.max_splits == 24
+    if launcher.merge_heads < 4:
+        assert (launcher.merge.hi, launcher.merge.u) == ((1, 32) if ilp == "1" else (1, 8))
     plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
     out = _poisoned(inp, dv)
     plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)

@@ -10,7 +10,11 @@ namespace treeverify {
 // columns each. Several heads a CTA (v12) keep the grid small: a CTA of a request that was not
 // split only finds that out and exits, which cost ~1 us a CTA, so a plan whose requests rarely
 // split (2048 tokens x 128 heads: 262k CTAs, ~250 us) paid that on every step.
-template <int DV, bool BF16>
+// HI x U: the loads a thread has in flight, HI heads of U splits each (v22,
+// TREEVERIFY_CUDA_MERGE_ILP; 1 x 8 before): with one head at a time the CTA's heads are a chain
+// of dependent L2 round trips (8 heads, 2 splits: ~20 us for SGLang's GQA batch, by
+// scripts/sim_verify_schedule.py's gap), and a 64-split MLA row takes 8 of them.
+template <int DV, bool BF16, int HI = 1, int U = 8>
 __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
   const int tok = blockIdx.x;
   const int total_q = p.qo_indptr[p.batch];
@@ -29,15 +33,36 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   if (tok >= total_q || n == 1) return;  // padding, or the main kernel wrote the output
   const int G = p.group, node = tok - p.qo_indptr[b];
   const int h0 = blockIdx.y * p.merge_heads, h1 = min(p.hq, h0 + p.merge_heads);
-  const int c[1] = {static_cast<int>(threadIdx.x) * 4};
-  for (int head = h0; head < h1; ++head) {
-    const int row = node * G + head % G;  // packed row of KV head head / G
-    const int tile0 = row / p.fwd_bm * p.fwd_bm;
-    if (merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0))) continue;
-    const long long base[1] = {(long long)tok * p.hq + head};
-    float4 o[1];
-    merge_splits4<DV, 1>(p, base, n, c, o);
-    store_out4<BF16>(p, tok, head, c[0], o[0]);
+  if constexpr (HI == 1 && U == 8) {  // v12's loop, kept as measured (the default)
+    const int c[1] = {static_cast<int>(threadIdx.x) * 4};
+    for (int head = h0; head < h1; ++head) {
+      const int row = node * G + head % G;  // packed row of KV head head / G
+      const int tile0 = row / p.fwd_bm * p.fwd_bm;
+      if (merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0))) continue;
+      const long long base[1] = {(long long)tok * p.hq + head};
+      float4 o[1];
+      merge_splits4<DV, 1>(p, base, n, c, o);
+      store_out4<BF16>(p, tok, head, c[0], o[0]);
+    }
+    return;
+  }
+  for (int hb = h0; hb < h1; hb += HI) {
+    long long base[HI];  // token * hq + head, or -1: past the CTA's heads, or merged already
+    int c[HI];
+#pragma unroll
+    for (int i = 0; i < HI; ++i) {
+      const int head = hb + i;
+      const int row = node * G + head % G;  // packed row of KV head head / G
+      const int tile0 = row / p.fwd_bm * p.fwd_bm;
+      const bool mine = head < h1 && !merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0));
+      base[i] = mine ? (long long)tok * p.hq + head : -1;
+      c[i] = static_cast<int>(threadIdx.x) * 4;
+    }
+    float4 o[HI];
+    merge_splits4<DV, HI, U>(p, base, n, c, o);
+#pragma unroll
+    for (int i = 0; i < HI; ++i)
+      if (base[i] >= 0) store_out4<BF16>(p, tok, hb + i, c[i], o[i]);
   }
 }
 

@@ -21,7 +21,7 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda import tma
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
-from treeverify.kernels.cuda.variants import MergeVariant, fwd_variant, gqa_wide_pays
+from treeverify.kernels.cuda.variants import fwd_variant, gqa_wide_pays, merge_variant
 from treeverify.kernels.splits import (
     balance_pays,
     choose_splits,
@@ -53,6 +53,7 @@ def launcher_flags() -> tuple:
         env.cuda_merge_max_ctas(),
         env.cuda_split_merge(),
         env.cuda_pdl(),
+        env.cuda_merge_ilp(),
     )
 
 
@@ -100,9 +101,7 @@ class Launcher:
                 props.multi_processor_count, page_size, max_batch * max_kv,
             ),
         )  # fmt: skip
-        self.merge = MergeVariant(dv, self.dtype_name)
         self.fwd_kernel = load(self.fwd, self.device)
-        self.merge_kernel = load(self.merge, self.device)
         self.hq, self.hkv, self.dqk, self.dv, self.mla = hq, hkv, dqk, dv, mla
         self.group = hq // hkv
         self.max_batch, self.max_tree, self.total_q_cap = max_batch, max_tree, total_q_cap
@@ -136,6 +135,9 @@ class Launcher:
         self.grid_x = -(-self.m_tiles // self.cluster) * self.cluster
         self.grid = (self.grid_x, bh, s) if self.splits.balance_div else (self.grid_x, s, bh)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
+        self.merge = merge_variant(dv, self.dtype_name, env.cuda_merge_ilp(), self.merge_heads,
+                                   self.splits.max_splits)  # fmt: skip
+        self.merge_kernel = load(self.merge, self.device)
         self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
         # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh). Auto:

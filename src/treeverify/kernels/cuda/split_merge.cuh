@@ -22,11 +22,10 @@ namespace treeverify {
 // running max rescales the sum). The loads of 8 splits x I rows are issued together: a serial
 // load per split left the merge bound by L2 latency (4 us per layer for a 17-node tree on the
 // H200). Loads bypass L1: other SMs wrote the partials. A split that saw no key has LSE -inf
-// and partial 0: weight 0.
-template <int DV, int I>
+// and partial 0: weight 0. U: splits a row's loads cover at once (I x U float4 in flight).
+template <int DV, int I, int U = 8>
 __device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const long long (&base)[I],
                                               int n, const int (&c)[I], float4 (&out)[I]) {
-  constexpr int U = 8;
   const long long stride = (long long)p.total_q_cap * p.hq;  // one split's rows
   float m[I], wsum[I];
   float4 acc[I];

@@ -264,20 +264,24 @@ class GqaSm90Variant:
 
 @dataclass(frozen=True)
 class MergeVariant:
-    """tree_attn_merge<DV, BF16>, a CTA per token and heads: combine split partials (fp32 O +
-    log2 LSE)."""
+    """tree_attn_merge<DV, BF16, HI, U>, a CTA per token and heads: combine split partials (fp32
+    O + log2 LSE), each thread with HI heads x U splits of loads in flight (merge_variant)."""
 
     dv: int
     dtype: str
+    hi: int = 1
+    u: int = 8
 
     @property
     def name(self) -> str:
-        return f"merge_v{self.dv}_{self.dtype}"
+        ilp = "" if (self.hi, self.u) == (1, 8) else f"_h{self.hi}u{self.u}"
+        return f"merge_v{self.dv}{ilp}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
-        return f"treeverify::tree_attn_merge<{self.dv},{bf16}>"
+        ilp = "" if (self.hi, self.u) == (1, 8) else f",{self.hi},{self.u}"
+        return f"treeverify::tree_attn_merge<{self.dv},{bf16}{ilp}>"
 
     @property
     def threads(self) -> int:
@@ -285,6 +289,26 @@ class MergeVariant:
 
     smem_bytes: int = 0
     defines: tuple[str, ...] = ()
+
+
+# The merge kernel's loads in flight (v22, TREEVERIFY_CUDA_MERGE_ILP=1): four heads of four
+# splits where a CTA merges several heads, 32 splits of one head where plans split more than 8
+# ways; (1, 8), one head of 8 splits, otherwise and by default.
+MERGE_ILP_SHAPES = ((4, 4), (1, 32))
+
+
+def merge_variant(
+    dv: int, dtype: str, ilp: bool, merge_heads: int, max_splits: int
+) -> MergeVariant:
+    """The merge kernel for a plan: `merge_heads` heads a CTA, at most `max_splits` splits a row.
+    Unmeasured as yet (issue 15's small MLA cases, SGLang's balanced GQA batch): off by default."""
+    if not ilp:
+        return MergeVariant(dv, dtype)
+    if merge_heads >= 4:
+        return MergeVariant(dv, dtype, 4, 4)
+    if max_splits > 8:
+        return MergeVariant(dv, dtype, 1, 32)
+    return MergeVariant(dv, dtype)
 
 
 @dataclass(frozen=True)
@@ -478,6 +502,7 @@ def all_variants(arch: str) -> list[Variant]:
                     )
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
+            out += [MergeVariant(dv, dtype, hi, u) for hi, u in MERGE_ILP_SHAPES]
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
