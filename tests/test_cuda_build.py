@@ -137,15 +137,15 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
 def test_merge_variant_choice():
     """The merge kernel's loads in flight (v22): v12's one head x 8 splits unless
     TREEVERIFY_CUDA_MERGE_ILP asks; then 4 heads x 4 splits where a CTA merges >= 4 heads, else
-    32 splits of one head past 8 splits; each a distinct build."""
+    16 splits of one head past 8 splits; each a distinct build (32 spilled on sm_100a / sm_120)."""
     from treeverify.kernels.cuda.variants import MergeVariant, merge_variant
 
     assert merge_variant(128, "bf16", False, 8, 64) == MergeVariant(128, "bf16")
     assert merge_variant(128, "bf16", True, 8, 2) == MergeVariant(128, "bf16", 4, 4)
-    assert merge_variant(512, "bf16", True, 1, 64) == MergeVariant(512, "bf16", 1, 32)
+    assert merge_variant(512, "bf16", True, 1, 64) == MergeVariant(512, "bf16", 1, 16)
     assert merge_variant(512, "bf16", True, 2, 8) == MergeVariant(512, "bf16")
-    names = {MergeVariant(128, "bf16", h, u).name for h, u in ((1, 8), (4, 4), (1, 32))}
-    assert names == {"merge_v128_bf16", "merge_v128_h4u4_bf16", "merge_v128_h1u32_bf16"}
+    names = {MergeVariant(128, "bf16", h, u).name for h, u in ((1, 8), (4, 4), (1, 16))}
+    assert names == {"merge_v128_bf16", "merge_v128_h4u4_bf16", "merge_v128_h1u16_bf16"}
     assert MergeVariant(128, "fp16", 4, 4).expr == "treeverify::tree_attn_merge<128,false,4,4>"
 
 

@@ -217,9 +217,9 @@ def test_merge_kernel_with_several_heads_per_cta(shape, ilp, monkeypatch):
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
     """Rows split 24 ways (TREEVERIFY_CUDA_MAX_SPLITS), merged by the kernel: with
-    TREEVERIFY_CUDA_MERGE_ILP=1 one head's 32 splits of loads at once (v22; 24 valid, the rest
-    predicated off), equal to the reference; splits that saw no key (the short requests') weigh
-    nothing."""
+    TREEVERIFY_CUDA_MERGE_ILP=1 one head's 16 splits of loads at once (v22; two rounds for 24
+    splits, the second's last 8 predicated off), equal to the reference; splits that saw no key
+    (the short requests') weigh nothing."""
     from treeverify.bench.cases import Case, make_inputs
 
     monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", "24")
@@ -233,7 +233,7 @@ def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
     launcher = plan._launcher
     assert launcher.merge_kernel_needed and launcher.splits.max_splits == 24
     if launcher.merge_heads < 4:
-        assert (launcher.merge.hi, launcher.merge.u) == ((1, 32) if ilp == "1" else (1, 8))
+        assert (launcher.merge.hi, launcher.merge.u) == ((1, 16) if ilp == "1" else (1, 8))
     plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
     out = _poisoned(inp, dv)
     plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)

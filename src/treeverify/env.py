@@ -43,7 +43,7 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   last GPU run), ``auto`` (where batch x KV heads x 256-row tiles reach the SM count, not at
   page size 1 past 32k batch keys: grid 1.018x at page 16, 1.009x at page 1) or ``1`` (always).
 - ``TREEVERIFY_CUDA_MERGE_ILP``: ``1`` gives the split-merge kernel 4 heads x 4 splits (CTAs
-  that merge several heads) or 32 splits (plans of more than 8 splits) of loads in flight a
+  that merge several heads) or 16 splits (plans of more than 8 splits) of loads in flight a
   thread instead of one head's 8 (v22; its heads were a chain of L2 round trips). Default ``0``:
   not yet measured.
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
@@ -106,8 +106,8 @@ VARIABLES: dict[str, str] = {
     "group reach 256 rows: 0 (default: 128-row CTAs until the 256-row kernel's edge-case GPU "
     "tests have run), auto (where batch x KV heads fill the GPU's SMs: grid 1.018x at page 16) "
     "or 1 (wherever the rows reach 256).",
-    "TREEVERIFY_CUDA_MERGE_ILP": "1: the split-merge kernel keeps 16-32 loads in flight a thread "
-    "(4 heads x 4 splits, or 32 splits of one head) instead of one head's 8 (v22; default 0 "
+    "TREEVERIFY_CUDA_MERGE_ILP": "1: the split-merge kernel keeps 16 loads in flight a thread "
+    "(4 heads x 4 splits, or 16 splits of one head) instead of one head's 8 (v22; default 0 "
     "until measured).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",

@@ -292,9 +292,9 @@ class MergeVariant:
 
 
 # The merge kernel's loads in flight (v22, TREEVERIFY_CUDA_MERGE_ILP=1): four heads of four
-# splits where a CTA merges several heads, 32 splits of one head where plans split more than 8
+# splits where a CTA merges several heads, 16 splits of one head where plans split more than 8
 # ways; (1, 8), one head of 8 splits, otherwise and by default.
-MERGE_ILP_SHAPES = ((4, 4), (1, 32))
+MERGE_ILP_SHAPES = ((4, 4), (1, 16))
 
 
 def merge_variant(
@@ -307,7 +307,7 @@ def merge_variant(
     if merge_heads >= 4:
         return MergeVariant(dv, dtype, 4, 4)
     if max_splits > 8:
-        return MergeVariant(dv, dtype, 1, 32)
+        return MergeVariant(dv, dtype, 1, 16)
     return MergeVariant(dv, dtype)
 
 
