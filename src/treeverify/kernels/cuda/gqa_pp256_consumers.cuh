@@ -58,20 +58,9 @@ __device__ __forceinline__ void gqa_pp256_consume(const TreeAttnParams& p,
     const unsigned v_addr = smem_u32(sV + (pv_tile % STAGES) * C::T_BYTES);
     named_sync(my_turn, 256);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned long long db =
-          sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
-      const unsigned long long da = sw128_desc(
-          q_addr + h * 64 * 128 + (kk >> 2) * (128 * 128) + (kk & 3) * 32, 16, 1024);
-      mma_qk64<D, BF16>(s, da, db, kk > 0);
-    }
+    issue_qk64<D, BN, 128, BF16>(s, q_addr + h * 64 * 128, k_addr);
     wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const unsigned long long db = sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
-      mma_pv<D, BF16>(o, pa[kk], db);
-    }
+    issue_pv64<D, BN, BF16>(o, pa, v_addr);
     wg_commit();
     named_arrive(other_turn, 256);  // the other warpgroup issues while this one does softmax
     wg_wait1();                     // S landed (the PV may still run)
@@ -117,11 +106,7 @@ __device__ __forceinline__ void gqa_pp256_consume(const TreeAttnParams& p,
     const unsigned v_addr = smem_u32(sV + ((n_tiles - 1) % STAGES) * C::T_BYTES);
     named_sync(my_turn, 256);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const unsigned long long db = sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
-      mma_pv<D, BF16>(o1, pa1[kk], db);
-    }
+    issue_pv64<D, BN, BF16>(o1, pa1, v_addr);
     wg_commit();
     if (c == 0) named_arrive(other_turn, 256);  // consumer 1 syncs once more; 0 does not
     wg_wait0();

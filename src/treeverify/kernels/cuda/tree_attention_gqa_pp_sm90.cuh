@@ -271,12 +271,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     }
     if (c == 1 && n_tiles > 0) named_arrive(kPpTurn0, 256);  // consumer 0 issues first
     auto issue_pv = [&](int tile) {
-      const unsigned v_addr = smem_u32(sV + (tile % STAGES) * C::T_BYTES);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const unsigned long long db = sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
-        mma_pv<D, BF16>(o, pa[kk], db);
-      }
+      issue_pv64<D, BN, BF16>(o, pa, smem_u32(sV + (tile % STAGES) * C::T_BYTES));
       wg_commit();
     };
     for (int it = 0; it < n_tiles; ++it) {
@@ -287,17 +282,15 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       float s[32];  // 64 rows x 64 tokens per warpgroup
       named_sync(my_turn, 256);
       wg_fence();
+      if constexpr (Q_REGS) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned long long db =
-            sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
-        if constexpr (Q_REGS) {
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const unsigned long long db =
+              sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
           mma_qk64_rs<D, BF16>(s, qa[kk], db, kk > 0);
-        } else {
-          const unsigned long long da =
-              sw128_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
-          mma_qk64<D, BF16>(s, da, db, kk > 0);
         }
+      } else {
+        issue_qk64<D, BN, BM, BF16>(s, q_addr, k_addr);
       }
       wg_commit();
       issue_pv(it > 0 ? it - 1 : 0);

@@ -47,6 +47,30 @@ __device__ __forceinline__ void mma_pv(float (&o)[D / 2], const unsigned (&a)[4]
   }
 }
 
+// The ping-pong kernels' MMAs of one warpgroup's 64 rows on a BN-key tile (their callers fence,
+// commit and wait): S = Q K^T with Q at q_addr in a ROWS-row block of load_q_tile's layout, and
+// O += P V with P's A fragments in registers.
+template <int D, int BN, int ROWS, bool BF16>
+__device__ __forceinline__ void issue_qk64(float (&s)[32], unsigned q_addr, unsigned k_addr) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const unsigned long long db =
+        sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
+    const unsigned long long da =
+        sw128_desc(q_addr + (kk >> 2) * (ROWS * 128) + (kk & 3) * 32, 16, 1024);
+    mma_qk64<D, BF16>(s, da, db, kk > 0);
+  }
+}
+template <int D, int BN, bool BF16>
+__device__ __forceinline__ void issue_pv64(float (&o)[D / 2], const unsigned (&pa)[BN / 16][4],
+                                           unsigned v_addr) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    const unsigned long long db = sw128_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
+    mma_pv<D, BF16>(o, pa[kk], db);
+  }
+}
+
 // The sm_90a GQA kernels' epilogue (this tile kernel, the ping-pong ones): a warpgroup's 64
 // rows of O (this thread: fragment rows `row0` and row0 + 8, packed (node,
 // head) rows of the request) normalised by their sums: to out when the request has one split,
