@@ -7,7 +7,12 @@ from collections import OrderedDict
 import torch
 
 from treeverify.kernels.cuda.launch import Params
-from treeverify.kernels.cuda.runner import Launcher, check_alignment, launcher_flags
+from treeverify.kernels.cuda.runner import (
+    Launcher,
+    check_alignment,
+    launcher_flags,
+    pool_page_size,
+)
 from treeverify.kernels.eager import cached, eager_bucket, eager_out
 
 _launchers: OrderedDict[tuple, Launcher] = OrderedDict()  # recent eager buckets
@@ -30,7 +35,7 @@ def launcher_for(
         q.dtype,
         q.shape[1],
         k_cache.shape[-2],
-        k_cache.shape[1] if k_cache.dim() == 4 else 1,  # the page size
+        pool_page_size(k_cache),
         q.shape[2],
         dv,
         mla,
@@ -54,7 +59,7 @@ def launcher_for(
             max_tree=max_tree,
             max_kv=max_kv,
             total_q_cap=total_q_cap,
-            page_size=k_cache.shape[1] if k_cache.dim() == 4 else 1,
+            page_size=pool_page_size(k_cache),
         ),
     )
 

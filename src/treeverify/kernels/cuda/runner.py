@@ -96,7 +96,7 @@ class Launcher:
             mla_schedule=env.cuda_mla_schedule(),
             gqa_schedule=env.cuda_gqa_schedule(),
             gqa_q_regs=env.cuda_gqa_q_regs(),
-            gqa_wide=not mla and gqa_wide_pays(
+            gqa_wide=gqa_wide_pays(  # read for GQA only (fwd_variant)
                 env.cuda_gqa_256(), rows, max_batch * hkv * math.ceil(rows / 256),
                 props.multi_processor_count, page_size, max_batch * max_kv,
             ),
@@ -105,7 +105,7 @@ class Launcher:
         self.hq, self.hkv, self.dqk, self.dv, self.mla = hq, hkv, dqk, dv, mla
         self.group = hq // hkv
         self.max_batch, self.max_tree, self.total_q_cap = max_batch, max_tree, total_q_cap
-        self.m_tiles = math.ceil(max_tree * self.group / self.fwd.bm)
+        self.m_tiles = math.ceil(rows / self.fwd.bm)
         by_smem = (228 * 1024) // (self.fwd.smem_bytes + 1024)  # 1 KB reserved per CTA
         by_regs = 65536 // max(1, self.fwd_kernel.compiled.registers * self.fwd.threads)
         ctas_per_sm = max(1, min(2, by_smem, by_regs))
@@ -221,7 +221,7 @@ class Launcher:
             params.vext_stride_tok, params.vext_stride_head = ve.stride(0), ve.stride(1)
         params.batch = self.max_batch
         params.hq, params.hkv, params.group = self.hq, self.hkv, self.group
-        params.page_size = k.shape[1] if k.dim() == 4 else 1
+        params.page_size = pool_page_size(k)
         params.mask_words = tree_mask.shape[1]
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
@@ -252,6 +252,11 @@ class Launcher:
         self.fwd_kernel.launch(self.grid, args, stream, cluster=self.cluster)
         if self.merge_kernel_needed:
             self.merge_kernel.launch(self.merge_grid, [params], stream, programmatic=self.pdl)
+
+
+def pool_page_size(cache: torch.Tensor) -> int:
+    """Slots a page of a (pages, page_size, H, D) pool; 1 for a (slots, H, D) one."""
+    return cache.shape[1] if cache.dim() == 4 else 1
 
 
 def _paged_strides(cache: torch.Tensor) -> tuple[int, int, int]:
