@@ -36,6 +36,7 @@ from treeverify.kernels.reference import tree_attention_reference
 from treeverify.spec import parents_to_tree_mask, to_sglang_verify
 
 HARNESS: dict[str, str] = {}
+PROFILE = False  # --profile: each replay's kernels and their device times in the JSON
 DEVICE = "cuda"  # where the harness puts its tensors (a CPU construction check sets "cpu")
 TOPK = 4  # EAGLE tree branching: topk > 1 is the tree verify treeverify owns
 SHAPES = {  # name: (Hq, Hkv, Dqk, Dv, mla) per GPU, as the grid's models
@@ -297,7 +298,29 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dic
         eager = backend.forward(step.q, step.k, step.v, layer, fb)
         row["graph_vs_eager"].append(_rel_err(got, eager))
     row["replay_us"] = median_replay_seconds(graph, 20) * 1e6
+    if PROFILE:
+        row["replay_kernels"] = replay_kernels(graph)
     return row
+
+
+def replay_kernels(graph, replays: int = 10) -> list[dict]:
+    """Device time per replay of each kernel in the captured graph (torch.profiler/CUPTI sees
+    the kernels inside a graph launch): what the replay's microseconds are made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            totals.setdefault(ev.name[:96], []).append(ev.device_time)  # us
+    rows = [{"kernel": k, "launches_per_replay": len(v) / replays,
+             "us_per_replay": sum(v) / replays} for k, v in totals.items()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["us_per_replay"])
 
 
 def run(args) -> dict:
@@ -363,7 +386,10 @@ def main() -> int:
     p.add_argument("--kernel", default="cuda", help="treeverify plan backend: cuda or triton")
     p.add_argument("--seed", type=int, default=random.randrange(2**31))
     p.add_argument("--tol", type=float, default=2e-2)
+    p.add_argument("--profile", action="store_true", help="each replay's kernel times")
     args = p.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if not torch.cuda.is_available():
         print("sglang_backend_compare: needs a CUDA GPU", file=sys.stderr)
         return 3
