@@ -38,10 +38,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   tile by multicast: v19, 0.93x).
 - ``TREEVERIFY_CUDA_GQA_256``: the default GQA schedule's 256-row CTAs (v21: one KV tile serves
   256 rows, half the KV an SM takes in per FLOP; 1.11-1.21x on the grid's B32 N=64 cases,
-  0.69-0.85x on small batches) where trees x group reach 256 rows: ``0`` (default, until its
-  edge-case GPU tests have run: the eager cache that ran them ignored this flag, fixed after the
-  last GPU run), ``auto`` (where batch x KV heads x 256-row tiles reach the SM count, not at
-  page size 1 past 32k batch keys: grid 1.018x at page 16, 1.009x at page 1) or ``1`` (always).
+  0.69-0.85x on small batches) where trees x group reach 256 rows: ``auto`` (default since
+  2026-12-03: where batch x KV heads x 256-row tiles reach the SM count, not at page size 1 past
+  32k batch keys: grid 1.018x at page 16, 0.997x at page 1; every GPU test file passed with it),
+  ``0`` (never: 128-row CTAs) or ``1`` (always).
 - ``TREEVERIFY_CUDA_MERGE_ILP``: ``1`` gives the split-merge kernel 4 heads x 4 splits (CTAs
   that merge several heads) or 16 splits (plans of more than 8 splits) of loads in flight a
   thread instead of one head's 8 (v22; its heads were a chain of L2 round trips). Default ``0``:
@@ -103,9 +103,8 @@ VARIABLES: dict[str, str] = {
     "warps share row pointers by shuffles, v16), pingpong-tma (paged tiles by TMA, v17) or "
     "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
     "TREEVERIFY_CUDA_GQA_256": "The default GQA schedule's 256-row CTAs (v21) where trees x "
-    "group reach 256 rows: 0 (default: 128-row CTAs until the 256-row kernel's edge-case GPU "
-    "tests have run), auto (where batch x KV heads fill the GPU's SMs: grid 1.018x at page 16) "
-    "or 1 (wherever the rows reach 256).",
+    "group reach 256 rows: auto (default: where batch x KV heads fill the GPU's SMs; grid 1.018x "
+    "at page 16), 0 (never: 128-row CTAs) or 1 (wherever the rows reach 256).",
     "TREEVERIFY_CUDA_MERGE_ILP": "1: the split-merge kernel keeps 16 loads in flight a thread "
     "(4 heads x 4 splits, or 16 splits of one head) instead of one head's 8 (v22; default 0 "
     "until measured).",
@@ -238,9 +237,9 @@ def cuda_gqa_schedule() -> str:
 
 
 def cuda_gqa_256() -> str:
-    """TREEVERIFY_CUDA_GQA_256: 0 (default), auto or 1: the default GQA schedule's 256-row CTAs
+    """TREEVERIFY_CUDA_GQA_256: auto (default), 0 or 1: the default GQA schedule's 256-row CTAs
     (kernels/cuda/variants.py, gqa_wide_pays)."""
-    return _choice("TREEVERIFY_CUDA_GQA_256", ("0", "auto", "1"))
+    return _choice("TREEVERIFY_CUDA_GQA_256", ("auto", "0", "1"))
 
 
 def cuda_merge_ilp() -> bool:

@@ -1,6 +1,6 @@
 // The consumers of the GQA ping-pong kernel's 256-row CTA (v21: a shape of the default
-// schedule, TREEVERIFY_CUDA_GQA_256=auto takes it where batch x KV heads fill the GPU; off by
-// default until its edge-case GPU tests have run; gqa_pp_body with H = 2,
+// schedule, TREEVERIFY_CUDA_GQA_256=auto, the default, takes it where batch x KV heads fill
+// the GPU's SMs; gqa_pp_body with H = 2,
 // tree_attention_gqa_pp_sm90.cuh). Included by
 // tree_attention.cu after gqa_pp_common.cuh.
 //

@@ -37,7 +37,7 @@
 //   refilled once both CTAs' consumers freed it (`peer_empty`, arrived on remotely);
 // - Q_REGS (TREEVERIFY_CUDA_GQA_Q_REGS=1, v18, 1.01x): Q's fragments loaded into registers once
 //   and QK issued as register-A wgmma, half of QK's shared-memory reads;
-// - H = 2 (v21; the default's wide shape, TREEVERIFY_CUDA_GQA_256=auto|1, off by default):
+// - H = 2 (v21; the default's wide shape, TREEVERIFY_CUDA_GQA_256=auto|1, auto by default):
 //   256-row CTAs, each consumer warpgroup 128 rows as two halves
 //   (gqa_pp256_consumers.cuh), the OwnRows producer (the Shared one spills in the 40
 //   registers left to it); one KV tile serves twice the rows;
