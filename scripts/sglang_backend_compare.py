@@ -36,6 +36,7 @@ from treeverify.kernels.reference import tree_attention_reference
 from treeverify.spec import parents_to_tree_mask, to_sglang_verify
 
 HARNESS: dict[str, str] = {}
+KV_STORE = "sglang"  # --kv-store: the MHA pool's K/V store, SGLang's own or plain indexed writes
 PROFILE = False  # --profile: each replay's kernels and their device times in the JSON
 DEVICE = "cuda"  # where the harness puts its tensors (a CPU construction check sets "cpu")
 TOPK = 4  # EAGLE tree branching: topk > 1 is the tree verify treeverify owns
@@ -75,9 +76,53 @@ class Pool:
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
         if hasattr(loc, "loc"):  # SGLang 0.5.23 passes a KVWriteLoc: a plain pool writes
             loc = loc.full_loc if loc.full_loc is not None else loc.loc  # its full-attn loc
-        self.k[loc] = cache_k.view(-1, *self.k.shape[1:])
-        if self.v is not None:
-            self.v[loc] = cache_v.view(-1, *self.v.shape[1:])
+        k = cache_k.view(-1, *self.k.shape[1:])  # (T, Hkv, Dqk)
+        if self.v is None:  # MLA: SGLang's MLATokenToKVPool writes by indexing too
+            self.k[loc] = k
+            return
+        v = cache_v.view(-1, *self.v.shape[1:])  # (T, Hkv, Dv)
+        hkv, item = self.k.shape[1], self.k.element_size()
+        store = sglang_mha_store(hkv * self.k.shape[2] * item, hkv * self.v.shape[2] * item)
+        if store is None:
+            self.k[loc] = k
+            self.v[loc] = v
+            return
+        store(k, v, self.k, self.v, loc, row_dim=hkv * self.k.shape[2],
+              store_dtype=self.k.dtype, device_module=torch.cuda, size_limit=self.k.shape[0],
+              alt_stream=None, v_row_dim=hkv * self.v.shape[2])  # fmt: skip
+
+
+def sglang_mha_store(row_bytes: int, v_row_bytes: int):
+    """SGLang's own MHA KV store (memory_pool._set_kv_buffer_impl, where its MHATokenToKVPool's
+    set_kv_buffer ends: one fused JIT store_cache kernel for K and V where that kernel builds),
+    so both backends' replays store K/V as an SGLang server does; None (plain indexed writes,
+    recorded in HARNESS) where it does not import or store_cache does not build: SGLang's own
+    fallback, less the alt-stream overlap of V's write its graph runner would add."""
+    if "kv store" not in HARNESS:
+        impl, HARNESS["kv store"] = None, "plain indexed writes (--kv-store plain)"
+        if KV_STORE == "sglang":
+            try:  # the module imports much of SGLang: any failure means the plain writes
+                impl = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+                impl = impl._set_kv_buffer_impl
+            except Exception as exc:
+                impl = None
+                HARNESS["kv store"] = f"plain indexed writes (SGLang's store: {exc!r})"
+        if impl is not None:
+            fused = _real("sglang.kernels.ops.kvcache.kvcache", "can_use_store_cache")
+            try:
+                jit = fused is not None and bool(fused(row_bytes, v_row_bytes))
+            except Exception as exc:  # the JIT build failing is SGLang's fallback case too
+                jit, HARNESS["store_cache"] = False, f"{type(exc).__name__}: {exc}"
+            HARNESS["kv store"] = (
+                "SGLang _set_kv_buffer_impl: its fused JIT store_cache kernel" if jit else
+                "plain indexed writes, SGLang's own fallback (store_cache unavailable)"
+            )  # fmt: skip
+            impl = impl if jit else None  # its fallback would import SGLang's model runner
+        _STORE.append(impl)
+    return _STORE[0]
+
+
+_STORE: list = []  # sglang_mha_store's lookup, once
 
 
 def _real(module: str, name: str):
@@ -387,9 +432,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=random.randrange(2**31))
     p.add_argument("--tol", type=float, default=2e-2)
     p.add_argument("--profile", action="store_true", help="each replay's kernel times")
+    p.add_argument("--kv-store", choices=("sglang", "plain"), default="sglang",
+                   help="the MHA pool's K/V store: SGLang's or indexed writes")  # fmt: skip
     args = p.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, KV_STORE
+    PROFILE, KV_STORE = args.profile, args.kv_store
     if not torch.cuda.is_available():
         print("sglang_backend_compare: needs a CUDA GPU", file=sys.stderr)
         return 3
