@@ -343,9 +343,28 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dic
         eager = backend.forward(step.q, step.k, step.v, layer, fb)
         row["graph_vs_eager"].append(_rel_err(got, eager))
     row["replay_us"] = median_replay_seconds(graph, 20) * 1e6
+    row["replay_us_back_to_back"] = back_to_back_replay_seconds(graph, 20) * 1e6
     if PROFILE:
         row["replay_kernels"] = replay_kernels(graph)
     return row
+
+
+def back_to_back_replay_seconds(graph, replays: int, passes: int = 5) -> float:
+    """Device time a replay when replays are queued back to back (the best of `passes`): the
+    host's graph launch overlaps the previous replay, as one layer's attention among the many
+    of a model's captured forward does; `replay_us` (each replay alone, synchronised) also
+    counts the GPU's wait for the launch, ~12 us here, the same for every backend."""
+    best = float("inf")
+    for _ in range(passes):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()  # the queue is busy before the start event
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / replays)
+    return best
 
 
 def replay_kernels(graph, replays: int = 10) -> list[dict]:
@@ -409,8 +428,10 @@ def run(args) -> dict:
     for r in rows:
         twin = [o for o in rows if o["backend"] == "sglang_triton" and o["shape"] == r["shape"]
                 and o["page_size"] == r["page_size"]]  # fmt: skip
-        if r["backend"] == "treeverify" and twin and "replay_us" in r and "replay_us" in twin[0]:
-            r["speedup_vs_sglang_triton"] = twin[0]["replay_us"] / r["replay_us"]
+        for key, name in (("replay_us", "speedup_vs_sglang_triton"),
+                          ("replay_us_back_to_back", "speedup_back_to_back")):  # fmt: skip
+            if r["backend"] == "treeverify" and twin and key in r and key in twin[0]:
+                r[name] = twin[0][key] / r[key]
     return {"commit": _git_commit(), "gpu": torch.cuda.get_device_name(),
             "command": " ".join(sys.argv), "sglang_version": importlib.import_module(
                 "sglang").__version__, "harness": HARNESS,
