@@ -368,3 +368,22 @@ def test_env_and_variants_agree_on_the_gqa_schedules(monkeypatch):
     monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-nope")
     with pytest.raises(ValueError, match="TREEVERIFY_CUDA_GQA_SCHEDULE"):
         env.cuda_gqa_schedule()
+
+
+def test_cta_trace_build_is_a_variant_of_its_own(tmp_path, monkeypatch):
+    """scripts/cta_trace.py's diagnostic build (TV_CTA_TRACE): its own name (the compile cache
+    is keyed by name, so it never stands in for the shipped kernel), no spills, and the
+    unmangled `tv_cta_trace` pointer in its cubin for the script to point at a buffer; the
+    shipped variant has none."""
+    import dataclasses
+
+    from treeverify.kernels.cuda.jit import compile_variant
+
+    monkeypatch.setenv("TREEVERIFY_CACHE_DIR", str(tmp_path))
+    shipped = fwd_variant("sm_90a", 128, 128, False, "bf16", rows=256)
+    traced = dataclasses.replace(shipped, defines=(*shipped.defines, "TV_CTA_TRACE"))
+    assert traced.name == shipped.name + "_trace"
+    for variant, has_trace in ((shipped, False), (traced, True)):
+        compiled = compile_variant(variant, "sm_90a", use_cache=False)
+        assert compiled.spill_bytes == 0
+        assert (b"tv_cta_trace" in compiled.cubin) == has_trace, variant.name

@@ -337,12 +337,46 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
 
+#ifdef TV_CTA_TRACE
+// A diagnostic build only (scripts/cta_trace.py compiles it; never a shipped variant): each CTA
+// writes [start ns, end ns, SM id, blockIdx x | y << 20 | z << 40] into tv_cta_trace[4 * its
+// linear block index], the start by thread 0 before any work, the end the latest warp's
+// (atomicMax) after the body returned, early exits included: when and where each CTA ran.
+extern "C" {
+__device__ unsigned long long* tv_cta_trace = nullptr;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long* cta_trace_slot() {
+  const unsigned long long y = blockIdx.y, z = blockIdx.z;
+  return tv_cta_trace + 4 * (blockIdx.x + gridDim.x * (y + gridDim.y * z));
+}
+#endif
+
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared,
           bool Q_REGS = false, int H = 1>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
   static_assert(PRODUCER != kProducerTma, "the TMA producer's entry is tree_attn_gqa_pp_tma_sm90");
+#ifdef TV_CTA_TRACE
+  if (threadIdx.x == 0 && tv_cta_trace != nullptr) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    unsigned long long* slot = cta_trace_slot();
+    slot[0] = global_ns();
+    slot[2] = smid;
+    slot[3] = blockIdx.x | (static_cast<unsigned long long>(blockIdx.y) << 20) |
+              (static_cast<unsigned long long>(blockIdx.z) << 40);
+  }
+#endif
   gqa_pp_body<D, BN, STAGES, BF16, PRODUCER, Q_REGS, false, H>(p, nullptr, nullptr);
+#ifdef TV_CTA_TRACE
+  if ((threadIdx.x & 31) == 0 && tv_cta_trace != nullptr)
+    atomicMax(cta_trace_slot() + 1, global_ns());
+#endif
 }
 
 // MC: launched as 2-CTA clusters along x (kernels/cuda/launch.py), grid x even.

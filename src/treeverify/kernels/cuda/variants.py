@@ -233,7 +233,11 @@ class GqaSm90Variant:
             "pingpong-auto": "_ppa",
             GQA_WIDE: "_pp2",
         }[self.schedule] + ("q" if self.q_regs else "")
-        return f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
+        trace = "_trace" if "TV_CTA_TRACE" in self.defines else ""  # scripts/cta_trace.py
+        return (
+            f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
+            + trace
+        )
 
     @property
     def expr(self) -> str:

@@ -1,0 +1,175 @@
+"""When and where each CTA of the GQA ping-pong kernel ran (GPU, sm_90a): the forward compiled
+with TV_CTA_TRACE (tree_attention_gqa_pp_sm90.cuh: each CTA writes its start and end
+%globaltimer and its SM id), launched once on SGLang's harness batch (the prefixes of
+scripts/sglang_backend_compare.py's timed draw, 8 requests x 64-node trees, llama8b's 32 / 8
+heads), with or without balanced splits. For the question the twentieth session left: the
+schedule model (scripts/sim_verify_schedule.py) put the balanced plan at 57.7 us and the GPU
+ran it in 75.2 us; this says whether the long requests' second splits start late or run slow.
+
+    PYTHONPATH=src python3 scripts/cta_trace.py [--page 16] [--balance 1] [--seed 2026]
+        [--json out.json]
+
+Prints the kernel's span, the CTAs that end last, when the later splits start, each request's
+critical CTA and its time a 64-key tile; the JSON keeps every CTA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+HQ, HKV, D, N, BATCH, CTX = 32, 8, 128, 64, 8, 8192  # SGLang harness, llama8b per GPU
+BN = 64  # keys a KV tile
+
+
+def harness_prefixes(page: int, seed: int) -> list[int]:
+    path = Path(__file__).resolve().parent / "sim_verify_schedule.py"
+    spec = importlib.util.spec_from_file_location("_sim_verify_schedule", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    return sim.harness_prefixes(page, seed)
+
+
+def traced_forward():
+    """Make the CUDA launcher build the GQA ping-pong forward with TV_CTA_TRACE defined."""
+    from treeverify.kernels.cuda import runner
+    from treeverify.kernels.cuda.variants import GqaSm90Variant
+
+    plain = runner.fwd_variant
+
+    def fwd_variant(*args, **kwargs):
+        v = plain(*args, **kwargs)
+        if not isinstance(v, GqaSm90Variant) or not v.pingpong or v.tma:
+            raise SystemExit(f"cta_trace: the forward is {v.name}, not a traced ping-pong kernel")
+        return dataclasses.replace(v, defines=(*v.defines, "TV_CTA_TRACE"))
+
+    runner.fwd_variant = fwd_variant
+
+
+def point_trace_at(loaded, buf: torch.Tensor) -> None:
+    """Write buf's address into the module's tv_cta_trace pointer."""
+    from cuda.bindings import driver as drv
+
+    err, dptr, size = drv.cuModuleGetGlobal(loaded._module, b"tv_cta_trace")
+    if err != drv.CUresult.CUDA_SUCCESS or size != 8:
+        raise SystemExit(f"cta_trace: tv_cta_trace not found in {loaded.compiled.name} ({err})")
+    addr = ctypes.c_uint64(buf.data_ptr())
+    (err,) = drv.cuMemcpyHtoD(dptr, ctypes.addressof(addr), 8)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise SystemExit(f"cta_trace: cuMemcpyHtoD: {err}")
+
+
+def run(args) -> dict:
+    from treeverify.kernels.plan import TreeAttentionPlan
+    from treeverify.spec import parents_to_tree_mask
+
+    traced_forward()
+    dev = torch.device("cuda")
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    prefix = harness_prefixes(args.page, args.seed)
+    ps = args.page
+    per_req = -(-(max(prefix) + N) // ps)
+    num_pages = BATCH * per_req + 2
+    plan = TreeAttentionPlan(
+        num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, page_size=ps, max_batch=BATCH,
+        max_tree=N, max_pages_per_request=CTX // ps, max_kv_len=CTX, sm_scale=D**-0.5,
+        split_balance=args.balance,
+    )  # fmt: skip
+    pages = list(range(1, num_pages))
+    rng.shuffle(pages)
+    table = torch.zeros(BATCH, CTX // ps, dtype=torch.int32)  # (B, pages)
+    for b, p in enumerate(prefix):
+        need = -(-(p + N) // ps)
+        table[b, :need] = torch.tensor(pages[b * per_req : b * per_req + need])
+    parents = torch.tensor([[-1] + [rng.randrange(i) for i in range(1, N)] for _ in prefix])
+    mask = parents_to_tree_mask(parents)  # (B*N, W)
+    qo = torch.arange(0, (BATCH + 1) * N, N, dtype=torch.int32)  # (B+1,)
+    k_cache = torch.randn(num_pages, ps, HKV, D, device=dev).to(torch.bfloat16)
+    v_cache = torch.randn(num_pages, ps, HKV, D, device=dev).to(torch.bfloat16)
+    q = torch.randn(BATCH * N, HQ, D, device=dev).to(torch.bfloat16)
+    out = torch.empty(BATCH * N, HQ, D, device=dev, dtype=torch.bfloat16)
+    plan.plan(table, torch.tensor(prefix, dtype=torch.int32), qo, mask)
+    trace = torch.zeros(4 * 65536, dtype=torch.int64, device=dev)  # 4 words a CTA
+    point_trace_at(plan._launcher.fwd_kernel, trace)
+    launcher = plan._launcher
+    grid = launcher.grid
+    if math.prod(grid) > 65536:
+        raise SystemExit(f"cta_trace: grid {grid} has more CTAs than the trace buffer holds")
+    for _ in range(3):  # warm: the last launch's trace is kept
+        trace.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        plan.run(q, k_cache, v_cache, out)
+        end.record()
+        torch.cuda.synchronize()
+    rows = trace.view(-1, 4)[: math.prod(grid)].cpu().tolist()
+    return analyse(rows, prefix, grid, args, start.elapsed_time(end) * 1e3, plan)
+
+
+def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
+    balanced = plan._launcher.splits.balance_div > 0  # grid (x, request x head, split)
+    ctas = []
+    for start, end, sm, idx in rows:
+        if start == 0:
+            continue
+        x, y, z = idx & 0xFFFFF, (idx >> 20) & 0xFFFFF, idx >> 40
+        bh, split = (y, z) if balanced else (z, y)
+        ctas.append({"x": x, "request": bh // HKV, "head": bh % HKV, "split": split, "sm": sm,
+                     "start_ns": start, "end_ns": end})  # fmt: skip
+    t0 = min(c["start_ns"] for c in ctas)
+    for c in ctas:
+        c["start_us"], c["end_us"] = (c["start_ns"] - t0) / 1e3, (c["end_ns"] - t0) / 1e3
+        c["us"] = c["end_us"] - c["start_us"]
+    span = max(c["end_us"] for c in ctas)
+    sms = len({c["sm"] for c in ctas})
+    print(f"page {args.page}, balance {args.balance}, grid {grid}: {len(ctas)} CTAs on {sms} SMs;")
+    print(f"  span {span:.1f} us (events around the launch {event_us:.1f} us)")
+    print(f"  prefixes {prefix}")
+    late = sorted(c["start_us"] for c in ctas if c["start_us"] > 1.0)
+    if late:
+        print(f"  {len(late)} CTAs started after 1 us: first {late[0]:.1f} us, "
+              f"median {late[len(late) // 2]:.1f} us, last {late[-1]:.1f} us")  # fmt: skip
+    for b, p in enumerate(prefix):
+        mine = [c for c in ctas if c["request"] == b and c["us"] > 0.5]
+        if not mine:
+            continue
+        starts, runs = [c["start_us"] for c in mine], [c["us"] for c in mine]
+        splits = max(c["split"] for c in mine) + 1
+        tiles = (p + N) / splits / BN  # a split's tiles, evenly (the first split may be longer)
+        end = max(c["end_us"] for c in mine)
+        print(f"  request {b}: {p + N} keys, {splits} split(s), ends {end:.1f} us; CTAs start "
+              f"{min(starts):.1f}-{max(starts):.1f} us, run {min(runs):.1f}-{max(runs):.1f} us "
+              f"(~{max(runs) / tiles:.2f} us a tile)")  # fmt: skip
+    return {"page_size": args.page, "balance": args.balance, "seed": args.seed, "grid": grid,
+            "prefix": prefix, "span_us": span, "event_us": event_us, "ctas": ctas}  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--balance", type=int, default=1)
+    p.add_argument("--seed", type=int, default=2026)
+    p.add_argument("--json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("cta_trace: needs a CUDA GPU (sm_90a)", file=sys.stderr)
+        return 3
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
