@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import random
@@ -92,37 +93,31 @@ class Pool:
               alt_stream=None, v_row_dim=hkv * self.v.shape[2])  # fmt: skip
 
 
+@functools.cache
 def sglang_mha_store(row_bytes: int, v_row_bytes: int):
     """SGLang's own MHA KV store (memory_pool._set_kv_buffer_impl, where its MHATokenToKVPool's
     set_kv_buffer ends: one fused JIT store_cache kernel for K and V where that kernel builds),
-    so both backends' replays store K/V as an SGLang server does; None (plain indexed writes,
-    recorded in HARNESS) where it does not import or store_cache does not build: SGLang's own
-    fallback, less the alt-stream overlap of V's write its graph runner would add."""
-    if "kv store" not in HARNESS:
-        impl, HARNESS["kv store"] = None, "plain indexed writes (--kv-store plain)"
-        if KV_STORE == "sglang":
-            try:  # the module imports much of SGLang: any failure means the plain writes
-                impl = importlib.import_module("sglang.srt.mem_cache.memory_pool")
-                impl = impl._set_kv_buffer_impl
-            except Exception as exc:
-                impl = None
-                HARNESS["kv store"] = f"plain indexed writes (SGLang's store: {exc!r})"
-        if impl is not None:
-            fused = _real("sglang.kernels.ops.kvcache.kvcache", "can_use_store_cache")
-            try:
-                jit = fused is not None and bool(fused(row_bytes, v_row_bytes))
-            except Exception as exc:  # the JIT build failing is SGLang's fallback case too
-                jit, HARNESS["store_cache"] = False, f"{type(exc).__name__}: {exc}"
-            HARNESS["kv store"] = (
-                "SGLang _set_kv_buffer_impl: its fused JIT store_cache kernel" if jit else
-                "plain indexed writes, SGLang's own fallback (store_cache unavailable)"
-            )  # fmt: skip
-            impl = impl if jit else None  # its fallback would import SGLang's model runner
-        _STORE.append(impl)
-    return _STORE[0]
-
-
-_STORE: list = []  # sglang_mha_store's lookup, once
+    so both backends' replays store K/V as an SGLang server does; None (plain indexed writes)
+    where it does not import or store_cache does not build: SGLang's own fallback, less the
+    alt-stream overlap of V's write its graph runner would add. HARNESS["kv store"] says which."""
+    HARNESS["kv store"] = "plain indexed writes (--kv-store plain)"
+    if KV_STORE == "plain":
+        return None
+    try:  # the module imports much of SGLang: any failure means the plain writes
+        impl = importlib.import_module("sglang.srt.mem_cache.memory_pool")._set_kv_buffer_impl
+    except Exception as exc:
+        HARNESS["kv store"] = f"plain indexed writes (SGLang's store: {exc!r})"
+        return None
+    fused = _real("sglang.kernels.ops.kvcache.kvcache", "can_use_store_cache")
+    try:
+        jit = fused is not None and bool(fused(row_bytes, v_row_bytes))
+    except Exception as exc:  # the JIT build failing is SGLang's fallback case too
+        jit, HARNESS["store_cache"] = False, f"{type(exc).__name__}: {exc}"
+    if not jit:  # SGLang's fallback path would import its model runner: the same writes here
+        HARNESS["kv store"] = "plain indexed writes, SGLang's own fallback (no store_cache)"
+        return None
+    HARNESS["kv store"] = "SGLang _set_kv_buffer_impl: its fused JIT store_cache kernel"
+    return impl
 
 
 def _real(module: str, name: str):
@@ -303,7 +298,11 @@ def build_batch(step: Step, mask: torch.Tensor, backend):
 
 def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dict:
     """Eager, then capture + replays with new metadata, for one backend; errors vs reference."""
-    from treeverify.bench.kernel import median_replay_seconds
+    from treeverify.bench.kernel import (
+        back_to_back_replay_seconds,
+        median_replay_seconds,
+        replay_kernel_times,
+    )
 
     row: dict = {"backend": name}
     backend = make_backend()
@@ -345,46 +344,8 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dic
     row["replay_us"] = median_replay_seconds(graph, 20) * 1e6
     row["replay_us_back_to_back"] = back_to_back_replay_seconds(graph, 20) * 1e6
     if PROFILE:
-        row["replay_kernels"] = replay_kernels(graph)
+        row["replay_kernels"] = replay_kernel_times(graph)
     return row
-
-
-def back_to_back_replay_seconds(graph, replays: int, passes: int = 5) -> float:
-    """Device time a replay when replays are queued back to back (the best of `passes`): the
-    host's graph launch overlaps the previous replay, as one layer's attention among the many
-    of a model's captured forward does; `replay_us` (each replay alone, synchronised) also
-    counts the GPU's wait for the launch, ~12 us here, the same for every backend."""
-    best = float("inf")
-    for _ in range(passes):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()  # the queue is busy before the start event
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / replays)
-    return best
-
-
-def replay_kernels(graph, replays: int = 10) -> list[dict]:
-    """Device time per replay of each kernel in the captured graph (torch.profiler/CUPTI sees
-    the kernels inside a graph launch): what the replay's microseconds are made of."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
-            totals.setdefault(ev.name[:96], []).append(ev.device_time)  # us
-    rows = [{"kernel": k, "launches_per_replay": len(v) / replays,
-             "us_per_replay": sum(v) / replays} for k, v in totals.items()]  # fmt: skip
-    return sorted(rows, key=lambda r: -r["us_per_replay"])
 
 
 def run(args) -> dict:

@@ -1,6 +1,7 @@
 """Where a verify step's time goes with and without balanced splits (v12): SGLang's batch-path
 shapes (8 requests of 1..4096 prefix keys drawn per seed, N=64, a plan sized for 8192 keys),
-each kernel of one captured plan.run timed by the profiler over replays, per balance setting.
+each kernel of one captured plan.run timed by the profiler over replays (its device time a
+replay), per balance setting.
 
     python scripts/split_balance_profile.py [--json out.json] [--seeds 3]
 """
@@ -15,6 +16,7 @@ import random
 import torch
 
 from treeverify.bench.cases import Case, make_inputs
+from treeverify.bench.kernel import back_to_back_replay_seconds, replay_kernel_times
 from treeverify.kernels.plan import TreeAttentionPlan
 from treeverify.kernels.splits import policy_splits
 
@@ -43,26 +45,13 @@ def profile(shape_name: str, balance: str, prefixes: list[int], replays: int = 2
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(ev.name[:60], []).append(ev.device_time_total)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    kernels = replay_kernel_times(graph, replays)
     pol = plan.split_policy
     return {
         "shape": shape_name, "balance": balance, "prefixes": prefixes,
         "policy": pol.__dict__, "splits": policy_splits(pol, [p + 64 for p in prefixes]),
-        "replay_us": start.elapsed_time(end) * 1e3 / replays,
-        "kernels_us": {k: sorted(v)[len(v) // 2] for k, v in kernels.items()},
+        "replay_us": back_to_back_replay_seconds(graph, replays, passes=1) * 1e6,
+        "kernels_us": {k["kernel"][:60]: k["us_per_replay"] for k in kernels},
     }  # fmt: skip
 
 
