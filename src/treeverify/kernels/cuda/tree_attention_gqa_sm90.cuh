@@ -47,7 +47,7 @@ __device__ __forceinline__ void mma_pv(float (&o)[D / 2], const unsigned (&a)[4]
   }
 }
 
-// The ping-pong kernels' MMAs of one warpgroup's 64 rows on a BN-key tile (their callers fence,
+// The sm_90a GQA kernels' MMAs of one warpgroup's 64 rows on a BN-key tile (their callers fence,
 // commit and wait): S = Q K^T with Q at q_addr in a ROWS-row block of load_q_tile's layout, and
 // O += P V with P's A fragments in registers.
 template <int D, int BN, int ROWS, bool BF16>
@@ -203,14 +203,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 
     float s[32];  // 64 rows x 64 tokens per warpgroup
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned long long da =
-          sw128_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
-      const unsigned long long db =
-          sw128_desc(k_addr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
-      mma_qk64<D, BF16>(s, da, db, kk > 0);
-    }
+    issue_qk64<D, BN, BM, BF16>(s, q_addr, k_addr);
     wg_commit();
     // Issued while the QK MMAs run (v9; before them, their issue delayed the tensor cores):
     // the next load into the stage that held tile it-1 (every warpgroup finished it before the
