@@ -45,7 +45,7 @@ EDGES = [
 @pytest.mark.parametrize(
     "schedule",
     ["pingpong", "tile", "pingpong-direct", "pingpong-shfl", "pingpong-tma", "pingpong:q",
-     "pingpong-tma:q", "pingpong-tma2", "pingpong-auto", "pingpong-auto:256"],
+     "pingpong-tma:q", "pingpong-tma2", "pingpong-auto", "pingpong-auto:256", "pingpong-persist"],
 )  # fmt: skip
 def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monkeypatch):
     """`:q`: with TREEVERIFY_CUDA_GQA_Q_REGS=1 (Q's fragments in registers); `:256`: with
@@ -78,8 +78,9 @@ def test_gqa_128_row_kernels_match_reference(schedule, edge, dtype, splits, monk
         "pingpong-tma2",
         "pingpong-auto",
         "pingpong-auto:256",
+        "pingpong-persist",
     ],
-    ids=["default", "direct", "shfl", "tma", "q-regs", "tma2", "auto", "256"],
+    ids=["default", "direct", "shfl", "tma", "q-regs", "tma2", "auto", "256", "persist"],
 )
 def test_pingpong_captured_and_replayed_with_new_metadata(schedule, monkeypatch):
     """One captured plan on the ping-pong kernel, replayed over new lengths, trees and split
@@ -176,21 +177,28 @@ def test_tma_producer_through_the_sglang_drop_in(schedule, monkeypatch):
     _check_drop_in_eager_and_captured(*_sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5))
 
 
-@pytest.mark.parametrize("wide", ["0", "1"], ids=["128rows", "256rows"])
-def test_auto_producer_switches_with_the_batch_inside_one_graph(wide, monkeypatch):
+@pytest.mark.parametrize(
+    "schedule,wide",
+    [("pingpong-auto", "0"), ("pingpong-auto", "1"), ("pingpong-persist", "0")],
+    ids=["128rows", "256rows", "persist"],
+)
+def test_auto_producer_switches_with_the_batch_inside_one_graph(schedule, wide, monkeypatch):
     """pingpong-auto picks the direct producer for batches of <= 32k keys and the shared one
     above, on the device per launch: one captured graph replayed on a small batch (direct) and
     a large one (> 32k keys: shared), each equal to the reference; the same batches through the
-    256-row CTAs (TREEVERIFY_CUDA_GQA_256=1, the direct producer throughout)."""
+    256-row CTAs (TREEVERIFY_CUDA_GQA_256=1, the direct producer throughout) and through the
+    persistent kernel (its producer makes the same choice; the small batch leaves most of its
+    groups one tile and cuts every unit, the large one cuts units across group edges)."""
     from treeverify.bench.cases import Case, make_inputs
 
-    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-auto")
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", schedule)
     monkeypatch.setenv("TREEVERIFY_CUDA_GQA_256", wide)
     case = Case("auto", 8, 8000, 64, 32, 8, 128, 128, False)
     first = make_inputs(case, page_size=16, device="cuda", seed=3)
     plan = _plan(first, case, 16, 8, 64, first["block_table"].shape[1], 8064)
     if _is_sm90():
         assert plan._launcher.fwd.bm == (256 if wide == "1" else 128)
+        assert plan._launcher.fwd.schedule == (schedule if wide == "0" else "pingpong-256")
     kc, vc = first["k_cache"], first["v_cache"]
     q = torch.randn(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(8 * 64, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -211,3 +219,13 @@ def test_auto_producer_switches_with_the_batch_inside_one_graph(wide, monkeypatc
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(out[:total], ref) <= TOL, step
+
+
+def test_persistent_kernel_through_the_sglang_drop_in(monkeypatch):
+    """Schedule pingpong-persist on SGLang's layout (a (slots, H, D) pool at page size 1,
+    kv_indptr instead of prefix lengths, the tree's K/V in the extend buffers): eager and
+    captured, against the reference."""
+    from test_cuda_gpu import _check_drop_in_eager_and_captured, _sglang_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_GQA_SCHEDULE", "pingpong-persist")
+    _check_drop_in_eager_and_captured(*_sglang_inputs(False, 3, 64, [900, 0, 4100], seed=5))

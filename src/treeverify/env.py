@@ -35,7 +35,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   or ``pingpong-shfl`` (each producer warp looks its rows up and hands the pointers over by
   shuffles, pingpong's copy pattern kept: v16, 1.02x) or ``pingpong-tma`` (whole tiles of paged keys
   by TMA, one box a page: v17, 1.01x) or ``pingpong-tma2`` (the same in 2-CTA clusters sharing each
-  tile by multicast: v19, 0.93x).
+  tile by multicast: v19, 0.93x) or ``pingpong-persist`` (one CTA an SM, each walking an equal
+  share of the batch's key tiles, cut units merged by their last piece: v23, for batches of mixed
+  lengths).
 - ``TREEVERIFY_CUDA_GQA_256``: the default GQA schedule's 256-row CTAs (v21: one KV tile serves
   256 rows, half the KV an SM takes in per FLOP; 1.11-1.21x on the grid's B32 N=64 cases,
   0.69-0.85x on small batches) where trees x group reach 256 rows: ``auto`` (default since
@@ -101,7 +103,8 @@ VARIABLES: dict[str, str] = {
     "(producer warpgroup + two consumers in turns, v14), tile (the v11 kernel, for A/B runs), "
     "pingpong-direct (producer threads look their own KV rows up, v15), pingpong-shfl (producer "
     "warps share row pointers by shuffles, v16), pingpong-tma (paged tiles by TMA, v17) or "
-    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19).",
+    "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19) or pingpong-persist (one CTA "
+    "an SM walking an equal share of the batch's key tiles, v23).",
     "TREEVERIFY_CUDA_GQA_256": "The default GQA schedule's 256-row CTAs (v21) where trees x "
     "group reach 256 rows: auto (default: where batch x KV heads fill the GPU's SMs; grid 1.018x "
     "at page 16), 0 (never: 128-row CTAs) or 1 (wherever the rows reach 256).",
@@ -221,7 +224,7 @@ def cuda_pdl() -> str:
 
 def cuda_gqa_schedule() -> str:
     """TREEVERIFY_CUDA_GQA_SCHEDULE: pingpong-auto (default), pingpong, tile, pingpong-direct,
-    pingpong-shfl, pingpong-tma or pingpong-tma2 (kernels/cuda/variants.py)."""
+    pingpong-shfl, pingpong-tma, pingpong-tma2 or pingpong-persist (kernels/cuda/variants.py)."""
     return _choice(
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         (
@@ -232,6 +235,7 @@ def cuda_gqa_schedule() -> str:
             "pingpong-shfl",
             "pingpong-tma",
             "pingpong-tma2",
+            "pingpong-persist",
         ),
     )
 

@@ -43,6 +43,7 @@ struct TreeAttnParams {
   int balance_div;          // > 0: balanced splits, a split at least the batch's keys / this
   int merge_heads;          // heads one merge-kernel CTA merges (grid.y = ceil(hq / this))
   int tma_rows;             // GQA "pingpong-tma": rows of a K/V TMA box, or 0: no TMA tiles
+  int persist_m;            // GQA "pingpong-persist": 128-row blocks a request (CTAs a group)
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {

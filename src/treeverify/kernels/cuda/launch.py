@@ -80,6 +80,7 @@ class Params(ctypes.Structure):
         ("balance_div", ctypes.c_int),
         ("merge_heads", ctypes.c_int),
         ("tma_rows", ctypes.c_int),
+        ("persist_m", ctypes.c_int),
     ]
 
 

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
       if (merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0))) continue;
       const long long base[1] = {(long long)tok * p.hq + head};
       float4 o[1];
-      merge_splits4<DV, 1>(p, base, n, c, o);
+      merge_splits4<DV, 1>(p, base, n, c, o, (long long)p.total_q_cap * p.hq);
       store_out4<BF16>(p, tok, head, c[0], o[0]);
     }
     return;
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
       c[i] = static_cast<int>(threadIdx.x) * 4;
     }
     float4 o[HI];
-    merge_splits4<DV, HI, U>(p, base, n, c, o);
+    merge_splits4<DV, HI, U>(p, base, n, c, o, (long long)p.total_q_cap * p.hq);
 #pragma unroll
     for (int i = 0; i < HI; ++i)
       if (base[i] >= 0) store_out4<BF16>(p, tok, hb + i, c[i], o[i]);

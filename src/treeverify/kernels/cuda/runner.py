@@ -32,8 +32,9 @@ from treeverify.kernels.splits import (
 
 
 class SplitWorkspace(NamedTuple):
-    part_o: torch.Tensor  # (max_splits, total_q_cap, Hq, Dv) fp32, or empty when never split
-    part_lse: torch.Tensor  # (max_splits, total_q_cap, Hq) fp32, or empty
+    part_o: torch.Tensor  # (max_splits, total_q_cap, Hq, Dv) fp32, or empty when never split;
+    # the persistent GQA kernel: (2 slots x CTAs x 128 rows, Dv)
+    part_lse: torch.Tensor  # (max_splits, total_q_cap, Hq) fp32, or empty; persistent: (slots,)
     counters: torch.Tensor  # (m_tiles * max_batch * Hkv,) int32 zeros, or empty: merge kernel
 
 
@@ -134,6 +135,12 @@ class Launcher:
         self.tma_min_page = env.cuda_tma_min_page() if self.tma else 0
         self.grid_x = -(-self.m_tiles // self.cluster) * self.cluster
         self.grid = (self.grid_x, bh, s) if self.splits.balance_div else (self.grid_x, s, bh)
+        # Schedule pingpong-persist (v23, gqa_pp_persist.cuh): one CTA an SM, in groups of
+        # m_tiles (each CTA a row block of its group's share); it merges cut units itself.
+        self.persist = getattr(self.fwd, "persist", False)
+        if self.persist:
+            sms = props.multi_processor_count
+            self.grid = (max(1, sms // self.m_tiles) * self.m_tiles, 1, 1)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
         self.merge = merge_variant(dv, self.dtype_name, env.cuda_merge_ilp(), self.merge_heads,
                                    self.splits.max_splits)  # fmt: skip
@@ -149,7 +156,7 @@ class Launcher:
         self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9 and (
             pdl == "1" or (pdl == "auto" and one_wave)
         )
-        self.merge_kernel_needed = merge_kernel_needed(
+        self.merge_kernel_needed = not self.persist and merge_kernel_needed(
             max_splits=self.splits.max_splits,
             tile_rows=min(self.fwd.bm, max_tree * self.group),
             dv=dv,
@@ -159,6 +166,13 @@ class Launcher:
     def workspace(self) -> SplitWorkspace:
         """New split buffers for this launcher's grid (allocates: at plan time, or eagerly)."""
         s, dev = self.splits.max_splits, self.device
+        if self.persist:  # (2 slots, CTAs, 128 rows) partials; a counter per cut-unit row block
+            slots = 2 * self.grid[0] * 128
+            return SplitWorkspace(
+                torch.empty(slots, self.dv, dtype=torch.float32, device=dev),
+                torch.empty(slots, dtype=torch.float32, device=dev),
+                torch.zeros(self.m_tiles * self.max_batch * self.hkv, dtype=torch.int32, device=dev),
+            )
         if s == 1:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
             return SplitWorkspace(empty, empty, torch.empty(0, dtype=torch.int32, device=dev))
@@ -226,6 +240,7 @@ class Launcher:
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
         params.merge_heads = self.merge_heads
+        params.persist_m = self.m_tiles if self.persist else 0
         params.total_q_cap = self.total_q_cap
         params.scale_log2 = scale_log2(sm_scale)
         self._fill_tma(params, k, v)

@@ -23,10 +23,13 @@ namespace treeverify {
 // load per split left the merge bound by L2 latency (4 us per layer for a 17-node tree on the
 // H200). Loads bypass L1: other SMs wrote the partials. A split that saw no key has LSE -inf
 // and partial 0: weight 0. U: splits a row's loads cover at once (I x U float4 in flight).
+// Split s of row i is partial row s * stride + base[i] (+ first_off for s = 0): the split
+// layout's stride is one split's rows (total_q_cap x hq); the persistent GQA kernel's CTA slots
+// (gqa_pp_persist.cuh) pass their own.
 template <int DV, int I, int U = 8>
 __device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const long long (&base)[I],
-                                              int n, const int (&c)[I], float4 (&out)[I]) {
-  const long long stride = (long long)p.total_q_cap * p.hq;  // one split's rows
+                                              int n, const int (&c)[I], float4 (&out)[I],
+                                              long long stride, long long first_off = 0) {
   float m[I], wsum[I];
   float4 acc[I];
 #pragma unroll
@@ -42,7 +45,7 @@ __device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const lon
     for (int i = 0; i < I; ++i) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const long long row = (s0 + u) * stride + base[i];
+        const long long row = (s0 + u) * stride + base[i] + (s0 + u == 0 ? first_off : 0);
         const bool ok = s0 + u < n && base[i] >= 0;
         l[i][u] = ok ? __ldcg(p.part_lse + row) : -TV_INF;
         v[i][u] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + row * DV + c[i]))
@@ -113,7 +116,7 @@ __device__ __forceinline__ void merge_rows(const TreeAttnParams& p, int qo0, int
       base[i] = idx < total ? (long long)tok[i] * p.hq + head[i] : -1;
     }
     float4 o[I];
-    merge_splits4<DV, I>(p, base, n, c, o);
+    merge_splits4<DV, I>(p, base, n, c, o, (long long)p.total_q_cap * p.hq);
 #pragma unroll
     for (int i = 0; i < I; ++i)
       if (base[i] >= 0) store_out4<BF16>(p, tok[i], head[i], c[i], o[i]);

@@ -71,6 +71,21 @@ __device__ __forceinline__ void issue_pv64(float (&o)[D / 2], const unsigned (&p
   }
 }
 
+// Fragment row h (0: g, 1: g + 8) of a warpgroup's O as fp32 partial row `prow` (normalised by
+// its sum l_tot, the quad's) and the row's log2-LSE (-inf where it saw no key).
+template <int D>
+__device__ __forceinline__ void store_partial_row(const TreeAttnParams& p, const float (&o)[D / 2],
+                                                  int h, long long prow, float m, float l_tot,
+                                                  int tq) {
+  const float inv = l_tot > 0.f ? 1.f / l_tot : 0.f;
+  float* po = p.part_o + prow * D;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+    *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
+        make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+  if (tq == 0) p.part_lse[prow] = l_tot > 0.f ? m + log2f(l_tot) : -TV_INF;
+}
+
 // The sm_90a GQA kernels' epilogue (this tile kernel, the ping-pong ones): a warpgroup's 64
 // rows of O (this thread: fragment rows `row0` and row0 + 8, packed (node,
 // head) rows of the request) normalised by their sums: to out when the request has one split,
@@ -95,13 +110,8 @@ __device__ __forceinline__ void gqa_store_rows(const TreeAttnParams& p, const fl
         *reinterpret_cast<unsigned*>(og + 8 * j + 2 * tq) =
             pack2<BF16>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
     } else {
-      const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
-      float* po = p.part_o + prow * D;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        *reinterpret_cast<float2*>(po + 8 * j + 2 * tq) =
-            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (tq == 0) p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;
+      store_partial_row<D>(p, o, h, ((long long)split * p.total_q_cap + tok) * p.hq + head,
+                           m_run[h], l_tot[h], tq);
     }
   }
 }

@@ -126,6 +126,7 @@ GQA_SCHEDULES = (  # the default (TREEVERIFY_CUDA_GQA_SCHEDULE unset) first
     "pingpong-shfl",
     "pingpong-tma",
     "pingpong-tma2",
+    "pingpong-persist",
 )
 # kProducerAuto's crossover (gqa_pp_common.cuh, kAutoDirectMaxKeys): the direct producer on
 # batches of at most this many keys.
@@ -140,6 +141,7 @@ PP_PRODUCERS = {
     "pingpong-direct": 1,
     "pingpong-shfl": 2,
     "pingpong-auto": 4,
+    "pingpong-persist": 4,  # the auto choice, per launch
     GQA_WIDE: 1,  # the direct producer: the shared one spills in the 40 registers left to it
 }
 
@@ -177,8 +179,10 @@ class GqaSm90Variant:
     same launched as 2-CTA clusters whose pair shares each TMA tile by multicast (v19; `cluster`
     2: grid x rounded up to even); GQA_WIDE ("pingpong-256", not an environment choice: the
     default's shape where gqa_wide_pays): 256-row CTAs (each consumer warpgroup two 64-row
-    halves, the direct producer; v21, H = 2). `q_regs` (ping-pong schedules, v18): QK as
-    register-A wgmma, Q's fragments loaded once."""
+    halves, the direct producer; v21, H = 2); "pingpong-persist": tree_attn_gqa_pp_persist_sm90,
+    the ping-pong kernel as one CTA an SM walking an equal share of the batch's key tiles (v23,
+    gqa_pp_persist.cuh; the launcher sizes its grid and slots). `q_regs` (ping-pong schedules
+    but the persistent one, v18): QK as register-A wgmma, Q's fragments loaded once."""
 
     d: int
     nwg: int
@@ -197,6 +201,8 @@ class GqaSm90Variant:
             raise ValueError("schedule: pingpong runs 128-row CTAs (nwg=2) only")
         if self.q_regs and not self.pingpong:
             raise ValueError("q_regs: only the ping-pong schedules keep Q in registers")
+        if self.q_regs and self.persist:
+            raise ValueError("q_regs: the persistent kernel reads Q from shared memory")
         if self.q_regs and self.schedule == GQA_WIDE:
             raise ValueError("q_regs: the 256-row CTA reads Q from shared memory")
 
@@ -207,6 +213,11 @@ class GqaSm90Variant:
     @property
     def tma(self) -> bool:
         return self.schedule in ("pingpong-tma", "pingpong-tma2")
+
+    @property
+    def persist(self) -> bool:
+        """One CTA an SM walking an equal share of the batch's key tiles (v23)."""
+        return self.schedule == "pingpong-persist"
 
     @property
     def cluster(self) -> int:
@@ -231,6 +242,7 @@ class GqaSm90Variant:
             "pingpong-tma": "_ppt",
             "pingpong-tma2": "_ppt2",
             "pingpong-auto": "_ppa",
+            "pingpong-persist": "_ppp",
             GQA_WIDE: "_pp2",
         }[self.schedule] + ("q" if self.q_regs else "")
         trace = "_trace" if "TV_CTA_TRACE" in self.defines else ""  # scripts/cta_trace.py
@@ -249,6 +261,11 @@ class GqaSm90Variant:
                 f"treeverify::tree_attn_gqa_pp_tma_sm90<{self.d},{self.bn},{self.stages},{bf16}"
                 f"{q}{mc}>"
             )
+        if self.persist:
+            return (
+                f"treeverify::tree_attn_gqa_pp_persist_sm90<{self.d},{self.bn},{self.stages},"
+                f"{bf16},{PP_PRODUCERS[self.schedule]}>"
+            )
         if self.pingpong:
             prod = PP_PRODUCERS[self.schedule]
             h = ",false,2" if self.schedule == GQA_WIDE else ""
@@ -263,7 +280,8 @@ class GqaSm90Variant:
         """Must equal GqaSm90Cfg::SMEM_BYTES (GqaPpCfg's for pingpong: + the mbarriers)."""
         tile = self.bn * self.d * 2
         base = 1024 + self.bm * self.d * 2 + 2 * self.stages * tile + 16 * self.stages * self.bn
-        return base + (24 * self.stages if self.pingpong else 0)
+        q2 = self.bm * self.d * 2 if self.persist else 0  # the persistent kernel's second Q
+        return base + q2 + (24 * self.stages if self.pingpong else 0)
 
 
 @dataclass(frozen=True)
@@ -465,7 +483,7 @@ def fwd_variant(
             if gqa_wide and rows >= 256 and gqa_schedule == GQA_SCHEDULES[0]:
                 return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=GQA_WIDE)
             if rows >= 128:
-                q_regs = gqa_q_regs and gqa_schedule != "tile"
+                q_regs = gqa_q_regs and gqa_schedule not in ("tile", "pingpong-persist")
                 return GqaSm90Variant(dqk, 2, dtype, stages=4, schedule=gqa_schedule, q_regs=q_regs)
             return GqaSm90Variant(dqk, 1, dtype, stages=2)
         bn = 32 if dqk == 256 else 64
