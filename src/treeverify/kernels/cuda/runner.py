@@ -167,11 +167,11 @@ class Launcher:
         """New split buffers for this launcher's grid (allocates: at plan time, or eagerly)."""
         s, dev = self.splits.max_splits, self.device
         if self.persist:  # (2 slots, CTAs, 128 rows) partials; a counter per cut-unit row block
-            slots = 2 * self.grid[0] * 128
+            slots, units = 2 * self.grid[0] * 128, self.m_tiles * self.max_batch * self.hkv
             return SplitWorkspace(
                 torch.empty(slots, self.dv, dtype=torch.float32, device=dev),
                 torch.empty(slots, dtype=torch.float32, device=dev),
-                torch.zeros(self.m_tiles * self.max_batch * self.hkv, dtype=torch.int32, device=dev),
+                torch.zeros(units, dtype=torch.int32, device=dev),
             )
         if s == 1:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
