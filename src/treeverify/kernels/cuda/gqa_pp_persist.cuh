@@ -43,8 +43,8 @@ __device__ __forceinline__ int persist_tiles(const TreeAttnParams& p, int b) {
 
 // All units' tiles (T). Lanes over requests: every lane of the calling warp converged.
 template <int BN>
-__device__ __forceinline__ long long persist_total(const TreeAttnParams& p) {
-  long long s = 0;
+__device__ __forceinline__ int persist_total(const TreeAttnParams& p) {
+  int s = 0;
   for (int b = threadIdx.x & 31; b < p.batch; b += 32) s += persist_tiles<BN>(p, b);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -54,17 +54,16 @@ __device__ __forceinline__ long long persist_total(const TreeAttnParams& p) {
 // The request whose units hold flat tile a (< T), and in `begin` the flat index of its first
 // unit: a prefix sum over requests, 32 at a time (warp converged).
 template <int BN>
-__device__ __forceinline__ int persist_find(const TreeAttnParams& p, long long a,
-                                            long long& begin) {
+__device__ __forceinline__ int persist_find(const TreeAttnParams& p, int a, int& begin) {
   const int lane = threadIdx.x & 31;
-  long long base = 0;
+  int base = 0;
   for (int b0 = 0; b0 < p.batch; b0 += 32) {
     const int b = b0 + lane;
-    const long long mine = b < p.batch ? (long long)persist_tiles<BN>(p, b) * p.hkv : 0;
-    long long incl = mine;
+    const int mine = b < p.batch ? persist_tiles<BN>(p, b) * p.hkv : 0;
+    int incl = mine;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const long long v = __shfl_up_sync(0xffffffffu, incl, o);
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= o) incl += v;
     }
     const unsigned hit = __ballot_sync(0xffffffffu, mine > 0 && base + incl > a);
@@ -79,9 +78,19 @@ __device__ __forceinline__ int persist_find(const TreeAttnParams& p, long long a
   return p.batch;
 }
 
-// The group whose range [g T / n_g, (g + 1) T / n_g) holds flat tile pos.
-__device__ __forceinline__ int persist_group(long long pos, long long T, int n_g) {
-  return static_cast<int>(((pos + 1) * n_g + T - 1) / T) - 1;
+// Group g's range starts at floor(g T / n_g): as (T / n_g) g + ((T % n_g) g) / n_g, in 32 bits
+// (T x groups may pass 2^31; a 64-bit division is a called routine whose register saves
+// spill).
+__device__ __forceinline__ int persist_range_start(int g, int T, int n_g) {
+  const int q = T / n_g;
+  return q * g + (T - q * n_g) * g / n_g;
+}
+// The group whose range holds flat tile pos: estimated in floats, then corrected exactly.
+__device__ __forceinline__ int persist_group(int pos, int T, int n_g) {
+  int g = min(n_g - 1, static_cast<int>(static_cast<float>(pos) * n_g / T));
+  while (g > 0 && persist_range_start(g, T, n_g) > pos) --g;
+  while (g + 1 < n_g && persist_range_start(g + 1, T, n_g) <= pos) ++g;
+  return g;
 }
 
 // One request as the walk sees it.
@@ -104,26 +113,25 @@ __device__ __forceinline__ PersistReq persist_req(const TreeAttnParams& p, int b
 // so that no range is empty and a cut unit's pieces are consecutive groups. Producer and
 // consumers each walk it the same way.
 struct PersistWalk {
-  long long a, b, T, ub;
-  int ng, r, h;
+  int a, b, T, ub, ng, r, h;
   PersistReq q;
 };
 template <int BN>
 __device__ __forceinline__ PersistWalk persist_start(const TreeAttnParams& p, int n_g, int grp) {
   PersistWalk w;
   w.T = persist_total<BN>(p);
-  w.ng = static_cast<int>(min((long long)n_g, w.T));
-  w.a = grp < w.ng ? w.T * grp / w.ng : w.T;
-  w.b = grp < w.ng ? w.T * (grp + 1) / w.ng : w.T;
+  w.ng = min(n_g, w.T);
+  w.a = grp < w.ng ? persist_range_start(grp, w.T, w.ng) : w.T;
+  w.b = grp < w.ng ? persist_range_start(grp + 1, w.T, w.ng) : w.T;
   w.r = p.batch;
   w.h = 0;
   w.ub = w.T;
   if (w.a < w.b) {
-    long long begin;
+    int begin;
     w.r = persist_find<BN>(p, w.a, begin);
     w.q = persist_req<BN>(p, w.r);
-    w.h = static_cast<int>((w.a - begin) / w.q.tiles);
-    w.ub = begin + (long long)w.h * w.q.tiles;
+    w.h = (w.a - begin) / w.q.tiles;
+    w.ub = begin + w.h * w.q.tiles;
   }
   return w;
 }
@@ -153,16 +161,16 @@ __device__ __forceinline__ PersistSeg persist_seg(const PersistWalk& w, int mb, 
   if (s.m0 >= s.rows) return s;
   const int node_hi = min(w.q.nodes, (s.m0 + 127) / G + 1);  // keys the block's rows can see
   const int keys = w.q.rk.prefix + node_hi;
-  const long long eff = (keys + BN - 1) / BN;
-  const long long lo = max(w.a, w.ub) - w.ub, hi = min(w.b, w.ub + eff) - w.ub;
+  const int eff = (keys + BN - 1) / BN;
+  const int lo = max(w.a, w.ub) - w.ub, hi = min(w.b, w.ub + eff) - w.ub;
   if (lo >= hi) return s;
-  s.kv_begin = static_cast<int>(lo * BN);
-  s.kv_stop = static_cast<int>(min((long long)keys, hi * BN));
-  s.n_tiles = static_cast<int>(hi - lo);
+  s.kv_begin = lo * BN;
+  s.kv_stop = min(keys, hi * BN);
+  s.n_tiles = hi - lo;
   s.g0 = persist_group(w.ub, w.T, w.ng);
   s.n_pieces = persist_group(w.ub + eff - 1, w.T, w.ng) - s.g0 + 1;
   s.slot = w.a < w.ub ? 1 : 0;
-  s.slot0 = w.T * s.g0 / w.ng < w.ub ? 1 : 0;  // the same rule for group g0's range start
+  s.slot0 = persist_range_start(s.g0, w.T, w.ng) < w.ub ? 1 : 0;  // the rule for g0's piece
   return s;
 }
 
@@ -209,7 +217,7 @@ __global__ void __launch_bounds__(384, 1)
 #endif
   using T = unsigned short;
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int s_pend[2][8];  // the cut units this CTA counts at its end (consumer 0 writes)
+  __shared__ int s_pend[2][6];  // the cut units this CTA counts at its end (consumer 0 writes)
   __shared__ int s_last;
   const unsigned raw_u32 = smem_u32(smem_raw);
   unsigned char* base = smem_raw + (((raw_u32 + 1023u) & ~1023u) - raw_u32);
@@ -229,8 +237,9 @@ __global__ void __launch_bounds__(384, 1)
 
   zero_padding_rows<D>(p);
   if (grp >= n_g) return;  // the launcher makes the grid a multiple of M
-  PersistWalk w = persist_start<BN>(p, n_g, grp);
-  if (!persist_more(p, w)) return;  // an empty range (fewer tiles than groups)
+  // An empty range (fewer tiles than groups): the whole CTA leaves. Each role then walks its
+  // range itself, after its register reallocation (state live across that spills).
+  if (grp >= min(n_g, persist_total<BN>(p))) return;
 
   if (tid == 0) {
 #pragma unroll
@@ -243,14 +252,15 @@ __global__ void __launch_bounds__(384, 1)
 
   if (wg == 0) {  // ---- producer: each segment's Q, then its K/V tiles, through the ring
     setmaxnreg_dec<C::PRODUCER_REGS>();
+    PersistWalk w = persist_start<BN>(p, n_g, grp);
     const T* kg = static_cast<const T*>(p.k);
     bool own_rows = PRODUCER == kProducerOwnRows;
     if constexpr (PRODUCER == kProducerAuto) own_rows = batch_keys(p) <= kAutoDirectMaxKeys;
-    int j = 0, nseg = 0, q_last[2] = {-1, -1};  // tiles issued; the last tile of each Q buffer
+    int j = 0, nseg = 0, q_last0 = -1, q_last1 = -1;  // tiles issued; each Q buffer's last tile
     for (; persist_more(p, w); persist_next<BN>(p, w)) {
       const PersistSeg s = persist_seg<BN>(w, mb, G);
       if (s.n_tiles == 0) continue;
-      const int qb = nseg & 1, e = q_last[qb];
+      const int qb = nseg & 1, e = qb ? q_last1 : q_last0;  // scalars: no local array
       // Q buffer qb was last read by tile e's QK. Tiles before j - STAGES are known consumed
       // (their slots were waited for); a later e needs its own wait, exact by parity: tile e
       // + STAGES is not issued yet, so its slot's barrier is at most one phase past tile e's.
@@ -307,7 +317,7 @@ __global__ void __launch_bounds__(384, 1)
           cp_async_mbar_arrive(full0 + 8 * slot);
         }
       }
-      q_last[qb] = j - 1;
+      (qb ? q_last1 : q_last0) = j - 1;
       ++nseg;
     }
     cp_async_wait<0>();  // nothing in flight when the warps exit
@@ -316,6 +326,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // ---- consumers: 64 rows each, MMAs issued in turns, segment after segment
   setmaxnreg_inc<C::CONSUMER_REGS>();
+  PersistWalk w = persist_start<BN>(p, n_g, grp);
   const int c = wg - 1, ct = tid - 128;
   const int my_turn = c == 0 ? kPpTurn0 : kPpTurn1, other_turn = c == 0 ? kPpTurn1 : kPpTurn0;
   float o[D / 2];
@@ -327,27 +338,30 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
   const int r0 = c * 64 + 16 * wi + g;  // row within the 128-row block (and + 8)
-  // The previous segment, finished at the next one's first tile (or after the loop).
-  PersistSeg prev{};
-  int prev_r = 0, prev_h = 0, prev_qo0 = 0, n_pend = 0;
+  const int m0 = mb * 128;
+  // The previous segment, finished at the next one's first tile (or after the loop), packed
+  // (registers are short here): its rows, first token, unit (request x KV heads + head), first
+  // piece's group, and n_pieces x 4 + slot x 2 + slot0.
+  int prev_rows = 0, prev_qo0 = 0, prev_unit = 0, prev_g0 = 0, prev_cut = 0, n_pend = 0;
   // Store the previous segment's O: to out (a whole unit) or to this CTA's slot (a cut one,
   // counted and maybe merged at the CTA's end).
   auto finish = [&](const float (&m)[2], const float (&l)[2]) {
-    if (prev.n_pieces == 1) {
-      gqa_store_rows<D, BF16>(p, o, m, l, prev.m0 + r0, prev.rows, prev_qo0, prev_h, G, 0, 1,
-                              tq);
+    const int n_pieces = prev_cut >> 2;
+    if (n_pieces == 1) {
+      gqa_store_rows<D, BF16>(p, o, m, l, m0 + r0, prev_rows, prev_qo0, prev_unit % p.hkv, G, 0,
+                              1, tq);
       return;
     }
     const float l_tot[2] = {quad_sum(l[0]), quad_sum(l[1])};
-    const long long slot_row0 = ((long long)prev.slot * gridDim.x + blockIdx.x) * 128;
+    const long long slot_row0 = ((long long)((prev_cut >> 1) & 1) * gridDim.x + blockIdx.x) * 128;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      if (prev.m0 + r0 + 8 * h < prev.rows)
+      if (m0 + r0 + 8 * h < prev_rows)
         store_partial_row<D>(p, o, h, slot_row0 + r0 + 8 * h, m[h], l_tot[h], tq);
     if (ct == 0 && n_pend < 2) {  // a range's first and last segment, at most
       int* e = s_pend[n_pend];
-      e[0] = prev_r, e[1] = prev_h, e[2] = prev_qo0, e[3] = prev.m0, e[4] = prev.rows;
-      e[5] = prev.g0, e[6] = prev.n_pieces, e[7] = prev.slot0;
+      e[0] = prev_unit, e[1] = prev_qo0, e[2] = prev_rows, e[3] = prev_g0, e[4] = n_pieces;
+      e[5] = prev_cut & 1;
     }
     ++n_pend;
   };
@@ -384,7 +398,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       const int t0 = sg.kv_begin + t * BN;
       if ((t0 + BN > P) || (t0 + BN > sg.kv_stop))
-        frag_mask<BN / 8>(s, p, t0 + 2 * tq, sg.m0 + r0, P, sg.kv_stop, sg.rows, qo0, G);
+        frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0, P, sg.kv_stop, sg.rows, qo0, G);
       float mx[2], alpha[2], m_use[2], rs[2];
       frag_row_max<BN / 8>(s, mx);
       online_max(m_run, mx, p.scale_log2, m_use, alpha);
@@ -398,8 +412,8 @@ __global__ void __launch_bounds__(384, 1)
       rescale_rows(o, alpha);
       pack_p_frags<BN / 8, BF16>(s, pa);
     }
-    prev = sg;
-    prev_r = w.r, prev_h = w.h, prev_qo0 = qo0;
+    prev_rows = sg.rows, prev_qo0 = qo0, prev_unit = w.r * p.hkv + w.h, prev_g0 = sg.g0;
+    prev_cut = sg.n_pieces * 4 + sg.slot * 2 + sg.slot0;
     ++nseg;
   }
   if (it > 0) {  // the last tile's PV, in turn like the others
@@ -417,15 +431,15 @@ __global__ void __launch_bounds__(384, 1)
     named_sync(kPpConsumers, 256);
     const int* e = s_pend[k];
     if (ct == 0) {
-      unsigned* ctr = p.split_counters + ((long long)e[0] * p.hkv + e[1]) * M + mb;
+      unsigned* ctr = p.split_counters + (long long)e[0] * M + mb;
       const unsigned before = atomicAdd(ctr, 1u);
-      s_last = before == static_cast<unsigned>(e[6] - 1);
+      s_last = before == static_cast<unsigned>(e[4] - 1);
       if (s_last) *ctr = 0u;  // every piece has counted: ready for the next launch
     }
     named_sync(kPpConsumers, 256);
     if (s_last) {
       __threadfence();  // order the partial reads after the count that said they are complete
-      persist_merge<D, BF16>(p, ct, e[5], e[6], e[7] != 0, M, mb, e[3], e[4], e[2], e[1]);
+      persist_merge<D, BF16>(p, ct, e[3], e[4], e[5] != 0, M, mb, m0, e[2], e[1], e[0] % p.hkv);
     }
   }
 }
