@@ -212,6 +212,11 @@ __global__ void __launch_bounds__(384, 1)
                     PRODUCER == kProducerAuto,
                 "the cp.async producers");
   constexpr int SMEM_BYTES = C::SMEM_BYTES + C::Q_BYTES;  // a second Q buffer
+  // The walk's state costs the producer registers: 104 (the ping-pong kernel's 56 spilled
+  // 280-456 B here, 88 still 88 B at D = 128) and 200 a consumer, no spill at D = 64 or 128.
+  constexpr int PRODUCER_REGS = 104;
+  constexpr int CONSUMER_REGS = (3 * C::LAUNCH_REGS - PRODUCER_REGS) / 2;
+  static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0, "setmaxnreg counts");
 #ifdef TV_EXPECT_SMEM  // the launcher's byte count (variants.py) must match this layout
   static_assert(SMEM_BYTES == TV_EXPECT_SMEM, "variants.py smem_bytes out of date");
 #endif
@@ -251,7 +256,7 @@ __global__ void __launch_bounds__(384, 1)
   __syncthreads();
 
   if (wg == 0) {  // ---- producer: each segment's Q, then its K/V tiles, through the ring
-    setmaxnreg_dec<C::PRODUCER_REGS>();
+    setmaxnreg_dec<PRODUCER_REGS>();
     PersistWalk w = persist_start<BN>(p, n_g, grp);
     const T* kg = static_cast<const T*>(p.k);
     bool own_rows = PRODUCER == kProducerOwnRows;
@@ -325,7 +330,7 @@ __global__ void __launch_bounds__(384, 1)
   }
 
   // ---- consumers: 64 rows each, MMAs issued in turns, segment after segment
-  setmaxnreg_inc<C::CONSUMER_REGS>();
+  setmaxnreg_inc<CONSUMER_REGS>();
   PersistWalk w = persist_start<BN>(p, n_g, grp);
   const int c = wg - 1, ct = tid - 128;
   const int my_turn = c == 0 ? kPpTurn0 : kPpTurn1, other_turn = c == 0 ? kPpTurn1 : kPpTurn0;
