@@ -2,7 +2,9 @@
 with TV_CTA_TRACE (tree_attention_gqa_pp_sm90.cuh: each CTA writes its start and end
 %globaltimer and its SM id), launched once on SGLang's harness batch (the prefixes of
 scripts/sglang_backend_compare.py's timed draw, 8 requests x 64-node trees, llama8b's 32 / 8
-heads), with or without balanced splits. For the question the twentieth session left: the
+heads), with or without balanced splits, or the persistent kernel (with
+TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong-persist: when each CTA started, finished its tiles and
+ended after its merges). For the question the twentieth session left: the
 schedule model (scripts/sim_verify_schedule.py) put the balanced plan at 57.7 us and the GPU
 ran it in 75.2 us; this says whether the long requests' second splits start late or run slow.
 
@@ -116,7 +118,39 @@ def run(args) -> dict:
     return analyse(rows, prefix, grid, args, start.elapsed_time(end) * 1e3, plan)
 
 
+def analyse_persistent(rows, prefix, grid, args, event_us: float, plan) -> dict:
+    """The persistent kernel (TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong-persist): word 3 is when
+    the CTA's tiles were done; what follows is its cut units' merges."""
+    ctas = [{"cta": i, "sm": sm, "start_ns": a, "end_ns": e, "tiles_done_ns": d}
+            for i, (a, e, sm, d) in enumerate(rows) if a != 0]  # fmt: skip
+    t0 = min(c["start_ns"] for c in ctas)
+    for c in ctas:
+        for k in ("start", "end", "tiles_done"):
+            c[f"{k}_us"] = (c[f"{k}_ns"] - t0) / 1e3 if c[f"{k}_ns"] else None
+    span = max(c["end_us"] for c in ctas)
+    tiles = HKV * sum(-(-(p + N) // BN) for p in prefix)
+    groups = grid[0] // plan._launcher.m_tiles
+    print(f"page {args.page}, persistent, grid {grid}: {len(ctas)} CTAs (groups of "
+          f"{plan._launcher.m_tiles}), {tiles} tiles, ~{tiles / groups:.1f} a group")  # fmt: skip
+    print(f"  span {span:.1f} us (events around the launch {event_us:.1f} us)")
+    print(f"  prefixes {prefix}")
+
+    def dist(name, xs):
+        xs = sorted(xs)
+        print(f"  {name}: min {xs[0]:.1f}, median {xs[len(xs) // 2]:.1f}, max {xs[-1]:.1f} us")
+
+    done = [c for c in ctas if c["tiles_done_us"] is not None]
+    dist("start", [c["start_us"] for c in ctas])
+    dist("tiles done", [c["tiles_done_us"] for c in done])
+    dist("end", [c["end_us"] for c in ctas])
+    dist("merges after the tiles", [c["end_us"] - c["tiles_done_us"] for c in done])
+    return {"page_size": args.page, "persistent": True, "seed": args.seed, "grid": grid,
+            "prefix": prefix, "span_us": span, "event_us": event_us, "ctas": ctas}  # fmt: skip
+
+
 def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
+    if plan._launcher.persist:
+        return analyse_persistent(rows, prefix, grid, args, event_us, plan)
     balanced = plan._launcher.splits.balance_div > 0  # grid (x, request x head, split)
     ctas = []
     for start, end, sm, idx in rows:

@@ -33,6 +33,9 @@
 namespace treeverify {
 
 enum : int { kPpConsumers = 4 };  // named barrier of the two consumer warpgroups (256 threads)
+// The fewest tiles a group takes (fewer groups where the batch is small): each share pays a
+// start and its cut units a merge.
+constexpr int kPersistMinTiles = 4;
 
 // Key tiles of each KV head's unit of request b (0 for a padded batch slot: no tree nodes).
 template <int BN>
@@ -109,8 +112,8 @@ __device__ __forceinline__ PersistReq persist_req(const TreeAttnParams& p, int b
 }
 
 // A CTA's walk over its group's range [a, b), one (request r, KV head h) unit at a time; ub:
-// the flat index of the unit's first tile. ng = min(groups, T): the groups that take tiles,
-// so that no range is empty and a cut unit's pieces are consecutive groups. Producer and
+// the flat index of the unit's first tile. ng = min(groups, T / kPersistMinTiles): the groups
+// that take tiles, so that no range is empty and a cut unit's pieces are consecutive groups. Producer and
 // consumers each walk it the same way.
 struct PersistWalk {
   int a, b, T, ub, ng, r, h;
@@ -120,7 +123,7 @@ template <int BN>
 __device__ __forceinline__ PersistWalk persist_start(const TreeAttnParams& p, int n_g, int grp) {
   PersistWalk w;
   w.T = persist_total<BN>(p);
-  w.ng = min(n_g, w.T);
+  w.ng = min(n_g, max(1, w.T / kPersistMinTiles));
   w.a = grp < w.ng ? persist_range_start(grp, w.T, w.ng) : w.T;
   w.b = grp < w.ng ? persist_range_start(grp + 1, w.T, w.ng) : w.T;
   w.r = p.batch;
@@ -181,7 +184,11 @@ template <int D, bool BF16>
 __device__ __forceinline__ void persist_merge(const TreeAttnParams& p, int ct, int g0, int n,
                                               bool slot0, int M, int mb, int m0, int rows,
                                               int qo0, int kvh) {
-  constexpr int CH = D / 4, I = 2;
+  // Eight rows' loads in flight a thread, a piece a round (two passes over 128 rows at D =
+  // 128): with two rows x eight pieces (the split merge's shape) a 128-row merge of 2-3 pieces
+  // was eight passes of dependent L2 round trips at the CTA's end (v23's first measurement).
+  // Sixteen rows spill.
+  constexpr int CH = D / 4, I = 8, U = 1;
   const int G = p.group, total = min(128, rows - m0) * CH;
   const long long base0 = ((long long)g0 * M + mb) * 128;
   const long long first_off = slot0 ? (long long)gridDim.x * 128 : 0;
@@ -197,7 +204,7 @@ __device__ __forceinline__ void persist_merge(const TreeAttnParams& p, int ct, i
       base[i] = idx < total ? base0 + r : -1;
     }
     float4 o[I];
-    merge_splits4<D, I>(p, base, n, c, o, (long long)M * 128, first_off);
+    merge_splits4<D, I, U>(p, base, n, c, o, (long long)M * 128, first_off);
 #pragma unroll
     for (int i = 0; i < I; ++i)
       if (base[i] >= 0) store_out4<BF16>(p, tok[i], head[i], c[i], o[i]);
@@ -205,8 +212,7 @@ __device__ __forceinline__ void persist_merge(const TreeAttnParams& p, int ct, i
 }
 
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER>
-__global__ void __launch_bounds__(384, 1)
-    tree_attn_gqa_pp_persist_sm90(const __grid_constant__ TreeAttnParams p) {
+__device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
   using C = GqaPpCfg<D, BN, STAGES>;
   static_assert(PRODUCER == kProducerShared || PRODUCER == kProducerOwnRows ||
                     PRODUCER == kProducerAuto,
@@ -244,7 +250,7 @@ __global__ void __launch_bounds__(384, 1)
   if (grp >= n_g) return;  // the launcher makes the grid a multiple of M
   // An empty range (fewer tiles than groups): the whole CTA leaves. Each role then walks its
   // range itself, after its register reallocation (state live across that spills).
-  if (grp >= min(n_g, persist_total<BN>(p))) return;
+  if (grp >= min(n_g, max(1, persist_total<BN>(p) / kPersistMinTiles))) return;
 
   if (tid == 0) {
 #pragma unroll
@@ -430,6 +436,9 @@ __global__ void __launch_bounds__(384, 1)
     pin(o);
     finish(m_run, l_run);
   }
+#ifdef TV_CTA_TRACE  // scripts/cta_trace.py: when this CTA's tiles were done (merges follow)
+  if (ct == 0 && tv_cta_trace != nullptr) cta_trace_slot()[3] = global_ns();
+#endif
   // The cut units' counts: the last piece of each merges it (the partials reach L2 first).
   for (int k = 0; k < n_pend; ++k) {
     __threadfence();
@@ -447,6 +456,24 @@ __global__ void __launch_bounds__(384, 1)
       persist_merge<D, BF16>(p, ct, e[3], e[4], e[5] != 0, M, mb, m0, e[2], e[1], e[0] % p.hkv);
     }
   }
+}
+
+template <int D, int BN, int STAGES, bool BF16, int PRODUCER>
+__global__ void __launch_bounds__(384, 1)
+    tree_attn_gqa_pp_persist_sm90(const __grid_constant__ TreeAttnParams p) {
+#ifdef TV_CTA_TRACE  // as the ping-pong kernel's, but word 3: when the CTA's tiles were done
+  if (threadIdx.x == 0 && tv_cta_trace != nullptr) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    cta_trace_slot()[0] = global_ns();
+    cta_trace_slot()[2] = smid;
+  }
+#endif
+  gqa_pp_persist_body<D, BN, STAGES, BF16, PRODUCER>(p);
+#ifdef TV_CTA_TRACE
+  if ((threadIdx.x & 31) == 0 && tv_cta_trace != nullptr)
+    atomicMax(cta_trace_slot() + 1, global_ns());
+#endif
 }
 
 }  // namespace treeverify
