@@ -32,6 +32,16 @@
 
 namespace treeverify {
 
+// Compile-time booleans for a generic lambda's two instantiations (no <type_traits> here).
+struct true_type {
+  static constexpr bool value = true;
+  __device__ constexpr operator bool() const { return true; }
+};
+struct false_type {
+  static constexpr bool value = false;
+  __device__ constexpr operator bool() const { return false; }
+};
+
 enum : int { kPpConsumers = 4 };  // named barrier of the two consumer warpgroups (256 threads)
 // The fewest tiles a group takes (fewer groups where the batch is small): each share pays a
 // start and its cut units a merge.
@@ -386,13 +396,16 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
     if (sg.n_tiles == 0) continue;
     const int P = w.q.rk.prefix, qo0 = w.q.qo0;
     const unsigned q_addr = smem_u32(sQ + (nseg & 1) * C::Q_BYTES) + c * 64 * 128;
-    for (int t = 0; t < sg.n_tiles; ++t, ++it) {
+    // One tile; FIRST: a segment's first tile, which also finishes the previous segment
+    // (instantiated twice, so the loop over the other tiles stays as lean as the ping-pong
+    // kernel's: with the store inside it, its code was ~45% longer).
+    auto tile = [&](int t, auto first) {
       const int slot = it % STAGES;
       mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);
       fence_async_smem();  // the producer's cp.async writes -> the tensor cores' reads
       const unsigned k_addr = smem_u32(sK + slot * C::T_BYTES);
       float s[32];
-      if (c == 1 && it == 0) named_arrive(kPpTurn0, 256);  // consumer 0 issues first
+      if (first && c == 1 && it == 0) named_arrive(kPpTurn0, 256);  // consumer 0 issues first
       named_sync(my_turn, 256);
       wg_fence();
       issue_qk64<D, BN, 128, BF16>(s, q_addr, k_addr);
@@ -401,7 +414,7 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
       named_arrive(other_turn, 256);
       wg_wait1();
       pin(s);
-      const bool seg_start = t == 0 && nseg > 0;
+      const bool seg_start = first && nseg > 0;
       float m_prev[2] = {m_run[0], m_run[1]}, l_prev[2] = {l_run[0], l_run[1]};
       if (seg_start) {
         m_run[0] = m_run[1] = -TV_INF;  // alpha = 0 below: O starts over after the store
@@ -422,7 +435,10 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
       if (it > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
       rescale_rows(o, alpha);
       pack_p_frags<BN / 8, BF16>(s, pa);
-    }
+      ++it;
+    };
+    tile(0, true_type{});
+    for (int t = 1; t < sg.n_tiles; ++t) tile(t, false_type{});
     prev_rows = sg.rows, prev_qo0 = qo0, prev_unit = w.r * p.hkv + w.h, prev_g0 = sg.g0;
     prev_cut = sg.n_pieces * 4 + sg.slot * 2 + sg.slot0;
     ++nseg;
