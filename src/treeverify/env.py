@@ -36,8 +36,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   shuffles, pingpong's copy pattern kept: v16, 1.02x) or ``pingpong-tma`` (whole tiles of paged keys
   by TMA, one box a page: v17, 1.01x) or ``pingpong-tma2`` (the same in 2-CTA clusters sharing each
   tile by multicast: v19, 0.93x) or ``pingpong-persist`` (one CTA an SM, each walking an equal
-  share of the batch's key tiles, cut units merged by their last piece: v23, for batches of mixed
-  lengths).
+  share of the batch's key tiles, cut units merged by their last piece: v23, 0.83x on the GQA
+  grid, 1.10x on its long mixed-length case; an option).
 - ``TREEVERIFY_CUDA_GQA_256``: the default GQA schedule's 256-row CTAs (v21: one KV tile serves
   256 rows, half the KV an SM takes in per FLOP; 1.11-1.21x on the grid's B32 N=64 cases,
   0.69-0.85x on small batches) where trees x group reach 256 rows: ``auto`` (default since
@@ -104,7 +104,7 @@ VARIABLES: dict[str, str] = {
     "pingpong-direct (producer threads look their own KV rows up, v15), pingpong-shfl (producer "
     "warps share row pointers by shuffles, v16), pingpong-tma (paged tiles by TMA, v17) or "
     "pingpong-tma2 (TMA tiles multicast to a 2-CTA cluster, v19) or pingpong-persist (one CTA "
-    "an SM walking an equal share of the batch's key tiles, v23).",
+    "an SM walking an equal share of the batch's key tiles, v23, measured 0.83x).",
     "TREEVERIFY_CUDA_GQA_256": "The default GQA schedule's 256-row CTAs (v21) where trees x "
     "group reach 256 rows: auto (default: where batch x KV heads fill the GPU's SMs; grid 1.018x "
     "at page 16), 0 (never: 128-row CTAs) or 1 (wherever the rows reach 256).",
