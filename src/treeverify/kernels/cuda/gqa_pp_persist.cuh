@@ -10,13 +10,17 @@
 // while the batch's 4,272 CTA-tiles spread over the SMs come to ~32 a CTA. Splits launched as
 // more CTAs (the balanced plans, v12) queue behind the first wave and each pays a start and
 // a merge: measured no faster.
+// Measured (twenty-first session, docs/performance.md): refuted as built, 0.83x on the GQA grid
+// (1.10x on its long mixed-length case), 0.87-0.89x on SGLang's batch: its own trace put a
+// segment at ~3.5-4 us and a cut unit's merge at a CTA's end at 8-19 us. Kept as an option.
 // Here:
 // - one CTA an SM, in groups of M = p.persist_m (the plan's 128-row blocks a request): CTA x
 //   runs row block x % M of group x / M's share. The CTAs of a group read the same keys at
 //   the same time, so the second one's loads hit L2 as the two CTAs of a KV head do now;
 // - the work is the flat list of key tiles over (request, KV head) units, request-major, each
 //   unit ceil((P_b + T_b) / BN) tiles; group g takes tiles [g T / n_g, (g + 1) T / n_g)
-//   (T: all units' tiles), so every group has the same tiles (+-1) whatever the lengths. A
+//   (T: all units' tiles; n_g: the groups, at most T / kPersistMinTiles of them), so every
+//   group has the same tiles (+-1) whatever the lengths. A
 //   range covers the end of one unit, whole units and the start of another: its segments;
 // - the producer streams the segments' tiles through the slot ring without a break, and each
 //   segment's Q into one of two Q buffers with the segment's first tile (once the consumers
@@ -123,8 +127,8 @@ __device__ __forceinline__ PersistReq persist_req(const TreeAttnParams& p, int b
 
 // A CTA's walk over its group's range [a, b), one (request r, KV head h) unit at a time; ub:
 // the flat index of the unit's first tile. ng = min(groups, T / kPersistMinTiles): the groups
-// that take tiles, so that no range is empty and a cut unit's pieces are consecutive groups. Producer and
-// consumers each walk it the same way.
+// that take tiles, so that no range is empty and a cut unit's pieces are consecutive groups.
+// Producer and consumers each walk it the same way.
 struct PersistWalk {
   int a, b, T, ub, ng, r, h;
   PersistReq q;
