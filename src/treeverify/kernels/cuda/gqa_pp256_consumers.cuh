@@ -70,15 +70,9 @@ __device__ __forceinline__ void gqa_pp256_consume(const TreeAttnParams& p,
   // other half's) is done, and O of this half rescaled (its own last PV finished a turn ago).
   auto softmax = [&](int h, float (&s)[32], int tile, unsigned (&pa)[BN / 16][4],
                      float (&o)[D / 2]) {
-    const int t0 = kv_begin + tile * BN;
-    if ((t0 + BN > P) || (t0 + BN > kv_stop))  // the tile reaches the tree or the split's end
-      frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0 + h * 64, P, kv_stop, rows, qo0, G);
-    float mx[2], alpha[2], m_use[2], rs[2];
-    frag_row_max<BN / 8>(s, mx);
-    online_max(m_run[h], mx, p.scale_log2, m_use, alpha);
-    frag_exp2<BN / 8>(s, m_use, p.scale_log2, rs);
-    l_run[h][0] = l_run[h][0] * alpha[0] + rs[0];
-    l_run[h][1] = l_run[h][1] * alpha[1] + rs[1];
+    float alpha[2];
+    tile_softmax<BN / 8>(s, p, kv_begin + tile * BN, tq, m0 + r0 + h * 64, P, kv_stop, rows, qo0,
+                         G, m_run[h], l_run[h], alpha);
     wg_wait0();  // the other half's PV done: its P registers and O settled
     pin(o0);
     pin(o1);

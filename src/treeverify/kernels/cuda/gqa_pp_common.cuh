@@ -45,4 +45,41 @@ enum : int {
 // checks they agree).
 constexpr int kAutoDirectMaxKeys = 32768;
 
+// kProducerOwnRows: this thread's half h (alternate 16-byte chunks) of row r of a K and a V tile
+// (dk / dv: the slot's tiles); kp / vp null: a row past the split's keys, zero-filled (the copy
+// still names a valid address, kg).
+template <int D, int BN>
+__device__ __forceinline__ void copy_own_row(unsigned char* dk, unsigned char* dv,
+                                             const unsigned short* kp, const unsigned short* vp,
+                                             const unsigned short* kg, int r, int h) {
+  const int bytes = kp ? 16 : 0;
+  const unsigned short* ks = (kp ? kp : kg) + 8 * h;
+  const unsigned short* vs = (vp ? vp : kg) + 8 * h;
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {  // chunks 2k + h of the row
+    const unsigned off = sw_off<BN>(r, 2 * k + h);
+    cp_async16(dk + off, ks + 16 * k, bytes);
+    cp_async16(dv + off, vs + 16 * k, bytes);
+  }
+}
+
+// kProducerShared: the producer warpgroup's 128 threads copy a K and a V tile whole rows at a
+// time from the row pointers published in shared memory (rk / rv: the slot's BN of them).
+template <int D, int BN>
+__device__ __forceinline__ void copy_shared_rows(unsigned char* dk, unsigned char* dv,
+                                                 const unsigned short* const* rk,
+                                                 const unsigned short* const* rv,
+                                                 const unsigned short* kg, int tid) {
+  constexpr int CH = D / 8;
+  static_assert(BN * CH % 128 == 0, "whole chunks per producer thread");
+#pragma unroll
+  for (int k = 0; k < BN * CH / 128; ++k) {
+    const int idx = tid + k * 128, r = idx / CH, c = idx % CH;
+    const unsigned short* kp = rk[r];
+    const unsigned short* vp = rv[r];
+    cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
+    cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
+  }
+}
+
 }  // namespace treeverify

@@ -303,17 +303,7 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
           publish_rows<T>(p, next, P, qo0, kvh, s.kv_stop, &kp, &vp);
           if (t + 1 < s.n_tiles)
             next = fetch_page(p, w.q.rk, P, s.kv_begin + (t + 1) * BN + r, s.kv_stop);
-          const int bytes = kp ? 16 : 0;
-          const T* ks = (kp ? kp : kg) + 8 * h;
-          const T* vs = (vp ? vp : kg) + 8 * h;
-          unsigned char* dk = sK + slot * C::T_BYTES;
-          unsigned char* dv = sV + slot * C::T_BYTES;
-#pragma unroll
-          for (int k = 0; k < C::CH / 2; ++k) {
-            const unsigned off = sw_off<BN>(r, 2 * k + h);
-            cp_async16(dk + off, ks + 16 * k, bytes);
-            cp_async16(dv + off, vs + 16 * k, bytes);
-          }
+          copy_own_row<D, BN>(sK + slot * C::T_BYTES, sV + slot * C::T_BYTES, kp, vp, kg, r, h);
           cp_async_mbar_arrive(full0 + 8 * slot);
         }
       } else {  // row pointers through shared memory, whole rows a copy instruction (v14)
@@ -329,16 +319,8 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
               next = fetch_page(p, w.q.rk, P, s.kv_begin + (t + 1) * BN + tid, s.kv_stop);
           }
           named_sync(kPpProducer, 128);
-          unsigned char* dk = sK + slot * C::T_BYTES;
-          unsigned char* dv = sV + slot * C::T_BYTES;
-#pragma unroll
-          for (int k = 0; k < BN * C::CH / 128; ++k) {
-            const int idx = tid + k * 128, r = idx / C::CH, c = idx % C::CH;
-            const T* kp = sRowK[slot * BN + r];
-            const T* vp = sRowV[slot * BN + r];
-            cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
-            cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
-          }
+          copy_shared_rows<D, BN>(sK + slot * C::T_BYTES, sV + slot * C::T_BYTES,
+                                  sRowK + slot * BN, sRowV + slot * BN, kg, tid);
           cp_async_mbar_arrive(full0 + 8 * slot);
         }
       }
@@ -424,15 +406,9 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
         m_run[0] = m_run[1] = -TV_INF;  // alpha = 0 below: O starts over after the store
         l_run[0] = l_run[1] = 0.f;
       }
-      const int t0 = sg.kv_begin + t * BN;
-      if ((t0 + BN > P) || (t0 + BN > sg.kv_stop))
-        frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0, P, sg.kv_stop, sg.rows, qo0, G);
-      float mx[2], alpha[2], m_use[2], rs[2];
-      frag_row_max<BN / 8>(s, mx);
-      online_max(m_run, mx, p.scale_log2, m_use, alpha);
-      frag_exp2<BN / 8>(s, m_use, p.scale_log2, rs);
-      l_run[0] = l_run[0] * alpha[0] + rs[0];
-      l_run[1] = l_run[1] * alpha[1] + rs[1];
+      float alpha[2];
+      tile_softmax<BN / 8>(s, p, sg.kv_begin + t * BN, tq, m0 + r0, P, sg.kv_stop, sg.rows, qo0,
+                           G, m_run, l_run, alpha);
       wg_wait0();  // PV of the previous tile done: o final if a segment just ended
       pin(o);
       if (seg_start) finish(m_prev, l_prev);

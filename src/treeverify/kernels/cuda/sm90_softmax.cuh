@@ -108,6 +108,24 @@ __device__ __forceinline__ void frag_exp2(float (&s)[4 * NJ], const float (&m_us
   }
 }
 
+// One tile's online softmax on S in place (S -> unnormalised P) for the GQA kernels: the mask
+// where the tile reaches the tree or the split's end (keys from t0, BN = 8 NJ of them; row0:
+// this thread's fragment row g), the running maxima and row sums; alpha: what O carries over.
+template <int NJ>
+__device__ __forceinline__ void tile_softmax(float (&s)[4 * NJ], const TreeAttnParams& p, int t0,
+                                             int tq, int row0, int P, int kv_stop, int rows,
+                                             int qo0, int G, float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2]) {
+  if ((t0 + 8 * NJ > P) || (t0 + 8 * NJ > kv_stop))
+    frag_mask<NJ>(s, p, t0 + 2 * tq, row0, P, kv_stop, rows, qo0, G);
+  float mx[2], m_use[2], rs[2];
+  frag_row_max<NJ>(s, mx);
+  online_max(m_run, mx, p.scale_log2, m_use, alpha);
+  frag_exp2<NJ>(s, m_use, p.scale_log2, rs);
+  l_run[0] = l_run[0] * alpha[0] + rs[0];
+  l_run[1] = l_run[1] * alpha[1] + rs[1];
+}
+
 // O (the same row layout, R accumulators) *= alpha per row, skipped when no row of this warp
 // changed its maximum: alpha is then exactly 1.
 template <int R>

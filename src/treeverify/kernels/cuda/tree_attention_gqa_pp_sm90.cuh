@@ -179,17 +179,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
         publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &kp, &vp);
         // The next tile's lookup in flight while this one is copied and its slot frees up.
         if (j + 1 < n_tiles) next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + r, kv_stop);
-        const int bytes = kp ? 16 : 0;  // rows past the split's keys: zero-filled
-        const T* ks = (kp ? kp : kg) + 8 * h;
-        const T* vs = (vp ? vp : kg) + 8 * h;
-        unsigned char* dk = sK + slot * C::T_BYTES;
-        unsigned char* dv = sV + slot * C::T_BYTES;
-#pragma unroll
-        for (int k = 0; k < C::CH / 2; ++k) {  // chunks 2k + h of the row
-          const unsigned off = sw_off<BN>(r, 2 * k + h);
-          cp_async16(dk + off, ks + 16 * k, bytes);
-          cp_async16(dv + off, vs + 16 * k, bytes);
-        }
+        copy_own_row<D, BN>(sK + slot * C::T_BYTES, sV + slot * C::T_BYTES, kp, vp, kg, r, h);
         cp_async_mbar_arrive(full0 + 8 * slot);
       }
     } else {  // kProducerShared (Auto on a large batch); kProducerTma after its TMA tiles
@@ -217,17 +207,8 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
             next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + tid, kv_stop);
         }
         named_sync(kPpProducer, 128);  // tile j's row pointers published
-        unsigned char* dk = sK + slot * C::T_BYTES;
-        unsigned char* dv = sV + slot * C::T_BYTES;
-        static_assert(BN * C::CH % 128 == 0, "whole chunks per producer thread");
-#pragma unroll
-        for (int k = 0; k < BN * C::CH / 128; ++k) {
-          const int idx = tid + k * 128, r = idx / C::CH, c = idx % C::CH;
-          const T* kp = sRowK[slot * BN + r];
-          const T* vp = sRowV[slot * BN + r];
-          cp_async16(dk + sw_off<BN>(r, c), kp ? kp + c * 8 : kg, kp ? 16 : 0);
-          cp_async16(dv + sw_off<BN>(r, c), vp ? vp + c * 8 : kg, vp ? 16 : 0);
-        }
+        copy_shared_rows<D, BN>(sK + slot * C::T_BYTES, sV + slot * C::T_BYTES,
+                                sRowK + slot * BN, sRowV + slot * BN, kg, tid);
         cp_async_mbar_arrive(full0 + 8 * slot);
       }
     }
@@ -298,15 +279,9 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       wg_wait1();  // S of tile it (PV of tile it-1 may still run)
       pin(s);
 
-      const int t0 = kv_begin + it * BN;
-      if ((t0 + BN > P) || (t0 + BN > kv_stop))  // the tile reaches the tree or the split's end
-        frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0, P, kv_stop, rows, qo0, G);
-      float mx[2], alpha[2], m_use[2], rs[2];
-      frag_row_max<BN / 8>(s, mx);
-      online_max(m_run, mx, p.scale_log2, m_use, alpha);
-      frag_exp2<BN / 8>(s, m_use, p.scale_log2, rs);
-      l_run[0] = l_run[0] * alpha[0] + rs[0];
-      l_run[1] = l_run[1] * alpha[1] + rs[1];
+      float alpha[2];
+      tile_softmax<BN / 8>(s, p, kv_begin + it * BN, tq, m0 + r0, P, kv_stop, rows, qo0, G, m_run,
+                           l_run, alpha);
       wg_wait0();  // PV of tile it-1 done: o and pa free, its slot's V read
       pin(o);
       if (it > 0) {

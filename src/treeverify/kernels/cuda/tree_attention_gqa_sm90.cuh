@@ -229,14 +229,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     pin(s);
 
     const int r0 = wg * 64 + 16 * wi + g;  // row within the CTA tile (and r0 + 8)
-    if ((t0 + BN > P) || (t0 + BN > kv_stop))  // the tile reaches the tree or the split's end
-      frag_mask<BN / 8>(s, p, t0 + 2 * tq, m0 + r0, P, kv_stop, rows, qo0, G);
-    float mx[2], alpha[2], m_use[2], rs[2];
-    frag_row_max<BN / 8>(s, mx);
-    online_max(m_run, mx, p.scale_log2, m_use, alpha);
-    frag_exp2<BN / 8>(s, m_use, p.scale_log2, rs);
-    l_run[0] = l_run[0] * alpha[0] + rs[0];
-    l_run[1] = l_run[1] * alpha[1] + rs[1];
+    float alpha[2];
+    tile_softmax<BN / 8>(s, p, t0, tq, m0 + r0, P, kv_stop, rows, qo0, G, m_run, l_run, alpha);
     rescale_rows(o, alpha);
     wg_fence();
 #pragma unroll
