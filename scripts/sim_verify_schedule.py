@@ -89,8 +89,8 @@ def main() -> None:
               f"{tiles * tile_us / 132:.1f} us")  # fmt: skip
     print(
         "  measured on the H200 (ae75623, page 16): balance 1 79.1 us, balance 2 75.2 us "
-        "(+ an 11.9 us merge kernel): the balanced plan is not modelled right "
-        "(scripts/cta_trace.py)"
+        "(+ an 11.9 us merge kernel): the model dispatches balanced plans' second halves onto "
+        "SMs that are not free yet (scripts/cta_trace.py, 4fa168e: they start at 19-59 us)"
     )
 
 

@@ -51,11 +51,14 @@ enum : int { kPpConsumers = 4 };  // named barrier of the two consumer warpgroup
 // start and its cut units a merge.
 constexpr int kPersistMinTiles = 4;
 
-// Key tiles of each KV head's unit of request b (0 for a padded batch slot: no tree nodes).
+// Key tiles of each KV head's unit of a request (0 for a padded batch slot: no tree nodes).
+template <int BN>
+__device__ __forceinline__ int unit_tiles(int prefix, int nodes) {
+  return nodes > 0 ? (prefix + nodes + BN - 1) / BN : 0;
+}
 template <int BN>
 __device__ __forceinline__ int persist_tiles(const TreeAttnParams& p, int b) {
-  const int nodes = p.qo_indptr[b + 1] - p.qo_indptr[b];
-  return nodes > 0 ? (request_kv(p, b).prefix + nodes + BN - 1) / BN : 0;
+  return unit_tiles<BN>(request_kv(p, b).prefix, p.qo_indptr[b + 1] - p.qo_indptr[b]);
 }
 
 // All units' tiles (T). Lanes over requests: every lane of the calling warp converged.
@@ -121,7 +124,7 @@ __device__ __forceinline__ PersistReq persist_req(const TreeAttnParams& p, int b
   q.rk = request_kv(p, b);
   q.qo0 = p.qo_indptr[b];
   q.nodes = p.qo_indptr[b + 1] - q.qo0;
-  q.tiles = q.nodes > 0 ? (q.rk.prefix + q.nodes + BN - 1) / BN : 0;
+  q.tiles = unit_tiles<BN>(q.rk.prefix, q.nodes);
   return q;
 }
 
@@ -152,8 +155,8 @@ __device__ __forceinline__ PersistWalk persist_start(const TreeAttnParams& p, in
   }
   return w;
 }
-__device__ __forceinline__ bool persist_more(const TreeAttnParams& p, const PersistWalk& w) {
-  return w.ub < w.b && w.r < p.batch;
+__device__ __forceinline__ bool persist_more(const PersistWalk& w) {
+  return w.ub < w.b;  // past the last request ub is T >= b
 }
 template <int BN>
 __device__ __forceinline__ void persist_next(const TreeAttnParams& p, PersistWalk& w) {
@@ -261,10 +264,8 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
   const int grp = static_cast<int>(blockIdx.x) / M, mb = static_cast<int>(blockIdx.x) % M;
 
   zero_padding_rows<D>(p);
-  if (grp >= n_g) return;  // the launcher makes the grid a multiple of M
-  // An empty range (fewer tiles than groups): the whole CTA leaves. Each role then walks its
-  // range itself, after its register reallocation (state live across that spills).
-  if (grp >= min(n_g, max(1, persist_total<BN>(p) / kPersistMinTiles))) return;
+  // Each role walks its range itself, after its register reallocation (state live across that
+  // spills); a CTA whose range is empty (fewer tiles than groups) walks nothing and leaves.
 
   if (tid == 0) {
 #pragma unroll
@@ -282,7 +283,7 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
     bool own_rows = PRODUCER == kProducerOwnRows;
     if constexpr (PRODUCER == kProducerAuto) own_rows = batch_keys(p) <= kAutoDirectMaxKeys;
     int j = 0, nseg = 0, q_last0 = -1, q_last1 = -1;  // tiles issued; each Q buffer's last tile
-    for (; persist_more(p, w); persist_next<BN>(p, w)) {
+    for (; persist_more(w); persist_next<BN>(p, w)) {
       const PersistSeg s = persist_seg<BN>(w, mb, G);
       if (s.n_tiles == 0) continue;
       const int qb = nseg & 1, e = qb ? q_last1 : q_last0;  // scalars: no local array
@@ -377,7 +378,7 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
     wg_commit();
   };
   int it = 0, nseg = 0;
-  for (; persist_more(p, w); persist_next<BN>(p, w)) {
+  for (; persist_more(w); persist_next<BN>(p, w)) {
     const PersistSeg sg = persist_seg<BN>(w, mb, G);
     if (sg.n_tiles == 0) continue;
     const int P = w.q.rk.prefix, qo0 = w.q.qo0;
