@@ -31,6 +31,8 @@ import torch
 
 HQ, HKV, D, N, BATCH, CTX = 32, 8, 128, 64, 8, 8192  # SGLang harness, llama8b per GPU
 BN = 64  # keys a KV tile
+WORDS = 8  # trace words a CTA (kTraceWords, tree_attention_gqa_pp_sm90.cuh)
+PHASES = ("copies issued", "tile 0 landed", "tiles done", "rows stored")  # words 4-7
 
 
 def harness_prefixes(page: int, seed: int) -> list[int]:
@@ -101,7 +103,7 @@ def run(args) -> dict:
     q = torch.randn(BATCH * N, HQ, D, device=dev).to(torch.bfloat16)
     out = torch.empty(BATCH * N, HQ, D, device=dev, dtype=torch.bfloat16)
     plan.plan(table, torch.tensor(prefix, dtype=torch.int32), qo, mask)
-    trace = torch.zeros(4 * 65536, dtype=torch.int64, device=dev)  # 4 words a CTA
+    trace = torch.zeros(WORDS * 65536, dtype=torch.int64, device=dev)  # WORDS a CTA
     point_trace_at(plan._launcher.fwd_kernel, trace)
     launcher = plan._launcher
     grid = launcher.grid
@@ -114,7 +116,7 @@ def run(args) -> dict:
         plan.run(q, k_cache, v_cache, out)
         end.record()
         torch.cuda.synchronize()
-    rows = trace.view(-1, 4)[: math.prod(grid)].cpu().tolist()
+    rows = trace.view(-1, WORDS)[: math.prod(grid)].cpu().tolist()
     return analyse(rows, prefix, grid, args, start.elapsed_time(end) * 1e3, plan)
 
 
@@ -122,7 +124,7 @@ def analyse_persistent(rows, prefix, grid, args, event_us: float, plan) -> dict:
     """The persistent kernel (TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong-persist): word 3 is when
     the CTA's tiles were done; what follows is its cut units' merges."""
     ctas = [{"cta": i, "sm": sm, "start_ns": a, "end_ns": e, "tiles_done_ns": d}
-            for i, (a, e, sm, d) in enumerate(rows) if a != 0]  # fmt: skip
+            for i, (a, e, sm, d, *_) in enumerate(rows) if a != 0]  # fmt: skip
     t0 = min(c["start_ns"] for c in ctas)
     for c in ctas:
         for k in ("start", "end", "tiles_done"):
@@ -153,17 +155,19 @@ def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
         return analyse_persistent(rows, prefix, grid, args, event_us, plan)
     balanced = plan._launcher.splits.balance_div > 0  # grid (x, request x head, split)
     ctas = []
-    for start, end, sm, idx in rows:
+    for start, end, sm, idx, *marks in rows:
         if start == 0:
             continue
         x, y, z = idx & 0xFFFFF, (idx >> 20) & 0xFFFFF, idx >> 40
         bh, split = (y, z) if balanced else (z, y)
         ctas.append({"x": x, "request": bh // HKV, "head": bh % HKV, "split": split, "sm": sm,
-                     "start_ns": start, "end_ns": end})  # fmt: skip
+                     "start_ns": start, "end_ns": end, "marks_ns": marks})  # fmt: skip
     t0 = min(c["start_ns"] for c in ctas)
     for c in ctas:
         c["start_us"], c["end_us"] = (c["start_ns"] - t0) / 1e3, (c["end_ns"] - t0) / 1e3
         c["us"] = c["end_us"] - c["start_us"]
+        # Each phase's mark, us after the CTA's own start (None: not reached, or not marked).
+        c["phases_us"] = [(m - c["start_ns"]) / 1e3 if m else None for m in c["marks_ns"]]
     span = max(c["end_us"] for c in ctas)
     sms = len({c["sm"] for c in ctas})
     print(f"page {args.page}, balance {args.balance}, grid {grid}: {len(ctas)} CTAs on {sms} SMs;")
@@ -184,8 +188,58 @@ def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
         print(f"  request {b}: {p + N} keys, {splits} split(s), ends {end:.1f} us; CTAs start "
               f"{min(starts):.1f}-{max(starts):.1f} us, run {min(runs):.1f}-{max(runs):.1f} us "
               f"(~{max(runs) / tiles:.2f} us a tile)")  # fmt: skip
+    phase_table(ctas, prefix, plan)
     return {"page_size": args.page, "balance": args.balance, "seed": args.seed, "grid": grid,
             "prefix": prefix, "span_us": span, "event_us": event_us, "ctas": ctas}  # fmt: skip
+
+
+def cta_tiles(c: dict, prefix: list[int], plan) -> int:
+    """KV tiles 128-row CTA c walked (the device's split rule, kernels/splits.py, and the
+    kernel's kv_stop: a row block's keys end at its last node)."""
+    from treeverify.kernels.splits import split_chunk
+
+    pol = plan._launcher.splits
+    kv = [p + N for p in prefix]
+    chunk = split_chunk(kv[c["request"]], pol.max_splits, pol.chunk, kv_batch=sum(kv),
+                        balance_div=pol.balance_div)  # fmt: skip
+    lo = c["split"] * chunk
+    rows = BN * 2  # a 128-row CTA: its nodes end at node_hi (the kernel's kv_stop)
+    node_hi = min(N, (c["x"] * rows + rows - 1) // (HQ // HKV) + 1)
+    stop = min(prefix[c["request"]] + node_hi, lo + chunk)
+    return max(0, -(-(stop - lo) // BN))
+
+
+def phase_table(ctas: list[dict], prefix: list[int], plan) -> None:
+    """Where a CTA's time goes: the median time from its start to each phase mark, the tile
+    loop's cost a tile (a least-squares line over the CTAs' tile counts) and what is left
+    after the rows are stored (the end: merge, exit)."""
+    marked = [c for c in ctas if all(m is not None for m in c["phases_us"])]
+    if not marked:
+        print("  no phase marks (a 256-row or TMA kernel: only the 128-row cp.async ones mark)")
+        return
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
+
+    ph = [[c["phases_us"][i] for c in marked] for i in range(len(PHASES))]
+    print(f"  phases, median over {len(marked)} CTAs (us after the CTA's start): " +
+          ", ".join(f"{name} {med(xs):.2f}" for name, xs in zip(PHASES, ph, strict=True)) +
+          f", end {med([c['us'] for c in marked]):.2f}")  # fmt: skip
+    tiles = [cta_tiles(c, prefix, plan) for c in marked]
+    loop = [c["phases_us"][2] - c["phases_us"][1] for c in marked]
+    n = len(tiles)
+    mt, ml = sum(tiles) / n, sum(loop) / n
+    var = sum((t - mt) ** 2 for t in tiles)
+    if var > 0:
+        slope = sum((t - mt) * (y - ml) for t, y in zip(tiles, loop, strict=True)) / var
+        stores = med([c["phases_us"][3] - c["phases_us"][2] for c in marked])
+        after = med([c["us"] - c["phases_us"][3] for c in marked])
+        print(
+            f"  tile loop: {ml - slope * mt:.2f} us + {slope:.3f} us a tile "
+            f"({min(tiles)}-{max(tiles)} tiles); outside it: start -> tile 0 landed "
+            f"{med(ph[1]):.2f} us, stores {stores:.2f} us, after them {after:.2f} us"
+        )
 
 
 def main() -> int:

@@ -47,6 +47,39 @@
 
 namespace treeverify {
 
+#ifdef TV_CTA_TRACE
+// A diagnostic build only (scripts/cta_trace.py compiles it; never a shipped variant): each CTA
+// writes kTraceWords words into tv_cta_trace[kTraceWords * its linear block index]: [0] start
+// ns (thread 0, before any work), [1] end ns (the latest warp's, atomicMax, after the body
+// returned, early exits included), [2] SM id, [3] blockIdx x | y << 20 | z << 40 (the
+// persistent kernel: when its tiles were done), then the ping-pong kernel's phases
+// (TV_TRACE_MARK; 0 where a CTA never got there): [4] the producer issued tile 0's copies
+// (page lookups and Q issued), [5] consumer 0 saw tile 0 land, [6] consumer 0's tiles done,
+// [7] consumer 0's rows stored (the merge, if any, follows). When and where each CTA ran, and
+// where a short CTA's fixed cost goes.
+extern "C" {
+__device__ unsigned long long* tv_cta_trace = nullptr;
+}
+constexpr int kTraceWords = 8;
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long* cta_trace_slot() {
+  const unsigned long long y = blockIdx.y, z = blockIdx.z;
+  return tv_cta_trace + kTraceWords * (blockIdx.x + gridDim.x * (y + gridDim.y * z));
+}
+#define TV_TRACE_MARK(cond, word)                                                      \
+  do {                                                                                 \
+    if ((cond) && tv_cta_trace != nullptr) cta_trace_slot()[word] = global_ns();      \
+  } while (0)
+#else
+#define TV_TRACE_MARK(cond, word) \
+  do {                            \
+  } while (0)
+#endif
+
 // The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps; H:
 // 64-row halves a consumer warpgroup owns (2: the 256-row CTA, gqa_pp256_consumers.cuh).
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS, bool MC, int H = 1>
@@ -181,6 +214,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
         if (j + 1 < n_tiles) next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + r, kv_stop);
         copy_own_row<D, BN>(sK + slot * C::T_BYTES, sV + slot * C::T_BYTES, kp, vp, kg, r, h);
         cp_async_mbar_arrive(full0 + 8 * slot);
+        TV_TRACE_MARK(j == 0 && tid == 0, 4);
       }
     } else {  // kProducerShared (Auto on a large batch); kProducerTma after its TMA tiles
       int j0 = 0;
@@ -210,6 +244,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
         copy_shared_rows<D, BN>(sK + slot * C::T_BYTES, sV + slot * C::T_BYTES,
                                 sRowK + slot * BN, sRowV + slot * BN, kg, tid);
         cp_async_mbar_arrive(full0 + 8 * slot);
+        TV_TRACE_MARK(j == 0 && tid == 0, 4);
       }
     }
     cp_async_wait<0>();  // nothing in flight when the CTA moves on (n_tiles == 0: Q alone)
@@ -258,6 +293,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     for (int it = 0; it < n_tiles; ++it) {
       const int slot = it % STAGES;
       mbar_wait(full0 + 8 * slot, (it / STAGES) & 1);
+      TV_TRACE_MARK(it == 0 && tid == 128, 5);
       fence_async_smem();  // the producer's cp.async writes -> the tensor cores' reads
       const unsigned k_addr = smem_u32(sK + slot * C::T_BYTES);
       float s[32];  // 64 rows x 64 tokens per warpgroup
@@ -301,9 +337,11 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       wg_wait0();
       pin(o);
     }
+    TV_TRACE_MARK(tid == 128, 6);
 
     gqa_store_rows<D, BF16>(p, o, m_run, l_run, m0 + r0, rows, qo0, kvh, G, split, n_splits,
                                tq);
+    TV_TRACE_MARK(tid == 128, 7);
     setmaxnreg_dec<C::LAUNCH_REGS>();  // back to the launch's share for the merge below
   }
   // MC: neither CTA leaves while the other may still arrive on its barriers.
@@ -311,25 +349,6 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
   if (n_splits > 1 && merged_in_forward<D>(p, n_splits, min(BM, rows - m0)))
     merge_tile_if_last<D, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
 }
-
-#ifdef TV_CTA_TRACE
-// A diagnostic build only (scripts/cta_trace.py compiles it; never a shipped variant): each CTA
-// writes [start ns, end ns, SM id, blockIdx x | y << 20 | z << 40] into tv_cta_trace[4 * its
-// linear block index], the start by thread 0 before any work, the end the latest warp's
-// (atomicMax) after the body returned, early exits included: when and where each CTA ran.
-extern "C" {
-__device__ unsigned long long* tv_cta_trace = nullptr;
-}
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned long long* cta_trace_slot() {
-  const unsigned long long y = blockIdx.y, z = blockIdx.z;
-  return tv_cta_trace + 4 * (blockIdx.x + gridDim.x * (y + gridDim.y * z));
-}
-#endif
 
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared,
           bool Q_REGS = false, int H = 1>
