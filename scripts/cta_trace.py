@@ -31,8 +31,14 @@ import torch
 
 HQ, HKV, D, N, BATCH, CTX = 32, 8, 128, 64, 8, 8192  # SGLang harness, llama8b per GPU
 BN = 64  # keys a KV tile
-WORDS = 8  # trace words a CTA (kTraceWords, tree_attention_gqa_pp_sm90.cuh)
-PHASES = ("copies issued", "tile 0 landed", "tiles done", "rows stored")  # words 4-7
+WORDS = 16  # trace words a CTA (kTraceWords, tree_attention_gqa_pp_sm90.cuh)
+# The phase marks in time order (name, trace word), the producer's first then consumer 0's.
+PHASES = (
+    ("indptrs loaded", 8), ("barriers ready", 9), ("Q issued", 10), ("producer chosen", 11),
+    ("tile 0 page", 12), ("tile 0 issued", 4), ("consumer regs", 13), ("tile 0 landed", 5),
+    ("tiles done", 6), ("rows stored", 7),
+)  # fmt: skip
+LANDED, DONE, STORED = 7, 8, 9  # indices into PHASES
 
 
 def harness_prefixes(page: int, seed: int) -> list[int]:
@@ -166,8 +172,10 @@ def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
     for c in ctas:
         c["start_us"], c["end_us"] = (c["start_ns"] - t0) / 1e3, (c["end_ns"] - t0) / 1e3
         c["us"] = c["end_us"] - c["start_us"]
-        # Each phase's mark, us after the CTA's own start (None: not reached, or not marked).
-        c["phases_us"] = [(m - c["start_ns"]) / 1e3 if m else None for m in c["marks_ns"]]
+        # Each phase's mark (PHASES' order), us after the CTA's own start (None: not reached,
+        # or not marked).
+        marks = [c["marks_ns"][w - 4] for _, w in PHASES]
+        c["phases_us"] = [(m - c["start_ns"]) / 1e3 if m else None for m in marks]
     span = max(c["end_us"] for c in ctas)
     sms = len({c["sm"] for c in ctas})
     print(f"page {args.page}, balance {args.balance}, grid {grid}: {len(ctas)} CTAs on {sms} SMs;")
@@ -213,32 +221,32 @@ def phase_table(ctas: list[dict], prefix: list[int], plan) -> None:
     """Where a CTA's time goes: the median time from its start to each phase mark, the tile
     loop's cost a tile (a least-squares line over the CTAs' tile counts) and what is left
     after the rows are stored (the end: merge, exit)."""
-    marked = [c for c in ctas if all(m is not None for m in c["phases_us"])]
+    marked = [c for c in ctas if None not in [c["phases_us"][i] for i in (LANDED, DONE, STORED)]]
     if not marked:
         print("  no phase marks (a 256-row or TMA kernel: only the 128-row cp.async ones mark)")
         return
 
     def med(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2]
+        xs = sorted(x for x in xs if x is not None)
+        return xs[len(xs) // 2] if xs else float("nan")
 
     ph = [[c["phases_us"][i] for c in marked] for i in range(len(PHASES))]
     print(f"  phases, median over {len(marked)} CTAs (us after the CTA's start): " +
-          ", ".join(f"{name} {med(xs):.2f}" for name, xs in zip(PHASES, ph, strict=True)) +
+          ", ".join(f"{name} {med(xs):.2f}" for (name, _), xs in zip(PHASES, ph, strict=True)) +
           f", end {med([c['us'] for c in marked]):.2f}")  # fmt: skip
     tiles = [cta_tiles(c, prefix, plan) for c in marked]
-    loop = [c["phases_us"][2] - c["phases_us"][1] for c in marked]
+    loop = [c["phases_us"][DONE] - c["phases_us"][LANDED] for c in marked]
     n = len(tiles)
     mt, ml = sum(tiles) / n, sum(loop) / n
     var = sum((t - mt) ** 2 for t in tiles)
     if var > 0:
         slope = sum((t - mt) * (y - ml) for t, y in zip(tiles, loop, strict=True)) / var
-        stores = med([c["phases_us"][3] - c["phases_us"][2] for c in marked])
-        after = med([c["us"] - c["phases_us"][3] for c in marked])
+        stores = med([c["phases_us"][STORED] - c["phases_us"][DONE] for c in marked])
+        after = med([c["us"] - c["phases_us"][STORED] for c in marked])
         print(
             f"  tile loop: {ml - slope * mt:.2f} us + {slope:.3f} us a tile "
             f"({min(tiles)}-{max(tiles)} tiles); outside it: start -> tile 0 landed "
-            f"{med(ph[1]):.2f} us, stores {stores:.2f} us, after them {after:.2f} us"
+            f"{med(ph[LANDED]):.2f} us, stores {stores:.2f} us, after them {after:.2f} us"
         )
 
 

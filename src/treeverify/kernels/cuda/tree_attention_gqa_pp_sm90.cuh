@@ -53,14 +53,17 @@ namespace treeverify {
 // ns (thread 0, before any work), [1] end ns (the latest warp's, atomicMax, after the body
 // returned, early exits included), [2] SM id, [3] blockIdx x | y << 20 | z << 40 (the
 // persistent kernel: when its tiles were done), then the ping-pong kernel's phases
-// (TV_TRACE_MARK; 0 where a CTA never got there): [4] the producer issued tile 0's copies
-// (page lookups and Q issued), [5] consumer 0 saw tile 0 land, [6] consumer 0's tiles done,
-// [7] consumer 0's rows stored (the merge, if any, follows). When and where each CTA ran, and
-// where a short CTA's fixed cost goes.
+// (TV_TRACE_MARK; 0 where a CTA never got there), thread 0 (the producer's first) and thread
+// 128 (consumer 0's first): [8] the request's indptrs loaded (the exit checks passed), [9] the
+// mbarriers initialised, [10] Q's copies issued, [11] the producer chosen (the batch's keys
+// loaded), [12] tile 0's first row address known (its page looked up; the own-rows producer), [4] tile 0's copies
+// issued; [13] consumer 0 got its registers, [5] saw tile 0 land, [6] its tiles done, [7] its
+// rows stored (the merge, if any, follows). A mark whose condition reads a loaded value waits
+// for that load. When and where each CTA ran, and where a short CTA's fixed cost goes.
 extern "C" {
 __device__ unsigned long long* tv_cta_trace = nullptr;
 }
-constexpr int kTraceWords = 8;
+constexpr int kTraceWords = 16;
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -130,6 +133,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
   const int kv_begin = split * chunk;
   const int kv_stop = min(P + node_hi, kv_begin + chunk);
   const int n_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + BN - 1) / BN : 0;
+  TV_TRACE_MARK(tid == 0 && n_tiles != -1, 8);
   // kProducerTma: tiles 0 .. n_tma - 1 (whole tiles of paged keys below the split's end and,
   // with MC or SGLang's extend buffers, below the tree: then both CTAs of a pair agree on it)
   // come by TMA. MC pairs share them when both CTAs have rows (uniform over the cluster).
@@ -157,6 +161,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
   // Barriers initialised before anyone (with MC: either CTA) arrives on or waits for them.
   if (mc) cluster_sync_all();
   else __syncthreads();
+  TV_TRACE_MARK(tid == 0, 9);
 
   if (wg == 0) {  // ---- producer: Q, then the K/V tiles into STAGES slots
     setmaxnreg_dec<C::PRODUCER_REGS>();
@@ -166,8 +171,13 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     for (int qb = 0; qb < H; ++qb)
       load_q_tile<128, C::CH, 128>(sQ + qb * C::Q_BLOCK_BYTES, p, m0 + qb * 128, rows, qo0, kvh,
                                    G);
+    TV_TRACE_MARK(tid == 0, 10);
     bool own_rows = PRODUCER == kProducerOwnRows;
-    if constexpr (PRODUCER == kProducerAuto) own_rows = batch_keys(p) <= kAutoDirectMaxKeys;
+    if constexpr (PRODUCER == kProducerAuto) {
+      const int keys = batch_keys(p);
+      own_rows = keys <= kAutoDirectMaxKeys;
+      TV_TRACE_MARK(tid == 0 && keys != -1, 11);
+    }
     if constexpr (PRODUCER == kProducerShuffle) {
       // A warp instruction copies RPW whole rows (CH threads a row); over its STEPS steps warp w
       // copies rows w * RPW + g + STEP_ROWS * k (g = lane / CH), 16 rows. Lane l owns one of
@@ -210,6 +220,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
         const T* kp;
         const T* vp;
         publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &kp, &vp);
+        TV_TRACE_MARK(j == 0 && tid == 0 && kp != vp, 12);
         // The next tile's lookup in flight while this one is copied and its slot frees up.
         if (j + 1 < n_tiles) next = fetch_page(p, rk, P, kv_begin + (j + 1) * BN + r, kv_stop);
         copy_own_row<D, BN>(sK + slot * C::T_BYTES, sV + slot * C::T_BYTES, kp, vp, kg, r, h);
@@ -257,6 +268,7 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
     setmaxnreg_dec<C::LAUNCH_REGS>();
   } else {  // ---- consumers: 64 rows each, MMAs issued in turns
     setmaxnreg_inc<C::CONSUMER_REGS>();
+    TV_TRACE_MARK(tid == 128, 13);
     const int c = wg - 1;
     const int my_turn = c == 0 ? kPpTurn0 : kPpTurn1, other_turn = c == 0 ? kPpTurn1 : kPpTurn0;
     float o[D / 2];
