@@ -61,6 +61,7 @@
 
 #include "device_common.cuh"
 #include "split_merge.cuh"  // merge_tile_if_last, zero_padding_rows
+#include "tree_mask.cuh"    // frag_mask: a fragment row's visible columns as one window
 
 namespace treeverify {
 
@@ -226,28 +227,24 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
       }
     }
 
-    // ---- scale, mask (only tiles that reach the tree nodes or the end), row max.
-    const bool need_mask = (t0 + BN > P) || (t0 + BN > kv_stop);
+    // ---- scale, mask (only tiles that reach the tree nodes or the end: one window of
+    // visible columns a fragment row, tree_mask.cuh), row max.
+#pragma unroll
+    for (int nt = 0; nt < C::BNW / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
+    }
+    if ((t0 + BN > P) || (t0 + BN > kv_stop)) {
+      // s[nt][e] is the flat fragment s[4 nt + e] (frag_mask's layout)
+      frag_mask<C::BNW / 8>(reinterpret_cast<float(&)[C::BNW / 2]>(s), p,
+                            t0 + wn * C::BNW + 2 * tq, m0 + wm * 16 + g, P, kv_stop, rows, qo0,
+                            G);
+    }
     float mx[2] = {-TV_INF, -TV_INF};
 #pragma unroll
     for (int nt = 0; nt < C::BNW / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e] * p.scale_log2;
-        if (need_mask) {
-          const int col = t0 + wn * C::BNW + nt * 8 + 2 * tq + (e & 1);
-          const int row = m0 + wm * 16 + g + (e >> 1) * 8;
-          bool vis = col < kv_stop && row < rows;
-          if (vis && col >= P) {
-            const int j = col - P;
-            const unsigned w = p.tree_mask[(long long)(qo0 + row / G) * p.mask_words + (j >> 5)];
-            vis = (w >> (j & 31)) & 1u;
-          }
-          if (!vis) v = -TV_INF;
-        }
-        s[nt][e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     }
     mx[0] = quad_max(mx[0]);
     mx[1] = quad_max(mx[1]);
