@@ -54,6 +54,11 @@
 //   v13b-v21: the merge by PDL (device_common.cuh) and the GQA ping-pong kernels, listed in
 //       tree_attention_gqa_pp_sm90.cuh (v21: 256-row CTAs, gqa_pp256_consumers.cuh); every
 //       version's prediction and figure: docs/performance.md.
+//   v24 (fd01e68) the tree mask as one 64-column window a fragment row (tree_mask.cuh) in the
+//       sm_90a kernels.                                                            51.4%
+//   v25 (7d865f4) the same window in this file's portable kernel, one branch a tile instead
+//       of a branch, a division and a mask load per element: portable GQA 1.37x on the H200
+//       (28.7 -> 39.2%, long contexts too), portable MLA-TP8 1.02x.
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head); the grid's y/z order of the last two is cta_split / cta_request_head's. Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
