@@ -49,8 +49,9 @@ def harness_prefixes(page: int, seed: int) -> list[int]:
     return sim.harness_prefixes(page, seed)
 
 
-def traced_forward():
-    """Make the CUDA launcher build the GQA ping-pong forward with TV_CTA_TRACE defined."""
+def traced_forward(extra_defines: tuple[str, ...] = ()):
+    """Make the CUDA launcher build the GQA ping-pong forward with TV_CTA_TRACE defined (and
+    `extra_defines`: a diagnostic variant of the kernel, e.g. TV_PP_FIRST_TILE=1)."""
     from treeverify.kernels.cuda import runner
     from treeverify.kernels.cuda.variants import GqaSm90Variant
 
@@ -60,7 +61,7 @@ def traced_forward():
         v = plain(*args, **kwargs)
         if not isinstance(v, GqaSm90Variant) or not v.pingpong or v.tma:
             raise SystemExit(f"cta_trace: the forward is {v.name}, not a traced ping-pong kernel")
-        return dataclasses.replace(v, defines=(*v.defines, "TV_CTA_TRACE"))
+        return dataclasses.replace(v, defines=(*v.defines, "TV_CTA_TRACE", *extra_defines))
 
     runner.fwd_variant = fwd_variant
 
@@ -82,7 +83,7 @@ def run(args) -> dict:
     from treeverify.kernels.plan import TreeAttentionPlan
     from treeverify.spec import parents_to_tree_mask
 
-    traced_forward()
+    traced_forward(tuple(args.define))
     dev = torch.device("cuda")
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
@@ -178,7 +179,9 @@ def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
         c["phases_us"] = [(m - c["start_ns"]) / 1e3 if m else None for m in marks]
     span = max(c["end_us"] for c in ctas)
     sms = len({c["sm"] for c in ctas})
-    print(f"page {args.page}, balance {args.balance}, grid {grid}: {len(ctas)} CTAs on {sms} SMs;")
+    defs = f", defines {' '.join(args.define)}" if args.define else ""
+    print(f"page {args.page}, balance {args.balance}{defs}, grid {grid}: {len(ctas)} CTAs on "
+          f"{sms} SMs;")  # fmt: skip
     print(f"  span {span:.1f} us (events around the launch {event_us:.1f} us)")
     print(f"  prefixes {prefix}")
     late = sorted(c["start_us"] for c in ctas if c["start_us"] > 1.0)
@@ -198,7 +201,8 @@ def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
               f"(~{max(runs) / tiles:.2f} us a tile)")  # fmt: skip
     phase_table(ctas, prefix, plan)
     return {"page_size": args.page, "balance": args.balance, "seed": args.seed, "grid": grid,
-            "prefix": prefix, "span_us": span, "event_us": event_us, "ctas": ctas}  # fmt: skip
+            "defines": args.define, "prefix": prefix, "span_us": span, "event_us": event_us,
+            "ctas": ctas}  # fmt: skip
 
 
 def cta_tiles(c: dict, prefix: list[int], plan) -> int:
@@ -256,6 +260,9 @@ def main() -> int:
     p.add_argument("--balance", type=int, default=1)
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--json")
+    p.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="also compile the traced kernel with this (a diagnostic variant: "
+                   "TV_PP_FIRST_TILE=k)")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("cta_trace: needs a CUDA GPU (sm_90a)", file=sys.stderr)

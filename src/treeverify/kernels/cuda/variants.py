@@ -7,6 +7,7 @@ is also the JIT cache key's readable half. Selection is pure Python (no GPU need
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Largest dynamic shared memory one block may opt into, per arch (bytes).
@@ -245,7 +246,12 @@ class GqaSm90Variant:
             "pingpong-persist": "_ppp",
             GQA_WIDE: "_pp2",
         }[self.schedule] + ("q" if self.q_regs else "")
-        trace = "_trace" if "TV_CTA_TRACE" in self.defines else ""  # scripts/cta_trace.py
+        # Diagnostic builds (scripts/cta_trace.py): their defines in the name, so a compile
+        # cache keyed by name never hands one out for another or for the shipped kernel.
+        trace = "_trace" if "TV_CTA_TRACE" in self.defines else ""
+        trace += "".join(
+            "_" + re.sub(r"[^0-9a-z]+", "", d.lower()) for d in self.defines if d != "TV_CTA_TRACE"
+        )
         return (
             f"fwd_gqa_sm90_wgmma{pp}_d{self.d}_m{self.bm}n{self.bn}s{self.stages}_{self.dtype}"
             + trace
