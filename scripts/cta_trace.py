@@ -51,7 +51,7 @@ def harness_prefixes(page: int, seed: int) -> list[int]:
 
 def traced_forward(extra_defines: tuple[str, ...] = ()):
     """Make the CUDA launcher build the GQA ping-pong forward with TV_CTA_TRACE defined (and
-    `extra_defines`: a diagnostic variant of the kernel, e.g. TV_PP_FIRST_TILE=1)."""
+    `extra_defines`: an experiment's variant of the kernel, built for the trace only)."""
     from treeverify.kernels.cuda import runner
     from treeverify.kernels.cuda.variants import GqaSm90Variant
 
@@ -261,8 +261,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--json")
     p.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
-                   help="also compile the traced kernel with this (a diagnostic variant: "
-                   "TV_PP_FIRST_TILE=k)")  # fmt: skip
+                   help="also compile the traced kernel with this (an experiment's #ifdef: "
+                   "e.g. the twenty-second session's TV_PP_FIRST_TILE=k, whose diff is in "
+                   "bench_results/2026-12-03-h200-ae239d3-first_tile_trace.tgz)")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("cta_trace: needs a CUDA GPU (sm_90a)", file=sys.stderr)

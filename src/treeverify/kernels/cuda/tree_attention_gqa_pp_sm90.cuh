@@ -83,22 +83,6 @@ __device__ __forceinline__ unsigned long long* cta_trace_slot() {
   } while (0)
 #endif
 
-#ifdef TV_PP_FIRST_TILE
-// A diagnostic build only (scripts/cta_trace.py --define TV_PP_FIRST_TILE=k): the producer
-// issues Q and tiles 0..k-1, then waits for tile 0 to land before issuing tile k and the rest.
-// The question (twenty-second session's trace): every CTA asks for Q and all STAGES tiles at
-// its start, and tile 0 lands only after most of that burst (~6.5 us); issued nearly alone,
-// does it land early enough for the consumers to start while the rest streams?
-#define TV_FIRST_TILE_WAIT(j)                           \
-  do {                                                  \
-    if ((j) == TV_PP_FIRST_TILE) mbar_wait(full0, 0);   \
-  } while (0)
-#else
-#define TV_FIRST_TILE_WAIT(j) \
-  do {                        \
-  } while (0)
-#endif
-
 // The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps; H:
 // 64-row halves a consumer warpgroup owns (2: the 256-row CTA, gqa_pp256_consumers.cuh).
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS, bool MC, int H = 1>
@@ -232,7 +216,6 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       PageFetch next = fetch_page(p, rk, P, kv_begin + r, kv_stop);
       for (int j = 0; j < n_tiles; ++j) {
         const int slot = j % STAGES;
-        TV_FIRST_TILE_WAIT(j);
         if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
         const T* kp;
         const T* vp;
@@ -259,7 +242,6 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       if (tid < BN) next = fetch_page(p, rk, P, kv_begin + j0 * BN + tid, kv_stop);
       for (int j = j0; j < n_tiles; ++j) {
         const int slot = j % STAGES;
-        TV_FIRST_TILE_WAIT(j);
         if (j >= STAGES) mbar_wait(empty0 + 8 * slot, ((j / STAGES) - 1) & 1);
         if (tid < BN) {
           publish_rows<T>(p, next, P, qo0, kvh, kv_stop, &sRowK[slot * BN + tid],
