@@ -35,10 +35,10 @@ WORDS = 16  # trace words a CTA (kTraceWords, tree_attention_gqa_pp_sm90.cuh)
 # The phase marks in time order (name, trace word), the producer's first then consumer 0's.
 PHASES = (
     ("indptrs loaded", 8), ("barriers ready", 9), ("Q issued", 10), ("producer chosen", 11),
-    ("tile 0 page", 12), ("tile 0 issued", 4), ("consumer regs", 13), ("tile 0 landed", 5),
-    ("tiles done", 6), ("rows stored", 7),
+    ("tile 0 page", 12), ("tile 0 issued", 4), ("consumer regs", 13), ("Q landed", 14),
+    ("tile 0 landed", 5), ("tiles done", 6), ("rows stored", 7),
 )  # fmt: skip
-LANDED, DONE, STORED = 7, 8, 9  # indices into PHASES
+LANDED, DONE, STORED = 8, 9, 10  # indices into PHASES
 
 
 def harness_prefixes(page: int, seed: int) -> list[int]:

@@ -56,10 +56,14 @@ namespace treeverify {
 // (TV_TRACE_MARK; 0 where a CTA never got there), thread 0 (the producer's first) and thread
 // 128 (consumer 0's first): [8] the request's indptrs loaded (the exit checks passed), [9] the
 // mbarriers initialised, [10] Q's copies issued, [11] the producer chosen (the batch's keys
-// loaded), [12] tile 0's first row address known (its page looked up; the own-rows producer), [4] tile 0's copies
-// issued; [13] consumer 0 got its registers, [5] saw tile 0 land, [6] its tiles done, [7] its
-// rows stored (the merge, if any, follows). A mark whose condition reads a loaded value waits
-// for that load. When and where each CTA ran, and where a short CTA's fixed cost goes.
+// loaded), [12] tile 0's first row address known (its page looked up; the own-rows producer),
+// [4] tile 0's copies issued (thread 0's; a mark for every producer thread's spilled the
+// producer, at its 56 registers); [13] consumer 0 got its registers, [14] it saw Q land (Q's
+// copies arrive on a barrier of their own in this build only: tile 0's barrier completes after
+// them, a cp.async arrival counts the thread's earlier copies too), [5] it saw tile 0 land, [6]
+// its tiles done, [7] its rows stored (the merge, if any, follows). A mark whose condition reads
+// a loaded value waits for that load. When and where each CTA ran, and where a short CTA's
+// fixed cost goes.
 extern "C" {
 __device__ unsigned long long* tv_cta_trace = nullptr;
 }
@@ -156,6 +160,9 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       mbar_init(empty0 + 8 * s, 256);  // the consumers' threads
       if (mc) mbar_init(peer_empty0 + 8 * s, 256);  // the partner's consumers, 32 a warp
     }
+#ifdef TV_CTA_TRACE  // Q's own barrier (mark 14): a slot only MC uses
+    if (!mc) mbar_init(peer_empty0, 128);
+#endif
     if (mc) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   // Barriers initialised before anyone (with MC: either CTA) arrives on or waits for them.
@@ -172,6 +179,9 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
       load_q_tile<128, C::CH, 128>(sQ + qb * C::Q_BLOCK_BYTES, p, m0 + qb * 128, rows, qo0, kvh,
                                    G);
     TV_TRACE_MARK(tid == 0, 10);
+#ifdef TV_CTA_TRACE
+    if (!mc) cp_async_mbar_arrive(peer_empty0);  // when Q's copies land (mark 14)
+#endif
     bool own_rows = PRODUCER == kProducerOwnRows;
     if constexpr (PRODUCER == kProducerAuto) {
       const int keys = batch_keys(p);
@@ -269,6 +279,12 @@ __device__ __forceinline__ void gqa_pp_body(const TreeAttnParams& p, const TmaDe
   } else {  // ---- consumers: 64 rows each, MMAs issued in turns
     setmaxnreg_inc<C::CONSUMER_REGS>();
     TV_TRACE_MARK(tid == 128, 13);
+#ifdef TV_CTA_TRACE
+    if (tid == 128 && !mc) {
+      mbar_wait(peer_empty0, 0);
+      TV_TRACE_MARK(true, 14);
+    }
+#endif
     const int c = wg - 1;
     const int my_turn = c == 0 ? kPpTurn0 : kPpTurn1, other_turn = c == 0 ? kPpTurn1 : kPpTurn0;
     float o[D / 2];
