@@ -51,3 +51,50 @@ def test_ncu_top_ranks_sass_lines_by_samples(tmp_path):
     assert [round(share, 2) for _, share, *_ in lines] == [0.6, 0.3, 0.1]
     assert lines[0][3] == ["long_sb", "math"] and lines[1][3] == ["barrier", "math"]
     assert lines[2][3] == []
+
+
+def test_cta_trace_phase_table_recovers_a_known_tile_cost(capsys):
+    """scripts/cta_trace.py's analysis on trace rows shaped like the kernel's (16 words a CTA,
+    SGLang's harness grid unbalanced: x = row block, z = request x KV head): each CTA's tiles
+    follow the device's split rule and kv_stop (a row block's keys end at its last node), and a
+    tile loop made to cost 1.0 us + 1.3 us a tile is read back as such, with the fixed phases'
+    medians."""
+    import argparse
+    import importlib.util
+    import types
+
+    from treeverify.kernels.splits import SplitPolicy
+
+    spec = importlib.util.spec_from_file_location("cta_trace", SCRIPTS / "cta_trace.py")
+    ct = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ct)
+    prefix = [1000, 300]  # request 0: 1064 keys (17 tiles), request 1: 364 (6)
+    plan = types.SimpleNamespace(
+        _launcher=types.SimpleNamespace(persist=False, splits=SplitPolicy(1, 64))
+    )
+    t0 = 10**12  # ns
+    rows = []
+    for b in range(len(prefix)):
+        for head in range(ct.HKV):
+            for x in range(2):
+                c = {"x": x, "request": b, "split": 0}
+                tiles = ct.cta_tiles(c, prefix, plan)
+                assert tiles == (17 if b == 0 else 6)  # (P + node_hi) / 64, rounded up
+                start = t0 + 1000 * (head % 3)  # starts spread over 2 us
+                landed = start + 6000
+                done = landed + 1000 + 1300 * tiles
+                marks = [0] * (ct.WORDS - 4)  # words 4.. of the kernel's trace
+                marks[4 - 4], marks[5 - 4], marks[6 - 4] = start + 5000, landed, done
+                marks[7 - 4], marks[14 - 4] = done + 2000, start + 5500
+                for w in (8, 9, 10, 11, 12, 13):
+                    marks[w - 4] = start + 100 * w
+                idx = x | (b * ct.HKV + head) << 40
+                rows.append([start, done + 2700, 7, idx, *marks])
+    args = argparse.Namespace(page=16, balance=1, define=[], seed=2026)
+    result = ct.analyse(rows, prefix, (2, 1, len(prefix) * ct.HKV), args, 0.0, plan)
+    out = capsys.readouterr().out
+    assert "tile loop: 1.00 us + 1.300 us a tile (6-17 tiles)" in out
+    assert "tile 0 issued 5.00, consumer regs 1.30, Q landed 5.50, tile 0 landed 6.00" in out
+    assert "start -> tile 0 landed 6.00 us, stores 2.00 us, after them 0.70 us" in out
+    assert len(result["ctas"]) == 2 * ct.HKV * len(prefix)
+    assert max(c["end_us"] for c in result["ctas"]) == result["span_us"]
