@@ -3,10 +3,14 @@ request's CTAs set the forward's time, with and without balanced splits, in micr
 
 The batch is scripts/sglang_backend_compare.py's timed draw (its fifth, for --seed), the split
 plan the launcher's (kernels/splits.py), and each CTA takes its 64-key tiles at a fixed time
-per tile (measured on the H200, nineteenth session: 1.44 us for a 128-row CTA, ~2.65 us for a
-256-row one) plus ~1 us of prologue; CTAs are dispatched in the grid's order onto one slot an
-SM (the ping-pong kernels run one CTA an SM). The merge (kernel or in-forward) and the rest of
-the replay are not modelled: compare the printed times with each other, not with a replay.
+per tile plus a fixed cost (measured on the H200 by the CTA trace's phase marks, twenty-second
+session: ~9.7 us a CTA, ~6.3 us before its first tile lands and ~2.6 us after its last, and a
+128-row tile 1.43 us at page 1, 1.26 us at page 16; a 256-row tile ~2.65 us at page 16,
+nineteenth session, and at page 1 assumed slower in the same ratio); CTAs are dispatched in
+the grid's order onto one slot an SM (the ping-pong kernels run one CTA an SM). The merge
+(kernel or in-forward) and the rest of the replay are not modelled: compare the printed times
+with each other and with the trace's spans, not with a replay. (Before the phase marks the
+model took ~1 us of fixed cost a CTA and predicted balanced plans 20 us too fast.)
 
     PYTHONPATH=src python3 scripts/sim_verify_schedule.py [--seed 2026] [--page 16]
 """
@@ -43,6 +47,7 @@ def forward_us(
     m_tiles: int,
     balance: int,
     tile_us: float,
+    fixed_us: float = 9.7,
     sms: int = 132,
     max_kv: int = 8192,
 ) -> tuple[float, int]:
@@ -58,7 +63,7 @@ def forward_us(
         c = split_chunk(k, pol.max_splits, pol.chunk, **args)
         for s in range(pol.max_splits):
             keys = min(k, (s + 1) * c) - s * c if s < ns else 0
-            dur = math.ceil(keys / 64) * tile_us + 1.0 if keys > 0 else 0.3
+            dur = math.ceil(keys / 64) * tile_us + fixed_us if keys > 0 else 0.3
             for h in range(hkv):
                 for x in range(m_tiles):  # balanced plans dispatch splits last (cta_split)
                     ctas.append(((s, b, h, x) if pol.balance_div else (b, h, s, x), dur))
@@ -75,22 +80,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--fixed-us", type=float, default=9.7,
+                    help="a CTA's fixed cost (what if it were smaller?)")  # fmt: skip
     args = ap.parse_args()
     prefix = harness_prefixes(args.page, args.seed)
     print(f"page {args.page}, seed {args.seed}: prefixes {prefix}")
-    for name, m_tiles, tile_us in (("128-row CTAs", 2, 1.44), ("256-row CTAs", 1, 2.65)):
-        for balance in (1, 2):
+    t128 = 1.43 if args.page == 1 else 1.26
+    shapes = (("128-row CTAs", 2, t128), ("256-row CTAs", 1, 2.65 * t128 / 1.26))
+    print(f"  a CTA's fixed cost {args.fixed_us} us")
+    for name, m_tiles, tile_us in shapes:
+        for balance in (1, 2, 3, 4):
             us, splits = forward_us(prefix, n=64, hkv=8, m_tiles=m_tiles, balance=balance,
-                                    tile_us=tile_us)  # fmt: skip
+                                    tile_us=tile_us, fixed_us=args.fixed_us)  # fmt: skip
             print(f"  {name}, balance {balance}: {splits} splits a plan, forward ~{us:.1f} us")
+        tile_us = round(tile_us, 2)
         # No plan beats every SM busy to the end: the batch's CTA-tiles spread over 132 SMs.
         tiles = sum(math.ceil((p + 64) / 64) for p in prefix) * 8 * m_tiles
         print(f"  {name}: work bound {tiles} CTA-tiles x {tile_us} us / 132 SMs = "
               f"{tiles * tile_us / 132:.1f} us")  # fmt: skip
     print(
-        "  measured on the H200 (ae75623, page 16): balance 1 79.1 us, balance 2 75.2 us "
-        "(+ an 11.9 us merge kernel): the model dispatches balanced plans' second halves onto "
-        "SMs that are not free yet (scripts/cta_trace.py, 4fa168e: they start at 19-59 us)"
+        "  measured on the H200 (CTA traces' spans, 128-row CTAs): balance 1 80.9 us (page 16), "
+        "95.3 us (page 1) (twenty-second session); balance 2 76.8-81.2 us at page 16 "
+        "(twenty-first, twenty-second), the merge not included"
     )
 
 
