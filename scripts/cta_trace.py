@@ -118,6 +118,11 @@ def run(args) -> dict:
         raise SystemExit(f"cta_trace: grid {grid} has more CTAs than the trace buffer holds")
     for _ in range(3):  # warm: the last launch's trace is kept
         trace.zero_()
+        # --launches N: N - 1 launches of the same forward right before the traced one (its
+        # code and data fresh in the SMs' caches; every mark and the end are overwritten by
+        # the last launch, the start too)
+        for _ in range(args.launches - 1):
+            plan.run(q, k_cache, v_cache, out)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         plan.run(q, k_cache, v_cache, out)
@@ -180,6 +185,8 @@ def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
     span = max(c["end_us"] for c in ctas)
     sms = len({c["sm"] for c in ctas})
     defs = f", defines {' '.join(args.define)}" if args.define else ""
+    launches = getattr(args, "launches", 1)
+    defs += f", the last of {launches} launches back to back" if launches > 1 else ""
     print(f"page {args.page}, balance {args.balance}{defs}, grid {grid}: {len(ctas)} CTAs on "
           f"{sms} SMs;")  # fmt: skip
     print(f"  span {span:.1f} us (events around the launch {event_us:.1f} us)")
@@ -260,6 +267,10 @@ def main() -> int:
     p.add_argument("--balance", type=int, default=1)
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--json")
+    p.add_argument("--launches", type=int, default=1,
+                   help="trace the last of this many back-to-back launches: with the kernel's "
+                   "code just run on every SM, is a CTA's start still ~6 us? (instruction "
+                   "cache misses, or not)")  # fmt: skip
     p.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also compile the traced kernel with this (an experiment's #ifdef: "
                    "e.g. the twenty-second session's TV_PP_FIRST_TILE=k, whose diff is in "
