@@ -123,6 +123,8 @@ def run(args) -> dict:
         # the last launch, the start too)
         for _ in range(args.launches - 1):
             plan.run(q, k_cache, v_cache, out)
+        if args.hot_q:  # Q just written, as a model's QKV projection leaves it: in L2
+            q.mul_(1.0)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         plan.run(q, k_cache, v_cache, out)
@@ -187,6 +189,7 @@ def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
     defs = f", defines {' '.join(args.define)}" if args.define else ""
     launches = getattr(args, "launches", 1)
     defs += f", the last of {launches} launches back to back" if launches > 1 else ""
+    defs += ", Q rewritten just before" if getattr(args, "hot_q", False) else ""
     print(f"page {args.page}, balance {args.balance}{defs}, grid {grid}: {len(ctas)} CTAs on "
           f"{sms} SMs;")  # fmt: skip
     print(f"  span {span:.1f} us (events around the launch {event_us:.1f} us)")
@@ -267,6 +270,10 @@ def main() -> int:
     p.add_argument("--balance", type=int, default=1)
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--json")
+    p.add_argument("--hot-q", action="store_true",
+                   help="rewrite Q right before the traced launch (in L2, as a model's QKV "
+                   "projection leaves it; the batch's K/V, larger than L2, evicts it "
+                   "otherwise)")  # fmt: skip
     p.add_argument("--launches", type=int, default=1,
                    help="trace the last of this many back-to-back launches: with the kernel's "
                    "code just run on every SM, is a CTA's start still ~6 us? (instruction "
