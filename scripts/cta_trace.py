@@ -1,18 +1,23 @@
 """When and where each CTA of the GQA ping-pong kernel ran (GPU, sm_90a): the forward compiled
 with TV_CTA_TRACE (tree_attention_gqa_pp_sm90.cuh: each CTA writes its start and end
-%globaltimer and its SM id), launched once on SGLang's harness batch (the prefixes of
+%globaltimer, its SM id and, in the 128-row kernel, when it passed each step: indptrs, barriers,
+Q issued, producer chosen, tile 0's page, tile 0 issued, consumer registers, Q landed, tile 0
+landed, tiles done, rows stored), launched on SGLang's harness batch (the prefixes of
 scripts/sglang_backend_compare.py's timed draw, 8 requests x 64-node trees, llama8b's 32 / 8
 heads), with or without balanced splits, or the persistent kernel (with
 TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong-persist: when each CTA started, finished its tiles and
-ended after its merges). For the question the twentieth session left: the
-schedule model (scripts/sim_verify_schedule.py) put the balanced plan at 57.7 us and the GPU
-ran it in 75.2 us; this says whether the long requests' second splits start late or run slow.
+ended after its merges). Asked so far: whether balanced plans' second splits start late or run
+slow (twenty-first session: late), and where a CTA's ~10 us of fixed cost goes (twenty-second:
+~6 us before its first tile lands, ~2.5-3 us after its last).
 
     PYTHONPATH=src python3 scripts/cta_trace.py [--page 16] [--balance 1] [--seed 2026]
-        [--json out.json]
+        [--launches N] [--hot-q] [--define NAME=VALUE ...] [--json out.json]
 
-Prints the kernel's span, the CTAs that end last, when the later splits start, each request's
-critical CTA and its time a 64-key tile; the JSON keeps every CTA.
+Prints the kernel's span, when the later splits start, each request's critical CTA and its time
+a 64-key tile, and the phase table (median time to each step, the tile loop's line); the JSON
+keeps every CTA. `--launches 2`: the traced launch right after another of the same kernel;
+`--hot-q`: Q rewritten just before it (in L2); `--define`: an experiment's #ifdef built into
+the traced variant only (scripts/gpu-cta-phases runs the first two).
 """
 
 from __future__ import annotations
