@@ -93,10 +93,9 @@ def main() -> None:
             us, splits = forward_us(prefix, n=64, hkv=8, m_tiles=m_tiles, balance=balance,
                                     tile_us=tile_us, fixed_us=args.fixed_us)  # fmt: skip
             print(f"  {name}, balance {balance}: {splits} splits a plan, forward ~{us:.1f} us")
-        tile_us = round(tile_us, 2)
         # No plan beats every SM busy to the end: the batch's CTA-tiles spread over 132 SMs.
         tiles = sum(math.ceil((p + 64) / 64) for p in prefix) * 8 * m_tiles
-        print(f"  {name}: work bound {tiles} CTA-tiles x {tile_us} us / 132 SMs = "
+        print(f"  {name}: work bound {tiles} CTA-tiles x {tile_us:.2f} us / 132 SMs = "
               f"{tiles * tile_us / 132:.1f} us")  # fmt: skip
     print(
         "  measured on the H200 (CTA traces' spans, 128-row CTAs): balance 1 80.9 us (page 16), "

@@ -433,9 +433,7 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
     pin(o);
     finish(m_run, l_run);
   }
-#ifdef TV_CTA_TRACE  // scripts/cta_trace.py: when this CTA's tiles were done (merges follow)
-  if (ct == 0 && tv_cta_trace != nullptr) cta_trace_slot()[3] = global_ns();
-#endif
+  TV_TRACE_MARK(ct == 0, 3);  // scripts/cta_trace.py: this CTA's tiles done (merges follow)
   // The cut units' counts: the last piece of each merges it (the partials reach L2 first).
   for (int k = 0; k < n_pend; ++k) {
     __threadfence();
@@ -458,19 +456,9 @@ __device__ __forceinline__ void gqa_pp_persist_body(const TreeAttnParams& p) {
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER>
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_persist_sm90(const __grid_constant__ TreeAttnParams p) {
-#ifdef TV_CTA_TRACE  // as the ping-pong kernel's, but word 3: when the CTA's tiles were done
-  if (threadIdx.x == 0 && tv_cta_trace != nullptr) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    cta_trace_slot()[0] = global_ns();
-    cta_trace_slot()[2] = smid;
-  }
-#endif
+  cta_trace_begin(false);  // word 3: when the CTA's tiles were done, not its block index
   gqa_pp_persist_body<D, BN, STAGES, BF16, PRODUCER>(p);
-#ifdef TV_CTA_TRACE
-  if ((threadIdx.x & 31) == 0 && tv_cta_trace != nullptr)
-    atomicMax(cta_trace_slot() + 1, global_ns());
-#endif
+  cta_trace_end();
 }
 
 }  // namespace treeverify

@@ -391,6 +391,7 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
 #include "sm90_async.cuh"  // mbarrier, TMA and cluster PTX wrappers
 #include "gqa_pp_tma_producer.cuh"  // the GQA ping-pong kernel's TMA phase
 #include "gqa_pp_common.cuh"  // the ping-pong kernels' shape, barriers, epilogue
+#include "cta_trace.cuh"  // per-CTA timing, diagnostic builds only (scripts/cta_trace.py)
 #include "gqa_pp256_consumers.cuh"  // the 256-row CTA's consumers (v21)
 #include "tree_attention_gqa_pp_sm90.cuh"  // sm_90a GQA, producer + ping-pong consumers (v14)
 #include "gqa_pp_persist.cuh"  // the same, persistent: equal shares of the batch (v23)

@@ -47,46 +47,6 @@
 
 namespace treeverify {
 
-#ifdef TV_CTA_TRACE
-// A diagnostic build only (scripts/cta_trace.py compiles it; never a shipped variant): each CTA
-// writes kTraceWords words into tv_cta_trace[kTraceWords * its linear block index]: [0] start
-// ns (thread 0, before any work), [1] end ns (the latest warp's, atomicMax, after the body
-// returned, early exits included), [2] SM id, [3] blockIdx x | y << 20 | z << 40 (the
-// persistent kernel: when its tiles were done), then the ping-pong kernel's phases
-// (TV_TRACE_MARK; 0 where a CTA never got there), thread 0 (the producer's first) and thread
-// 128 (consumer 0's first): [8] the request's indptrs loaded (the exit checks passed), [9] the
-// mbarriers initialised, [10] Q's copies issued, [11] the producer chosen (the batch's keys
-// loaded), [12] tile 0's first row address known (its page looked up; the own-rows producer),
-// [4] tile 0's copies issued (thread 0's; a mark for every producer thread's spilled the
-// producer, at its 56 registers); [13] consumer 0 got its registers, [14] it saw Q land (Q's
-// copies arrive on a barrier of their own in this build only: tile 0's barrier completes after
-// them, a cp.async arrival counts the thread's earlier copies too), [5] it saw tile 0 land, [6]
-// its tiles done, [7] its rows stored (the merge, if any, follows). A mark whose condition reads
-// a loaded value waits for that load. When and where each CTA ran, and where a short CTA's
-// fixed cost goes.
-extern "C" {
-__device__ unsigned long long* tv_cta_trace = nullptr;
-}
-constexpr int kTraceWords = 16;
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned long long* cta_trace_slot() {
-  const unsigned long long y = blockIdx.y, z = blockIdx.z;
-  return tv_cta_trace + kTraceWords * (blockIdx.x + gridDim.x * (y + gridDim.y * z));
-}
-#define TV_TRACE_MARK(cond, word)                                                      \
-  do {                                                                                 \
-    if ((cond) && tv_cta_trace != nullptr) cta_trace_slot()[word] = global_ns();      \
-  } while (0)
-#else
-#define TV_TRACE_MARK(cond, word) \
-  do {                            \
-  } while (0)
-#endif
-
 // The kernel's body; `tmk` / `tmv` (kProducerTma only): the K and V pools' tensor maps; H:
 // 64-row halves a consumer warpgroup owns (2: the 256-row CTA, gqa_pp256_consumers.cuh).
 template <int D, int BN, int STAGES, bool BF16, int PRODUCER, bool Q_REGS, bool MC, int H = 1>
@@ -383,22 +343,9 @@ template <int D, int BN, int STAGES, bool BF16, int PRODUCER = kProducerShared,
 __global__ void __launch_bounds__(384, 1)
     tree_attn_gqa_pp_sm90(const __grid_constant__ TreeAttnParams p) {
   static_assert(PRODUCER != kProducerTma, "the TMA producer's entry is tree_attn_gqa_pp_tma_sm90");
-#ifdef TV_CTA_TRACE
-  if (threadIdx.x == 0 && tv_cta_trace != nullptr) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    unsigned long long* slot = cta_trace_slot();
-    slot[0] = global_ns();
-    slot[2] = smid;
-    slot[3] = blockIdx.x | (static_cast<unsigned long long>(blockIdx.y) << 20) |
-              (static_cast<unsigned long long>(blockIdx.z) << 40);
-  }
-#endif
+  cta_trace_begin(true);
   gqa_pp_body<D, BN, STAGES, BF16, PRODUCER, Q_REGS, false, H>(p, nullptr, nullptr);
-#ifdef TV_CTA_TRACE
-  if ((threadIdx.x & 31) == 0 && tv_cta_trace != nullptr)
-    atomicMax(cta_trace_slot() + 1, global_ns());
-#endif
+  cta_trace_end();
 }
 
 // MC: launched as 2-CTA clusters along x (kernels/cuda/launch.py), grid x even.
