@@ -50,16 +50,22 @@ def forward_us(
     fixed_us: float = 9.7,
     sms: int = 132,
     max_kv: int = 8192,
+    single_share: float | None = None,
+    merge_us: float = 0.0,
 ) -> tuple[float, int]:
-    """The modelled forward time and the plan's split count."""
+    """The modelled forward time and the plan's split count; `single_share`: choose_splits'
+    (None: its default, 1: the v12 rule); `merge_us` added when some request was split."""
     pol = choose_splits(batch=len(prefix), hkv=hkv, m_tiles=m_tiles, max_kv=max_kv, bn=64,
-                        num_sms=sms, ctas_per_sm=1, balance=balance)  # fmt: skip
+                        num_sms=sms, ctas_per_sm=1, balance=balance,
+                        single_share=single_share)  # fmt: skip
     kv = [p + n for p in prefix]
     total = sum(kv)
     ctas = []
+    split = False
     for b, k in enumerate(kv):
         args = dict(kv_batch=total, balance_div=pol.balance_div)
         ns = num_splits(k, pol.max_splits, pol.chunk, **args)
+        split |= ns > 1
         c = split_chunk(k, pol.max_splits, pol.chunk, **args)
         for s in range(pol.max_splits):
             keys = min(k, (s + 1) * c) - s * c if s < ns else 0
@@ -73,7 +79,27 @@ def forward_us(
         t = heapq.heappop(slots) + dur
         heapq.heappush(slots, t)
         end = max(end, t)
-    return end, pol.max_splits
+    return end + (merge_us if split else 0.0), pol.max_splits
+
+
+def random_batches(count: int, seed: int) -> None:
+    """Geomean over `count` random batches of 8 (prefixes uniform in 1..L, N = 64, 128-row
+    CTAs, page 16's tile cost, 4 us of merge when a request splits) of each balanced rule's
+    modelled time over the unbalanced plan's (v26's evidence: kernels/splits.py)."""
+    rng = random.Random(seed)
+    print(f"{count} random batches of 8 per length, time / unbalanced (geomean, worst):")
+    for length in (4096, 8192, 32768):
+        batches = [[rng.randint(1, length) for _ in range(8)] for _ in range(count)]
+        kw = dict(n=64, hkv=8, m_tiles=2, tile_us=1.26, max_kv=max(8192, length + 64),
+                  merge_us=4.0)  # fmt: skip
+        base = [forward_us(b, balance=1, **kw)[0] for b in batches]
+        cells = []
+        for name, share in (("v12 rule", 1.0), ("v26 rule", None)):
+            r = [forward_us(b, balance=2, single_share=share, **kw)[0] / t
+                 for b, t in zip(batches, base, strict=True)]  # fmt: skip
+            geo = math.exp(sum(map(math.log, r)) / len(r))
+            cells.append(f"{name} {geo:.3f} ({max(r):.3f})")
+        print(f"  L = {length}: " + ", ".join(cells))
 
 
 def main() -> None:
@@ -82,6 +108,8 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--fixed-us", type=float, default=9.7,
                     help="a CTA's fixed cost (what if it were smaller?)")  # fmt: skip
+    ap.add_argument("--random", type=int, default=0, metavar="N",
+                    help="also: both balanced rules, N random batches of 8 a length")  # fmt: skip
     args = ap.parse_args()
     prefix = harness_prefixes(args.page, args.seed)
     print(f"page {args.page}, seed {args.seed}: prefixes {prefix}")
@@ -89,10 +117,13 @@ def main() -> None:
     shapes = (("128-row CTAs", 2, t128), ("256-row CTAs", 1, 2.65 * t128 / 1.26))
     print(f"  a CTA's fixed cost {args.fixed_us} us")
     for name, m_tiles, tile_us in shapes:
-        for balance in (1, 2, 3, 4):
+        for balance, share in ((1, None), (2, 1.0), (2, None), (3, None), (4, None)):
             us, splits = forward_us(prefix, n=64, hkv=8, m_tiles=m_tiles, balance=balance,
-                                    tile_us=tile_us, fixed_us=args.fixed_us)  # fmt: skip
-            print(f"  {name}, balance {balance}: {splits} splits a plan, forward ~{us:.1f} us")
+                                    tile_us=tile_us, fixed_us=args.fixed_us,
+                                    single_share=share)  # fmt: skip
+            rule = " (v12 rule)" if share == 1.0 else ""
+            print(f"  {name}, balance {balance}{rule}: {splits} splits a plan, "
+                  f"forward ~{us:.1f} us")  # fmt: skip
         # No plan beats every SM busy to the end: the batch's CTA-tiles spread over 132 SMs.
         tiles = sum(math.ceil((p + 64) / 64) for p in prefix) * 8 * m_tiles
         print(f"  {name}: work bound {tiles} CTA-tiles x {tile_us:.2f} us / 132 SMs = "
@@ -102,6 +133,8 @@ def main() -> None:
         "95.3 us (page 1) (twenty-second session); balance 2 76.8-81.2 us at page 16 "
         "(twenty-first, twenty-second), the merge not included"
     )
+    if args.random:
+        random_batches(args.random, args.seed)
 
 
 if __name__ == "__main__":

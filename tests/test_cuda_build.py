@@ -5,6 +5,7 @@ and the split policy follow their rules."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -25,6 +26,8 @@ from treeverify.kernels.cuda.variants import (  # noqa: E402
 )
 from treeverify.kernels.splits import (  # noqa: E402
     MIN_SPLIT_TOKENS,
+    SINGLE_SPLIT_MIN_BATCH,
+    SINGLE_SPLIT_SHARE,
     choose_splits,
     num_splits,
     policy_splits,
@@ -234,7 +237,9 @@ def test_balanced_policy_splits_a_uniform_batch_as_before(batch, m_tiles, max_kv
     plain, balanced = choose_splits(**kw), choose_splits(**kw, balance=2)
     assert plain.balance_div == 0 and balanced.max_splits >= plain.max_splits
     if balanced.max_splits > plain.max_splits:
-        assert balanced.balance_div == batch * plain.max_splits
+        single = plain.max_splits == 1 and batch >= SINGLE_SPLIT_MIN_BATCH
+        div = math.floor(batch / SINGLE_SPLIT_SHARE + 1e-9) if single else batch * plain.max_splits
+        assert balanced.balance_div == div
     for kv in sorted({1, 63, 64, 65, 520, max_kv // 3, max_kv - 1, max_kv}):
         assert _uniform(balanced, batch, kv) == _uniform(plain, batch, kv)
     one = dict(kw, batch=1)
@@ -250,7 +255,7 @@ def test_balanced_policy_spreads_a_mixed_batch():
     wave."""
     kw = dict(batch=8, hkv=8, m_tiles=2, max_kv=8256, bn=64, num_sms=132, ctas_per_sm=1)
     plain, balanced = choose_splits(**kw), choose_splits(**kw, balance=2)
-    assert plain.max_splits == 1 and balanced.max_splits == 2 and balanced.balance_div == 8
+    assert plain.max_splits == 1 and balanced.max_splits == 2 and balanced.balance_div == 7
     kv = [4160, 3000, 2100, 1500, 900, 400, 120, 65]
     n = policy_splits(balanced, kv)
     kv_batch = sum(kv)
@@ -392,3 +397,25 @@ def test_cta_trace_build_is_a_variant_of_its_own(tmp_path, monkeypatch):
         compiled = compile_variant(variant, "sm_90a", use_cache=False)
         assert compiled.spill_bytes == 0
         assert (b"tv_cta_trace" in compiled.cubin) == has_trace, variant.name
+
+
+def test_one_split_plans_split_only_past_the_share():
+    """v26: where one split a request fills the wave, a request is split only past
+    SINGLE_SPLIT_SHARE (8/7) of the batch's mean keys; single_share=1 is the v12 rule, which
+    splits anything past the mean (its second piece a few tiles, run late at a CTA's full cost).
+    Plans of more splits a request keep the v12 divisor (a uniform batch then splits as before)."""
+    kw = dict(batch=8, hkv=8, m_tiles=2, max_kv=8256, bn=64, num_sms=132, ctas_per_sm=1)
+    new, v12 = choose_splits(**kw, balance=2), choose_splits(**kw, balance=2, single_share=1.0)
+    assert (new.balance_div, v12.balance_div) == (7, 8)
+    mean = 2048
+    # 1.1x the mean: v12 splits it (2048 + 205), v26 does not; 1.5x: both split.
+    kv = [int(mean * 1.1), int(mean * 1.5)] + [mean - 50] * 6
+    assert policy_splits(v12, kv)[:2] == [2, 2] and policy_splits(new, kv)[:2] == [1, 2]
+    with pytest.raises(ValueError, match="single_share"):
+        choose_splits(**kw, balance=2, single_share=0.5)
+    # Two splits a request (N = 16, one row tile): the divisor stays batch x splits.
+    two = choose_splits(**dict(kw, m_tiles=1), balance=2)
+    assert two.max_splits == 4 and two.balance_div == 16
+    # Small batches keep the v12 divisor (batch / share would round to about the whole batch).
+    small = choose_splits(**dict(kw, batch=3, m_tiles=8), balance=2)
+    assert small.balance_div == 3

@@ -196,6 +196,22 @@ def cuda_split_balance(default: int = 2) -> int:
     return int(value)
 
 
+def cuda_split_share() -> float | None:
+    """TREEVERIFY_CUDA_SPLIT_SHARE: in balanced plans whose requests take one split each, no
+    split shorter than this multiple of the batch's mean keys (kernels/splits.py,
+    SINGLE_SPLIT_SHARE; 1: the v12 rule); unset: None, the policy's own value."""
+    value = os.environ.get("TREEVERIFY_CUDA_SPLIT_SHARE", "").strip()
+    if not value:
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 1.0 <= share <= 4.0:
+        raise ValueError(f"TREEVERIFY_CUDA_SPLIT_SHARE: expected a number in 1..4, got {value!r}")
+    return share
+
+
 def _choice(name: str, choices: tuple[str, ...]) -> str:
     """A variable that names one of `choices` (case-insensitive; unset: the first)."""
     value = os.environ.get(name, "").strip().lower() or choices[0]

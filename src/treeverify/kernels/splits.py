@@ -24,6 +24,17 @@ makes no split shorter than sum(P_r + T_r) / (max_batch * uniform), the batch's 
 uniform full batch splits exactly as before (each request's keys / uniform), while long
 requests of a mixed batch take the spare splits. The cost is the spare grid (CTAs that exit at
 once) and a larger partials workspace.
+
+Where the uniform count is one (the batch's requests unsplit fill a wave: SGLang's GQA batch,
+8 requests x 8 KV heads x 2 row tiles), the divisor is batch / SINGLE_SPLIT_SHARE instead of
+batch (v26): a request is split only past ~8/7 of the mean. A later split starts only when a
+short request's CTAs free their SMs and pays a CTA's fixed cost (~10 us, the CTA trace) plus
+the merge, so splitting a request barely longer than the mean loses; splitting the long ones
+keeps a large first piece, whose remainder, run late, is short. The schedule model
+(`scripts/sim_verify_schedule.py --random 200`, CTA costs from the trace) puts this rule at
+0.86 / 0.76 / 0.69x the unbalanced time on random mixed batches of 8 at 4k / 8k / 32k keys,
+against 0.96 / 0.85 / 0.74x for the v12 rule, and SGLang's page-1 batch at ~75 us (the merge
+not included) against 88 (v12) and 94 (unbalanced).
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ from dataclasses import dataclass
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 64  # the split granularity: splits are whole multiples of it
+SINGLE_SPLIT_SHARE = 8 / 7  # balanced plans of one split a request: no split under this x mean
+SINGLE_SPLIT_MIN_BATCH = 4  # below it the divisor would round to about the whole batch
 # Largest read (fp32 partials of every split of one row tile) that the last split CTA of a tile
 # merges itself, in the forward (CUDA backend): one SM reading more is slower than a merge
 # kernel spread over the GPU; below it the saved launch is the bigger win. Decided per tile on
@@ -58,6 +71,7 @@ def choose_splits(
     num_sms: int,
     ctas_per_sm: int,
     balance: int = 1,
+    single_share: float | None = None,
 ) -> SplitPolicy:
     """Enough CTAs to fill about one wave of the GPU, splits of whole MIN_SPLIT_TOKENS units.
 
@@ -65,10 +79,15 @@ def choose_splits(
     every length in the bucket; each request's split length follows its own length on the
     device (shorter requests: shorter splits, down to one unit; very short ones: fewer splits).
     `balance` > 1 (batch > 1): a grid with room for that many times the uniform split count,
-    taken by the long requests of a mixed batch (the module's docstring).
+    taken by the long requests of a mixed batch (the module's docstring); `single_share`
+    (default SINGLE_SPLIT_SHARE; 1 = the v12 rule): where the uniform count is one, no split
+    shorter than that multiple of the batch's mean keys.
     """
     if balance < 1:
         raise ValueError(f"balance: expected >= 1, got {balance}")
+    share = SINGLE_SPLIT_SHARE if single_share is None else single_share
+    if not 1.0 <= share <= 4.0:
+        raise ValueError(f"single_share: expected a number in 1..4, got {single_share}")
     base = max(1, batch * hkv * m_tiles)
     wave = num_sms * ctas_per_sm
     # Fill one wave without spilling into a second: 144 CTAs on 132 slots take two full waves.
@@ -78,7 +97,10 @@ def choose_splits(
     unit = math.lcm(bn, MIN_SPLIT_TOKENS)
     room = max(1, min(splits * balance, by_len, MAX_SPLITS))
     if batch > 1 and room > splits:
-        return SplitPolicy(room, unit, balance_div=batch * splits)
+        div = batch * splits
+        if splits == 1 and batch >= SINGLE_SPLIT_MIN_BATCH:
+            div = max(1, math.floor(batch / share + 1e-9))  # 8 / (8/7) is 7, not 6.999
+        return SplitPolicy(room, unit, balance_div=div)
     return SplitPolicy(splits, unit)
 
 

@@ -49,6 +49,7 @@ def launcher_flags() -> tuple:
         env.cuda_gqa_q_regs(),
         env.cuda_gqa_256(),
         env.cuda_split_balance(),
+        env.cuda_split_share(),
         env.cuda_max_splits(),
         env.cuda_tma_min_page(),
         env.cuda_merge_max_ctas(),
@@ -121,6 +122,7 @@ class Launcher:
             balance=(split_balance or env.cuda_split_balance()) if balance_pays(
                 max_kv=max_kv, max_tree=max_tree, hq=hq, hkv=hkv, dqk=dqk, dv=dv, mla=mla
             ) else 1,
+            single_share=env.cuda_split_share(),
         )  # fmt: skip
         forced = env.cuda_max_splits()
         if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
