@@ -248,8 +248,8 @@ def test_cuda_split_merge_mode(monkeypatch):
 
 
 def test_cuda_split_balance(monkeypatch):
-    """TREEVERIFY_CUDA_SPLIT_BALANCE: the caller's default unless set (2 for plans, 1 for the
-    SGLang integration's); out of range is an error naming it."""
+    """TREEVERIFY_CUDA_SPLIT_BALANCE: the caller's default unless set (2); out of range is an
+    error naming it."""
     monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_BALANCE", raising=False)
     assert env.cuda_split_balance() == 2 and env.cuda_split_balance(default=1) == 1
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_BALANCE", "2")
@@ -282,3 +282,16 @@ def test_kernel_flags_read_and_rejected_by_name(
     monkeypatch.setenv(name, "sideways")
     with pytest.raises(ValueError, match=name):
         reader()
+
+
+def test_cuda_split_share(monkeypatch):
+    """TREEVERIFY_CUDA_SPLIT_SHARE: None unless set (the policy's SINGLE_SPLIT_SHARE), a number
+    in 1..4 when set (1: the v12 rule), anything else an error naming it."""
+    monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_SHARE", raising=False)
+    assert env.cuda_split_share() is None
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_SHARE", "1.142857")
+    assert env.cuda_split_share() == pytest.approx(8 / 7, rel=1e-5)
+    for bad in ("0.5", "5", "nan", "eight"):
+        monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_SHARE", bad)
+        with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_SHARE"):
+            env.cuda_split_share()

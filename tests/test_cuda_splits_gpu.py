@@ -240,3 +240,66 @@ def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
     out = _poisoned(inp, dv)
     plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
     assert _rel(out, _reference(inp)) <= TOL
+
+
+# ---- Plans sharing one SplitArena (kernels/split_arena.py): the SGLang backend's plans.
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128, 128, False), (16, 1, 576, 512, True)],
+                         ids=["gqa128", "mla"])  # fmt: skip
+def test_plans_sharing_a_split_arena_replayed_in_turn(shape):
+    """Two captured plans of different batch sizes (8 and 2 requests, both splitting) take
+    their partials and merge counters from one arena, as the SGLang backend's per-batch-size
+    plans do; their graphs replayed in turn over new lengths (each twice, as two layers) equal
+    the reference every time: neither leaves state the other reads wrongly, the counters
+    included."""
+    from treeverify.bench.cases import Case, make_inputs
+    from treeverify.kernels.plan import TreeAttentionPlan
+    from treeverify.kernels.split_arena import SplitArena
+
+    hq, hkv, dqk, dv, mla = shape
+    page, max_tree, max_kv = 16, 64, 8256
+    arena = SplitArena("cuda")
+    plans, cases, firsts = {}, {}, {}
+    for batch in (8, 2):  # the larger first, as SGLang captures
+        cases[batch] = Case("a", batch, 8192, 64, hq, hkv, dqk, dv, mla)
+        firsts[batch] = make_inputs(cases[batch], page_size=page, device="cuda", seed=batch)
+        plans[batch] = TreeAttentionPlan(
+            num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=dqk, head_dim_v=dv, mla=mla,
+            page_size=page, max_batch=batch, max_tree=max_tree,
+            max_pages_per_request=max_kv // page + 1, max_kv_len=max_kv,
+            sm_scale=firsts[batch]["sm_scale"], dtype=torch.bfloat16, device="cuda",
+            split_balance=2, split_arena=arena,
+        )  # fmt: skip
+    assert all(p._launcher.splits.max_splits > 1 for p in plans.values())
+    assert arena.requests == 2
+    if arena.grown == 0:  # the smaller plan's partials are views of the larger one's
+        assert plans[2].part_o.data_ptr() == plans[8].part_o.data_ptr()
+    outs, graphs, qs = {}, {}, {}
+    for batch, plan in plans.items():
+        first = firsts[batch]
+        plan.plan(first["block_table"], first["prefix_lens"], first["qo_indptr"],
+                  first["tree_mask"])  # fmt: skip
+        qs[batch] = torch.randn(batch * max_tree, hq, dqk, device="cuda", dtype=torch.bfloat16)
+        outs[batch] = torch.empty(batch * max_tree, hq, dv, device="cuda", dtype=torch.bfloat16)
+        plan.run(qs[batch], first["k_cache"], first["v_cache"], outs[batch])
+        torch.cuda.synchronize()
+        graphs[batch] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[batch]):
+            plan.run(qs[batch], first["k_cache"], first["v_cache"], outs[batch])
+            plan.run(qs[batch], first["k_cache"], first["v_cache"], outs[batch])
+    steps = {8: [[8192, 6000, 4100, 3000, 1800, 800, 240, 1], [4000] * 8],
+             2: [[8000, 300], [5000, 5000]]}  # fmt: skip
+    for i in range(2):
+        for batch in (2, 8):  # in turn, the smaller first
+            prefixes = steps[batch][i]
+            nxt = make_inputs(cases[batch], page_size=page, device="cuda", seed=50 + 10 * i + batch,
+                              prefix_lens=prefixes, tree_sizes=[64] * batch)  # fmt: skip
+            first = firsts[batch]
+            total, ref = _load_step(nxt, first["k_cache"], first["v_cache"], qs[batch])
+            plans[batch].plan(nxt["block_table"], nxt["prefix_lens"], nxt["qo_indptr"],
+                              nxt["tree_mask"])  # fmt: skip
+            outs[batch].fill_(float("nan"))
+            graphs[batch].replay()
+            torch.cuda.synchronize()
+            assert _rel(outs[batch][:total], ref) <= TOL, (batch, i)

@@ -187,7 +187,7 @@ def cuda_split_merge() -> str:
 
 def cuda_split_balance(default: int = 2) -> int:
     """TREEVERIFY_CUDA_SPLIT_BALANCE: the balanced split rule's grid factor (kernels/splits.py);
-    `default` when unset (2; the SGLang integration's plans: 1), 1 turns balancing off."""
+    `default` when unset (2), 1 turns balancing off."""
     value = os.environ.get("TREEVERIFY_CUDA_SPLIT_BALANCE", "").strip() or str(default)
     if not value.isdigit() or not 1 <= int(value) <= 8:
         raise ValueError(

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from treeverify.kernels.plan_metadata import PlanMetadata
+from treeverify.kernels.split_arena import SplitArena
 from treeverify.kernels.staging import copy_from_host
 from treeverify.kernels.validate import validate_tree_attention_args
 
@@ -59,7 +60,10 @@ class TreeAttentionPlan:
         device: torch.device | str = "cuda",
         backend: str = "cuda",
         split_balance: int | None = None,
+        split_arena: SplitArena | None = None,
     ):
+        """`split_arena` (cuda backend): take the split partials from this shared arena
+        (kernels/split_arena.py) instead of allocating them: for plans never run at once."""
         for name, value in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
             ("head_dim_qk", head_dim_qk), ("page_size", page_size), ("max_batch", max_batch),
@@ -124,17 +128,20 @@ class TreeAttentionPlan:
                 split_balance=split_balance,
                 page_size=page_size,
             )  # compiles and loads the kernels now (warmup), never on a request
-            self._workspace = self._launcher.workspace()
+            self._workspace = self._launcher.workspace(split_arena)
+            self._shared_partials = split_arena is not None
             self.part_o, self.part_lse = self._workspace.part_o, self._workspace.part_lse
             self._params = Params()
 
     @property
     def workspace_bytes(self) -> int:
-        """Device bytes this plan holds (metadata + split partials)."""
+        """Device bytes this plan holds (metadata + split partials; partials taken from a
+        shared arena are the arena's, not counted here)."""
         tensors = []
-        if self._launcher is not None or self._triton is not None:
+        shared = self._launcher is not None and self._shared_partials
+        if (self._launcher is not None or self._triton is not None) and not shared:
             tensors += [self.part_o, self.part_lse]
-        if self._launcher is not None:
+        if self._launcher is not None and not shared:
             tensors.append(self._workspace.counters)
         return self._meta.nbytes + sum(t.numel() * t.element_size() for t in tensors)
 

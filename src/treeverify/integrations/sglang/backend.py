@@ -31,6 +31,7 @@ from treeverify.integrations.sglang.verify_metadata import (
     MASK_MODES,
     fill_verify_metadata,
 )
+from treeverify.kernels.split_arena import SplitArena
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,9 @@ class TreeverifyAttnBackend:
         self._graph_plans: dict[int, object] = {}  # captured batch size -> plan
         self._eager_plans: dict[int, object] = {}  # batch bucket (power of 2) -> plan
         self._outs: dict[int, torch.Tensor] = {}  # id(plan) -> (max_total_q, Hq, Dv) output
+        # Split partials shared by every plan (one verify step runs at a time): the largest
+        # plan's bytes instead of their sum over captured batch sizes.
+        self._split_arena = SplitArena(geometry.device) if kernel == "cuda" else None
         self._active = None  # the plan the last verify metadata went into
 
     # Attributes we do not define (needs_cpu_seq_lens, support_triton, ...) are the fallback's.
@@ -113,15 +117,16 @@ class TreeverifyAttnBackend:
             head_dim_v=g.head_dim_v, mla=g.mla, page_size=g.page_size, max_batch=max_batch,
             max_tree=n, max_pages_per_request=g.max_pages, max_kv_len=g.max_context_len,
             sm_scale=g.head_dim_qk**-0.5, dtype=g.dtype, device=g.device, backend=self.kernel,
-            split_balance=env.cuda_split_balance(default=1),
+            split_balance=env.cuda_split_balance(), split_arena=self._split_arena,
         )  # fmt: skip
         self._outs[id(plan)] = torch.empty(
             plan.max_total_q, g.num_qo_heads, g.head_dim_v, dtype=g.dtype, device=g.device
         )
+        arena = self._split_arena
         log.info(
-            "treeverify: verify plan for %d requests x %d tokens, %.1f MB of device buffers "
-            "(split partials included; TREEVERIFY_CUDA_SPLIT_BALANCE=2 doubles them on long "
-            "contexts)", max_batch, n, plan.workspace_bytes / 2**20,
+            "treeverify: verify plan for %d requests x %d tokens, %.1f MB of device buffers, "
+            "split partials shared by all plans: %.1f MB", max_batch, n,
+            plan.workspace_bytes / 2**20, (arena.nbytes if arena else 0) / 2**20,
         )  # fmt: skip
         return plan
 

@@ -22,6 +22,7 @@ from treeverify import env
 from treeverify.kernels.cuda import tma
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import fwd_variant, gqa_wide_pays, merge_variant
+from treeverify.kernels.split_arena import SplitArena
 from treeverify.kernels.splits import (
     balance_pays,
     choose_splits,
@@ -165,24 +166,29 @@ class Launcher:
             limit=self.fused_merge_bytes,
         )
 
-    def workspace(self) -> SplitWorkspace:
-        """New split buffers for this launcher's grid (allocates: at plan time, or eagerly)."""
-        s, dev = self.splits.max_splits, self.device
+    def workspace_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """part_o's and part_lse's shapes and the counters' length for this launcher's grid."""
+        s = self.splits.max_splits
         if self.persist:  # (2 slots, CTAs, 128 rows) partials; a counter per cut-unit row block
-            slots, units = 2 * self.grid[0] * 128, self.m_tiles * self.max_batch * self.hkv
-            return SplitWorkspace(
-                torch.empty(slots, self.dv, dtype=torch.float32, device=dev),
-                torch.empty(slots, dtype=torch.float32, device=dev),
-                torch.zeros(units, dtype=torch.int32, device=dev),
-            )
+            slots = 2 * self.grid[0] * 128
+            return (slots, self.dv), (slots,), self.m_tiles * self.max_batch * self.hkv
         if s == 1:
-            empty = torch.empty(0, dtype=torch.float32, device=dev)
-            return SplitWorkspace(empty, empty, torch.empty(0, dtype=torch.int32, device=dev))
+            return (0,), (0,), 0
         tiles = self.grid_x * self.max_batch * self.hkv if self.fused_merge_bytes else 0
+        return (s, self.total_q_cap, self.hq, self.dv), (s, self.total_q_cap, self.hq), tiles
+
+    def workspace(self, arena: SplitArena | None = None) -> SplitWorkspace:
+        """Split buffers for this launcher's grid: new ones (allocates: at plan time, or
+        eagerly), or views of `arena`, shared with other plans that never run at the same time."""
+        o_shape, lse_shape, counters = self.workspace_shapes()
+        if arena is not None:
+            (part_o, part_lse), ctr = arena.take((o_shape, lse_shape), counters)
+            return SplitWorkspace(part_o, part_lse, ctr)
+        dev = self.device
         return SplitWorkspace(
-            torch.empty(s, self.total_q_cap, self.hq, self.dv, dtype=torch.float32, device=dev),
-            torch.empty(s, self.total_q_cap, self.hq, dtype=torch.float32, device=dev),
-            torch.zeros(tiles, dtype=torch.int32, device=dev),
+            torch.empty(o_shape, dtype=torch.float32, device=dev),
+            torch.empty(lse_shape, dtype=torch.float32, device=dev),
+            torch.zeros(counters, dtype=torch.int32, device=dev),
         )
 
     def fill(
