@@ -34,7 +34,9 @@ keeps a large first piece, whose remainder, run late, is short. The schedule mod
 (`scripts/sim_verify_schedule.py --random 200`, CTA costs from the trace) puts this rule at
 0.86 / 0.76 / 0.69x the unbalanced time on random mixed batches of 8 at 4k / 8k / 32k keys,
 against 0.96 / 0.85 / 0.74x for the v12 rule, and SGLang's page-1 batch at ~75 us (the merge
-not included) against 88 (v12) and 94 (unbalanced).
+not included) against 88 (v12) and 94 (unbalanced). Measured on the H200 (fe57828, seed 2026):
+87.8 us against 100.1 (v12) and 93.9 (unbalanced); Kimi TP8 103.6 -> 87.7; the mixed-length
+grid 1.012x over v12 (docs/performance.md, twenty-third session).
 """
 
 from __future__ import annotations
