@@ -319,6 +319,13 @@ def test_split_merge_limits_and_launch_rule():
     assert merge_kernel_needed(max_splits=2, tile_rows=1, dv=64, limit=0)
     with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
         fused_merge_limit("both")
+    # A limit in KiB (an A/B of FUSED_MERGE_MAX_BYTES): GQA's two-split 128-row tiles (128 KiB)
+    # merge in the forward at "128", MLA's 64-row ones (256 KiB) still by the kernel.
+    assert fused_merge_limit("128") == 128 * 1024 == merge_bytes(2, 128, 128)
+    assert merge_bytes(2, 64, 512) > fused_merge_limit("128")
+    for bad in ("-1", "2097152", "12.5"):
+        with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
+            fused_merge_limit(bad)
 
 
 def test_forced_split_count_is_read_and_checked(monkeypatch):

@@ -181,7 +181,8 @@ def cuda_portable() -> bool:
 
 
 def cuda_split_merge() -> str:
-    """TREEVERIFY_CUDA_SPLIT_MERGE: auto (default), forward or kernel (kernels/splits.py)."""
+    """TREEVERIFY_CUDA_SPLIT_MERGE: auto (default), forward, kernel, or a limit in KiB
+    (kernels/splits.py, fused_merge_limit)."""
     return os.environ.get("TREEVERIFY_CUDA_SPLIT_MERGE", "").strip().lower() or "auto"
 
 

@@ -138,10 +138,16 @@ def policy_splits(policy: SplitPolicy, kv_totals: list[int]) -> list[int]:
 
 def fused_merge_limit(mode: str = "auto") -> int:
     """Bytes a row tile's merge may read to run in the forward: `mode` is
-    TREEVERIFY_CUDA_SPLIT_MERGE (auto; forward: every tile; kernel: none, for tests and A/B)."""
+    TREEVERIFY_CUDA_SPLIT_MERGE (auto; forward: every tile; kernel: none, for tests and A/B; a
+    whole number of KiB: that limit, for A/B of FUSED_MERGE_MAX_BYTES itself, e.g. "128": the
+    twenty-third session measured GQA's 128 KB two-split tiles faster merged in the forward on
+    SGLang's batch, Kimi's 256 KB ones slower)."""
+    if mode.isdigit() and int(mode) < 2**21:
+        return int(mode) * 1024
     if mode not in MERGE_MODES:
         raise ValueError(
-            f"TREEVERIFY_CUDA_SPLIT_MERGE: expected one of {MERGE_MODES}, got {mode!r}"
+            f"TREEVERIFY_CUDA_SPLIT_MERGE: expected one of {MERGE_MODES} or a number of KiB "
+            f"below 2097152, got {mode!r}"
         )
     return {"auto": FUSED_MERGE_MAX_BYTES, "forward": 2**31 - 1, "kernel": 0}[mode]
 
