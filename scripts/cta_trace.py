@@ -7,8 +7,10 @@ scripts/sglang_backend_compare.py's timed draw, 8 requests x 64-node trees, llam
 heads), with or without balanced splits, or the persistent kernel (with
 TREEVERIFY_CUDA_GQA_SCHEDULE=pingpong-persist: when each CTA started, finished its tiles and
 ended after its merges). Asked so far: whether balanced plans' second splits start late or run
-slow (twenty-first session: late), and where a CTA's ~10 us of fixed cost goes (twenty-second:
-~6 us before its first tile lands, ~2.5-3 us after its last).
+slow (twenty-first session: late), where a CTA's ~10 us of fixed cost goes (twenty-second:
+~6 us before its first tile lands, ~2.5-3 us after its last), and whether that start is cold
+code or a cold Q (twenty-third: not code, `--launches 2` lands tile 0 no sooner; a Q in L2,
+`--hot-q`, 0.25-0.4 us sooner).
 
     PYTHONPATH=src python3 scripts/cta_trace.py [--page 16] [--balance 1] [--seed 2026]
         [--launches N] [--hot-q] [--define NAME=VALUE ...] [--json out.json]
