@@ -129,3 +129,13 @@ def test_capacity_checks_hold_exactly_at_the_limits(batch):
         tight = dict(limits, **{name: limits[name] - 1})
         with pytest.raises(ValueError, match=name):
             _plan(case, 16, **tight).plan(*meta)
+
+
+def test_split_arena_only_for_the_cuda_backend():
+    """A shared split arena is the CUDA launcher's; another backend refuses it by name instead
+    of silently allocating its own partials."""
+    from treeverify.kernels.split_arena import SplitArena
+
+    case = Case("t", 3, 500, 40, 8, 2, 64, 64, False)
+    with pytest.raises(ValueError, match="split_arena"):
+        _plan(case, 16, split_arena=SplitArena("cpu"))

@@ -78,6 +78,9 @@ class TreeAttentionPlan:
             )
         if backend not in ("cuda", "triton", "torch"):
             raise ValueError(f"backend: a plan runs 'cuda', 'triton' or 'torch', got {backend!r}")
+        if split_arena is not None and backend != "cuda":
+            raise ValueError(f"split_arena: only the cuda backend takes one, not {backend!r}")
+        self._shared_partials = split_arena is not None  # the arena's bytes, not this plan's
         self.hq, self.hkv, self.dqk = num_qo_heads, num_kv_heads, head_dim_qk
         self.dv = head_dim_v if head_dim_v is not None else head_dim_qk
         self.mla, self.page_size, self.sm_scale = mla, page_size, float(sm_scale)
@@ -129,7 +132,6 @@ class TreeAttentionPlan:
                 page_size=page_size,
             )  # compiles and loads the kernels now (warmup), never on a request
             self._workspace = self._launcher.workspace(split_arena)
-            self._shared_partials = split_arena is not None
             self.part_o, self.part_lse = self._workspace.part_o, self._workspace.part_lse
             self._params = Params()
 
@@ -138,10 +140,9 @@ class TreeAttentionPlan:
         """Device bytes this plan holds (metadata + split partials; partials taken from a
         shared arena are the arena's, not counted here)."""
         tensors = []
-        shared = self._launcher is not None and self._shared_partials
-        if (self._launcher is not None or self._triton is not None) and not shared:
+        if self._triton is not None or (self._launcher is not None and not self._shared_partials):
             tensors += [self.part_o, self.part_lse]
-        if self._launcher is not None and not shared:
+        if self._launcher is not None and not self._shared_partials:
             tensors.append(self._workspace.counters)
         return self._meta.nbytes + sum(t.numel() * t.element_size() for t in tensors)
 

@@ -101,7 +101,7 @@ def choose_splits(
     if batch > 1 and room > splits:
         div = batch * splits
         if splits == 1 and batch >= SINGLE_SPLIT_MIN_BATCH:
-            div = max(1, math.floor(batch / share + 1e-9))  # 8 / (8/7) is 7, not 6.999
+            div = math.floor(batch / share + 1e-9)  # 8 / (8/7) is 7, not 6.999; >= 1
         return SplitPolicy(room, unit, balance_div=div)
     return SplitPolicy(splits, unit)
 
