@@ -5,7 +5,6 @@ and the split policy follow their rules."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -23,15 +22,6 @@ from treeverify.kernels.cuda.variants import (  # noqa: E402
     MlaSm90Variant,
     all_variants,
     fwd_variant,
-)
-from treeverify.kernels.splits import (  # noqa: E402
-    MIN_SPLIT_TOKENS,
-    SINGLE_SPLIT_MIN_BATCH,
-    SINGLE_SPLIT_SHARE,
-    choose_splits,
-    num_splits,
-    policy_splits,
-    split_chunk,
 )
 
 
@@ -206,128 +196,6 @@ def test_variant_choice():
         fwd_variant("sm_70", 128, 128, False, "bf16")
 
 
-@pytest.mark.parametrize("batch,m_tiles,max_kv", [(1, 1, 32784), (1, 2, 1040), (32, 64, 32832),
-                                                  (8, 1, 100), (4, 4, 8256)])  # fmt: skip
-def test_split_policy_fills_one_wave_without_short_chunks(batch, m_tiles, max_kv):
-    pol = choose_splits(batch=batch, hkv=8, m_tiles=m_tiles, max_kv=max_kv, bn=64, num_sms=132,
-                        ctas_per_sm=2)  # fmt: skip
-    assert pol.max_splits >= 1 and pol.chunk % 64 == 0 and pol.chunk >= MIN_SPLIT_TOKENS
-    base = batch * 8 * m_tiles
-    assert base * pol.max_splits <= max(base, 264)  # never a second, mostly empty wave
-    for kv in sorted({1, 63, 64, 65, 520, max_kv // 3, max_kv - 1, max_kv}):
-        c, n = split_chunk(kv, pol.max_splits, pol.chunk), num_splits(kv, pol.max_splits, pol.chunk)
-        assert c % pol.chunk == 0 and n <= pol.max_splits and n * c >= kv  # all keys covered
-        assert (n - 1) * c < kv  # no empty split
-        if kv >= 2 * pol.max_splits * pol.chunk:
-            assert n > pol.max_splits // 2  # a long request uses most splits
-
-
-def _uniform(pol, batch, kv):
-    return policy_splits(pol, [kv] * batch)
-
-
-@pytest.mark.parametrize("batch,m_tiles,max_kv,cps", [
-    (8, 2, 8256, 1), (8, 1, 1040, 2), (4, 4, 8256, 2), (32, 2, 1088, 1), (2, 1, 32832, 2),
-    (3, 8, 4160, 1),
-])  # fmt: skip
-def test_balanced_policy_splits_a_uniform_batch_as_before(batch, m_tiles, max_kv, cps):
-    """Balancing adds room, never splits: a full batch of equal lengths (and a batch of one)
-    gets exactly the unbalanced policy's splits at every length; the grid only grows."""
-    kw = dict(batch=batch, hkv=8, m_tiles=m_tiles, max_kv=max_kv, bn=64, num_sms=132,
-              ctas_per_sm=cps)  # fmt: skip
-    plain, balanced = choose_splits(**kw), choose_splits(**kw, balance=2)
-    assert plain.balance_div == 0 and balanced.max_splits >= plain.max_splits
-    if balanced.max_splits > plain.max_splits:
-        single = plain.max_splits == 1 and batch >= SINGLE_SPLIT_MIN_BATCH
-        div = math.floor(batch / SINGLE_SPLIT_SHARE + 1e-9) if single else batch * plain.max_splits
-        assert balanced.balance_div == div
-    for kv in sorted({1, 63, 64, 65, 520, max_kv // 3, max_kv - 1, max_kv}):
-        assert _uniform(balanced, batch, kv) == _uniform(plain, batch, kv)
-    one = dict(kw, batch=1)
-    assert choose_splits(**one, balance=2) == choose_splits(**one)  # nothing to balance
-    with pytest.raises(ValueError, match="balance"):
-        choose_splits(**kw, balance=0)
-
-
-def test_balanced_policy_spreads_a_mixed_batch():
-    """SGLang's batch path at N=64 GQA (8 requests of 1..4096 keys, plan sized for 8192): one
-    split each without balancing, so the longest request alone sets the time; balanced, the long
-    ones split, every split is at most about the batch's mean length, and the CTAs stay near one
-    wave."""
-    kw = dict(batch=8, hkv=8, m_tiles=2, max_kv=8256, bn=64, num_sms=132, ctas_per_sm=1)
-    plain, balanced = choose_splits(**kw), choose_splits(**kw, balance=2)
-    assert plain.max_splits == 1 and balanced.max_splits == 2 and balanced.balance_div == 7
-    kv = [4160, 3000, 2100, 1500, 900, 400, 120, 65]
-    n = policy_splits(balanced, kv)
-    kv_batch = sum(kv)
-    chunks = [split_chunk(k, balanced.max_splits, balanced.chunk, kv_batch=kv_batch,
-                          balance_div=balanced.balance_div) for k in kv]  # fmt: skip
-    assert n == [2, 2, 2, 1, 1, 1, 1, 1] and policy_splits(plain, kv) == [1] * 8
-    longest = max(min(c, k) for c, k in zip(chunks, kv, strict=True))
-    assert longest <= 2112  # vs 4160 unbalanced (the grid has room for 2 splits)
-    for k, c, s in zip(kv, chunks, n, strict=True):
-        assert c % balanced.chunk == 0 and s * c >= k and (s - 1) * c < k  # covered, none empty
-    assert sum(n) * kw["hkv"] * kw["m_tiles"] <= 2 * 132  # about a wave, never the whole grid
-
-
-def test_balance_only_where_it_paid_on_the_h200():
-    from treeverify.kernels.splits import balance_pays
-
-    gqa = dict(max_tree=64, hq=32, hkv=8, dqk=128, dv=128, mla=False)
-    mla_tp1 = dict(max_tree=64, hq=128, hkv=1, dqk=576, dv=512, mla=True)
-    mla_tp8 = dict(max_tree=64, hq=8, hkv=1, dqk=576, dv=512, mla=True)
-    assert not balance_pays(max_kv=1088, **gqa)  # short contexts lost 0.6-0.8x
-    assert balance_pays(max_kv=8256, **gqa) and balance_pays(max_kv=8256, **mla_tp8)
-    assert not balance_pays(max_kv=8256, **mla_tp1)  # 17 MB of partials vs 5 MB of KV
-    assert balance_pays(max_kv=32832, **mla_tp1)
-
-
-def test_merge_heads_per_cta_bounds_the_merge_grid():
-    from treeverify.kernels.splits import MERGE_MAX_CTAS, merge_heads_per_cta
-
-    assert merge_heads_per_cta(16, 128) == 1  # 2048 (token, head) CTAs: one head each
-    assert merge_heads_per_cta(64, 128) == 4  # 8192 -> 2048
-    assert merge_heads_per_cta(2048, 128) == 128  # 262k -> 2048: all 128 heads in one CTA
-    assert merge_heads_per_cta(16384, 8) == 8  # never more heads than the model has
-    for q, h in [(16, 4), (512, 32), (2048, 32), (4096, 128), (100, 3)]:
-        heads = merge_heads_per_cta(q, h)
-        assert heads <= h or heads == 1
-        assert q * -(-h // heads) <= MERGE_MAX_CTAS or heads >= h
-    assert merge_heads_per_cta(2048, 32, max_ctas=2048) == 32  # a tighter bound: wider CTAs
-    assert merge_heads_per_cta(512, 32, max_ctas=4096) == 4
-
-
-def test_split_merge_limits_and_launch_rule():
-    """A row tile merges in the forward when its read (splits x rows x dv x 4 B) is at most the
-    limit; the merge kernel is launched only when some tile of the plan can exceed it."""
-    from treeverify.kernels.splits import (
-        FUSED_MERGE_MAX_BYTES,
-        fused_merge_limit,
-        merge_bytes,
-        merge_kernel_needed,
-    )
-
-    auto = fused_merge_limit("auto")
-    assert auto == FUSED_MERGE_MAX_BYTES and fused_merge_limit("kernel") == 0
-    assert merge_bytes(64, 128, 512) <= fused_merge_limit("forward")  # the largest tile fits
-    assert not merge_kernel_needed(max_splits=1, tile_rows=64, dv=64, limit=0)  # never split
-    assert not merge_kernel_needed(max_splits=64, tile_rows=2, dv=64, limit=auto)  # decodes
-    assert merge_kernel_needed(max_splits=64, tile_rows=34, dv=64, limit=auto)  # 17-node trees
-    rows = auto // (8 * 128 * 4)
-    assert not merge_kernel_needed(max_splits=8, tile_rows=rows, dv=128, limit=auto)
-    assert merge_kernel_needed(max_splits=8, tile_rows=rows + 1, dv=128, limit=auto)
-    assert merge_kernel_needed(max_splits=2, tile_rows=1, dv=64, limit=0)
-    with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
-        fused_merge_limit("both")
-    # A limit in KiB (an A/B of FUSED_MERGE_MAX_BYTES): GQA's two-split 128-row tiles (128 KiB)
-    # merge in the forward at "128", MLA's 64-row ones (256 KiB) still by the kernel.
-    assert fused_merge_limit("128") == 128 * 1024 == merge_bytes(2, 128, 128)
-    assert merge_bytes(2, 64, 512) > fused_merge_limit("128")
-    for bad in ("-1", "2097152", "12.5"):
-        with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_MERGE"):
-            fused_merge_limit(bad)
-
-
 def test_forced_split_count_is_read_and_checked(monkeypatch):
     """TREEVERIFY_CUDA_MAX_SPLITS (scripts/split_sweep.py, A/B): unset -> the policy decides;
     a count in 1..64 is taken; anything else names the variable."""
@@ -405,25 +273,3 @@ def test_cta_trace_build_is_a_variant_of_its_own(tmp_path, monkeypatch):
         compiled = compile_variant(variant, "sm_90a", use_cache=False)
         assert compiled.spill_bytes == 0
         assert (b"tv_cta_trace" in compiled.cubin) == has_trace, variant.name
-
-
-def test_one_split_plans_split_only_past_the_share():
-    """v26: where one split a request fills the wave, a request is split only past
-    SINGLE_SPLIT_SHARE (8/7) of the batch's mean keys; single_share=1 is the v12 rule, which
-    splits anything past the mean (its second piece a few tiles, run late at a CTA's full cost).
-    Plans of more splits a request keep the v12 divisor (a uniform batch then splits as before)."""
-    kw = dict(batch=8, hkv=8, m_tiles=2, max_kv=8256, bn=64, num_sms=132, ctas_per_sm=1)
-    new, v12 = choose_splits(**kw, balance=2), choose_splits(**kw, balance=2, single_share=1.0)
-    assert (new.balance_div, v12.balance_div) == (7, 8)
-    mean = 2048
-    # 1.1x the mean: v12 splits it (2048 + 205), v26 does not; 1.5x: both split.
-    kv = [int(mean * 1.1), int(mean * 1.5)] + [mean - 50] * 6
-    assert policy_splits(v12, kv)[:2] == [2, 2] and policy_splits(new, kv)[:2] == [1, 2]
-    with pytest.raises(ValueError, match="single_share"):
-        choose_splits(**kw, balance=2, single_share=0.5)
-    # Two splits a request (N = 16, one row tile): the divisor stays batch x splits.
-    two = choose_splits(**dict(kw, m_tiles=1), balance=2)
-    assert two.max_splits == 4 and two.balance_div == 16
-    # Small batches keep the v12 divisor (batch / share would round to about the whole batch).
-    small = choose_splits(**dict(kw, batch=3, m_tiles=8), balance=2)
-    assert small.balance_div == 3
