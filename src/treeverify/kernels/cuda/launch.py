@@ -81,6 +81,7 @@ class Params(ctypes.Structure):
         ("merge_heads", ctypes.c_int),
         ("tma_rows", ctypes.c_int),
         ("persist_m", ctypes.c_int),
+        ("split_order", ctypes.c_int),
     ]
 
 

@@ -57,6 +57,7 @@ def launcher_flags() -> tuple:
         env.cuda_split_merge(),
         env.cuda_pdl(),
         env.cuda_merge_ilp(),
+        env.cuda_split_order(),
     )
 
 
@@ -129,6 +130,10 @@ class Launcher:
         if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
             self.splits = dataclasses.replace(self.splits, max_splits=forced, balance_div=0)
         # Balanced plans dispatch splits last (device_common.cuh, cta_split); others as v11.
+        # ... and may give a later split's CTAs to the requests longest first (cta_request_head).
+        self.split_longest_first = bool(self.splits.balance_div) and (
+            env.cuda_split_order() == "longest"
+        )
         bh, s = max_batch * hkv, self.splits.max_splits
         # Cluster launches (schedule pingpong-tma2) pair m-tiles: x rounded up to a multiple
         # (a CTA past the rows exits at once); the split counters are sized by grid x too.
@@ -247,6 +252,7 @@ class Launcher:
         params.mask_words = tree_mask.shape[1]
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
+        params.split_order = int(self.split_longest_first)
         params.merge_heads = self.merge_heads
         params.persist_m = self.m_tiles if self.persist else 0
         params.total_q_cap = self.total_q_cap

@@ -132,8 +132,12 @@ __device__ __forceinline__ void merge_tile_if_last(const TreeAttnParams& p, int 
   __shared__ int s_last;
   __threadfence();  // this thread's partials reach L2 before the tile's count does
   __syncthreads();
+  // The tile's request x KV head, not the grid row (a later split may serve another request,
+  // TREEVERIFY_CUDA_SPLIT_ORDER), recomputed by every converged warp rather than kept live in
+  // a register through the kernel.
+  const int bh = cta_request_head(p);
   if (threadIdx.x == 0) {
-    unsigned* ctr = p.split_counters + (long long)cta_request_head(p) * gridDim.x + blockIdx.x;
+    unsigned* ctr = p.split_counters + (long long)bh * gridDim.x + blockIdx.x;
     const unsigned prev = atomicAdd(ctr, 1u);
     s_last = prev == static_cast<unsigned>(n_splits - 1);
     if (s_last) *ctr = 0u;  // every split has counted: ready for the next launch
