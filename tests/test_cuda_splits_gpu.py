@@ -169,10 +169,10 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, order, monke
             plan.run(q, kc, vc, outs[key])
     steps = [
         [8192, 6000, 4100, 3000, 1800, 800, 240, 1],  # mixed: the long ones split more
-        [240, 6000, 1, 8192, 800, 3000, 4100, 1800],  # the same, shuffled (longest first differs)
-        [3000, 5000, 5000, 17, 3000, 5000, 700, 5000],  # ties in length
         [8192] * 8,  # uniform: the same splits as unbalanced
         [8000, 17, 5000],  # padded: 3 requests in a plan for 8
+        [240, 6000, 1, 8192, 800, 3000, 4100, 1800],  # step 0 shuffled: longest first differs
+        [3000, 5000, 5000, 17, 3000, 5000, 700, 5000],  # ties in length
     ]
     for step, prefixes in enumerate(steps):
         nxt = make_inputs(case, page_size=page, device="cuda", seed=90 + step,
