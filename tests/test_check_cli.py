@@ -269,7 +269,7 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_PDL", env.cuda_pdl, "auto", "yes", "1"),
         ("TREEVERIFY_CUDA_TMA_MIN_PAGE", env.cuda_tma_min_page, 8, " 16", 16),
         ("TREEVERIFY_CUDA_GQA_256", env.cuda_gqa_256, "auto", " 0", "0"),
-        ("TREEVERIFY_CUDA_SPLIT_ORDER", env.cuda_split_order, "request", "Longest", "longest"),
+        ("TREEVERIFY_CUDA_SPLIT_ORDER", env.cuda_split_order, "longest", "Request", "request"),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

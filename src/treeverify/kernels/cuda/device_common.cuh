@@ -155,11 +155,12 @@ __device__ __forceinline__ int request_by_length_rank(const TreeAttnParams& p, i
 // that the short requests free, instead of taking slots at launch ahead of other requests'
 // first splits (v12: with splits in y, balancing gained nothing on SGLang's full batch).
 //
-// Within a later split's slice (TREEVERIFY_CUDA_SPLIT_ORDER=longest, p.split_order) the rows go
-// to the requests longest first: those CTAs start one by one as first splits end, so the
-// longest remainders should start first (longest-processing-time-first scheduling). In request
-// order, SGLang's page-1 GQA batch started its longest request's second half ~20 us after a
-// shorter one's (scripts/sim_verify_schedule.py: 74.9 -> 66.6 us modelled).
+// Within a later split's slice (v27; p.split_order, TREEVERIFY_CUDA_SPLIT_ORDER=longest, the
+// default) the rows go to the requests longest first: those CTAs start one by one as first
+// splits end, so the longest remainders should start first (longest-processing-time-first
+// scheduling). In request order, SGLang's page-1 GQA batch started its longest request's
+// second half ~20 us after a shorter one's (scripts/sim_verify_schedule.py: 74.9 -> 66.6 us
+// modelled; measured on the H200 89.2 -> 81.7 us, docs/performance.md, v27).
 __device__ __forceinline__ int cta_request_head(const TreeAttnParams& p) {
   if (p.balance_div <= 0) return static_cast<int>(blockIdx.z);
   const int bh = static_cast<int>(blockIdx.y);
