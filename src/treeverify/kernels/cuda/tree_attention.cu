@@ -59,6 +59,10 @@
 //   v25 (7d865f4) the same window in this file's portable kernel, one branch a tile instead
 //       of a branch, a division and a mask load per element: portable GQA 1.37x on the H200
 //       (28.7 -> 39.2%, long contexts too), portable MLA-TP8 1.02x.
+//   v26 (fe57828) host-side split rule (kernels/splits.py).
+//   v27 (48775a0) a balanced plan's later splits serve the requests longest first
+//       (cta_request_head, device_common.cuh): SGLang's page-1 GQA batch 1.09x, Kimi TP8
+//       1.06-1.09x, the mixed-length grid 1.014x, the equal one unchanged.         50.7%
 //
 // Layout of one CTA's work: (m-tile of BM packed rows) x (split of the KV range) x (request,
 // KV head); the grid's y/z order of the last two is cta_split / cta_request_head's. Packed row r of (request b, KV head h): node r / G, query head h*G + r % G.
