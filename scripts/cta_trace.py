@@ -172,16 +172,22 @@ def analyse_persistent(rows, prefix, grid, args, event_us: float, plan) -> dict:
 
 
 def analyse(rows, prefix, grid, args, event_us: float, plan) -> dict:
+    from treeverify.kernels.splits import split_request
+
     if plan._launcher.persist:
         return analyse_persistent(rows, prefix, grid, args, event_us, plan)
     balanced = plan._launcher.splits.balance_div > 0  # grid (x, request x head, split)
+    kv = [p + N for p in prefix] + [0] * (BATCH - len(prefix))
+    longest = balanced and plan._launcher.split_longest_first
     ctas = []
     for start, end, sm, idx, *marks in rows:
         if start == 0:
             continue
         x, y, z = idx & 0xFFFFF, (idx >> 20) & 0xFFFFF, idx >> 40
         bh, split = (y, z) if balanced else (z, y)
-        ctas.append({"x": x, "request": bh // HKV, "head": bh % HKV, "split": split, "sm": sm,
+        # v27: a balanced plan's later splits serve the requests longest first, not by row.
+        b = split_request(kv, bh // HKV, split, longest_first=longest)
+        ctas.append({"x": x, "request": b, "head": bh % HKV, "split": split, "sm": sm,
                      "start_ns": start, "end_ns": end, "marks_ns": marks})  # fmt: skip
     t0 = min(c["start_ns"] for c in ctas)
     for c in ctas:

@@ -161,3 +161,22 @@ def test_one_split_plans_split_only_past_the_share():
     # Small batches keep the v12 divisor (batch / share would round to about the whole batch).
     small = choose_splits(**dict(kw, batch=3, m_tiles=8), balance=2)
     assert small.balance_div == 3
+
+
+def test_later_splits_serve_the_longest_requests_first():
+    """v27's grid mapping on the host (split_request, the device's cta_request_head): split 0
+    and plans that do not order keep request order; later splits take the longest request first,
+    ties by index, padding (0 keys) last, rows past the batch unchanged, and batches over one
+    warp's 32 lanes keep request order."""
+    from treeverify.kernels.splits import LONGEST_FIRST_MAX_BATCH, split_request
+
+    kv = [300, 900, 0, 900, 4000, 64]
+    rows = range(len(kv))
+    assert [split_request(kv, r, 0, longest_first=True) for r in rows] == list(rows)
+    assert [split_request(kv, r, 1, longest_first=False) for r in rows] == list(rows)
+    assert [split_request(kv, r, 1, longest_first=True) for r in rows] == [4, 1, 3, 0, 5, 2]
+    assert [split_request(kv, r, 3, longest_first=True) for r in rows] == [4, 1, 3, 0, 5, 2]
+    assert split_request(kv, 7, 1, longest_first=True) == 7
+    wide = list(range(LONGEST_FIRST_MAX_BATCH + 1))
+    assert split_request(wide, 0, 1, longest_first=True) == 0
+    assert split_request(wide[:-1], 0, 1, longest_first=True) == LONGEST_FIRST_MAX_BATCH - 1

@@ -136,6 +136,21 @@ def policy_splits(policy: SplitPolicy, kv_totals: list[int]) -> list[int]:
     ]  # fmt: skip
 
 
+LONGEST_FIRST_MAX_BATCH = 32  # the device ranks a batch in one warp, a lane a request
+
+
+def split_request(kv_totals: list[int], row: int, split: int, *, longest_first: bool) -> int:
+    """The request that grid row `row` (request x KV head // KV heads) of split `split` serves
+    in a balanced plan (the device's cta_request_head, device_common.cuh): split 0 in request
+    order; later splits, with `longest_first` (v27, TREEVERIFY_CUDA_SPLIT_ORDER=longest) and a
+    batch of at most LONGEST_FIRST_MAX_BATCH, the request with `row` requests longer than it
+    (ties: the lower index first). `kv_totals`: every request's P_b + T_b, padding included."""
+    if split == 0 or not longest_first or len(kv_totals) > LONGEST_FIRST_MAX_BATCH:
+        return row
+    order = sorted(range(len(kv_totals)), key=lambda b: (-kv_totals[b], b))
+    return order[row] if row < len(order) else row
+
+
 def fused_merge_limit(mode: str = "auto") -> int:
     """Bytes a row tile's merge may read to run in the forward: `mode` is
     TREEVERIFY_CUDA_SPLIT_MERGE (auto; forward: every tile; kernel: none, for tests and A/B; a

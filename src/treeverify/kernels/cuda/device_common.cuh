@@ -164,7 +164,7 @@ __device__ __forceinline__ int request_by_length_rank(const TreeAttnParams& p, i
 __device__ __forceinline__ int cta_request_head(const TreeAttnParams& p) {
   if (p.balance_div <= 0) return static_cast<int>(blockIdx.z);
   const int bh = static_cast<int>(blockIdx.y);
-  if (p.split_order == 0 || blockIdx.z == 0 || p.batch > 32) return bh;
+  if (p.split_order == 0 || blockIdx.z == 0 || p.batch > 32) return bh;  // splits.py mirrors
   return request_by_length_rank(p, bh / p.hkv) * p.hkv + bh % p.hkv;
 }
 __device__ __forceinline__ int cta_split(const TreeAttnParams& p) {
