@@ -10,6 +10,10 @@ listed in the JSON under `runner_defaults`); a plain token pool with SGLang's po
 was published and substituted is recorded in the JSON (`harness`). Construction was checked on
 a CPU with CUDA faked (DEVICE="cpu"); run on the H200 2026-12-01 (docs/sglang.md, part (b)).
 
+Each backend's replay is timed alone and back to back after its checks, then both graphs again
+in turns (`--interleave` rounds, default 5): the "in turns" row's ratios are the medians of each
+round's, robust to the GPU drifting during the run.
+
     python scripts/sglang_backend_compare.py --json out.json [--pages 1,16] [--replays 3]
 """
 
@@ -21,6 +25,7 @@ import functools
 import importlib
 import json
 import random
+import statistics
 import sys
 from types import SimpleNamespace
 
@@ -296,8 +301,9 @@ def build_batch(step: Step, mask: torch.Tensor, backend):
     return Permissive(**fields)
 
 
-def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dict:
-    """Eager, then capture + replays with new metadata, for one backend; errors vs reference."""
+def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> tuple[dict, object]:
+    """Eager, then capture + replays with new metadata, for one backend; errors vs reference.
+    Returns the row and the captured graph (timed again, in turns with the other backend's)."""
     from treeverify.bench.kernel import (
         back_to_back_replay_seconds,
         median_replay_seconds,
@@ -345,7 +351,25 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> dic
     row["replay_us_back_to_back"] = back_to_back_replay_seconds(graph, 20) * 1e6
     if PROFILE:
         row["replay_kernels"] = replay_kernel_times(graph)
-    return row
+    return row, graph
+
+
+def interleaved_row(graphs: dict, rounds: int) -> dict:
+    """Our graph and SGLang's timed in turns (bench.kernel.interleaved_replay_us): ours' median
+    times and the median of each round's ratio, SGLang's / ours (alone, back to back)."""
+    from treeverify.bench.kernel import interleaved_replay_us, median_round_ratio
+
+    times = interleaved_replay_us(graphs, rounds=rounds)
+    ours, theirs = times["treeverify"], times["sglang_triton"]
+    return {
+        "backend": "treeverify, in turns with sglang_triton",
+        "rounds": rounds,
+        "times_us": times,
+        "replay_us": statistics.median(ours["alone"]),
+        "speedup_vs_sglang_triton": median_round_ratio(theirs["alone"], ours["alone"]),
+        "replay_us_back_to_back": statistics.median(ours["back_to_back"]),
+        "speedup_back_to_back": median_round_ratio(theirs["back_to_back"], ours["back_to_back"]),
+    }
 
 
 def run(args) -> dict:
@@ -374,24 +398,36 @@ def run(args) -> dict:
                 "sglang_triton": lambda r=runner: triton_cls(r),
                 "treeverify": lambda r=runner: build_backend(r, "triton", args.kernel),
             }
+            graphs = {}
             for name, make in makers.items():
                 key = {"shape": shape_name, "page_size": page_size}
                 try:
-                    row = key | compare(name, make, step, shape, layer, scale, args.seed,
-                                        args.replays)  # fmt: skip
+                    part, graphs[name] = compare(name, make, step, shape, layer, scale,
+                                                 args.seed, args.replays)  # fmt: skip
+                    row = key | part
                 except Exception as exc:  # report what did not run, keep going
                     row = key | {"backend": name, "error": f"{type(exc).__name__}: {exc}"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if len(graphs) == 2 and args.interleave > 0:
+                # Both graphs read the same last batch (one seed, the same draws): time them in
+                # turns, so a drift of the GPU during the run moves both sides of a ratio.
+                row = {"shape": shape_name, "page_size": page_size} | interleaved_row(
+                    graphs, args.interleave)  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del graphs
             defaulted |= runner.__dict__.get("_defaulted", set())
             defaulted |= {f"model_config.{a}" for a in runner.model_config.__dict__.get(
                 "_defaulted", set())}  # fmt: skip
     for r in rows:
+        if r["backend"] != "treeverify":
+            continue
         twin = [o for o in rows if o["backend"] == "sglang_triton" and o["shape"] == r["shape"]
                 and o["page_size"] == r["page_size"]]  # fmt: skip
         for key, name in (("replay_us", "speedup_vs_sglang_triton"),
                           ("replay_us_back_to_back", "speedup_back_to_back")):  # fmt: skip
-            if r["backend"] == "treeverify" and twin and key in r and key in twin[0]:
+            if twin and key in r and key in twin[0]:
                 r[name] = twin[0][key] / r[key]
     return {"commit": _git_commit(), "gpu": torch.cuda.get_device_name(),
             "command": " ".join(sys.argv), "sglang_version": importlib.import_module(
@@ -414,6 +450,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=random.randrange(2**31))
     p.add_argument("--tol", type=float, default=2e-2)
     p.add_argument("--profile", action="store_true", help="each replay's kernel times")
+    p.add_argument("--interleave", type=int, default=5, metavar="ROUNDS",
+                   help="then time both graphs in turns, ROUNDS times (0: not)")  # fmt: skip
     p.add_argument("--kv-store", choices=("sglang", "plain"), default="sglang",
                    help="the MHA pool's K/V store: SGLang's or indexed writes")  # fmt: skip
     args = p.parse_args()

@@ -153,6 +153,33 @@ def back_to_back_replay_seconds(
     return best
 
 
+def interleaved_replay_us(
+    graphs: dict[str, torch.cuda.CUDAGraph], rounds: int = 5, replays: int = 10
+) -> dict[str, dict[str, list[float]]]:
+    """Captured graphs timed in turns (A, B, A, B, ...), `rounds` times: per graph, each
+    round's median replay alone and its back-to-back time a replay, in us. Timed one after the
+    other instead, a drift of the GPU between them (clocks, a neighbour on the machine: SGLang's
+    own replay moved 393 -> 429 us between two runs a minute apart on one lease) lands on one
+    side of a ratio only; in turns it moves both sides of each round's ratio
+    (`median_round_ratio`)."""
+    out = {name: {"alone": [], "back_to_back": []} for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            out[name]["alone"].append(median_replay_seconds(graph, replays) * 1e6)
+            b2b = back_to_back_replay_seconds(graph, 2 * replays, passes=2)
+            out[name]["back_to_back"].append(b2b * 1e6)
+    return out
+
+
+def median_round_ratio(base: list[float], other: list[float]) -> float:
+    """The median over rounds of base[i] / other[i] (interleaved_replay_us's rounds)."""
+    if not base or len(base) != len(other):
+        raise ValueError(
+            f"base, other: expected equal non-empty lists, got {len(base)}, {len(other)}"
+        )
+    return statistics.median(b / o for b, o in zip(base, other, strict=True))
+
+
 def replay_kernel_times(graph: torch.cuda.CUDAGraph, replays: int = 10) -> list[dict]:
     """Each kernel of a captured graph, its device time and launches per replay, longest first
     (torch.profiler / CUPTI sees the kernels inside a graph launch): what a replay is made of."""
