@@ -117,8 +117,7 @@ def test_host_time_per_step_is_summarised_per_backend(capsys):
 def test_median_round_ratio_pairs_each_round():
     """The harness's in-turns ratio: each round's base / other, then the median, so a round
     where both sides drifted together does not skew it (the medians' ratio would be 30 in the
-    second case);
-    unequal or empty rounds are an error naming the arguments."""
+    second case); unequal or empty rounds are an error naming the arguments."""
     from treeverify.bench.kernel import median_round_ratio
 
     base, other = [400.0, 440.0, 390.0, 520.0], [80.0, 88.0, 78.0, 100.0]
