@@ -301,9 +301,10 @@ def build_batch(step: Step, mask: torch.Tensor, backend):
     return Permissive(**fields)
 
 
-def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> tuple[dict, object]:
+def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> tuple[dict, dict]:
     """Eager, then capture + replays with new metadata, for one backend; errors vs reference.
-    Returns the row and the captured graph (timed again, in turns with the other backend's)."""
+    Returns the row and what a later replay of the graph needs (`interleaved_row`): the graph,
+    the backend, its last batch and that replay's checked output."""
     from treeverify.bench.kernel import (
         back_to_back_replay_seconds,
         median_replay_seconds,
@@ -335,6 +336,7 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> tup
         static_out = backend.forward(step.q, step.k, step.v, layer, fb)
     torch.cuda.current_stream().wait_stream(stream)
     row["graph_rel_err"], row["graph_vs_eager"] = [], []
+    got = None
     for _ in range(replays):  # new prefixes, trees, pages: same bucket, same buffers
         mask, ref_in = step.draw(rng)
         fb = build_batch(step, mask, backend)
@@ -351,15 +353,42 @@ def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> tup
     row["replay_us_back_to_back"] = back_to_back_replay_seconds(graph, 20) * 1e6
     if PROFILE:
         row["replay_kernels"] = replay_kernel_times(graph)
-    return row, graph
+    replayable = {"graph": graph, "backend": backend, "batch": fb, "out": static_out,
+                  "checked": got}  # fmt: skip
+    return row, replayable
 
 
-def interleaved_row(graphs: dict, rounds: int) -> dict:
+def interleaved_row(replayables: dict, rounds: int) -> dict:
     """Our graph and SGLang's timed in turns (bench.kernel.interleaved_replay_us): ours' median
-    times and the median of each round's ratio, SGLang's / ours (alone, back to back)."""
+    times and the median of each round's ratio, SGLang's / ours (alone, back to back).
+
+    Both backends drew the same batches into shared pools (one seed), so each graph's last
+    batch is the pools' state again; its metadata is refilled from that batch, its output
+    poisoned, and one replay must give the output its last checked replay gave, before and
+    after the timing: else the row is an error, not a ratio (a first try without the refill
+    timed SGLang's graph at 11-17 us a replay, against ~400 in its own turn: not the same
+    work)."""
     from treeverify.bench.kernel import interleaved_replay_us, median_round_ratio
 
-    times = interleaved_replay_us(graphs, rounds=rounds)
+    def refill_and_check(name: str, when: str) -> None:
+        r = replayables[name]
+        r["backend"].init_forward_metadata_out_graph(r["batch"])
+        r["out"].fill_(float("nan"))
+        r["graph"].replay()
+        torch.cuda.synchronize()
+        if not torch.equal(r["out"], r["checked"]):
+            raise RuntimeError(f"{name}: its graph's output {when} the turns differs from its "
+                               "last checked replay's")  # fmt: skip
+
+    try:
+        for name in replayables:
+            refill_and_check(name, "before")
+        times = interleaved_replay_us({n: r["graph"] for n, r in replayables.items()},
+                                      rounds=rounds)  # fmt: skip
+        for name in replayables:
+            refill_and_check(name, "after")
+    except RuntimeError as exc:
+        return {"backend": "treeverify, in turns with sglang_triton", "error": str(exc)}
     ours, theirs = times["treeverify"], times["sglang_triton"]
     return {
         "backend": "treeverify, in turns with sglang_triton",
@@ -398,25 +427,25 @@ def run(args) -> dict:
                 "sglang_triton": lambda r=runner: triton_cls(r),
                 "treeverify": lambda r=runner: build_backend(r, "triton", args.kernel),
             }
-            graphs = {}
+            replayables = {}
             for name, make in makers.items():
                 key = {"shape": shape_name, "page_size": page_size}
                 try:
-                    part, graphs[name] = compare(name, make, step, shape, layer, scale,
-                                                 args.seed, args.replays)  # fmt: skip
+                    part, replayables[name] = compare(name, make, step, shape, layer, scale,
+                                                      args.seed, args.replays)  # fmt: skip
                     row = key | part
                 except Exception as exc:  # report what did not run, keep going
                     row = key | {"backend": name, "error": f"{type(exc).__name__}: {exc}"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if len(graphs) == 2 and args.interleave > 0:
-                # Both graphs read the same last batch (one seed, the same draws): time them in
-                # turns, so a drift of the GPU during the run moves both sides of a ratio.
+            if len(replayables) == 2 and args.interleave > 0:
+                # Time both in turns, so a drift of the GPU during the run moves both sides of
+                # a ratio (interleaved_row checks that each graph still does its own work).
                 row = {"shape": shape_name, "page_size": page_size} | interleaved_row(
-                    graphs, args.interleave)  # fmt: skip
+                    replayables, args.interleave)  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del graphs
+            del replayables
             defaulted |= runner.__dict__.get("_defaulted", set())
             defaulted |= {f"model_config.{a}" for a in runner.model_config.__dict__.get(
                 "_defaulted", set())}  # fmt: skip
@@ -471,7 +500,13 @@ def main() -> int:
             json.dump(result, f, indent=1)
     errs = [e for r in result["rows"] for k in ("eager_rel_err", "graph_rel_err", "graph_vs_eager")
             for e in ([r[k]] if isinstance(r.get(k), float) else r.get(k, []))]  # fmt: skip
-    bad = any("error" in r for r in result["rows"]) or not errs or max(errs) > args.tol
+    # A failed in-turns timing is a measurement lost, not a wrong output: said, not failed on.
+    timing = [r for r in result["rows"] if r["backend"].endswith("in turns with sglang_triton")]
+    for r in timing:
+        if "error" in r:
+            print(f"in-turns timing not measured: {r['error']}", file=sys.stderr)
+    checked = [r for r in result["rows"] if r not in timing]
+    bad = any("error" in r for r in checked) or not errs or max(errs) > args.tol
     print(json.dumps({"harness": HARNESS, "max_rel_err": max(errs) if errs else None}))
     return 1 if bad else 0
 
