@@ -139,7 +139,7 @@ __device__ __forceinline__ int request_by_length_rank(const TreeAttnParams& p, i
   if (lane < p.batch)
     keys = request_kv(p, lane).prefix + p.qo_indptr[lane + 1] - p.qo_indptr[lane];
   int longer = 0;
-#pragma unroll 8  // fully unrolled, the 32 shuffles' results all live at once
+#pragma unroll 8  // not 32: fully unrolled, all 32 shuffles' results would be live at once
   for (int j = 0; j < 32; ++j) {
     const int k = __shfl_sync(0xffffffffu, keys, j);
     longer += (k > keys) || (k == keys && j < lane);
