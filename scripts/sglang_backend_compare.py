@@ -380,6 +380,9 @@ def interleaved_row(replayables: dict, rounds: int) -> dict:
             raise RuntimeError(f"{name}: its graph's output {when} the turns differs from its "
                                "last checked replay's")  # fmt: skip
 
+    if any(r["checked"] is None for r in replayables.values()):
+        return {"backend": "treeverify, in turns with sglang_triton",
+                "error": "no checked replay to compare with (--replays 0)"}  # fmt: skip
     try:
         for name in replayables:
             refill_and_check(name, "before")
