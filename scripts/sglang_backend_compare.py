@@ -301,6 +301,9 @@ def build_batch(step: Step, mask: torch.Tensor, backend):
     return Permissive(**fields)
 
 
+IN_TURNS = "treeverify, in turns with sglang_triton"  # the backend name of interleaved_row's row
+
+
 def compare(name, make_backend, step, shape, layer, scale, seed, replays) -> tuple[dict, dict]:
     """Eager, then capture + replays with new metadata, for one backend; errors vs reference.
     Returns the row and what a later replay of the graph needs (`interleaved_row`): the graph,
@@ -381,7 +384,7 @@ def interleaved_row(replayables: dict, rounds: int) -> dict:
                                "last checked replay's")  # fmt: skip
 
     if any(r["checked"] is None for r in replayables.values()):
-        return {"backend": "treeverify, in turns with sglang_triton",
+        return {"backend": IN_TURNS,
                 "error": "no checked replay to compare with (--replays 0)"}  # fmt: skip
     try:
         for name in replayables:
@@ -391,10 +394,10 @@ def interleaved_row(replayables: dict, rounds: int) -> dict:
         for name in replayables:
             refill_and_check(name, "after")
     except RuntimeError as exc:
-        return {"backend": "treeverify, in turns with sglang_triton", "error": str(exc)}
+        return {"backend": IN_TURNS, "error": str(exc)}
     ours, theirs = times["treeverify"], times["sglang_triton"]
     return {
-        "backend": "treeverify, in turns with sglang_triton",
+        "backend": IN_TURNS,
         "rounds": rounds,
         "times_us": times,
         "replay_us": statistics.median(ours["alone"]),
@@ -504,7 +507,7 @@ def main() -> int:
     errs = [e for r in result["rows"] for k in ("eager_rel_err", "graph_rel_err", "graph_vs_eager")
             for e in ([r[k]] if isinstance(r.get(k), float) else r.get(k, []))]  # fmt: skip
     # A failed in-turns timing is a measurement lost, not a wrong output: said, not failed on.
-    timing = [r for r in result["rows"] if r["backend"].endswith("in turns with sglang_triton")]
+    timing = [r for r in result["rows"] if r["backend"] == IN_TURNS]
     for r in timing:
         if "error" in r:
             print(f"in-turns timing not measured: {r['error']}", file=sys.stderr)

@@ -22,7 +22,12 @@ import heapq
 import math
 import random
 
-from treeverify.kernels.splits import choose_splits, num_splits, split_chunk
+from treeverify.kernels.splits import (
+    choose_splits,
+    longest_first_order,
+    num_splits,
+    split_chunk,
+)
 
 
 def harness_prefixes(page: int, seed: int, batch: int = 8, n: int = 64, max_prefix: int = 4096):
@@ -63,6 +68,7 @@ def forward_us(
                         single_share=single_share)  # fmt: skip
     kv = [p + n for p in prefix]
     total = sum(kv)
+    rank = {b: i for i, b in enumerate(longest_first_order(kv))}  # a later split's grid row
     ctas = []
     split = False
     for b, k in enumerate(kv):
@@ -75,8 +81,8 @@ def forward_us(
             dur = math.ceil(keys / 64) * tile_us + fixed_us if keys > 0 else 0.3
             for h in range(hkv):
                 for x in range(m_tiles):  # balanced plans dispatch splits last (cta_split)
-                    rank = -k if longest_first and s > 0 else b  # (ties: by index, as b follows)
-                    key = (s, rank, b, h, x) if pol.balance_div else (b, h, s, x)
+                    row = rank[b] if longest_first and s > 0 else b
+                    key = (s, row, h, x) if pol.balance_div else (b, h, s, x)
                     ctas.append((key, dur))
     slots = [0.0] * sms
     end = 0.0

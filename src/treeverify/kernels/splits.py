@@ -147,8 +147,13 @@ def split_request(kv_totals: list[int], row: int, split: int, *, longest_first: 
     (ties: the lower index first). `kv_totals`: every request's P_b + T_b, padding included."""
     if split == 0 or not longest_first or len(kv_totals) > LONGEST_FIRST_MAX_BATCH:
         return row
-    order = sorted(range(len(kv_totals)), key=lambda b: (-kv_totals[b], b))
+    order = longest_first_order(kv_totals)
     return order[row] if row < len(order) else row
+
+
+def longest_first_order(kv_totals: list[int]) -> list[int]:
+    """Request indices longest first, ties by index: the order a later split's rows take."""
+    return sorted(range(len(kv_totals)), key=lambda b: (-kv_totals[b], b))
 
 
 def fused_merge_limit(mode: str = "auto") -> int:

@@ -24,6 +24,7 @@ from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import fwd_variant, gqa_wide_pays, merge_variant
 from treeverify.kernels.split_arena import SplitArena
 from treeverify.kernels.splits import (
+    LONGEST_FIRST_MAX_BATCH,
     balance_pays,
     choose_splits,
     fused_merge_limit,
@@ -130,9 +131,12 @@ class Launcher:
         if forced is not None:  # an A/B or a sweep (scripts/split_sweep.py), not the policy
             self.splits = dataclasses.replace(self.splits, max_splits=forced, balance_div=0)
         # Balanced plans dispatch splits last (device_common.cuh, cta_split); others as v11.
-        # ... and may give a later split's CTAs to the requests longest first (cta_request_head).
-        self.split_longest_first = bool(self.splits.balance_div) and (
-            env.cuda_split_order() == "longest"
+        # ... and may give a later split's CTAs to the requests longest first (cta_request_head:
+        # one warp ranks the batch, so batches of at most LONGEST_FIRST_MAX_BATCH).
+        self.split_longest_first = (
+            bool(self.splits.balance_div)
+            and max_batch <= LONGEST_FIRST_MAX_BATCH
+            and env.cuda_split_order() == "longest"
         )
         bh, s = max_batch * hkv, self.splits.max_splits
         # Cluster launches (schedule pingpong-tma2) pair m-tiles: x rounded up to a multiple
