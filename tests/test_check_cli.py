@@ -230,6 +230,8 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_GQA_Q_REGS",
         "TREEVERIFY_CUDA_GQA_256",
         "TREEVERIFY_CUDA_MERGE_ILP",
+        "TREEVERIFY_CUDA_MERGE_WIDE",
+        "TREEVERIFY_CUDA_FUSED_MERGE_ILP",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
         "TREEVERIFY_FUSED_ROUTING",
     }

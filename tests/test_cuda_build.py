@@ -114,6 +114,7 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
         "TREEVERIFY_CUDA_MAX_SPLITS": "4", "TREEVERIFY_CUDA_TMA_MIN_PAGE": "2",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "512", "TREEVERIFY_CUDA_SPLIT_MERGE": "kernel",
         "TREEVERIFY_CUDA_PDL": "0", "TREEVERIFY_CUDA_MERGE_ILP": "1",
+        "TREEVERIFY_CUDA_MERGE_WIDE": "1", "TREEVERIFY_CUDA_FUSED_MERGE_ILP": "1",
         "TREEVERIFY_CUDA_SPLIT_SHARE": "1", "TREEVERIFY_CUDA_SPLIT_ORDER": "request",
     }  # fmt: skip
     for name in flags:
@@ -141,6 +142,21 @@ def test_merge_variant_choice():
     names = {MergeVariant(128, "bf16", h, u).name for h, u in ((1, 8), (4, 4), (1, 16))}
     assert names == {"merge_v128_bf16", "merge_v128_h4u4_bf16", "merge_v128_h1u16_bf16"}
     assert MergeVariant(128, "fp16", 4, 4).expr == "treeverify::tree_attn_merge<128,false,4,4>"
+
+
+def test_merge_variant_wide():
+    """TREEVERIFY_CUDA_MERGE_WIDE (v28): 256-thread CTAs of dv / 4-thread head lanes where a CTA
+    merges at least that many heads (8 for dv 128, 2 for MLA's 512); the plain kernel otherwise."""
+    from treeverify.kernels.cuda.variants import MergeVariant, merge_head_lanes, merge_variant
+
+    assert merge_head_lanes(128) == 8 and merge_head_lanes(512) == 2 and merge_head_lanes(64) == 16
+    wide = merge_variant(128, "bf16", False, 8, 2, wide=True)
+    assert wide == MergeVariant(128, "bf16", w=8) and wide.threads == 256
+    assert wide.expr == "treeverify::tree_attn_merge<128,true,1,8,8>"
+    assert wide.name == "merge_v128_w8_bf16"
+    assert merge_variant(128, "bf16", False, 4, 2, wide=True) == MergeVariant(128, "bf16")
+    assert merge_variant(512, "bf16", True, 2, 64, wide=True) == MergeVariant(512, "bf16", w=2)
+    assert merge_variant(128, "bf16", False, 8, 2, wide=False) == MergeVariant(128, "bf16")
 
 
 def test_variant_choice():

@@ -192,19 +192,22 @@ def test_balanced_splits_on_mixed_lengths_replayed(shape, portable, order, monke
             assert _rel(outs[key][:total], ref) <= TOL, (key, step)
 
 
-@pytest.mark.parametrize("ilp", ["0", "1"], ids=["merge-v12", "merge-ilp"])
+@pytest.mark.parametrize("ilp", ["0", "1", "wide"], ids=["merge-v12", "merge-ilp", "merge-wide"])
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 def test_merge_kernel_with_several_heads_per_cta(shape, ilp, monkeypatch):
     """The merge kernel's CTA takes p.merge_heads heads (v12): the grid forced small
     (TREEVERIFY_CUDA_MERGE_MAX_CTAS) so that it does here, the merge kernel doing every merge,
     and the output still equals the reference; with TREEVERIFY_CUDA_MERGE_ILP=1 (v22) as four
     heads of loads at once where the CTA has at least four (a last group part-empty where the
-    heads do not divide by four)."""
+    heads do not divide by four); with TREEVERIFY_CUDA_MERGE_WIDE=1 (v28) as head lanes of
+    dv / 4 threads taking the CTA's heads in turns."""
     from treeverify.bench.cases import Case, make_inputs
+    from treeverify.kernels.cuda.variants import merge_head_lanes
 
     monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_MAX_CTAS", "64")
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "kernel")
-    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_ILP", ilp)
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_ILP", "1" if ilp == "1" else "0")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_WIDE", "1" if ilp == "wide" else "0")
     hq, hkv, dqk, dv, mla = shape
     case = Case("h", 3, 1500, 17, hq, hkv, dqk, dv, mla)
     inp = make_inputs(case, page_size=16, device="cuda", seed=5, prefix_lens=[1500, 7, 640],
@@ -217,6 +220,8 @@ def test_merge_kernel_with_several_heads_per_cta(shape, ilp, monkeypatch):
     assert launcher.merge_grid[0] * launcher.merge_grid[1] <= 64 or launcher.merge_heads >= hq
     wide = ilp == "1" and launcher.merge_heads >= 4
     assert (launcher.merge.hi, launcher.merge.u) == ((4, 4) if wide else (1, 8))
+    lanes = merge_head_lanes(dv) if launcher.merge_heads >= merge_head_lanes(dv) else 1
+    assert launcher.merge.w == (lanes if ilp == "wide" else 1)
     plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
     out = _poisoned(inp, dv)
     plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
@@ -248,6 +253,32 @@ def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
     out = _poisoned(inp, dv)
     plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
     assert _rel(out, _reference(inp)) <= TOL
+
+
+@pytest.mark.parametrize("fused_ilp", ["0", "1"], ids=["fused-v8", "fused-4x2"])
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
+def test_two_split_tiles_merged_in_the_forward(shape, fused_ilp, monkeypatch):
+    """Every tile split at most two ways and merged in the forward (TREEVERIFY_CUDA_MAX_SPLITS=2,
+    TREEVERIFY_CUDA_SPLIT_MERGE=forward): with TREEVERIFY_CUDA_FUSED_MERGE_ILP=1 (v28) the last
+    CTA of a tile loads 4 rows x 2 splits at a time, its rows not a multiple of four (17-node
+    trees); the output equals the reference on two runs in a row (the tile counters reset)."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", "2")
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "forward")
+    monkeypatch.setenv("TREEVERIFY_CUDA_FUSED_MERGE_ILP", fused_ilp)
+    hq, hkv, dqk, dv, mla = shape
+    case = Case("f", 3, 2000, 17, hq, hkv, dqk, dv, mla)
+    inp = make_inputs(case, page_size=16, device="cuda", seed=11, prefix_lens=[2000, 1100, 30],
+                      tree_sizes=[17, 13, 17])  # fmt: skip
+    plan = _plan(inp, case, 16, 3, 17, inp["block_table"].shape[1], 2100)
+    assert plan._launcher.splits.max_splits == 2 and not plan._launcher.merge_kernel_needed
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    ref = _reference(inp)
+    for _ in range(2):
+        out = _poisoned(inp, dv)
+        plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
+        assert _rel(out, ref) <= TOL
 
 
 # ---- Plans sharing one SplitArena (kernels/split_arena.py): the SGLang backend's plans.

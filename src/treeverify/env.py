@@ -52,6 +52,13 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   that merge several heads) or 16 splits (plans of more than 8 splits) of loads in flight a
   thread instead of one head's 8 (v22; its heads were a chain of L2 round trips). Default ``0``:
   measured 0.994x on the grid (small MLA cases 0.92-1.06x) and no gain on SGLang's GQA batch.
+- ``TREEVERIFY_CUDA_MERGE_WIDE``: ``1`` gives each merge-kernel CTA that merges several heads
+  one warp (a group of dv / 4 threads) per head, up to 256 threads, so its heads' L2 round trips
+  overlap instead of running one after another in one warp (v28). Default ``0``.
+- ``TREEVERIFY_CUDA_FUSED_MERGE_ILP``: ``1`` makes the forward's own merge of a split tile
+  (the last of its CTAs, tiles within ``TREEVERIFY_CUDA_SPLIT_MERGE``'s limit) of a 2-split tile
+  take 4 rows x 2 splits of loads a thread instead of 2 rows x 8 splits, of which it used 4
+  (v28: half the dependent L2 round trips). Default ``0``.
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
   1.01x, so default ``0``).
@@ -117,6 +124,11 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CUDA_MERGE_ILP": "1: the split-merge kernel keeps 16 loads in flight a thread "
     "(4 heads x 4 splits, or 16 splits of one head) instead of one head's 8 (v22; default 0: "
     "measured 0.994x on the grid).",
+    "TREEVERIFY_CUDA_MERGE_WIDE": "1: the split-merge kernel's CTAs take their heads with one "
+    "warp (dv / 4 threads) a head, up to 256 threads, instead of one warp for all (v28); "
+    "default 0.",
+    "TREEVERIFY_CUDA_FUSED_MERGE_ILP": "1: a 2-split tile merged in the forward takes 4 rows x 2 "
+    "splits of loads a thread (v28: half the round trips); default 0.",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -279,6 +291,18 @@ def cuda_gqa_256() -> str:
 def cuda_merge_ilp() -> bool:
     """TREEVERIFY_CUDA_MERGE_ILP: the merge kernel with more loads in flight (v22; default 0)."""
     return _switch("TREEVERIFY_CUDA_MERGE_ILP", "0")
+
+
+def cuda_merge_wide() -> bool:
+    """TREEVERIFY_CUDA_MERGE_WIDE: the merge kernel's heads a CTA taken by several warps at once
+    (v28; default 0)."""
+    return _switch("TREEVERIFY_CUDA_MERGE_WIDE", "0")
+
+
+def cuda_fused_merge_ilp() -> bool:
+    """TREEVERIFY_CUDA_FUSED_MERGE_ILP: a tile merged in the forward with its loads shaped by its
+    split count (v28; default 0)."""
+    return _switch("TREEVERIFY_CUDA_FUSED_MERGE_ILP", "0")
 
 
 def cuda_gqa_q_regs() -> bool:

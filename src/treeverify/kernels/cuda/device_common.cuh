@@ -45,6 +45,7 @@ struct TreeAttnParams {
   int tma_rows;             // GQA "pingpong-tma": rows of a K/V TMA box, or 0: no TMA tiles
   int persist_m;            // GQA "pingpong-persist": 128-row blocks a request (CTAs a group)
   int split_order;          // balanced plans: 1 = later splits take the requests longest first
+  int fused_merge_ilp;      // 1: a tile merged in the forward keeps its loads by split count
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {

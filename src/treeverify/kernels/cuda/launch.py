@@ -82,6 +82,7 @@ class Params(ctypes.Structure):
         ("tma_rows", ctypes.c_int),
         ("persist_m", ctypes.c_int),
         ("split_order", ctypes.c_int),
+        ("fused_merge_ilp", ctypes.c_int),
     ]
 
 

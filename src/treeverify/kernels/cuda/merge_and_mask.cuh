@@ -14,8 +14,14 @@ namespace treeverify {
 // TREEVERIFY_CUDA_MERGE_ILP; 1 x 8 before): with one head at a time the CTA's heads are a chain
 // of dependent L2 round trips (8 heads, 2 splits: ~20 us for SGLang's GQA batch, by
 // scripts/sim_verify_schedule.py's gap), and a 64-split MLA row takes 8 of them.
-template <int DV, bool BF16, int HI = 1, int U = 8>
-__global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
+// W: head lanes a CTA (v28, TREEVERIFY_CUDA_MERGE_WIDE): W groups of DV/4 threads take the
+// CTA's heads in turns (head h0 + lane, + W, ...), so W of its heads' L2 round trips are in
+// flight at once from W warps rather than one after another in one (the CTA count, and so the
+// request lookups, stay those of merge_heads).
+template <int DV, bool BF16, int HI = 1, int U = 8, int W = 1>
+__global__ void __launch_bounds__(DV / 4 * W) tree_attn_merge(const __grid_constant__ TreeAttnParams p) {
+  constexpr int LANES = DV / 4;  // threads a head: four columns each
+  const int col = static_cast<int>(threadIdx.x) % LANES, head_lane = threadIdx.x / LANES;
   const int tok = blockIdx.x;
   const int total_q = p.qo_indptr[p.batch];
   int lo = 0, hi = p.batch - 1;  // request of this token: last b with qo_indptr[b] <= tok
@@ -34,8 +40,8 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
   const int G = p.group, node = tok - p.qo_indptr[b];
   const int h0 = blockIdx.y * p.merge_heads, h1 = min(p.hq, h0 + p.merge_heads);
   if constexpr (HI == 1 && U == 8) {  // v12's loop, kept as measured (the default)
-    const int c[1] = {static_cast<int>(threadIdx.x) * 4};
-    for (int head = h0; head < h1; ++head) {
+    const int c[1] = {col * 4};
+    for (int head = h0 + head_lane; head < h1; head += W) {
       const int row = node * G + head % G;  // packed row of KV head head / G
       const int tile0 = row / p.fwd_bm * p.fwd_bm;
       if (merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0))) continue;
@@ -46,7 +52,7 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
     }
     return;
   }
-  for (int hb = h0; hb < h1; hb += HI) {
+  for (int hb = h0 + head_lane * HI; hb < h1; hb += HI * W) {
     long long base[HI];  // token * hq + head, or -1: past the CTA's heads, or merged already
     int c[HI];
 #pragma unroll
@@ -56,7 +62,7 @@ __global__ void __launch_bounds__(DV / 4) tree_attn_merge(const __grid_constant_
       const int tile0 = row / p.fwd_bm * p.fwd_bm;
       const bool mine = head < h1 && !merged_in_forward<DV>(p, n, min(p.fwd_bm, T_b * G - tile0));
       base[i] = mine ? (long long)tok * p.hq + head : -1;
-      c[i] = static_cast<int>(threadIdx.x) * 4;
+      c[i] = col * 4;
     }
     float4 o[HI];
     merge_splits4<DV, HI, U>(p, base, n, c, o, (long long)p.total_q_cap * p.hq);

@@ -58,6 +58,8 @@ def launcher_flags() -> tuple:
         env.cuda_split_merge(),
         env.cuda_pdl(),
         env.cuda_merge_ilp(),
+        env.cuda_merge_wide(),
+        env.cuda_fused_merge_ilp(),
         env.cuda_split_order(),
     )
 
@@ -155,7 +157,7 @@ class Launcher:
             self.grid = (max(1, sms // self.m_tiles) * self.m_tiles, 1, 1)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
         self.merge = merge_variant(dv, self.dtype_name, env.cuda_merge_ilp(), self.merge_heads,
-                                   self.splits.max_splits)  # fmt: skip
+                                   self.splits.max_splits, env.cuda_merge_wide())  # fmt: skip
         self.merge_kernel = load(self.merge, self.device)
         self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
@@ -257,6 +259,7 @@ class Launcher:
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
         params.split_order = int(self.split_longest_first)
+        params.fused_merge_ilp = int(env.cuda_fused_merge_ilp())
         params.merge_heads = self.merge_heads
         params.persist_m = self.m_tiles if self.persist else 0
         params.total_q_cap = self.total_q_cap

@@ -98,11 +98,12 @@ __device__ __forceinline__ void store_out4(const TreeAttnParams& p, int tok, int
 }
 
 // Packed rows [r0, r1) of (request at qo0, KV head kvh), split n ways: merged into `out` by
-// the CTA's threads, four columns of two rows each at a time.
-template <int DV, bool BF16>
-__device__ __forceinline__ void merge_rows(const TreeAttnParams& p, int qo0, int kvh, int r0,
-                                           int r1, int n) {
-  constexpr int CH = DV / 4, I = 2;  // two rows' loads in flight per thread
+// the CTA's threads, four columns of I rows each at a time, U splits of each row's loads issued
+// together.
+template <int DV, bool BF16, int I, int U>
+__device__ __forceinline__ void merge_rows_ilp(const TreeAttnParams& p, int qo0, int kvh, int r0,
+                                               int r1, int n) {
+  constexpr int CH = DV / 4;
   const int G = p.group, total = (r1 - r0) * CH;
   for (int idx0 = threadIdx.x; idx0 < total; idx0 += I * blockDim.x) {
     long long base[I];
@@ -116,17 +117,33 @@ __device__ __forceinline__ void merge_rows(const TreeAttnParams& p, int qo0, int
       base[i] = idx < total ? (long long)tok[i] * p.hq + head[i] : -1;
     }
     float4 o[I];
-    merge_splits4<DV, I>(p, base, n, c, o, (long long)p.total_q_cap * p.hq);
+    merge_splits4<DV, I, U>(p, base, n, c, o, (long long)p.total_q_cap * p.hq);
 #pragma unroll
     for (int i = 0; i < I; ++i)
       if (base[i] >= 0) store_out4<BF16>(p, tok[i], head[i], c[i], o[i]);
   }
 }
 
+// The forward's merge of one tile: 2 rows x 8 splits of loads a thread (v8), of which a
+// 2-split tile fills 4; with p.fused_merge_ilp (v28, TREEVERIFY_CUDA_FUSED_MERGE_ILP) a tile of
+// at most 2 splits takes 4 rows x 2 splits: a 128-row GQA tile (SGLang's balanced batch) in 3
+// dependent L2 round trips a thread at 384 threads instead of 6. (8 x 2 and 4 x 4 spilled in
+// the ping-pong kernels' 168 registers.)
+// SHAPED = false (the portable mma.sync kernels) compiles the v8 shape only: their widest
+// builds sit at 255 registers, where the other shapes' code spilled (sm_80, d256).
+template <int DV, bool BF16, bool SHAPED = true>
+__device__ __forceinline__ void merge_rows(const TreeAttnParams& p, int qo0, int kvh, int r0,
+                                           int r1, int n) {
+  if constexpr (SHAPED) {
+    if (p.fused_merge_ilp && n <= 2) return merge_rows_ilp<DV, BF16, 4, 2>(p, qo0, kvh, r0, r1, n);
+  }
+  merge_rows_ilp<DV, BF16, 2, 8>(p, qo0, kvh, r0, r1, n);
+}
+
 // Called by every thread of a split CTA whose tile merges in the forward, after it wrote its
 // partials: the last of the tile's n_splits CTAs to arrive merges rows [m0, min(m0 + bm, rows))
 // of (request at qo0, KV head kvh). Counter: this CTA's (m-tile, request x KV head) of the grid.
-template <int DV, bool BF16>
+template <int DV, bool BF16, bool SHAPED = true>
 __device__ __forceinline__ void merge_tile_if_last(const TreeAttnParams& p, int qo0, int kvh,
                                                    int m0, int bm, int rows, int n_splits) {
   __shared__ int s_last;
@@ -145,7 +162,7 @@ __device__ __forceinline__ void merge_tile_if_last(const TreeAttnParams& p, int 
   __syncthreads();
   if (!s_last) return;
   __threadfence();  // order the partial reads after the count that said they are complete
-  merge_rows<DV, BF16>(p, qo0, kvh, m0, m0 + min(bm, rows - m0), n_splits);
+  merge_rows<DV, BF16, SHAPED>(p, qo0, kvh, m0, m0 + min(bm, rows - m0), n_splits);
 }
 
 // Rows [total_q, out_rows) of `out` belong to no request (padded batch slots of a graph

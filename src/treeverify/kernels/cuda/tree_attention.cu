@@ -383,7 +383,7 @@ __global__ void __launch_bounds__((BM / 16) * WN * 32, 1)
     }
   }
   if (n_splits > 1 && merged_in_forward<DV>(p, n_splits, min(BM, rows - m0)))
-    merge_tile_if_last<DV, BF16>(p, qo0, kvh, m0, BM, rows, n_splits);
+    merge_tile_if_last<DV, BF16, false>(p, qo0, kvh, m0, BM, rows, n_splits);  // v8 shape
 }
 
 }  // namespace treeverify

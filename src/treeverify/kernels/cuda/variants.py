@@ -299,21 +299,24 @@ class MergeVariant:
     dtype: str
     hi: int = 1
     u: int = 8
+    w: int = 1  # head lanes a CTA (v28, TREEVERIFY_CUDA_MERGE_WIDE)
 
     @property
     def name(self) -> str:
         ilp = "" if (self.hi, self.u) == (1, 8) else f"_h{self.hi}u{self.u}"
-        return f"merge_v{self.dv}{ilp}_{self.dtype}"
+        wide = "" if self.w == 1 else f"_w{self.w}"
+        return f"merge_v{self.dv}{ilp}{wide}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
-        ilp = "" if (self.hi, self.u) == (1, 8) else f",{self.hi},{self.u}"
-        return f"treeverify::tree_attn_merge<{self.dv},{bf16}{ilp}>"
+        args = "" if (self.hi, self.u, self.w) == (1, 8, 1) else f",{self.hi},{self.u}"
+        args += "" if self.w == 1 else f",{self.w}"
+        return f"treeverify::tree_attn_merge<{self.dv},{bf16}{args}>"
 
     @property
     def threads(self) -> int:
-        return self.dv // 4
+        return self.dv // 4 * self.w
 
     smem_bytes: int = 0
     defines: tuple[str, ...] = ()
@@ -323,14 +326,24 @@ class MergeVariant:
 # splits where a CTA merges several heads, 16 splits of one head where plans split more than 8
 # ways; (1, 8), one head of 8 splits, otherwise and by default.
 MERGE_ILP_SHAPES = ((4, 4), (1, 16))
+MERGE_WIDE_THREADS = 256  # a wide merge CTA's threads: head lanes of dv / 4 threads each
+
+
+def merge_head_lanes(dv: int) -> int:
+    """Head lanes of the wide merge kernel (TREEVERIFY_CUDA_MERGE_WIDE) for value width dv."""
+    return MERGE_WIDE_THREADS // (dv // 4)
 
 
 def merge_variant(
-    dv: int, dtype: str, ilp: bool, merge_heads: int, max_splits: int
+    dv: int, dtype: str, ilp: bool, merge_heads: int, max_splits: int, wide: bool = False
 ) -> MergeVariant:
     """The merge kernel for a plan: `merge_heads` heads a CTA, at most `max_splits` splits a row.
-    Off by default: 0.994x on the grid (H200, 670a014; the small MLA cases 0.92-1.06x) and no
-    gain on SGLang's balanced GQA batch (101.1 -> 104.2 us): the merge was not the gap."""
+    ILP off by default: 0.994x on the grid (H200, 670a014; the small MLA cases 0.92-1.06x) and no
+    gain on SGLang's balanced GQA batch (101.1 -> 104.2 us): the merge was not the gap. Wide
+    (v28): where a CTA merges at least merge_head_lanes(dv) heads, that many warps (groups) take
+    them in turns, one head each at a time (one head x 8 splits of loads a thread)."""
+    if wide and merge_heads >= merge_head_lanes(dv):
+        return MergeVariant(dv, dtype, w=merge_head_lanes(dv))
     if not ilp:
         return MergeVariant(dv, dtype)
     if merge_heads >= 4:
@@ -532,6 +545,7 @@ def all_variants(arch: str) -> list[Variant]:
         for dv in (*GQA_HEAD_DIMS, MLA_DIMS[1]):
             out.append(MergeVariant(dv, dtype))
             out += [MergeVariant(dv, dtype, hi, u) for hi, u in MERGE_ILP_SHAPES]
+            out.append(MergeVariant(dv, dtype, w=merge_head_lanes(dv)))
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
