@@ -255,24 +255,36 @@ def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
     assert _rel(out, _reference(inp)) <= TOL
 
 
+@pytest.mark.parametrize("mode", ["forward", "auto"])
 @pytest.mark.parametrize("fused_ilp", ["0", "1"], ids=["fused-v8", "fused-4x2"])
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
-def test_two_split_tiles_merged_in_the_forward(shape, fused_ilp, monkeypatch):
-    """Every tile split at most two ways and merged in the forward (TREEVERIFY_CUDA_MAX_SPLITS=2,
-    TREEVERIFY_CUDA_SPLIT_MERGE=forward): with TREEVERIFY_CUDA_FUSED_MERGE_ILP=1 (v28) the last
-    CTA of a tile loads 4 rows x 2 splits at a time, its rows not a multiple of four (17-node
-    trees); the output equals the reference on two runs in a row (the tile counters reset)."""
+def test_two_split_tiles_merged_in_the_forward(shape, fused_ilp, mode, monkeypatch):
+    """Every tile split at most two ways (TREEVERIFY_CUDA_MAX_SPLITS=2) and merged in the forward
+    (TREEVERIFY_CUDA_SPLIT_MERGE=forward) or by the default rule (auto): with
+    TREEVERIFY_CUDA_FUSED_MERGE_ILP=1 (v28) the last CTA of a tile loads 4 rows x 2 splits at a
+    time, its rows not a multiple of four (17-node trees), and under auto a tile of up to twice
+    the byte limit merges there (gqa128's 68-row tiles, 68 KiB: the merge kernel not launched);
+    the output equals the reference on two runs in a row (the tile counters reset)."""
     from treeverify.bench.cases import Case, make_inputs
+    from treeverify.kernels.splits import merged_in_forward
 
     monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", "2")
-    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "forward")
+    monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", mode)
     monkeypatch.setenv("TREEVERIFY_CUDA_FUSED_MERGE_ILP", fused_ilp)
     hq, hkv, dqk, dv, mla = shape
     case = Case("f", 3, 2000, 17, hq, hkv, dqk, dv, mla)
     inp = make_inputs(case, page_size=16, device="cuda", seed=11, prefix_lens=[2000, 1100, 30],
                       tree_sizes=[17, 13, 17])  # fmt: skip
     plan = _plan(inp, case, 16, 3, 17, inp["block_table"].shape[1], 2100)
-    assert plan._launcher.splits.max_splits == 2 and not plan._launcher.merge_kernel_needed
+    launcher = plan._launcher
+    assert launcher.splits.max_splits == 2
+    tile = min(launcher.fwd.bm, 17 * launcher.group)
+    fused = merged_in_forward(2, tile, dv, launcher.fused_merge_bytes, launcher.fused_merge_ilp)
+    assert launcher.merge_kernel_needed == (not fused)
+    if mode == "forward":
+        assert fused
+    elif hq == 32:  # gqa128: 68-row tiles, 68 KiB, in the forward only when shaped
+        assert fused == (fused_ilp == "1")
     plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
     ref = _reference(inp)
     for _ in range(2):

@@ -110,6 +110,32 @@ def test_merge_heads_per_cta_bounds_the_merge_grid():
     assert merge_heads_per_cta(512, 32, max_ctas=4096) == 4
 
 
+def test_two_split_tiles_get_twice_the_limit_when_shaped():
+    """TREEVERIFY_CUDA_FUSED_MERGE_ILP (v28): a 2-split tile's merge loads 4 rows at a time, so
+    it merges in the forward up to twice the byte limit (SGLang's GQA batch: 128-row d128 tiles,
+    128 KiB); 3+ splits keep the limit, so a plan that can split 3 ways still needs the kernel.
+    The device rule (split_merge.cuh) is the same expression."""
+    from treeverify.kernels.splits import (
+        FUSED_MERGE_MAX_BYTES,
+        merge_kernel_needed,
+        merged_in_forward,
+    )
+
+    lim = FUSED_MERGE_MAX_BYTES
+    assert merged_in_forward(2, 128, 128, lim, shaped=True)
+    assert not merged_in_forward(2, 128, 128, lim, shaped=False)
+    assert not merged_in_forward(2, 64, 512, lim, shaped=True)  # Kimi's tiles: 256 KiB
+    assert not merged_in_forward(3, 128, 128, lim, shaped=True)
+    assert merged_in_forward(3, 32, 128, lim, shaped=True) == merged_in_forward(
+        3, 32, 128, lim, False
+    )
+    assert not merge_kernel_needed(max_splits=2, tile_rows=128, dv=128, limit=lim, shaped=True)
+    assert merge_kernel_needed(max_splits=2, tile_rows=128, dv=128, limit=lim, shaped=False)
+    # 48-row tiles: 2 splits (48 KiB) and 3 (72 KiB > 64) — the kernel is needed for 3 splits
+    assert merge_kernel_needed(max_splits=3, tile_rows=48, dv=128, limit=lim, shaped=True)
+    assert not merge_kernel_needed(max_splits=2, tile_rows=48, dv=128, limit=lim, shaped=True)
+
+
 def test_split_merge_limits_and_launch_rule():
     """A row tile merges in the forward when its read (splits x rows x dv x 4 B) is at most the
     limit; the merge kernel is launched only when some tile of the plan can exceed it."""

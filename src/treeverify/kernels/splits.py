@@ -218,7 +218,18 @@ def merge_heads_per_cta(total_q_cap: int, hq: int, max_ctas: int | None = None) 
     return heads
 
 
-def merge_kernel_needed(*, max_splits: int, tile_rows: int, dv: int, limit: int) -> bool:
+def merged_in_forward(splits: int, tile_rows: int, dv: int, limit: int, shaped: bool) -> bool:
+    """The device rule (split_merge.cuh): a tile of `splits` splits is merged by the forward's
+    last CTA when its read is at most `limit`, twice that for 2 splits when `shaped`
+    (TREEVERIFY_CUDA_FUSED_MERGE_ILP: such a merge loads 4 rows at a time instead of 2)."""
+    return merge_bytes(splits, tile_rows, dv) <= limit * (2 if shaped and splits <= 2 else 1)
+
+
+def merge_kernel_needed(
+    *, max_splits: int, tile_rows: int, dv: int, limit: int, shaped: bool = False
+) -> bool:
     """Whether some tile of a plan can exceed the limit (then the merge kernel is launched; it
     skips the tiles the forward merged). `tile_rows` = min(BM, the bucket's packed rows)."""
-    return max_splits > 1 and merge_bytes(max_splits, tile_rows, dv) > limit
+    return any(
+        not merged_in_forward(n, tile_rows, dv, limit, shaped) for n in range(2, max_splits + 1)
+    )

@@ -21,7 +21,13 @@ import torch
 from treeverify import env
 from treeverify.kernels.cuda import tma
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
-from treeverify.kernels.cuda.variants import fwd_variant, gqa_wide_pays, merge_variant
+from treeverify.kernels.cuda.variants import (
+    GqaSm90Variant,
+    MlaSm90Variant,
+    fwd_variant,
+    gqa_wide_pays,
+    merge_variant,
+)
 from treeverify.kernels.split_arena import SplitArena
 from treeverify.kernels.splits import (
     LONGEST_FIRST_MAX_BATCH,
@@ -170,11 +176,18 @@ class Launcher:
         self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9 and (
             pdl == "1" or (pdl == "auto" and one_wave)
         )
+        # A 2-split tile merged in the forward with 4 rows of loads at a time and twice the
+        # byte limit (v28, TREEVERIFY_CUDA_FUSED_MERGE_ILP): the sm_90 kernels only (the
+        # portable ones compile v8's shape, split_merge.cuh).
+        self.fused_merge_ilp = env.cuda_fused_merge_ilp() and isinstance(
+            self.fwd, (GqaSm90Variant, MlaSm90Variant)
+        )
         self.merge_kernel_needed = not self.persist and merge_kernel_needed(
             max_splits=self.splits.max_splits,
             tile_rows=min(self.fwd.bm, max_tree * self.group),
             dv=dv,
             limit=self.fused_merge_bytes,
+            shaped=self.fused_merge_ilp,
         )
 
     def workspace_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -259,7 +272,7 @@ class Launcher:
         params.max_splits, params.chunk = self.splits.max_splits, self.splits.chunk
         params.balance_div = self.splits.balance_div
         params.split_order = int(self.split_longest_first)
-        params.fused_merge_ilp = int(env.cuda_fused_merge_ilp())
+        params.fused_merge_ilp = int(self.fused_merge_ilp)
         params.merge_heads = self.merge_heads
         params.persist_m = self.m_tiles if self.persist else 0
         params.total_q_cap = self.total_q_cap

@@ -79,11 +79,14 @@ __device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const lon
 }
 
 // Whether the forward merges the row tile itself: its read (n splits x tile rows x DV fp32) is
-// at most p.fused_merge_bytes. The forward's split CTAs and the merge kernel (which then skips
-// the tile) evaluate the same rule, so each tile is merged exactly once.
+// at most p.fused_merge_bytes, twice that for a 2-split tile under p.fused_merge_ilp, whose
+// merge then loads twice the rows at a time (merge_rows: the same load rounds a thread). The
+// forward's split CTAs and the merge kernel (which then skips the tile) evaluate the same rule,
+// so each tile is merged exactly once; kernels/splits.py: merged_in_forward mirrors it.
 template <int DV>
 __device__ __forceinline__ bool merged_in_forward(const TreeAttnParams& p, int n, int tile_rows) {
-  return (long long)n * tile_rows * DV * 4 <= (long long)p.fused_merge_bytes;
+  const long long limit = (long long)p.fused_merge_bytes << (p.fused_merge_ilp && n <= 2 ? 1 : 0);
+  return (long long)n * tile_rows * DV * 4 <= limit;
 }
 
 template <bool BF16>
