@@ -128,7 +128,7 @@ __device__ __forceinline__ void merge_rows_ilp(const TreeAttnParams& p, int qo0,
 }
 
 // The forward's merge of one tile: 2 rows x 8 splits of loads a thread (v8), of which a
-// 2-split tile fills 4; with p.fused_merge_ilp (v28, TREEVERIFY_CUDA_FUSED_MERGE_ILP) a tile of
+// 2-split tile fills 4; with p.fused_merge_ilp (v28, TREEVERIFY_CUDA_FUSED_MERGE_ILP, default on) a tile of
 // at most 2 splits takes 4 rows x 2 splits: a 128-row GQA tile (SGLang's balanced batch) in 3
 // dependent L2 round trips a thread at 384 threads instead of 6. (8 x 2 and 4 x 4 spilled in
 // the ping-pong kernels' 168 registers.)
