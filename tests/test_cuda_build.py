@@ -114,7 +114,7 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
         "TREEVERIFY_CUDA_MAX_SPLITS": "4", "TREEVERIFY_CUDA_TMA_MIN_PAGE": "2",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "512", "TREEVERIFY_CUDA_SPLIT_MERGE": "kernel",
         "TREEVERIFY_CUDA_PDL": "0", "TREEVERIFY_CUDA_MERGE_ILP": "1",
-        "TREEVERIFY_CUDA_MERGE_WIDE": "1", "TREEVERIFY_CUDA_FUSED_MERGE_ILP": "1",
+        "TREEVERIFY_CUDA_MERGE_WIDE": "1", "TREEVERIFY_CUDA_FUSED_MERGE_ILP": "0",
         "TREEVERIFY_CUDA_SPLIT_SHARE": "1", "TREEVERIFY_CUDA_SPLIT_ORDER": "request",
     }  # fmt: skip
     for name in flags:
