@@ -2,9 +2,10 @@
 attention time from OUR MEASURED kernel grid, against a roofline of the step's MoE/GEMM work.
 
 Attention: per layer t = t0 + FLOPs / R, fitted (least squares on time) to the grid's measured
-Kimi MLA rows (bench_results/2026-12-02-h200-e0290e3-bench_cuda.json, kernels v10: TP8 = 8
-heads, TP1 = 64 heads, B {1,8,32} x L {1k,8k,32k} x N {16,64}); budgets above N=64 and
-contexts above 32k are EXTRAPOLATED along that fit. MoE/GEMM: a lower bound, max(weight
+Kimi MLA rows (bench_results/2026-12-04-h200-af07f17-grid_page16_best_of_2.json, kernels v28;
+v10's was 2026-12-02-h200-e0290e3-bench_cuda.json; TP8 = 8 heads, TP1 = 64 heads,
+B {1,8,32} x L {1k,8k,32k} x N {16,64}); budgets above N=64 and contexts above 32k are
+EXTRAPOLATED along that fit. MoE/GEMM: a lower bound, max(weight
 bytes / 4.24 TB/s, FLOPs / 701 TFLOP/s) per step (the grid's measured H200 ceilings), under
 the assumptions printed.
 
@@ -74,7 +75,7 @@ def moe_gemm_step(tokens, tp, expert_bytes, dense_bytes=2):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--grid", default="bench_results/2026-12-02-h200-e0290e3-bench_cuda.json")
+    p.add_argument("--grid", default="bench_results/2026-12-04-h200-af07f17-grid_page16_best_of_2.json")
     p.add_argument("--batch", type=int, default=1, help="requests verified together per GPU")
     p.add_argument(
         "--expert-bytes", type=float, default=0.5, help="routed expert weight bytes/param"
