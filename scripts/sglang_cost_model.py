@@ -27,6 +27,7 @@ ATTN_REPLICATED = 7168 * 1536 + 7168 * 576  # q_a, kv_a (every TP rank holds the
 ATTN_SPLIT = 1536 * HEADS * 192 + 512 * HEADS * 256 + HEADS * 128 * HIDDEN  # q_b, kv_b, o_proj
 DENSE_MLP = 3 * HIDDEN * 18432
 KV_ROW_BYTES = 576 * 2  # bf16 latent + rope per token per layer
+DEFAULT_GRID = "bench_results/2026-12-04-h200-af07f17-grid_page16_best_of_2.json"  # kernels v28
 
 
 def fit(rows, heads):
@@ -75,7 +76,7 @@ def moe_gemm_step(tokens, tp, expert_bytes, dense_bytes=2):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--grid", default="bench_results/2026-12-04-h200-af07f17-grid_page16_best_of_2.json")
+    p.add_argument("--grid", default=DEFAULT_GRID)
     p.add_argument("--batch", type=int, default=1, help="requests verified together per GPU")
     p.add_argument(
         "--expert-bytes", type=float, default=0.5, help="routed expert weight bytes/param"

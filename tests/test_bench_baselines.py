@@ -127,3 +127,19 @@ def test_median_round_ratio_pairs_each_round():
         median_round_ratio([1.0], [])
     with pytest.raises(ValueError, match="base, other"):
         median_round_ratio([], [])
+
+
+def test_cost_model_default_grid_is_in_the_repository(capsys, monkeypatch):
+    """docs/sglang.md's tables come from the script's default grid: it must ship and fit."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("_cost", root / "scripts/sglang_cost_model.py")
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "argv", ["x"])
+    assert cost.main() == 0
+    out = capsys.readouterr().out
+    assert cost.DEFAULT_GRID in out and "TP1 fit (64 heads, 18 rows)" in out
