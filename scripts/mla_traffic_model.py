@@ -1,0 +1,64 @@
+"""Bytes moved between the SMs and L2 by the MLA grid cases, against their measured time.
+
+A model for issue 15's small MLA cases (docs/performance.md, twenty-sixth session): every CTA of
+the sm_90a MLA forward loads its 64 query rows (64 x 576 bf16), every 64-key latent tile of its
+split (64 x 576 bf16), and writes its fp32 partial output (64 x 512 x 4 B) when the request is
+split; the merge reads the partials back. If these cases are bound by the SMs' intake (the
+GQA kernels' ~13-16 B a cycle an SM, seventeenth-nineteenth sessions), time ~ bytes / (SMs in
+use x intake), and the table's implied TB/s sits near 128 SMs' worth of it; the `bf16 partials`
+column predicts the time with the partials stored as bf16 (half their bytes) at the same rate.
+CPU only:  python scripts/mla_traffic_model.py [--grid FILE] [--max-eff 0.4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+ROWS, KEYS = 64, 64  # the MLA kernels' row tile and key tile
+DQK, DV = 576, 512
+DEFAULT_GRID = "bench_results/2026-12-04-h200-af07f17-grid_page16_best_of_2.json"  # kernels v28
+
+
+def traffic(row: dict) -> dict:
+    """Bytes of one grid row's verify: Q loads, latent tiles, partials written and read back."""
+    rows = row["N"] * row["hq"]
+    m_tiles = math.ceil(rows / ROWS)
+    tiles = math.ceil((row["L"] + row["N"]) / KEYS)
+    splits = min(row["splits"], tiles)
+    ctas = row["B"] * m_tiles * splits
+    q = ctas * ROWS * DQK * 2
+    kv = row["B"] * m_tiles * tiles * KEYS * DQK * 2
+    partials = 2 * row["B"] * rows * splits * DV * 4 if splits > 1 else 0  # written + read
+    out = row["B"] * rows * DV * 2
+    return {"ctas": ctas, "splits": splits, "q": q, "kv": kv, "partials": partials, "out": out}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--grid", default=DEFAULT_GRID)
+    p.add_argument("--max-eff", type=float, default=0.4, help="only cases under this efficiency")
+    args = p.parse_args()
+    with open(args.grid) as f:
+        grid = json.load(f)
+    print(f"grid {args.grid} (commit {grid['commit']})")
+    print(f"{'case':<32} {'us':>6} {'eff':>6} {'splits':>6} {'CTAs':>5} {'Q MB':>6} {'KV MB':>6} "
+          f"{'part MB':>7} {'TB/s':>5} {'bf16 partials':>14}")  # fmt: skip
+    rows = [r for r in grid["rows"] if r.get("mla") and "us" in r]
+    for r in sorted(rows, key=lambda r: r["floor_us"] / r["us"]):
+        eff = r["floor_us"] / r["us"]
+        if eff > args.max_eff:
+            continue
+        t = traffic(r)
+        total = t["q"] + t["kv"] + t["partials"] + t["out"]
+        rate = total / (r["us"] * 1e-6)
+        halved = (total - t["partials"] / 2) / rate * 1e6
+        print(f"{r['case']:<32} {r['us']:6.1f} {eff:6.1%} {t['splits']:6d} {t['ctas']:5d} "
+              f"{t['q'] / 1e6:6.1f} {t['kv'] / 1e6:6.1f} {t['partials'] / 1e6:7.1f} "
+              f"{rate / 1e12:5.2f} {halved:6.1f} us {r['floor_us'] / halved:5.1%}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
