@@ -8,6 +8,8 @@ GQA kernels' ~13-16 B a cycle an SM, seventeenth-nineteenth sessions), time ~ by
 use x intake), and the table's implied TB/s sits near 128 SMs' worth of it; the `bf16 partials`
 column predicts the time with the partials stored as bf16 (half their bytes) at the same rate.
 CPU only:  python scripts/mla_traffic_model.py [--grid FILE] [--max-eff 0.4]
+           python scripts/mla_traffic_model.py --sweep bench_results/<date>-split_sweep.json
+(the tenth session's: 2026-12-02-h200-c29bb0a-split_sweep.json)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 
 ROWS, KEYS = 64, 64  # the MLA kernels' row tile and key tile
 DQK, DV = 576, 512
+SMS = 132  # H200
 DEFAULT_GRID = "bench_results/2026-12-04-h200-af07f17-grid_page16_best_of_2.json"  # kernels v28
 
 
@@ -35,11 +38,36 @@ def traffic(row: dict) -> dict:
     return {"ctas": ctas, "splits": splits, "q": q, "kv": kv, "partials": partials, "out": out}
 
 
+def sweep(path: str, clock_hz: float) -> None:
+    """The model on scripts/split_sweep.py's JSON: the bytes a cycle each SM in use moved, per
+    forced split count (roughly constant if the cases are bound by the SMs' intake)."""
+    with open(path) as f:
+        data = json.load(f)
+    print(f"split sweep {path} (commit {data['commit']}); B a cycle an SM at {clock_hz / 1e9} GHz")
+    for r in data["rows"]:
+        model, b, length, n = r["case"].split("/")
+        if "mla" not in model:
+            continue
+        splits = r["splits"] or r["policy_splits"]
+        hq = 8 if "tp8" in model else 64
+        row = {"B": int(b[1:]), "L": int(length[1:]), "N": int(n[1:]), "hq": hq, "splits": splits}
+        t = traffic(row)
+        total = t["q"] + t["kv"] + t["partials"] + t["out"]
+        per_sm = total / (r["us"] * 1e-6) / min(t["ctas"], SMS) / clock_hz
+        print(f"{r['case']:<32} splits {row['splits']:3d} CTAs {t['ctas']:5d} {r['us']:8.1f} us "
+              f"{total / 1e6:6.1f} MB {per_sm:5.1f} B/cycle/SM")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", default=DEFAULT_GRID)
     p.add_argument("--max-eff", type=float, default=0.4, help="only cases under this efficiency")
+    p.add_argument("--sweep", help="a scripts/split_sweep.py JSON: the per-SM rate per split count")
+    p.add_argument("--clock-ghz", type=float, default=1.98, help="SM clock for --sweep")
     args = p.parse_args()
+    if args.sweep:
+        sweep(args.sweep, args.clock_ghz * 1e9)
+        return 0
     with open(args.grid) as f:
         grid = json.load(f)
     print(f"grid {args.grid} (commit {grid['commit']})")
