@@ -31,20 +31,28 @@ MERGE_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("partial", ["fp32", "bf16"])
 @pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
-def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, monkeypatch):
+def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, partial,
+                                                         monkeypatch):  # fmt: skip
     """Captured plans that merge every split tile in the forward, none, or those whose read is
     small (auto: the rest by the merge kernel, which must skip the others), replayed over
     lengths that change every request's split count and twice per replay (as two layers
     would): each equals the reference and the merge kernel's plan; the tile counters are back at
-    zero after each replay; rows of padding requests come out zero (out poisoned before)."""
+    zero after each replay; rows of padding requests come out zero (out poisoned before).
+    partial=bf16 (MLA only, TREEVERIFY_CUDA_PARTIAL_BF16, v29): the sm_90a kernels store the
+    partials as bf16 and every merge path reads them so (the workspace poisoned with NaN, of
+    which bf16 partials use the first half); the portable kernels ignore the flag."""
     from treeverify.bench.cases import Case, make_inputs
 
+    if partial == "bf16" and not shape[4]:
+        pytest.skip("bf16 partials are an MLA (dv 512) option")
     if portable:
         monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
     monkeypatch.setenv("TREEVERIFY_CUDA_PDL", pdl)  # the merge kernel's programmatic launch
+    monkeypatch.setenv("TREEVERIFY_CUDA_PARTIAL_BF16", "1" if partial == "bf16" else "0")
     hq, hkv, dqk, dv, mla = shape
     case = Case("m", 4, 1500, 17, hq, hkv, dqk, dv, mla)
     page, max_batch, max_tree, max_kv = 16, 4, 17, 1600
@@ -59,6 +67,9 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, m
     assert not plans["forward"]._launcher.merge_kernel_needed
     assert plans["kernel"]._launcher.merge_kernel_needed
     assert plans["forward"].split_policy.max_splits >= 4  # lengths below reach several counts
+    for plan in plans.values():
+        assert plan._launcher.part_bf16 == (partial == "bf16" and not portable)
+        plan.part_o.fill_(float("nan"))  # a merge reading a partial the forward did not write
     rows = max_batch * max_tree
     q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
     kc, vc = first["k_cache"], first["v_cache"]
