@@ -1,0 +1,90 @@
+"""Each kernel of one grid case's captured plan.run, timed by the profiler, per flag setting:
+which kernel an environment flag moved (the forward or the split merge).
+
+    PYTHONPATH=src python scripts/case_kernel_times.py --case kimi-k2-mla-tp8/B1/L8192/N16 \
+        --set TREEVERIFY_CUDA_PARTIAL_BF16=0 --set TREEVERIFY_CUDA_PARTIAL_BF16=1 [--json F]
+
+Every --set (comma-separated assignments) builds a fresh plan under those variables (a
+Launcher reads its flags when made) on the same inputs; the settings alternate for --passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from treeverify.bench.cases import load_grid, make_inputs
+from treeverify.bench.kernel import back_to_back_replay_seconds, replay_kernel_times
+from treeverify.kernels.plan import TreeAttentionPlan
+
+
+def profile(case, inp: dict, assignments: dict[str, str], replays: int) -> dict:
+    """One plan made under `assignments`, captured and replayed: replay time and kernels."""
+    saved = {k: os.environ.get(k) for k in assignments}
+    os.environ.update(assignments)
+    try:
+        plan = TreeAttentionPlan(
+            num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim_qk=case.dqk,
+            head_dim_v=case.dv, mla=case.mla, page_size=16, max_batch=case.B, max_tree=case.N,
+            max_pages_per_request=inp["block_table"].shape[1], max_kv_len=case.L + case.N,
+            sm_scale=inp["sm_scale"], dtype=torch.bfloat16, device="cuda",
+        )  # fmt: skip
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    q, kc, vc = inp["q"], inp["k_cache"], inp["v_cache"]
+    out = torch.empty(q.shape[0], case.hq, case.dv, dtype=q.dtype, device="cuda")  # (T, Hq, Dv)
+    plan.run(q, kc, vc, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, kc, vc, out)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    kernels = replay_kernel_times(graph, replays)
+    return {
+        "set": assignments,
+        "replay_us": back_to_back_replay_seconds(graph, replays, passes=1) * 1e6,
+        "kernels_us": {k["kernel"][:80]: k["us_per_replay"] for k in kernels},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", required=True, action="append", help="a grid case name (repeat)")
+    ap.add_argument("--set", required=True, action="append", help="NAME=VALUE[,NAME=VALUE]")
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    grid = {c.name: c for c in load_grid()[0]}
+    settings = [dict(a.split("=", 1) for a in s.split(",")) for s in args.set]
+    rows = []
+    for name in args.case:
+        if name not in grid:
+            raise SystemExit(f"--case: {name!r} is not a grid case")
+        case = grid[name]
+        inp = make_inputs(case, page_size=16, device="cuda", seed=0)
+        for p in range(args.passes):
+            for s in settings:
+                r = {"case": name, "pass": p, **profile(case, inp, s, args.replays)}
+                rows.append(r)
+                kernels = r["kernels_us"].items()
+                ks = ", ".join(f"{k.split('(')[0][:40]} {v:.1f}" for k, v in kernels)
+                print(f"{name} {s} pass {p}: replay {r['replay_us']:6.1f} us | {ks}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
