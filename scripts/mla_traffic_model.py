@@ -6,7 +6,9 @@ split (64 x 576 bf16), and writes its fp32 partial output (64 x 512 x 4 B) when 
 split; the merge reads the partials back. If these cases are bound by the SMs' intake (the
 GQA kernels' ~13-16 B a cycle an SM, seventeenth-nineteenth sessions), time ~ bytes / (SMs in
 use x intake), and the table's implied TB/s sits near 128 SMs' worth of it; the `bf16 partials`
-column predicts the time with the partials stored as bf16 (half their bytes) at the same rate.
+column predicts the time with the partials stored as bf16 (half their bytes) at the same rate:
+a prediction v29 refuted on the H200 (0.70-0.84x; the partials do not cost their bytes at the
+intake rate; docs/performance.md), kept as the record of what was predicted.
 CPU only:  python scripts/mla_traffic_model.py [--grid FILE] [--max-eff 0.4]
            python scripts/mla_traffic_model.py --sweep bench_results/<date>-split_sweep.json
 (the tenth session's: 2026-12-02-h200-c29bb0a-split_sweep.json)

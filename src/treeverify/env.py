@@ -64,7 +64,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   ``0`` restores v8's shape and limit.
 - ``TREEVERIFY_CUDA_PARTIAL_BF16``: ``1`` makes the sm_90a MLA kernels store split partials
   as bf16 instead of fp32 (v29: half the partials' bytes, which are 26-63% of what the small
-  MLA cases move; the merge still sums in fp32). Default ``0``.
+  MLA cases move; the merge still sums in fp32). Default ``0``: measured 0.948x on the MLA grid,
+  0.70-0.84x on the small cases it was meant for (both the forward and the merge slower).
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
   1.01x, so default ``0``).
@@ -137,7 +138,7 @@ VARIABLES: dict[str, str] = {
     "splits of loads a thread and merges in the forward up to twice the byte limit (v28); "
     "default 1, 0 restores v8's 2 rows x 8 splits.",
     "TREEVERIFY_CUDA_PARTIAL_BF16": "1: the sm_90a MLA kernels store split partials as bf16 "
-    "(v29: half their bytes); default 0.",
+    "(v29: half their bytes; measured slower, 0.948x on the MLA grid); default 0.",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
