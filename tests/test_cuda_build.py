@@ -116,7 +116,7 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
         "TREEVERIFY_CUDA_PDL": "0", "TREEVERIFY_CUDA_MERGE_ILP": "1",
         "TREEVERIFY_CUDA_MERGE_WIDE": "1", "TREEVERIFY_CUDA_FUSED_MERGE_ILP": "0",
         "TREEVERIFY_CUDA_SPLIT_SHARE": "1", "TREEVERIFY_CUDA_SPLIT_ORDER": "request",
-        "TREEVERIFY_CUDA_PARTIAL_BF16": "1",
+        "TREEVERIFY_CUDA_PARTIAL_BF16": "1", "TREEVERIFY_CUDA_MERGE_SPLIT_LANES": "1",
     }  # fmt: skip
     for name in flags:
         monkeypatch.delenv(name, raising=False)
@@ -158,6 +158,21 @@ def test_merge_variant_wide():
     assert merge_variant(128, "bf16", False, 4, 2, wide=True) == MergeVariant(128, "bf16")
     assert merge_variant(512, "bf16", True, 2, 64, wide=True) == MergeVariant(512, "bf16", w=2)
     assert merge_variant(128, "bf16", False, 8, 2, wide=False) == MergeVariant(128, "bf16")
+
+
+def test_merge_variant_split_lanes():
+    """TREEVERIFY_CUDA_MERGE_SPLIT_LANES (v30): plans of more than 8 splits merge with 4 split
+    lanes of dv / 4 threads, in their own kernel (its launch bounds); others keep the plain one,
+    and the flag wins over ILP and wide (it takes one head at a time)."""
+    from treeverify.kernels.cuda.variants import MergeVariant, merge_variant
+
+    lanes = merge_variant(512, "bf16", True, 2, 64, wide=True, split_lanes=True)
+    assert lanes == MergeVariant(512, "bf16", s=4) and lanes.threads == 512
+    assert lanes.expr == "treeverify::tree_attn_merge_split_lanes<512,true,4>"
+    assert lanes.name == "merge_v512_s4_bf16"
+    assert merge_variant(128, "fp16", False, 1, 8, split_lanes=True) == MergeVariant(128, "fp16")
+    assert merge_variant(128, "fp16", False, 1, 9, split_lanes=True).expr.endswith("<128,false,4>")
+    assert lanes in all_variants("sm_90a") and lanes in all_variants("sm_80")
 
 
 def test_variant_choice():

@@ -31,11 +31,12 @@ MERGE_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("lanes", ["0", "1"], ids=["merge-v12", "merge-split-lanes"])
 @pytest.mark.parametrize("partial", ["fp32", "bf16"])
 @pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
-def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, partial,
+def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, partial, lanes,
                                                          monkeypatch):  # fmt: skip
     """Captured plans that merge every split tile in the forward, none, or those whose read is
     small (auto: the rest by the merge kernel, which must skip the others), replayed over
@@ -44,7 +45,9 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, p
     zero after each replay; rows of padding requests come out zero (out poisoned before).
     partial=bf16 (MLA only, TREEVERIFY_CUDA_PARTIAL_BF16, v29): the sm_90a kernels store the
     partials as bf16 and every merge path reads them so (the workspace poisoned with NaN, of
-    which bf16 partials use the first half); the portable kernels ignore the flag."""
+    which bf16 partials use the first half); the portable kernels ignore the flag.
+    lanes=1 (TREEVERIFY_CUDA_MERGE_SPLIT_LANES, v30): the merge kernel takes a head's splits
+    with 4 groups of threads (some with no split at the short lengths below)."""
     from treeverify.bench.cases import Case, make_inputs
 
     if partial == "bf16" and not shape[4]:
@@ -53,6 +56,7 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, p
         monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
     monkeypatch.setenv("TREEVERIFY_CUDA_PDL", pdl)  # the merge kernel's programmatic launch
     monkeypatch.setenv("TREEVERIFY_CUDA_PARTIAL_BF16", "1" if partial == "bf16" else "0")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", lanes)
     hq, hkv, dqk, dv, mla = shape
     case = Case("m", 4, 1500, 17, hq, hkv, dqk, dv, mla)
     page, max_batch, max_tree, max_kv = 16, 4, 17, 1600
@@ -69,6 +73,7 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, p
     assert plans["forward"].split_policy.max_splits >= 4  # lengths below reach several counts
     for plan in plans.values():
         assert plan._launcher.part_bf16 == (partial == "bf16" and not portable)
+        assert plan._launcher.merge.s == (4 if lanes == "1" else 1)
         plan.part_o.fill_(float("nan"))  # a merge reading a partial the forward did not write
     rows = max_batch * max_tree
     q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
@@ -239,7 +244,7 @@ def test_merge_kernel_with_several_heads_per_cta(shape, ilp, monkeypatch):
     assert _rel(out, _reference(inp)) <= TOL
 
 
-@pytest.mark.parametrize("ilp", ["0", "1"], ids=["merge-v12", "merge-ilp"])
+@pytest.mark.parametrize("ilp", ["0", "1", "lanes"], ids=["merge-v12", "merge-ilp", "split-lanes"])
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
     """Rows split 24 ways (TREEVERIFY_CUDA_MAX_SPLITS), merged by the kernel: with
@@ -250,7 +255,8 @@ def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
 
     monkeypatch.setenv("TREEVERIFY_CUDA_MAX_SPLITS", "24")
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "kernel")
-    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_ILP", ilp)
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_ILP", "1" if ilp == "1" else "0")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", "1" if ilp == "lanes" else "0")
     hq, hkv, dqk, dv, mla = shape
     case = Case("s", 2, 3000, 9, hq, hkv, dqk, dv, mla)
     inp = make_inputs(case, page_size=16, device="cuda", seed=8, prefix_lens=[3000, 40],
@@ -258,7 +264,8 @@ def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
     plan = _plan(inp, case, 16, 2, 9, inp["block_table"].shape[1], 3100)
     launcher = plan._launcher
     assert launcher.merge_kernel_needed and launcher.splits.max_splits == 24
-    if launcher.merge_heads < 4:
+    assert launcher.merge.s == (4 if ilp == "lanes" else 1)  # 24 splits: 6 a group
+    if launcher.merge_heads < 4 and ilp != "lanes":
         assert (launcher.merge.hi, launcher.merge.u) == ((1, 16) if ilp == "1" else (1, 8))
     plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
     out = _poisoned(inp, dv)

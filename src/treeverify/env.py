@@ -62,6 +62,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   twice the byte limit (SGLang's 2-split 128-row GQA tiles: the merge kernel launch goes away).
   Default ``1`` (sm_90 kernels; measured 1.07-1.09x on SGLang's GQA batch path, grid neutral);
   ``0`` restores v8's shape and limit.
+- ``TREEVERIFY_CUDA_MERGE_SPLIT_LANES``: ``1`` gives the merge kernel of plans that split a
+  row more than 8 ways 4 groups of dv / 4 threads a head, each merging every 4th split, combined
+  through shared memory (v30: a 64-split MLA row in 2 dependent L2 round trips a thread instead
+  of 8, 4x the loads in flight). Default ``0``.
 - ``TREEVERIFY_CUDA_PARTIAL_BF16``: ``1`` makes the sm_90a MLA kernels store split partials
   as bf16 instead of fp32 (v29: half the partials' bytes, which are 26-63% of what the small
   MLA cases move; the merge still sums in fp32). Default ``0``: measured 0.948x on the MLA grid,
@@ -137,6 +141,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CUDA_FUSED_MERGE_ILP": "1: a 2-split tile merged in the forward takes 4 rows x 2 "
     "splits of loads a thread and merges in the forward up to twice the byte limit (v28); "
     "default 1, 0 restores v8's 2 rows x 8 splits.",
+    "TREEVERIFY_CUDA_MERGE_SPLIT_LANES": "1: the merge kernel takes a head's splits with 4 "
+    "groups of threads where rows split more than 8 ways (v30); default 0.",
     "TREEVERIFY_CUDA_PARTIAL_BF16": "1: the sm_90a MLA kernels store split partials as bf16 "
     "(v29: half their bytes; measured slower, 0.948x on the MLA grid); default 0.",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
@@ -307,6 +313,12 @@ def cuda_merge_wide() -> bool:
     """TREEVERIFY_CUDA_MERGE_WIDE: the merge kernel's heads a CTA taken by several warps at once
     (v28; default 0)."""
     return _switch("TREEVERIFY_CUDA_MERGE_WIDE", "0")
+
+
+def cuda_merge_split_lanes() -> bool:
+    """TREEVERIFY_CUDA_MERGE_SPLIT_LANES: the merge kernel's split lanes for plans of more than
+    8 splits (v30; default 0)."""
+    return _switch("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", "0")
 
 
 def cuda_partial_bf16() -> bool:

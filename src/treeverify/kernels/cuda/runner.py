@@ -68,6 +68,7 @@ def launcher_flags() -> tuple:
         env.cuda_fused_merge_ilp(),
         env.cuda_split_order(),
         env.cuda_partial_bf16(),
+        env.cuda_merge_split_lanes(),
     )
 
 
@@ -164,7 +165,8 @@ class Launcher:
             self.grid = (max(1, sms // self.m_tiles) * self.m_tiles, 1, 1)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
         self.merge = merge_variant(dv, self.dtype_name, env.cuda_merge_ilp(), self.merge_heads,
-                                   self.splits.max_splits, env.cuda_merge_wide())  # fmt: skip
+                                   self.splits.max_splits, env.cuda_merge_wide(),
+                                   env.cuda_merge_split_lanes())  # fmt: skip
         self.merge_kernel = load(self.merge, self.device)
         self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())

@@ -42,10 +42,13 @@ __device__ __forceinline__ float4 load_partial4(const TreeAttnParams& p, long lo
 // Split s of row i is partial row s * stride + base[i] (+ first_off for s = 0): the split
 // layout's stride is one split's rows (total_q_cap x hq); the persistent GQA kernel's CTA slots
 // (gqa_pp_persist.cuh) pass their own.
-template <int DV, int I, int U = 8>
+// LSE: also the merged LSE of the n splits a row (log2 domain, -inf where none saw a key) in
+// lse[i], for a caller that merges this result with others (the split-lane merge kernel).
+template <int DV, int I, int U = 8, bool LSE = false>
 __device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const long long (&base)[I],
                                               int n, const int (&c)[I], float4 (&out)[I],
-                                              long long stride, long long first_off = 0) {
+                                              long long stride, long long first_off = 0,
+                                              float* lse = nullptr) {
   float m[I], wsum[I];
   float4 acc[I];
 #pragma unroll
@@ -90,6 +93,7 @@ __device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const lon
   for (int i = 0; i < I; ++i) {
     const float inv = wsum[i] > 0.f ? 1.f / wsum[i] : 0.f;
     out[i] = make_float4(acc[i].x * inv, acc[i].y * inv, acc[i].z * inv, acc[i].w * inv);
+    if constexpr (LSE) lse[i] = wsum[i] > 0.f ? m[i] + log2f(wsum[i]) : -TV_INF;
   }
 }
 

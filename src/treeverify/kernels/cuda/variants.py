@@ -300,23 +300,27 @@ class MergeVariant:
     hi: int = 1
     u: int = 8
     w: int = 1  # head lanes a CTA (v28, TREEVERIFY_CUDA_MERGE_WIDE)
+    s: int = 1  # split lanes a head (v30, TREEVERIFY_CUDA_MERGE_SPLIT_LANES)
 
     @property
     def name(self) -> str:
         ilp = "" if (self.hi, self.u) == (1, 8) else f"_h{self.hi}u{self.u}"
         wide = "" if self.w == 1 else f"_w{self.w}"
-        return f"merge_v{self.dv}{ilp}{wide}_{self.dtype}"
+        lanes = "" if self.s == 1 else f"_s{self.s}"
+        return f"merge_v{self.dv}{ilp}{wide}{lanes}_{self.dtype}"
 
     @property
     def expr(self) -> str:
         bf16 = "true" if self.dtype == "bf16" else "false"
+        if self.s > 1:  # its own kernel (merge_and_mask.cuh): its own launch bounds
+            return f"treeverify::tree_attn_merge_split_lanes<{self.dv},{bf16},{self.s}>"
         args = "" if (self.hi, self.u, self.w) == (1, 8, 1) else f",{self.hi},{self.u}"
         args += "" if self.w == 1 else f",{self.w}"
         return f"treeverify::tree_attn_merge<{self.dv},{bf16}{args}>"
 
     @property
     def threads(self) -> int:
-        return self.dv // 4 * self.w
+        return self.dv // 4 * self.w * self.s
 
     smem_bytes: int = 0
     defines: tuple[str, ...] = ()
@@ -334,14 +338,27 @@ def merge_head_lanes(dv: int) -> int:
     return MERGE_WIDE_THREADS // (dv // 4)
 
 
+MERGE_SPLIT_LANES = 4  # the split-lane merge's groups (v30): 2 round trips for 64 splits
+
+
 def merge_variant(
-    dv: int, dtype: str, ilp: bool, merge_heads: int, max_splits: int, wide: bool = False
+    dv: int,
+    dtype: str,
+    ilp: bool,
+    merge_heads: int,
+    max_splits: int,
+    wide: bool = False,
+    split_lanes: bool = False,
 ) -> MergeVariant:
     """The merge kernel for a plan: `merge_heads` heads a CTA, at most `max_splits` splits a row.
     ILP off by default: 0.994x on the grid (H200, 670a014; the small MLA cases 0.92-1.06x) and no
     gain on SGLang's balanced GQA batch (101.1 -> 104.2 us): the merge was not the gap. Wide
     (v28): where a CTA merges at least merge_head_lanes(dv) heads, that many warps (groups) take
-    them in turns, one head each at a time (one head x 8 splits of loads a thread)."""
+    them in turns, one head each at a time (one head x 8 splits of loads a thread). Split lanes
+    (v30): where a row can have more than 8 splits, MERGE_SPLIT_LANES groups take a head's
+    splits in turns and merge their shares through shared memory."""
+    if split_lanes and max_splits > 8:
+        return MergeVariant(dv, dtype, s=MERGE_SPLIT_LANES)
     if wide and merge_heads >= merge_head_lanes(dv):
         return MergeVariant(dv, dtype, w=merge_head_lanes(dv))
     if not ilp:
@@ -546,6 +563,7 @@ def all_variants(arch: str) -> list[Variant]:
             out.append(MergeVariant(dv, dtype))
             out += [MergeVariant(dv, dtype, hi, u) for hi, u in MERGE_ILP_SHAPES]
             out.append(MergeVariant(dv, dtype, w=merge_head_lanes(dv)))
+            out.append(MergeVariant(dv, dtype, s=MERGE_SPLIT_LANES))
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
