@@ -46,8 +46,9 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, p
     partial=bf16 (MLA only, TREEVERIFY_CUDA_PARTIAL_BF16, v29): the sm_90a kernels store the
     partials as bf16 and every merge path reads them so (the workspace poisoned with NaN, of
     which bf16 partials use the first half); the portable kernels ignore the flag.
-    lanes=1 (TREEVERIFY_CUDA_MERGE_SPLIT_LANES, v30): the merge kernel takes a head's splits
-    with 4 groups of threads (some with no split at the short lengths below)."""
+    lanes=1 (TREEVERIFY_CUDA_MERGE_SPLIT_LANES, v30): where the plan splits more than 8 ways
+    (the GQA shapes here; MLA's plans stay at 8 or fewer), the merge kernel takes a head's
+    splits with 4 groups of threads (some with no split at the short lengths below)."""
     from treeverify.bench.cases import Case, make_inputs
 
     if partial == "bf16" and not shape[4]:
@@ -73,7 +74,8 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, p
     assert plans["forward"].split_policy.max_splits >= 4  # lengths below reach several counts
     for plan in plans.values():
         assert plan._launcher.part_bf16 == (partial == "bf16" and not portable)
-        assert plan._launcher.merge.s == (4 if lanes == "1" else 1)
+        many = plan.split_policy.max_splits > 8  # the split lanes' rule (variants.merge_variant)
+        assert plan._launcher.merge.s == (4 if lanes == "1" and many else 1)
         plan.part_o.fill_(float("nan"))  # a merge reading a partial the forward did not write
     rows = max_batch * max_tree
     q = torch.randn(rows, hq, dqk, device="cuda", dtype=torch.bfloat16)
