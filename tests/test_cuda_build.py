@@ -173,6 +173,7 @@ def test_merge_variant_split_lanes():
     assert merge_variant(128, "fp16", False, 1, 8, split_lanes=True) == MergeVariant(128, "fp16")
     assert merge_variant(128, "fp16", False, 1, 9, split_lanes=True).expr.endswith("<128,false,4>")
     assert lanes in all_variants("sm_90a") and lanes in all_variants("sm_80")
+    assert lanes not in all_variants("sm_100a")  # it spilled there: not built, never chosen
 
 
 def test_variant_choice():

@@ -65,8 +65,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_CUDA_MERGE_SPLIT_LANES``: ``1`` gives the merge kernel of plans that split a
   row more than 8 ways 4 groups of dv / 4 threads a head, each merging every 4th split, combined
   through shared memory (v30: a 64-split MLA row in 2 dependent L2 round trips a thread instead
-  of 8, 4x the loads in flight). Default ``0``: measured 1.05-1.12x on the MLA-TP8 B1 N=16
-  cases and 0.76-0.94x on its N=64 ones (the merge grid already a full wave).
+  of 8, 4x the loads in flight; built for sm_80-sm_90a only, ignored elsewhere). Default ``0``:
+  measured 1.05-1.12x on the MLA-TP8 B1 N=16 cases and 0.76-0.94x on its N=64 ones (the merge
+  grid already a full wave).
 - ``TREEVERIFY_CUDA_PARTIAL_BF16``: ``1`` makes the sm_90a MLA kernels store split partials
   as bf16 instead of fp32 (v29: half the partials' bytes, which are 26-63% of what the small
   MLA cases move; the merge still sums in fp32). Default ``0``: measured 0.948x on the MLA grid,

@@ -22,6 +22,7 @@ from treeverify import env
 from treeverify.kernels.cuda import tma
 from treeverify.kernels.cuda.launch import Params, device_arch, load, scale_log2
 from treeverify.kernels.cuda.variants import (
+    MERGE_SPLIT_LANES_ARCHES,
     GqaSm90Variant,
     MlaSm90Variant,
     fwd_variant,
@@ -166,7 +167,8 @@ class Launcher:
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
         self.merge = merge_variant(dv, self.dtype_name, env.cuda_merge_ilp(), self.merge_heads,
                                    self.splits.max_splits, env.cuda_merge_wide(),
-                                   env.cuda_merge_split_lanes())  # fmt: skip
+                                   env.cuda_merge_split_lanes()
+                                   and self.arch in MERGE_SPLIT_LANES_ARCHES)  # fmt: skip
         self.merge_kernel = load(self.merge, self.device)
         self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())

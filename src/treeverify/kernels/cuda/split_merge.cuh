@@ -19,9 +19,12 @@ namespace treeverify {
 
 // Four columns of one partial row at element offset `off` (a multiple of 4), as fp32: bf16
 // partials (p.part_bf16, v29: the sm_90a MLA forward writes them) are 8 bytes a load, fp32 16.
-// Only DV = 512 (MLA) compiles the bf16 branch; the GQA merges keep one load path.
+// Only DV = 512 (MLA) on sm_90a compiles the bf16 branch: the GQA merges and the other arches
+// (portable MLA kernels, which never set part_bf16) keep one load path (on sm_80 the branch
+// cost the 256-thread MLA merge 8 bytes of spills).
 template <int DV>
 __device__ __forceinline__ float4 load_partial4(const TreeAttnParams& p, long long off) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if constexpr (DV == 512) {
     if (p.part_bf16) {
       const uint2 u = __ldcg(reinterpret_cast<const uint2*>(
@@ -30,6 +33,7 @@ __device__ __forceinline__ float4 load_partial4(const TreeAttnParams& p, long lo
                          __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
     }
   }
+#endif
   return __ldcg(reinterpret_cast<const float4*>(p.part_o + off));
 }
 
