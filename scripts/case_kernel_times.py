@@ -2,7 +2,7 @@
 which kernel an environment flag moved (the forward or the split merge).
 
     PYTHONPATH=src python scripts/case_kernel_times.py --case kimi-k2-mla-tp8/B1/L8192/N16 \
-        --set TREEVERIFY_CUDA_PARTIAL_BF16=0 --set TREEVERIFY_CUDA_PARTIAL_BF16=1 [--json F]
+        --set TREEVERIFY_CUDA_MERGE_SPLIT_LANES=0 --set TREEVERIFY_CUDA_MERGE_SPLIT_LANES=1
 
 Every --set (comma-separated assignments) builds a fresh plan under those variables (a
 Launcher reads its flags when made) on the same inputs; the settings alternate for --passes.
@@ -17,36 +17,22 @@ import os
 import torch
 
 from treeverify.bench.cases import load_grid, make_inputs
-from treeverify.bench.kernel import back_to_back_replay_seconds, replay_kernel_times, step_graph
-from treeverify.kernels.plan import TreeAttentionPlan
+from treeverify.bench.kernel import back_to_back_replay_seconds, capture_plan, replay_kernel_times
 
 
 def profile(case, inp: dict, assignments: dict[str, str], replays: int) -> dict:
-    """One plan made under `assignments`, captured and replayed: replay time and kernels."""
+    """One plan made and captured under `assignments` (the grid's own capture_plan, one launch
+    a replay), replayed: replay time and kernels."""
     saved = {k: os.environ.get(k) for k in assignments}
     os.environ.update(assignments)
     try:
-        plan = TreeAttentionPlan(
-            num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim_qk=case.dqk,
-            head_dim_v=case.dv, mla=case.mla, page_size=16, max_batch=case.B, max_tree=case.N,
-            max_pages_per_request=inp["block_table"].shape[1], max_kv_len=case.L + case.N,
-            sm_scale=inp["sm_scale"], dtype=torch.bfloat16, device="cuda",
-        )  # fmt: skip
+        _plan, graph, _out = capture_plan(case, inp, 16, reps=1)  # _out lives with the graph
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
-    q = inp["q"]
-    warm = torch.empty(q.shape[0], case.hq, case.dv, dtype=q.dtype, device=q.device)  # (T, Hq, Dv)
-    plan.run(q, inp["k_cache"], inp["v_cache"], warm)  # warm up outside capture
-    torch.cuda.synchronize()
-    graph, _out = step_graph(plan, inp)  # one plan.run; _out kept alive with the graph
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
     kernels = replay_kernel_times(graph, replays)
     return {
         "set": assignments,

@@ -9,8 +9,8 @@ use x intake), and the table's implied TB/s sits near 128 SMs' worth of it; the 
 column predicts the time with the partials stored as bf16 (half their bytes) at the same rate:
 a prediction v29 refuted on the H200 (0.70-0.84x; the partials do not cost their bytes at the
 intake rate; docs/performance.md), kept as the record of what was predicted.
-CPU only:  python scripts/mla_traffic_model.py [--grid FILE] [--max-eff 0.4]
-           python scripts/mla_traffic_model.py --sweep bench_results/<date>-split_sweep.json
+CPU only (PYTHONPATH=src):  python scripts/mla_traffic_model.py [--grid FILE] [--max-eff 0.4]
+    python scripts/mla_traffic_model.py --sweep bench_results/<date>-split_sweep.json
 (the tenth session's: 2026-12-02-h200-c29bb0a-split_sweep.json)
 """
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+
+from treeverify.bench.cases import load_grid
 
 ROWS, KEYS = 64, 64  # the MLA kernels' row tile and key tile
 DQK, DV = 576, 512
@@ -45,14 +47,14 @@ def sweep(path: str, clock_hz: float) -> None:
     forced split count (roughly constant if the cases are bound by the SMs' intake)."""
     with open(path) as f:
         data = json.load(f)
+    cases = {c.name: c for c in load_grid()[0]}  # the sweep's rows name grid cases
     print(f"split sweep {path} (commit {data['commit']}); B a cycle an SM at {clock_hz / 1e9} GHz")
     for r in data["rows"]:
-        model, b, length, n = r["case"].split("/")
-        if "mla" not in model:
+        case = cases[r["case"]]
+        if not case.mla:
             continue
         splits = r["splits"] or r["policy_splits"]
-        hq = 8 if "tp8" in model else 64
-        row = {"B": int(b[1:]), "L": int(length[1:]), "N": int(n[1:]), "hq": hq, "splits": splits}
+        row = {"B": case.B, "L": case.L, "N": case.N, "hq": case.hq, "splits": splits}
         t = traffic(row)
         total = t["q"] + t["kv"] + t["partials"] + t["out"]
         per_sm = total / (r["us"] * 1e-6) / min(t["ctas"], SMS) / clock_hz

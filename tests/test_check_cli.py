@@ -232,7 +232,6 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_MERGE_ILP",
         "TREEVERIFY_CUDA_MERGE_WIDE",
         "TREEVERIFY_CUDA_FUSED_MERGE_ILP",
-        "TREEVERIFY_CUDA_PARTIAL_BF16",
         "TREEVERIFY_CUDA_MERGE_SPLIT_LANES",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
         "TREEVERIFY_FUSED_ROUTING",
@@ -276,7 +275,6 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_SPLIT_ORDER", env.cuda_split_order, "longest", "Request", "request"),
         ("TREEVERIFY_CUDA_FUSED_MERGE_ILP", env.cuda_fused_merge_ilp, True, " 0", False),
         ("TREEVERIFY_CUDA_MERGE_WIDE", env.cuda_merge_wide, False, "yes", True),
-        ("TREEVERIFY_CUDA_PARTIAL_BF16", env.cuda_partial_bf16, False, "1", True),
         ("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", env.cuda_merge_split_lanes, False, "1", True),
     ],
 )

@@ -116,7 +116,7 @@ def test_launcher_flags_cover_every_flag_the_launcher_reads(monkeypatch):
         "TREEVERIFY_CUDA_PDL": "0", "TREEVERIFY_CUDA_MERGE_ILP": "1",
         "TREEVERIFY_CUDA_MERGE_WIDE": "1", "TREEVERIFY_CUDA_FUSED_MERGE_ILP": "0",
         "TREEVERIFY_CUDA_SPLIT_SHARE": "1", "TREEVERIFY_CUDA_SPLIT_ORDER": "request",
-        "TREEVERIFY_CUDA_PARTIAL_BF16": "1", "TREEVERIFY_CUDA_MERGE_SPLIT_LANES": "1",
+        "TREEVERIFY_CUDA_MERGE_SPLIT_LANES": "1",
     }  # fmt: skip
     for name in flags:
         monkeypatch.delenv(name, raising=False)

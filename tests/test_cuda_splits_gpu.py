@@ -32,31 +32,24 @@ MERGE_SHAPES = [
 
 
 @pytest.mark.parametrize("lanes", ["0", "1"], ids=["merge-v12", "merge-split-lanes"])
-@pytest.mark.parametrize("partial", ["fp32", "bf16"])
 @pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("shape", MERGE_SHAPES, ids=["gqa64", "gqa128", "mla"])
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
-def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, partial, lanes,
-                                                         monkeypatch):  # fmt: skip
+def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, lanes, monkeypatch):
     """Captured plans that merge every split tile in the forward, none, or those whose read is
     small (auto: the rest by the merge kernel, which must skip the others), replayed over
     lengths that change every request's split count and twice per replay (as two layers
     would): each equals the reference and the merge kernel's plan; the tile counters are back at
-    zero after each replay; rows of padding requests come out zero (out poisoned before).
-    partial=bf16 (MLA only, TREEVERIFY_CUDA_PARTIAL_BF16, v29): the sm_90a kernels store the
-    partials as bf16 and every merge path reads them so (the workspace poisoned with NaN, of
-    which bf16 partials use the first half); the portable kernels ignore the flag.
+    zero after each replay; rows of padding requests come out zero (out poisoned before), and
+    the partials workspace is poisoned too (a merge may read only what the forward wrote).
     lanes=1 (TREEVERIFY_CUDA_MERGE_SPLIT_LANES, v30): where the plan splits more than 8 ways
     (the GQA shapes here; MLA's plans stay at 8 or fewer), the merge kernel takes a head's
     splits with 4 groups of threads (some with no split at the short lengths below)."""
     from treeverify.bench.cases import Case, make_inputs
 
-    if partial == "bf16" and not shape[4]:
-        pytest.skip("bf16 partials are an MLA (dv 512) option")
     if portable:
         monkeypatch.setenv("TREEVERIFY_CUDA_PORTABLE", "1")
     monkeypatch.setenv("TREEVERIFY_CUDA_PDL", pdl)  # the merge kernel's programmatic launch
-    monkeypatch.setenv("TREEVERIFY_CUDA_PARTIAL_BF16", "1" if partial == "bf16" else "0")
     monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", lanes)
     hq, hkv, dqk, dv, mla = shape
     case = Case("m", 4, 1500, 17, hq, hkv, dqk, dv, mla)
@@ -73,7 +66,6 @@ def test_merge_in_forward_replayed_with_new_split_counts(shape, portable, pdl, p
     assert plans["kernel"]._launcher.merge_kernel_needed
     assert plans["forward"].split_policy.max_splits >= 4  # lengths below reach several counts
     for plan in plans.values():
-        assert plan._launcher.part_bf16 == (partial == "bf16" and not portable)
         many = plan.split_policy.max_splits > 8  # the split lanes' rule (variants.merge_variant)
         assert plan._launcher.merge.s == (4 if lanes == "1" and many else 1)
         plan.part_o.fill_(float("nan"))  # a merge reading a partial the forward did not write

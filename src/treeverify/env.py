@@ -68,10 +68,6 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   of 8, 4x the loads in flight; built for sm_80-sm_90a only, ignored elsewhere). Default ``0``:
   measured 1.05-1.12x on the MLA-TP8 B1 N=16 cases and 0.76-0.94x on its N=64 ones (the merge
   grid already a full wave).
-- ``TREEVERIFY_CUDA_PARTIAL_BF16``: ``1`` makes the sm_90a MLA kernels store split partials
-  as bf16 instead of fp32 (v29: half the partials' bytes, which are 26-63% of what the small
-  MLA cases move; the merge still sums in fp32). Default ``0``: measured 0.948x on the MLA grid,
-  0.70-0.84x on the small cases it was meant for (both the forward and the merge slower).
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
   1.01x, so default ``0``).
@@ -145,8 +141,6 @@ VARIABLES: dict[str, str] = {
     "default 1, 0 restores v8's 2 rows x 8 splits.",
     "TREEVERIFY_CUDA_MERGE_SPLIT_LANES": "1: the merge kernel takes a head's splits with 4 "
     "groups of threads where rows split more than 8 ways (v30); default 0.",
-    "TREEVERIFY_CUDA_PARTIAL_BF16": "1: the sm_90a MLA kernels store split partials as bf16 "
-    "(v29: half their bytes; measured slower, 0.948x on the MLA grid); default 0.",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -321,12 +315,6 @@ def cuda_merge_split_lanes() -> bool:
     """TREEVERIFY_CUDA_MERGE_SPLIT_LANES: the merge kernel's split lanes for plans of more than
     8 splits (v30; default 0)."""
     return _switch("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", "0")
-
-
-def cuda_partial_bf16() -> bool:
-    """TREEVERIFY_CUDA_PARTIAL_BF16: the sm_90a MLA kernels' split partials as bf16 (v29;
-    default 0)."""
-    return _switch("TREEVERIFY_CUDA_PARTIAL_BF16", "0")
 
 
 def cuda_fused_merge_ilp() -> bool:

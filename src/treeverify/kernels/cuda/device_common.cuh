@@ -17,8 +17,7 @@ struct TreeAttnParams {
   const void* k;            // k cache base
   const void* v;            // v cache base (GQA) / unused (MLA: V is k's first DV columns)
   void* out;                // (total_q, Hq, Dv)
-  float* part_o;            // (max_splits, total_q_cap, Hq, Dv) fp32 partial outputs (bf16
-                            // in the buffer's first half under part_bf16)
+  float* part_o;            // (max_splits, total_q_cap, Hq, Dv) fp32 partial outputs
   float* part_lse;          // (max_splits, total_q_cap, Hq) log2-domain LSE of each split
   const void* block_table;  // int32 or int64 page ids
   const int* prefix_lens;   // (B,) or null when kv_indptr is given
@@ -47,7 +46,6 @@ struct TreeAttnParams {
   int persist_m;            // GQA "pingpong-persist": 128-row blocks a request (CTAs a group)
   int split_order;          // balanced plans: 1 = later splits take the requests longest first
   int fused_merge_ilp;      // 1: a tile merged in the forward keeps its loads by split count
-  int part_bf16;            // 1 (DV = 512, sm_90a MLA only): part_o holds bf16 partials
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {

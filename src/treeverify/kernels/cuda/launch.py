@@ -83,7 +83,6 @@ class Params(ctypes.Structure):
         ("persist_m", ctypes.c_int),
         ("split_order", ctypes.c_int),
         ("fused_merge_ilp", ctypes.c_int),
-        ("part_bf16", ctypes.c_int),
     ]
 
 

@@ -68,7 +68,6 @@ def launcher_flags() -> tuple:
         env.cuda_merge_wide(),
         env.cuda_fused_merge_ilp(),
         env.cuda_split_order(),
-        env.cuda_partial_bf16(),
         env.cuda_merge_split_lanes(),
     )
 
@@ -187,11 +186,6 @@ class Launcher:
         self.fused_merge_ilp = env.cuda_fused_merge_ilp() and isinstance(
             self.fwd, (GqaSm90Variant, MlaSm90Variant)
         )
-        # Split partials stored as bf16 (v29, TREEVERIFY_CUDA_PARTIAL_BF16): the sm_90a MLA
-        # forward writes them (its epilogue, tree_attention_sm90.cuh), every merge path reads
-        # them (split_merge.cuh: load_partial4); the byte limits keep counting fp32.
-        mla_sm90 = isinstance(self.fwd, MlaSm90Variant) and dv == 512
-        self.part_bf16 = env.cuda_partial_bf16() and mla_sm90
         self.merge_kernel_needed = not self.persist and merge_kernel_needed(
             max_splits=self.splits.max_splits,
             tile_rows=min(self.fwd.bm, max_tree * self.group),
@@ -283,7 +277,6 @@ class Launcher:
         params.balance_div = self.splits.balance_div
         params.split_order = int(self.split_longest_first)
         params.fused_merge_ilp = int(self.fused_merge_ilp)
-        params.part_bf16 = int(self.part_bf16)
         params.merge_heads = self.merge_heads
         params.persist_m = self.m_tiles if self.persist else 0
         params.total_q_cap = self.total_q_cap

@@ -17,26 +17,6 @@
 
 namespace treeverify {
 
-// Four columns of one partial row at element offset `off` (a multiple of 4), as fp32: bf16
-// partials (p.part_bf16, v29: the sm_90a MLA forward writes them) are 8 bytes a load, fp32 16.
-// Only DV = 512 (MLA) on sm_90a compiles the bf16 branch: the GQA merges and the other arches
-// (portable MLA kernels, which never set part_bf16) keep one load path (on sm_80 the branch
-// cost the 256-thread MLA merge 8 bytes of spills).
-template <int DV>
-__device__ __forceinline__ float4 load_partial4(const TreeAttnParams& p, long long off) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (DV == 512) {
-    if (p.part_bf16) {
-      const uint2 u = __ldcg(reinterpret_cast<const uint2*>(
-          reinterpret_cast<const unsigned short*>(p.part_o) + off));
-      return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
-                         __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
-    }
-  }
-#endif
-  return __ldcg(reinterpret_cast<const float4*>(p.part_o + off));
-}
-
 // Four output columns [c, c+4) of I rows at once (rows base[i] = token * hq + head, or < 0:
 // none) of split requests: the LSE-weighted mean of their n splits' partials, in one pass (a
 // running max rescales the sum). The loads of 8 splits x I rows are issued together: a serial
@@ -71,7 +51,8 @@ __device__ __forceinline__ void merge_splits4(const TreeAttnParams& p, const lon
         const long long row = (s0 + u) * stride + base[i] + (s0 + u == 0 ? first_off : 0);
         const bool ok = s0 + u < n && base[i] >= 0;
         l[i][u] = ok ? __ldcg(p.part_lse + row) : -TV_INF;
-        v[i][u] = ok ? load_partial4<DV>(p, row * DV + c[i]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[i][u] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + row * DV + c[i]))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
 #pragma unroll

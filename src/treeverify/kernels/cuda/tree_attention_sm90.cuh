@@ -136,21 +136,12 @@ __device__ __forceinline__ void mla_sm90_epilogue(const TreeAttnParams& p, const
       }
     } else {
       const long long prow = ((long long)split * p.total_q_cap + tok) * p.hq + head;
-      if (p.part_bf16) {  // v29: half the partials' bytes (the small MLA cases move them)
-        unsigned* pb = reinterpret_cast<unsigned*>(p.part_o) + prow * (DV / 2);
+      float* po = p.part_o + prow * DV;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int c = wg * 256 + 8 * j + 2 * tq;
-          pb[c / 2] = pack2<true>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        }
-      } else {
-        float* po = p.part_o + prow * DV;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int c = wg * 256 + 8 * j + 2 * tq;
-          *reinterpret_cast<float2*>(po + c) =
-              make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        }
+      for (int j = 0; j < 32; ++j) {
+        const int c = wg * 256 + 8 * j + 2 * tq;
+        *reinterpret_cast<float2*>(po + c) =
+            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
       }
       if (wg == 0 && tq == 0)
         p.part_lse[prow] = l_tot[h] > 0.f ? m_run[h] + log2f(l_tot[h]) : -TV_INF;

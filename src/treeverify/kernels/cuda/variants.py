@@ -339,7 +339,7 @@ def merge_head_lanes(dv: int) -> int:
 
 
 MERGE_SPLIT_LANES = 4  # the split-lane merge's groups (v30): 2 round trips for 64 splits
-# Where it is built (and so may be chosen): its 512 threads a CTA for MLA leave 128 registers a
+# Where it is built (and the runner picks it): its 512 threads a CTA for MLA leave 128 registers a
 # thread, which sm_100a / sm_120 code spilled (16 bytes); measured on sm_90a only.
 MERGE_SPLIT_LANES_ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90a")
 
