@@ -218,6 +218,7 @@ def test_merge_kernel_with_several_heads_per_cta(shape, ilp, monkeypatch):
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "kernel")
     monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_ILP", "1" if ilp == "1" else "0")
     monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_WIDE", "1" if ilp == "wide" else "0")
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", "0")  # it would win over both
     hq, hkv, dqk, dv, mla = shape
     case = Case("h", 3, 1500, 17, hq, hkv, dqk, dv, mla)
     inp = make_inputs(case, page_size=16, device="cuda", seed=5, prefix_lens=[1500, 7, 640],
@@ -263,6 +264,32 @@ def test_merge_kernel_with_many_splits(shape, ilp, monkeypatch):
         assert (launcher.merge.hi, launcher.merge.u) == ((1, 16) if ilp == "1" else (1, 8))
     plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
     out = _poisoned(inp, dv)
+    plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
+    assert _rel(out, _reference(inp)) <= TOL
+
+
+@pytest.mark.parametrize("tree", [16, 64], ids=["one-wave", "four-waves"])
+def test_split_lanes_auto_only_where_the_merge_grid_is_one_wave(tree, monkeypatch):
+    """TREEVERIFY_CUDA_MERGE_SPLIT_LANES=auto (v31) on the grid's Kimi TP8 shape at batch 1,
+    8192 keys: the N=16 plan (16 tokens x 8 heads = 128 merge CTAs, one wave on the H200) takes
+    the split lanes, the N=64 one (512 CTAs) the plain merge; both equal the reference with the
+    output poisoned."""
+    from treeverify.bench.cases import Case, make_inputs
+
+    monkeypatch.setenv("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", "auto")
+    for name in ("TREEVERIFY_CUDA_MAX_SPLITS", "TREEVERIFY_CUDA_SPLIT_MERGE"):
+        monkeypatch.delenv(name, raising=False)
+    case = Case("kimi-tp8", 1, 8192, tree, 8, 1, 576, 512, True)
+    inp = make_inputs(case, page_size=16, device="cuda", seed=31)
+    plan = _plan(inp, case, 16, 1, tree, inp["block_table"].shape[1], 8192 + tree)
+    launcher = plan._launcher
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    one_wave = math.prod(launcher.merge_grid) <= sms
+    assert launcher.merge_kernel_needed and launcher.splits.max_splits > 8
+    assert one_wave == (tree == 16 and sms >= 128)
+    assert launcher.merge.s == (4 if one_wave else 1)
+    plan.plan(inp["block_table"], inp["prefix_lens"], inp["qo_indptr"], inp["tree_mask"])
+    out = _poisoned(inp, 512)
     plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out)
     assert _rel(out, _reference(inp)) <= TOL
 

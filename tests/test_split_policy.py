@@ -110,6 +110,23 @@ def test_merge_heads_per_cta_bounds_the_merge_grid():
     assert merge_heads_per_cta(512, 32, max_ctas=4096) == 4
 
 
+def test_split_lanes_only_where_the_merge_grid_is_one_wave():
+    """TREEVERIFY_CUDA_MERGE_SPLIT_LANES auto (v31): a plan of more than 8 splits whose merge
+    grid fits the SMs (MLA-TP8 B1 N=16: 16 tokens x 8 heads = 128 CTAs) takes the split lanes;
+    one of several waves (N=64: 512) keeps the plain merge; 1 takes them regardless, 0 never,
+    and no mode gives them to plans of 8 or fewer splits (the kernel's own rule)."""
+    from treeverify.kernels.splits import split_lanes_pay
+
+    one_wave = dict(max_splits=64, merge_ctas=128, num_sms=132)
+    waves = dict(max_splits=16, merge_ctas=512, num_sms=132)
+    assert split_lanes_pay("auto", **one_wave) and not split_lanes_pay("auto", **waves)
+    assert split_lanes_pay("1", **waves) and not split_lanes_pay("0", **one_wave)
+    for mode in ("0", "1", "auto"):
+        assert not split_lanes_pay(mode, max_splits=8, merge_ctas=16, num_sms=132)
+    assert split_lanes_pay("auto", max_splits=9, merge_ctas=132, num_sms=132)
+    assert not split_lanes_pay("auto", max_splits=9, merge_ctas=133, num_sms=132)
+
+
 def test_two_split_tiles_get_twice_the_limit_when_shaped():
     """TREEVERIFY_CUDA_FUSED_MERGE_ILP (v28): a 2-split tile's merge loads 4 rows at a time, so
     it merges in the forward up to twice the byte limit (SGLang's GQA batch: 128-row d128 tiles,

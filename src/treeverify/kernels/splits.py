@@ -218,6 +218,17 @@ def merge_heads_per_cta(total_q_cap: int, hq: int, max_ctas: int | None = None) 
     return heads
 
 
+def split_lanes_pay(mode: str, *, max_splits: int, merge_ctas: int, num_sms: int) -> bool:
+    """Whether the merge kernel takes a head's splits in 4 lanes (TREEVERIFY_CUDA_MERGE_SPLIT_LANES;
+    the kernel's own rule: only plans of more than 8 splits). `mode` 1: always (v30); auto (v31):
+    only where the merge grid of `merge_ctas` CTAs is at most one wave: there the merge's time is
+    one CTA's dependent loads, which the lanes cut 4x; a grid of several waves is bound by its
+    loads in total, which 4x the threads only crowd (v30's N=64 cases, 0.76-0.94x)."""
+    if max_splits <= 8 or mode == "0":
+        return False
+    return mode == "1" or merge_ctas <= num_sms
+
+
 def merged_in_forward(splits: int, tile_rows: int, dv: int, limit: int, shaped: bool) -> bool:
     """The device rule (split_merge.cuh): a tile of `splits` splits is merged by the forward's
     last CTA when its read is at most `limit`, twice that for 2 splits when `shaped`

@@ -37,6 +37,7 @@ from treeverify.kernels.splits import (
     fused_merge_limit,
     merge_heads_per_cta,
     merge_kernel_needed,
+    split_lanes_pay,
 )
 
 
@@ -164,12 +165,16 @@ class Launcher:
             sms = props.multi_processor_count
             self.grid = (max(1, sms // self.m_tiles) * self.m_tiles, 1, 1)
         self.merge_heads = merge_heads_per_cta(total_q_cap, hq, env.cuda_merge_max_ctas())
-        self.merge = merge_variant(dv, self.dtype_name, env.cuda_merge_ilp(), self.merge_heads,
-                                   self.splits.max_splits, env.cuda_merge_wide(),
-                                   env.cuda_merge_split_lanes()
-                                   and self.arch in MERGE_SPLIT_LANES_ARCHES)  # fmt: skip
-        self.merge_kernel = load(self.merge, self.device)
         self.merge_grid = (total_q_cap, -(-hq // self.merge_heads), 1)
+        split_lanes = self.arch in MERGE_SPLIT_LANES_ARCHES and split_lanes_pay(
+            env.cuda_merge_split_lanes(), max_splits=self.splits.max_splits,
+            merge_ctas=math.prod(self.merge_grid), num_sms=props.multi_processor_count,
+        )  # fmt: skip
+        self.merge = merge_variant(
+            dv, self.dtype_name, env.cuda_merge_ilp(), self.merge_heads, self.splits.max_splits,
+            env.cuda_merge_wide(), split_lanes,
+        )  # fmt: skip
+        self.merge_kernel = load(self.merge, self.device)
         self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
         # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh). Auto:
         # only where the forward is one wave (v13b, measured 1.004x; the thought was that the
