@@ -275,7 +275,7 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_SPLIT_ORDER", env.cuda_split_order, "longest", "Request", "request"),
         ("TREEVERIFY_CUDA_FUSED_MERGE_ILP", env.cuda_fused_merge_ilp, True, " 0", False),
         ("TREEVERIFY_CUDA_MERGE_WIDE", env.cuda_merge_wide, False, "yes", True),
-        ("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", env.cuda_merge_split_lanes, "0", " Auto", "auto"),
+        ("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", env.cuda_merge_split_lanes, "auto", " 0", "0"),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

@@ -67,8 +67,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   through shared memory (v30: a 64-split MLA row in 2 dependent L2 round trips a thread instead
   of 8, 4x the loads in flight; built for sm_80-sm_90a only, ignored elsewhere); measured
   1.05-1.12x on the MLA-TP8 B1 N=16 cases and 0.76-0.94x on its N=64 ones (the merge grid
-  already a full wave). ``auto`` (v31) takes them only where the merge grid is at most one wave
-  (kernels/splits.py, split_lanes_pay). Default ``0``.
+  already a full wave). ``auto`` (v31, the default) takes them only where the merge grid is at
+  most one wave (kernels/splits.py, split_lanes_pay): measured 1.01x / 1.06x / 1.17x on the three
+  cases it picks (MLA-TP8 B1 N=16 at 1024 / 8192 / 32768 keys), the rest of the grid untouched;
+  ``0`` never.
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
   1.01x, so default ``0``).
@@ -141,8 +143,8 @@ VARIABLES: dict[str, str] = {
     "splits of loads a thread and merges in the forward up to twice the byte limit (v28); "
     "default 1, 0 restores v8's 2 rows x 8 splits.",
     "TREEVERIFY_CUDA_MERGE_SPLIT_LANES": "1: the merge kernel takes a head's splits with 4 "
-    "groups of threads where rows split more than 8 ways (v30); auto: only where the merge grid "
-    "is at most one wave (v31); default 0.",
+    "groups of threads where rows split more than 8 ways (v30); auto (default): only where the "
+    "merge grid is at most one wave (v31); 0: never.",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -315,10 +317,10 @@ def cuda_merge_wide() -> bool:
 
 def cuda_merge_split_lanes() -> str:
     """TREEVERIFY_CUDA_MERGE_SPLIT_LANES: the merge kernel's split lanes for plans of more than
-    8 splits: 1 (always, v30), auto (only where the merge grid is at most one wave, v31) or 0
-    (default: never)."""
+    8 splits: auto (default: only where the merge grid is at most one wave, v31), 1 (always,
+    v30) or 0 (never)."""
     name = "TREEVERIFY_CUDA_MERGE_SPLIT_LANES"
-    value = os.environ.get(name, "").strip().lower() or "0"
+    value = os.environ.get(name, "").strip().lower() or "auto"
     aliases = {"auto": "auto", "1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}
     if value not in aliases:
         raise ValueError(f"{name}: expected auto, 1 or 0, got {value!r}")
