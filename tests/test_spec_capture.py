@@ -282,3 +282,22 @@ def test_topk_kernel_equals_log_softmax_topk() -> None:
                 assert (ids[..., 1:] > ids[..., :-1])[same].all()
     via = spec.draft_topk(logits, MAX_K)
     assert torch.equal(via[1], draft_topk_cuda(logits, MAX_K, LOGPROB_FLOOR)[1])
+    # The register path selects by rank among the entries at or above the k-th best of its 256
+    # threads' maxima: one thread holding all the winners (every 256th entry raised: the
+    # candidate bound, k x 32) and masked (-inf) vocabularies; a row holding a NaN takes the
+    # rescanning path and leaves its neighbours' rows exact.
+    for k in (1, 16, MAX_K):
+        logits = torch.randn(2, 3, 8192, generator=gen) * 4
+        logits[0, :, ::256] += 100.0
+        logits[1, :, 4096:] = float("-inf")
+        logits[1, 2, : 4096 - 16] = float("-inf")  # 16 finite entries left (k up to 32)
+        logits[0, 1, 77] = float("nan")
+        logits = logits.to(dev)
+        lp, ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR)
+        want_lp, want_ids = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+        for b, d in [(0, 0), (0, 2), (1, 0), (1, 1), (1, 2)]:
+            torch.testing.assert_close(lp[b, d], want_lp[b, d].clamp(LOGPROB_FLOOR, 0.0),
+                                       rtol=0, atol=2e-6)  # fmt: skip
+            finite = want_lp[b, d] > float("-inf")
+            assert torch.equal(ids[b, d][finite], want_ids[b, d][finite]), (k, b, d)
+        assert ((ids[0, 1] >= 0) & (ids[0, 1] < 8192)).all()  # the NaN row: ids in range

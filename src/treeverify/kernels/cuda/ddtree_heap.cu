@@ -9,9 +9,13 @@
 //   * a ranks tuple is never stored: a candidate is (parent node, rank, depth), and two tuples
 //     compare by climbing the popped nodes' parent links to their first difference (O(depth),
 //     only on exactly equal logw, which the n-gram drafter's flat distributions produce often).
-// Thread 0 runs the heap in shared memory; the others only write the padding slots first. With
-// a mask buffer, every thread then writes the ancestor-or-self bits of its nodes by climbing the
-// popped nodes' parent links (parents precede children in pop order), the same bits as
+// Thread 0 runs the heap in shared memory. Its loop touches no global memory: the block first
+// copies the (L, K) log-prob table into shared memory (where it fits, kHeapStage floats; larger
+// tables are read in place), and the popped nodes' tokens, parents, depths and scores are
+// written by every thread after the loop (the loop had read the table and the token ids through
+// dependent global loads, a few L2 round trips a pop: ~13 us for budget 16 in the round profile).
+// With a mask buffer, every thread then writes the ancestor-or-self bits of its nodes by climbing
+// the popped nodes' parent links (parents precede children in pop order), the same bits as
 // spec/mask.py's `parents_to_tree_mask` (padding nodes: their own bit only), so a round needs no
 // separate mask compile (its ~15 pointer-jumping kernels).
 
@@ -24,6 +28,7 @@ using uint32_t = unsigned int;
 static_assert(sizeof(int16_t) == 2 && sizeof(int64_t) == 8, "fixed-width types");
 
 constexpr int kHeapMaxBudget = 1024;  // the verify kernels' largest tree is 1025 nodes
+constexpr int kHeapStage = 4096;  // table entries staged in shared memory (depth 16 x k 256)
 
 struct HeapEntry {
   float logw;
@@ -33,6 +38,7 @@ struct HeapEntry {
 };
 
 struct HeapTree {  // the popped nodes, index = pop order (0 = the root)
+  float logw[kHeapMaxBudget + 1];
   int16_t parent[kHeapMaxBudget + 1];
   int16_t rank[kHeapMaxBudget + 1];
   int16_t depth[kHeapMaxBudget + 1];
@@ -85,15 +91,13 @@ __device__ __forceinline__ HeapEntry heap_pop(HeapEntry* heap, int& size, const 
   return top;
 }
 
-// Thread 0's heap: writes nodes 0..n (n = popped, returned) of one request.
-__device__ int heap_build(const float* tab, const int64_t* idt, int64_t root, int L, int K,
-                          int budget, HeapEntry* heap, HeapTree& tree, int64_t* tok,
-                          int64_t* par, int64_t* dep, float* sc) {
-  tok[0] = root;
-  sc[0] = 0.0f;
+// Thread 0's heap over the table `tab` (L, K): fills tree nodes 1..n (n = popped, returned).
+__device__ int heap_build(const float* tab, int L, int K, int budget, HeapEntry* heap,
+                          HeapTree& tree) {
   tree.parent[0] = -1;
   tree.rank[0] = 0;
   tree.depth[0] = 0;
+  tree.logw[0] = 0.0f;
   int size = 0;
   heap_push(heap, size, tree, HeapEntry{tab[0], 0, 0, 1});  // the seed: lp[0][0] exactly
   int n = 0;
@@ -103,11 +107,8 @@ __device__ int heap_build(const float* tab, const int64_t* idt, int64_t root, in
     tree.parent[n] = e.parent;
     tree.rank[n] = e.rank;
     tree.depth[n] = e.depth;
+    tree.logw[n] = e.logw;
     const float* row = tab + (e.depth - 1) * K;
-    tok[n] = idt[(e.depth - 1) * K + e.rank];
-    par[n] = e.parent;
-    dep[n] = e.depth;
-    sc[n] = e.logw;
     if (e.rank + 1 < K) {
       float sib = __fadd_rn(__fsub_rn(e.logw, row[e.rank]), row[e.rank + 1]);
       heap_push(heap, size, tree,
@@ -134,6 +135,7 @@ __global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* _
                                   int words) {
   __shared__ HeapEntry heap[kHeapMaxBudget + 2];
   __shared__ HeapTree tree;
+  __shared__ float staged[kHeapStage];
   __shared__ int popped;
   const int b = blockIdx.x;
   const int slots = budget + 1;
@@ -144,22 +146,38 @@ __global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* _
   int64_t* dep = depths + static_cast<int64_t>(b) * slots;
   float* sc = scores + static_cast<int64_t>(b) * slots;
 
-  for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // padding unless popped below
-    tok[i] = 0;
-    par[i] = -1;
-    dep[i] = 0;
-    sc[i] = -__int_as_float(0x7f800000);
+  const bool stage = L * K <= kHeapStage;  // the copy is exact: the same floats the loop reads
+  if (stage) {
+    for (int i = threadIdx.x; i < L * K; i += blockDim.x) staged[i] = tab[i];
   }
   __syncthreads();
-  if (threadIdx.x == 0) popped = heap_build(tab, idt, roots[b], L, K, budget, heap, tree, tok,
-                                            par, dep, sc);
+  if (threadIdx.x == 0) popped = heap_build(stage ? staged : tab, L, K, budget, heap, tree);
   __syncthreads();
-  if (threadIdx.x == 0) num_nodes[b] = popped + 1;
+  const int n = popped;
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // nodes 0..n, then padding
+    if (i == 0) {
+      tok[0] = roots[b];
+      par[0] = -1;
+      dep[0] = 0;
+      sc[0] = 0.0f;
+    } else if (i <= n) {
+      tok[i] = idt[(tree.depth[i] - 1) * K + tree.rank[i]];
+      par[i] = tree.parent[i];
+      dep[i] = tree.depth[i];
+      sc[i] = tree.logw[i];
+    } else {
+      tok[i] = 0;
+      par[i] = -1;
+      dep[i] = 0;
+      sc[i] = -__int_as_float(0x7f800000);
+    }
+  }
+  if (threadIdx.x == 0) num_nodes[b] = n + 1;
   if (mask == nullptr) return;
   for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // this thread's rows only
     uint32_t* row = mask + (static_cast<int64_t>(b) * slots + i) * words;
     for (int w = 0; w < words; ++w) row[w] = 0u;
-    if (i > popped) {  // padding: itself only
+    if (i > n) {  // padding: itself only
       row[i >> 5] |= 1u << (i & 31);
       continue;
     }
