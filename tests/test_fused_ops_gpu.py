@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from treeverify.engine.kv_store import store_kv
-from treeverify.models.fused_ops import add_rmsnorm, rope_qk, silu_mul
+from treeverify.models.fused_ops import add_rmsnorm, rope_qk, rope_qk_store, silu_mul
 from treeverify.models.layers import RMSNorm, apply_rope_tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -67,6 +67,35 @@ def test_store_kv_writes_exactly_the_slots():
     kc0.view(-1, 8, 64)[slots] = k
     vc0.view(-1, 8, 64)[slots] = v
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+@pytest.mark.parametrize(
+    "t,hq,hkv,d,page", [(1, 32, 8, 64, 16), (17, 4, 2, 64, 16), (5, 8, 1, 128, 1)]
+)
+def test_rope_qk_store_equals_rope_qk_then_store_kv(t, hq, hkv, d, page):
+    """One kernel for rope_qk + store_kv (the engine's GQA layers): q bit-equal to rope_qk's, the
+    cache bit-equal to store_kv's writes of the rotated k and of v at shuffled slots, every
+    other slot untouched (the caches start random, q poisoned by new_empty's garbage only);
+    None where the kernel does not apply (an fp32 cache, a non-contiguous qkv)."""
+    g = torch.Generator(device="cuda").manual_seed(t * d + hq)
+    qkv = torch.randn(t, hq + 2 * hkv, d, device="cuda", generator=g).to(BF16)
+    ang = torch.rand(t, d // 2, device="cuda", generator=g) * 6.28
+    cos2 = torch.cat((ang.cos(), ang.cos()), -1).to(BF16)
+    sin2 = torch.cat((-ang.sin(), ang.sin()), -1).to(BF16)
+    pages = -(-(4 * t) // page)
+    kc = torch.randn(pages, page, hkv, d, device="cuda", generator=g).to(BF16)
+    vc = torch.randn(pages, page, hkv, d, device="cuda", generator=g).to(BF16)
+    slots = torch.randperm(pages * page, device="cuda", generator=g)[:t]
+    want_q, want_k = rope_qk(qkv, cos2, sin2, hq, hkv)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    store_kv(slots, want_k, qkv[:, hq + hkv :], want_kc, want_vc)
+    q = rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, kc, vc)
+    assert q is not None and q.is_contiguous()
+    assert torch.equal(q, want_q)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    assert rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, kc.float(), vc.float()) is None
+    wide = torch.randn(t, hq + 2 * hkv, 2 * d, device="cuda", generator=g).to(BF16)[..., :d]
+    assert rope_qk_store(wide, cos2, sin2, hq, hkv, slots, kc, vc) is None
 
 
 def test_moe_grouped_mm_equals_grouped():

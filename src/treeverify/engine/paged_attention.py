@@ -20,6 +20,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.kernels.bits import chain_bits
 from treeverify.kernels.plan import TreeAttentionPlan
 from treeverify.kernels.staging import copy_from_host
+from treeverify.models.fused_ops import rope_qk_store
 
 
 @functools.lru_cache(maxsize=256)
@@ -125,17 +126,16 @@ class PagedAttention:
             if bucket == self.bucket:
                 p.plan(*self._meta)
 
-    def _plan_for(self, q: torch.Tensor, k: torch.Tensor, v, sm_scale: float, v_head_dim):
-        shape = (q.shape[1], k.shape[1], q.shape[2], v_head_dim, v is None, sm_scale, q.dtype)
+    def _plan_for(self, q: torch.Tensor, hkv: int, dv: int, mla: bool, sm_scale: float):
+        shape = (q.shape[1], hkv, q.shape[2], dv, mla, sm_scale, q.dtype)
         key = (self.bucket, shape)
         plan = self._plans.get(key)
         if plan is None:
-            mla = v is None
             batch, tree = self.bucket or (self.max_batch, self.max_chunk)
             total_q = batch * tree if self.bucket else self.max_total_q
             plan = TreeAttentionPlan(
-                num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
-                head_dim_v=v_head_dim if mla else v.shape[2], mla=mla,
+                num_qo_heads=q.shape[1], num_kv_heads=hkv, head_dim_qk=q.shape[2],
+                head_dim_v=dv, mla=mla,
                 page_size=self.cache.page_size, max_batch=batch,
                 max_tree=tree, max_pages_per_request=self.max_pages,
                 max_kv_len=self.context_length, max_total_q=total_q,
@@ -171,7 +171,36 @@ class PagedAttention:
         if self._meta is None:
             raise RuntimeError("PagedAttention: plan() must run before the forward pass")
         kc, vc = self.cache.write(layer, self.slots[: q.shape[0]], k, v)
-        plan = self._plan_for(q, k, v, sm_scale, v_head_dim)
+        mla = v is None
+        plan = self._plan_for(q, k.shape[1], v_head_dim if mla else v.shape[2], mla, sm_scale)
+        return self._run(plan, q, kc, vc)
+
+    def rope_store_attend(
+        self,
+        layer: int,
+        qkv: torch.Tensor,  # (T, Hq + 2 Hkv, D) a GQA layer's fused projection
+        cos2: torch.Tensor,  # (T, D) Rope.rotate_half_tables
+        sin2: torch.Tensor,  # (T, D)
+        hq: int,
+        hkv: int,
+        sm_scale: float,
+    ) -> torch.Tensor | None:  # (T, Hq, D)
+        """The layer's attention from its fused projection, q and k rotated and k, v written to
+        their cache slots by one kernel (models/fused_ops.py rope_qk_store) instead of rope_qk
+        then the cache write: one launch a layer fewer. None where that kernel does not apply
+        (the CPU, a cache not allocated yet, other dtypes): the caller takes the two-step path."""
+        if self._meta is None:
+            raise RuntimeError("PagedAttention: plan() must run before the forward pass")
+        kc, vc = self.cache.k.get(layer), self.cache.v.get(layer)
+        if kc is None or vc is None:
+            return None
+        t, d = qkv.shape[0], qkv.shape[2]
+        q = rope_qk_store(qkv, cos2, sin2, hq, hkv, self.slots[:t], kc, vc)  # (T, Hq, D)
+        if q is None:
+            return None
+        return self._run(self._plan_for(q, hkv, d, False, sm_scale), q, kc, vc)
+
+    def _run(self, plan: TreeAttentionPlan, q: torch.Tensor, kc, vc) -> torch.Tensor:
         # Rows of padding requests belong to no tree: the CUDA kernels zero them (no memset
         # launch per layer); the other backends never write them, so they get zeros here.
         shape = (q.shape[0], q.shape[1], plan.dv)  # (T, Hq, Dv)

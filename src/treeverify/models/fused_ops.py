@@ -7,6 +7,9 @@ fuse the per-layer chains:
   add_rmsnorm(x, residual, norm)  residual + x, then RMSNorm      (2 kernels -> 1)
   rope_qk(qkv, cos2, sin2, hq, hkv) q and k rotated, q contiguous  (5 kernels -> 1)
   silu_mul(gate_up)               silu(gate) * up                  (2 kernels -> 1)
+  rope_qk_store(qkv, ..., slots, k_cache, v_cache)
+                                  rope_qk + the step's K/V written to their cache slots
+                                  (engine/kv_store.py's kernel)    (2 kernels -> 1)
 
 Each rounds to the activation dtype where the PyTorch sequence it replaces rounds, so results
 match the unfused ops to the last bit of a bf16 value (the residual add exactly; measured on the
@@ -85,7 +88,30 @@ def _build_kernels():
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu rounds, then the product
         tl.store(Y + row * n + cols, (a * u).to(dt), mask=m)
 
-    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel
+    @triton.jit
+    def rope_qk_store_kernel(QKV, C, S, Q, Slots, KC, VC, hq, hkv, D: tl.constexpr,
+                             HALF: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        width = (hq + 2 * hkv) * D
+        src = QKV + t * width + h * D
+        slot = tl.load(Slots + t).to(tl.int64)
+        if h < hq + hkv:  # q or k: rotated as rope_qk_kernel rotates
+            x = tl.load(src + d).to(tl.float32)
+            swapped = tl.load(src + (d + HALF) % D).to(tl.float32)
+            c = tl.load(C + t * D + d).to(tl.float32)
+            s = tl.load(S + t * D + d).to(tl.float32)
+            dt = Q.dtype.element_ty
+            out = ((x * c).to(dt).to(tl.float32) + (swapped * s).to(dt).to(tl.float32)).to(dt)
+            if h < hq:
+                tl.store(Q + (t * hq + h) * D + d, out)
+            else:  # the cache's flat (slots, Hkv, D) view, as store_kv writes it
+                tl.store(KC + (slot * hkv + (h - hq)) * D + d, out)
+        else:  # v: copied
+            tl.store(VC + (slot * hkv + (h - hq - hkv)) * D + d, tl.load(src + d))
+
+    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel, rope_qk_store_kernel
 
 
 def add_rmsnorm(
@@ -140,3 +166,40 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (..., 2I) -> (..., I)
     block = 1024
     kernel[(t, (n + block - 1) // block)](gate_up, y, n, BLOCK=block, num_warps=4)
     return y
+
+
+def rope_qk_store(
+    qkv: torch.Tensor,  # (T, Hq + 2 Hkv, D) the fused projection's output
+    cos2: torch.Tensor,  # (T, D) Rope.rotate_half_tables
+    sin2: torch.Tensor,  # (T, D)
+    hq: int,
+    hkv: int,
+    slots: torch.Tensor,  # (T,) int64 cache slot of each token
+    k_cache: torch.Tensor,  # (pages, page_size, Hkv, D)
+    v_cache: torch.Tensor,  # same shape
+) -> torch.Tensor | None:  # q (T, Hq, D) contiguous
+    """rope_qk whose k (rotated) and v go straight to their cache slots, as store_kv writes
+    them, in the same kernel: one launch a layer fewer. None where it does not apply (the CPU,
+    fp32, a non-contiguous operand, a cache of another dtype or row shape): the caller then
+    runs rope_qk and the cache write."""
+    t, _, d = qkv.shape
+    fits = (
+        _use_triton(qkv) and qkv.is_contiguous() and d & (d - 1) == 0
+        and cos2.dtype == qkv.dtype and sin2.dtype == qkv.dtype
+        and k_cache.dtype == qkv.dtype and v_cache.dtype == qkv.dtype
+        and k_cache.shape == v_cache.shape and tuple(k_cache.shape[-2:]) == (hkv, d)
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and slots.shape == (t,) and slots.dtype == torch.int64 and slots.is_contiguous()
+    )  # fmt: skip
+    if not fits:
+        return None
+    return _launch_rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, k_cache, v_cache)
+
+
+def _launch_rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, k_cache, v_cache) -> torch.Tensor:
+    """The kernel launch alone (tests run it on Triton's CPU interpreter)."""
+    t, _, d = qkv.shape
+    q = qkv.new_empty(t, hq, d)
+    _triton()[3][(t, hq + 2 * hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, slots, k_cache,
+                                    v_cache, hq, hkv, D=d, HALF=d // 2, num_warps=1)  # fmt: skip
+    return q

@@ -59,8 +59,14 @@ class LlamaAttention(nn.Module):
                 qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), 1)
                 qk = apply_rope_tables(qk, cos, sin)  # (T, Hq+Hkv, D)
                 q, k = qk[:, :hq].contiguous(), qk[:, hq:]
-            else:  # q and k rotated in one kernel on a GPU, q written contiguous
-                q, k = rope_qk(qkv, cos, sin, hq, hkv)
+            else:
+                # The engine's paged attention on a GPU: q, k rotated and k, v written to the KV
+                # cache in one kernel, then attention; elsewhere (None) rope_qk, then attention.
+                fused = getattr(attention, "rope_store_attend", None)
+                o = fused(self.layer, qkv, cos, sin, hq, hkv, self.sm_scale) if fused else None
+                if o is not None:
+                    return self.o_proj(o.reshape(t, hq * d))
+                q, k = rope_qk(qkv, cos, sin, hq, hkv)  # one kernel on a GPU, q contiguous
         else:
             q = self.q_proj(x).view(t, hq, d)  # (T, Hq, D)
             k = self.k_proj(x).view(t, hkv, d)  # (T, Hkv, D)
