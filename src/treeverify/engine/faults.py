@@ -79,9 +79,9 @@ class _FaultyAttention(PagedAttention):
         attention.__class__ = cls
         attention._fault, attention._past = fault, past
 
-    def __call__(self, layer, q, k, v, sm_scale, v_head_dim=None):
-        out = super().__call__(layer, q, k, v, sm_scale, v_head_dim)  # (T, Hq, Dv)
-        plan = self._plan_for(q, k, v, sm_scale, v_head_dim)  # the plan that just ran
+    def _run(self, plan, q, kc, vc):
+        # Every attention path ends here (__call__ and rope_store_attend, the fused GQA one).
+        out = super()._run(plan, q, kc, vc)  # (T, Hq, Dv)
         qo, prefix = plan.qo_indptr.long(), plan.prefix_lens.long()  # (B+1,), (B,)
         rows = torch.arange(out.shape[0], device=out.device)  # (T,)
         req = torch.searchsorted(qo[1:], rows, right=True).clamp(max=prefix.shape[0] - 1)
