@@ -77,7 +77,7 @@ def test_kv_pool_sized_from_mem_fraction():
 
 
 def test_capture_failure_names_the_bucket(monkeypatch):
-    real = PagedAttention.__call__
+    real = PagedAttention._run  # where every attention path ends (the fused GQA one too)
 
     def syncing(self, *a, **k):  # a host sync inside a captured step must fail the capture
         out = real(self, *a, **k)
@@ -85,7 +85,7 @@ def test_capture_failure_names_the_bucket(monkeypatch):
             float(out.sum())
         return out
 
-    monkeypatch.setattr(PagedAttention, "__call__", syncing)
+    monkeypatch.setattr(PagedAttention, "_run", syncing)
     with pytest.raises(GraphCaptureError, match=r"bucket batch=\d+ tokens_per_request=\d+"):
         LLM("tiny-llama", device="cuda", num_pages=64, cuda_graph_max_bs=2)
 
