@@ -6,6 +6,7 @@ floor they share. Usage: PYTHONPATH=src python scripts/tree_kernels_gpu.py [--js
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from datetime import datetime, timezone
 
@@ -46,7 +47,7 @@ def main() -> None:
     for bsz, depth, vocab, k in [(1, 15, 8192, 16), (1, 15, 8192, 1), (1, 15, 512, 16),
                                  (1, 1, 8192, 16), (8, 15, 8192, 16)]:  # fmt: skip
         logits = torch.randn(bsz, depth, vocab, device=dev, generator=g) * 4
-        t = kernel_us(lambda: draft_topk_cuda(logits, k, LOGPROB_FLOOR))
+        t = kernel_us(functools.partial(draft_topk_cuda, logits, k, LOGPROB_FLOOR))
         rows.append({"kernel": "topk", "batch": bsz, "depth": depth, "vocab": vocab, "k": k, **t})
     for bsz, depth, k, budget in [(1, 15, 16, 16), (1, 15, 16, 1), (1, 2, 2, 2), (1, 15, 32, 64),
                                   (8, 15, 16, 16)]:  # fmt: skip
@@ -54,7 +55,7 @@ def main() -> None:
                                   LOGPROB_FLOOR)  # fmt: skip
         roots = torch.zeros(bsz, dtype=torch.int64, device=dev)
         for mask in (False, True):
-            t = kernel_us(lambda: build_tree_heap(lp, ids, budget, roots, with_mask=mask))
+            t = kernel_us(functools.partial(build_tree_heap, lp, ids, budget, roots, with_mask=mask))
             rows.append({"kernel": "heap", "batch": bsz, "depth": depth, "k": k, "budget": budget,
                          "mask": mask, **t})  # fmt: skip
     for r in rows:
