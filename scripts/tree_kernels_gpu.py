@@ -55,7 +55,8 @@ def main() -> None:
                                   LOGPROB_FLOOR)  # fmt: skip
         roots = torch.zeros(bsz, dtype=torch.int64, device=dev)
         for mask in (False, True):
-            t = kernel_us(functools.partial(build_tree_heap, lp, ids, budget, roots, with_mask=mask))
+            build = functools.partial(build_tree_heap, lp, ids, budget, roots, with_mask=mask)
+            t = kernel_us(build)
             rows.append({"kernel": "heap", "batch": bsz, "depth": depth, "k": k, "budget": budget,
                          "mask": mask, **t})  # fmt: skip
     for r in rows:
