@@ -1,13 +1,14 @@
 """Kernel times of DDTree's draft-table top-k and heap build (kernels/cuda/ddtree_topk.cu,
 ddtree_heap.cu) on their own, by torch.profiler over captured replays, across the sizes that
 should move them (k, vocabulary, budget): whether a round's ~12 us each is their algorithms or a
-floor they share. Usage: PYTHONPATH=src python scripts/tree_kernels_gpu.py [--json PATH]"""
+floor they share; the heap's two ways of finding its pops (TREEVERIFY_DDTREE_HEAP). Usage: PYTHONPATH=src python scripts/tree_kernels_gpu.py [--json PATH]"""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import os
 from datetime import datetime, timezone
 
 import torch
@@ -49,16 +50,18 @@ def main() -> None:
         logits = torch.randn(bsz, depth, vocab, device=dev, generator=g) * 4
         t = kernel_us(functools.partial(draft_topk_cuda, logits, k, LOGPROB_FLOOR))
         rows.append({"kernel": "topk", "batch": bsz, "depth": depth, "vocab": vocab, "k": k, **t})
-    for bsz, depth, k, budget in [(1, 15, 16, 16), (1, 15, 16, 1), (1, 2, 2, 2), (1, 15, 32, 64),
-                                  (8, 15, 16, 16)]:  # fmt: skip
+    for bsz, depth, k, budget in [(1, 15, 16, 16), (1, 15, 16, 1), (1, 15, 32, 32),
+                                  (1, 15, 32, 64), (8, 15, 16, 16), (1, 15, 32, 256)]:  # fmt: skip
         lp, ids = draft_topk_cuda(torch.randn(bsz, depth, 8192, device=dev, generator=g) * 4, k,
                                   LOGPROB_FLOOR)  # fmt: skip
         roots = torch.zeros(bsz, dtype=torch.int64, device=dev)
-        for mask in (False, True):
-            build = functools.partial(build_tree_heap, lp, ids, budget, roots, with_mask=mask)
+        for mode in ("serial", "warp"):  # TREEVERIFY_DDTREE_HEAP, read at each launch
+            os.environ["TREEVERIFY_DDTREE_HEAP"] = mode
+            build = functools.partial(build_tree_heap, lp, ids, budget, roots, with_mask=True)
             t = kernel_us(build)
-            rows.append({"kernel": "heap", "batch": bsz, "depth": depth, "k": k, "budget": budget,
-                         "mask": mask, **t})  # fmt: skip
+            rows.append({"kernel": "heap", "mode": mode, "batch": bsz, "depth": depth, "k": k,
+                         "budget": budget, **t})  # fmt: skip
+        os.environ.pop("TREEVERIFY_DDTREE_HEAP")
     for r in rows:
         print(r)
     if args.json:
