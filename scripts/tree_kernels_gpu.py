@@ -1,7 +1,7 @@
 """Kernel times of DDTree's draft-table top-k and heap build (kernels/cuda/ddtree_topk.cu,
 ddtree_heap.cu) on their own, by torch.profiler over captured replays, across the sizes that
-should move them (k, vocabulary, budget): whether a round's ~12 us each is their algorithms or a
-floor they share; the heap's two ways of finding its pops (TREEVERIFY_DDTREE_HEAP). Usage: PYTHONPATH=src python scripts/tree_kernels_gpu.py [--json PATH]"""
+should move them (k, vocabulary, budget), and the heap's two ways of finding its pops
+(TREEVERIFY_DDTREE_HEAP). Usage: PYTHONPATH=src python scripts/tree_kernels_gpu.py [--json P]"""
 
 from __future__ import annotations
 
