@@ -1,14 +1,13 @@
 """Kernel times of DDTree's draft-table top-k and heap build (kernels/cuda/ddtree_topk.cu,
 ddtree_heap.cu) on their own, by torch.profiler over captured replays, across the sizes that
-should move them (k, vocabulary, budget), and the heap's two ways of finding its pops
-(TREEVERIFY_DDTREE_HEAP). Usage: PYTHONPATH=src python scripts/tree_kernels_gpu.py [--json P]"""
+should move them (k, vocabulary, budget): whether their ~11 us each in a round is their
+algorithm or a floor. Usage: PYTHONPATH=src python scripts/tree_kernels_gpu.py [--json P]"""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import json
-import os
 from datetime import datetime, timezone
 
 import torch
@@ -55,13 +54,10 @@ def main() -> None:
         lp, ids = draft_topk_cuda(torch.randn(bsz, depth, 8192, device=dev, generator=g) * 4, k,
                                   LOGPROB_FLOOR)  # fmt: skip
         roots = torch.zeros(bsz, dtype=torch.int64, device=dev)
-        for mode in ("serial", "warp"):  # TREEVERIFY_DDTREE_HEAP, read at each launch
-            os.environ["TREEVERIFY_DDTREE_HEAP"] = mode
-            build = functools.partial(build_tree_heap, lp, ids, budget, roots, with_mask=True)
-            t = kernel_us(build)
-            rows.append({"kernel": "heap", "mode": mode, "batch": bsz, "depth": depth, "k": k,
-                         "budget": budget, **t})  # fmt: skip
-        os.environ.pop("TREEVERIFY_DDTREE_HEAP")
+        build = functools.partial(build_tree_heap, lp, ids, budget, roots, with_mask=True)
+        t = kernel_us(build)
+        rows.append({"kernel": "heap", "batch": bsz, "depth": depth, "k": k, "budget": budget,
+                     **t})  # fmt: skip
     for r in rows:
         print(r)
     if args.json:

@@ -235,7 +235,6 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_MERGE_SPLIT_LANES",
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
         "TREEVERIFY_FUSED_ROUTING",
-        "TREEVERIFY_DDTREE_HEAP",
     }
 
 
@@ -274,7 +273,6 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_TMA_MIN_PAGE", env.cuda_tma_min_page, 8, " 16", 16),
         ("TREEVERIFY_CUDA_GQA_256", env.cuda_gqa_256, "auto", " 0", "0"),
         ("TREEVERIFY_CUDA_SPLIT_ORDER", env.cuda_split_order, "longest", "Request", "request"),
-        ("TREEVERIFY_DDTREE_HEAP", env.ddtree_heap, "serial", " Warp", "warp"),
         ("TREEVERIFY_CUDA_FUSED_MERGE_ILP", env.cuda_fused_merge_ilp, True, " 0", False),
         ("TREEVERIFY_CUDA_MERGE_WIDE", env.cuda_merge_wide, False, "yes", True),
         ("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", env.cuda_merge_split_lanes, "auto", " 0", "0"),

@@ -71,9 +71,6 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   most one wave (kernels/splits.py, split_lanes_pay): measured 1.01x / 1.06x / 1.17x on the three
   cases it picks (MLA-TP8 B1 N=16 at 1024 / 8192 / 32768 keys), the rest of the grid untouched;
   ``0`` never.
-- ``TREEVERIFY_DDTREE_HEAP``: ``warp`` finds the tree build's pops with one warp's argmax over
-  a slot pool instead of thread 0's heap (the same nodes; a serial pop measured ~0.6 us on the
-  H200: 11.4 us at budget 16, 58 us at 64). Default ``serial``.
 - ``TREEVERIFY_CUDA_GQA_Q_REGS``: ``1`` makes the ping-pong GQA kernels keep Q's fragments in
   registers and issue QK as register-A wgmma (v18: half the shared-memory reads of QK; measured
   1.01x, so default ``0``).
@@ -148,8 +145,6 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CUDA_MERGE_SPLIT_LANES": "1: the merge kernel takes a head's splits with 4 "
     "groups of threads where rows split more than 8 ways (v30); auto (default): only where the "
     "merge grid is at most one wave (v31); 0: never.",
-    "TREEVERIFY_DDTREE_HEAP": "serial (default) or warp: how the tree-build kernel finds "
-    "DDTree's pops (the same nodes either way).",
     "TREEVERIFY_CUDA_GQA_Q_REGS": "1: the ping-pong GQA kernels keep Q in registers (QK as "
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
@@ -266,13 +261,6 @@ def _switch(name: str, default: str) -> bool:
     if value not in ("0", "1", "false", "true", "no", "yes"):
         raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
     return value in ("1", "true", "yes")
-
-
-def ddtree_heap() -> str:
-    """TREEVERIFY_DDTREE_HEAP: how the tree-build kernel finds DDTree's pops: serial (default:
-    thread 0's heap in shared memory) or warp (one warp's argmax over a slot pool; the same pops,
-    kernels/cuda/ddtree_heap.cu TV_HEAP_WARP)."""
-    return _choice("TREEVERIFY_DDTREE_HEAP", ("serial", "warp"))
 
 
 def cuda_split_order() -> str:

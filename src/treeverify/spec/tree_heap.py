@@ -41,9 +41,8 @@ def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *
     descending, ``<= 0`` and finite; ``ids (B, L, K)`` int64; ``root_tokens (B,)``.
     ``with_mask``: the same launch also writes the trees' ancestor-or-self masks
     (``DraftTree.mask``, what ``parents_to_tree_mask`` gives)."""
-    from treeverify import env
     from treeverify.kernels.cuda.launch import load
-    from treeverify.kernels.cuda.variants import ddtree_heap_variant
+    from treeverify.kernels.cuda.variants import DDTreeHeapVariant
 
     if not lp.is_cuda:
         raise ValueError("lp: the heap kernel needs CUDA tensors")
@@ -68,7 +67,7 @@ def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *
     mask = torch.empty(bsz * n_slots, words, dtype=torch.int32, device=dev) if with_mask else None
     if bsz == 0:
         return DraftTree(tokens, parents, depths, num_nodes, scores, mask)
-    kernel = load(ddtree_heap_variant(env.ddtree_heap()), dev)
+    kernel = load(DDTreeHeapVariant(), dev)
     ptr = ctypes.c_void_p
     args = [ptr(lp.data_ptr()), ptr(ids.data_ptr()), ptr(roots.data_ptr()),
             ctypes.c_int(n_depth), ctypes.c_int(k), ctypes.c_int(budget),

@@ -12,8 +12,12 @@
 // Thread 0 runs the heap in shared memory. Its loop touches no global memory: the block first
 // copies the (L, K) log-prob table into shared memory (where it fits, kHeapStage floats; larger
 // tables are read in place), and the popped nodes' tokens, parents, depths and scores are
-// written by every thread after the loop (the loop had read the table and the token ids through
-// dependent global loads, a few L2 round trips a pop: ~13 us for budget 16 in the round profile).
+// written by every thread after the loop. Measured on the H200 (scripts/tree_kernels_gpu.py,
+// 2026-12-04): the kernel's time grows with the budget at ~0.7-1.3 us a pop (11-14 us at budget
+// 16, 33 at 32, 71 at 64, 362 at 256), with or without this staging (which was predicted to
+// remove most of it): the pops themselves are the cost. One warp finding each pop by an argmax
+// over a slot pool instead (3ae0993, TREEVERIFY_DDTREE_HEAP=warp) measured the same per pop
+// (16.6 / 34.2 / 67.7 / 346 us) and was taken off main.
 // With a mask buffer, every thread then writes the ancestor-or-self bits of its nodes by climbing
 // the popped nodes' parent links (parents precede children in pop order), the same bits as
 // spec/mask.py's `parents_to_tree_mask` (padding nodes: their own bit only), so a round needs no
@@ -45,8 +49,7 @@ struct HeapTree {  // the popped nodes, index = pop order (0 = the root)
 };
 
 // Is candidate a's ranks tuple lexicographically smaller than b's (a prefix is smaller)?
-// Only on exactly equal logw: out of line, so the warp build's unrolled argmax stays small.
-__device__ __noinline__ bool ranks_less(const HeapTree& t, HeapEntry a, HeapEntry b) {
+__device__ __forceinline__ bool ranks_less(const HeapTree& t, HeapEntry a, HeapEntry b) {
   int pa = a.parent, pb = b.parent, ra = a.rank, rb = b.rank, da = a.depth, db = b.depth;
   while (da > db) { ra = t.rank[pa]; pa = t.parent[pa]; --da; }
   while (db > da) { rb = t.rank[pb]; pb = t.parent[pb]; --db; }
@@ -124,105 +127,6 @@ __device__ int heap_build(const float* tab, int L, int K, int budget, HeapEntry*
   return n;
 }
 
-// TV_HEAP_WARP (TREEVERIFY_DDTREE_HEAP=warp): the same pops, found by the CTA's one warp instead
-// of thread 0's heap. A pop on one thread costs ~0.6 us on the H200 (a chain of dependent shared
-// memory accesses through the heap's levels: 11.4 us at budget 16, 58 us at budget 64, measured
-// by scripts/tree_kernels_gpu.py). Here the candidates sit in an append-only pool (a pop leaves
-// a dead slot; depth 0 marks it), slot s owned by lane s % 32; each lane keeps the best of its
-// live slots, and a pop is a butterfly argmax of the 32 lane bests in the heap's order (a strict
-// total order, so every lane ends on the same slot). Only the winner's owner rescans its slots
-// (~(2 budget + 1) / 32 of them). The pool holds at most 1 + 2 budget slots.
-struct HeapPool {
-  float logw[2 * kHeapMaxBudget + 1];
-  int16_t parent[2 * kHeapMaxBudget + 1];
-  int16_t rank[2 * kHeapMaxBudget + 1];
-  int16_t depth[2 * kHeapMaxBudget + 1];  // 0: popped (dead) or never written
-};
-
-__device__ __forceinline__ HeapEntry pool_entry(const HeapPool& c, int s) {
-  return HeapEntry{c.logw[s], c.parent[s], c.rank[s], c.depth[s]};
-}
-
-// Does slot a pop before slot b (-1: no candidate, after everything)?
-__device__ __forceinline__ bool slot_before(const HeapPool& c, const HeapTree& t, int a, int b) {
-  if (a < 0) return false;
-  if (b < 0) return true;
-  return pops_before(t, pool_entry(c, a), pool_entry(c, b));
-}
-
-// The best live slot of this lane's slots below `used`.
-__device__ __forceinline__ int lane_best(const HeapPool& c, const HeapTree& t, int used,
-                                         int lane) {
-  int best = -1;
-  for (int s = lane; s < used; s += 32) {
-    if (c.depth[s] != 0 && slot_before(c, t, s, best)) best = s;
-  }
-  return best;
-}
-
-// The whole warp: fills tree nodes 1..n (n = popped, returned; every lane returns it).
-__device__ int warp_heap_build(const float* tab, int L, int K, int budget, HeapPool& c,
-                               HeapTree& tree) {
-  const int lane = threadIdx.x & 31;
-  if (lane == 0) {
-    tree.parent[0] = -1;
-    tree.rank[0] = 0;
-    tree.depth[0] = 0;
-    tree.logw[0] = 0.0f;
-    c.logw[0] = tab[0];  // the seed: lp[0][0] exactly
-    c.parent[0] = 0;
-    c.rank[0] = 0;
-    c.depth[0] = 1;
-  }
-  __syncwarp();
-  int used = 1;
-  int best = lane == 0 ? 0 : -1;
-  int n = 0;
-  while (n < budget) {
-    int w = best;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const int other = __shfl_xor_sync(0xffffffffu, w, o);
-      if (slot_before(c, tree, other, w)) w = other;
-    }
-    if (w < 0) break;  // the pool is empty (every lane sees the same w)
-    const HeapEntry e = pool_entry(c, w);
-    ++n;
-    const float* row = tab + (e.depth - 1) * K;
-    const bool sib = e.rank + 1 < K, child = e.depth < L;
-    const int s_sib = used, s_child = used + (sib ? 1 : 0);
-    __syncwarp();  // every lane has read the winner (and compared) before it changes
-    if (lane == 0) {
-      tree.parent[n] = e.parent;
-      tree.rank[n] = e.rank;
-      tree.depth[n] = e.depth;
-      tree.logw[n] = e.logw;
-    }
-    if (sib && lane == (s_sib & 31)) {
-      c.logw[s_sib] = __fadd_rn(__fsub_rn(e.logw, row[e.rank]), row[e.rank + 1]);
-      c.parent[s_sib] = e.parent;
-      c.rank[s_sib] = static_cast<int16_t>(e.rank + 1);
-      c.depth[s_sib] = e.depth;
-    }
-    if (child && lane == (s_child & 31)) {
-      c.logw[s_child] = __fadd_rn(e.logw, tab[e.depth * K]);
-      c.parent[s_child] = static_cast<int16_t>(n);
-      c.rank[s_child] = 0;
-      c.depth[s_child] = static_cast<int16_t>(e.depth + 1);
-    }
-    if (lane == (w & 31)) c.depth[w] = 0;  // popped
-    used = s_child + (child ? 1 : 0);
-    __syncwarp();  // the node, the new slots and the dead one are visible to every lane
-    if (lane == (w & 31)) {
-      best = lane_best(c, tree, used, lane);
-    } else {
-      if (sib && lane == (s_sib & 31) && slot_before(c, tree, s_sib, best)) best = s_sib;
-      if (child && lane == (s_child & 31) && slot_before(c, tree, s_child, best)) best = s_child;
-    }
-  }
-  return n;
-}
-
 // lp (B, L, K) fp32 sorted descending per (b, depth), ids (B, L, K) int64, roots (B,) int64.
 // Outputs (B, budget + 1): tokens, parents (-1 root/padding), depths, scores (-inf padding);
 // num_nodes (B,) = 1 + popped nodes; mask (B * (budget + 1), words) ancestor-or-self bits when
@@ -233,14 +137,10 @@ __global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* _
                                   int64_t* __restrict__ depths, float* __restrict__ scores,
                                   int64_t* __restrict__ num_nodes, uint32_t* __restrict__ mask,
                                   int words) {
-#ifdef TV_HEAP_WARP
-  __shared__ HeapPool pool;
-#else
   __shared__ HeapEntry heap[kHeapMaxBudget + 2];
-  __shared__ int popped;
-#endif
   __shared__ HeapTree tree;
   __shared__ float staged[kHeapStage];
+  __shared__ int popped;
   const int b = blockIdx.x;
   const int slots = budget + 1;
   const float* tab = lp + static_cast<int64_t>(b) * L * K;  // (L, K)
@@ -255,14 +155,9 @@ __global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* _
     for (int i = threadIdx.x; i < L * K; i += blockDim.x) staged[i] = tab[i];
   }
   __syncthreads();
-#ifdef TV_HEAP_WARP  // the launch is one warp (variants.py)
-  const int n = warp_heap_build(stage ? staged : tab, L, K, budget, pool, tree);
-  __syncthreads();
-#else
   if (threadIdx.x == 0) popped = heap_build(stage ? staged : tab, L, K, budget, heap, tree);
   __syncthreads();
   const int n = popped;
-#endif
   for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // nodes 0..n, then padding
     if (i == 0) {
       tok[0] = roots[b];

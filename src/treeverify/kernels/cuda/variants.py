@@ -398,14 +398,6 @@ class DDTreeHeapVariant:
     fast_math: bool = False
 
 
-def ddtree_heap_variant(mode: str) -> DDTreeHeapVariant:
-    """The heap kernel for TREEVERIFY_DDTREE_HEAP: serial (thread 0's heap) or warp (the same
-    pops found by one warp's argmax over a slot pool, TV_HEAP_WARP in ddtree_heap.cu)."""
-    if mode == "warp":
-        return DDTreeHeapVariant(name="ddtree_heap_warp", defines=("TV_HEAP_WARP",))
-    return DDTreeHeapVariant()
-
-
 @dataclass(frozen=True)
 class DDTreeWalkVariant:
     """ddtree_greedy_walk (ddtree_walk.cu): the greedy acceptance walk, one CTA per request."""
@@ -577,7 +569,7 @@ def all_variants(arch: str) -> list[Variant]:
             if arch in MERGE_SPLIT_LANES_ARCHES:
                 out.append(MergeVariant(dv, dtype, s=MERGE_SPLIT_LANES))
     out.append(MaskVariant())
-    out += [DDTreeHeapVariant(), ddtree_heap_variant("warp")]
+    out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
