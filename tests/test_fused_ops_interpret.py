@@ -45,5 +45,10 @@ def test_rope_qk_store_equals_rope_qk_then_the_cache_write():
     torch.testing.assert_close(flat_k[slots], want_flat_k[slots], rtol=1e-2, atol=1e-2)
     assert torch.equal(flat_k[~written], want_flat_k[~written])
     assert torch.equal(vc, want_vc)
+    # rope_qk's kernel (the same Triton kernel, STORE off): the same q and k, bit for bit.
+    q2, k2 = torch.empty_like(q), torch.empty(t, hkv, d, dtype=BF16)
+    fused_ops._triton()[1][(t, hq + hkv)](qkv, cos2, sin2, q2, k2, qkv, qkv, hq, hkv, D=d,
+                                          HALF=d // 2, STORE=False)  # fmt: skip
+    assert torch.equal(q2, q) and torch.equal(k2, flat_k[slots])
     # The public function keeps CPU tensors on the two-step path.
     assert fused_ops.rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, kc, vc) is None

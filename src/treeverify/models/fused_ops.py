@@ -9,7 +9,8 @@ fuse the per-layer chains:
   silu_mul(gate_up)               silu(gate) * up                  (2 kernels -> 1)
   rope_qk_store(qkv, ..., slots, k_cache, v_cache)
                                   rope_qk + the step's K/V written to their cache slots
-                                  (engine/kv_store.py's kernel)    (2 kernels -> 1)
+                                  (engine/kv_store.py's kernel)    (2 kernels -> 1; the same
+                                  Triton kernel as rope_qk's, STORE specialised)
 
 Each rounds to the activation dtype where the PyTorch sequence it replaces rounds, so results
 match the unfused ops to the last bit of a bf16 value (the residual add exactly; measured on the
@@ -59,23 +60,32 @@ def _build_kernels():
         tl.store(Y + row * n + cols, (sf * rstd * w).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def rope_qk_kernel(QKV, C, S, Q, K, hq, hkv, D: tl.constexpr, HALF: tl.constexpr):
+    def rope_qk_kernel(QKV, C, S, Q, K, Slots, VC, hq, hkv, D: tl.constexpr,
+                       HALF: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+        # Program (t, h): head h of token t. STORE: k goes to its cache slot (K is the cache)
+        # and heads past q and k copy v to VC's slot (rope_qk_store); else k to K's row t.
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, D)
         width = (hq + 2 * hkv) * D
         src = QKV + t * width + h * D
-        x = tl.load(src + d).to(tl.float32)
-        swapped = tl.load(src + (d + HALF) % D).to(tl.float32)
-        c = tl.load(C + t * D + d).to(tl.float32)
-        s = tl.load(S + t * D + d).to(tl.float32)
-        dt = Q.dtype.element_ty
-        # x*cos and swap(x)*sin each round, then their sum: torch's three ops on bf16
-        out = ((x * c).to(dt).to(tl.float32) + (swapped * s).to(dt).to(tl.float32)).to(dt)
-        if h < hq:
-            tl.store(Q + (t * hq + h) * D + d, out)
-        else:
-            tl.store(K + (t * hkv + (h - hq)) * D + d, out)
+        row = t
+        if STORE:
+            row = tl.load(Slots + t).to(tl.int64)
+        if h < hq + hkv:
+            x = tl.load(src + d).to(tl.float32)
+            swapped = tl.load(src + (d + HALF) % D).to(tl.float32)
+            c = tl.load(C + t * D + d).to(tl.float32)
+            s = tl.load(S + t * D + d).to(tl.float32)
+            dt = Q.dtype.element_ty
+            # x*cos and swap(x)*sin each round, then their sum: torch's three ops on bf16
+            out = ((x * c).to(dt).to(tl.float32) + (swapped * s).to(dt).to(tl.float32)).to(dt)
+            if h < hq:
+                tl.store(Q + (t * hq + h) * D + d, out)
+            else:  # a cache's flat (slots, Hkv, D) view, as store_kv writes it, or k (T, Hkv, D)
+                tl.store(K + (row * hkv + (h - hq)) * D + d, out)
+        else:  # v (STORE grids only): copied
+            tl.store(VC + (row * hkv + (h - hq - hkv)) * D + d, tl.load(src + d))
 
     @triton.jit
     def silu_mul_kernel(GU, Y, n, BLOCK: tl.constexpr):
@@ -88,30 +98,7 @@ def _build_kernels():
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu rounds, then the product
         tl.store(Y + row * n + cols, (a * u).to(dt), mask=m)
 
-    @triton.jit
-    def rope_qk_store_kernel(QKV, C, S, Q, Slots, KC, VC, hq, hkv, D: tl.constexpr,
-                             HALF: tl.constexpr):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        d = tl.arange(0, D)
-        width = (hq + 2 * hkv) * D
-        src = QKV + t * width + h * D
-        slot = tl.load(Slots + t).to(tl.int64)
-        if h < hq + hkv:  # q or k: rotated as rope_qk_kernel rotates
-            x = tl.load(src + d).to(tl.float32)
-            swapped = tl.load(src + (d + HALF) % D).to(tl.float32)
-            c = tl.load(C + t * D + d).to(tl.float32)
-            s = tl.load(S + t * D + d).to(tl.float32)
-            dt = Q.dtype.element_ty
-            out = ((x * c).to(dt).to(tl.float32) + (swapped * s).to(dt).to(tl.float32)).to(dt)
-            if h < hq:
-                tl.store(Q + (t * hq + h) * D + d, out)
-            else:  # the cache's flat (slots, Hkv, D) view, as store_kv writes it
-                tl.store(KC + (slot * hkv + (h - hq)) * D + d, out)
-        else:  # v: copied
-            tl.store(VC + (slot * hkv + (h - hq - hkv)) * D + d, tl.load(src + d))
-
-    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel, rope_qk_store_kernel
+    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel
 
 
 def add_rmsnorm(
@@ -150,8 +137,8 @@ def rope_qk(
     kernel = _triton()[1]
     q = qkv.new_empty(t, hq, d)
     k = qkv.new_empty(t, hkv, d)
-    kernel[(t, hq + hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, k, hq, hkv, D=d,
-                          HALF=d // 2, num_warps=1)  # fmt: skip
+    kernel[(t, hq + hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, k, qkv, qkv, hq, hkv,
+                          D=d, HALF=d // 2, STORE=False, num_warps=1)  # fmt: skip
     return q, k
 
 
@@ -200,6 +187,7 @@ def _launch_rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, k_cache, v_cache) -> 
     """The kernel launch alone (tests run it on Triton's CPU interpreter)."""
     t, _, d = qkv.shape
     q = qkv.new_empty(t, hq, d)
-    _triton()[3][(t, hq + 2 * hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, slots, k_cache,
-                                    v_cache, hq, hkv, D=d, HALF=d // 2, num_warps=1)  # fmt: skip
+    _triton()[1][(t, hq + 2 * hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, k_cache, slots,
+                                    v_cache, hq, hkv, D=d, HALF=d // 2, STORE=True,
+                                    num_warps=1)  # fmt: skip
     return q
