@@ -111,7 +111,11 @@ def test_host_time_per_step_is_summarised_per_backend(capsys):
                  "max_efficiency": 0.5, "max_rel_err": None, "host_us_median": 40.0},
     }  # fmt: skip
     print_table({"summary": summary, "rows": rows[:3]})
-    assert "host 40 us a step (median)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "host 40 us a step (median)" in out and "fastest" not in out
+    summary["cuda"]["host_min_us_median"] = 21.4  # the fastest of 20 steps, per case
+    print_table({"summary": summary, "rows": rows[:3]})
+    assert "host 40 us a step (median) / 21 (fastest of 20)" in capsys.readouterr().out
 
 
 def test_median_round_ratio_pairs_each_round():
