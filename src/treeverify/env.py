@@ -79,6 +79,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   take the cp.async path; 1 lets every page size that divides 64 try TMA, for GPU tests).
 - ``TREEVERIFY_FUSED_ROUTING``: ``0`` turns off the one-Triton-kernel MoE expert selection a
   GPU uses by default (models/fused_routing.py; ~15 PyTorch ops a layer instead).
+- ``TREEVERIFY_FUSED_MLA_ROPE``: ``1`` builds the absorbed MLA layer's attention operands (q_pe
+  and k_pe rotated, packed beside q_lat and c_kv) in one Triton kernel on a GPU
+  (models/fused_mla.py) instead of ~20 PyTorch kernels a layer. Default ``0`` until measured.
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -149,6 +152,8 @@ VARIABLES: dict[str, str] = {
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
     "by TMA (default 8; smaller pages use cp.async; 1: try every page size, GPU tests).",
+    "TREEVERIFY_FUSED_MLA_ROPE": "1: the absorbed MLA layer's rope and operand packing in one "
+    "Triton kernel on a GPU (models/fused_mla.py); default 0 until measured.",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -384,6 +389,13 @@ def decode_gemv() -> bool:
     """TREEVERIFY_DECODE_GEMV: 0 turns the decode GEMV (models/gemv.py) off, every linear layer
     back on cuBLAS (an A/B, or an escape hatch); default on. Read once per process."""
     return _switch("TREEVERIFY_DECODE_GEMV", "1")
+
+
+def fused_mla_rope() -> bool:
+    """TREEVERIFY_FUSED_MLA_ROPE: the absorbed MLA layer's rope and operand packing in one Triton
+    kernel on a GPU (models/fused_mla.py; ~20 PyTorch kernels a layer otherwise); default 0 until
+    measured. Read when a layer is built."""
+    return _switch("TREEVERIFY_FUSED_MLA_ROPE", "0")
 
 
 def fused_routing() -> bool:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from treeverify import env
+from treeverify.kernels.api import triton_available
+from treeverify.models import fused_mla
 from treeverify.models.config import DeepseekV3Config
 from treeverify.models.gemv import Linear
 from treeverify.models.layers import (
@@ -49,6 +52,8 @@ class MLAttention(nn.Module):
             cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
         )
         self.o_proj = Linear(nh * cfg.v_head_dim, h, bias=False)
+        # The absorbed form's rope + operand packing in one kernel on a GPU (models/fused_mla.py)
+        self.fused_rope = env.fused_mla_rope() and triton_available()
 
     def forward(self, x, cos, sin, attention: Attention, absorbed: bool = True):
         cfg, t, nh = self.cfg, x.shape[0], self.nh
@@ -61,13 +66,21 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[..., :n], q[..., n:]
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([lat, r], dim=-1)  # (T, L), (T, R)
         ckv = self.kv_a_layernorm(ckv)
-        q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)  # (T, H, R)
-        k_pe = apply_rope(k_pe[:, None, :], cos, sin, cfg.rope_interleave)  # (T, 1, R)
         w = self.kv_b_proj.weight.view(nh, n + dv, lat)  # (H, N+Dv, L)
+        packed = None
         if absorbed:
             q_lat = torch.einsum("thn,hnl->thl", q_nope, w[:, :n])  # (T, H, L)
-            qa = torch.cat((q_lat, q_pe), dim=-1)  # (T, H, L+R)
-            ka = torch.cat((ckv[:, None, :], k_pe), dim=-1)  # (T, 1, L+R)
+            if self.fused_rope:  # qa, ka in one kernel, or None (the CPU, other shapes)
+                packed = fused_mla.mla_rope_pack(q_lat, q, ckv, k_pe, cos, sin, cfg.rope_interleave)
+        if packed is not None:
+            qa, ka = packed  # (T, H, L+R), (T, 1, L+R)
+        else:
+            q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)  # (T, H, R)
+            k_pe = apply_rope(k_pe[:, None, :], cos, sin, cfg.rope_interleave)  # (T, 1, R)
+        if absorbed:
+            if packed is None:
+                qa = torch.cat((q_lat, q_pe), dim=-1)  # (T, H, L+R)
+                ka = torch.cat((ckv[:, None, :], k_pe), dim=-1)  # (T, 1, L+R)
             o_lat = attention(self.layer, qa, ka, None, cfg.sm_scale, v_head_dim=lat)  # (T, H, L)
             o = torch.einsum("thl,hvl->thv", o_lat, w[:, n:])  # (T, H, Dv)
         else:

@@ -1,0 +1,54 @@
+"""models/fused_mla.py on a GPU: the packed MLA operands bit-equal to the PyTorch path
+(apply_rope, then cat), both rotary layouts; random:mla-moe's logits equal with the kernel on
+and off (TREEVERIFY_FUSED_MLA_ROPE), eager, fresh random weights and tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeverify.models import fused_mla
+from treeverify.models.config import RopeConfig
+from treeverify.models.layers import Rope, apply_rope
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "rotate-half"])
+@pytest.mark.parametrize("t,h,n,lat,r", [(1, 16, 128, 512, 64), (17, 8, 128, 512, 64),
+                                         (5, 4, 16, 64, 16)])  # fmt: skip
+def test_pack_is_bit_equal_to_apply_rope_then_cat(t, h, n, lat, r, interleave):
+    g = torch.Generator(device="cuda").manual_seed(t * h + r)
+    q = torch.randn(t, h, n + r, device="cuda", generator=g).to(BF16)
+    w_uk = (torch.randn(h, n, lat, device="cuda", generator=g) / n**0.5).to(BF16)
+    q_lat = torch.einsum("thn,hnl->thl", q[..., :n], w_uk)  # (T, H, L)
+    kv_a = torch.randn(t, lat + r, device="cuda", generator=g).to(BF16)
+    ckv, k_pe = kv_a.split([lat, r], dim=-1)
+    ckv = ckv.contiguous()
+    positions = torch.randint(0, 30000, (t,), device="cuda", generator=g)
+    rope = Rope(RopeConfig(theta=10000.0), r).cuda()
+    cos, sin = rope(positions)  # (T, R/2) fp32
+    packed = fused_mla.mla_rope_pack(q_lat, q, ckv, k_pe, cos, sin, interleave)
+    assert packed is not None
+    qa, ka = packed
+    want_qa = torch.cat((q_lat, apply_rope(q[..., n:], cos, sin, interleave)), -1)
+    want_ka = torch.cat((ckv[:, None, :], apply_rope(k_pe[:, None, :], cos, sin, interleave)), -1)
+    assert torch.equal(qa, want_qa)
+    assert torch.equal(ka, want_ka)
+
+
+def test_mla_moe_logits_equal_with_the_kernel_on_and_off(monkeypatch):
+    from treeverify.models.random_shapes import build_random
+
+    logits = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TREEVERIFY_FUSED_MLA_ROPE", flag)
+        _, model, _ = build_random("random:mla-moe", dtype=BF16, device="cuda", seed=3)
+        assert all(layer.self_attn.fused_rope == (flag == "1") for layer in model.model.layers)
+        ids = torch.randint(0, model.config.vocab_size, (9,), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(5))  # fmt: skip
+        positions = torch.arange(100, 109, device="cuda")
+        logits[flag] = model(ids, positions)
+    assert torch.isfinite(logits["1"]).all()
+    assert torch.equal(logits["0"], logits["1"])
