@@ -236,6 +236,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_MLA_SCHEDULE",
         "TREEVERIFY_FUSED_ROUTING",
         "TREEVERIFY_FUSED_MLA_ROPE",
+        "TREEVERIFY_FUSED_MOE_DISPATCH",
     }
 
 
@@ -278,6 +279,7 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_MERGE_WIDE", env.cuda_merge_wide, False, "yes", True),
         ("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", env.cuda_merge_split_lanes, "auto", " 0", "0"),
         ("TREEVERIFY_FUSED_MLA_ROPE", env.fused_mla_rope, False, "1", True),
+        ("TREEVERIFY_FUSED_MOE_DISPATCH", env.fused_moe_dispatch, False, "yes", True),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

@@ -82,6 +82,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_FUSED_MLA_ROPE``: ``1`` builds the absorbed MLA layer's attention operands (q_pe
   and k_pe rotated, packed beside q_lat and c_kv) in one Triton kernel on a GPU
   (models/fused_mla.py) instead of ~20 PyTorch kernels a layer. Default ``0`` until measured.
+- ``TREEVERIFY_FUSED_MOE_DISPATCH``: ``1`` runs the grouped-GEMM MoE path's dispatch (expert
+  counts, rows in expert order, offsets) and combine (weighted sum of a token's k outputs) as two
+  Triton kernels (models/fused_moe.py) instead of ~20 PyTorch kernels a layer. Default ``0``
+  until measured.
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -154,6 +158,8 @@ VARIABLES: dict[str, str] = {
     "by TMA (default 8; smaller pages use cp.async; 1: try every page size, GPU tests).",
     "TREEVERIFY_FUSED_MLA_ROPE": "1: the absorbed MLA layer's rope and operand packing in one "
     "Triton kernel on a GPU (models/fused_mla.py); default 0 until measured.",
+    "TREEVERIFY_FUSED_MOE_DISPATCH": "1: the grouped-GEMM MoE path's dispatch and combine as two "
+    "Triton kernels (models/fused_moe.py); default 0 until measured.",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -396,6 +402,13 @@ def fused_mla_rope() -> bool:
     kernel on a GPU (models/fused_mla.py; ~20 PyTorch kernels a layer otherwise); default 0 until
     measured. Read when a layer is built."""
     return _switch("TREEVERIFY_FUSED_MLA_ROPE", "0")
+
+
+def fused_moe_dispatch() -> bool:
+    """TREEVERIFY_FUSED_MOE_DISPATCH: the grouped-GEMM MoE path's dispatch (counts, sorted rows,
+    offsets) and combine as two Triton kernels (models/fused_moe.py; ~20 PyTorch kernels a layer
+    otherwise); default 0 until measured. Read when a MoE layer is built."""
+    return _switch("TREEVERIFY_FUSED_MOE_DISPATCH", "0")
 
 
 def fused_routing() -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from treeverify import env
 from treeverify.kernels.api import triton_available
-from treeverify.models import fused_routing
+from treeverify.models import fused_moe, fused_routing
 from treeverify.models.config import DeepseekV3Config
 from treeverify.models.layers import MLP
 
@@ -116,6 +116,8 @@ class DeepseekMoE(nn.Module):
         self.impl = "grouped"
         self.w_gate_up: torch.Tensor | None = None  # (E, 2I, hidden) once stacked
         self.w_down: torch.Tensor | None = None  # (E, hidden, I) once stacked
+        # grouped_mm's dispatch and combine as two Triton kernels (TREEVERIFY_FUSED_MOE_DISPATCH)
+        self.fused_dispatch = env.fused_moe_dispatch() and triton_available()
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -156,17 +158,20 @@ class DeepseekMoE(nn.Module):
         back[order] = y  # unsort (a permutation: deterministic, no atomics)
         return (back.view(t, k, -1).float() * w[..., None]).sum(1)  # (T, hidden)
 
+    def _grouped_mm_fused(self, x, idx, w, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_grouped_mm` with its dispatch and combine as two Triton kernels (models/fused_moe.py):
+        (out (T, hidden) in x's dtype, valid counts (E,))."""
+        from treeverify.models.fused_ops import silu_mul
+
+        self.stack_experts()
+        xs, pos, _, valid_counts, offs = fused_moe.dispatch(x, idx, valid, self.n_experts)
+        h = torch._grouped_mm(xs, self.w_gate_up.transpose(1, 2), offs=offs)  # (T*k, 2I)
+        y = torch._grouped_mm(silu_mul(h), self.w_down.transpose(1, 2), offs=offs)  # (T*k, H)
+        return fused_moe.combine(y, pos, w, x.dtype), valid_counts
+
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None):
         t = x.shape[0]
         idx, w = self.gate(x)  # (T, k), (T, k)
-        flat = idx.reshape(-1)  # (T*k,)
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))  # on device, no sync
-        valid_counts = counts  # what the counters report: padding rows left out
-        if valid is not None:
-            valid_counts = torch.zeros_like(counts).index_add_(
-                0, flat, valid.to(torch.int64).repeat_interleave(idx.shape[1])
-            )  # (E,)
         impl = self.impl
         if impl == "grouped" and x.is_cuda and torch.cuda.is_current_stream_capturing():
             # The host-grouped path reads the counts to the host, which no capture allows: a
@@ -177,6 +182,19 @@ class DeepseekMoE(nn.Module):
                 impl = "grouped_mm"
             else:
                 impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
+        if impl == "grouped_mm" and self.fused_dispatch and fused_moe.fits(x, idx):
+            out, valid_counts = self._grouped_mm_fused(x, idx, w, valid)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return out, valid_counts
+        flat = idx.reshape(-1)  # (T*k,)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))  # on device, no sync
+        valid_counts = counts  # what the counters report: padding rows left out
+        if valid is not None:
+            valid_counts = torch.zeros_like(counts).index_add_(
+                0, flat, valid.to(torch.int64).repeat_interleave(idx.shape[1])
+            )  # (E,)
         if impl == "gather":
             out = self._gathered(x, idx, w)
         elif impl == "grouped_mm":

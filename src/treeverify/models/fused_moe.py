@@ -1,0 +1,148 @@
+"""The grouped-GEMM MoE path's dispatch and combine as two Triton kernels (issue 14: the batch-1
+MLA+MoE decode is launch-bound).
+
+models/moe.py's `_grouped_mm` path around its two grouped GEMMs runs ~20 small PyTorch kernels a
+layer: the expert counts (zeros, index_add, and again for the valid rows), a stable argsort of the
+(token, expert) pairs, the offsets (cumsum, cast), the rows gathered in sorted order, then the
+outputs scattered back, weighted, summed over a token's k experts and cast. Here:
+
+    dispatch  one launch: each pair's place in the expert-sorted order (its expert's start, by
+              counting the pairs of smaller experts, plus the pairs of its own expert before it:
+              the order a stable argsort gives), its token's row copied to that place, and (the
+              first program) every expert's count, its count over valid rows, and the offsets
+    combine   one launch: a token's k output rows read from their sorted places, weighted in
+              fp32 and summed in expert order 0..k-1, cast once
+
+The sorted rows, counts and offsets equal the PyTorch path's exactly, so the grouped GEMMs see the
+same inputs; the combine sums each token's k terms in order, as PyTorch's reduction over that dim
+does, to float rounding (tests/test_fused_moe_interpret.py on the CPU interpreter,
+tests/test_fused_moe_gpu.py on a GPU). The comparison count is (pairs)^2 / BLOCK a program: fine
+for decode and verify batches (a few thousand pairs), not meant for prefill-sized ones, which keep
+the PyTorch path (MAX_PAIRS).
+
+Off by default until measured on a GPU (TREEVERIFY_FUSED_MOE_DISPATCH=1, env.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 64  # pairs a dispatch program places (and compares at a time)
+MAX_PAIRS = 8192  # beyond, the PyTorch path (the comparisons grow as pairs^2)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dispatch_kernel(Idx, Valid, X, Xs, Pos, Counts, ValidCounts, Offs, P, k, hidden,
+                        E: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr,
+                        HB: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        p = pid * BLOCK + tl.arange(0, BLOCK)  # this program's pairs
+        live = p < P
+        ep = tl.load(Idx + p, mask=live, other=0)
+        less = tl.zeros([BLOCK], dtype=tl.int32)  # pairs of smaller experts
+        before = tl.zeros([BLOCK], dtype=tl.int32)  # pairs of the same expert earlier
+        for start in range(0, P, BLOCK):
+            q = start + tl.arange(0, BLOCK)
+            qlive = q < P
+            eq = tl.load(Idx + q, mask=qlive, other=0)
+            lt = (eq[None, :] < ep[:, None]) & qlive[None, :]
+            same = (eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None])
+            less += tl.sum(lt.to(tl.int32), axis=1)
+            before += tl.sum(same.to(tl.int32), axis=1)
+        pos = (less + before).to(tl.int64)
+        tl.store(Pos + p, pos, mask=live)
+        tok = p // k
+        for h0 in range(0, hidden, HB):  # the pair's token row to its sorted place
+            cols = h0 + tl.arange(0, HB)
+            m = live[:, None] & (cols[None, :] < hidden)
+            rows = tl.load(X + tok[:, None] * hidden + cols[None, :], mask=m)
+            tl.store(Xs + pos[:, None] * hidden + cols[None, :], rows, mask=m)
+        if pid == 0:  # every expert's counts and end offsets
+            e = tl.arange(0, EP)
+            cnt = tl.zeros([EP], dtype=tl.int64)
+            vcnt = tl.zeros([EP], dtype=tl.int64)
+            for start in range(0, P, BLOCK):
+                q = start + tl.arange(0, BLOCK)
+                qlive = q < P
+                eq = tl.load(Idx + q, mask=qlive, other=0)
+                hit = ((eq[None, :] == e[:, None]) & qlive[None, :]).to(tl.int64)  # (EP, BLOCK)
+                cnt += tl.sum(hit, axis=1)
+                if HAS_VALID:
+                    v = tl.load(Valid + q // k, mask=qlive, other=0).to(tl.int64)
+                    vcnt += tl.sum(hit * v[None, :], axis=1)
+            ends = tl.cumsum(cnt, axis=0)
+            tl.store(Counts + e, cnt, mask=e < E)
+            tl.store(Offs + e, ends.to(tl.int32), mask=e < E)
+            if HAS_VALID:
+                tl.store(ValidCounts + e, vcnt, mask=e < E)
+
+    @triton.jit
+    def combine_kernel(Y, Pos, W, Out, hidden, K: tl.constexpr, HB: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * HB + tl.arange(0, HB)
+        m = cols < hidden
+        acc = tl.zeros([HB], dtype=tl.float32)
+        for i in tl.static_range(K):  # in expert order 0..k-1, as the PyTorch path sums
+            pos = tl.load(Pos + t * K + i)
+            wt = tl.load(W + t * K + i).to(tl.float32)
+            y = tl.load(Y + pos * hidden + cols, mask=m, other=0.0).to(tl.float32)
+            acc += y * wt
+        tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=m)
+
+    return dispatch_kernel, combine_kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def fits(x: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether the kernels take these operands (else the caller keeps the PyTorch path)."""
+    return (
+        x.dim() == 2 and x.is_contiguous() and idx.dim() == 2 and idx.shape[0] == x.shape[0]
+        and idx.dtype == torch.int64 and idx.is_contiguous() and 0 < idx.numel() <= MAX_PAIRS
+    )  # fmt: skip
+
+
+def dispatch(
+    x: torch.Tensor,  # (T, hidden)
+    idx: torch.Tensor,  # (T, k) int64 expert of each (token, slot) pair
+    valid: torch.Tensor | None,  # (T,) bool: rows the counters report (None: all)
+    n_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(xs (T*k, hidden) rows in expert order, pos (T*k,) int64 each pair's sorted place,
+    counts (E,) int64, valid_counts (E,) int64, offs (E,) int32 each expert's end row)."""
+    t, k = idx.shape
+    p, hidden = t * k, x.shape[1]
+    xs = x.new_empty(p, hidden)
+    pos = torch.empty(p, dtype=torch.int64, device=x.device)
+    counts = torch.empty(n_experts, dtype=torch.int64, device=x.device)
+    offs = torch.empty(n_experts, dtype=torch.int32, device=x.device)
+    valid_counts = counts if valid is None else torch.empty_like(counts)
+    hb = min(128, _pow2(hidden))
+    _kernels()[0][(-(-p // BLOCK),)](
+        idx, valid if valid is not None else idx, x, xs, pos, counts, valid_counts, offs, p, k,
+        hidden, E=n_experts, EP=_pow2(n_experts), BLOCK=BLOCK, HB=hb, HAS_VALID=valid is not None,
+    )  # fmt: skip
+    return xs, pos, counts, valid_counts, offs
+
+
+def combine(
+    y: torch.Tensor,  # (T*k, hidden) expert outputs in sorted order
+    pos: torch.Tensor,  # (T*k,) int64 from dispatch
+    w: torch.Tensor,  # (T, k) fp32 routing weights
+    dtype: torch.dtype,
+) -> torch.Tensor:  # (T, hidden) sum_i w[t, i] * y[pos[t*k + i]], in `dtype`
+    t, k = w.shape
+    hidden = y.shape[1]
+    out = torch.empty(t, hidden, dtype=dtype, device=y.device)
+    hb = min(1024, _pow2(hidden))
+    _kernels()[1][(t, -(-hidden // hb))](y, pos, w.contiguous(), out, hidden, K=k, HB=hb)
+    return out

@@ -1,0 +1,56 @@
+"""models/fused_moe.py on a GPU: the dispatch (sorted rows, places, counts, offsets) equal to the
+PyTorch ops, the combine to float summation order; a DeepseekMoE layer on the grouped-GEMM path
+with TREEVERIFY_FUSED_MOE_DISPATCH on and off: the same counts, outputs within bf16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_reference import combine_reference, dispatch_reference
+from treeverify.models import fused_moe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("t,k,e,hidden", [(1, 8, 64, 2048), (136, 8, 64, 2048), (3, 2, 5, 130)])
+def test_dispatch_and_combine_on_the_gpu(t, k, e, hidden):
+    g = torch.Generator(device="cuda").manual_seed(t + e)
+    x = torch.randn(t, hidden, device="cuda", generator=g).to(BF16)
+    idx = torch.randint(0, e, (t, k), device="cuda", generator=g)
+    valid = torch.rand(t, device="cuda", generator=g) < 0.7
+    got = fused_moe.dispatch(x, idx, valid, e)
+    want = dispatch_reference(x, idx, valid, e)
+    for name, a, b in zip(("xs", "pos", "counts", "valid_counts", "offs"), got, want,
+                          strict=False):  # fmt: skip
+        assert torch.equal(a, b), name
+    y = torch.randn(t * k, hidden, device="cuda", generator=g).to(BF16)
+    w = torch.rand(t, k, device="cuda", generator=g)
+    out = fused_moe.combine(y, got[1], w, torch.float32)
+    torch.testing.assert_close(out, combine_reference(y, want[5], w), rtol=1e-6, atol=1e-6)
+
+
+def test_moe_layer_with_the_kernels_on_and_off(monkeypatch):
+    from treeverify.models.moe import grouped_mm_supported
+    from treeverify.models.random_shapes import build_random
+
+    x = torch.randn(9, 1, device="cuda")  # probe for the grouped GEMM's availability
+    if not grouped_mm_supported(x.to(BF16)):
+        pytest.skip("torch._grouped_mm needs bf16 on sm_90+")
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TREEVERIFY_FUSED_MOE_DISPATCH", flag)
+        _, model, _ = build_random("random:mla-moe", dtype=BF16, device="cuda", seed=7)
+        moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
+        assert moe.fused_dispatch == (flag == "1")
+        moe.impl = "grouped_mm"
+        g = torch.Generator(device="cuda").manual_seed(11)
+        h = torch.randn(17, model.config.hidden_size, device="cuda", generator=g).to(BF16)
+        valid = torch.ones(17, dtype=torch.bool, device="cuda")
+        valid[-3:] = False
+        outs[flag] = moe(h, valid)
+    (a, ca), (b, cb) = outs["0"], outs["1"]
+    assert torch.equal(ca, cb)  # the valid rows' expert counts
+    assert torch.isfinite(b).all()
+    torch.testing.assert_close(b.float(), a.float(), rtol=1.6e-2, atol=1e-3)  # a bf16 rounding
