@@ -98,3 +98,28 @@ def test_cta_trace_phase_table_recovers_a_known_tile_cost(capsys):
     assert "start -> tile 0 landed 6.00 us, stores 2.00 us, after them 0.70 us" in out
     assert len(result["ctas"]) == 2 * ct.HKV * len(prefix)
     assert max(c["end_us"] for c in result["ctas"]) == result["span_us"]
+
+
+def test_engine_flag_table_compares_each_value_with_the_baseline(tmp_path):
+    """scripts/engine_flag_table.py (engine_flag_ab's table): per row each value's best time
+    over the passes and its ratio to the first value's; rows missing in a value show '-'; no
+    baseline files is an error naming the directory."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("eft", SCRIPTS / "engine_flag_table.py")
+    eft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eft)
+    rows = {0: (2.10, 2.04, 2.30), 1: (1.72, 1.75, None)}  # decode passes 1, 2; verify
+    for i, (d1, d2, v) in rows.items():
+        for p, d in ((1, d1), (2, d2)):
+            verify = [] if v is None else [
+                {"model": "m", "batch": 1, "budget": 16, "verify_forward_ms": v}]  # fmt: skip
+            data = {"decode": [{"model": "m", "batch": 1, "step_ms": d}], "verify": verify}
+            (tmp_path / f"engine_v{i}_pass{p}.json").write_text(json.dumps(data))
+    lines = eft.table(str(tmp_path), ["A=0", "A=1"])
+    assert lines[0] == "row | A=0 | A=1"
+    assert "decode m 1 | 2.040 ms | 1.720 ms (x1.186)" in lines
+    assert "verify m 1 16 | 2.300 ms | -" in lines
+    with pytest.raises(ValueError, match="out_dir"):
+        eft.table(str(tmp_path / "none"), ["A=0"])
