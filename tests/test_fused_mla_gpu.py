@@ -1,6 +1,7 @@
 """models/fused_mla.py on a GPU: the packed MLA operands bit-equal to the PyTorch path
 (apply_rope, then cat), both rotary layouts; random:mla-moe's logits equal with the kernel on
-and off (TREEVERIFY_FUSED_MLA_ROPE), eager, fresh random weights and tokens."""
+and off (TREEVERIFY_FUSED_MLA_ROPE; the kernel counted, so a silent fallback fails the test),
+eager, fresh random weights and tokens."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def test_pack_is_bit_equal_to_apply_rope_then_cat(t, h, n, lat, r, interleave):
 def test_mla_moe_logits_equal_with_the_kernel_on_and_off(monkeypatch):
     from treeverify.models.random_shapes import build_random
 
+    launches = []
+    real = fused_mla._launch
+    monkeypatch.setattr(fused_mla, "_launch", lambda *a: launches.append(1) or real(*a))
     logits = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("TREEVERIFY_FUSED_MLA_ROPE", flag)
@@ -50,5 +54,7 @@ def test_mla_moe_logits_equal_with_the_kernel_on_and_off(monkeypatch):
                             generator=torch.Generator(device="cuda").manual_seed(5))  # fmt: skip
         positions = torch.arange(100, 109, device="cuda")
         logits[flag] = model(ids, positions)
+        # the kernel ran in every layer with the flag on, never with it off
+        assert len(launches) == (len(model.model.layers) if flag == "1" else 0)
     assert torch.isfinite(logits["1"]).all()
     assert torch.equal(logits["0"], logits["1"])

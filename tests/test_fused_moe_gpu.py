@@ -38,6 +38,9 @@ def test_moe_layer_with_the_kernels_on_and_off(monkeypatch):
     x = torch.randn(9, 1, device="cuda")  # probe for the grouped GEMM's availability
     if not grouped_mm_supported(x.to(BF16)):
         pytest.skip("torch._grouped_mm needs bf16 on sm_90+")
+    calls = []
+    real = fused_moe.dispatch
+    monkeypatch.setattr(fused_moe, "dispatch", lambda *a: calls.append(1) or real(*a))
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("TREEVERIFY_FUSED_MOE_DISPATCH", flag)
@@ -50,6 +53,7 @@ def test_moe_layer_with_the_kernels_on_and_off(monkeypatch):
         valid = torch.ones(17, dtype=torch.bool, device="cuda")
         valid[-3:] = False
         outs[flag] = moe(h, valid)
+        assert len(calls) == (1 if flag == "1" else 0)  # a silent fallback fails the test
     (a, ca), (b, cb) = outs["0"], outs["1"]
     assert torch.equal(ca, cb)  # the valid rows' expert counts
     assert torch.isfinite(b).all()
