@@ -281,14 +281,19 @@ def cuda_split_order() -> str:
     return _choice("TREEVERIFY_CUDA_SPLIT_ORDER", ("longest", "request"))
 
 
+def _auto_switch(name: str, default: str = "auto") -> str:
+    """A variable that is auto, 1 or 0 (1/0 also as true/false, yes/no); `default` when unset."""
+    value = os.environ.get(name, "").strip().lower() or default
+    aliases = {"auto": "auto", "1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}
+    if value not in aliases:
+        raise ValueError(f"{name}: expected auto, 1 or 0, got {value!r}")
+    return aliases[value]
+
+
 def cuda_pdl() -> str:
     """TREEVERIFY_CUDA_PDL: auto (default: programmatic dependent launch of the split merge where
     the forward grid fits in one wave), 1 (always, sm_90+) or 0 (never)."""
-    value = os.environ.get("TREEVERIFY_CUDA_PDL", "").strip().lower() or "auto"
-    aliases = {"auto": "auto", "1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}
-    if value not in aliases:
-        raise ValueError(f"TREEVERIFY_CUDA_PDL: expected auto, 1 or 0, got {value!r}")
-    return aliases[value]
+    return _auto_switch("TREEVERIFY_CUDA_PDL")
 
 
 def cuda_gqa_schedule() -> str:
@@ -330,12 +335,7 @@ def cuda_merge_split_lanes() -> str:
     """TREEVERIFY_CUDA_MERGE_SPLIT_LANES: the merge kernel's split lanes for plans of more than
     8 splits: auto (default: only where the merge grid is at most one wave, v31), 1 (always,
     v30) or 0 (never)."""
-    name = "TREEVERIFY_CUDA_MERGE_SPLIT_LANES"
-    value = os.environ.get(name, "").strip().lower() or "auto"
-    aliases = {"auto": "auto", "1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}
-    if value not in aliases:
-        raise ValueError(f"{name}: expected auto, 1 or 0, got {value!r}")
-    return aliases[value]
+    return _auto_switch("TREEVERIFY_CUDA_MERGE_SPLIT_LANES")
 
 
 def cuda_fused_merge_ilp() -> bool:

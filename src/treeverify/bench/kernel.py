@@ -99,22 +99,16 @@ def step_graph(plan, inp: dict) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
 
 
 def host_step_seconds(
-    plan,
-    inp: dict,
-    graph: torch.cuda.CUDAGraph,
-    steps: int = 20,
-    *,
-    on_host: bool = True,
-    fastest: bool = False,
-) -> float:
-    """Median host time of one verify step: re-plan with the step's metadata (written into the
-    captured buffers in place) and launch `graph` (one step: step_graph); the GPU idle at the
-    start, the time to return, not the kernels' (the target: <= 50 us a step). `on_host`: the
-    metadata as host tensors, the path plan() is built for (copies queued through pinned
-    memory, no sync); else the device-resident tensors, whose capacity checks read them back
-    (a sync). `fastest`: the minimum instead of the median, the code's own cost with the least
-    of the host's other load (the median moved 1.5x between runs of one lease on the GPU
-    machine's shared CPUs)."""
+    plan, inp: dict, graph: torch.cuda.CUDAGraph, steps: int = 20, *, on_host: bool = True
+) -> tuple[float, float]:
+    """(median, fastest) host time of one verify step over `steps`: re-plan with the step's
+    metadata (written into the captured buffers in place) and launch `graph` (one step:
+    step_graph); the GPU idle at the start, the time to return, not the kernels' (the target:
+    <= 50 us a step). The fastest is the code's own cost with the least of the host's other load
+    (the median moved 1.5x between runs of one lease on the GPU machine's shared CPUs).
+    `on_host`: the metadata as host tensors, the path plan() is built for (copies queued through
+    pinned memory, no sync); else the device-resident tensors, whose capacity checks read them
+    back (a sync)."""
     names = ("block_table", "prefix_lens", "qo_indptr", "tree_mask")
     meta = [inp[k].cpu() if on_host else inp[k] for k in names]
     times = []
@@ -125,7 +119,7 @@ def host_step_seconds(
         graph.replay()
         times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return min(times) if fastest else statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -292,10 +286,10 @@ def run_grid(
                     row["splits"] = plan.split_policy.max_splits
                     row["chunk"] = plan.split_policy.chunk
                     one, _one_out = step_graph(plan, inp)
-                    row["host_step_us"] = host_step_seconds(plan, inp, one) * 1e6
-                    row["host_step_min_us"] = host_step_seconds(plan, inp, one, fastest=True) * 1e6
+                    median, fastest = host_step_seconds(plan, inp, one)
+                    row["host_step_us"], row["host_step_min_us"] = median * 1e6, fastest * 1e6
                     row["host_step_device_meta_us"] = (
-                        host_step_seconds(plan, inp, one, on_host=False) * 1e6
+                        host_step_seconds(plan, inp, one, on_host=False)[0] * 1e6
                     )
                     del one, _one_out
                     if backend == "triton":

@@ -13,6 +13,8 @@ sm_scale = 1/sqrt(N + R) · mscale(factor, mscale_all_dim)² under YaRN (config.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -67,23 +69,21 @@ class MLAttention(nn.Module):
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([lat, r], dim=-1)  # (T, L), (T, R)
         ckv = self.kv_a_layernorm(ckv)
         w = self.kv_b_proj.weight.view(nh, n + dv, lat)  # (H, N+Dv, L)
-        packed = None
+        rope = functools.partial(apply_rope, cos=cos, sin=sin, interleave=cfg.rope_interleave)
         if absorbed:
             q_lat = torch.einsum("thn,hnl->thl", q_nope, w[:, :n])  # (T, H, L)
-            if self.fused_rope:  # qa, ka in one kernel, or None (the CPU, other shapes)
-                packed = fused_mla.mla_rope_pack(q_lat, q, ckv, k_pe, cos, sin, cfg.rope_interleave)
-        if packed is not None:
-            qa, ka = packed  # (T, H, L+R), (T, 1, L+R)
-        else:
-            q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)  # (T, H, R)
-            k_pe = apply_rope(k_pe[:, None, :], cos, sin, cfg.rope_interleave)  # (T, 1, R)
-        if absorbed:
-            if packed is None:
-                qa = torch.cat((q_lat, q_pe), dim=-1)  # (T, H, L+R)
-                ka = torch.cat((ckv[:, None, :], k_pe), dim=-1)  # (T, 1, L+R)
+            # qa, ka in one kernel on a GPU (models/fused_mla.py); None: the PyTorch ops
+            packed = fused_mla.mla_rope_pack(
+                q_lat, q, ckv, k_pe, cos, sin, cfg.rope_interleave
+            ) if self.fused_rope else None  # fmt: skip
+            qa, ka = packed or (  # (T, H, L+R), (T, 1, L+R)
+                torch.cat((q_lat, rope(q_pe)), dim=-1),
+                torch.cat((ckv[:, None, :], rope(k_pe[:, None, :])), dim=-1),
+            )
             o_lat = attention(self.layer, qa, ka, None, cfg.sm_scale, v_head_dim=lat)  # (T, H, L)
             o = torch.einsum("thl,hvl->thv", o_lat, w[:, n:])  # (T, H, Dv)
         else:
+            q_pe, k_pe = rope(q_pe), rope(k_pe[:, None, :])  # (T, H, R), (T, 1, R)
             kv = self.kv_b_proj(ckv).view(t, nh, n + dv)  # (T, H, N+Dv)
             k = torch.cat((kv[..., :n], k_pe.expand(t, nh, r)), dim=-1)  # (T, H, N+R)
             qn = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, N+R)

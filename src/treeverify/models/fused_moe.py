@@ -99,10 +99,6 @@ def _kernels():
     return dispatch_kernel, combine_kernel
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def fits(x: torch.Tensor, idx: torch.Tensor) -> bool:
     """Whether the kernels take these operands (else the caller keeps the PyTorch path)."""
     return (
@@ -126,10 +122,12 @@ def dispatch(
     counts = torch.empty(n_experts, dtype=torch.int64, device=x.device)
     offs = torch.empty(n_experts, dtype=torch.int32, device=x.device)
     valid_counts = counts if valid is None else torch.empty_like(counts)
-    hb = min(128, _pow2(hidden))
+    from triton import next_power_of_2
+
     _kernels()[0][(-(-p // BLOCK),)](
         idx, valid if valid is not None else idx, x, xs, pos, counts, valid_counts, offs, p, k,
-        hidden, E=n_experts, EP=_pow2(n_experts), BLOCK=BLOCK, HB=hb, HAS_VALID=valid is not None,
+        hidden, E=n_experts, EP=next_power_of_2(n_experts), BLOCK=BLOCK,
+        HB=min(128, next_power_of_2(hidden)), HAS_VALID=valid is not None,
     )  # fmt: skip
     return xs, pos, counts, valid_counts, offs
 
@@ -143,6 +141,8 @@ def combine(
     t, k = w.shape
     hidden = y.shape[1]
     out = torch.empty(t, hidden, dtype=dtype, device=y.device)
-    hb = min(1024, _pow2(hidden))
+    from triton import next_power_of_2
+
+    hb = min(1024, next_power_of_2(hidden))
     _kernels()[1][(t, -(-hidden // hb))](y, pos, w.contiguous(), out, hidden, K=k, HB=hb)
     return out

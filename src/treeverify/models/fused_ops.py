@@ -134,12 +134,8 @@ def rope_qk(
 
         qk = apply_rope_tables(qkv[:, : hq + hkv], cos2, sin2)  # (T, Hq+Hkv, D)
         return qk[:, :hq].contiguous(), qk[:, hq:]
-    kernel = _triton()[1]
-    q = qkv.new_empty(t, hq, d)
     k = qkv.new_empty(t, hkv, d)
-    kernel[(t, hq + hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, k, qkv, qkv, hq, hkv,
-                          D=d, HALF=d // 2, STORE=False, num_warps=1)  # fmt: skip
-    return q, k
+    return _launch_rope(qkv, cos2, sin2, hq, hkv, k), k
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (..., 2I) -> (..., I)
@@ -178,16 +174,18 @@ def rope_qk_store(
         and k_cache.is_contiguous() and v_cache.is_contiguous()
         and slots.shape == (t,) and slots.dtype == torch.int64 and slots.is_contiguous()
     )  # fmt: skip
-    if not fits:
-        return None
-    return _launch_rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, k_cache, v_cache)
+    return _launch_rope(qkv, cos2, sin2, hq, hkv, k_cache, slots, v_cache) if fits else None
 
 
-def _launch_rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, k_cache, v_cache) -> torch.Tensor:
-    """The kernel launch alone (tests run it on Triton's CPU interpreter)."""
+def _launch_rope(qkv, cos2, sin2, hq: int, hkv: int, k_out, slots=None, v_cache=None):
+    """rope_qk_kernel's launch (tests run it on Triton's CPU interpreter): q (T, Hq, D) returned,
+    k written to `k_out` (T, Hkv, D); with `slots`, k to those slots of the cache `k_out` and v
+    to the same slots of `v_cache` (rope_qk_store)."""
     t, _, d = qkv.shape
     q = qkv.new_empty(t, hq, d)
-    _triton()[1][(t, hq + 2 * hkv)](qkv, cos2.contiguous(), sin2.contiguous(), q, k_cache, slots,
-                                    v_cache, hq, hkv, D=d, HALF=d // 2, STORE=True,
-                                    num_warps=1)  # fmt: skip
+    store = slots is not None
+    heads = hq + (2 if store else 1) * hkv  # v's heads only when storing
+    _triton()[1][(t, heads)](qkv, cos2.contiguous(), sin2.contiguous(), q, k_out,
+                             slots if store else qkv, v_cache if store else qkv, hq, hkv, D=d,
+                             HALF=d // 2, STORE=store, num_warps=1)  # fmt: skip
     return q

@@ -184,9 +184,17 @@ class DeepseekMoE(nn.Module):
                 impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
         if impl == "grouped_mm" and self.fused_dispatch and fused_moe.fits(x, idx):
             out, valid_counts = self._grouped_mm_fused(x, idx, w, valid)
-            if self.shared_experts is not None:
-                out = out + self.shared_experts(x)
-            return out, valid_counts
+        else:
+            out, valid_counts = self._routed(x, idx, w, valid, impl)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, valid_counts
+
+    def _routed(self, x, idx, w, valid, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' output (T, hidden) and the valid rows' expert counts (E,) by the
+        PyTorch paths (`impl` resolved: gather, grouped_mm, dense or grouped)."""
+        t = x.shape[0]
         flat = idx.reshape(-1)  # (T*k,)
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat))  # on device, no sync
@@ -220,7 +228,4 @@ class DeepseekMoE(nn.Module):
                     back[pairs] = self.experts[e](x[token_of[start : start + n]]).float()
                 start += n
             out = (back.view(t, k, -1) * w[..., None]).sum(1)  # (T, hidden)
-        out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out, valid_counts
