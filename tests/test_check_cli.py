@@ -278,8 +278,8 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_FUSED_MERGE_ILP", env.cuda_fused_merge_ilp, True, " 0", False),
         ("TREEVERIFY_CUDA_MERGE_WIDE", env.cuda_merge_wide, False, "yes", True),
         ("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", env.cuda_merge_split_lanes, "auto", " 0", "0"),
-        ("TREEVERIFY_FUSED_MLA_ROPE", env.fused_mla_rope, False, "1", True),
-        ("TREEVERIFY_FUSED_MOE_DISPATCH", env.fused_moe_dispatch, False, "yes", True),
+        ("TREEVERIFY_FUSED_MLA_ROPE", env.fused_mla_rope, True, " 0", False),
+        ("TREEVERIFY_FUSED_MOE_DISPATCH", env.fused_moe_dispatch, "auto", "yes", "1"),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

@@ -42,19 +42,20 @@ def test_moe_layer_with_the_kernels_on_and_off(monkeypatch):
     real = fused_moe.dispatch
     monkeypatch.setattr(fused_moe, "dispatch", lambda *a: calls.append(1) or real(*a))
     outs = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", "auto"):  # auto: 17 tokens x 6 experts is a small batch
         monkeypatch.setenv("TREEVERIFY_FUSED_MOE_DISPATCH", flag)
         _, model, _ = build_random("random:mla-moe", dtype=BF16, device="cuda", seed=7)
         moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
-        assert moe.fused_dispatch == (flag == "1")
+        assert moe.fused_dispatch == flag
         moe.impl = "grouped_mm"
         g = torch.Generator(device="cuda").manual_seed(11)
         h = torch.randn(17, model.config.hidden_size, device="cuda", generator=g).to(BF16)
         valid = torch.ones(17, dtype=torch.bool, device="cuda")
         valid[-3:] = False
         outs[flag] = moe(h, valid)
-        assert len(calls) == (1 if flag == "1" else 0)  # a silent fallback fails the test
+        assert len(calls) == {"0": 0, "1": 1, "auto": 2}[flag]  # a silent fallback fails
     (a, ca), (b, cb) = outs["0"], outs["1"]
     assert torch.equal(ca, cb)  # the valid rows' expert counts
     assert torch.isfinite(b).all()
     torch.testing.assert_close(b.float(), a.float(), rtol=1.6e-2, atol=1e-3)  # a bf16 rounding
+    assert torch.equal(outs["auto"][0], b)  # the same kernels

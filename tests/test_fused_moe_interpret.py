@@ -56,3 +56,15 @@ def test_what_the_kernels_do_not_take():
     assert not fused_moe.fits(x.t(), torch.zeros(32, 1, dtype=torch.int64))  # x not contiguous
     big = torch.zeros(fused_moe.MAX_PAIRS + 1, 1, dtype=torch.int64)
     assert not fused_moe.fits(torch.zeros(fused_moe.MAX_PAIRS + 1, 8, dtype=BF16), big)
+
+
+def test_which_batches_each_mode_takes():
+    """TREEVERIFY_FUSED_MOE_DISPATCH: auto takes batches of at most AUTO_MAX_PAIRS pairs (where the
+    kernels measured faster), 1 every batch that fits, 0 none; what does not fit never."""
+    x = torch.randn(64, 32).to(BF16)
+    small = torch.randint(0, 8, (64, fused_moe.AUTO_MAX_PAIRS // 64))  # exactly the bound
+    large = torch.randint(0, 8, (64, fused_moe.AUTO_MAX_PAIRS // 64 + 1))
+    assert fused_moe.takes("auto", x, small) and not fused_moe.takes("auto", x, large)
+    assert fused_moe.takes("1", x, small) and fused_moe.takes("1", x, large)
+    assert not fused_moe.takes("0", x, small)
+    assert not fused_moe.takes("1", x, small.to(torch.int32))

@@ -79,13 +79,16 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   take the cp.async path; 1 lets every page size that divides 64 try TMA, for GPU tests).
 - ``TREEVERIFY_FUSED_ROUTING``: ``0`` turns off the one-Triton-kernel MoE expert selection a
   GPU uses by default (models/fused_routing.py; ~15 PyTorch ops a layer instead).
-- ``TREEVERIFY_FUSED_MLA_ROPE``: ``1`` builds the absorbed MLA layer's attention operands (q_pe
-  and k_pe rotated, packed beside q_lat and c_kv) in one Triton kernel on a GPU
-  (models/fused_mla.py) instead of ~20 PyTorch kernels a layer. Default ``0`` until measured.
-- ``TREEVERIFY_FUSED_MOE_DISPATCH``: ``1`` runs the grouped-GEMM MoE path's dispatch (expert
-  counts, rows in expert order, offsets) and combine (weighted sum of a token's k outputs) as two
-  Triton kernels (models/fused_moe.py) instead of ~20 PyTorch kernels a layer. Default ``0``
-  until measured.
+- ``TREEVERIFY_FUSED_MLA_ROPE``: the absorbed MLA layer's attention operands (q_pe and k_pe
+  rotated, packed beside q_lat and c_kv) in one Triton kernel on a GPU (models/fused_mla.py)
+  instead of ~20 PyTorch kernels a layer. Default ``1`` (random:mla-moe on the H200: decode b=1
+  2.05 -> 1.82 ms, verify 1.05-1.16x); ``0`` the PyTorch ops (an A/B, or an escape hatch).
+- ``TREEVERIFY_FUSED_MOE_DISPATCH``: the grouped-GEMM MoE path's dispatch (expert counts, rows in
+  expert order, offsets) and combine (weighted sum of a token's k outputs) as two Triton kernels
+  (models/fused_moe.py) instead of ~20 PyTorch kernels a layer. ``auto`` (default): where a batch
+  has at most ``fused_moe.AUTO_MAX_PAIRS`` (token, expert) pairs, the sizes where it measured
+  faster (decode b=1 1.82 -> 1.57 ms; 0.83x at 768-6144 pairs); ``1`` wherever it fits; ``0``
+  never.
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -156,10 +159,11 @@ VARIABLES: dict[str, str] = {
     "register-A wgmma, v18); default 0.",
     "TREEVERIFY_CUDA_TMA_MIN_PAGE": "Smallest KV page size the pingpong-tma GQA schedule loads "
     "by TMA (default 8; smaller pages use cp.async; 1: try every page size, GPU tests).",
-    "TREEVERIFY_FUSED_MLA_ROPE": "1: the absorbed MLA layer's rope and operand packing in one "
-    "Triton kernel on a GPU (models/fused_mla.py); default 0 until measured.",
-    "TREEVERIFY_FUSED_MOE_DISPATCH": "1: the grouped-GEMM MoE path's dispatch and combine as two "
-    "Triton kernels (models/fused_moe.py); default 0 until measured.",
+    "TREEVERIFY_FUSED_MLA_ROPE": "0: the absorbed MLA layer's rope and operand packing by ~20 "
+    "PyTorch ops instead of one Triton kernel on a GPU (models/fused_mla.py; default 1).",
+    "TREEVERIFY_FUSED_MOE_DISPATCH": "The grouped-GEMM MoE path's dispatch and combine as two "
+    "Triton kernels (models/fused_moe.py): auto (default; batches of <= 512 token-expert "
+    "pairs, where it measured faster), 1 (wherever it fits) or 0.",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -399,16 +403,18 @@ def decode_gemv() -> bool:
 
 def fused_mla_rope() -> bool:
     """TREEVERIFY_FUSED_MLA_ROPE: the absorbed MLA layer's rope and operand packing in one Triton
-    kernel on a GPU (models/fused_mla.py; ~20 PyTorch kernels a layer otherwise); default 0 until
-    measured. Read when a layer is built."""
-    return _switch("TREEVERIFY_FUSED_MLA_ROPE", "0")
+    kernel on a GPU (models/fused_mla.py; ~20 PyTorch kernels a layer otherwise); default 1
+    (measured 1.05-1.16x on random:mla-moe's decode and verify forwards, H200, 2026-12-04).
+    Read when a layer is built."""
+    return _switch("TREEVERIFY_FUSED_MLA_ROPE", "1")
 
 
-def fused_moe_dispatch() -> bool:
+def fused_moe_dispatch() -> str:
     """TREEVERIFY_FUSED_MOE_DISPATCH: the grouped-GEMM MoE path's dispatch (counts, sorted rows,
     offsets) and combine as two Triton kernels (models/fused_moe.py; ~20 PyTorch kernels a layer
-    otherwise); default 0 until measured. Read when a MoE layer is built."""
-    return _switch("TREEVERIFY_FUSED_MOE_DISPATCH", "0")
+    otherwise): auto (default: batches of at most fused_moe.AUTO_MAX_PAIRS pairs, where it
+    measured faster), 1 (wherever it fits) or 0. Read when a MoE layer is built."""
+    return _auto_switch("TREEVERIFY_FUSED_MOE_DISPATCH")
 
 
 def fused_routing() -> bool:

@@ -20,7 +20,11 @@ tests/test_fused_moe_gpu.py on a GPU). The comparison count is (pairs)^2 / BLOCK
 for decode and verify batches (a few thousand pairs), not meant for prefill-sized ones, which keep
 the PyTorch path (MAX_PAIRS).
 
-Off by default until measured on a GPU (TREEVERIFY_FUSED_MOE_DISPATCH=1, env.py).
+TREEVERIFY_FUSED_MOE_DISPATCH (env.py) picks it: auto (default) where a batch has at most
+AUTO_MAX_PAIRS pairs. Measured on the H200 (random:mla-moe, k=6, 2026-12-04, bench engine A/B):
+decode b=1 (6 pairs) 1.82 -> 1.57 ms, b=32 (192) 4.50 -> 4.26 ms, verify of 64 tokens (384)
+1.06x; at 768 pairs even to 0.98x, 1536-6144 pairs 0.83-0.88x (each program's comparison loop
+runs pairs/BLOCK rounds back to back, and the first program counts alone).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 BLOCK = 64  # pairs a dispatch program places (and compares at a time)
 MAX_PAIRS = 8192  # beyond, the PyTorch path (the comparisons grow as pairs^2)
+AUTO_MAX_PAIRS = 512  # "auto" takes batches up to here: faster at <= 384 pairs, not at >= 768
 
 
 @functools.cache
@@ -105,6 +110,14 @@ def fits(x: torch.Tensor, idx: torch.Tensor) -> bool:
         x.dim() == 2 and x.is_contiguous() and idx.dim() == 2 and idx.shape[0] == x.shape[0]
         and idx.dtype == torch.int64 and idx.is_contiguous() and 0 < idx.numel() <= MAX_PAIRS
     )  # fmt: skip
+
+
+def takes(mode: str, x: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether the grouped-GEMM path runs these kernels under TREEVERIFY_FUSED_MOE_DISPATCH `mode`
+    (auto, 1 or 0): they must fit, and under auto the batch be small (AUTO_MAX_PAIRS)."""
+    if mode == "0" or not fits(x, idx):
+        return False
+    return mode == "1" or idx.numel() <= AUTO_MAX_PAIRS
 
 
 def dispatch(

@@ -116,8 +116,9 @@ class DeepseekMoE(nn.Module):
         self.impl = "grouped"
         self.w_gate_up: torch.Tensor | None = None  # (E, 2I, hidden) once stacked
         self.w_down: torch.Tensor | None = None  # (E, hidden, I) once stacked
-        # grouped_mm's dispatch and combine as two Triton kernels (TREEVERIFY_FUSED_MOE_DISPATCH)
-        self.fused_dispatch = env.fused_moe_dispatch() and triton_available()
+        # grouped_mm's dispatch and combine as two Triton kernels (TREEVERIFY_FUSED_MOE_DISPATCH):
+        # "auto" (small batches only, fused_moe.takes), "1", or "0" (also without Triton)
+        self.fused_dispatch = env.fused_moe_dispatch() if triton_available() else "0"
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -182,7 +183,7 @@ class DeepseekMoE(nn.Module):
                 impl = "grouped_mm"
             else:
                 impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
-        if impl == "grouped_mm" and self.fused_dispatch and fused_moe.fits(x, idx):
+        if impl == "grouped_mm" and fused_moe.takes(self.fused_dispatch, x, idx):
             out, valid_counts = self._grouped_mm_fused(x, idx, w, valid)
         else:
             out, valid_counts = self._routed(x, idx, w, valid, impl)
