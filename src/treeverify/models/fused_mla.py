@@ -16,8 +16,9 @@ or sum), so on a GPU the operands are meant to equal the PyTorch path's bit for 
 bf16 rounding (tests/test_fused_mla_interpret.py). Both layouts of the rotary pairs: DeepSeek's
 interleaved (2i, 2i+1) and rotate-half (i, i + R/2).
 
-Off by default until measured on a GPU (TREEVERIFY_FUSED_MLA_ROPE=1, env.py); anything the kernel
-does not take (the CPU, fp32, L or R not a power of two, other strides) keeps the PyTorch path.
+On by default (TREEVERIFY_FUSED_MLA_ROPE, env.py; measured on the H200: random:mla-moe decode
+b=1 2.05 -> 1.82 ms, its verify forwards 1.05-1.16x); anything the kernel does not take (the
+CPU, fp32, L or R not a power of two, other strides) keeps the PyTorch path.
 """
 
 from __future__ import annotations
