@@ -30,3 +30,21 @@ def combine_reference(y: torch.Tensor, order: torch.Tensor, w: torch.Tensor) -> 
     back = torch.empty_like(y)
     back[order] = y
     return (back.view(t, k, -1).float() * w[..., None]).sum(1)
+
+
+def routed_reference(x, idx, w, w_gate_up, w_down) -> torch.Tensor:
+    """(T, hidden) fp32: each (token, expert) pair's expert MLP in fp32 with the activation
+    rounded to x's dtype (as fused_ops.silu_mul rounds), weighted and summed over k."""
+    t, k = idx.shape
+    inter = w_down.shape[2]
+    out = torch.zeros(t, w_down.shape[1], dtype=torch.float32)
+    for ti in range(t):
+        for i in range(k):
+            e = int(idx[ti, i])
+            h = (w_gate_up[e].float() @ x[ti].float()).to(x.dtype).float()  # (2I,), rounded
+            g, u = h[:inter], h[inter:]
+            a = torch.nn.functional.silu(g).to(x.dtype).float()
+            act = (a * u).to(x.dtype).float()
+            y = (w_down[e].float() @ act).to(x.dtype).float()  # (H,), rounded as the GEMV's
+            out[ti] += w[ti, i] * y
+    return out

@@ -237,6 +237,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_FUSED_ROUTING",
         "TREEVERIFY_FUSED_MLA_ROPE",
         "TREEVERIFY_FUSED_MOE_DISPATCH",
+        "TREEVERIFY_MOE_GEMV",
     }
 
 
@@ -280,6 +281,7 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_CUDA_MERGE_SPLIT_LANES", env.cuda_merge_split_lanes, "auto", " 0", "0"),
         ("TREEVERIFY_FUSED_MLA_ROPE", env.fused_mla_rope, True, " 0", False),
         ("TREEVERIFY_FUSED_MOE_DISPATCH", env.fused_moe_dispatch, "auto", "yes", "1"),
+        ("TREEVERIFY_MOE_GEMV", env.moe_gemv, "auto", " 0", "0"),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

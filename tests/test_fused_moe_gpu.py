@@ -59,3 +59,38 @@ def test_moe_layer_with_the_kernels_on_and_off(monkeypatch):
     assert torch.isfinite(b).all()
     torch.testing.assert_close(b.float(), a.float(), rtol=1.6e-2, atol=1e-3)  # a bf16 rounding
     assert torch.equal(outs["auto"][0], b)  # the same kernels
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 9])
+def test_moe_layer_routed_experts_as_gemvs(monkeypatch, tokens):
+    """TREEVERIFY_MOE_GEMV on a GPU: a decode-sized batch's routed experts by the two expert
+    GEMVs (counted: a silent fallback fails) equal the grouped-GEMM path within bf16 rounding,
+    the same expert counts; auto takes 1-2 tokens at k = 6, not 9 (54 pairs)."""
+    from treeverify.models import moe_gemv
+    from treeverify.models.moe import grouped_mm_supported
+    from treeverify.models.random_shapes import build_random
+
+    probe = torch.randn(9, 1, device="cuda").to(BF16)
+    if not grouped_mm_supported(probe):
+        pytest.skip("torch._grouped_mm needs bf16 on sm_90+")
+    calls = []
+    real = moe_gemv.routed
+    monkeypatch.setattr(moe_gemv, "routed", lambda *a: calls.append(1) or real(*a))
+    outs = {}
+    for flag in ("0", "auto", "1"):
+        monkeypatch.setenv("TREEVERIFY_MOE_GEMV", flag)
+        _, model, _ = build_random("random:mla-moe", dtype=BF16, device="cuda", seed=5)
+        moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
+        moe.impl = "grouped_mm"
+        g = torch.Generator(device="cuda").manual_seed(13 + tokens)
+        h = torch.randn(tokens, model.config.hidden_size, device="cuda", generator=g).to(BF16)
+        valid = torch.ones(tokens, dtype=torch.bool, device="cuda")
+        valid[-1] = tokens == 1  # a padding row past the first
+        before = len(calls)
+        outs[flag] = moe(h, valid)
+        ran = len(calls) > before
+        assert ran == (flag == "1" or (flag == "auto" and tokens * 6 <= moe_gemv.AUTO_MAX_PAIRS))
+    (a, ca), (b, cb) = outs["0"], outs["1"]
+    assert torch.equal(ca, cb)
+    assert torch.isfinite(b).all()
+    torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-3)

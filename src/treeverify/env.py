@@ -89,6 +89,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   has at most ``fused_moe.AUTO_MAX_PAIRS`` (token, expert) pairs, the sizes where it measured
   faster (decode b=1 1.82 -> 1.57 ms; 0.83x at 768-6144 pairs); ``1`` wherever it fits; ``0``
   never.
+- ``TREEVERIFY_MOE_GEMV``: a decode-sized MoE batch's routed experts as two expert-indexed
+  GEMVs in pair order (models/moe_gemv.py: no sort, no grouped GEMM): ``auto`` (default) for
+  batches of at most ``moe_gemv.AUTO_MAX_PAIRS`` (token, expert) pairs, ``1`` up to
+  ``moe_gemv.MAX_PAIRS`` (an A/B of the bound), ``0`` never.
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -164,6 +168,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_FUSED_MOE_DISPATCH": "The grouped-GEMM MoE path's dispatch and combine as two "
     "Triton kernels (models/fused_moe.py): auto (default; batches of <= 512 token-expert "
     "pairs, where it measured faster), 1 (wherever it fits) or 0.",
+    "TREEVERIFY_MOE_GEMV": "Decode-sized MoE batches' routed experts as two GEMVs "
+    "(models/moe_gemv.py): auto (default; <= 16 token-expert pairs), 1 (<= 512) or 0.",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -415,6 +421,13 @@ def fused_moe_dispatch() -> str:
     otherwise): auto (default: batches of at most fused_moe.AUTO_MAX_PAIRS pairs, where it
     measured faster), 1 (wherever it fits) or 0. Read when a MoE layer is built."""
     return _auto_switch("TREEVERIFY_FUSED_MOE_DISPATCH")
+
+
+def moe_gemv() -> str:
+    """TREEVERIFY_MOE_GEMV: a decode-sized MoE batch's routed experts as two GEMVs
+    (models/moe_gemv.py): auto (default: batches of at most moe_gemv.AUTO_MAX_PAIRS pairs), 1
+    (up to moe_gemv.MAX_PAIRS) or 0. Read when a MoE layer is built."""
+    return _auto_switch("TREEVERIFY_MOE_GEMV")
 
 
 def fused_routing() -> bool:

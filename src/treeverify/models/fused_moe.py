@@ -43,6 +43,36 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # A module global: Triton resolves a kernel's callees in its module's namespace.
+    global _count_experts
+
+    @triton.jit
+    def _count_experts(Idx, Valid, Counts, ValidCounts, Offs, P, k, E: tl.constexpr,
+                       EP: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
+        # Every expert's pair count (and over valid rows) and end offset, by one program.
+        e = tl.arange(0, EP)
+        cnt = tl.zeros([EP], dtype=tl.int64)
+        vcnt = tl.zeros([EP], dtype=tl.int64)
+        for start in range(0, P, BLOCK):
+            q = start + tl.arange(0, BLOCK)
+            qlive = q < P
+            eq = tl.load(Idx + q, mask=qlive, other=0)
+            hit = ((eq[None, :] == e[:, None]) & qlive[None, :]).to(tl.int64)  # (EP, BLOCK)
+            cnt += tl.sum(hit, axis=1)
+            if HAS_VALID:
+                v = tl.load(Valid + q // k, mask=qlive, other=0).to(tl.int64)
+                vcnt += tl.sum(hit * v[None, :], axis=1)
+        ends = tl.cumsum(cnt, axis=0)
+        tl.store(Counts + e, cnt, mask=e < E)
+        tl.store(Offs + e, ends.to(tl.int32), mask=e < E)
+        if HAS_VALID:
+            tl.store(ValidCounts + e, vcnt, mask=e < E)
+
+    @triton.jit
+    def count_kernel(Idx, Valid, Counts, ValidCounts, Offs, P, k, E: tl.constexpr,
+                     EP: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
+        _count_experts(Idx, Valid, Counts, ValidCounts, Offs, P, k, E, EP, BLOCK, HAS_VALID)
+
     @triton.jit
     def dispatch_kernel(Idx, Valid, X, Xs, Pos, Counts, ValidCounts, Offs, P, k, hidden,
                         E: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr,
@@ -70,38 +100,26 @@ def _kernels():
             rows = tl.load(X + tok[:, None] * hidden + cols[None, :], mask=m)
             tl.store(Xs + pos[:, None] * hidden + cols[None, :], rows, mask=m)
         if pid == 0:  # every expert's counts and end offsets
-            e = tl.arange(0, EP)
-            cnt = tl.zeros([EP], dtype=tl.int64)
-            vcnt = tl.zeros([EP], dtype=tl.int64)
-            for start in range(0, P, BLOCK):
-                q = start + tl.arange(0, BLOCK)
-                qlive = q < P
-                eq = tl.load(Idx + q, mask=qlive, other=0)
-                hit = ((eq[None, :] == e[:, None]) & qlive[None, :]).to(tl.int64)  # (EP, BLOCK)
-                cnt += tl.sum(hit, axis=1)
-                if HAS_VALID:
-                    v = tl.load(Valid + q // k, mask=qlive, other=0).to(tl.int64)
-                    vcnt += tl.sum(hit * v[None, :], axis=1)
-            ends = tl.cumsum(cnt, axis=0)
-            tl.store(Counts + e, cnt, mask=e < E)
-            tl.store(Offs + e, ends.to(tl.int32), mask=e < E)
-            if HAS_VALID:
-                tl.store(ValidCounts + e, vcnt, mask=e < E)
+            _count_experts(Idx, Valid, Counts, ValidCounts, Offs, P, k, E, EP, BLOCK, HAS_VALID)
 
     @triton.jit
-    def combine_kernel(Y, Pos, W, Out, hidden, K: tl.constexpr, HB: tl.constexpr):
+    def combine_kernel(Y, Pos, W, Out, hidden, K: tl.constexpr, HB: tl.constexpr,
+                       SORTED: tl.constexpr):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * HB + tl.arange(0, HB)
         m = cols < hidden
         acc = tl.zeros([HB], dtype=tl.float32)
         for i in tl.static_range(K):  # in expert order 0..k-1, as the PyTorch path sums
-            pos = tl.load(Pos + t * K + i)
+            if SORTED:  # noqa: SIM108 (Y in expert order: the pair's place from the dispatch)
+                pos = tl.load(Pos + t * K + i)
+            else:  # Y in pair order (models/moe_gemv.py)
+                pos = t * K + i
             wt = tl.load(W + t * K + i).to(tl.float32)
             y = tl.load(Y + pos * hidden + cols, mask=m, other=0.0).to(tl.float32)
             acc += y * wt
         tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=m)
 
-    return dispatch_kernel, combine_kernel
+    return dispatch_kernel, combine_kernel, count_kernel
 
 
 def fits(x: torch.Tensor, idx: torch.Tensor) -> bool:
@@ -146,8 +164,8 @@ def dispatch(
 
 
 def combine(
-    y: torch.Tensor,  # (T*k, hidden) expert outputs in sorted order
-    pos: torch.Tensor,  # (T*k,) int64 from dispatch
+    y: torch.Tensor,  # (T*k, hidden) expert outputs in sorted order (pos) or pair order (None)
+    pos: torch.Tensor | None,  # (T*k,) int64 from dispatch; None: y[t*k + i] is pair (t, i)'s
     w: torch.Tensor,  # (T, k) fp32 routing weights
     dtype: torch.dtype,
 ) -> torch.Tensor:  # (T, hidden) sum_i w[t, i] * y[pos[t*k + i]], in `dtype`
@@ -157,5 +175,24 @@ def combine(
     from triton import next_power_of_2
 
     hb = min(1024, next_power_of_2(hidden))
-    _kernels()[1][(t, -(-hidden // hb))](y, pos, w.contiguous(), out, hidden, K=k, HB=hb)
+    _kernels()[1][(t, -(-hidden // hb))](y, y if pos is None else pos, w.contiguous(), out,
+                                          hidden, K=k, HB=hb, SORTED=pos is not None)  # fmt: skip
     return out
+
+
+def count(
+    idx: torch.Tensor,  # (T, k) int64 expert of each (token, slot) pair
+    valid: torch.Tensor | None,  # (T,) bool: rows the valid counts report (None: all)
+    n_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # counts (E,) int64, valid counts (E,) int64
+    """The dispatch's expert counts alone, one launch (for paths that do not sort the pairs)."""
+    p, k = idx.numel(), idx.shape[1]
+    counts = torch.empty(n_experts, dtype=torch.int64, device=idx.device)
+    offs = torch.empty(n_experts, dtype=torch.int32, device=idx.device)
+    valid_counts = counts if valid is None else torch.empty_like(counts)
+    from triton import next_power_of_2
+
+    _kernels()[2][(1,)](idx, valid if valid is not None else idx, counts, valid_counts, offs, p, k,
+                        E=n_experts, EP=next_power_of_2(n_experts), BLOCK=BLOCK,
+                        HAS_VALID=valid is not None)  # fmt: skip
+    return counts, valid_counts

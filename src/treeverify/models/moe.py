@@ -17,7 +17,7 @@ from torch import nn
 
 from treeverify import env
 from treeverify.kernels.api import triton_available
-from treeverify.models import fused_moe, fused_routing
+from treeverify.models import fused_moe, fused_routing, moe_gemv
 from treeverify.models.config import DeepseekV3Config
 from treeverify.models.layers import MLP
 
@@ -119,6 +119,8 @@ class DeepseekMoE(nn.Module):
         # grouped_mm's dispatch and combine as two Triton kernels (TREEVERIFY_FUSED_MOE_DISPATCH):
         # "auto" (small batches only, fused_moe.takes), "1", or "0" (also without Triton)
         self.fused_dispatch = env.fused_moe_dispatch() if triton_available() else "0"
+        # decode-sized batches' routed experts as two GEMVs (moe_gemv.py, TREEVERIFY_MOE_GEMV)
+        self.gemv = env.moe_gemv() if triton_available() else "0"
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -183,7 +185,9 @@ class DeepseekMoE(nn.Module):
                 impl = "grouped_mm"
             else:
                 impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
-        if impl == "grouped_mm" and fused_moe.takes(self.fused_dispatch, x, idx):
+        if impl in ("grouped_mm", "gather") and self._gemv_takes(x, idx):
+            out, valid_counts = moe_gemv.routed(x, idx, w, self.w_gate_up, self.w_down, valid)
+        elif impl == "grouped_mm" and fused_moe.takes(self.fused_dispatch, x, idx):
             out, valid_counts = self._grouped_mm_fused(x, idx, w, valid)
         else:
             out, valid_counts = self._routed(x, idx, w, valid, impl)
@@ -191,6 +195,13 @@ class DeepseekMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out, valid_counts
+
+    def _gemv_takes(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
+        """Whether this batch's routed experts run as GEMVs (models/moe_gemv.py) on a GPU."""
+        if self.gemv == "0" or not x.is_cuda:
+            return False
+        self.stack_experts()
+        return moe_gemv.takes(self.gemv, x, idx, self.w_gate_up)
 
     def _routed(self, x, idx, w, valid, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts' output (T, hidden) and the valid rows' expert counts (E,) by the

@@ -1,0 +1,113 @@
+"""The routed experts of a decode-sized MoE batch as two expert-indexed GEMVs (issue 14).
+
+At batch 1 a MoE layer's k routed (token, expert) pairs each multiply one token row by one
+expert's weights: memory-bound matrix-vector products. The grouped-GEMM path (models/moe.py,
+torch._grouped_mm) runs them as a CUTLASS grouped GEMM with one row per group, after sorting the
+pairs (dispatch) and preparing the groups; on the H200 its two GEMMs took ~29 us a call for
+random:mla-moe's 6 experts of 17 MB (~35% of HBM bandwidth), the dispatch 11 us and the group
+preparation 3 us (scripts/profile_decode_gpu.py, 2026-12-04). Here, in pair order, no sort:
+
+    gate_up  h[p] = W_gate_up[e_p] @ x[p // k]                  (P, 2I), programs (P, 2I / BN)
+    down     y[p] = W_down[e_p] @ (silu(h[p, :I]) * h[p, I:])   (P, H), the activation on load
+    combine  out[t] = sum_i w[t, i] y[t k + i]                  fused_moe.combine, pair order
+    counts   the expert counts the layer reports               fused_moe.count
+
+Each program reads BN weight rows of its pair's expert in BK-wide tiles, fp32 sums; the
+activation rounds to the input's dtype before the product as fused_ops.silu_mul does. The sums'
+order differs from the grouped GEMM's, so outputs match it within bf16 rounding, not bit for bit
+(tests/test_moe_gemv_interpret.py on the CPU interpreter, tests/test_fused_moe_gpu.py on a GPU).
+
+A pair reads its expert's weights whether or not another pair routed to the same expert, so this
+pays only while pairs rarely share experts: batches of at most MAX_PAIRS pairs
+(TREEVERIFY_MOE_GEMV, env.py: auto (default) up to AUTO_MAX_PAIRS, 1 up to MAX_PAIRS, 0 never).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BN = 32  # weight rows a program reads
+BK = 128  # columns a tile reads
+AUTO_MAX_PAIRS = 16  # "auto": decode of <= 2 requests at k = 6 (no expert read twice at b=1)
+MAX_PAIRS = 512  # "1": an A/B bound, the fused dispatch's auto bound
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def expert_gemv_kernel(X, Idx, W, Y, N, K, x_stride, k_sel,
+                           ACT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        # Program (pair p, row block): Y[p, rows] = W[e_p, rows, :] @ x, where x is the pair's
+        # token row X[p // k_sel] (gate_up) or, with ACT, silu(X[p, :K]) * X[p, K:] (down).
+        p = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        rmask = rows < N
+        e = tl.load(Idx + p)
+        src = X + (p if ACT else p // k_sel) * x_stride
+        wrow = W + e * N * K + rows.to(tl.int64)[:, None] * K  # (BN, 1) row starts
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            cmask = cols < K
+            if ACT:
+                g = tl.load(src + cols, mask=cmask, other=0.0).to(tl.float32)
+                u = tl.load(src + K + cols, mask=cmask, other=0.0).to(tl.float32)
+                dt = X.dtype.element_ty
+                a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu rounds, then the product
+                xv = (a * u).to(dt).to(tl.float32)
+            else:
+                xv = tl.load(src + cols, mask=cmask, other=0.0).to(tl.float32)
+            w = tl.load(wrow + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        tl.store(Y + p * N + rows, acc.to(Y.dtype.element_ty), mask=rmask)
+
+    return expert_gemv_kernel
+
+
+def takes(mode: str, x: torch.Tensor, idx: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
+    """Whether a MoE layer runs its routed experts here under TREEVERIFY_MOE_GEMV `mode` (auto,
+    1 or 0): a CUDA (or interpreted) 16-bit contiguous batch of few enough pairs."""
+    if mode == "0" or idx.dtype != torch.int64 or not idx.is_contiguous():
+        return False
+    if x.dim() != 2 or not x.is_contiguous() or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if w_gate_up.dtype != x.dtype or not w_gate_up.is_contiguous():
+        return False
+    return 0 < idx.numel() <= (AUTO_MAX_PAIRS if mode == "auto" else MAX_PAIRS)
+
+
+def expert_gemv(
+    x: torch.Tensor,  # (T, K) token rows, or with `act` (P, 2K) the gate|up rows of each pair
+    idx: torch.Tensor,  # (T, k) int64 expert of each pair, pairs in (token, slot) order
+    weight: torch.Tensor,  # (E, N, K) stacked expert weights, contiguous
+    act: bool = False,
+) -> torch.Tensor:  # (P, N) in x's dtype
+    k = idx.shape[1]
+    p, n = idx.numel(), weight.shape[1]
+    kk = weight.shape[2]
+    y = x.new_empty(p, n)
+    _kernels()[(p, -(-n // BN))](x, idx, weight, y, n, kk, x.stride(0), k,
+                                 ACT=act, BN=BN, BK=BK, num_warps=4)  # fmt: skip
+    return y
+
+
+def routed(
+    x: torch.Tensor,  # (T, H)
+    idx: torch.Tensor,  # (T, k) int64
+    w: torch.Tensor,  # (T, k) fp32 routing weights
+    w_gate_up: torch.Tensor,  # (E, 2I, H)
+    w_down: torch.Tensor,  # (E, H, I)
+    valid: torch.Tensor | None,  # (T,) bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # out (T, H) in x's dtype, valid counts (E,)
+    """The routed experts' weighted sum by the two GEMVs, and the valid rows' expert counts."""
+    from treeverify.models import fused_moe
+
+    h = expert_gemv(x, idx, w_gate_up)  # (P, 2I)
+    y = expert_gemv(h, idx, w_down, act=True)  # (P, H)
+    _, valid_counts = fused_moe.count(idx, valid, w_gate_up.shape[0])
+    return fused_moe.combine(y, None, w, x.dtype), valid_counts
