@@ -6,10 +6,10 @@ layer: the expert counts (zeros, index_add, and again for the valid rows), a sta
 (token, expert) pairs, the offsets (cumsum, cast), the rows gathered in sorted order, then the
 outputs scattered back, weighted, summed over a token's k experts and cast. Here:
 
-    dispatch  one launch: each pair's place in the expert-sorted order (its expert's start, by
-              counting the pairs of smaller experts, plus the pairs of its own expert before it:
-              the order a stable argsort gives), its token's row copied to that place, and (the
-              first program) every expert's count, its count over valid rows, and the offsets
+    dispatch  two launches: each pair's place in the expert-sorted order (its expert's start,
+              by counting the pairs of smaller experts, plus the pairs of its own expert before
+              it: the order a stable argsort gives) and its token's row copied to that place;
+              then (`count`, one program) every expert's count, over valid rows, and offsets
     combine   one launch: a token's k output rows read from their sorted places, weighted in
               fp32 and summed in expert order 0..k-1, cast once
 
@@ -43,13 +43,10 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    # A module global: Triton resolves a kernel's callees in its module's namespace.
-    global _count_experts
-
     @triton.jit
-    def _count_experts(Idx, Valid, Counts, ValidCounts, Offs, P, k, E: tl.constexpr,
-                       EP: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
-        # Every expert's pair count (and over valid rows) and end offset, by one program.
+    def count_kernel(Idx, Valid, Counts, ValidCounts, Offs, P, k, E: tl.constexpr,
+                     EP: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
+        # One program: every expert's pair count (and over valid rows) and end offset.
         e = tl.arange(0, EP)
         cnt = tl.zeros([EP], dtype=tl.int64)
         vcnt = tl.zeros([EP], dtype=tl.int64)
@@ -69,14 +66,8 @@ def _kernels():
             tl.store(ValidCounts + e, vcnt, mask=e < E)
 
     @triton.jit
-    def count_kernel(Idx, Valid, Counts, ValidCounts, Offs, P, k, E: tl.constexpr,
-                     EP: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
-        _count_experts(Idx, Valid, Counts, ValidCounts, Offs, P, k, E, EP, BLOCK, HAS_VALID)
-
-    @triton.jit
-    def dispatch_kernel(Idx, Valid, X, Xs, Pos, Counts, ValidCounts, Offs, P, k, hidden,
-                        E: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr,
-                        HB: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
+    def dispatch_kernel(Idx, X, Xs, Pos, P, k, hidden, BLOCK: tl.constexpr,
+                        HB: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         p = pid * BLOCK + tl.arange(0, BLOCK)  # this program's pairs
         live = p < P
@@ -99,8 +90,6 @@ def _kernels():
             m = live[:, None] & (cols[None, :] < hidden)
             rows = tl.load(X + tok[:, None] * hidden + cols[None, :], mask=m)
             tl.store(Xs + pos[:, None] * hidden + cols[None, :], rows, mask=m)
-        if pid == 0:  # every expert's counts and end offsets
-            _count_experts(Idx, Valid, Counts, ValidCounts, Offs, P, k, E, EP, BLOCK, HAS_VALID)
 
     @triton.jit
     def combine_kernel(Y, Pos, W, Out, hidden, K: tl.constexpr, HB: tl.constexpr,
@@ -155,11 +144,11 @@ def dispatch(
     valid_counts = counts if valid is None else torch.empty_like(counts)
     from triton import next_power_of_2
 
-    _kernels()[0][(-(-p // BLOCK),)](
-        idx, valid if valid is not None else idx, x, xs, pos, counts, valid_counts, offs, p, k,
-        hidden, E=n_experts, EP=next_power_of_2(n_experts), BLOCK=BLOCK,
-        HB=min(128, next_power_of_2(hidden)), HAS_VALID=valid is not None,
-    )  # fmt: skip
+    _kernels()[0][(-(-p // BLOCK),)](idx, x, xs, pos, p, k, hidden, BLOCK=BLOCK,
+                                     HB=min(128, next_power_of_2(hidden)))  # fmt: skip
+    _kernels()[2][(1,)](idx, valid if valid is not None else idx, counts, valid_counts, offs, p, k,
+                        E=n_experts, EP=next_power_of_2(n_experts), BLOCK=BLOCK,
+                        HAS_VALID=valid is not None)  # fmt: skip
     return xs, pos, counts, valid_counts, offs
 
 
