@@ -238,6 +238,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_FUSED_MLA_ROPE",
         "TREEVERIFY_FUSED_MOE_DISPATCH",
         "TREEVERIFY_MOE_GEMV",
+        "TREEVERIFY_MOE_GEMV_TILE",
     }
 
 
@@ -309,3 +310,16 @@ def test_cuda_split_share(monkeypatch):
         monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_SHARE", bad)
         with pytest.raises(ValueError, match="TREEVERIFY_CUDA_SPLIT_SHARE"):
             env.cuda_split_share()
+
+
+def test_moe_gemv_tile(monkeypatch):
+    """TREEVERIFY_MOE_GEMV_TILE: None unless set; three powers of two in range; anything else an
+    error naming the variable."""
+    monkeypatch.delenv("TREEVERIFY_MOE_GEMV_TILE", raising=False)
+    assert env.moe_gemv_tile() is None
+    monkeypatch.setenv("TREEVERIFY_MOE_GEMV_TILE", " 16,512,8")
+    assert env.moe_gemv_tile() == (16, 512, 8)
+    for bad in ("16,512", "16,500,8", "16,512,32", "a,b,c", "0,512,4"):
+        monkeypatch.setenv("TREEVERIFY_MOE_GEMV_TILE", bad)
+        with pytest.raises(ValueError, match="TREEVERIFY_MOE_GEMV_TILE"):
+            env.moe_gemv_tile()

@@ -93,6 +93,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   GEMVs in pair order (models/moe_gemv.py: no sort, no grouped GEMM): ``auto`` (default) for
   batches of at most ``moe_gemv.AUTO_MAX_PAIRS`` (token, expert) pairs, ``1`` up to
   ``moe_gemv.MAX_PAIRS`` (an A/B of the bound), ``0`` never.
+- ``TREEVERIFY_MOE_GEMV_TILE``: ``BN,BK,WARPS``: the expert GEMV's weight rows and columns a
+  program reads and its warps (powers of two: BN 1..256, BK 16..4096, WARPS 1..16); unset:
+  moe_gemv's BN, BK and 4. An A/B of the tile (scripts/moe_gemv_bench.py).
 - ``TREEVERIFY_CUDA_MLA_SCHEDULE``: the sm_90a MLA kernel: ``pair`` (default; each warpgroup
   takes whole KV tiles) or ``split`` (both take half of every tile; v9, kept for A/B runs).
 - ``TREEVERIFY_FAULT``: TEST ONLY; plants one fault (see engine/faults.py) for the gate's suite.
@@ -170,6 +173,8 @@ VARIABLES: dict[str, str] = {
     "pairs, where it measured faster), 1 (wherever it fits) or 0.",
     "TREEVERIFY_MOE_GEMV": "Decode-sized MoE batches' routed experts as two GEMVs "
     "(models/moe_gemv.py): auto (default; <= 16 token-expert pairs), 1 (<= 512) or 0.",
+    "TREEVERIFY_MOE_GEMV_TILE": "BN,BK,WARPS of the expert GEMV (models/moe_gemv.py), powers "
+    "of two; unset: its defaults. An A/B of the tile.",
     "TREEVERIFY_FUSED_ROUTING": "0: MoE expert selection by ~15 PyTorch ops a layer instead of "
     "one Triton kernel on a GPU (models/fused_routing.py; default 1, where Triton imports).",
     "TREEVERIFY_CUDA_MLA_SCHEDULE": "The sm_90a MLA kernel: pair (default; each warpgroup takes "
@@ -428,6 +433,26 @@ def moe_gemv() -> str:
     (models/moe_gemv.py): auto (default: batches of at most moe_gemv.AUTO_MAX_PAIRS pairs), 1
     (up to moe_gemv.MAX_PAIRS) or 0. Read when a MoE layer is built."""
     return _auto_switch("TREEVERIFY_MOE_GEMV")
+
+
+def moe_gemv_tile() -> tuple[int, int, int] | None:
+    """TREEVERIFY_MOE_GEMV_TILE: "BN,BK,WARPS" for the expert GEMV (models/moe_gemv.py): powers of
+    two, BN 1..256, BK 16..4096, WARPS 1..16; unset: None (the module's defaults)."""
+    value = os.environ.get("TREEVERIFY_MOE_GEMV_TILE", "").strip()
+    if not value:
+        return None
+    parts = value.split(",")
+    bounds = ((1, 256), (16, 4096), (1, 16))
+    ok = len(parts) == 3 and all(p.strip().isdigit() for p in parts)
+    nums = tuple(int(p) for p in parts) if ok else ()
+    if not ok or any(
+        not lo <= n <= hi or n & (n - 1) for n, (lo, hi) in zip(nums, bounds, strict=True)
+    ):
+        raise ValueError(
+            "TREEVERIFY_MOE_GEMV_TILE: expected BN,BK,WARPS as powers of two (BN 1..256, "
+            f"BK 16..4096, WARPS 1..16), got {value!r}"
+        )
+    return nums
 
 
 def fused_routing() -> bool:

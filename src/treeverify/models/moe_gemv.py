@@ -81,18 +81,29 @@ def takes(mode: str, x: torch.Tensor, idx: torch.Tensor, w_gate_up: torch.Tensor
     return 0 < idx.numel() <= (AUTO_MAX_PAIRS if mode == "auto" else MAX_PAIRS)
 
 
+@functools.cache
+def tile() -> tuple[int, int, int]:
+    """(rows, columns, warps) a program takes: TREEVERIFY_MOE_GEMV_TILE "BN,BK,WARPS" (an A/B
+    of the tile, scripts/moe_gemv_bench.py), else (BN, BK, 4). Read once a process."""
+    from treeverify import env
+
+    return env.moe_gemv_tile() or (BN, BK, 4)
+
+
 def expert_gemv(
     x: torch.Tensor,  # (T, K) token rows, or with `act` (P, 2K) the gate|up rows of each pair
     idx: torch.Tensor,  # (T, k) int64 expert of each pair, pairs in (token, slot) order
     weight: torch.Tensor,  # (E, N, K) stacked expert weights, contiguous
     act: bool = False,
+    tiles: tuple[int, int, int] | None = None,  # (BN, BK, warps); None: tile()
 ) -> torch.Tensor:  # (P, N) in x's dtype
+    bn, bk, warps = tiles or tile()
     k = idx.shape[1]
     p, n = idx.numel(), weight.shape[1]
     kk = weight.shape[2]
     y = x.new_empty(p, n)
-    _kernels()[(p, -(-n // BN))](x, idx, weight, y, n, kk, x.stride(0), k,
-                                 ACT=act, BN=BN, BK=BK, num_warps=4)  # fmt: skip
+    _kernels()[(p, -(-n // bn))](x, idx, weight, y, n, kk, x.stride(0), k,
+                                 ACT=act, BN=bn, BK=bk, num_warps=warps)  # fmt: skip
     return y
 
 
