@@ -22,6 +22,7 @@ from treeverify import env
 from treeverify.kernels.api import triton_available
 from treeverify.models import fused_mla
 from treeverify.models.config import DeepseekV3Config
+from treeverify.models.fused_ops import add_rmsnorm
 from treeverify.models.gemv import Linear
 from treeverify.models.layers import (
     MLP,
@@ -100,13 +101,17 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention, absorbed, valid=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, absorbed)
-        h = self.post_attention_layernorm(x)
+    def forward(self, h, residual, cos, sin, attention, absorbed, valid=None):
+        """h = input_layernorm(residual), made by the caller together with the previous add
+        (fused_ops.add_rmsnorm: one kernel on a GPU instead of an add and a norm). Returns (the
+        MLP's output, the residual after attention, the MoE's valid expert counts or None); the
+        caller adds the first to the second."""
+        a = self.self_attn(h, cos, sin, attention, absorbed)
+        h, residual = add_rmsnorm(a, residual, self.post_attention_layernorm)
         if self.is_moe:
             y, counts = self.mlp(h, valid)
-            return x + y, counts
-        return x + self.mlp(h), None
+            return y, residual, counts
+        return self.mlp(h), residual, None
 
 
 class DeepseekV3Model(nn.Module):
@@ -198,14 +203,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         absorbed = self.absorbed if absorbed is None else absorbed
         cos, sin = self.rope(positions)  # (T, R/2) each
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        layers = self.model.layers
         taps = []
-        for i, layer in enumerate(self.model.layers):
-            x, counts = layer(x, cos, sin, attention, absorbed, token_valid)
+        residual, h = x, layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            m, residual, counts = layer(h, residual, cos, sin, attention, absorbed, token_valid)
             if counts is not None:
                 self.moe_expert_counts[i] += counts
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = add_rmsnorm(m, residual, nxt)  # residual = layer i's output
             if i in self.capture_layers:
-                taps.append(x)
+                taps.append(residual)
         self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.model.norm(x)).float()
+            h = h[logits_indices]
+        return self.lm_head(h).float()
