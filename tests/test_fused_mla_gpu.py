@@ -58,3 +58,34 @@ def test_mla_moe_logits_equal_with_the_kernel_on_and_off(monkeypatch):
         assert len(launches) == (len(model.model.layers) if flag == "1" else 0)
     assert torch.isfinite(logits["1"]).all()
     assert torch.equal(logits["0"], logits["1"])
+
+
+def test_engine_greedy_equal_with_the_cache_write_in_the_pack_kernel(monkeypatch):
+    """PagedAttention.pack_store_attend (ka written to the latent cache by the pack kernel, no
+    cache-write launch) in a real engine with CUDA graphs: greedy tokens equal with
+    TREEVERIFY_FUSED_MLA_ROPE on and off (the PyTorch pack and the cache write then), the store
+    variant counted so a silent fallback fails, fresh random weights and prompts."""
+    from treeverify.engine.llm import LLM
+    from treeverify.engine.sampling_params import SamplingParams
+
+    stores = []
+    real = fused_mla.mla_rope_pack_store
+    monkeypatch.setattr(fused_mla, "mla_rope_pack_store",
+                        lambda *a: stores.append(1) or real(*a))  # fmt: skip
+    import treeverify.engine.paged_attention as pa
+
+    monkeypatch.setattr(pa, "mla_rope_pack_store", fused_mla.mla_rope_pack_store)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (37, 150)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TREEVERIFY_FUSED_MLA_ROPE", flag)
+        before = len(stores)
+        llm = LLM("random:mla-moe", device="cuda", num_pages=256, max_num_seqs=2,
+                  cuda_graph_max_bs=2)  # fmt: skip
+        tokens[flag] = [o.token_ids for o in llm.generate(prompts, sp)]
+        assert (len(stores) > before) == (flag == "1")
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens["0"] == tokens["1"]

@@ -61,3 +61,23 @@ def test_what_the_kernel_does_not_take_keeps_the_pytorch_path():
     assert not fused_mla.fits(o["q_lat"][..., :48], o["q"], o["ckv"][:, :48], *args[3:])  # L 48
     wide_q = torch.randn(2, 4, 64, dtype=BF16)[..., :32]  # rows not contiguous per head
     assert not fused_mla.fits(o["q_lat"], wide_q, *args[2:])
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "rotate-half"])
+def test_pack_store_writes_ka_to_its_cache_slots_only(interleave):
+    """The STORE variant (PagedAttention.pack_store_attend): the same qa, and ka's rows at the
+    tokens' cache slots (any order) instead of a tensor; every other cache row untouched."""
+    t, h, n, lat, r = 5, 4, 16, 64, 16
+    o = operands(t, h, n, lat, r, seed=7)
+    args = (o["q_lat"], o["q"], o["ckv"], o["k_pe"], o["cos"], o["sin"], interleave)
+    qa, ka = fused_mla._launch(*args)
+    cache = torch.full((3, 4, 1, lat + r), float("nan"), dtype=BF16)  # 12 slots, poisoned
+    slots = torch.randperm(12, generator=torch.Generator().manual_seed(3))[:t]
+    qa2, cache2 = fused_mla._launch(*args, slots, cache)
+    assert cache2 is cache and torch.equal(qa2, qa)
+    flat = cache.view(12, lat + r)
+    assert torch.equal(flat[slots], ka[:, 0])
+    rest = torch.ones(12, dtype=torch.bool)
+    rest[slots] = False
+    assert flat[rest].isnan().all()
+    assert fused_mla.mla_rope_pack_store(*args, slots, cache) is None  # CPU tensors

@@ -20,6 +20,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.kernels.bits import chain_bits
 from treeverify.kernels.plan import TreeAttentionPlan
 from treeverify.kernels.staging import copy_from_host
+from treeverify.models.fused_mla import mla_rope_pack_store
 from treeverify.models.fused_ops import rope_qk_store
 
 
@@ -199,6 +200,35 @@ class PagedAttention:
         if q is None:
             return None
         return self._run(self._plan_for(q, hkv, d, False, sm_scale), q, kc, vc)
+
+    def pack_store_attend(
+        self,
+        layer: int,
+        q_lat: torch.Tensor,  # (T, H, L) W_ukᵀ q_nope
+        q: torch.Tensor,  # (T, H, N + R) [q_nope | q_pe]
+        ckv: torch.Tensor,  # (T, L) c_kv after kv_a_layernorm
+        k_pe: torch.Tensor,  # (T, R) before the rotation
+        cos: torch.Tensor,  # (T, R/2) Rope's tables
+        sin: torch.Tensor,  # (T, R/2)
+        interleave: bool,
+        sm_scale: float,
+    ) -> torch.Tensor | None:  # (T, H, L) the latent attention output
+        """An absorbed MLA layer's attention from its operands: qa = [q_lat | rope(q_pe)] packed
+        and [c_kv | rope(k_pe)] written to the latent cache slots by one kernel
+        (models/fused_mla.py mla_rope_pack_store), then attention: the cache write's launch
+        saved. None where that kernel does not apply (the CPU, a cache not allocated yet): the
+        caller packs and calls the attention as before."""
+        if self._meta is None:
+            raise RuntimeError("PagedAttention: plan() must run before the forward pass")
+        kc = self.cache.k.get(layer)
+        if kc is None:
+            return None
+        lat = q_lat.shape[2]
+        qa = mla_rope_pack_store(q_lat, q, ckv, k_pe, cos, sin, interleave,
+                                 self.slots[: q_lat.shape[0]], kc)  # fmt: skip
+        if qa is None:
+            return None
+        return self._run(self._plan_for(qa, 1, lat, True, sm_scale), qa, kc, None)
 
     def _run(self, plan: TreeAttentionPlan, q: torch.Tensor, kc, vc) -> torch.Tensor:
         # Rows of padding requests belong to no tree: the CUDA kernels zero them (no memset

@@ -73,15 +73,22 @@ class MLAttention(nn.Module):
         rope = functools.partial(apply_rope, cos=cos, sin=sin, interleave=cfg.rope_interleave)
         if absorbed:
             q_lat = torch.einsum("thn,hnl->thl", q_nope, w[:, :n])  # (T, H, L)
-            # qa, ka in one kernel on a GPU (models/fused_mla.py); None: the PyTorch ops
-            packed = fused_mla.mla_rope_pack(
-                q_lat, q, ckv, k_pe, cos, sin, cfg.rope_interleave
-            ) if self.fused_rope else None  # fmt: skip
-            qa, ka = packed or (  # (T, H, L+R), (T, 1, L+R)
-                torch.cat((q_lat, rope(q_pe)), dim=-1),
-                torch.cat((ckv[:, None, :], rope(k_pe[:, None, :])), dim=-1),
-            )
-            o_lat = attention(self.layer, qa, ka, None, cfg.sm_scale, v_head_dim=lat)  # (T, H, L)
+            # The engine's paged attention on a GPU: qa packed and ka written to the latent
+            # cache by one kernel, then attention (None elsewhere: the steps below)
+            fused = getattr(attention, "pack_store_attend", None) if self.fused_rope else None
+            o_lat = fused(self.layer, q_lat, q, ckv, k_pe, cos, sin, cfg.rope_interleave,
+                          cfg.sm_scale) if fused else None  # fmt: skip
+            if o_lat is None:
+                # qa, ka in one kernel on a GPU (models/fused_mla.py); None: the PyTorch ops
+                packed = fused_mla.mla_rope_pack(
+                    q_lat, q, ckv, k_pe, cos, sin, cfg.rope_interleave
+                ) if self.fused_rope else None  # fmt: skip
+                qa, ka = packed or (  # (T, H, L+R), (T, 1, L+R)
+                    torch.cat((q_lat, rope(q_pe)), dim=-1),
+                    torch.cat((ckv[:, None, :], rope(k_pe[:, None, :])), dim=-1),
+                )
+                o_lat = attention(self.layer, qa, ka, None, cfg.sm_scale, v_head_dim=lat)
+            # o_lat: (T, H, L)
             o = torch.einsum("thl,hvl->thv", o_lat, w[:, n:])  # (T, H, Dv)
         else:
             q_pe, k_pe = rope(q_pe), rope(k_pe[:, None, :])  # (T, H, R), (T, 1, R)

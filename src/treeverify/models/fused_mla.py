@@ -34,10 +34,11 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def mla_pack_kernel(QLat, Q, Ckv, Kpe, C, S, QA, KA, H, qlat_t, qlat_h, q_t, kpe_t,
+    def mla_pack_kernel(QLat, Q, Ckv, Kpe, C, S, QA, KA, Slots, H, qlat_t, qlat_h, q_t, kpe_t,
                         N: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                        INTERLEAVE: tl.constexpr):  # fmt: skip
-        # Program (t, h): h < H writes qa[t, h], h == H writes ka[t, 0].
+                        INTERLEAVE: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+        # Program (t, h): h < H writes qa[t, h], h == H writes ka[t, 0], or with STORE the
+        # latent cache's row at slot Slots[t] instead (KA: the cache, (slots, 1, L+R) flat).
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         lat = tl.arange(0, L)
@@ -57,7 +58,8 @@ def _kernel():
         else:
             src = Ckv + t * L
             rope = Kpe + t * kpe_t
-            dst = KA + t * (L + R)
+            row = tl.load(Slots + t).to(tl.int64) if STORE else t
+            dst = KA + row * (L + R)
         tl.store(dst + lat, tl.load(src + lat))
         dt = QA.dtype.element_ty
         x = tl.load(rope + r).to(tl.float32)
@@ -107,14 +109,40 @@ def mla_rope_pack(
     return _launch(q_lat, q, ckv, k_pe, cos, sin, interleave)
 
 
-def _launch(q_lat, q, ckv, k_pe, cos, sin, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The launch alone (tests run it on Triton's CPU interpreter)."""
+def mla_rope_pack_store(
+    q_lat: torch.Tensor,  # (T, H, L)
+    q: torch.Tensor,  # (T, H, N + R)
+    ckv: torch.Tensor,  # (T, L)
+    k_pe: torch.Tensor,  # (T, R)
+    cos: torch.Tensor,  # (T, R/2)
+    sin: torch.Tensor,  # (T, R/2)
+    interleave: bool,
+    slots: torch.Tensor,  # (T,) int64 each token's cache slot
+    cache: torch.Tensor,  # (pages, page_size, 1, L + R) the layer's latent cache, contiguous
+) -> torch.Tensor | None:  # qa (T, H, L+R)
+    """`mla_rope_pack` with ka written straight to its cache slots instead of a tensor (the
+    cache write's launch saved: PagedAttention.pack_store_attend); None where it does not apply."""
+    lat, r = q_lat.shape[2], k_pe.shape[-1]
+    ok = (
+        q_lat.is_cuda and fits(q_lat, q, ckv, k_pe, cos, sin) and cache.dtype == q_lat.dtype
+        and cache.is_contiguous() and cache.dim() == 4 and cache.shape[2:] == (1, lat + r)
+        and slots.dtype == torch.int64 and slots.shape == (q_lat.shape[0],)
+    )  # fmt: skip
+    return _launch(q_lat, q, ckv, k_pe, cos, sin, interleave, slots, cache)[0] if ok else None
+
+
+def _launch(q_lat, q, ckv, k_pe, cos, sin, interleave: bool, slots=None,
+            cache=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The launch alone (tests run it on Triton's CPU interpreter). With `slots` and `cache`, ka
+    goes to the cache rows (the second result is then the cache)."""
     t, h, lat = q_lat.shape
     r = k_pe.shape[-1]
     n = q.shape[2] - r
     qa = q_lat.new_empty(t, h, lat + r)
-    ka = q_lat.new_empty(t, 1, lat + r)
-    _kernel()[(t, h + 1)](q_lat, q, ckv, k_pe, cos, sin, qa, ka, h, q_lat.stride(0),
-                          q_lat.stride(1), q.stride(0), k_pe.stride(0), N=n, L=lat, R=r,
-                          INTERLEAVE=interleave, num_warps=4)  # fmt: skip
+    store = cache is not None
+    ka = cache if store else q_lat.new_empty(t, 1, lat + r)
+    _kernel()[(t, h + 1)](q_lat, q, ckv, k_pe, cos, sin, qa, ka, slots if store else ckv, h,
+                          q_lat.stride(0), q_lat.stride(1), q.stride(0), k_pe.stride(0), N=n,
+                          L=lat, R=r, INTERLEAVE=interleave, STORE=store,
+                          num_warps=4)  # fmt: skip
     return qa, ka
