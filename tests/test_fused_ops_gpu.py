@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from treeverify.engine.kv_store import store_kv
-from treeverify.models.fused_ops import add_rmsnorm, rope_qk, rope_qk_store, silu_mul
+from treeverify.models.fused_ops import add_rmsnorm, rmsnorm, rope_qk, rope_qk_store, silu_mul
 from treeverify.models.layers import RMSNorm, apply_rope_tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,6 +27,21 @@ def test_add_rmsnorm(t, h):
     assert torch.equal(r_out, want_r)  # the add rounds exactly as torch's
     want = F.rms_norm(want_r.float(), (h,), norm.weight.float(), 1e-5)
     torch.testing.assert_close(y.float(), want, rtol=8e-3, atol=8e-3)  # one bf16 rounding
+
+
+@pytest.mark.parametrize("t,h,extra", [(1, 512, 64), (17, 1536, 0), (5, 7168, 0)])
+def test_rmsnorm_of_strided_rows(t, h, extra):
+    """fused_ops.rmsnorm (MLA's q_a and kv_a norms; kv_a's c_kv is a strided split, read in
+    place) against F.rms_norm in fp32: one bf16 rounding; the output contiguous."""
+    g = torch.Generator(device="cuda").manual_seed(t + h)
+    wide = torch.randn(t, h + extra, device="cuda", generator=g).to(BF16)
+    x = wide[:, :h]
+    norm = RMSNorm(h, 1e-6).cuda().to(BF16)
+    norm.weight.data.normal_(1.0, 0.1, generator=g)
+    y = rmsnorm(x, norm)
+    assert y.is_contiguous() and y.shape == (t, h)
+    want = F.rms_norm(x.float(), (h,), norm.weight.float(), 1e-6)
+    torch.testing.assert_close(y.float(), want, rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.parametrize("t,hq,hkv,d", [(1, 32, 8, 64), (5, 32, 8, 128), (17, 4, 2, 64)])

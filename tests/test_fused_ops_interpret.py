@@ -51,3 +51,29 @@ def test_rope_qk_store_equals_rope_qk_then_the_cache_write():
     assert torch.equal(q2, q) and torch.equal(k2, flat_k[slots])
     # The public function keeps CPU tensors on the two-step path.
     assert fused_ops.rope_qk_store(qkv, cos2, sin2, hq, hkv, slots, kc, vc) is None
+
+
+def test_rmsnorm_of_a_strided_view_and_add_rmsnorm_equal_the_pytorch_norm():
+    """rmsnorm reads a strided split in place (MLA's c_kv beside k_pe) and add_rmsnorm adds the
+    residual first (rounded as torch rounds it); both within one bf16 rounding of F.rms_norm."""
+    from treeverify.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(29)
+    wide = torch.randn(3, 96 + 16, generator=g).to(BF16)
+    x = wide[:, :96]  # rows 112 apart
+    norm = RMSNorm(96, 1e-6).to(BF16)
+    norm.weight.data = (1 + 0.1 * torch.randn(96, generator=g)).to(BF16)
+    got = fused_ops._triton()[0]  # the kernel, decorated under the interpreter
+    y = torch.empty(3, 96, dtype=BF16)
+    got[(3,)](x, x, norm.weight, y, y, 96, x.stride(0), 1e-6, BLOCK=128, HAS_RES=False)
+    want = torch.nn.functional.rms_norm(x.float(), (96,), norm.weight.float(), 1e-6)
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+    r = torch.randn(3, 96, generator=g).to(BF16)
+    xc = x.contiguous()
+    y2, r_out = torch.empty_like(xc), torch.empty_like(xc)
+    got[(3,)](xc, r, norm.weight, y2, r_out, 96, 96, 1e-6, BLOCK=128, HAS_RES=True)
+    # the add rounded once (exactly torch's on the GPU; numpy's roundings here: a last bit)
+    torch.testing.assert_close(r_out.float(), (r + xc).float(), rtol=1e-2, atol=1e-2)
+    want2 = torch.nn.functional.rms_norm((r + xc).float(), (96,), norm.weight.float(), 1e-6)
+    torch.testing.assert_close(y2.float(), want2, rtol=1e-2, atol=1e-2)
+    assert torch.equal(fused_ops.rmsnorm(x, norm), norm(x))  # the CPU keeps PyTorch's norm

@@ -82,8 +82,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_FUSED_MLA_ROPE``: the absorbed MLA layer's attention operands (q_pe and k_pe
   rotated, packed beside q_lat and c_kv) in one Triton kernel on a GPU (models/fused_mla.py)
   instead of ~20 PyTorch kernels a layer; in the engine the same kernel also writes the latent
-  row to its cache slot (PagedAttention.pack_store_attend: no cache-write launch). Default ``1`` (random:mla-moe on the H200: decode b=1
-  2.05 -> 1.82 ms, verify 1.05-1.16x); ``0`` the PyTorch ops (an A/B, or an escape hatch).
+  row to its cache slot (PagedAttention.pack_store_attend: no cache-write launch). Default ``1``
+  (random:mla-moe on the H200: decode b=1 2.05 -> 1.82 ms, verify 1.05-1.16x); ``0`` the PyTorch
+  ops (an A/B, or an escape hatch).
 - ``TREEVERIFY_FUSED_MOE_DISPATCH``: the grouped-GEMM MoE path's dispatch (expert counts, rows in
   expert order, offsets) and combine (weighted sum of a token's k outputs) as two Triton kernels
   (models/fused_moe.py) instead of ~20 PyTorch kernels a layer. ``auto`` (default): where a batch

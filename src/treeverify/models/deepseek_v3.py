@@ -22,7 +22,7 @@ from treeverify import env
 from treeverify.kernels.api import triton_available
 from treeverify.models import fused_mla
 from treeverify.models.config import DeepseekV3Config
-from treeverify.models.fused_ops import add_rmsnorm
+from treeverify.models.fused_ops import add_rmsnorm, rmsnorm
 from treeverify.models.gemv import Linear
 from treeverify.models.layers import (
     MLP,
@@ -64,11 +64,11 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(rmsnorm(self.q_a_proj(x), self.q_a_layernorm))
         q = q.view(t, nh, n + r)  # (T, H, N+R)
         q_nope, q_pe = q[..., :n], q[..., n:]
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([lat, r], dim=-1)  # (T, L), (T, R)
-        ckv = self.kv_a_layernorm(ckv)
+        ckv = rmsnorm(ckv, self.kv_a_layernorm)  # read in place from the strided split
         w = self.kv_b_proj.weight.view(nh, n + dv, lat)  # (H, N+Dv, L)
         rope = functools.partial(apply_rope, cos=cos, sin=sin, interleave=cfg.rope_interleave)
         if absorbed:

@@ -5,6 +5,8 @@ its size (docs/performance.md: a 1B-shape forward was 336 kernels, ~250 of them 
 fuse the per-layer chains:
 
   add_rmsnorm(x, residual, norm)  residual + x, then RMSNorm      (2 kernels -> 1)
+  rmsnorm(x, norm)                RMSNorm of a strided view, by the same kernel
+                                                                   (copy + norm -> 1)
   rope_qk(qkv, cos2, sin2, hq, hkv) q and k rotated, q contiguous  (5 kernels -> 1)
   silu_mul(gate_up)               silu(gate) * up                  (2 kernels -> 1)
   rope_qk_store(qkv, ..., slots, k_cache, v_cache)
@@ -46,15 +48,20 @@ def _build_kernels():
     import triton.language as tl
 
     @triton.jit
-    def add_rmsnorm_kernel(X, R, W, Y, ROut, n, eps, BLOCK: tl.constexpr):
+    def add_rmsnorm_kernel(X, R, W, Y, ROut, n, x_row, eps, BLOCK: tl.constexpr,
+                           HAS_RES: tl.constexpr):  # fmt: skip
+        # HAS_RES: Y = norm(X + R), ROut = X + R; else Y = norm(X) (X rows x_row apart).
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < n
-        x = tl.load(X + row * n + cols, mask=m, other=0.0).to(tl.float32)
-        r = tl.load(R + row * n + cols, mask=m, other=0.0).to(tl.float32)
-        s = (x + r).to(ROut.dtype.element_ty)  # the residual add rounds, as torch's does
-        tl.store(ROut + row * n + cols, s, mask=m)
-        sf = s.to(tl.float32)
+        x = tl.load(X + row * x_row + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(R + row * n + cols, mask=m, other=0.0).to(tl.float32)
+            s = (x + r).to(ROut.dtype.element_ty)  # the residual add rounds, as torch's does
+            tl.store(ROut + row * n + cols, s, mask=m)
+            sf = s.to(tl.float32)
+        else:
+            sf = x
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n + eps)
         w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(Y + row * n + cols, (sf * rstd * w).to(Y.dtype.element_ty), mask=m)
@@ -115,9 +122,27 @@ def add_rmsnorm(
     kernel = _triton()[0]
     t, n = x.shape
     y, r_out = torch.empty_like(x), torch.empty_like(x)
-    kernel[(t,)](x, residual, norm.weight, y, r_out, n, norm.eps,
-                 BLOCK=triton.next_power_of_2(n), num_warps=4)  # fmt: skip
+    kernel[(t,)](x, residual, norm.weight, y, r_out, n, n, norm.eps,
+                 BLOCK=triton.next_power_of_2(n), HAS_RES=True, num_warps=4)  # fmt: skip
     return y, r_out
+
+
+def rmsnorm(
+    x: torch.Tensor,  # (T, H); rows may be strided (a view into a wider projection)
+    norm,  # an RMSNorm module (weight (H,), eps)
+) -> torch.Tensor:  # (T, H) contiguous
+    """norm(x) by add_rmsnorm's kernel without the residual: one launch, and a strided x read in
+    place (PyTorch's norm of a strided view copies it first: a second launch)."""
+    if not (_use_triton(x) and norm.weight.dtype == x.dtype and x.dim() == 2
+            and x.stride(1) == 1):  # fmt: skip
+        return norm(x)
+    import triton
+
+    t, n = x.shape
+    y = x.new_empty(t, n)
+    _triton()[0][(t,)](x, x, norm.weight, y, y, n, x.stride(0), norm.eps,
+                       BLOCK=triton.next_power_of_2(n), HAS_RES=False, num_warps=4)  # fmt: skip
+    return y
 
 
 def rope_qk(
