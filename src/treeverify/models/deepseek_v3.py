@@ -212,7 +212,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         layers = self.model.layers
         taps = []
-        residual, h = x, layers[0].input_layernorm(x)
+        residual, h = x, rmsnorm(x, layers[0].input_layernorm)
         for i, layer in enumerate(layers):
             m, residual, counts = layer(h, residual, cos, sin, attention, absorbed, token_valid)
             if counts is not None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from treeverify.models.config import LlamaConfig
-from treeverify.models.fused_ops import add_rmsnorm, rope_qk
+from treeverify.models.fused_ops import add_rmsnorm, rmsnorm, rope_qk
 from treeverify.models.gemv import Linear, linear
 from treeverify.models.layers import (
     MLP,
@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rope(positions)  # (T, D/2) each
         layers = self.model.layers
         taps = []
-        residual, h = x, layers[0].input_layernorm(x)
+        residual, h = x, rmsnorm(x, layers[0].input_layernorm)
         for i, layer in enumerate(layers):
             m, residual = layer(h, residual, cos, sin, attention)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
