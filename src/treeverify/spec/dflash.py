@@ -156,14 +156,16 @@ class DFlashDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos2, sin2, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_ring(self, x, store, layer, meta, rows, cos2, sin2):  # (B, T, H) -> (B, T, H)
+    def forward_ring(self, h, residual, store, layer, meta, rows, cos2, sin2):
+        """h (B, T, H) = input_layernorm(residual (B*T, H)), made by the caller together with
+        the previous add (fused_ops.add_rmsnorm). Returns (the MLP's output, the residual after
+        attention), both (B*T, H); the caller adds them."""
         from treeverify.models.fused_ops import add_rmsnorm
 
-        b, t, h = x.shape
-        a = self.self_attn.forward_ring(self.input_layernorm(x), store, layer, meta, rows,
-                                        cos2, sin2)  # fmt: skip
-        normed, x = add_rmsnorm(a.view(b * t, h), x.view(b * t, h), self.post_attention_layernorm)
-        return (x + self.mlp(normed)).view(b, t, h)
+        b, t, hid = h.shape
+        a = self.self_attn.forward_ring(h, store, layer, meta, rows, cos2, sin2)
+        normed, residual = add_rmsnorm(a.view(b * t, hid), residual, self.post_attention_layernorm)
+        return self.mlp(normed), residual
 
 
 class DFlashDrafter(nn.Module):
@@ -362,11 +364,20 @@ class DFlashDrafter(nn.Module):
             ctx = store[slots, :rows]  # (B, rows, n_layers, 2, Hkv, D)
             valid = ring_valid(counts, ends, store.shape[1], rows)  # (B, rows)
             return self.propose_from_kv(ctx, counts, roots, ends, depth, context_valid=valid)
+        from treeverify.models.fused_ops import add_rmsnorm, rmsnorm
+
         self._check_round(depth)
         x, cos2, sin2 = self._block(roots, ends)  # (B, T, H), (B*T, D) x2
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_ring(x, store, i, meta, rows, cos2, sin2)  # (B, T, H)
-        return self._logits(x, depth)
+        b, t, hid = x.shape
+        layers = self.layers
+        residual = x.reshape(b * t, hid)  # (B*T, H)
+        h = rmsnorm(residual, layers[0].input_layernorm)
+        for i, layer in enumerate(layers):
+            m, residual = layer.forward_ring(h.view(b, t, hid), residual, store, i, meta, rows,
+                                             cos2, sin2)  # fmt: skip
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h, residual = add_rmsnorm(m, residual, nxt)  # the last: the final norm
+        return self._logits(h.view(b, t, hid), depth, normed=True)
 
     def _check_round(self, depth: int) -> None:
         """A round needs the target's embedding and lm_head, and a depth inside the block."""
@@ -395,11 +406,13 @@ class DFlashDrafter(nn.Module):
         cos2, sin2 = self.rope.rotate_half_tables(blk_pos.reshape(-1), dtype)  # (B*T, D) each
         return x, cos2, sin2
 
-    def _logits(self, x: torch.Tensor, depth: int) -> torch.Tensor:  # (B, T, H) -> (B, L, V)
-        """Final norm and the target's lm_head on block positions 1 .. depth, fp32."""
+    def _logits(self, x: torch.Tensor, depth: int,
+                normed: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, L, V)  # fmt: skip
+        """Final norm (unless `normed`: x has had it) and the target's lm_head on block
+        positions 1 .. depth, fp32."""
         _, lm_head = self._target
         cfg = self.config
-        h = self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
+        h = x[:, 1 : 1 + depth] if normed else self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
         logits = lm_head(h.to(lm_head.weight.dtype)).float()  # (B, L, V)
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
