@@ -80,7 +80,8 @@ class _FaultyAttention(PagedAttention):
         attention._fault, attention._past = fault, past
 
     def _run(self, plan, q, kc, vc):
-        # Every attention path ends here (__call__ and rope_store_attend, the fused GQA one).
+        # Every attention path ends here (__call__, rope_store_attend: the fused GQA one, and
+        # pack_store_attend: the fused MLA one).
         out = super()._run(plan, q, kc, vc)  # (T, Hq, Dv)
         qo, prefix = plan.qo_indptr.long(), plan.prefix_lens.long()  # (B+1,), (B,)
         rows = torch.arange(out.shape[0], device=out.device)  # (T,)
