@@ -92,6 +92,11 @@ def test_moe_layer_routed_experts_as_gemvs(monkeypatch, tokens):
         assert ran == (flag == "1" or (flag == "auto" and tokens * 6 <= moe_gemv.AUTO_MAX_PAIRS))
     (a, ca), (b, cb) = outs["0"], outs["1"]
     assert torch.equal(ca, cb)
+    counter = torch.arange(ca.numel(), device="cuda")  # the model's running counts
+    before = counter.clone()
+    b2, none = moe(h, valid, counter)  # the last layer built: TREEVERIFY_MOE_GEMV=1
+    assert none is None and torch.equal(counter, before + cb)  # added in place
+    assert torch.equal(b2, b)
     assert torch.isfinite(b).all()
     # Another summation order rounds the bf16 intermediates (gate|up, the activation) apart, and
     # the down projection carries that on: a few elements a few bf16 ulps off, the mean not.

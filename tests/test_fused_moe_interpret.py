@@ -46,6 +46,11 @@ def test_dispatch_and_combine_equal_the_pytorch_ops(t, k, e, hidden, with_valid)
     want_out = combine_reference(y, want[5], w)
     torch.testing.assert_close(got, want_out, rtol=1e-6, atol=1e-6)  # summation order only
     assert fused_moe.combine(y, pos, w, BF16).dtype == BF16
+    # + the shared experts' output after the cast, rounded once more: exact in fp16 (the
+    # interpreter's bf16 casts truncate, its fp16 ones round to nearest as the GPU's do)
+    add = torch.randn(t, hidden, generator=g).to(torch.float16)
+    with_add = fused_moe.combine(y, pos, w, torch.float16, add=add)
+    assert torch.equal(with_add, (got.to(torch.float16).float() + add.float()).to(torch.float16))
 
 
 def test_what_the_kernels_do_not_take():

@@ -41,7 +41,15 @@ def test_routed_experts_equal_each_pairs_mlp(t, k, e, hidden, inter, with_valid)
     assert out.dtype == BF16 and out.shape == (t, hidden)
     want = routed_reference(x, idx, w, w_gate_up, w_down)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
-    assert torch.equal(valid_counts, dispatch_reference(x, idx, valid, e)[3])
+    want_counts = dispatch_reference(x, idx, valid, e)[3]
+    assert torch.equal(valid_counts, want_counts)
+    # into a running counter in place (nothing returned), the shared experts' output added
+    counter = torch.randint(0, 100, (e,), generator=g)
+    before = counter.clone()
+    shared = torch.randn(t, hidden, generator=g).to(BF16)
+    out2, none = moe_gemv.routed(x, idx, w, w_gate_up, w_down, valid, counter, shared)
+    assert none is None and torch.equal(counter, before + want_counts)
+    torch.testing.assert_close(out2.float(), (out.float() + shared.float()), rtol=2e-2, atol=2e-2)
 
 
 def test_which_batches_each_mode_takes():

@@ -92,8 +92,8 @@ def _kernels():
             tl.store(Xs + pos[:, None] * hidden + cols[None, :], rows, mask=m)
 
     @triton.jit
-    def combine_kernel(Y, Pos, W, Out, hidden, K: tl.constexpr, HB: tl.constexpr,
-                       SORTED: tl.constexpr):  # fmt: skip
+    def combine_kernel(Y, Pos, W, Add, Out, hidden, K: tl.constexpr, HB: tl.constexpr,
+                       SORTED: tl.constexpr, HAS_ADD: tl.constexpr):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * HB + tl.arange(0, HB)
         m = cols < hidden
@@ -106,7 +106,11 @@ def _kernels():
             wt = tl.load(W + t * K + i).to(tl.float32)
             y = tl.load(Y + pos * hidden + cols, mask=m, other=0.0).to(tl.float32)
             acc += y * wt
-        tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=m)
+        res = acc.to(Out.dtype.element_ty)
+        if HAS_ADD:  # + the shared experts' output, as `out.to(dtype) + shared` rounds
+            a = tl.load(Add + t * hidden + cols, mask=m, other=0.0).to(tl.float32)
+            res = (res.to(tl.float32) + a).to(Out.dtype.element_ty)
+        tl.store(Out + t * hidden + cols, res, mask=m)
 
     return dispatch_kernel, combine_kernel, count_kernel
 
@@ -157,15 +161,18 @@ def combine(
     pos: torch.Tensor | None,  # (T*k,) int64 from dispatch; None: y[t*k + i] is pair (t, i)'s
     w: torch.Tensor,  # (T, k) fp32 routing weights
     dtype: torch.dtype,
-) -> torch.Tensor:  # (T, hidden) sum_i w[t, i] * y[pos[t*k + i]], in `dtype`
+    add: torch.Tensor | None = None,  # (T, hidden) in `dtype`, contiguous: added after the cast
+) -> torch.Tensor:  # (T, hidden) sum_i w[t, i] * y[pos[t*k + i]] (+ add), in `dtype`
     t, k = w.shape
     hidden = y.shape[1]
     out = torch.empty(t, hidden, dtype=dtype, device=y.device)
     from triton import next_power_of_2
 
     hb = min(1024, next_power_of_2(hidden))
-    _kernels()[1][(t, -(-hidden // hb))](y, y if pos is None else pos, w.contiguous(), out,
-                                          hidden, K=k, HB=hb, SORTED=pos is not None)  # fmt: skip
+    sorted_, has_add = pos is not None, add is not None
+    _kernels()[1][(t, -(-hidden // hb))](y, pos if sorted_ else y, w.contiguous(),
+                                          add if has_add else out, out, hidden, K=k, HB=hb,
+                                          SORTED=sorted_, HAS_ADD=has_add)  # fmt: skip
     return out
 
 

@@ -161,18 +161,22 @@ class DeepseekMoE(nn.Module):
         back[order] = y  # unsort (a permutation: deterministic, no atomics)
         return (back.view(t, k, -1).float() * w[..., None]).sum(1)  # (T, hidden)
 
-    def _grouped_mm_fused(self, x, idx, w, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grouped_mm_fused(self, x, idx, w, valid, shared) -> tuple[torch.Tensor, torch.Tensor]:
         """`_grouped_mm` with its dispatch and combine as two Triton kernels (models/fused_moe.py):
-        (out (T, hidden) in x's dtype, valid counts (E,))."""
+        (out (T, hidden) in x's dtype, + `shared` when given, valid counts (E,))."""
         from treeverify.models.fused_ops import silu_mul
 
         self.stack_experts()
         xs, pos, _, valid_counts, offs = fused_moe.dispatch(x, idx, valid, self.n_experts)
         h = torch._grouped_mm(xs, self.w_gate_up.transpose(1, 2), offs=offs)  # (T*k, 2I)
         y = torch._grouped_mm(silu_mul(h), self.w_down.transpose(1, 2), offs=offs)  # (T*k, H)
-        return fused_moe.combine(y, pos, w, x.dtype), valid_counts
+        return fused_moe.combine(y, pos, w, x.dtype, add=shared), valid_counts
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None,
+                counter: torch.Tensor | None = None):  # fmt: skip
+        """(out (T, hidden) in x's dtype, the valid rows' expert counts (E,) or None): None when
+        they were added to `counter` ((E,) int64, the model's running counts) in place, which
+        the expert-GEMV path does instead of returning them (no separate add)."""
         t = x.shape[0]
         idx, w = self.gate(x)  # (T, k), (T, k)
         impl = self.impl
@@ -185,15 +189,19 @@ class DeepseekMoE(nn.Module):
                 impl = "grouped_mm"
             else:
                 impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
-        if impl in ("grouped_mm", "gather") and self._gemv_takes(x, idx):
-            out, valid_counts = moe_gemv.routed(x, idx, w, self.w_gate_up, self.w_down, valid)
-        elif impl == "grouped_mm" and fused_moe.takes(self.fused_dispatch, x, idx):
-            out, valid_counts = self._grouped_mm_fused(x, idx, w, valid)
-        else:
-            out, valid_counts = self._routed(x, idx, w, valid, impl)
+        gemv = impl in ("grouped_mm", "gather") and self._gemv_takes(x, idx)
+        fused = not gemv and impl == "grouped_mm" and fused_moe.takes(self.fused_dispatch, x, idx)
+        # the shared experts first where the combine kernel adds them (no separate add)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if gemv:
+            return moe_gemv.routed(x, idx, w, self.w_gate_up, self.w_down, valid, counter,
+                                   shared)  # fmt: skip
+        if fused:
+            return self._grouped_mm_fused(x, idx, w, valid, shared)
+        out, valid_counts = self._routed(x, idx, w, valid, impl)
         out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if shared is not None:
+            out = out + shared
         return out, valid_counts
 
     def _gemv_takes(self, x: torch.Tensor, idx: torch.Tensor) -> bool:

@@ -9,8 +9,9 @@ preparation 3 us (scripts/profile_decode_gpu.py, 2026-12-04). Here, in pair orde
 
     gate_up  h[p] = W_gate_up[e_p] @ x[p // k]                  (P, 2I), programs (P, 2I / BN)
     down     y[p] = W_down[e_p] @ (silu(h[p, :I]) * h[p, I:])   (P, H), the activation on load
-    combine  out[t] = sum_i w[t, i] y[t k + i]                  fused_moe.combine, pair order
-    counts   the expert counts the layer reports               fused_moe.count
+    combine  out[t] = sum_i w[t, i] y[t k + i] (+ shared[t])    fused_moe.combine, pair order
+    counts   each pair's first gate_up program adds its token to its expert's running count
+             (integer atomics, straight into the model's counter when given)
 
 Each program reads BN weight rows of its pair's expert in BK-wide tiles, fp32 sums; the
 activation rounds to the input's dtype before the product as fused_ops.silu_mul does. The sums'
@@ -44,14 +45,24 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def expert_gemv_kernel(X, Idx, W, Y, N, K, x_stride, k_sel,
-                           ACT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    def expert_gemv_kernel(X, Idx, W, Y, Counts, Valid, N, K, x_stride, k_sel,
+                           ACT: tl.constexpr, COUNT: tl.constexpr, HAS_VALID: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         # Program (pair p, row block): Y[p, rows] = W[e_p, rows, :] @ x, where x is the pair's
         # token row X[p // k_sel] (gate_up) or, with ACT, silu(X[p, :K]) * X[p, K:] (down).
+        # COUNT: each pair's first program adds 1 (or its token's Valid) to Counts[e_p]:
+        # integer atomics, so the sums do not depend on the order.
         p = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
         e = tl.load(Idx + p)
+        if COUNT:  # noqa: SIM102 (a constexpr, then a runtime test: kept apart for Triton)
+            if tl.program_id(1) == 0:
+                if HAS_VALID:
+                    inc = tl.load(Valid + p // k_sel).to(tl.int64)
+                else:
+                    inc = tl.full([], 1, tl.int64)
+                tl.atomic_add(Counts + e, inc)
         src = X + (p if ACT else p // k_sel) * x_stride
         wrow = W + e * N * K + rows.to(tl.int64)[:, None] * K  # (BN, 1) row starts
         acc = tl.zeros([BN], dtype=tl.float32)
@@ -100,14 +111,19 @@ def expert_gemv(
     weight: torch.Tensor,  # (E, N, K) stacked expert weights, contiguous
     act: bool = False,
     tiles: tuple[int, int, int] | None = None,  # (BN, BK, warps); None: tile()
+    counts: torch.Tensor | None = None,  # (E,) int64: each pair adds 1 (or valid) in place
+    valid: torch.Tensor | None = None,  # (T,) bool: what a pair adds to `counts`
 ) -> torch.Tensor:  # (P, N) in x's dtype
     bn, bk, warps = tiles or tile()
     k = idx.shape[1]
     p, n = idx.numel(), weight.shape[1]
     kk = weight.shape[2]
     y = x.new_empty(p, n)
-    _kernels()[(p, -(-n // bn))](x, idx, weight, y, n, kk, x.stride(0), k,
-                                 ACT=act, BN=bn, BK=bk, num_warps=warps)  # fmt: skip
+    count = counts is not None
+    _kernels()[(p, -(-n // bn))](x, idx, weight, y, counts if count else y,
+                                 valid if valid is not None else idx, n, kk, x.stride(0), k,
+                                 ACT=act, COUNT=count, HAS_VALID=valid is not None, BN=bn,
+                                 BK=bk, num_warps=warps)  # fmt: skip
     return y
 
 
@@ -118,11 +134,15 @@ def routed(
     w_gate_up: torch.Tensor,  # (E, 2I, H)
     w_down: torch.Tensor,  # (E, H, I)
     valid: torch.Tensor | None,  # (T,) bool
-) -> tuple[torch.Tensor, torch.Tensor]:  # out (T, H) in x's dtype, valid counts (E,)
-    """The routed experts' weighted sum by the two GEMVs, and the valid rows' expert counts."""
+    counter: torch.Tensor | None = None,  # (E,) int64 running counts to add the valid ones to
+    shared: torch.Tensor | None = None,  # (T, H) in x's dtype: the shared experts' output
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # out (T, H) in x's dtype, valid counts (E,)
+    """The routed experts' weighted sum (+ `shared`) by the two GEMVs and the combine, and the
+    valid rows' expert counts: added to `counter` in place (None returned), else returned."""
     from treeverify.models import fused_moe
 
-    h = expert_gemv(x, idx, w_gate_up)  # (P, 2I)
+    counts = counter if counter is not None else idx.new_zeros(w_gate_up.shape[0])
+    h = expert_gemv(x, idx, w_gate_up, counts=counts, valid=valid)  # (P, 2I)
     y = expert_gemv(h, idx, w_down, act=True)  # (P, H)
-    _, valid_counts = fused_moe.count(idx, valid, w_gate_up.shape[0])
-    return fused_moe.combine(y, None, w, x.dtype), valid_counts
+    out = fused_moe.combine(y, None, w, x.dtype, add=shared)
+    return out, (None if counter is not None else counts)
