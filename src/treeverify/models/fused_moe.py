@@ -9,7 +9,7 @@ outputs scattered back, weighted, summed over a token's k experts and cast. Here
     dispatch  two launches: each pair's place in the expert-sorted order (its expert's start,
               by counting the pairs of smaller experts, plus the pairs of its own expert before
               it: the order a stable argsort gives) and its token's row copied to that place;
-              then (`count`, one program) every expert's count, over valid rows, and offsets
+              then (count_kernel, one program) every expert's count, over valid rows, and offsets
     combine   one launch: a token's k output rows read from their sorted places, weighted in
               fp32 and summed in expert order 0..k-1, cast once
 
@@ -174,21 +174,3 @@ def combine(
                                           add if has_add else out, out, hidden, K=k, HB=hb,
                                           SORTED=sorted_, HAS_ADD=has_add)  # fmt: skip
     return out
-
-
-def count(
-    idx: torch.Tensor,  # (T, k) int64 expert of each (token, slot) pair
-    valid: torch.Tensor | None,  # (T,) bool: rows the valid counts report (None: all)
-    n_experts: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # counts (E,) int64, valid counts (E,) int64
-    """The dispatch's expert counts alone, one launch (for paths that do not sort the pairs)."""
-    p, k = idx.numel(), idx.shape[1]
-    counts = torch.empty(n_experts, dtype=torch.int64, device=idx.device)
-    offs = torch.empty(n_experts, dtype=torch.int32, device=idx.device)
-    valid_counts = counts if valid is None else torch.empty_like(counts)
-    from triton import next_power_of_2
-
-    _kernels()[2][(1,)](idx, valid if valid is not None else idx, counts, valid_counts, offs, p, k,
-                        E=n_experts, EP=next_power_of_2(n_experts), BLOCK=BLOCK,
-                        HAS_VALID=valid is not None)  # fmt: skip
-    return counts, valid_counts
