@@ -23,8 +23,8 @@ SHAPES = {  # name: (experts, hidden, moe_intermediate, k)
     "mla-moe": (64, 2048, 1408, 6),  # random:mla-moe
     "kimi-like": (64, 7168, 2048, 8),  # Kimi K2 / DeepSeek-V3 expert shapes, 64 of the experts
 }
-TILES = [(bn, bk, w) for bn, bk, w in itertools.product((8, 16, 32, 64), (128, 256, 512, 1024),
-                                                         (4, 8)) if bn * bk <= 32768]  # fmt: skip
+TILES = [(bn, bk, w) for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 512, 1024),
+                                                         (4, 8)) if bn * bk <= 16384]  # fmt: skip
 
 
 def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
