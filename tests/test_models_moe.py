@@ -110,3 +110,24 @@ def test_fused_routing_switch_is_read_checked_and_described(monkeypatch):
     torch.testing.assert_close(got_w, want_w)
     assert fused_routing.describe(True).startswith("MoE routing: one Triton kernel")
     assert "TREEVERIFY_FUSED_ROUTING=0" in fused_routing.describe(False)
+
+
+def test_moe_experts_startup_line_names_each_path_and_bound():
+    """DeepseekMoE.describe: the startup log's line says which path a captured GPU step's
+    routed experts take at which batch sizes, under each TREEVERIFY_MOE_GEMV /
+    TREEVERIFY_FUSED_MOE_DISPATCH mode (set on the layer as its constructor reads them)."""
+    from treeverify.models import fused_moe, moe_gemv
+    from treeverify.models.moe import DeepseekMoE
+
+    moe = DeepseekMoE(tiny_kimi_config())
+    moe.gemv, moe.fused_dispatch = "auto", "auto"
+    line = moe.describe()
+    assert line.startswith(f"MoE experts: expert GEMVs up to {moe_gemv.AUTO_MAX_PAIRS} pairs "
+                           "(auto; tile ")  # fmt: skip
+    assert f"Triton dispatch up to {fused_moe.AUTO_MAX_PAIRS} pairs (auto)" in line
+    moe.gemv, moe.fused_dispatch = "1", "0"
+    line = moe.describe()
+    assert f"up to {moe_gemv.MAX_PAIRS} pairs (forced" in line and "Triton dispatch" not in line
+    moe.gemv = "0"
+    assert moe.describe() == ("MoE experts: grouped GEMMs with the PyTorch dispatch "
+                              "(sm_90+; else gather/dense)")  # fmt: skip

@@ -48,7 +48,7 @@ from treeverify.engine.spec_step import SpeculativeSteps
 from treeverify.engine.speculative import SpeculativeDecoder
 from treeverify.kernels.staging import to_device
 from treeverify.models import fused_routing, gemv
-from treeverify.models.moe import Router
+from treeverify.models.moe import DeepseekMoE, Router
 
 log = logging.getLogger("treeverify.engine")
 
@@ -109,6 +109,9 @@ class LLM(SpeculativeSteps, Introspection):
             if routers := [m for m in self.model.modules() if isinstance(m, Router)]:
                 self.startup["moe_routing"] = fused_routing.describe(all(r.fused for r in routers))
                 log.info("%s", self.startup["moe_routing"])
+            if moes := [m for m in self.model.modules() if isinstance(m, DeepseekMoE)]:
+                self.startup["moe_experts"] = moes[0].describe()
+                log.info("%s", self.startup["moe_experts"])
         t0 = self._phase("kv_alloc", t0)
         # Every EOS id: the tokenizer's, config.json's and generation_config.json's (int or list).
         eos = getattr(self.tokenizer, "eos_token_ids", None) or [

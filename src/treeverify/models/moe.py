@@ -204,6 +204,26 @@ class DeepseekMoE(nn.Module):
             out = out + shared
         return out, valid_counts
 
+    def describe(self) -> str:
+        """One line for the startup log: which paths a captured GPU step's routed experts take,
+        by batch size (TREEVERIFY_MOE_GEMV, TREEVERIFY_FUSED_MOE_DISPATCH)."""
+        bounds = {"auto": "auto", "1": "forced"}
+        parts = []
+        if self.gemv != "0":
+            most = moe_gemv.AUTO_MAX_PAIRS if self.gemv == "auto" else moe_gemv.MAX_PAIRS
+            bn, bk, warps = moe_gemv.tile()
+            parts.append(f"expert GEMVs up to {most} pairs ({bounds[self.gemv]}; tile {bn}x{bk}, "
+                         f"{warps} warps)")  # fmt: skip
+        if self.fused_dispatch != "0":
+            most = (
+                fused_moe.AUTO_MAX_PAIRS if self.fused_dispatch == "auto" else fused_moe.MAX_PAIRS
+            )
+            parts.append(f"grouped GEMMs with the Triton dispatch up to {most} pairs "
+                         f"({bounds[self.fused_dispatch]})")  # fmt: skip
+        rest = "grouped GEMMs with the PyTorch dispatch (sm_90+; else gather/dense)"
+        parts.append(rest.replace("dispatch", "dispatch above", 1) if parts else rest)
+        return "MoE experts: " + ", ".join(parts)
+
     def _gemv_takes(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether this batch's routed experts run as GEMVs (models/moe_gemv.py) on a GPU."""
         if self.gemv == "0" or not x.is_cuda:
