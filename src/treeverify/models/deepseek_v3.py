@@ -108,18 +108,16 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, residual, cos, sin, attention, absorbed, valid=None, counter=None):
+    def forward(self, h, residual, cos, sin, attention, absorbed, counter, valid=None):
         """h = input_layernorm(residual), made by the caller together with the previous add
         (fused_ops.add_rmsnorm: one kernel on a GPU instead of an add and a norm). Returns (the
-        MLP's output, the residual after attention, the MoE's valid expert counts, or None when
-        none or when they went into `counter` in place); the caller adds the first to the
-        second."""
+        MLP's output, the residual after attention); the caller adds them. A MoE layer adds its
+        valid rows' expert counts to `counter` ((E,) int64) in place."""
         a = self.self_attn(h, cos, sin, attention, absorbed)
         h, residual = add_rmsnorm(a, residual, self.post_attention_layernorm)
-        if self.is_moe:  # counts None: added to `counter` in place (models/moe.py)
-            y, counts = self.mlp(h, valid, counter)
-            return y, residual, counts
-        return self.mlp(h), residual, None
+        if self.is_moe:
+            return self.mlp(h, valid, counter)[0], residual
+        return self.mlp(h), residual
 
 
 class DeepseekV3Model(nn.Module):
@@ -215,10 +213,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         taps = []
         residual, h = x, rmsnorm(x, layers[0].input_layernorm)
         for i, layer in enumerate(layers):
-            m, residual, counts = layer(h, residual, cos, sin, attention, absorbed, token_valid,
-                                        self.moe_expert_counts[i])  # fmt: skip
-            if counts is not None:
-                self.moe_expert_counts[i] += counts
+            m, residual = layer(h, residual, cos, sin, attention, absorbed,
+                                self.moe_expert_counts[i], token_valid)  # fmt: skip
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = add_rmsnorm(m, residual, nxt)  # residual = layer i's output
             if i in self.capture_layers:

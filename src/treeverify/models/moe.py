@@ -174,9 +174,9 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None,
                 counter: torch.Tensor | None = None):  # fmt: skip
-        """(out (T, hidden) in x's dtype, the valid rows' expert counts (E,) or None): None when
-        they were added to `counter` ((E,) int64, the model's running counts) in place, which
-        the expert-GEMV path does instead of returning them (no separate add)."""
+        """(out (T, hidden) in x's dtype, the valid rows' expert counts (E,)); with `counter`
+        ((E,) int64, the model's running counts) the counts are added to it in place on every
+        path and None is returned (the expert-GEMV path adds them inside its kernel)."""
         t = x.shape[0]
         idx, w = self.gate(x)  # (T, k), (T, k)
         impl = self.impl
@@ -197,12 +197,16 @@ class DeepseekMoE(nn.Module):
             return moe_gemv.routed(x, idx, w, self.w_gate_up, self.w_down, valid, counter,
                                    shared)  # fmt: skip
         if fused:
-            return self._grouped_mm_fused(x, idx, w, valid, shared)
-        out, valid_counts = self._routed(x, idx, w, valid, impl)
-        out = out.to(x.dtype)
-        if shared is not None:
-            out = out + shared
-        return out, valid_counts
+            out, valid_counts = self._grouped_mm_fused(x, idx, w, valid, shared)
+        else:
+            out, valid_counts = self._routed(x, idx, w, valid, impl)
+            out = out.to(x.dtype)
+            if shared is not None:
+                out = out + shared
+        if counter is None:
+            return out, valid_counts
+        counter += valid_counts
+        return out, None
 
     def describe(self) -> str:
         """One line for the startup log: which paths a captured GPU step's routed experts take,
