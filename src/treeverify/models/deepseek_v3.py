@@ -22,7 +22,7 @@ from treeverify import env
 from treeverify.kernels.api import triton_available
 from treeverify.models import fused_mla
 from treeverify.models.config import DeepseekV3Config
-from treeverify.models.fused_ops import add_rmsnorm, rmsnorm
+from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rmsnorm
 from treeverify.models.gemv import Linear
 from treeverify.models.layers import (
     MLP,
@@ -209,16 +209,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         absorbed = self.absorbed if absorbed is None else absorbed
         cos, sin = self.rope(positions)  # (T, R/2) each
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        layers = self.model.layers
-        taps = []
-        residual, h = x, rmsnorm(x, layers[0].input_layernorm)
-        for i, layer in enumerate(layers):
-            m, residual = layer(h, residual, cos, sin, attention, absorbed,
-                                self.moe_expert_counts[i], token_valid)  # fmt: skip
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, residual = add_rmsnorm(m, residual, nxt)  # residual = layer i's output
-            if i in self.capture_layers:
-                taps.append(residual)
+        h, taps = residual_stream(
+            x, self.model.layers, self.model.norm,
+            lambda i, layer, h, residual: layer(h, residual, cos, sin, attention, absorbed,
+                                                self.moe_expert_counts[i], token_valid),
+            self.capture_layers,
+        )  # fmt: skip
         self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
             h = h[logits_indices]

@@ -7,6 +7,9 @@ fuse the per-layer chains:
   add_rmsnorm(x, residual, norm)  residual + x, then RMSNorm      (2 kernels -> 1)
   rmsnorm(x, norm)                RMSNorm of a strided view, by the same kernel
                                                                    (copy + norm -> 1)
+  residual_stream(x, layers, final_norm, body)
+                                  a pre-norm decoder's adds fused into the next norms (Llama,
+                                  DeepSeek-V3 and the DFlash drafter run their layers by it)
   rope_qk(qkv, cos2, sin2, hq, hkv) q and k rotated, q contiguous  (5 kernels -> 1)
   silu_mul(gate_up)               silu(gate) * up                  (2 kernels -> 1)
   rope_qk_store(qkv, ..., slots, k_cache, v_cache)
@@ -24,6 +27,8 @@ imports; anything else (the CPU, fp32 tests) runs the PyTorch ops.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +148,29 @@ def rmsnorm(
     _triton()[0][(t,)](x, x, norm.weight, y, y, n, x.stride(0), norm.eps,
                        BLOCK=triton.next_power_of_2(n), HAS_RES=False, num_warps=4)  # fmt: skip
     return y
+
+
+def residual_stream(
+    x: torch.Tensor,  # (T, H) the embedded tokens
+    layers,  # pre-norm layers, each with an `input_layernorm`
+    final_norm,  # the RMSNorm after the last layer
+    body: Callable[[int, Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    taps: Collection[int] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:  # final-normed (T, H), the tapped layer outputs
+    """A pre-norm decoder's residual stream with each add fused into the next norm:
+    h = norm_0(x); per layer i, (m, residual) = body(i, layer, h, residual) (m: what the layer
+    adds after its own fused post-attention add), then h, residual = add_rmsnorm(m, residual,
+    norm_{i+1} or final_norm). Returns the final norm's output and, for each i in `taps`, layer
+    i's output (the residual after its add)."""
+    residual, h = x, rmsnorm(x, layers[0].input_layernorm)
+    tapped = []
+    for i, layer in enumerate(layers):
+        m, residual = body(i, layer, h, residual)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        h, residual = add_rmsnorm(m, residual, nxt)  # residual = layer i's output
+        if i in taps:
+            tapped.append(residual)
+    return h, tapped
 
 
 def rope_qk(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from treeverify.models.config import LlamaConfig
-from treeverify.models.fused_ops import add_rmsnorm, rmsnorm, rope_qk
+from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rope_qk
 from treeverify.models.gemv import Linear, linear
 from treeverify.models.layers import (
     MLP,
@@ -147,15 +147,11 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rope.rotate_half_tables(positions, x.dtype)  # (T, D) each
         else:
             cos, sin = self.rope(positions)  # (T, D/2) each
-        layers = self.model.layers
-        taps = []
-        residual, h = x, rmsnorm(x, layers[0].input_layernorm)
-        for i, layer in enumerate(layers):
-            m, residual = layer(h, residual, cos, sin, attention)
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, residual = add_rmsnorm(m, residual, nxt)  # residual = layer i's output
-            if i in self.capture_layers:
-                taps.append(residual)
+        h, taps = residual_stream(
+            x, self.model.layers, self.model.norm,
+            lambda i, layer, h, residual: layer(h, residual, cos, sin, attention),
+            self.capture_layers,
+        )  # fmt: skip
         self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
             h = h[logits_indices]

@@ -364,19 +364,16 @@ class DFlashDrafter(nn.Module):
             ctx = store[slots, :rows]  # (B, rows, n_layers, 2, Hkv, D)
             valid = ring_valid(counts, ends, store.shape[1], rows)  # (B, rows)
             return self.propose_from_kv(ctx, counts, roots, ends, depth, context_valid=valid)
-        from treeverify.models.fused_ops import add_rmsnorm, rmsnorm
+        from treeverify.models.fused_ops import residual_stream
 
         self._check_round(depth)
         x, cos2, sin2 = self._block(roots, ends)  # (B, T, H), (B*T, D) x2
         b, t, hid = x.shape
-        layers = self.layers
-        residual = x.reshape(b * t, hid)  # (B*T, H)
-        h = rmsnorm(residual, layers[0].input_layernorm)
-        for i, layer in enumerate(layers):
-            m, residual = layer.forward_ring(h.view(b, t, hid), residual, store, i, meta, rows,
-                                             cos2, sin2)  # fmt: skip
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h, residual = add_rmsnorm(m, residual, nxt)  # the last: the final norm
+        h, _ = residual_stream(
+            x.reshape(b * t, hid), self.layers, self.norm,
+            lambda i, layer, h, residual: layer.forward_ring(h.view(b, t, hid), residual, store,
+                                                             i, meta, rows, cos2, sin2),
+        )  # fmt: skip
         return self._logits(h.view(b, t, hid), depth, normed=True)
 
     def _check_round(self, depth: int) -> None:
