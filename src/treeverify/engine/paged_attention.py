@@ -169,8 +169,7 @@ class PagedAttention:
         return sum(p.workspace_bytes for p in self._plans.values())
 
     def __call__(self, layer, q, k, v, sm_scale, v_head_dim=None):
-        if self._meta is None:
-            raise RuntimeError("PagedAttention: plan() must run before the forward pass")
+        self._check_planned()
         kc, vc = self.cache.write(layer, self.slots[: q.shape[0]], k, v)
         mla = v is None
         plan = self._plan_for(q, k.shape[1], v_head_dim if mla else v.shape[2], mla, sm_scale)
@@ -190,8 +189,7 @@ class PagedAttention:
         their cache slots by one kernel (models/fused_ops.py rope_qk_store) instead of rope_qk
         then the cache write: one launch a layer fewer. None where that kernel does not apply
         (the CPU, a cache not allocated yet, other dtypes): the caller takes the two-step path."""
-        if self._meta is None:
-            raise RuntimeError("PagedAttention: plan() must run before the forward pass")
+        self._check_planned()
         kc, vc = self.cache.k.get(layer), self.cache.v.get(layer)
         if kc is None or vc is None:
             return None
@@ -218,8 +216,7 @@ class PagedAttention:
         (models/fused_mla.py mla_rope_pack_store), then attention: the cache write's launch
         saved. None where that kernel does not apply (the CPU, a cache not allocated yet): the
         caller packs and calls the attention as before."""
-        if self._meta is None:
-            raise RuntimeError("PagedAttention: plan() must run before the forward pass")
+        self._check_planned()
         kc = self.cache.k.get(layer)
         if kc is None:
             return None
@@ -229,6 +226,10 @@ class PagedAttention:
         if qa is None:
             return None
         return self._run(self._plan_for(qa, 1, lat, True, sm_scale), qa, kc, None)
+
+    def _check_planned(self) -> None:
+        if self._meta is None:
+            raise RuntimeError("PagedAttention: plan() must run before the forward pass")
 
     def _run(self, plan: TreeAttentionPlan, q: torch.Tensor, kc, vc) -> torch.Tensor:
         # Rows of padding requests belong to no tree: the CUDA kernels zero them (no memset

@@ -122,14 +122,8 @@ def add_rmsnorm(
             and residual.is_contiguous()):  # fmt: skip
         summed = residual + x
         return norm(summed), summed
-    import triton
-
-    kernel = _triton()[0]
-    t, n = x.shape
-    y, r_out = torch.empty_like(x), torch.empty_like(x)
-    kernel[(t,)](x, residual, norm.weight, y, r_out, n, n, norm.eps,
-                 BLOCK=triton.next_power_of_2(n), HAS_RES=True, num_warps=4)  # fmt: skip
-    return y, r_out
+    r_out = torch.empty_like(x)
+    return _launch_norm(x, residual, r_out, norm), r_out
 
 
 def rmsnorm(
@@ -141,12 +135,20 @@ def rmsnorm(
     if not (_use_triton(x) and norm.weight.dtype == x.dtype and x.dim() == 2
             and x.stride(1) == 1):  # fmt: skip
         return norm(x)
+    return _launch_norm(x, None, None, norm)
+
+
+def _launch_norm(x, residual, r_out, norm) -> torch.Tensor:
+    """add_rmsnorm_kernel's launch: norm(x + residual) with the sum to r_out, or with residual
+    None norm(x) (x's rows may be strided); returns the normed rows, contiguous."""
     import triton
 
     t, n = x.shape
     y = x.new_empty(t, n)
-    _triton()[0][(t,)](x, x, norm.weight, y, y, n, x.stride(0), norm.eps,
-                       BLOCK=triton.next_power_of_2(n), HAS_RES=False, num_warps=4)  # fmt: skip
+    has_res = residual is not None
+    _triton()[0][(t,)](x, residual if has_res else x, norm.weight, y, r_out if has_res else y, n,
+                       x.stride(0), norm.eps, BLOCK=triton.next_power_of_2(n), HAS_RES=has_res,
+                       num_warps=4)  # fmt: skip
     return y
 
 

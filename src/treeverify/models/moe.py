@@ -224,8 +224,8 @@ class DeepseekMoE(nn.Module):
             )
             parts.append(f"grouped GEMMs with the Triton dispatch up to {most} pairs "
                          f"({bounds[self.fused_dispatch]})")  # fmt: skip
-        rest = "grouped GEMMs with the PyTorch dispatch (sm_90+; else gather/dense)"
-        parts.append(rest.replace("dispatch", "dispatch above", 1) if parts else rest)
+        above = " above" if parts else ""
+        parts.append(f"grouped GEMMs with the PyTorch dispatch{above} (sm_90+; else gather/dense)")
         return "MoE experts: " + ", ".join(parts)
 
     def _gemv_takes(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
