@@ -183,8 +183,7 @@ def rope_qk(
     hkv: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q (T, Hq, D) contiguous, k (T, Hkv, D)
     t, _, d = qkv.shape
-    if not (_use_triton(qkv) and qkv.is_contiguous() and d & (d - 1) == 0
-            and cos2.dtype == qkv.dtype):  # fmt: skip
+    if not _rope_fits(qkv, cos2, sin2):
         from treeverify.models.layers import apply_rope_tables
 
         qk = apply_rope_tables(qkv[:, : hq + hkv], cos2, sin2)  # (T, Hq+Hkv, D)
@@ -222,14 +221,22 @@ def rope_qk_store(
     runs rope_qk and the cache write."""
     t, _, d = qkv.shape
     fits = (
-        _use_triton(qkv) and qkv.is_contiguous() and d & (d - 1) == 0
-        and cos2.dtype == qkv.dtype and sin2.dtype == qkv.dtype
-        and k_cache.dtype == qkv.dtype and v_cache.dtype == qkv.dtype
+        _rope_fits(qkv, cos2, sin2) and k_cache.dtype == qkv.dtype and v_cache.dtype == qkv.dtype
         and k_cache.shape == v_cache.shape and tuple(k_cache.shape[-2:]) == (hkv, d)
         and k_cache.is_contiguous() and v_cache.is_contiguous()
         and slots.shape == (t,) and slots.dtype == torch.int64 and slots.is_contiguous()
     )  # fmt: skip
     return _launch_rope(qkv, cos2, sin2, hq, hkv, k_cache, slots, v_cache) if fits else None
+
+
+def _rope_fits(qkv: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> bool:
+    """rope_qk_kernel takes these: a GPU 16-bit contiguous qkv, a power-of-two head size, tables
+    of qkv's dtype."""
+    d = qkv.shape[2]
+    return (
+        _use_triton(qkv) and qkv.is_contiguous() and d & (d - 1) == 0
+        and cos2.dtype == qkv.dtype and sin2.dtype == qkv.dtype
+    )  # fmt: skip
 
 
 def _launch_rope(qkv, cos2, sin2, hq: int, hkv: int, k_out, slots=None, v_cache=None):
