@@ -2,7 +2,7 @@
 replaces: GPU us a call and HBM GB/s (the routed experts' weight bytes), for the gate|up and the
 down product of a decode-sized batch. Each call is timed inside a CUDA graph (20 calls a replay,
 so a Triton launch's host cost is not what is measured). The tile the engine uses is
-TREEVERIFY_MOE_GEMV_TILE (default moe_gemv.BN, BK, 4 warps).
+TREEVERIFY_MOE_GEMV_TILE (default moe_gemv.GATE_UP_TILE and DOWN_TILE).
 Usage (repo root): PYTHONPATH=src python3 scripts/moe_gemv_bench.py [--pairs 6,16] --json F"""
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def main() -> int:
                                   for r in best))  # fmt: skip
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "commit": _git_commit(),
-            "command": " ".join(sys.argv), "default_tile": list(moe_gemv.tile())}  # fmt: skip
+            "command": " ".join(sys.argv), "default_tile": {"gate_up": list(moe_gemv.tile(False)),
+                                                    "down": list(moe_gemv.tile(True))}}  # fmt: skip
     args.json.write_text(json.dumps(meta | {"rows": rows}, indent=1))
     return 0
 

@@ -123,7 +123,7 @@ def test_moe_experts_startup_line_names_each_path_and_bound():
     moe.gemv, moe.fused_dispatch = "auto", "auto"
     line = moe.describe()
     assert line.startswith(f"MoE experts: expert GEMVs up to {moe_gemv.AUTO_MAX_PAIRS} pairs "
-                           "(auto; tile ")  # fmt: skip
+                           "(auto; tiles gate_up / down ")  # fmt: skip
     assert f"Triton dispatch up to {fused_moe.AUTO_MAX_PAIRS} pairs (auto)" in line
     moe.gemv, moe.fused_dispatch = "1", "0"
     line = moe.describe()

@@ -215,9 +215,10 @@ class DeepseekMoE(nn.Module):
         parts = []
         if self.gemv != "0":
             most = moe_gemv.AUTO_MAX_PAIRS if self.gemv == "auto" else moe_gemv.MAX_PAIRS
-            bn, bk, warps = moe_gemv.tile()
-            parts.append(f"expert GEMVs up to {most} pairs ({bounds[self.gemv]}; tile {bn}x{bk}, "
-                         f"{warps} warps)")  # fmt: skip
+            tiles = " / ".join(f"{bn}x{bk} {warps} warps" for bn, bk, warps in
+                               (moe_gemv.tile(False), moe_gemv.tile(True)))  # fmt: skip
+            parts.append(f"expert GEMVs up to {most} pairs ({bounds[self.gemv]}; tiles gate_up / "
+                         f"down {tiles})")  # fmt: skip
         if self.fused_dispatch != "0":
             most = (
                 fused_moe.AUTO_MAX_PAIRS if self.fused_dispatch == "auto" else fused_moe.MAX_PAIRS

@@ -18,9 +18,10 @@ activation rounds to the input's dtype before the product as fused_ops.silu_mul 
 order differs from the grouped GEMM's, so outputs match it within bf16 rounding, not bit for bit
 (tests/test_moe_gemv_interpret.py on the CPU interpreter, tests/test_fused_moe_gpu.py on a GPU).
 
-Measured on the H200 (f00918d, docs/performance.md): ~25 us a GEMV call at b=1 (~43% of HBM;
-the tile untuned: TREEVERIFY_MOE_GEMV_TILE, scripts/moe_gemv_bench.py), the decode replay 1.426 ->
-1.287 ms, the engine step 1.569 -> 1.523 ms.
+Measured on the H200 (docs/performance.md): with a first-guess tile (f00918d) ~25 us a GEMV call
+at b=1 (~43% of HBM), the decode replay 1.426 -> 1.287 ms, the engine step 1.569 -> 1.523 ms; the
+tile sweep (43b3363, scripts/moe_gemv_bench.py) then found 9-19 us a call (~3.6 TB/s, ~75% of
+HBM) for the GATE_UP_TILE / DOWN_TILE below.
 
 A pair reads its expert's weights whether or not another pair routed to the same expert, so this
 pays only while pairs rarely share experts: batches of at most MAX_PAIRS pairs
@@ -33,8 +34,12 @@ import functools
 
 import torch
 
-BN = 32  # weight rows a program reads
-BK = 128  # columns a tile reads
+# (weight rows a program reads, columns a tile reads, warps), per GEMM: the fastest of 22 tiles
+# on the H200 for random:mla-moe at 6 and 12 pairs, and near the best for a Kimi-sized expert
+# (scripts/moe_gemv_bench.py, 43b3363, bench_results/2026-12-04-h200-43b3363-moe_gemv_bench.json):
+# gate_up 32.4 -> 19.3 us, down 12.8 -> 9.2 us at 6 pairs against the first guess (32, 128, 4).
+GATE_UP_TILE = (16, 128, 8)
+DOWN_TILE = (16, 256, 8)
 AUTO_MAX_PAIRS = 16  # "auto": decode of <= 2 requests at k = 6 (no expert read twice at b=1)
 MAX_PAIRS = 512  # "1": an A/B bound, the fused dispatch's auto bound
 
@@ -97,12 +102,13 @@ def takes(mode: str, x: torch.Tensor, idx: torch.Tensor, w_gate_up: torch.Tensor
 
 
 @functools.cache
-def tile() -> tuple[int, int, int]:
-    """(rows, columns, warps) a program takes: TREEVERIFY_MOE_GEMV_TILE "BN,BK,WARPS" (an A/B
-    of the tile, scripts/moe_gemv_bench.py), else (BN, BK, 4). Read once a process."""
+def tile(act: bool = False) -> tuple[int, int, int]:
+    """(rows, columns, warps) a program of the gate_up (act False) or down (act True) GEMV
+    takes: TREEVERIFY_MOE_GEMV_TILE "BN,BK,WARPS" for both (an A/B of the tile,
+    scripts/moe_gemv_bench.py), else GATE_UP_TILE / DOWN_TILE. Read once a process."""
     from treeverify import env
 
-    return env.moe_gemv_tile() or (BN, BK, 4)
+    return env.moe_gemv_tile() or (DOWN_TILE if act else GATE_UP_TILE)
 
 
 def expert_gemv(
@@ -110,11 +116,11 @@ def expert_gemv(
     idx: torch.Tensor,  # (T, k) int64 expert of each pair, pairs in (token, slot) order
     weight: torch.Tensor,  # (E, N, K) stacked expert weights, contiguous
     act: bool = False,
-    tiles: tuple[int, int, int] | None = None,  # (BN, BK, warps); None: tile()
+    tiles: tuple[int, int, int] | None = None,  # (BN, BK, warps); None: tile(act)
     counts: torch.Tensor | None = None,  # (E,) int64: each pair adds 1 (or valid) in place
     valid: torch.Tensor | None = None,  # (T,) bool: what a pair adds to `counts`
 ) -> torch.Tensor:  # (P, N) in x's dtype
-    bn, bk, warps = tiles or tile()
+    bn, bk, warps = tiles or tile(act)
     k = idx.shape[1]
     p, n = idx.numel(), weight.shape[1]
     kk = weight.shape[2]
