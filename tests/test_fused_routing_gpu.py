@@ -43,6 +43,18 @@ def test_fused_routing_equals_select_experts_on_the_gpu(layout, tokens):
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens", [1, 6, 64, 65])
+def test_router_logits_equal_the_fp32_linear_on_the_gpu(tokens):
+    """The router GEMV (models/fused_routing.py `logits`) on random:mla-moe's shape, bf16 rows
+    against the fp32 router weight; 65 rows take the F.linear path (LOGITS_MAX_ROWS)."""
+    g = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    x = torch.randn(tokens, 2048, generator=g, device="cuda").bfloat16()
+    w = torch.randn(64, 2048, generator=g, device="cuda") * 0.02
+    want = torch.nn.functional.linear(x.float(), w)
+    got = fused_routing.logits(x, w)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_an_engine_with_fused_routing_captures_and_matches_eager(monkeypatch):
     from treeverify.engine.llm import LLM
     from treeverify.engine.sampling_params import SamplingParams

@@ -24,6 +24,7 @@ from treeverify.models.random_shapes import RANDOM_SHAPES  # noqa: E402
 from treeverify.models.tiny import tiny_kimi_config  # noqa: E402
 
 interpreted_kernel = cache_cleared(fused_routing._kernel)  # decorated under the interpreter
+interpreted_logits = cache_cleared(fused_routing._logits_kernel)
 
 
 def _configs():
@@ -67,3 +68,22 @@ def test_unfusable_groups_are_refused_by_name():
     assert not fused_routing.fusable(cfg)
     with pytest.raises(ValueError, match="cfg"):
         fused_routing.route(torch.randn(1, 48), cfg, torch.zeros(48))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_router_logits_equal_the_fp32_linear(dtype, tokens):
+    """The one-launch router GEMV against F.linear in fp32: 70 experts (a partial last program),
+    1000 hidden columns (a partial last tile), x in the model's dtype, fresh random values."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    x = torch.randn(tokens, 1000, generator=g).to(dtype)
+    w = torch.randn(70, 1000, generator=g) * 0.02
+    want = torch.nn.functional.linear(x.float(), w)
+    got = fused_routing.logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (tokens, 70)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_router_logits_name_a_mismatched_input():
+    with pytest.raises(ValueError, match="x: expected"):
+        fused_routing.logits(torch.randn(2, 64), torch.randn(8, 32))

@@ -14,6 +14,9 @@ does the same selection in registers:
             weight its unbiased score; normalised to sum 1 (norm_topk_prob), times
             routed_scaling_factor
 
+At decode sizes the router's logits come from one Triton GEMV too (`logits`: fp32 sums, one
+launch instead of cuBLAS's four for one row).
+
 The same experts in the same (descending) order as `torch.topk` whenever no two choices tie
 exactly; weights equal up to float summation order (tests/test_fused_routing_interpret.py on the
 CPU interpreter). Groups must hold a power-of-two number of experts (every DeepSeek-V3 / Kimi
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from treeverify.models.config import DeepseekV3Config
 
@@ -103,6 +107,64 @@ def _kernel():
     return route_kernel
 
 
+# One warp a token: the ~60 reductions over <= 256 experts are then shuffles, no shared-memory
+# round trips and barriers (the default 4 warps: 6.2 us a call for 64 experts on the H200).
+ROUTE_WARPS = 1
+LOGITS_MAX_ROWS = 64  # above: cuBLAS (each program here re-reads its weight rows per token)
+LOGITS_ROWS = 4  # experts a logits program sums: 16 programs a token for 64 experts
+LOGITS_COLS = 512  # hidden columns a tile reads
+
+
+@functools.cache
+def _logits_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def logits_kernel(X, Wt, L, E, H, x_stride, BE: tl.constexpr, BH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BE + tl.arange(0, BE)  # (BE,) experts
+        live = rows < E
+        acc = tl.zeros([BE], dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            cols = h0 + tl.arange(0, BH)
+            cm = cols < H
+            x = tl.load(X + t * x_stride + cols, mask=cm, other=0.0).to(tl.float32)  # (BH,)
+            w = tl.load(Wt + rows.to(tl.int64)[:, None] * H + cols[None, :],
+                        mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            acc += tl.sum(w * x[None, :], axis=1)
+        tl.store(L + t * E + rows, acc, mask=live)
+
+    return logits_kernel
+
+
+def logits(
+    x: torch.Tensor,  # (T, H) hidden rows, any float dtype
+    weight: torch.Tensor,  # (E, H) router weight (fp32 as DeepSeek keeps it)
+) -> torch.Tensor:  # (T, E) fp32
+    """The router's logits x W^T in fp32, one Triton launch for T <= LOGITS_MAX_ROWS rows.
+
+    F.linear(x.float(), weight.float()) at batch 1 was four launches on the H200 (x's fp32
+    copy, cuBLAS's dot, its block reduce and a copy back: ~7 us a layer, 2026-12-04 decode
+    profile); here one, each program summing LOGITS_ROWS experts' rows in fp32. More rows (a
+    prefill) go to F.linear. The sums' order differs from cuBLAS's: equal within fp32
+    rounding, not bit for bit."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x: expected (T, {weight.shape[-1]}) for a router weight of shape "
+                         f"{tuple(weight.shape)}, got {tuple(x.shape)}")  # fmt: skip
+    t, h = x.shape
+    e = weight.shape[0]
+    if t > LOGITS_MAX_ROWS or x.stride(1) != 1:
+        return F.linear(x.float(), weight.float())
+    weight = weight.contiguous()
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if t:
+        grid = (t, -(-e // LOGITS_ROWS))
+        _logits_kernel()[grid](x, weight, out, e, h, x.stride(0), BE=LOGITS_ROWS,
+                               BH=LOGITS_COLS, num_warps=4)  # fmt: skip
+    return out
+
+
 def describe(fused: bool) -> str:
     """One line for the startup log and /server_info: which path MoE routing takes on a GPU."""
     if fused:
@@ -146,5 +208,6 @@ def route(
         logits, b, idx, w, E=e, EP=_pow2(e), K=k, KP=_pow2(k), G=g, GP=_pow2(g), GS=e // g,
         TOPK_GROUP=cfg.topk_group if grouped else 1, SIGMOID=cfg.scoring_func == "sigmoid",
         NOAUX=noaux, TOP2=noaux, NORM=cfg.norm_topk_prob, scale=float(cfg.routed_scaling_factor),
+        num_warps=ROUTE_WARPS if e <= 256 else 4,
     )  # fmt: skip
     return idx, w

@@ -77,9 +77,10 @@ class Router(nn.Module):
         self.fused = env.fused_routing() and fused_routing.fusable(cfg) and triton_available()
 
     def forward(self, x: torch.Tensor):  # x (T, hidden)
-        logits = F.linear(x.float(), self.weight.float())  # (T, E)
-        if self.fused and logits.is_cuda:
+        if self.fused and x.is_cuda:
+            logits = fused_routing.logits(x, self.weight)  # (T, E) fp32
             return fused_routing.route(logits, self.cfg, self.e_score_correction_bias)
+        logits = F.linear(x.float(), self.weight.float())  # (T, E)
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
 
 
