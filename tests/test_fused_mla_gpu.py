@@ -89,3 +89,33 @@ def test_engine_greedy_equal_with_the_cache_write_in_the_pack_kernel(monkeypatch
         del llm
         torch.cuda.empty_cache()
     assert tokens["0"] == tokens["1"]
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_q_a_and_kv_a_as_one_product_equal_the_two(t):
+    """MLAttention.a_projections: one GEMV over q_a_proj | kv_a_proj_with_mqa equals the two
+    projections (bit for bit at one row: the decode GEMV sums each output row alone), the two
+    weights become views into the fused one, and a weight load afterwards is seen by it."""
+    from treeverify.models.deepseek_v3 import MLAttention
+    from treeverify.models.random_shapes import RANDOM_SHAPES
+
+    cfg = RANDOM_SHAPES["random:mla-moe"]()
+    attn = MLAttention(cfg, 0).cuda().to(BF16)
+    g = torch.Generator(device="cuda").manual_seed(t)
+    for lin in (attn.q_a_proj, attn.kv_a_proj_with_mqa):
+        lin.weight.data.copy_(torch.randn(lin.weight.shape, device="cuda", generator=g) * 0.02)
+    x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).to(BF16)
+    want = (attn.q_a_proj(x), attn.kv_a_proj_with_mqa(x))
+    got = attn.a_projections(x)
+    assert got is not None and attn._a_weight is not None
+    assert attn.q_a_proj.weight.data_ptr() == attn._a_weight.data_ptr()
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        if t == 1:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b)
+    new = torch.randn(attn.kv_a_proj_with_mqa.weight.shape, device="cuda", generator=g) * 0.02
+    attn.load_state_dict({"kv_a_proj_with_mqa.weight": new.to(BF16)}, strict=False)
+    got = attn.a_projections(x)
+    torch.testing.assert_close(got[1], x @ new.to(BF16).T, rtol=2e-2, atol=2e-2)
