@@ -224,6 +224,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_SPLIT_BALANCE",
         "TREEVERIFY_CUDA_SPLIT_ORDER",
         "TREEVERIFY_CUDA_PDL",
+        "TREEVERIFY_DECODE_GEMV_PDL",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         "TREEVERIFY_CUDA_TMA_MIN_PAGE",
@@ -323,3 +324,13 @@ def test_moe_gemv_tile(monkeypatch):
         monkeypatch.setenv("TREEVERIFY_MOE_GEMV_TILE", bad)
         with pytest.raises(ValueError, match="TREEVERIFY_MOE_GEMV_TILE"):
             env.moe_gemv_tile()
+
+
+def test_decode_gemv_pdl_switch(monkeypatch):
+    monkeypatch.delenv("TREEVERIFY_DECODE_GEMV_PDL", raising=False)
+    assert env.decode_gemv_pdl() == "auto"
+    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV_PDL", "no")
+    assert env.decode_gemv_pdl() == "0"
+    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV_PDL", "sometimes")
+    with pytest.raises(ValueError, match="TREEVERIFY_DECODE_GEMV_PDL"):
+        env.decode_gemv_pdl()

@@ -62,3 +62,40 @@ def test_more_rows_than_the_gemv_take_cublas():
     x = torch.randn(gemv_mod.GEMV_MAX_ROWS + 1, 128, device="cuda").to(torch.bfloat16)
     assert not gemv_mod.uses_gemv(x, w)
     torch.testing.assert_close(gemv_mod.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
+    """The GEMV by programmatic dependent launch starts while the Triton norm before it runs
+    (TREEVERIFY_DECODE_GEMV_PDL auto on sm_90+): it must still read the norm's finished output.
+    A captured chain norm -> GEMV -> norm -> GEMV, each replay on fresh inputs (a stale or
+    half-written x would show), against the same chain run eagerly with PDL's launches too."""
+    from treeverify.models.fused_ops import add_rmsnorm
+    from treeverify.models.layers import RMSNorm
+
+    index = torch.cuda.current_device()
+    assert gemv_mod.pdl(index) == (torch.cuda.get_device_capability(index)[0] >= 9)
+    h = 2048
+    norms = [RMSNorm(h, 1e-6).cuda().to(torch.bfloat16) for _ in range(2)]
+    for nm in norms:
+        nm.weight.data.uniform_(0.5, 1.5)
+    ws = [(torch.randn(h, h, device="cuda") / h**0.5).bfloat16() for _ in range(2)]
+    x = torch.empty(1, h, device="cuda", dtype=torch.bfloat16)
+    res = torch.empty_like(x)
+
+    def chain():
+        y, r = add_rmsnorm(x, res, norms[0])
+        y = gemv_mod.gemv(y, ws[0])
+        y, _ = add_rmsnorm(y, r, norms[1])
+        return gemv_mod.gemv(y, ws[1])
+
+    x.normal_(), res.normal_()
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(5):
+        x.normal_(), res.normal_()
+        want = chain().clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)

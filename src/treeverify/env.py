@@ -21,6 +21,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   launch on sm_90+: ``auto`` (default; where the forward grid fits in one wave, v13b: 1.04-1.09x
   on the small cases, while on multi-wave grids the merge's early CTAs took SM slots from the
   forward, 0.93x), ``1`` (always) or ``0`` (never).
+- ``TREEVERIFY_DECODE_GEMV_PDL``: the decode GEMV (models/gemv.py) by programmatic dependent
+  launch on sm_90+, its weight loads overlapping the kernel before it: ``auto`` (default, on),
+  ``1`` or ``0`` (plain launches, A/B runs).
 - ``TREEVERIFY_CUDA_SPLIT_ORDER``: which requests a balanced plan's later splits serve first:
   ``longest`` (default since v27: longest first, batches of <= 32; the longest remainders
   start as the first splits end; SGLang's page-1 GQA batch 1.09x, mixed-length grid 1.014x)
@@ -138,6 +141,8 @@ VARIABLES: dict[str, str] = {
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
+    "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "
+    "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
     "(default; the longest requests' remainders start first; batches <= 32) or request.",
     "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "Bound on the CUDA token merge kernel's grid (default "
@@ -412,6 +417,14 @@ def decode_gemv() -> bool:
     """TREEVERIFY_DECODE_GEMV: 0 turns the decode GEMV (models/gemv.py) off, every linear layer
     back on cuBLAS (an A/B, or an escape hatch); default on. Read once per process."""
     return _switch("TREEVERIFY_DECODE_GEMV", "1")
+
+
+def decode_gemv_pdl() -> str:
+    """TREEVERIFY_DECODE_GEMV_PDL: the decode GEMV by programmatic dependent launch, its weight
+    loads issued before it waits for the kernel before it, and the Triton norms and activation
+    before it signalling their dependents as they start (models/gemv.py): auto (default: on
+    sm_90+), 1 (the same) or 0 (plain launches, an A/B). Read once per process."""
+    return _auto_switch("TREEVERIFY_DECODE_GEMV_PDL")
 
 
 def fused_mla_rope() -> bool:

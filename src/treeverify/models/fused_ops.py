@@ -52,10 +52,18 @@ def _build_kernels():
     import triton
     import triton.language as tl
 
+    try:  # Triton >= 3.3: griddepcontrol.launch_dependents
+        from triton.language.extra.cuda import gdc_launch_dependents
+    except ImportError:  # pragma: no cover - older Triton: PDL stays off (_pdl)
+        gdc_launch_dependents = None
+
     @triton.jit
     def add_rmsnorm_kernel(X, R, W, Y, ROut, n, x_row, eps, BLOCK: tl.constexpr,
-                           HAS_RES: tl.constexpr):  # fmt: skip
+                           HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         # HAS_RES: Y = norm(X + R), ROut = X + R; else Y = norm(X) (X rows x_row apart).
+        # PDL: a decode GEMV launched after this kernel may start now (it waits for our writes).
+        if PDL:
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -100,7 +108,9 @@ def _build_kernels():
             tl.store(VC + (row * hkv + (h - hq - hkv)) * D + d, tl.load(src + d))
 
     @triton.jit
-    def silu_mul_kernel(GU, Y, n, BLOCK: tl.constexpr):
+    def silu_mul_kernel(GU, Y, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # as in add_rmsnorm_kernel: the down GEMV may start loading its weights
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < n
@@ -111,6 +121,25 @@ def _build_kernels():
         tl.store(Y + row * n + cols, (a * u).to(dt), mask=m)
 
     return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel
+
+
+def _pdl(x: torch.Tensor) -> bool:
+    """Whether a norm / activation kernel on x's device signals its dependents early: the decode
+    GEMV after it goes out by programmatic dependent launch (models/gemv.py `pdl`)."""
+    if not x.is_cuda:
+        return False
+    return _pdl_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    from treeverify.models import gemv
+
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents  # noqa: F401
+    except ImportError:
+        return False
+    return gemv.enabled() and gemv.pdl(device_index)
 
 
 def add_rmsnorm(
@@ -148,7 +177,7 @@ def _launch_norm(x, residual, r_out, norm) -> torch.Tensor:
     has_res = residual is not None
     _triton()[0][(t,)](x, residual if has_res else x, norm.weight, y, r_out if has_res else y, n,
                        x.stride(0), norm.eps, BLOCK=triton.next_power_of_2(n), HAS_RES=has_res,
-                       num_warps=4)  # fmt: skip
+                       PDL=_pdl(x), num_warps=4)  # fmt: skip
     return y
 
 
@@ -201,7 +230,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (..., 2I) -> (..., I)
     t, n = gate_up.numel() // n2, n2 // 2
     y = gate_up.new_empty(*lead, n)
     block = 1024
-    kernel[(t, (n + block - 1) // block)](gate_up, y, n, BLOCK=block, num_warps=4)
+    kernel[(t, (n + block - 1) // block)](gate_up, y, n, BLOCK=block, PDL=_pdl(gate_up),
+                                          num_warps=4)  # fmt: skip
     return y
 
 

@@ -43,6 +43,16 @@ def enabled() -> bool:
 
 
 @functools.cache
+def pdl(device_index: int) -> bool:
+    """Whether the decode GEMV goes out by programmatic dependent launch on this device (and the
+    Triton kernels that feed it signal their dependents early, models/fused_ops.py):
+    TREEVERIFY_DECODE_GEMV_PDL not 0, and sm_90+. Read once per process and device."""
+    from treeverify import env
+
+    return env.decode_gemv_pdl() != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.cache
 def _kernel(device_index: int, m: int, dtype: torch.dtype):
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DecodeGemvVariant
@@ -98,7 +108,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     kernel = _kernel(index, m, x.dtype)
     grid = (-(-n // ROWS_PER_CTA), 1, 1)
     with torch.cuda.device(dev):  # the launch goes to the current context's device
-        kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream)
+        kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,
+                      programmatic=pdl(index))  # fmt: skip
     return y
 
 

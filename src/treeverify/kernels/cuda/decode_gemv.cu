@@ -60,6 +60,30 @@ __device__ __forceinline__ unsigned short from_float(float f) {
   }
 }
 
+// Programmatic dependent launch (models/gemv.py launches this kernel with it on sm_90+): the
+// kernel may start while the one before it still runs; it waits for that kernel (its writes
+// visible) before reading x, and lets the kernel after it start once it is past that wait.
+// No-ops where the launch did not ask for it, and below sm_90.
+__device__ __forceinline__ void gemv_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gemv_pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void load_weights(const uint4* wr, int base, int kv,
+                                             uint4 (&wv)[kGemvUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {  // every load issued before any is used
+    const int i = base + 32 * u;
+    wv[u] = i < kv ? ld_stream(wr + i) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 template <int M, bool BF16>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     decode_gemv(const unsigned short* __restrict__ x, long long x_stride,
@@ -74,13 +98,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  // The weights depend on no earlier kernel: the first tile's loads go out before the wait,
+  // overlapping the kernel before this one (a whole row where K <= 2048).
+  uint4 wv[kGemvUnroll];
+  load_weights(wr, lane, kv, wv);
+  gemv_pdl_wait();
+  gemv_pdl_trigger();
   for (int base = lane; base < kv; base += 32 * kGemvUnroll) {
-    uint4 wv[kGemvUnroll];
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {  // every load issued before any is used
-      const int i = base + 32 * u;
-      wv[u] = i < kv ? ld_stream(wr + i) : make_uint4(0, 0, 0, 0);
-    }
+    if (base != lane) load_weights(wr, base, kv, wv);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int i = base + 32 * u;
