@@ -44,6 +44,26 @@ def test_rmsnorm_of_strided_rows(t, h, extra):
     torch.testing.assert_close(y.float(), want, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("t", [1, 17])
+def test_rmsnorm_pair_equals_the_two_norms(t):
+    """fused_ops.rmsnorm_pair on random:mla-moe's fused a-projection (1536 | 512 | 64): both
+    ranges against F.rms_norm in fp32 (one bf16 rounding), and the first bit-equal to
+    rmsnorm's kernel (the same arithmetic over the same block)."""
+    from treeverify.models.fused_ops import rmsnorm_pair
+
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, 1536 + 512 + 64, device="cuda", generator=g).to(BF16)
+    norms = [RMSNorm(1536, 1e-6).cuda().to(BF16), RMSNorm(512, 1e-6).cuda().to(BF16)]
+    for nm in norms:
+        nm.weight.data.normal_(1.0, 0.1, generator=g)
+    a, b = rmsnorm_pair(x, *norms)
+    assert a.shape == (t, 1536) and b.shape == (t, 512) and a.is_contiguous()
+    for got, nm, part in ((a, norms[0], x[:, :1536]), (b, norms[1], x[:, 1536:2048])):
+        want = F.rms_norm(part.float(), (part.shape[1],), nm.weight.float(), 1e-6)
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+    assert torch.equal(a, rmsnorm(x[:, :1536], norms[0]))
+
+
 @pytest.mark.parametrize("t,hq,hkv,d", [(1, 32, 8, 64), (5, 32, 8, 128), (17, 4, 2, 64)])
 def test_rope_qk(t, hq, hkv, d):
     g = torch.Generator(device="cuda").manual_seed(t + d)

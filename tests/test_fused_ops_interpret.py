@@ -7,6 +7,8 @@ tests/test_fused_ops_gpu.py runs the kernel compiled on a GPU, through the publi
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from triton_interpreter import cache_cleared, interpret_on_cpu
@@ -77,3 +79,27 @@ def test_rmsnorm_of_a_strided_view_and_add_rmsnorm_equal_the_pytorch_norm():
     want2 = torch.nn.functional.rms_norm((r + xc).float(), (96,), norm.weight.float(), 1e-6)
     torch.testing.assert_close(y2.float(), want2, rtol=1e-2, atol=1e-2)
     assert torch.equal(fused_ops.rmsnorm(x, norm), norm(x))  # the CPU keeps PyTorch's norm
+
+
+def test_rmsnorm_pair_norms_both_ranges_of_a_strided_row():
+    """rmsnorm_pair's kernel: MLA's q_a and kv_a norms of one fused product (48 | 32 | 8 columns
+    here, rows 100 apart) in one launch, each range by its own weight and eps, fresh values."""
+    from treeverify.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    wide = torch.randn(3, 100, generator=g).to(torch.float16)
+    x = wide[:, :88]  # (T, Q + L + R) with Q 48, L 32, R 8: rows 100 apart
+    norms = [RMSNorm(48, 1e-6).to(torch.float16), RMSNorm(32, 1e-5).to(torch.float16)]
+    for nm in norms:
+        nm.weight.data = (1 + 0.1 * torch.randn(nm.weight.shape, generator=g)).half()
+    y1 = torch.full((3, 48), float("nan"), dtype=torch.float16)
+    y2 = torch.full((3, 32), float("nan"), dtype=torch.float16)
+    kernel = fused_ops._triton()[3]  # decorated under the interpreter
+    kernel[(3, 2)](x, norms[0].weight, norms[1].weight, y1, y2, 48, 32, x.stride(0), 1e-6, 1e-5,
+                   BLOCK=64, PDL=False)  # fmt: skip
+    for got, nm, part in ((y1, norms[0], x[:, :48]), (y2, norms[1], x[:, 48:80])):
+        want = torch.nn.functional.rms_norm(part.float(), (part.shape[1],), nm.weight.float(),
+                                            nm.eps)  # fmt: skip
+        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    a, b = fused_ops.rmsnorm_pair(x, *norms)  # the CPU: PyTorch's two norms
+    assert torch.equal(a, norms[0](x[:, :48])) and torch.equal(b, norms[1](x[:, 48:80]))

@@ -22,7 +22,7 @@ from treeverify import env
 from treeverify.kernels.api import triton_available
 from treeverify.models import fused_mla
 from treeverify.models.config import DeepseekV3Config
-from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rmsnorm
+from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rmsnorm, rmsnorm_pair
 from treeverify.models.gemv import Linear, linear
 from treeverify.models.layers import (
     MLP,
@@ -59,10 +59,10 @@ class MLAttention(nn.Module):
         self.fused_rope = env.fused_mla_rope() and triton_available()
         self._a_weight: torch.Tensor | None = None  # see a_projections
 
-    def a_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(q_a_proj(x) (T, Q), kv_a_proj_with_mqa(x) (T, L+R)) as strided views of one product:
-        on a GPU both read the same x, so one weight (Q + L + R, h) = one GEMV launch instead of
-        two (random:mla-moe: 2112 x 2048, 8.7 MB, the decode GEMV's range). The two Linear
+    def a_projections(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[q_a_proj(x) | kv_a_proj_with_mqa(x)] (T, Q + L + R) as one product: on a GPU both
+        read the same x, so one weight (Q + L + R, h) = one GEMV launch instead of two
+        (random:mla-moe: 2112 x 2048, 8.7 MB, the decode GEMV's range). The two Linear
         weights become views into it on first use outside a capture (no copy kept twice); a later
         `.to()` or weight load that re-points either one is noticed (the views no longer alias)
         and the pair fused again. None: the CPU, no q_a_proj, or inside a capture before any
@@ -84,23 +84,25 @@ class MLAttention(nn.Module):
             w = torch.cat((qa.data, kva.data))  # (Q + L + R, h)
             qa.data, kva.data = w[:q_rows], w[q_rows:]
             self._a_weight = w
-        y = linear(x, w)  # (T, Q + L + R)
-        return y[:, :q_rows], y[:, q_rows:]
+        return linear(x, w)  # (T, Q + L + R)
 
     def forward(self, x, cos, sin, attention: Attention, absorbed: bool = True):
         cfg, t, nh = self.cfg, x.shape[0], self.nh
         n, r, lat, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
-        fused_a = self.a_projections(x)
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+        fused_a = self.a_projections(x)  # (T, Q + L + R) or None
+        if fused_a is not None:  # both norms in one launch, read in place
+            q_a, ckv = rmsnorm_pair(fused_a, self.q_a_layernorm, self.kv_a_layernorm)
+            q = self.q_b_proj(q_a)
+            k_pe = fused_a[:, -r:]  # (T, R) strided
         else:
-            q_a = fused_a[0] if fused_a else self.q_a_proj(x)  # (T, Q), rows maybe strided
-            q = self.q_b_proj(rmsnorm(q_a, self.q_a_layernorm))
+            if cfg.q_lora_rank is None:
+                q = self.q_proj(x)
+            else:
+                q = self.q_b_proj(rmsnorm(self.q_a_proj(x), self.q_a_layernorm))
+            ckv, k_pe = self.kv_a_proj_with_mqa(x).split([lat, r], dim=-1)  # (T, L), (T, R)
+            ckv = rmsnorm(ckv, self.kv_a_layernorm)  # read in place from the strided split
         q = q.view(t, nh, n + r)  # (T, H, N+R)
         q_nope, q_pe = q[..., :n], q[..., n:]
-        kv_a = fused_a[1] if fused_a else self.kv_a_proj_with_mqa(x)  # (T, L+R)
-        ckv, k_pe = kv_a.split([lat, r], dim=-1)  # (T, L), (T, R)
-        ckv = rmsnorm(ckv, self.kv_a_layernorm)  # read in place from the strided split
         w = self.kv_b_proj.weight.view(nh, n + dv, lat)  # (H, N+Dv, L)
         rope = functools.partial(apply_rope, cos=cos, sin=sin, interleave=cfg.rope_interleave)
         if absorbed:

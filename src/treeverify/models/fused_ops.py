@@ -80,6 +80,29 @@ def _build_kernels():
         tl.store(Y + row * n + cols, (sf * rstd * w).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
+    def rmsnorm_pair_kernel(X, W1, W2, Y1, Y2, n1, n2, x_row, eps1, eps2, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):  # fmt: skip
+        # Program (row, seg): seg 0 norms X[row, :n1] by W1 into Y1, seg 1 X[row, n1:n1+n2] by
+        # W2 into Y2; add_rmsnorm_kernel's arithmetic (HAS_RES off) on each segment.
+        if PDL:
+            gdc_launch_dependents()
+        row = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) == 0
+        n = tl.where(first, n1, n2)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n
+        m1 = cols < tl.where(first, n, 0)  # this segment's columns, where it is the first
+        m2 = cols < tl.where(first, 0, n)
+        x = tl.load(X + row * x_row + tl.where(first, 0, n1) + cols, mask=m, other=0.0)
+        sf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n + tl.where(first, eps1, eps2))
+        w = tl.load(W1 + cols, mask=m1, other=0.0).to(tl.float32) + tl.load(
+            W2 + cols, mask=m2, other=0.0).to(tl.float32)  # fmt: skip
+        y = (sf * rstd * w).to(Y1.dtype.element_ty)
+        tl.store(Y1 + row * n1 + cols, y, mask=m1)
+        tl.store(Y2 + row * n2 + cols, y, mask=m2)
+
+    @triton.jit
     def rope_qk_kernel(QKV, C, S, Q, K, Slots, VC, hq, hkv, D: tl.constexpr,
                        HALF: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
         # Program (t, h): head h of token t. STORE: k goes to its cache slot (K is the cache)
@@ -120,7 +143,7 @@ def _build_kernels():
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu rounds, then the product
         tl.store(Y + row * n + cols, (a * u).to(dt), mask=m)
 
-    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel
+    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel, rmsnorm_pair_kernel
 
 
 def _pdl(x: torch.Tensor) -> bool:
@@ -165,6 +188,28 @@ def rmsnorm(
             and x.stride(1) == 1):  # fmt: skip
         return norm(x)
     return _launch_norm(x, None, None, norm)
+
+
+def rmsnorm_pair(
+    x: torch.Tensor,  # (T, >= H1 + H2); rows may be strided, columns contiguous
+    norm1,  # an RMSNorm module of H1 = norm1.weight.numel() columns
+    norm2,  # an RMSNorm module of H2 columns
+) -> tuple[torch.Tensor, torch.Tensor]:  # norm1(x[:, :H1]) (T, H1), norm2(x[:, H1:H1+H2]) (T, H2)
+    """Two RMSNorms of one row's adjacent column ranges in one launch on a GPU (MLA's q_a and
+    kv_a norms of the fused a-projection, models/deepseek_v3.py): outputs contiguous."""
+    n1, n2 = norm1.weight.numel(), norm2.weight.numel()
+    if not (_use_triton(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] >= n1 + n2
+            and norm1.weight.dtype == norm2.weight.dtype == x.dtype):  # fmt: skip
+        return norm1(x[:, :n1]), norm2(x[:, n1 : n1 + n2])
+    import triton
+
+    t = x.shape[0]
+    y1, y2 = x.new_empty(t, n1), x.new_empty(t, n2)
+    if t:
+        _triton()[3][(t, 2)](x, norm1.weight, norm2.weight, y1, y2, n1, n2, x.stride(0),
+                             norm1.eps, norm2.eps, BLOCK=triton.next_power_of_2(max(n1, n2)),
+                             PDL=_pdl(x), num_warps=4)  # fmt: skip
+    return y1, y2
 
 
 def _launch_norm(x, residual, r_out, norm) -> torch.Tensor:
