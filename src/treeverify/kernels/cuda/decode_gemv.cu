@@ -12,6 +12,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "pdl.cuh"
+
 namespace treeverify {
 
 constexpr int kGemvWarps = 8;
@@ -60,25 +62,11 @@ __device__ __forceinline__ unsigned short from_float(float f) {
   }
 }
 
-// Programmatic dependent launch (models/gemv.py launches this kernel with it on sm_90+): the
-// kernel may start while the one before it still runs; it waits for that kernel (its writes
-// visible) before reading x, and lets the kernel after it start once it is past that wait.
-// No-ops where the launch did not ask for it, and below sm_90.
-__device__ __forceinline__ void gemv_pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void gemv_pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
+// One tile of a weight row: UNROLL 16-byte loads a lane, all in flight before any is used.
 __device__ __forceinline__ void load_weights(const uint4* wr, int base, int kv,
                                              uint4 (&wv)[kGemvUnroll]) {
 #pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u) {  // every load issued before any is used
+  for (int u = 0; u < kGemvUnroll; ++u) {
     const int i = base + 32 * u;
     wv[u] = i < kv ? ld_stream(wr + i) : make_uint4(0, 0, 0, 0);
   }
@@ -98,12 +86,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  // The weights depend on no earlier kernel: the first tile's loads go out before the wait,
-  // overlapping the kernel before this one (a whole row where K <= 2048).
+  // Programmatic dependent launch (models/gemv.py, on sm_90+): this kernel may start while
+  // the one before it still runs. The weights depend on no earlier kernel, so the first tile's
+  // loads go out before the wait (a whole row where K <= 2048); x is read after it.
   uint4 wv[kGemvUnroll];
   load_weights(wr, lane, kv, wv);
-  gemv_pdl_wait();
-  gemv_pdl_trigger();
+  pdl_wait();
+  pdl_trigger();
   for (int base = lane; base < kv; base += 32 * kGemvUnroll) {
     if (base != lane) load_weights(wr, base, kv, wv);
 #pragma unroll

@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "pdl.cuh"
+
 namespace treeverify {
 
 #define TV_INF __int_as_float(0x7f800000)  // NVRTC has no <math.h> INFINITY
@@ -178,16 +180,7 @@ __device__ __forceinline__ int cta_split(const TreeAttnParams& p) {
 // whether they have anything to merge (most exit) and wait for the forward grid to finish and
 // its writes to be visible only before reading the partials. No-ops in a normal launch and
 // before sm_90.
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
+// (pdl_trigger / pdl_wait: pdl.cuh.)
 
 // Keys of the whole batch, sum over requests of P_b + T_b (the balanced split rule below, the
 // GQA ping-pong kernel's producer choice). Every warp computes it for itself, lanes over
