@@ -102,3 +102,50 @@ def test_moe_layer_routed_experts_as_gemvs(monkeypatch, tokens):
     # the down projection carries that on: a few elements a few bf16 ulps off, the mean not.
     torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=1e-2)
     assert (b.float() - a.float()).abs().mean() < 2e-4 * max(1.0, a.float().abs().max().item())
+
+
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_shared_experts_as_gemv_pairs_equal_their_own_mlp(monkeypatch, n_shared, tokens):
+    """TREEVERIFY_MOE_GEMV_SHARED=1: the shared experts stacked after the routed ones and run as
+    n_shared more pairs a token of the expert GEMVs equal the layer with their own MLP (bf16
+    roundings apart), the same counts; with one shared expert its MLP's weights become views
+    into the stack (no second copy) and its own forward still gives the same output."""
+    import dataclasses
+
+    from treeverify.models import moe_gemv
+    from treeverify.models.moe import DeepseekMoE
+    from treeverify.models.random_shapes import RANDOM_SHAPES
+
+    cfg = dataclasses.replace(RANDOM_SHAPES["random:mla-moe"](), n_shared_experts=n_shared)
+    seen = []
+    real = moe_gemv.routed
+
+    def counted(*a, **kw):
+        seen.append(kw.get("stacked_shared", 0))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(moe_gemv, "routed", counted)
+    monkeypatch.setenv("TREEVERIFY_MOE_GEMV", "1")
+    outs = {}
+    g = torch.Generator(device="cuda").manual_seed(7 * n_shared + tokens)
+    h = torch.randn(tokens, cfg.hidden_size, device="cuda", generator=g).to(BF16)
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TREEVERIFY_MOE_GEMV_SHARED", flag)
+        torch.manual_seed(3)  # the same weights both times
+        moe = DeepseekMoE(cfg).cuda().to(BF16)
+        moe.gate.float()
+        moe.shared_experts.fuse()
+        moe.impl = "grouped_mm"
+        own = moe.shared_experts(h)  # before stacking: the shared MLP's own weights
+        outs[flag] = moe(h)
+        assert seen[-1] == (n_shared if flag == "1" else 0)
+        assert torch.equal(moe.shared_experts(h), own)  # after: the same, views or not
+    (a, ca), (b, cb) = outs["0"], outs["1"]
+    assert torch.equal(ca, cb)
+    torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=1e-2)
+    assert (b.float() - a.float()).abs().mean() < 2e-4 * max(1.0, a.float().abs().max().item())
+    sh = moe.shared_experts
+    stack = moe.w_gate_up_all
+    inside = stack.data_ptr() <= sh.gate_proj.weight.data_ptr() < stack.data_ptr() + stack.nbytes
+    assert inside == (n_shared == 1)

@@ -67,3 +67,36 @@ def test_which_batches_each_mode_takes():
     big = torch.zeros(moe_gemv.MAX_PAIRS + 1, 1, dtype=torch.int64)
     assert not moe_gemv.takes("1", torch.zeros(moe_gemv.MAX_PAIRS + 1, 32, dtype=BF16), big,
                               w_gate_up)  # fmt: skip
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_shared_experts_as_more_pairs_equal_the_shared_mlp(chunks):
+    """TREEVERIFY_MOE_GEMV_SHARED: the shared MLP (intermediate chunks x I) stacked as `chunks`
+    more experts after the routed ones and run as more pairs a token: the output equals the
+    routed sum plus the shared MLP in fp32 (within bf16 roundings), the counts still count only
+    the routed pairs (the shared chunks' indices never reach the counter)."""
+    from treeverify.models.layers import MLP
+
+    t, k, e, hidden, inter = 3, 2, 5, 130, 40
+    g = torch.Generator().manual_seed(chunks * 7 + 1)
+    x = torch.randn(t, hidden, generator=g).to(BF16)
+    idx = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    w_gate_up = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5).to(BF16)
+    w_down = (torch.randn(e, hidden, inter, generator=g) / inter**0.5).to(BF16)
+    mlp = MLP(hidden, inter * chunks).to(BF16)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        lin.weight.data = (torch.randn(lin.weight.shape, generator=g) * 0.1).to(BF16)
+    rows = [slice(j * inter, (j + 1) * inter) for j in range(chunks)]
+    gu_all = torch.cat([w_gate_up, torch.stack([torch.cat((mlp.gate_proj.weight[r],
+                        mlp.up_proj.weight[r])) for r in rows])])  # fmt: skip
+    d_all = torch.cat([w_down, torch.stack([mlp.down_proj.weight[:, r] for r in rows])])
+    valid = torch.tensor([True, False, True])
+    counter = torch.zeros(e, dtype=torch.int64)
+    out, none = moe_gemv.routed(x, idx, w, gu_all, d_all, valid, counter, stacked_shared=chunks)
+    assert none is None and out.shape == (t, hidden)
+    assert torch.equal(counter, dispatch_reference(x, idx, valid, e)[3])
+    want = routed_reference(x, idx, w, w_gate_up, w_down) + mlp.float()(x.float())
+    torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+    with pytest.raises(ValueError, match="shared"):
+        moe_gemv.routed(x, idx, w, gu_all, d_all, valid, counter, x, stacked_shared=chunks)

@@ -24,6 +24,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_DECODE_GEMV_PDL``: the decode GEMV (models/gemv.py) by programmatic dependent
   launch on sm_90+, its weight loads overlapping the kernel before it: ``auto`` (default, on),
   ``1`` or ``0`` (plain launches, A/B runs).
+- ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
+  more pairs of the same two GEMVs; default ``0`` (until measured on a GPU).
 - ``TREEVERIFY_CUDA_SPLIT_ORDER``: which requests a balanced plan's later splits serve first:
   ``longest`` (default since v27: longest first, batches of <= 32; the longest remainders
   start as the first splits end; SGLang's page-1 GQA batch 1.09x, mixed-length grid 1.014x)
@@ -143,6 +145,8 @@ VARIABLES: dict[str, str] = {
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
     "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "
     "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
+    "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
+    "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 0 until measured.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
     "(default; the longest requests' remainders start first; batches <= 32) or request.",
     "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "Bound on the CUDA token merge kernel's grid (default "
@@ -448,6 +452,14 @@ def moe_gemv() -> str:
     (models/moe_gemv.py): auto (default: batches of at most moe_gemv.AUTO_MAX_PAIRS pairs), 1
     (up to moe_gemv.MAX_PAIRS) or 0. Read when a MoE layer is built."""
     return _auto_switch("TREEVERIFY_MOE_GEMV")
+
+
+def moe_gemv_shared() -> bool:
+    """TREEVERIFY_MOE_GEMV_SHARED: 1 runs the shared experts on the expert-GEMV path as more
+    (token, expert) pairs of the same two GEMVs (models/moe.py stacks them after the routed
+    experts) instead of their own GEMM, activation and GEMV; default 0 until measured on a GPU.
+    Read when a MoE layer is built."""
+    return _switch("TREEVERIFY_MOE_GEMV_SHARED", "0")
 
 
 def moe_gemv_tile() -> tuple[int, int, int] | None:

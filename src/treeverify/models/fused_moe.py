@@ -93,7 +93,9 @@ def _kernels():
 
     @triton.jit
     def combine_kernel(Y, Pos, W, Add, Out, hidden, K: tl.constexpr, HB: tl.constexpr,
-                       SORTED: tl.constexpr, HAS_ADD: tl.constexpr):  # fmt: skip
+                       SORTED: tl.constexpr, HAS_ADD: tl.constexpr, S: tl.constexpr):  # fmt: skip
+        # S > 0 (pair order only): each token's K routed rows of Y are followed by S rows of the
+        # shared experts' chunks (models/moe_gemv.py), summed unweighted as the shared output.
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * HB + tl.arange(0, HB)
         m = cols < hidden
@@ -102,7 +104,7 @@ def _kernels():
             if SORTED:  # noqa: SIM108 (Y in expert order: the pair's place from the dispatch)
                 pos = tl.load(Pos + t * K + i)
             else:  # Y in pair order (models/moe_gemv.py)
-                pos = t * K + i
+                pos = t * (K + S) + i
             wt = tl.load(W + t * K + i).to(tl.float32)
             y = tl.load(Y + pos * hidden + cols, mask=m, other=0.0).to(tl.float32)
             acc += y * wt
@@ -110,6 +112,13 @@ def _kernels():
         if HAS_ADD:  # + the shared experts' output, as `out.to(dtype) + shared` rounds
             a = tl.load(Add + t * hidden + cols, mask=m, other=0.0).to(tl.float32)
             res = (res.to(tl.float32) + a).to(Out.dtype.element_ty)
+        if S > 0:  # the same with the shared output summed here (rounded as its GEMV would)
+            sh = tl.zeros([HB], dtype=tl.float32)
+            for j in tl.static_range(S):
+                pos = t * (K + S) + K + j
+                sh += tl.load(Y + pos * hidden + cols, mask=m, other=0.0).to(tl.float32)
+            sh = sh.to(Out.dtype.element_ty).to(tl.float32)
+            res = (res.to(tl.float32) + sh).to(Out.dtype.element_ty)
         tl.store(Out + t * hidden + cols, res, mask=m)
 
     return dispatch_kernel, combine_kernel, count_kernel
@@ -162,8 +171,12 @@ def combine(
     w: torch.Tensor,  # (T, k) fp32 routing weights
     dtype: torch.dtype,
     add: torch.Tensor | None = None,  # (T, hidden) in `dtype`, contiguous: added after the cast
+    shared_pairs: int = 0,  # S (pair order only): y holds T*(k+S) rows, each token's last S
+    # the shared experts' chunks, added (summed, rounded to `dtype`) as `add` would be
 ) -> torch.Tensor:  # (T, hidden) sum_i w[t, i] * y[pos[t*k + i]] (+ add), in `dtype`
     t, k = w.shape
+    if shared_pairs and (pos is not None or add is not None):
+        raise ValueError("shared_pairs: only for pair-order rows without `add`")
     hidden = y.shape[1]
     out = torch.empty(t, hidden, dtype=dtype, device=y.device)
     from triton import next_power_of_2
@@ -172,5 +185,6 @@ def combine(
     sorted_, has_add = pos is not None, add is not None
     _kernels()[1][(t, -(-hidden // hb))](y, pos if sorted_ else y, w.contiguous(),
                                           add if has_add else out, out, hidden, K=k, HB=hb,
-                                          SORTED=sorted_, HAS_ADD=has_add)  # fmt: skip
+                                          SORTED=sorted_, HAS_ADD=has_add,
+                                          S=shared_pairs)  # fmt: skip
     return out

@@ -117,28 +117,52 @@ class DeepseekMoE(nn.Module):
         self.impl = "grouped"
         self.w_gate_up: torch.Tensor | None = None  # (E, 2I, hidden) once stacked
         self.w_down: torch.Tensor | None = None  # (E, hidden, I) once stacked
+        # the stacks with the shared experts' S chunks after the E routed ones (S = 0: the same
+        # tensors); S > 0 only under TREEVERIFY_MOE_GEMV_SHARED (the GEMV path runs them)
+        self.w_gate_up_all: torch.Tensor | None = None  # (E + S, 2I, hidden)
+        self.w_down_all: torch.Tensor | None = None  # (E + S, hidden, I)
+        self.stacked_shared = 0  # S
         # grouped_mm's dispatch and combine as two Triton kernels (TREEVERIFY_FUSED_MOE_DISPATCH):
         # "auto" (small batches only, fused_moe.takes), "1", or "0" (also without Triton)
         self.fused_dispatch = env.fused_moe_dispatch() if triton_available() else "0"
         # decode-sized batches' routed experts as two GEMVs (moe_gemv.py, TREEVERIFY_MOE_GEMV)
         self.gemv = env.moe_gemv() if triton_available() else "0"
+        # ... and the shared experts as more pairs in those GEMVs (TREEVERIFY_MOE_GEMV_SHARED)
+        self.gemv_shared = self.gemv != "0" and env.moe_gemv_shared()
 
     @torch.no_grad()
     def stack_experts(self) -> None:
         """Move the experts' weights into two stacked tensors; the experts' Linear weights become
-        views into them (no second copy), so every impl keeps working."""
+        views into them (no second copy), so every impl keeps working. With `gemv_shared` the
+        shared experts follow as S = n_shared_experts chunks of the routed experts' size (their
+        gate / up rows and down columns j*I .. (j+1)*I): S = 1 (DeepSeek-V3, Kimi K2) moves the
+        shared MLP's weights into the stack as views too; S > 1 stacks copies of its chunks."""
         if self.w_gate_up is not None:
             return
-        gate_up = torch.stack(
-            [torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in self.experts]
-        )  # (E, 2I, hidden)
-        down = torch.stack([e.down_proj.weight for e in self.experts])  # (E, hidden, I)
-        inter = gate_up.shape[1] // 2
+        gate_up = [torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in self.experts]
+        down = [e.down_proj.weight for e in self.experts]
+        inter = gate_up[0].shape[0] // 2
+        sh = self.shared_experts if self.gemv_shared else None
+        chunks = sh.gate_proj.weight.shape[0] // inter if sh is not None else 0
+        for j in range(chunks):
+            rows = slice(j * inter, (j + 1) * inter)
+            gate_up.append(torch.cat((sh.gate_proj.weight[rows], sh.up_proj.weight[rows])))
+            down.append(sh.down_proj.weight[:, rows])
+        gate_up_all = torch.stack(gate_up)  # (E + S, 2I, hidden)
+        down_all = torch.stack(down)  # (E + S, hidden, I)
         for i, e in enumerate(self.experts):
-            e.gate_proj.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
-            e.up_proj.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
-            e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
-        self.w_gate_up, self.w_down = gate_up, down
+            e.gate_proj.weight = nn.Parameter(gate_up_all[i, :inter], requires_grad=False)
+            e.up_proj.weight = nn.Parameter(gate_up_all[i, inter:], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(down_all[i], requires_grad=False)
+        if chunks == 1:  # the shared MLP reads its weights from the stack: no second copy
+            mine = gate_up_all[self.n_experts]  # (2I, hidden)
+            sh.gate_proj.weight = nn.Parameter(mine[:inter], requires_grad=False)
+            sh.up_proj.weight = nn.Parameter(mine[inter:], requires_grad=False)
+            sh.down_proj.weight = nn.Parameter(down_all[self.n_experts], requires_grad=False)
+            if sh.gate_up is not None:  # fused by fuse(): the same (2I, hidden) layout
+                sh.gate_up = (mine, sh.gate_up[1])
+        self.w_gate_up, self.w_down = gate_up_all[: self.n_experts], down_all[: self.n_experts]
+        self.w_gate_up_all, self.w_down_all, self.stacked_shared = gate_up_all, down_all, chunks
 
     def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         self.stack_experts()
@@ -192,6 +216,9 @@ class DeepseekMoE(nn.Module):
                 impl = "gather" if t * idx.shape[1] < self.n_experts else "dense"
         gemv = impl in ("grouped_mm", "gather") and self._gemv_takes(x, idx)
         fused = not gemv and impl == "grouped_mm" and fused_moe.takes(self.fused_dispatch, x, idx)
+        if gemv and self.stacked_shared:  # the shared experts as S more pairs a token
+            return moe_gemv.routed(x, idx, w, self.w_gate_up_all, self.w_down_all, valid,
+                                   counter, stacked_shared=self.stacked_shared)  # fmt: skip
         # the shared experts first where the combine kernel adds them (no separate add)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if gemv:
@@ -218,8 +245,10 @@ class DeepseekMoE(nn.Module):
             most = moe_gemv.AUTO_MAX_PAIRS if self.gemv == "auto" else moe_gemv.MAX_PAIRS
             tiles = " / ".join(f"{bn}x{bk} {warps} warps" for bn, bk, warps in
                                (moe_gemv.tile(False), moe_gemv.tile(True)))  # fmt: skip
+            shared = ("; the shared experts as more pairs of them (TREEVERIFY_MOE_GEMV_SHARED)"
+                      if self.gemv_shared and self.shared_experts is not None else "")  # fmt: skip
             parts.append(f"expert GEMVs up to {most} pairs ({bounds[self.gemv]}; tiles gate_up / "
-                         f"down {tiles})")  # fmt: skip
+                         f"down {tiles}{shared})")  # fmt: skip
         if self.fused_dispatch != "0":
             most = (
                 fused_moe.AUTO_MAX_PAIRS if self.fused_dispatch == "auto" else fused_moe.MAX_PAIRS

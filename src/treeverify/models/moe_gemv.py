@@ -50,25 +50,37 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def expert_gemv_kernel(X, Idx, W, Y, Counts, Valid, N, K, x_stride, k_sel,
-                           ACT: tl.constexpr, COUNT: tl.constexpr, HAS_VALID: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    def expert_gemv_kernel(X, Idx, W, Y, Counts, Valid, N, K, x_stride, k_sel, k_tot,
+                           e_shared, ACT: tl.constexpr, COUNT: tl.constexpr,
+                           HAS_VALID: tl.constexpr, SHARED: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr):  # fmt: skip
         # Program (pair p, row block): Y[p, rows] = W[e_p, rows, :] @ x, where x is the pair's
-        # token row X[p // k_sel] (gate_up) or, with ACT, silu(X[p, :K]) * X[p, K:] (down).
-        # COUNT: each pair's first program adds 1 (or its token's Valid) to Counts[e_p]:
+        # token row X[p // k_tot] (gate_up) or, with ACT, silu(X[p, :K]) * X[p, K:] (down).
+        # A token's pairs are its k_sel routed slots (experts from Idx) and, with SHARED, then
+        # k_tot - k_sel shared-expert slots: experts e_shared, e_shared + 1, ... of the stack.
+        # COUNT: each routed pair's first program adds 1 (or its token's Valid) to Counts[e_p]:
         # integer atomics, so the sums do not depend on the order.
         p = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
-        e = tl.load(Idx + p)
+        tok = p // k_tot
+        if SHARED:
+            slot = p % k_tot
+            e = tl.load(Idx + tok * k_sel + tl.minimum(slot, k_sel - 1))
+            e = tl.where(slot < k_sel, e, e_shared + slot - k_sel)
+        else:
+            e = tl.load(Idx + p)
         if COUNT:  # noqa: SIM102 (a constexpr, then a runtime test: kept apart for Triton)
-            if tl.program_id(1) == 0:
-                if HAS_VALID:
-                    inc = tl.load(Valid + p // k_sel).to(tl.int64)
+            counted = tl.program_id(1) == 0
+            if SHARED:
+                counted = counted & (p % k_tot < k_sel)  # the shared chunks are not counted
+            if counted:
+                if HAS_VALID:  # noqa: SIM108
+                    inc = tl.load(Valid + tok).to(tl.int64)
                 else:
                     inc = tl.full([], 1, tl.int64)
                 tl.atomic_add(Counts + e, inc)
-        src = X + (p if ACT else p // k_sel) * x_stride
+        src = X + (p if ACT else tok) * x_stride
         wrow = W + e * N * K + rows.to(tl.int64)[:, None] * K  # (BN, 1) row starts
         acc = tl.zeros([BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -114,22 +126,25 @@ def tile(act: bool = False) -> tuple[int, int, int]:
 def expert_gemv(
     x: torch.Tensor,  # (T, K) token rows, or with `act` (P, 2K) the gate|up rows of each pair
     idx: torch.Tensor,  # (T, k) int64 expert of each pair, pairs in (token, slot) order
-    weight: torch.Tensor,  # (E, N, K) stacked expert weights, contiguous
+    weight: torch.Tensor,  # (E + S, N, K) stacked expert weights, contiguous
     act: bool = False,
     tiles: tuple[int, int, int] | None = None,  # (BN, BK, warps); None: tile(act)
-    counts: torch.Tensor | None = None,  # (E,) int64: each pair adds 1 (or valid) in place
+    counts: torch.Tensor | None = None,  # (E,) int64: each routed pair adds 1 (or valid)
     valid: torch.Tensor | None = None,  # (T,) bool: what a pair adds to `counts`
-) -> torch.Tensor:  # (P, N) in x's dtype
+    shared: int = 0,  # S: each token's k routed pairs are followed by S pairs on experts
+    # E .. E + S - 1 of the stack (the shared experts' chunks, models/moe.py)
+) -> torch.Tensor:  # (T * (k + S), N) in x's dtype, pairs in (token, slot) order
     bn, bk, warps = tiles or tile(act)
-    k = idx.shape[1]
-    p, n = idx.numel(), weight.shape[1]
+    t, k = idx.shape
+    p, n = t * (k + shared), weight.shape[1]
     kk = weight.shape[2]
     y = x.new_empty(p, n)
     count = counts is not None
     _kernels()[(p, -(-n // bn))](x, idx, weight, y, counts if count else y,
                                  valid if valid is not None else idx, n, kk, x.stride(0), k,
-                                 ACT=act, COUNT=count, HAS_VALID=valid is not None, BN=bn,
-                                 BK=bk, num_warps=warps)  # fmt: skip
+                                 k + shared, weight.shape[0] - shared, ACT=act, COUNT=count,
+                                 HAS_VALID=valid is not None, SHARED=shared > 0, BN=bn, BK=bk,
+                                 num_warps=warps)  # fmt: skip
     return y
 
 
@@ -142,13 +157,19 @@ def routed(
     valid: torch.Tensor | None,  # (T,) bool
     counter: torch.Tensor | None = None,  # (E,) int64 running counts to add the valid ones to
     shared: torch.Tensor | None = None,  # (T, H) in x's dtype: the shared experts' output
+    stacked_shared: int = 0,  # S: the shared experts are the stacks' last S experts instead
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # out (T, H) in x's dtype, valid counts (E,)
-    """The routed experts' weighted sum (+ `shared`) by the two GEMVs and the combine, and the
-    valid rows' expert counts: added to `counter` in place (None returned), else returned."""
+    """The routed experts' weighted sum (+ the shared experts' output: `shared`, or computed
+    here as S more pairs a token) by the two GEMVs and the combine, and the valid rows'
+    expert counts: added to `counter` in place (None returned), else returned."""
     from treeverify.models import fused_moe
 
-    counts = counter if counter is not None else idx.new_zeros(w_gate_up.shape[0])
-    h = expert_gemv(x, idx, w_gate_up, counts=counts, valid=valid)  # (P, 2I)
-    y = expert_gemv(h, idx, w_down, act=True)  # (P, H)
-    out = fused_moe.combine(y, None, w, x.dtype, add=shared)
+    if shared is not None and stacked_shared:
+        raise ValueError("shared: given while the shared experts are stacked (stacked_shared)")
+    n_routed = w_gate_up.shape[0] - stacked_shared
+    counts = counter if counter is not None else idx.new_zeros(n_routed)
+    s = stacked_shared
+    h = expert_gemv(x, idx, w_gate_up, counts=counts, valid=valid, shared=s)  # (T(k+S), 2I)
+    y = expert_gemv(h, idx, w_down, act=True, shared=s)  # (T(k+S), H)
+    out = fused_moe.combine(y, None, w, x.dtype, add=shared, shared_pairs=s)
     return out, (None if counter is not None else counts)
