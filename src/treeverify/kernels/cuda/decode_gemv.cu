@@ -80,18 +80,20 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                 long long y_stride, int n, int k) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
-  if (row >= n) return;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + row * w_stride);
+  const uint4* wr = reinterpret_cast<const uint4*>(w + row * w_stride);  // read where row < n
   const int kv = k >> 3;  // 16-byte vectors per row
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
   // Programmatic dependent launch (models/gemv.py, on sm_90+): this kernel may start while
   // the one before it still runs. The weights depend on no earlier kernel, so the first tile's
-  // loads go out before the wait (a whole row where K <= 2048); x is read after it.
+  // loads go out before the wait (a whole row where K <= 2048); x is read after it. Every
+  // thread waits, those past the last row too, so that this grid's completion still means
+  // the previous kernel's (stream order for the kernels after it, as in the split merge).
   uint4 wv[kGemvUnroll];
-  load_weights(wr, lane, kv, wv);
+  if (row < n) load_weights(wr, lane, kv, wv);
   pdl_wait();
+  if (row >= n) return;
   pdl_trigger();
   for (int base = lane; base < kv; base += 32 * kGemvUnroll) {
     if (base != lane) load_weights(wr, base, kv, wv);
