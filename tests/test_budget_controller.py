@@ -68,7 +68,7 @@ def path_for(accepted: dict[int, int], budget: int) -> list[int]:
     return path
 
 
-@pytest.mark.parametrize(("probe", "probed"), [("top", 16), ("up", 4)])
+@pytest.mark.parametrize(("probe", "probed"), [("top", 16), ("up", 4), ("hybrid", 16)])
 def test_falls_back_to_plain_when_drafts_are_never_accepted(probe, probed):
     ctl = synthetic({0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}, min_dwell=4, explore_every=10, probe=probe)
     chosen = feed(ctl, "r", {4: 0, 8: 0, 16: 0}, 60)
@@ -79,7 +79,7 @@ def test_falls_back_to_plain_when_drafts_are_never_accepted(probe, probed):
     assert ctl.rate(["r"], 0) > ctl.rate(["r"], 4)
 
 
-@pytest.mark.parametrize(("probe", "ends_at"), [("top", 16), ("up", 0)])
+@pytest.mark.parametrize(("probe", "ends_at"), [("top", 16), ("up", 0), ("hybrid", 16)])
 def test_a_probe_at_the_top_sees_what_only_a_large_tree_accepts(probe, ends_at):
     """After a stretch at 0, the text turns predictable for a large tree only (a budget-4 or -8
     tree still accepts nothing): a probe at the largest bucket measures that in one round and
@@ -90,6 +90,20 @@ def test_a_probe_at_the_top_sees_what_only_a_large_tree_accepts(probe, ends_at):
     assert ctl.current == 0
     feed(ctl, "r", {4: 0, 8: 0, 16: 6}, 120)
     assert ctl.current == ends_at
+
+
+@pytest.mark.parametrize(("probe", "probed"), [("top", 16), ("up", 8), ("hybrid", 8)])
+def test_probes_from_a_speculating_budget(probe, probed):
+    """Speculating at 4 with nothing to gain above it: "top" probes the largest bucket, "up"
+    and "hybrid" (the default) one bucket up, a cheaper step (hybrid probes the top only from
+    plain decoding, where a large tree may see what a small one does not)."""
+    costs = {0: 1.0, 4: 1.1, 8: 1.5, 16: 2.0}
+    ctl = synthetic(costs, min_dwell=2, explore_every=10, probe=probe)
+    ctl.current = 4
+    chosen = feed(ctl, "r", {4: 3, 8: 3, 16: 3}, 80)  # R(4) = 4 / 1.1 beats 8 and 16
+    assert ctl.current == 4
+    assert set(chosen[20:]) == {4, probed}
+    assert ControllerConfig().probe == "hybrid"
 
 
 def test_grows_to_the_best_budget_when_acceptance_is_high():

@@ -14,7 +14,8 @@ class ControllerConfig:
     switch_margin: float = 0.05  # R(best) must beat R(current) by this fraction ...
     confirm: int = 2  # ... on this many consecutive decisions ...
     min_dwell: int = 8  # ... after at least this many steps at the current budget
-    probe: str = "top"  # what an exploration step runs: the largest bucket, or "up" one bucket
+    probe: str = "hybrid"  # an exploration step: the largest bucket from plain decoding, else one
+    # bucket up ("hybrid"); always the largest ("top"), or always one up ("up")
     explore_every: int = 16  # steps between probes below the largest bucket ...
     explore_max: int = 256  # ... backing off to at most this many while probes change nothing
     cost_trials: bool = True  # try a budget whose stale cost hides a better rate (False: A/B)
@@ -33,8 +34,8 @@ class ControllerConfig:
             raise ValueError("switch_margin, prior_rounds: expected >= 0")
         if self.confirm < 1 or self.min_dwell < 0 or self.explore_every < 1:
             raise ValueError("confirm, explore_every: expected >= 1; min_dwell >= 0")
-        if self.probe not in ("top", "up"):
-            raise ValueError(f"probe: expected 'top' or 'up', got {self.probe!r}")
+        if self.probe not in ("top", "up", "hybrid"):
+            raise ValueError(f"probe: expected 'top', 'up' or 'hybrid', got {self.probe!r}")
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")
         if self.cost_fresh_steps < 1:

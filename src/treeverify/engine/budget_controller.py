@@ -22,12 +22,16 @@ levels below show (and pull the budget up); a stale gain rides on the fresh leve
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
 decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
-bucket, now and then one step runs the largest bucket (`probe="top"`; "up": one bucket up), so
-budgets above the current one (never measured by the free curve) get fresh evidence and a batch
-at 0 can come back. A probe at the top measures every bucket's gain in one round (the free
-curve), one bucket up only its own: replayed on recorded tiny-code traces at the H200's step
+bucket, now and then one step runs a larger bucket, so budgets above the current one (never
+measured by the free curve) get fresh evidence and a batch at 0 can come back. `probe="hybrid"`
+(default): from plain decoding the largest bucket, else one bucket up; "top": always the
+largest; "up": always one up. A probe at the top measures every bucket's gain in one round (the
+free curve), one bucket up only its own: replayed on recorded tiny-code traces at the H200's step
 costs (scripts/sim_adaptive.py), probing one bucket up left the controller at 0 through most of
-a code generation (0.77x of the best fixed budget), probing the top recovered most of that.
+a code generation (0.77x of the best fixed budget), probing the top recovered most of that; at
+the engine's 2026-12-04 costs (plain 0.28 ms, rounds 0.42-0.57 ms) a top probe from a
+speculating budget cost 1-3% against the best fixed budget, one bucket up ~0.5%, so hybrid
+takes each where it pays (docs/ddtree.md).
 The interval is `explore_every` steps times cost(probe) / cost(current) (a probe that costs 4
 plain steps comes 4x less often), doubled after each probe that changed nothing, up to
 `explore_max` steps, and back to the start when a request without its own measurements joins
@@ -230,7 +234,8 @@ class BudgetController:
         i = self.buckets.index(self.current)
         up = None
         if i + 1 < len(self.buckets):
-            up = self.buckets[-1] if self.cfg.probe == "top" else self.buckets[i + 1]
+            top = self.cfg.probe == "top" or (self.cfg.probe == "hybrid" and self.current == 0)
+            up = self.buckets[-1] if top else self.buckets[i + 1]
         if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):
             self._probed()
             return self._count(up)  # one step at the probe's budget; `current` stays
