@@ -131,3 +131,38 @@ def test_moe_experts_startup_line_names_each_path_and_bound():
     moe.gemv = "0"
     assert moe.describe() == ("MoE experts: grouped GEMMs with the PyTorch dispatch "
                               "(sm_90+; else gather/dense)")  # fmt: skip
+
+
+def test_shared_experts_stacked_after_the_routed_ones():
+    """stack_experts with the shared experts on the GEMV path (TREEVERIFY_MOE_GEMV_SHARED): one
+    shared expert becomes the stack's last expert with its MLP's weights as views into it (its
+    own forward unchanged); two become two chunks (gate / up rows and down columns j*I..);
+    a shared MLP not made of whole chunks stays out of the stack."""
+    from treeverify.models.moe import DeepseekMoE
+
+    for n_shared in (1, 2):
+        cfg = dataclasses.replace(tiny_kimi_config(), n_shared_experts=n_shared)
+        torch.manual_seed(n_shared)
+        moe = DeepseekMoE(cfg)
+        moe.gemv_shared = True
+        sh = moe.shared_experts
+        x = torch.randn(3, cfg.hidden_size)
+        own = sh(x)
+        gate, up, down = (w.detach().clone() for w in (sh.gate_proj.weight, sh.up_proj.weight,
+                                                        sh.down_proj.weight))  # fmt: skip
+        moe.stack_experts()
+        e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+        assert moe.stacked_shared == n_shared and moe.w_gate_up.shape[0] == e
+        assert moe.w_gate_up_all.shape[0] == moe.w_down_all.shape[0] == e + n_shared
+        for j in range(n_shared):
+            rows = slice(j * inter, (j + 1) * inter)
+            assert torch.equal(moe.w_gate_up_all[e + j], torch.cat((gate[rows], up[rows])))
+            assert torch.equal(moe.w_down_all[e + j], down[:, rows])
+        shared_in_stack = sh.gate_proj.weight.data_ptr() == moe.w_gate_up_all[e].data_ptr()
+        assert shared_in_stack == (n_shared == 1)
+        torch.testing.assert_close(sh(x), own, rtol=0, atol=0)
+    moe = DeepseekMoE(tiny_kimi_config())
+    moe.gemv_shared = True
+    moe.shared_experts.gate_proj.weight.data = moe.shared_experts.gate_proj.weight.data[:-1]
+    moe.stack_experts()  # (only the stacking is looked at: this MLP no longer runs)
+    assert moe.stacked_shared == 0 and moe.w_gate_up_all.shape[0] == moe.n_experts

@@ -143,6 +143,10 @@ class DeepseekMoE(nn.Module):
         down = [e.down_proj.weight for e in self.experts]
         inter = gate_up[0].shape[0] // 2
         sh = self.shared_experts if self.gemv_shared else None
+        if sh is not None and (
+            sh.gate_proj.weight.shape[0] % inter or sh.gate_proj.bias is not None
+        ):
+            sh = None  # not whole chunks of the routed size, or biased: its own MLP runs it
         chunks = sh.gate_proj.weight.shape[0] // inter if sh is not None else 0
         for j in range(chunks):
             rows = slice(j * inter, (j + 1) * inter)
