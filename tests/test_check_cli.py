@@ -226,6 +226,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_PDL",
         "TREEVERIFY_DECODE_GEMV_PDL",
         "TREEVERIFY_MOE_GEMV_SHARED",
+        "TREEVERIFY_TRITON_PDL",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         "TREEVERIFY_CUDA_TMA_MIN_PAGE",

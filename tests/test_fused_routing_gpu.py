@@ -71,3 +71,25 @@ def test_an_engine_with_fused_routing_captures_and_matches_eager(monkeypatch):
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, sp)]
         del llm
     assert outs[True] == outs[False]
+
+
+def test_an_mla_moe_engine_with_triton_pdl_equals_eager(monkeypatch):
+    """TREEVERIFY_TRITON_PDL=1 (models/pdl.py): the decode path's Triton kernels (norms, rope,
+    routing, the expert GEMVs, combine, the MLA pack) go out by programmatic dependent launch
+    inside the captured graphs; greedy tokens equal the eager engine's (which launches the same
+    kernels the same way outside graphs) and the engine with PDL off."""
+    from treeverify.engine.llm import LLM
+    from treeverify.engine.sampling_params import SamplingParams
+    from treeverify.models import pdl
+
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "def main():\n    return"]
+    outs = {}
+    for flag, graphs in (("1", True), ("1", False), ("0", True)):
+        monkeypatch.setenv("TREEVERIFY_TRITON_PDL", flag)
+        pdl._flags.cache_clear()
+        llm = LLM("tiny-kimi", device="cuda", num_pages=64, disable_cuda_graph=not graphs)
+        outs[(flag, graphs)] = [o.token_ids for o in llm.generate(prompts, sp)]
+        del llm
+    pdl._flags.cache_clear()
+    assert outs[("1", True)] == outs[("1", False)] == outs[("0", True)]

@@ -24,6 +24,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_DECODE_GEMV_PDL``: the decode GEMV (models/gemv.py) by programmatic dependent
   launch on sm_90+, its weight loads overlapping the kernel before it: ``auto`` (default, on),
   ``1`` or ``0`` (plain launches, A/B runs).
+- ``TREEVERIFY_TRITON_PDL``: ``1`` launches the decode path's Triton kernels by programmatic
+  dependent launch on sm_90+ (models/pdl.py); default ``0`` (until measured on a GPU).
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``0`` (until measured on a GPU).
 - ``TREEVERIFY_CUDA_SPLIT_ORDER``: which requests a balanced plan's later splits serve first:
@@ -145,6 +147,8 @@ VARIABLES: dict[str, str] = {
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
     "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "
     "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
+    "TREEVERIFY_TRITON_PDL": "1: the decode path's Triton kernels by programmatic dependent "
+    "launch on sm_90+ (each waits for the kernel before it as it starts); default 0.",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 0 until measured.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -429,6 +433,13 @@ def decode_gemv_pdl() -> str:
     before it signalling their dependents as they start (models/gemv.py): auto (default: on
     sm_90+), 1 (the same) or 0 (plain launches, an A/B). Read once per process."""
     return _auto_switch("TREEVERIFY_DECODE_GEMV_PDL")
+
+
+def triton_pdl() -> bool:
+    """TREEVERIFY_TRITON_PDL: 1 launches the decode path's Triton kernels by programmatic
+    dependent launch on sm_90+ (models/pdl.py: each waits for the kernel before it as it
+    starts); default 0 until measured. Read once per process."""
+    return _switch("TREEVERIFY_TRITON_PDL", "0")
 
 
 def fused_mla_rope() -> bool:

@@ -47,7 +47,7 @@ from treeverify.engine.sequence import Sequence
 from treeverify.engine.spec_step import SpeculativeSteps
 from treeverify.engine.speculative import SpeculativeDecoder
 from treeverify.kernels.staging import to_device
-from treeverify.models import fused_routing, gemv
+from treeverify.models import fused_routing, gemv, pdl
 from treeverify.models.moe import DeepseekMoE, Router
 
 log = logging.getLogger("treeverify.engine")
@@ -106,6 +106,8 @@ class LLM(SpeculativeSteps, Introspection):
         if self.device.type == "cuda":
             self.startup["decode_gemv"] = gemv.describe()
             log.info("%s", self.startup["decode_gemv"])
+            self.startup["pdl"] = pdl.describe()
+            log.info("%s", self.startup["pdl"])
             if routers := [m for m in self.model.modules() if isinstance(m, Router)]:
                 self.startup["moe_routing"] = fused_routing.describe(all(r.fused for r in routers))
                 log.info("%s", self.startup["moe_routing"])

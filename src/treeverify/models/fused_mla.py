@@ -27,18 +27,26 @@ import functools
 
 import torch
 
+from treeverify.models import pdl
+
 
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
 
+    gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
+
     @triton.jit
     def mla_pack_kernel(QLat, Q, Ckv, Kpe, C, S, QA, KA, Slots, H, qlat_t, qlat_h, q_t, kpe_t,
                         N: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                        INTERLEAVE: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+                        INTERLEAVE: tl.constexpr, STORE: tl.constexpr,
+                        PDL: tl.constexpr):  # fmt: skip
         # Program (t, h): h < H writes qa[t, h], h == H writes ka[t, 0], or with STORE the
         # latent cache's row at slot Slots[t] instead (KA: the cache, (slots, 1, L+R) flat).
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next start
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         lat = tl.arange(0, L)
@@ -144,5 +152,5 @@ def _launch(q_lat, q, ckv, k_pe, cos, sin, interleave: bool, slots=None,
     _kernel()[(t, h + 1)](q_lat, q, ckv, k_pe, cos, sin, qa, ka, slots if store else ckv, h,
                           q_lat.stride(0), q_lat.stride(1), q.stride(0), k_pe.stride(0), N=n,
                           L=lat, R=r, INTERLEAVE=interleave, STORE=store,
-                          num_warps=4)  # fmt: skip
+                          num_warps=4, **pdl.flags(q_lat))  # fmt: skip
     return qa, ka

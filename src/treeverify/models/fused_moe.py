@@ -33,6 +33,8 @@ import functools
 
 import torch
 
+from treeverify.models import pdl
+
 BLOCK = 64  # pairs a dispatch program places (and compares at a time)
 MAX_PAIRS = 8192  # beyond, the PyTorch path (the comparisons grow as pairs^2)
 AUTO_MAX_PAIRS = 512  # "auto" takes batches up to here: faster at <= 384 pairs, not at >= 768
@@ -43,10 +45,16 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
+
     @triton.jit
     def count_kernel(Idx, Valid, Counts, ValidCounts, Offs, P, k, E: tl.constexpr,
-                     EP: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr):  # fmt: skip
+                     EP: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
         # One program: every expert's pair count (and over valid rows) and end offset.
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next start
+            gdc_wait()
+            gdc_launch_dependents()
         e = tl.arange(0, EP)
         cnt = tl.zeros([EP], dtype=tl.int64)
         vcnt = tl.zeros([EP], dtype=tl.int64)
@@ -67,7 +75,10 @@ def _kernels():
 
     @triton.jit
     def dispatch_kernel(Idx, X, Xs, Pos, P, k, hidden, BLOCK: tl.constexpr,
-                        HB: tl.constexpr):  # fmt: skip
+                        HB: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next start
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         p = pid * BLOCK + tl.arange(0, BLOCK)  # this program's pairs
         live = p < P
@@ -93,9 +104,13 @@ def _kernels():
 
     @triton.jit
     def combine_kernel(Y, Pos, W, Add, Out, hidden, K: tl.constexpr, HB: tl.constexpr,
-                       SORTED: tl.constexpr, HAS_ADD: tl.constexpr, S: tl.constexpr):  # fmt: skip
+                       SORTED: tl.constexpr, HAS_ADD: tl.constexpr, S: tl.constexpr,
+                       PDL: tl.constexpr):  # fmt: skip
         # S > 0 (pair order only): each token's K routed rows of Y are followed by S rows of the
         # shared experts' chunks (models/moe_gemv.py), summed unweighted as the shared output.
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next start
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * HB + tl.arange(0, HB)
         m = cols < hidden
@@ -158,10 +173,11 @@ def dispatch(
     from triton import next_power_of_2
 
     _kernels()[0][(-(-p // BLOCK),)](idx, x, xs, pos, p, k, hidden, BLOCK=BLOCK,
-                                     HB=min(128, next_power_of_2(hidden)))  # fmt: skip
+                                     HB=min(128, next_power_of_2(hidden)),
+                                     **pdl.flags(x))  # fmt: skip
     _kernels()[2][(1,)](idx, valid if valid is not None else idx, counts, valid_counts, offs, p, k,
                         E=n_experts, EP=next_power_of_2(n_experts), BLOCK=BLOCK,
-                        HAS_VALID=valid is not None)  # fmt: skip
+                        HAS_VALID=valid is not None, **pdl.flags(x))  # fmt: skip
     return xs, pos, counts, valid_counts, offs
 
 
@@ -186,5 +202,5 @@ def combine(
     _kernels()[1][(t, -(-hidden // hb))](y, pos if sorted_ else y, w.contiguous(),
                                           add if has_add else out, out, hidden, K=k, HB=hb,
                                           SORTED=sorted_, HAS_ADD=has_add,
-                                          S=shared_pairs)  # fmt: skip
+                                          S=shared_pairs, **pdl.flags(y))  # fmt: skip
     return out

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from treeverify.models import pdl
+
 
 @functools.cache
 def _triton():
@@ -52,17 +54,16 @@ def _build_kernels():
     import triton
     import triton.language as tl
 
-    try:  # Triton >= 3.3: griddepcontrol.launch_dependents
-        from triton.language.extra.cuda import gdc_launch_dependents
-    except ImportError:  # pragma: no cover - older Triton: PDL stays off (_pdl)
-        gdc_launch_dependents = None
+    gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
 
     @triton.jit
     def add_rmsnorm_kernel(X, R, W, Y, ROut, n, x_row, eps, BLOCK: tl.constexpr,
                            HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         # HAS_RES: Y = norm(X + R), ROut = X + R; else Y = norm(X) (X rows x_row apart).
-        # PDL: a decode GEMV launched after this kernel may start now (it waits for our writes).
+        # PDL (models/pdl.py): wait for the kernel before (a no-op unless launched by PDL), then
+        # let the next start (a decode GEMV loads its weights while this kernel runs).
         if PDL:
+            gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -84,7 +85,8 @@ def _build_kernels():
                             PDL: tl.constexpr):  # fmt: skip
         # Program (row, seg): seg 0 norms X[row, :n1] by W1 into Y1, seg 1 X[row, n1:n1+n2] by
         # W2 into Y2; add_rmsnorm_kernel's arithmetic (HAS_RES off) on each segment.
-        if PDL:
+        if PDL:  # as in add_rmsnorm_kernel
+            gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) == 0
@@ -104,9 +106,12 @@ def _build_kernels():
 
     @triton.jit
     def rope_qk_kernel(QKV, C, S, Q, K, Slots, VC, hq, hkv, D: tl.constexpr,
-                       HALF: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+                       HALF: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         # Program (t, h): head h of token t. STORE: k goes to its cache slot (K is the cache)
         # and heads past q and k copy v to VC's slot (rope_qk_store); else k to K's row t.
+        if PDL:  # as in add_rmsnorm_kernel
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, D)
@@ -133,6 +138,7 @@ def _build_kernels():
     @triton.jit
     def silu_mul_kernel(GU, Y, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # as in add_rmsnorm_kernel: the down GEMV may start loading its weights
+            gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -144,25 +150,6 @@ def _build_kernels():
         tl.store(Y + row * n + cols, (a * u).to(dt), mask=m)
 
     return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel, rmsnorm_pair_kernel
-
-
-def _pdl(x: torch.Tensor) -> bool:
-    """Whether a norm / activation kernel on x's device signals its dependents early: the decode
-    GEMV after it goes out by programmatic dependent launch (models/gemv.py `pdl`)."""
-    if not x.is_cuda:
-        return False
-    return _pdl_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _pdl_on(device_index: int) -> bool:
-    from treeverify.models import gemv
-
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents  # noqa: F401
-    except ImportError:
-        return False
-    return gemv.enabled() and gemv.pdl(device_index)
 
 
 def add_rmsnorm(
@@ -208,7 +195,7 @@ def rmsnorm_pair(
     if t:
         _triton()[3][(t, 2)](x, norm1.weight, norm2.weight, y1, y2, n1, n2, x.stride(0),
                              norm1.eps, norm2.eps, BLOCK=triton.next_power_of_2(max(n1, n2)),
-                             PDL=_pdl(x), num_warps=4)  # fmt: skip
+                             **pdl.flags(x), num_warps=4)  # fmt: skip
     return y1, y2
 
 
@@ -222,7 +209,7 @@ def _launch_norm(x, residual, r_out, norm) -> torch.Tensor:
     has_res = residual is not None
     _triton()[0][(t,)](x, residual if has_res else x, norm.weight, y, r_out if has_res else y, n,
                        x.stride(0), norm.eps, BLOCK=triton.next_power_of_2(n), HAS_RES=has_res,
-                       PDL=_pdl(x), num_warps=4)  # fmt: skip
+                       **pdl.flags(x), num_warps=4)  # fmt: skip
     return y
 
 
@@ -275,7 +262,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (..., 2I) -> (..., I)
     t, n = gate_up.numel() // n2, n2 // 2
     y = gate_up.new_empty(*lead, n)
     block = 1024
-    kernel[(t, (n + block - 1) // block)](gate_up, y, n, BLOCK=block, PDL=_pdl(gate_up),
+    kernel[(t, (n + block - 1) // block)](gate_up, y, n, BLOCK=block, **pdl.flags(gate_up),
                                           num_warps=4)  # fmt: skip
     return y
 
@@ -324,5 +311,5 @@ def _launch_rope(qkv, cos2, sin2, hq: int, hkv: int, k_out, slots=None, v_cache=
     heads = hq + (2 if store else 1) * hkv  # v's heads only when storing
     _triton()[1][(t, heads)](qkv, cos2.contiguous(), sin2.contiguous(), q, k_out,
                              slots if store else qkv, v_cache if store else qkv, hq, hkv, D=d,
-                             HALF=d // 2, STORE=store, num_warps=1)  # fmt: skip
+                             HALF=d // 2, STORE=store, num_warps=1, **pdl.flags(qkv))  # fmt: skip
     return q

@@ -33,6 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from treeverify.models import pdl
 from treeverify.models.config import DeepseekV3Config
 
 
@@ -45,11 +46,16 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
+
     @triton.jit
     def route_kernel(L, Bias, Idx, W, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
                      KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GS: tl.constexpr,
                      TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, NOAUX: tl.constexpr,
-                     TOP2: tl.constexpr, NORM: tl.constexpr, scale):  # fmt: skip
+                     TOP2: tl.constexpr, NORM: tl.constexpr, scale, PDL: tl.constexpr):  # fmt: skip
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next start
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, EP)
         live = offs < E
@@ -122,8 +128,14 @@ def _logits_kernel():
     import triton
     import triton.language as tl
 
+    gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
+
     @triton.jit
-    def logits_kernel(X, Wt, L, E, H, x_stride, BE: tl.constexpr, BH: tl.constexpr):
+    def logits_kernel(X, Wt, L, E, H, x_stride, BE: tl.constexpr, BH: tl.constexpr,
+                      PDL: tl.constexpr):  # fmt: skip
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next start
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BE + tl.arange(0, BE)  # (BE,) experts
         live = rows < E
@@ -163,7 +175,8 @@ def logits(
     if t:
         grid = (t, -(-e // LOGITS_ROWS))
         _logits_kernel()[grid](x, weight, out, e, h, x.stride(0), BE=LOGITS_ROWS,
-                               BH=min(_pow2(h), LOGITS_MAX_COLS), num_warps=4)  # fmt: skip
+                               BH=min(_pow2(h), LOGITS_MAX_COLS), num_warps=4,
+                               **pdl.flags(x))  # fmt: skip
     return out
 
 
@@ -210,6 +223,6 @@ def route(
         logits, b, idx, w, E=e, EP=_pow2(e), K=k, KP=_pow2(k), G=g, GP=_pow2(g), GS=e // g,
         TOPK_GROUP=cfg.topk_group if grouped else 1, SIGMOID=cfg.scoring_func == "sigmoid",
         NOAUX=noaux, TOP2=noaux, NORM=cfg.norm_topk_prob, scale=float(cfg.routed_scaling_factor),
-        num_warps=ROUTE_WARPS if e <= 256 else 4,
+        num_warps=ROUTE_WARPS if e <= 256 else 4, **pdl.flags(logits),
     )  # fmt: skip
     return idx, w

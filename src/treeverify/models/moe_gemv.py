@@ -34,6 +34,8 @@ import functools
 
 import torch
 
+from treeverify.models import pdl
+
 # (weight rows a program reads, columns a tile reads, warps), per GEMM: the fastest of 22 tiles
 # on the H200 for random:mla-moe at 6 and 12 pairs, and near the best for a Kimi-sized expert
 # (scripts/moe_gemv_bench.py, 43b3363, bench_results/2026-12-04-h200-43b3363-moe_gemv_bench.json):
@@ -49,17 +51,22 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
+
     @triton.jit
     def expert_gemv_kernel(X, Idx, W, Y, Counts, Valid, N, K, x_stride, k_sel, k_tot,
                            e_shared, ACT: tl.constexpr, COUNT: tl.constexpr,
                            HAS_VALID: tl.constexpr, SHARED: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr):  # fmt: skip
+                           BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         # Program (pair p, row block): Y[p, rows] = W[e_p, rows, :] @ x, where x is the pair's
         # token row X[p // k_tot] (gate_up) or, with ACT, silu(X[p, :K]) * X[p, K:] (down).
         # A token's pairs are its k_sel routed slots (experts from Idx) and, with SHARED, then
         # k_tot - k_sel shared-expert slots: experts e_shared, e_shared + 1, ... of the stack.
         # COUNT: each routed pair's first program adds 1 (or its token's Valid) to Counts[e_p]:
         # integer atomics, so the sums do not depend on the order.
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next start
+            gdc_wait()
+            gdc_launch_dependents()
         p = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -144,7 +151,7 @@ def expert_gemv(
                                  valid if valid is not None else idx, n, kk, x.stride(0), k,
                                  k + shared, weight.shape[0] - shared, ACT=act, COUNT=count,
                                  HAS_VALID=valid is not None, SHARED=shared > 0, BN=bn, BK=bk,
-                                 num_warps=warps)  # fmt: skip
+                                 num_warps=warps, **pdl.flags(x))  # fmt: skip
     return y
 
 
