@@ -286,6 +286,9 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_FUSED_MLA_ROPE", env.fused_mla_rope, True, " 0", False),
         ("TREEVERIFY_FUSED_MOE_DISPATCH", env.fused_moe_dispatch, "auto", "yes", "1"),
         ("TREEVERIFY_MOE_GEMV", env.moe_gemv, "auto", " 0", "0"),
+        ("TREEVERIFY_DECODE_GEMV_PDL", env.decode_gemv_pdl, "auto", "no", "0"),
+        ("TREEVERIFY_TRITON_PDL", env.triton_pdl, False, "yes", True),  # off until measured
+        ("TREEVERIFY_MOE_GEMV_SHARED", env.moe_gemv_shared, False, "true", True),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(
@@ -326,13 +329,3 @@ def test_moe_gemv_tile(monkeypatch):
         monkeypatch.setenv("TREEVERIFY_MOE_GEMV_TILE", bad)
         with pytest.raises(ValueError, match="TREEVERIFY_MOE_GEMV_TILE"):
             env.moe_gemv_tile()
-
-
-def test_decode_gemv_pdl_switch(monkeypatch):
-    monkeypatch.delenv("TREEVERIFY_DECODE_GEMV_PDL", raising=False)
-    assert env.decode_gemv_pdl() == "auto"
-    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV_PDL", "no")
-    assert env.decode_gemv_pdl() == "0"
-    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV_PDL", "sometimes")
-    with pytest.raises(ValueError, match="TREEVERIFY_DECODE_GEMV_PDL"):
-        env.decode_gemv_pdl()
