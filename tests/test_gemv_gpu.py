@@ -69,11 +69,12 @@ def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
     (TREEVERIFY_DECODE_GEMV_PDL auto on sm_90+): it must still read the norm's finished output.
     A captured chain norm -> GEMV -> norm -> GEMV, each replay on fresh inputs (a stale or
     half-written x would show), against the same chain run eagerly with PDL's launches too."""
+    from treeverify.models import pdl
     from treeverify.models.fused_ops import add_rmsnorm
     from treeverify.models.layers import RMSNorm
 
     index = torch.cuda.current_device()
-    assert gemv_mod.pdl(index) == (torch.cuda.get_device_capability(index)[0] >= 9)
+    assert pdl.decode_gemv(index) == (torch.cuda.get_device_capability(index)[0] >= 9)
     h = 2048
     norms = [RMSNorm(h, 1e-6).cuda().to(torch.bfloat16) for _ in range(2)]
     for nm in norms:

@@ -13,10 +13,10 @@ deterministic order per shape, the same eager and inside a CUDA graph). Anything
 more rows, a larger weight, fp32, an unaligned or strided operand, no cuda-python) is F.linear,
 as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 
-On sm_90+ the kernel goes out by programmatic dependent launch (`pdl`, TREEVERIFY_DECODE_GEMV_PDL):
-its weights depend on no earlier kernel, so it loads its first weight tile while the kernel in
-front of it (a Triton norm or activation, which signals its dependents as it starts:
-models/fused_ops.py) still runs, then waits for that kernel before reading x. Measured on the
+On sm_90+ the kernel goes out by programmatic dependent launch (models/pdl.py `decode_gemv`,
+TREEVERIFY_DECODE_GEMV_PDL): its weights depend on no earlier kernel, so it loads its first
+weight tile while the kernel in front of it (a Triton norm or activation, which signals its
+dependents as it starts) still runs, then waits for that kernel before reading x. Measured on the
 H200 (d56fa35): decode forward 1.014x (random:mla-moe) and 1.021x (random:llama-1b) at b=1.
 """
 
@@ -28,6 +28,8 @@ import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from treeverify.models import pdl
 
 # Where the GEMV beat cuBLAS on the H200 (scripts/gemv_bench.py, 0a04373 / 38c900d): one row
 # and weights up to 16 MB (1B qkv 1.15x, o 1.28x); at 2-4 rows, and on the 34-525 MB weights
@@ -46,16 +48,6 @@ def enabled() -> bool:
     from treeverify.kernels.api import cuda_backend_available
 
     return env.decode_gemv() and torch.cuda.is_available() and cuda_backend_available()
-
-
-@functools.cache
-def pdl(device_index: int) -> bool:
-    """Whether the decode GEMV goes out by programmatic dependent launch on this device (and the
-    Triton kernels that feed it signal their dependents early, models/fused_ops.py):
-    TREEVERIFY_DECODE_GEMV_PDL not 0, and sm_90+. Read once per process and device."""
-    from treeverify import env
-
-    return env.decode_gemv_pdl() != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @functools.cache
@@ -115,7 +107,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     grid = (-(-n // ROWS_PER_CTA), 1, 1)
     with torch.cuda.device(dev):  # the launch goes to the current context's device
         kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,
-                      programmatic=pdl(index))  # fmt: skip
+                      programmatic=pdl.decode_gemv(index))  # fmt: skip
     return y
 
 

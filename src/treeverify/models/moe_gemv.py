@@ -173,9 +173,8 @@ def routed(
 
     if shared is not None and stacked_shared:
         raise ValueError("shared: given while the shared experts are stacked (stacked_shared)")
-    n_routed = w_gate_up.shape[0] - stacked_shared
-    counts = counter if counter is not None else idx.new_zeros(n_routed)
     s = stacked_shared
+    counts = counter if counter is not None else idx.new_zeros(w_gate_up.shape[0] - s)
     h = expert_gemv(x, idx, w_gate_up, counts=counts, valid=valid, shared=s)  # (T(k+S), 2I)
     y = expert_gemv(h, idx, w_down, act=True, shared=s)  # (T(k+S), H)
     out = fused_moe.combine(y, None, w, x.dtype, add=shared, shared_pairs=s)

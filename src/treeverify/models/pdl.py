@@ -52,6 +52,15 @@ def flags(x: torch.Tensor) -> dict:
 
 
 @functools.cache
+def decode_gemv(device_index: int) -> bool:
+    """Whether the decode GEMV (models/gemv.py) goes out by PDL on this device:
+    TREEVERIFY_DECODE_GEMV_PDL not 0, and sm_90+. Read once per process and device."""
+    from treeverify import env
+
+    return env.decode_gemv_pdl() != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.cache
 def _flags(device_index: int) -> dict:
     from treeverify import env
     from treeverify.models import gemv
@@ -59,7 +68,7 @@ def _flags(device_index: int) -> dict:
     if not available() or torch.cuda.get_device_capability(device_index)[0] < 9:
         return {"PDL": False}
     launch = env.triton_pdl()
-    trigger = gemv.enabled() and gemv.pdl(device_index)
+    trigger = gemv.enabled() and decode_gemv(device_index)
     out: dict = {"PDL": launch or trigger}
     if launch:
         out["launch_pdl"] = True
