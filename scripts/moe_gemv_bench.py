@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from treeverify.bench.kernel import _git_commit
+from treeverify.bench.kernel import _git_commit, back_to_back_replay_seconds
 from treeverify.models import moe_gemv
 
 SHAPES = {  # name: (experts, hidden, moe_intermediate, k)
@@ -28,24 +28,15 @@ TILES = [(bn, bk, w) for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 
 
 
 def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compile and warm outside the capture
-    torch.cuda.current_stream().wait_stream(s)
+    """Microseconds a call of fn(): `calls` of them captured in one graph, replayed back to back
+    (bench/kernel.py's timing, as the kernel grid's)."""
+    fn()  # compile and warm outside the capture
+    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (calls * replays)
+    return back_to_back_replay_seconds(g, replays) * 1e6 / calls
 
 
 def bench_shape(name: str, pairs: int) -> list[dict]:
