@@ -93,10 +93,11 @@ def test_engine_greedy_equal_with_the_cache_write_in_the_pack_kernel(monkeypatch
 
 @pytest.mark.parametrize("t", [1, 5])
 def test_q_a_and_kv_a_as_one_product_equal_the_two(t):
-    """MLAttention.a_projections: one GEMV over q_a_proj | kv_a_proj_with_mqa equals the two
+    """MLAttention.fuse: one GEMV over q_a_proj | kv_a_proj_with_mqa equals the two
     projections (bit for bit at one row: the decode GEMV sums each output row alone), the two
     weights become views into the fused one, and a weight load afterwards is seen by it."""
     from treeverify.models.deepseek_v3 import MLAttention
+    from treeverify.models.gemv import linear
     from treeverify.models.random_shapes import RANDOM_SHAPES
 
     cfg = RANDOM_SHAPES["random:mla-moe"]()
@@ -106,9 +107,10 @@ def test_q_a_and_kv_a_as_one_product_equal_the_two(t):
         lin.weight.data.copy_(torch.randn(lin.weight.shape, device="cuda", generator=g) * 0.02)
     x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).to(BF16)
     want = (attn.q_a_proj(x), attn.kv_a_proj_with_mqa(x))
-    fused = attn.a_projections(x)
-    assert fused is not None and attn._a_weight is not None
-    assert attn.q_a_proj.weight.data_ptr() == attn._a_weight.data_ptr()
+    attn.fuse()
+    assert attn.qkv_a is not None
+    assert attn.q_a_proj.weight.data_ptr() == attn.qkv_a[0].data_ptr()
+    fused = linear(x, *attn.qkv_a)
     got = fused.split([cfg.q_lora_rank, fused.shape[1] - cfg.q_lora_rank], dim=-1)
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
@@ -118,5 +120,5 @@ def test_q_a_and_kv_a_as_one_product_equal_the_two(t):
             torch.testing.assert_close(a, b)
     new = torch.randn(attn.kv_a_proj_with_mqa.weight.shape, device="cuda", generator=g) * 0.02
     attn.load_state_dict({"kv_a_proj_with_mqa.weight": new.to(BF16)}, strict=False)
-    got = attn.a_projections(x)[:, cfg.q_lora_rank :]
+    got = linear(x, *attn.qkv_a)[:, cfg.q_lora_rank :]
     torch.testing.assert_close(got, x @ new.to(BF16).T, rtol=2e-2, atol=2e-2)

@@ -32,6 +32,7 @@ from treeverify.models.layers import (
     TorchAttention,
     apply_rope,
     check_flat_batch,
+    fuse_linears,
 )
 from treeverify.models.moe import DeepseekMoE
 
@@ -57,40 +58,21 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(nh * cfg.v_head_dim, h, bias=False)
         # The absorbed form's rope + operand packing in one kernel on a GPU (models/fused_mla.py)
         self.fused_rope = env.fused_mla_rope() and triton_available()
-        self._a_weight: torch.Tensor | None = None  # see a_projections
+        # q_a_proj | kv_a_proj_with_mqa as one weight after `fuse()` (both read the same x)
+        self.qkv_a: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def a_projections(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[q_a_proj(x) | kv_a_proj_with_mqa(x)] (T, Q + L + R) as one product: on a GPU both
-        read the same x, so one weight (Q + L + R, h) = one GEMV launch instead of two
-        (random:mla-moe: 2112 x 2048, 8.7 MB, the decode GEMV's range). The two Linear
-        weights become views into it on first use outside a capture (no copy kept twice); a later
-        `.to()` or weight load that re-points either one is noticed (the views no longer alias)
-        and the pair fused again. None: the CPU, no q_a_proj, or inside a capture before any
-        eager forward fused them (the two launches then)."""
-        if self.cfg.q_lora_rank is None or not x.is_cuda:
-            return None
-        qa, kva = self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight
-        w, q_rows = self._a_weight, qa.shape[0]
-        aliased = (
-            w is not None
-            and w.device == qa.device
-            and w.dtype == qa.dtype == kva.dtype
-            and qa.data_ptr() == w.data_ptr()
-            and kva.data_ptr() == w.data_ptr() + q_rows * w.stride(0) * w.element_size()
-        )
-        if not aliased:
-            if torch.cuda.is_current_stream_capturing() or qa.dtype != kva.dtype:
-                return None
-            w = torch.cat((qa.data, kva.data))  # (Q + L + R, h)
-            qa.data, kva.data = w[:q_rows], w[q_rows:]
-            self._a_weight = w
-        return linear(x, w)  # (T, Q + L + R)
+    def fuse(self) -> None:
+        """q_a_proj and kv_a_proj_with_mqa as one (Q + L + R, h) GEMM (inference; the Linears
+        become views, as Llama's qkv): one GEMV launch a layer instead of two at decode
+        (random:mla-moe: 2112 x 2048, 8.7 MB, the decode GEMV's range)."""
+        if self.qkv_a is None and self.cfg.q_lora_rank is not None:
+            self.qkv_a = fuse_linears(self.q_a_proj, self.kv_a_proj_with_mqa)
 
     def forward(self, x, cos, sin, attention: Attention, absorbed: bool = True):
         cfg, t, nh = self.cfg, x.shape[0], self.nh
         n, r, lat, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
-        fused_a = self.a_projections(x)  # (T, Q + L + R) or None
-        if fused_a is not None:  # both norms in one launch, read in place
+        if self.qkv_a is not None:  # one GEMM, then both norms in one launch, read in place
+            fused_a = linear(x, *self.qkv_a)  # (T, Q + L + R)
             q_a, ckv = rmsnorm_pair(fused_a, self.q_a_layernorm, self.kv_a_layernorm)
             q = self.q_b_proj(q_a)
             k_pe = fused_a[:, -r:]  # (T, R) strided
@@ -192,9 +174,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.absorbed = True
 
     def fuse_for_inference(self) -> DeepseekV3ForCausalLM:
-        """gate|up as one GEMM in the dense MLPs and shared experts (routed experts are stacked
-        separately, see DeepseekMoE.stack_experts)."""
+        """q_a|kv_a as one GEMM in the attention, gate|up as one in the dense MLPs and shared
+        experts (routed experts are stacked separately, see DeepseekMoE.stack_experts)."""
         for layer in self.model.layers:
+            layer.self_attn.fuse()
             if not layer.is_moe:
                 layer.mlp.fuse()
             elif layer.mlp.shared_experts is not None:
