@@ -26,6 +26,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   ``1`` or ``0`` (plain launches, A/B runs).
 - ``TREEVERIFY_TRITON_PDL``: ``1`` launches the decode path's Triton kernels by programmatic
   dependent launch on sm_90+ (models/pdl.py); default ``0`` (until measured on a GPU).
+- ``TREEVERIFY_DECODE_LOOKAHEAD``: ``1`` launches each plain greedy decode step before the
+  previous one is read, where graphs are captured (engine/decode_ahead.py); default ``0`` (until
+  measured on a GPU). ``EngineConfig.decode_lookahead`` overrides it.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``0`` (until measured on a GPU).
 - ``TREEVERIFY_CUDA_SPLIT_ORDER``: which requests a balanced plan's later splits serve first:
@@ -149,6 +152,8 @@ VARIABLES: dict[str, str] = {
     "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
     "TREEVERIFY_TRITON_PDL": "1: the decode path's Triton kernels by programmatic dependent "
     "launch on sm_90+ (each waits for the kernel before it as it starts); default 0.",
+    "TREEVERIFY_DECODE_LOOKAHEAD": "1: each plain greedy decode step launched before the "
+    "previous one is read, where graphs are captured (engine/decode_ahead.py); default 0.",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 0 until measured.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -463,6 +468,13 @@ def moe_gemv() -> str:
     (models/moe_gemv.py): auto (default: batches of at most moe_gemv.AUTO_MAX_PAIRS pairs), 1
     (up to moe_gemv.MAX_PAIRS) or 0. Read when a MoE layer is built."""
     return _auto_switch("TREEVERIFY_MOE_GEMV")
+
+
+def decode_lookahead() -> bool:
+    """TREEVERIFY_DECODE_LOOKAHEAD: 1 launches each plain greedy decode step before the previous
+    one's tokens are read, where graphs are captured (engine/decode_ahead.py); default 0 until
+    measured on a GPU. Read when an engine is built (EngineConfig.decode_lookahead overrides)."""
+    return _switch("TREEVERIFY_DECODE_LOOKAHEAD", "0")
 
 
 def moe_gemv_shared() -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeverify import env
 from treeverify.engine.budget_controller import CLOCKS, budget_buckets
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.kernels.api import BACKENDS
@@ -89,6 +90,11 @@ class EngineConfig:
     # overlaps the GPU (engine/round_graphs.py); None: on where rounds are captured (a GPU with
     # graphs), off on the CPU (nothing to overlap there; the tests turn it on)
     round_lookahead: bool | None = None
+    # Launch each plain greedy decode step before reading the previous one's tokens, so the
+    # host's part overlaps the GPU (engine/decode_ahead.py); None: TREEVERIFY_DECODE_LOOKAHEAD
+    # (default off until measured) where graphs are captured; True on the CPU runs the same
+    # bookkeeping eagerly (the tests)
+    decode_lookahead: bool | None = None
     # One request's prefill chunk of <= 512 tokens through a captured chain bucket (1, n) on a
     # GPU (engine/model_runner.py, `prefill_graph_sizes`); True: such prefills run eagerly
     disable_prefill_graphs: bool = False
@@ -191,6 +197,13 @@ class EngineConfig:
         if self.round_lookahead is not None:
             return self.round_lookahead
         return self.on_gpu and not self.disable_cuda_graph
+
+    @functools.cached_property
+    def plain_lookahead(self) -> bool:
+        """Whether plain greedy decode steps launch their successor before being read."""
+        if self.decode_lookahead is not None:
+            return self.decode_lookahead
+        return self.on_gpu and not self.disable_cuda_graph and env.decode_lookahead()
 
     @functools.cached_property
     def adaptive(self) -> bool:
@@ -300,6 +313,8 @@ class EngineConfig:
             "max_chunk": self.max_chunk,
             "prefill_graph_sizes": list(self.prefill_graph_sizes) if self._sized_trees else None,
             "graph_batch_sizes": list(self.graph_batch_sizes),
+            "round_lookahead": self.lookahead,
+            "decode_lookahead": self.plain_lookahead,
             "capacity_tokens": self.capacity_tokens if self.num_pages is not None else None,
         }
         return out

@@ -122,6 +122,8 @@ class Introspection:
             info["draft"] = draft.info
         if self.rounds is not None:
             info["rounds"] = self.rounds.info
+        if self.ahead is not None:
+            info["decode_ahead"] = self.ahead.info
         return info
 
     # ---- benchmark hooks -------------------------------------------------------------------------

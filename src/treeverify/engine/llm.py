@@ -8,7 +8,8 @@ forward `runner.run(batch, tb)` over everything the step mixes, tokens sampled o
 `scheduler.postprocess(batch, tokens, kv_ahead)`. A step of greedy rounds with a DFlash drafter
 (or the n-gram one, `ngram_whole_rounds`) is one whole-round replay instead
 (engine/round_graphs.py; eager on the CPU), prefill chunks
-beside it in their own forward. Attention goes through `PagedAttention`: a
+beside it in their own forward; with `decode_lookahead`, a step of plain greedy decodes is launched
+before the previous one is read (engine/decode_ahead.py). Attention goes through `PagedAttention`: a
 `TreeAttentionPlan` over the paged cache. Every knob is an `EngineConfig` (`llm.config`).
 The server and the benchmarks use the facade (`add_request`, `step`, `abort`, `has_unfinished`,
 `output`, and engine/introspection.py's reports), never the parts.
@@ -33,6 +34,7 @@ from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
 from treeverify.engine.config import EngineConfig
+from treeverify.engine.decode_ahead import DecodeAhead
 from treeverify.engine.drafters import DFlashSource, default_depth, make_source, resolve_drafter
 from treeverify.engine.introspection import Introspection
 from treeverify.engine.kv_cache import KVCache
@@ -151,6 +153,7 @@ class LLM(SpeculativeSteps, Introspection):
             )  # fmt: skip
         self.controller = make_controller(config)
         self.rounds: RoundGraphs | None = None  # whole greedy rounds, once made
+        self.ahead: DecodeAhead | None = None  # plain greedy steps launched ahead, once made
         self._step_budget: int | None = None  # the last step's budget when it was decode-only
         # (request ids, budget) the controller chose during the last step for this one: with
         # rounds launched ahead the choice is made when the next round is launched (below)
@@ -189,11 +192,13 @@ class LLM(SpeculativeSteps, Introspection):
                 elif config.ngram_whole_rounds:  # their rings at fixed addresses
                     source.capture(config.max_num_seqs + 1, self.device)
             self._make_round_graphs(capture=True)
+            self._make_decode_ahead(capture=True)
             t0 = self._phase("capture", t0)
         elif on_gpu:
             log.info("CUDA graphs: disabled (--disable-cuda-graph); every step runs eagerly")
         if not on_gpu:  # the whole-round body, eagerly: the same round as a GPU's replay
             self._make_round_graphs(capture=False)
+            self._make_decode_ahead(capture=False)
         if self.controller is not None:
             calibrate(self)
             t0 = self._phase("calibrate", t0)
@@ -221,6 +226,21 @@ class LLM(SpeculativeSteps, Introspection):
                                   moe_impl=self.runner._moe_impl)  # fmt: skip
         if capture:
             self.startup["round_graphs"] = self.rounds.report
+
+    def _make_decode_ahead(self, capture: bool) -> None:
+        """Plain greedy decode steps launched ahead per batch bucket (`plain_lookahead`):
+        captured on a GPU over the decode buckets' stages, eagerly on the CPU over its own."""
+        cfg = self.config
+        if not cfg.plain_lookahead:
+            return
+        graphs = self.runner.graphs
+        if graphs is None:
+            buckets = [(b, 1) for b in cfg.graph_batch_sizes]
+            graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
+        self.ahead = DecodeAhead(graphs, self.block_manager, list(cfg.graph_batch_sizes),
+                                 capture=capture, moe_impl=self.runner._moe_impl)  # fmt: skip
+        if capture:
+            self.startup["decode_ahead"] = self.ahead.info
 
     @property
     def device(self) -> torch.device:
@@ -295,11 +315,40 @@ class LLM(SpeculativeSteps, Introspection):
             out, tb = self._speculative_step(batch)  # engine/spec_step.py
             if out is not None:
                 return out
+        if tb is None and (out := self._plain_ahead(batch)) is not None:
+            return out
+        if self.ahead is not None:
+            self.ahead.discard()  # not a plain greedy step: the one launched ahead is moot
         if tb is not None and len(tb.seqs) == len(batch.chunks):
             out = self._run_round(batch, tb)
             self._observe_paths(tb)
             return out
         return self._forward(batch, tb)
+
+    def _plain_ahead(self, batch: ScheduledBatch) -> list[int] | None:
+        """A step of plain greedy decodes through engine/decode_ahead.py (the next step launched
+        before this one is read) when the step allows it: decodes only, greedy, no logprobs,
+        penalties or logit_bias, no drafter reading the target's hidden states; else None."""
+        ahead, chunks = self.ahead, batch.decodes
+        if ahead is None or batch.prefills or not chunks or self.model.capture_layers:
+            return None
+        seqs = [c.seq for c in chunks]
+        if self.processor.needed(seqs) or any(
+            s.sampling_params.temperature != 0 or s.sampling_params.logprobs is not None
+            for s in seqs
+        ):
+            return None
+        go_on = not self.scheduler.waiting  # a request may be admitted next step: read first
+        if go_on and self.controller is not None:  # the next step's budget, chosen now
+            want = [s for s in seqs if self.spec.wants(s)]
+            go_on = not want or self._plan_next(want) == 0
+        tokens = ahead.step(chunks, ahead=go_on)
+        if tokens is None:
+            return None
+        self._step_steady = ahead.steady
+        for seq in seqs:
+            self._logprobs[seq.request_id].append(None)
+        return tokens
 
     def _forward(self, batch: ScheduledBatch, tb) -> list[int | list[int]]:
         """One forward over whatever the batch mixes (prefill chunks, plain decodes, the trees of
@@ -445,6 +494,8 @@ class LLM(SpeculativeSteps, Introspection):
         self.scheduler.discard_in_flight()
         if self.rounds is not None:
             self.rounds.discard()
+        if self.ahead is not None:
+            self.ahead.discard()
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(

@@ -66,7 +66,7 @@ log = logging.getLogger("treeverify.engine")
 
 
 @dataclass
-class _Launched:
+class Launched:
     """A launched round: its packed result, copied to the host as soon as the round ends."""
 
     host: torch.Tensor  # (b, 2 + 2K) int64, pinned on a GPU
@@ -86,13 +86,13 @@ class _InFlight:
     budget: int
     batch: int  # its bucket
     starts: list[int]  # each root's position, as the previous round's commit predicts
-    launched: _Launched
+    launched: Launched
 
 
-def _positions(fl: _InFlight, seqs: list[Sequence]) -> list[int] | None:
-    """Where each of `seqs` is in the round in flight, when all are, in its order (the
-    scheduler keeps arrival order); else None."""
-    at = {id(s): i for i, s in enumerate(fl.seqs)}
+def positions_in(launched: list[Sequence], seqs: list[Sequence]) -> list[int] | None:
+    """Where each of `seqs` is among the sequences of a step launched ahead, when all are, in
+    its order (the scheduler keeps arrival order); else None."""
+    at = {id(s): i for i, s in enumerate(launched)}
     pick = [at.get(id(s), -1) for s in seqs]
     return pick if seqs and -1 not in pick and pick == sorted(pick) else None
 
@@ -240,7 +240,7 @@ class RoundGraphs:
     def ahead_budget(self, seqs: list[Sequence]) -> int | None:
         """The budget of the round launched ahead when it holds these sequences' rounds."""
         fl = self._in_flight
-        return fl.budget if fl is not None and _positions(fl, seqs) is not None else None
+        return fl.budget if fl is not None and positions_in(fl.seqs, seqs) is not None else None
 
     def discard(self) -> None:
         """Throw the round launched ahead away (the step went another way): release the pages
@@ -260,7 +260,7 @@ class RoundGraphs:
         fl = self._in_flight
         if fl is None:
             return None
-        pick = _positions(fl, seqs)
+        pick = positions_in(fl.seqs, seqs)
         ok = (
             fl.budget == budget
             and pick is not None
@@ -375,7 +375,7 @@ class RoundGraphs:
             bm.hold(seq, p + reach)
         return True
 
-    def _launch(self, b: int, budget: int, rows_read: int | None) -> _Launched:
+    def _launch(self, b: int, budget: int, rows_read: int | None) -> Launched:
         """Replay (GPU) or run (CPU) the staged round; its result is queued for the host."""
         self.replays += 1
         if self.captured:
@@ -385,14 +385,14 @@ class RoundGraphs:
             self._flip ^= 1
             host.copy_(packed, non_blocking=True)
             done.record()
-            return _Launched(host, done)
+            return Launched(host, done)
         n = self.spec.nodes_for(budget)
         self.graphs.attention.select((b, n))
         try:
             packed = self._body(b, budget, rows_read)
         finally:
             self.graphs.attention.select(None)
-        return _Launched(packed.clone(), None)
+        return Launched(packed.clone(), None)
 
     @property
     def info(self) -> dict:

@@ -143,6 +143,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "next round is launched first, so the host's bookkeeping overlaps the GPU)",
     )
     p.add_argument(
+        "--decode-lookahead",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="launch each plain greedy decode step before reading the previous one's tokens, so "
+        "the host's part overlaps the GPU (auto: TREEVERIFY_DECODE_LOOKAHEAD, default off, where "
+        "CUDA graphs are captured)",
+    )
+    p.add_argument(
         "--disable-prefill-graphs",
         action="store_true",
         help="run every prefill eagerly (by default on a GPU one request's prefill chunk of up "

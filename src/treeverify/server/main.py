@@ -109,6 +109,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
             disable_cuda_graph=args.disable_cuda_graph,
             disable_round_graphs=args.disable_round_graphs,
             round_lookahead=False if args.disable_round_lookahead else None,
+            decode_lookahead={"auto": None, "on": True, "off": False}[args.decode_lookahead],
             disable_prefill_graphs=args.disable_prefill_graphs,
         )
     except GraphCaptureError as exc:

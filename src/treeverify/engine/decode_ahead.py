@@ -1,0 +1,286 @@
+"""Plain greedy decoding with each step launched before the previous one is read (overlap).
+
+A plain decode step on a GPU is one graph replay, but the host's part of it does not overlap the
+GPU: it schedules (~25 us), stages the inputs (~40-65 us) and launches (~10 us) before the
+replay, reads the tokens and does the bookkeeping after it. Measured on the H200 that is the
+whole gap between the engine step and the forward (docs/performance.md). Here, per batch bucket
+b, one graph runs a whole greedy step:
+
+    unpack   the staged inputs (ids, positions, slots, prefix lengths, page table) into place
+    forward  the decode bucket's forward -> (b, V) logits
+    argmax   the tokens (b,), copied to a pinned host buffer once the step ends
+    advance  the stage's device twin to the next step: ids = the tokens, positions and prefix
+             lengths + 1, the new position's slot from the staged page table (valid rows only)
+
+So the host launches step k+1 right after step k, before reading k's tokens, and does k's
+bookkeeping (stops, detokenizing, the next schedule) while k+1 runs. Before a step at position q
+is launched, the page of position q + 1 is held (`BlockManager.hold`) and in the staged page
+table, since the step's advance looks its slot up there; the table is restaged alone when a hold
+added a page (queued after the steps already launched, which read the table they had). The next
+engine step takes the step launched ahead when it schedules the same requests, in order, at the
+positions predicted, as plain greedy decodes; otherwise the launched step is discarded. It wrote
+the K/V of the token greedy decoding puts there (or of a request that has finished) at a held
+slot past every committed position, which the next step overwrites or nothing reads; stream order
+puts it before any later step's writes, so there is nothing to undo but the hold. A request that
+finished at step k wastes one step of GPU work; when some requests of the launched step are still
+running, their rows are taken and the next step is staged by the host (read first), as a
+whole round's partial take is (engine/round_graphs.py, whose lookahead this mirrors).
+
+Eligible steps (the engine decides, `LLM._plain_ahead`): only plain decodes, all greedy, without
+logprobs, penalties or logit_bias, and no drafter that conditions on the target's hidden states.
+On the CPU the same body runs eagerly over stages made for it (nothing overlaps; the tests check
+the bookkeeping that way). Off unless `EngineConfig.decode_lookahead` (or
+TREEVERIFY_DECODE_LOOKAHEAD=1) asks for it, until measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from treeverify.engine.block_manager import BlockManager
+from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
+from treeverify.engine.round_graphs import Launched, positions_in
+from treeverify.engine.round_state import RoundState
+from treeverify.engine.scheduler import ScheduledChunk
+from treeverify.engine.sequence import Sequence
+
+log = logging.getLogger("treeverify.engine")
+
+
+@dataclass
+class _InFlight:
+    """A step launched ahead: these sequences' next tokens, at positions `starts`."""
+
+    seqs: list[Sequence]
+    batch: int  # its bucket
+    starts: list[int]  # each token's position, as the previous step predicts
+    launched: Launched
+
+
+class DecodeAhead:
+    def __init__(self, graphs: CudaGraphs, bm: BlockManager, batch_sizes: list[int], *,
+                 capture: bool = True, moe_impl=None):  # fmt: skip
+        """`graphs`: the engine's decode buckets (b, 1) (their stages, plans and forward are
+        reused; on the CPU staged buckets, never captured); `moe_impl`: the runner's MoE-impl
+        setter (sync-free routing while capturing)."""
+        self.graphs, self.bm = graphs, bm
+        self.device = graphs.attention.cache.device
+        self.state = RoundState(self.device, bm.page_size)
+        self.captured = capture
+        self.batch_sizes = sorted(b for b in set(batch_sizes) if not capture
+                                  or (b, 1) in graphs.steps)  # fmt: skip
+        self.steps: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per bucket two pinned token buffers + events, alternating: a step launched ahead
+        # copies into the one its predecessor's read has already released
+        self._readback: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self._flip = 0
+        self._in_flight: _InFlight | None = None
+        self.pool = None
+        self.replays = 0
+        self.ahead_used = 0  # steps launched ahead and consumed by the next engine step
+        self.ahead_discarded = 0  # ... thrown away (the batch changed)
+        self.ahead_partial = 0  # ... consumed by the requests of it still running
+        self.steady = False  # the last step took a step launched ahead and launched the next
+        t0 = time.perf_counter()
+        if capture:
+            previous = moe_impl("graph") if moe_impl is not None else None
+            try:
+                for b in reversed(self.batch_sizes):
+                    self.steps[b] = self._capture(b)
+                    self._readback[b] = [(torch.empty(b, dtype=torch.int64, pin_memory=True),
+                                          torch.cuda.Event()) for _ in range(2)]  # fmt: skip
+            finally:
+                if moe_impl is not None:
+                    moe_impl(previous)
+                graphs.attention.select(None)
+            log.info("greedy decode steps launched ahead: captured batch %s in %.2f s",
+                     self.batch_sizes, time.perf_counter() - t0)  # fmt: skip
+        self.capture_seconds = time.perf_counter() - t0
+
+    # ---- the step's device work ----------------------------------------------------------------
+    def _body(self, b: int) -> torch.Tensor:
+        """One greedy decode step of bucket b from its stage's twin, the twin advanced to the
+        next step; returns the (b,) tokens. Capture-safe."""
+        graphs = self.graphs
+        stage = graphs.stages[(b, 1)]
+        v = stage.views
+        graphs._unpack(stage, b, 1)
+        logits = graphs.forward_rows(b)  # (b, V) fp32
+        tokens = logits.argmax(-1)  # (b,) int64, the sampler's greedy choice
+        valid = v["valid"][:b]  # (b,) int32: padding rows stay as they were
+        ids = v["ids"][:b]  # (b,) int64
+        ids.copy_(torch.where(valid != 0, tokens, ids))
+        v["pos"][:b].add_(valid)
+        v["prefix"][:b].add_(valid)
+        self.state.node_slots(v, b, 1, stage.scratch_slot)  # position = the new prefix length
+        return tokens
+
+    @torch.inference_mode()
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        try:
+            self.graphs.attention.select((b, 1))  # the decode bucket's plans (its graph's)
+            stage = self.graphs.stages[(b, 1)]
+            saved = stage.dev.clone()  # the warmup and capture advance the twin: put it back
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warmup: lazy kernels, cuBLAS handles, allocator
+                self._body(b)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, self.pool):
+                tokens = self._body(b)
+            self.pool = graph.pool()
+            stage.dev.copy_(saved)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            raise GraphCaptureError(f"CUDA graph capture failed for the greedy decode step "
+                                    f"launched ahead, batch={b}: {type(exc).__name__}: {exc}"
+                                    ) from exc  # fmt: skip
+        return graph, tokens
+
+    # ---- a step --------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> _InFlight | None:
+        """The step launched ahead, not yet consumed (None when there is none)."""
+        return self._in_flight
+
+    def discard(self) -> None:
+        """Throw the step launched ahead away (the engine step went another way): release the
+        pages held for it. Its device work still runs; nothing it wrote is read."""
+        fl, self._in_flight = self._in_flight, None
+        if fl is None:
+            return
+        self.ahead_discarded += 1
+        for seq in fl.seqs:
+            self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
+
+    def _take(self, chunks: list[ScheduledChunk]) -> tuple[_InFlight, list[int]] | None:
+        """The step in flight and where each chunk's sequence is in it, when it is this step's:
+        the chunks' sequences its own in order (or those of them still running), each at the
+        position predicted. Else None, discarding it."""
+        fl = self._in_flight
+        if fl is None:
+            return None
+        pick = positions_in(fl.seqs, [c.seq for c in chunks])
+        if pick is None or any(c.start != fl.starts[i] for c, i in zip(chunks, pick,
+                                                                         strict=True)):  # fmt: skip
+            self.discard()
+            return None
+        self._in_flight = None
+        self.ahead_used += 1
+        self.ahead_partial += len(pick) < len(fl.seqs)
+        return fl, pick
+
+    def bucket_for(self, chunks: list[ScheduledChunk]) -> int | None:
+        """The batch bucket a step of these decodes replays, when one was made and the staged
+        page table holds their pages (those held for the next step too)."""
+        b = next((s for s in self.batch_sizes if s >= len(chunks)), None)
+        if b is None:
+            return None
+        if any(self.bm.pages_for(c.start + 3) > self.graphs.max_pages for c in chunks):
+            return None
+        return b
+
+    @torch.inference_mode()
+    def step(self, chunks: list[ScheduledChunk], *, ahead: bool) -> list[int] | None:
+        """This step's greedy tokens for `chunks` (one plain decode each, at position q): the
+        step launched ahead by the previous engine step when it matches, else staged and
+        launched now; with `ahead`, the next step is launched before this one is read. None
+        when no bucket holds this step (nothing was launched then)."""
+        seqs = [c.seq for c in chunks]
+        starts = [c.start for c in chunks]
+        taken = self._take(chunks)
+        self.steady = False
+        if taken is None:
+            b = self.bucket_for(chunks)
+            if b is None:
+                return None
+            # this step's advance looks up the slot of q + 1: that page staged with the rest
+            ahead = ahead and self._hold(seqs, [q + 2 for q in starts])
+            if not ahead:
+                for seq in seqs:
+                    self.bm.release_hold(seq)
+            self._stage(b).write_decodes([c.token_ids[0] for c in chunks], starts,
+                                         [c.slots[0] for c in chunks],
+                                         [s.block_table for s in seqs])  # fmt: skip
+            now, width, pick = self._launch(b), len(seqs), None
+        else:
+            fl, pick = taken
+            b, now, width = fl.batch, fl.launched, len(fl.seqs)
+            ahead = ahead and len(pick) == width  # else its twin still has the dropped rows
+        if ahead:  # the next step's advance looks up q + 2: hold that page, restage the table
+            pages = [len(s.block_table) for s in seqs]
+            ahead = self._hold(seqs, [q + 3 for q in starts])
+            if ahead and any(len(s.block_table) != n for s, n in zip(seqs, pages, strict=True)):
+                self._stage(b).write_table([s.block_table for s in seqs])  # after `now`
+        if not ahead:  # nothing launched ahead: held pages without a slot go back
+            for seq in seqs:
+                self.bm.release_hold(seq)
+            return self._read(now, width, pick)
+        nxt = self._launch(b) if self.captured else None  # before reading `now`
+        tokens = self._read(now, width, pick)
+        if nxt is None:  # eager: `now` ran, its advance staged the next step
+            nxt = self._launch(b)
+        self._in_flight = _InFlight(seqs, b, [q + 1 for q in starts], nxt)
+        self.steady = taken is not None
+        return tokens
+
+    @staticmethod
+    def _read(launched: Launched, width: int, pick: list[int] | None) -> list[int]:
+        """The step's tokens (waits for that step only), those of `pick` when some of its
+        requests are gone."""
+        tokens = launched.rows(width)
+        return tokens if pick is None else [tokens[i] for i in pick]
+
+    def _hold(self, seqs: list[Sequence], upto: list[int]) -> bool:
+        """Hold each sequence's pages for positions below upto[i]; False (nothing held) when
+        the free pages or the staged page table do not cover them all."""
+        bm, need = self.bm, 0
+        for seq, u in zip(seqs, upto, strict=True):
+            pages = bm.pages_for(u)
+            if pages > self.graphs.max_pages:
+                return False
+            need += max(0, pages - len(seq.block_table))
+        if need > bm.num_free_pages:
+            return False
+        for seq, u in zip(seqs, upto, strict=True):
+            bm.hold(seq, u)
+        return True
+
+    def _stage(self, b: int):
+        """Bucket b's decode stage (on the CPU made on first use, eagerly)."""
+        return self.graphs.stages.get((b, 1)) or self.graphs.prepare_stage(b, 1)
+
+    def _launch(self, b: int) -> Launched:
+        """Replay (GPU) or run (CPU) the staged step; its tokens are queued for the host."""
+        self.replays += 1
+        if self.captured:
+            graph, tokens = self.steps[b]
+            graph.replay()
+            host, done = self._readback[b][self._flip]
+            self._flip ^= 1
+            host.copy_(tokens, non_blocking=True)
+            done.record()
+            return Launched(host, done)
+        self.graphs.attention.select((b, 1))
+        try:
+            tokens = self._body(b)
+        finally:
+            self.graphs.attention.select(None)
+        return Launched(tokens.clone(), None)
+
+    @property
+    def info(self) -> dict:
+        return {
+            "batch_sizes": self.batch_sizes,
+            "captured": self.captured,
+            "capture_seconds": round(self.capture_seconds, 3),
+            "replays": self.replays,
+            "ahead_used": self.ahead_used,
+            "ahead_discarded": self.ahead_discarded,
+            "ahead_partial": self.ahead_partial,
+        }

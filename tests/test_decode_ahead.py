@@ -1,0 +1,128 @@
+"""Plain greedy decode steps launched ahead (engine/decode_ahead.py) on the CPU: the body a GPU
+captures, run eagerly, against the same engine reading each step first.
+
+Two engines with the same requests step in lockstep, one launching each plain step before the
+previous one is read and one without: after every step they must hold the same tokens, the same
+K/V in every committed slot, and a block manager whose pages agree with its tables (holds
+included). The requests finish at different steps (the launched step is taken by those still
+running), one arrives late and one is aborted (the launched step is discarded), the pool is
+small enough to preempt. Steps the lookahead must not take (sampled, logprobs, penalties, a
+drafter reading hidden states) take the general path. The GPU version (captured, replayed,
+overlapped) is in test_decode_ahead_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockstep import kv_rows
+from treeverify.engine.config import EngineConfig
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+CODE = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\n\n\ndef list_files(path):\n    for name in os.listdir(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+    "for i in range(10):\n    print(",
+]
+
+
+def _engine(**kw) -> LLM:
+    kw.setdefault("num_pages", 96)
+    return LLM("tiny-code", max_num_seqs=4, **kw)
+
+
+def _assert_same(a_llm, a, b_llm, b, msg: str) -> None:
+    assert a.output_token_ids == b.output_token_ids, msg
+    assert a.finish_reason == b.finish_reason, msg
+    assert a.num_cached_tokens == b.num_cached_tokens, msg
+    if not a.is_finished:
+        for x, y in zip(kv_rows(a_llm, a), kv_rows(b_llm, b), strict=True):
+            # (the launched step runs the batch bucket's padded rows: not bit-equal on the CPU)
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=msg)
+
+
+def test_steps_launched_ahead_equal_read_first_step_by_step():
+    ahead, first = _engine(decode_lookahead=True), _engine()
+    assert ahead.ahead is not None and first.ahead is None
+    lens = [40, 9, 23]  # finishing at different steps: the others take the launched step
+    pairs = []
+    for prompt, n in zip(CODE[:3], lens, strict=True):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        pairs.append((ahead.add_request(prompt, sp), first.add_request(prompt, sp)))
+    steps = 0
+    while ahead.has_unfinished() or first.has_unfinished():
+        if steps == 6:  # arrives mid-decode: its prefill step discards the launched step
+            sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["\n"])
+            pairs.append((ahead.add_request(CODE[3], sp), first.add_request(CODE[3], sp)))
+        if steps == 14:
+            assert ahead.abort(pairs[0][0].request_id) and first.abort(pairs[0][1].request_id)
+        ahead.step()
+        first.step()
+        steps += 1
+        for a, b in pairs:
+            _assert_same(ahead, a, first, b, f"step {steps}")
+        ahead.block_manager.check(ahead.scheduler.running)  # holds agree with the tables
+    info = ahead.ahead.info
+    assert info["ahead_used"] > 10 and info["ahead_discarded"] >= 1 and info["ahead_partial"] >= 2
+    assert ahead.block_manager.num_free_pages == ahead.block_manager.num_pages  # nothing leaked
+
+
+def test_steps_launched_ahead_through_preemption_equal_plain_greedy():
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = [o.token_ids for o in _engine().generate(CODE, sp)]
+    llm = _engine(decode_lookahead=True, num_pages=18)  # 4 requests need ~24 pages: preempts
+    seqs = [llm.add_request(p, sp) for p in CODE]
+    while llm.has_unfinished():
+        llm.step()
+        llm.block_manager.check(llm.scheduler.running)
+    assert [llm.output(s).token_ids for s in seqs] == want
+    assert sum(s.num_preemptions for s in seqs) > 0
+    assert llm.ahead.ahead_used > 0
+    assert llm.block_manager.num_free_pages == llm.block_manager.num_pages
+
+
+def test_steps_the_lookahead_must_not_take_take_the_general_path():
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5),
+    ]
+    for sp in params[1:]:  # each beside a greedy request: the whole step reads first
+        want = _engine().generate(CODE[:2], [params[0], sp])
+        llm = _engine(decode_lookahead=True)
+        got = llm.generate(CODE[:2], [params[0], sp])
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert got[1].logprobs == want[1].logprobs
+        assert llm.ahead.replays == 0
+    llm = _engine(decode_lookahead=True)  # greedy alone: launched ahead, logprobs all None
+    out = llm.generate(CODE[:1], params[0])[0]
+    assert llm.ahead.ahead_used > 0 and out.logprobs == [None] * 16
+
+
+def test_speculating_engines_launch_plain_steps_ahead_only_without_hidden_states():
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in _engine().generate(CODE[:2], sp)]
+    # n-gram: the controller's plain steps (budget 0) go ahead, its rounds do not
+    llm = _engine(decode_lookahead=True, speculative_algorithm="DDTREE",
+                  speculative_draft_model_path="ngram")  # fmt: skip
+    assert [o.token_ids for o in llm.generate(CODE[:2], sp)] == want
+    # DFlash conditions on the target's hidden states of every step: never ahead
+    llm = _engine(decode_lookahead=True, speculative_algorithm="DDTREE")
+    assert [o.token_ids for o in llm.generate(CODE[:2], sp)] == want
+    assert llm.ahead.replays == 0
+
+
+def test_decode_lookahead_defaults_off_on_the_cpu_and_follows_the_switch(monkeypatch):
+    monkeypatch.setenv("TREEVERIFY_DECODE_LOOKAHEAD", "1")
+    assert not EngineConfig().plain_lookahead  # the CPU: nothing to overlap unless asked
+    assert EngineConfig(decode_lookahead=True).plain_lookahead
+    cfg = EngineConfig(device="cuda", num_pages=8)
+    assert cfg.plain_lookahead and cfg.to_json()["derived"]["decode_lookahead"]
+    assert not EngineConfig(device="cuda", num_pages=8, disable_cuda_graph=True).plain_lookahead
+    monkeypatch.setenv("TREEVERIFY_DECODE_LOOKAHEAD", "maybe")
+    with pytest.raises(ValueError, match="TREEVERIFY_DECODE_LOOKAHEAD"):
+        _ = EngineConfig(device="cuda", num_pages=8).plain_lookahead

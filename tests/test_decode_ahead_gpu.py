@@ -1,0 +1,114 @@
+"""Plain greedy decode steps launched ahead (engine/decode_ahead.py) on a GPU: captured per batch
+bucket, each step replayed before the previous one is read. Against the same engine reading
+every step first (the decode bucket's own graph: the same kernels over the same shapes, so the
+tokens must be equal, not close), step by step through requests finishing at different steps, a
+late arrival and an abort, with the block manager's holds checked after every step; on
+random:mla-moe (its decode MoE path under capture) too; and steady-state steps make no host
+sync. Real CUDA graphs; skipped without a GPU. (The CPU runs the same body eagerly:
+test_decode_ahead.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from treeverify.engine.llm import LLM  # noqa: E402
+from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
+from treeverify.models.shipped import shipped_dir  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _prompts(rng: random.Random, k: int) -> list[str]:
+    heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
+    return [text[: rng.randrange(100, 600)] for text in rng.sample(heldout, k)]
+
+
+def _engine(model: str = "tiny-code", **kw) -> LLM:
+    return LLM(model, device="cuda", num_pages=256, cuda_graph_max_bs=4, max_num_seqs=4, **kw)
+
+
+def test_steps_launched_ahead_equal_read_first_step_by_step():
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    prompts = _prompts(rng, 4)
+    ahead, first = _engine(decode_lookahead=True), _engine(decode_lookahead=False)
+    assert ahead.ahead is not None and ahead.ahead.captured and first.ahead is None
+    pairs = []
+    for prompt, n in zip(prompts[:3], (70, 17, 41), strict=True):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        pairs.append((ahead.add_request(prompt, sp), first.add_request(prompt, sp)))
+    steps = 0
+    while ahead.has_unfinished() or first.has_unfinished():
+        if steps == 9:  # its prefill discards the launched step
+            sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+            pairs.append((ahead.add_request(prompts[3], sp), first.add_request(prompts[3], sp)))
+        if steps == 30:
+            assert ahead.abort(pairs[0][0].request_id) and first.abort(pairs[0][1].request_id)
+        ahead.step()
+        first.step()
+        steps += 1
+        for a, b in pairs:
+            assert a.output_token_ids == b.output_token_ids, f"step {steps}: {a.request_id}"
+            assert a.num_cached_tokens == b.num_cached_tokens, f"step {steps}"
+        ahead.block_manager.check(ahead.scheduler.running)
+    info = ahead.ahead.info
+    assert info["ahead_used"] > 20 and info["ahead_discarded"] >= 1 and info["ahead_partial"] >= 1
+    assert ahead.block_manager.num_free_pages == ahead.block_manager.num_pages
+    assert ahead.cuda_graph_info["decode_ahead"]["replays"] == info["replays"]
+
+
+def test_steps_launched_ahead_on_mla_moe_equal_read_first():
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(40 + 9 * i)] for i in range(3)]
+    outs = {}
+    for on in (True, False):
+        llm = _engine("random:mla-moe", decode_lookahead=on, num_pages=64)
+        outs[on] = [o.token_ids for o in llm.generate(prompts, sp)]
+        if on:
+            assert llm.ahead.ahead_used > 10
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]
+
+
+def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(monkeypatch):
+    """Under torch.cuda.set_sync_debug_mode("error") (a sync PyTorch issues raises), a steady
+    step's only wait is the one intended: for the copy of its own tokens into pinned memory,
+    the next step already queued behind it; counted, exactly one a step."""
+    llm = _engine(decode_lookahead=True)
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    seqs = [llm.add_request(p, sp) for p in _prompts(random.Random(5), 2)]
+    while any(s.num_output_tokens < 4 for s in seqs):
+        llm.step()  # prefills and the first steps, read first
+    waits = []
+    wait = torch.cuda.Event.synchronize
+
+    def wait_once(event):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            waits.append(1)
+            return wait(event)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", wait_once)
+    used = llm.ahead.ahead_used
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(40):
+            llm.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(waits) == 40
+    assert llm.ahead.ahead_used == used + 40  # every one of them taken from the step before
