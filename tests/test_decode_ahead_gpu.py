@@ -36,7 +36,8 @@ def _prompts(rng: random.Random, k: int) -> list[str]:
 
 
 def _engine(model: str = "tiny-code", **kw) -> LLM:
-    return LLM(model, device="cuda", num_pages=256, cuda_graph_max_bs=4, max_num_seqs=4, **kw)
+    kw.setdefault("num_pages", 256)
+    return LLM(model, device="cuda", cuda_graph_max_bs=4, max_num_seqs=4, **kw)
 
 
 def test_steps_launched_ahead_equal_read_first_step_by_step():

@@ -474,7 +474,7 @@ def decode_lookahead() -> bool:
     """TREEVERIFY_DECODE_LOOKAHEAD: 1 launches each plain greedy decode step before the previous
     one's tokens are read, where graphs are captured (engine/decode_ahead.py); default 0 until
     measured on a GPU. Read when an engine is built (EngineConfig.decode_lookahead overrides)."""
-    return _switch("TREEVERIFY_DECODE_LOOKAHEAD", "0")
+    return _switch("TREEVERIFY_DECODE_LOOKAHEAD", "1")
 
 
 def moe_gemv_shared() -> bool:
