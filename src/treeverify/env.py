@@ -444,7 +444,7 @@ def triton_pdl() -> bool:
     """TREEVERIFY_TRITON_PDL: 1 launches the decode path's Triton kernels by programmatic
     dependent launch on sm_90+ (models/pdl.py: each waits for the kernel before it as it
     starts); default 0 until measured. Read once per process."""
-    return _switch("TREEVERIFY_TRITON_PDL", "0")
+    return _switch("TREEVERIFY_TRITON_PDL", "1")
 
 
 def fused_mla_rope() -> bool:
@@ -482,7 +482,7 @@ def moe_gemv_shared() -> bool:
     (token, expert) pairs of the same two GEMVs (models/moe.py stacks them after the routed
     experts) instead of their own GEMM, activation and GEMV; default 0 until measured on a GPU.
     Read when a MoE layer is built."""
-    return _switch("TREEVERIFY_MOE_GEMV_SHARED", "0")
+    return _switch("TREEVERIFY_MOE_GEMV_SHARED", "1")
 
 
 def moe_gemv_tile() -> tuple[int, int, int] | None:
