@@ -25,12 +25,15 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   launch on sm_90+, its weight loads overlapping the kernel before it: ``auto`` (default, on),
   ``1`` or ``0`` (plain launches, A/B runs).
 - ``TREEVERIFY_TRITON_PDL``: ``1`` launches the decode path's Triton kernels by programmatic
-  dependent launch on sm_90+ (models/pdl.py); default ``0`` (until measured on a GPU).
+  dependent launch on sm_90+ (models/pdl.py); default ``1`` (measured 1.04x on random:mla-moe's
+  decode, 1.02x on the 1B, H200); ``0`` plain launches (A/B runs).
 - ``TREEVERIFY_DECODE_LOOKAHEAD``: ``1`` launches each plain greedy decode step before the
-  previous one is read, where graphs are captured (engine/decode_ahead.py); default ``0`` (until
-  measured on a GPU). ``EngineConfig.decode_lookahead`` overrides it.
+  previous one is read, where graphs are captured (engine/decode_ahead.py); default ``1``
+  (measured 1.09-1.45x at b=1 on the H200); ``0`` reads every step first (A/B runs).
+  ``EngineConfig.decode_lookahead`` overrides it.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
-  more pairs of the same two GEMVs; default ``0`` (until measured on a GPU).
+  more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
+  H200); ``0`` their own GEMM + GEMV (A/B runs).
 - ``TREEVERIFY_CUDA_SPLIT_ORDER``: which requests a balanced plan's later splits serve first:
   ``longest`` (default since v27: longest first, batches of <= 32; the longest remainders
   start as the first splits end; SGLang's page-1 GQA batch 1.09x, mixed-length grid 1.014x)
@@ -151,11 +154,11 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "
     "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
     "TREEVERIFY_TRITON_PDL": "1: the decode path's Triton kernels by programmatic dependent "
-    "launch on sm_90+ (each waits for the kernel before it as it starts); default 0.",
+    "launch on sm_90+ (each waits for the kernel before it as it starts); default 1; 0: A/B.",
     "TREEVERIFY_DECODE_LOOKAHEAD": "1: each plain greedy decode step launched before the "
-    "previous one is read, where graphs are captured (engine/decode_ahead.py); default 0.",
+    "previous one is read, where graphs are captured (engine/decode_ahead.py); default 1.",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
-    "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 0 until measured.",
+    "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
     "(default; the longest requests' remainders start first; batches <= 32) or request.",
     "TREEVERIFY_CUDA_MERGE_MAX_CTAS": "Bound on the CUDA token merge kernel's grid (default "
@@ -443,7 +446,8 @@ def decode_gemv_pdl() -> str:
 def triton_pdl() -> bool:
     """TREEVERIFY_TRITON_PDL: 1 launches the decode path's Triton kernels by programmatic
     dependent launch on sm_90+ (models/pdl.py: each waits for the kernel before it as it
-    starts); default 0 until measured. Read once per process."""
+    starts); default 1 (measured 1.04x on random:mla-moe's decode step at b=1, 1.02x on the
+    1B, H200, 2026-12-04); 0 plain launches. Read once per process."""
     return _switch("TREEVERIFY_TRITON_PDL", "1")
 
 
@@ -472,16 +476,18 @@ def moe_gemv() -> str:
 
 def decode_lookahead() -> bool:
     """TREEVERIFY_DECODE_LOOKAHEAD: 1 launches each plain greedy decode step before the previous
-    one's tokens are read, where graphs are captured (engine/decode_ahead.py); default 0 until
-    measured on a GPU. Read when an engine is built (EngineConfig.decode_lookahead overrides)."""
+    one's tokens are read, where graphs are captured (engine/decode_ahead.py); default 1
+    (measured 1.09-1.45x a decode step at b=1, H200, 2026-12-04); 0 reads every step first. Read
+    when an engine is built (EngineConfig.decode_lookahead overrides)."""
     return _switch("TREEVERIFY_DECODE_LOOKAHEAD", "1")
 
 
 def moe_gemv_shared() -> bool:
     """TREEVERIFY_MOE_GEMV_SHARED: 1 runs the shared experts on the expert-GEMV path as more
     (token, expert) pairs of the same two GEMVs (models/moe.py stacks them after the routed
-    experts) instead of their own GEMM, activation and GEMV; default 0 until measured on a GPU.
-    Read when a MoE layer is built."""
+    experts) instead of their own GEMM, activation and GEMV; default 1 (measured 1.03x on
+    random:mla-moe's decode step at b=1, H200, 2026-12-04); 0 their own path. Read when a MoE
+    layer is built."""
     return _switch("TREEVERIFY_MOE_GEMV_SHARED", "1")
 
 

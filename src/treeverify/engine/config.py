@@ -91,9 +91,9 @@ class EngineConfig:
     # graphs), off on the CPU (nothing to overlap there; the tests turn it on)
     round_lookahead: bool | None = None
     # Launch each plain greedy decode step before reading the previous one's tokens, so the
-    # host's part overlaps the GPU (engine/decode_ahead.py); None: TREEVERIFY_DECODE_LOOKAHEAD
-    # (default off until measured) where graphs are captured; True on the CPU runs the same
-    # bookkeeping eagerly (the tests)
+    # host's part overlaps the GPU (engine/decode_ahead.py); None: on where graphs are captured
+    # unless TREEVERIFY_DECODE_LOOKAHEAD=0; True on the CPU runs the same bookkeeping eagerly
+    # (the tests)
     decode_lookahead: bool | None = None
     # One request's prefill chunk of <= 512 tokens through a captured chain bucket (1, n) on a
     # GPU (engine/model_runner.py, `prefill_graph_sizes`); True: such prefills run eagerly
