@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep import kv_rows
+from lockstep import assert_same_state, cycle_budgets, kv_rows, record_budgets, replay_budgets
 from treeverify.engine.config import EngineConfig
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
@@ -103,17 +103,39 @@ def test_steps_the_lookahead_must_not_take_take_the_general_path():
     assert llm.ahead.ahead_used > 0 and out.logprobs == [None] * 16
 
 
-def test_speculating_engines_launch_plain_steps_ahead_only_without_hidden_states():
+def test_ngram_engines_launch_their_plain_steps_ahead():
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in _engine().generate(CODE[:2], sp)]
-    # n-gram: the controller's plain steps (budget 0) go ahead, its rounds do not
     llm = _engine(decode_lookahead=True, speculative_algorithm="DDTREE",
                   speculative_draft_model_path="ngram")  # fmt: skip
+    cycle_budgets(llm, [0, 0, 0, 4, 0, 8, 0, 0])  # plain steps between rounds
     assert [o.token_ids for o in llm.generate(CODE[:2], sp)] == want
-    # DFlash conditions on the target's hidden states of every step: never ahead
-    llm = _engine(decode_lookahead=True, speculative_algorithm="DDTREE")
-    assert [o.token_ids for o in llm.generate(CODE[:2], sp)] == want
-    assert llm.ahead.replays == 0
+    assert llm.ahead.ahead_used > 0 and llm.spec_stats["rounds"] > 0
+    # the controller's choice for the next step is made before launching: never a plain step
+    # launched ahead of a round
+    assert llm.ahead.ahead_discarded == 0
+
+
+def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows():
+    """The drafter conditions on the target's hidden states of every committed token: a plain
+    step launched ahead hands it the same rows as one read first (the drafter's context rings
+    equal after every step), through switches between plain steps and rounds."""
+    knobs = dict(speculative_algorithm="DDTREE", num_pages=128)  # tiny-code's own DFlash drafter
+    ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
+    cycle_budgets(ahead, [0, 0, 0, 16, 0, 0, 8, 0])
+    replay_budgets(first, record_budgets(ahead))  # the budgets ahead ran, step for step
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    pairs = [(ahead.add_request(p, sp), first.add_request(p, sp)) for p in CODE[:2]]
+    steps = 0
+    while ahead.has_unfinished() or first.has_unfinished():
+        ahead.step()
+        first.step()
+        steps += 1
+        for a, b in pairs:
+            _assert_same(ahead, a, first, b, f"step {steps}")
+            if not a.is_finished:
+                assert_same_state(ahead, a, first, b, f"step {steps}")
+    assert ahead.ahead.ahead_used > 5 and ahead.spec_stats["rounds"] > 0
 
 
 def test_decode_lookahead_defaults_off_on_the_cpu_and_follows_the_switch(monkeypatch):

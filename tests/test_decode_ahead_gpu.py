@@ -3,9 +3,9 @@ bucket, each step replayed before the previous one is read. Against the same eng
 every step first (the decode bucket's own graph: the same kernels over the same shapes, so the
 tokens must be equal, not close), step by step through requests finishing at different steps, a
 late arrival and an abort, with the block manager's holds checked after every step; on
-random:mla-moe (its decode MoE path under capture) too; and steady-state steps make no host
-sync. Real CUDA graphs; skipped without a GPU. (The CPU runs the same body eagerly:
-test_decode_ahead.py.)
+random:mla-moe (its decode MoE path under capture) too; with tiny-code's DFlash drafter (plain
+steps hand it their hidden rows); and steady-state steps make no host sync. Real CUDA graphs;
+skipped without a GPU. (The CPU runs the same body eagerly: test_decode_ahead.py.)
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
+from lockstep import cycle_budgets, record_budgets, replay_budgets  # noqa: E402
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 from treeverify.models.shipped import shipped_dir  # noqa: E402
@@ -113,3 +114,26 @@ def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(mo
         torch.cuda.set_sync_debug_mode("default")
     assert len(waits) == 40
     assert llm.ahead.ahead_used == used + 40  # every one of them taken from the step before
+
+
+def test_dflash_plain_steps_launched_ahead_feed_the_drafter_the_same_rows():
+    """tiny-code's own DFlash drafter conditions on the hidden states of every committed token,
+    plain steps' too. With the budgets the first engine ran replayed into the second, steps
+    launched ahead and read first give the same tokens and the same acceptance, round by round
+    (a wrong or late hidden row would change the drafts)."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    prompts = _prompts(rng, 2)
+    sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    knobs = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16)
+    ahead = _engine(decode_lookahead=True, **knobs)
+    cycle_budgets(ahead, [0, 0, 0, 16, 16, 0, 0, 8])
+    ran = record_budgets(ahead)
+    got = [o.token_ids for o in ahead.generate(prompts, sp)]
+    stats = ahead.spec_stats
+    assert ahead.ahead.ahead_used > 5 and 0 in ran and 16 in ran
+    del ahead
+    first = _engine(decode_lookahead=False, **knobs)
+    budgets = replay_budgets(first, ran)
+    assert [o.token_ids for o in first.generate(prompts, sp)] == got
+    assert next(budgets, None) is None  # step for step
+    assert first.spec_stats["accept_length_histogram"] == stats["accept_length_histogram"]

@@ -27,7 +27,10 @@ running, their rows are taken and the next step is staged by the host (read firs
 whole round's partial take is (engine/round_graphs.py, whose lookahead this mirrors).
 
 Eligible steps (the engine decides, `LLM._plain_ahead`): only plain decodes, all greedy, without
-logprobs, penalties or logit_bias, and no drafter that conditions on the target's hidden states.
+logprobs, penalties or logit_bias. A DFlash drafter conditions on the target's hidden states of
+every committed token, plain steps' too: each launch copies the graph's tapped rows right after
+its replay (stream order puts the copy before the next step overwrites them), and the engine
+hands them to the drafter once the step is read (`hidden`), as the read-first path does.
 On by default where graphs are captured (`EngineConfig.decode_lookahead`, --decode-lookahead,
 TREEVERIFY_DECODE_LOOKAHEAD). On the CPU the same body runs eagerly over stages made for it when
 asked (nothing overlaps there; the tests check the bookkeeping that way). Measured on the H200
@@ -76,7 +79,8 @@ class DecodeAhead:
         self.captured = capture
         self.batch_sizes = sorted(b for b in set(batch_sizes) if not capture
                                   or (b, 1) in graphs.steps)  # fmt: skip
-        self.steps: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per bucket: the graph, its (b,) tokens and its (b, F) tapped hidden states (or None)
+        self.steps: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         # per bucket two pinned token buffers + events, alternating: a step launched ahead
         # copies into the one its predecessor's read has already released
         self._readback: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
@@ -88,6 +92,7 @@ class DecodeAhead:
         self.ahead_discarded = 0  # ... thrown away (the batch changed)
         self.ahead_partial = 0  # ... consumed by the requests of it still running
         self.steady = False  # the last step took a step launched ahead and launched the next
+        self.hidden: torch.Tensor | None = None  # the last step's (n, F) tapped rows, its order
         t0 = time.perf_counter()
         if capture:
             previous = moe_impl("graph") if moe_impl is not None else None
@@ -123,7 +128,7 @@ class DecodeAhead:
         return tokens
 
     @torch.inference_mode()
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         try:
             self.graphs.attention.select((b, 1))  # the decode bucket's plans (its graph's)
             stage = self.graphs.stages[(b, 1)]
@@ -137,13 +142,14 @@ class DecodeAhead:
             with capturing(graph, self.pool):
                 tokens = self._body(b)
             self.pool = graph.pool()
+            hidden = getattr(self.graphs.model, "captured", None)  # (b, F) written by a replay
             stage.dev.copy_(saved)
             torch.cuda.synchronize()
         except Exception as exc:
             raise GraphCaptureError(f"CUDA graph capture failed for the greedy decode step "
                                     f"launched ahead, batch={b}: {type(exc).__name__}: {exc}"
                                     ) from exc  # fmt: skip
-        return graph, tokens
+        return graph, tokens, hidden
 
     # ---- a step --------------------------------------------------------------------------------
     @property
@@ -232,11 +238,14 @@ class DecodeAhead:
         self.steady = taken is not None
         return tokens
 
-    @staticmethod
-    def _read(launched: Launched, width: int, pick: list[int] | None) -> list[int]:
+    def _read(self, launched: Launched, width: int, pick: list[int] | None) -> list[int]:
         """The step's tokens (waits for that step only), those of `pick` when some of its
-        requests are gone."""
+        requests are gone; its tapped hidden rows, the same ones, in `hidden`."""
         tokens = launched.rows(width)
+        hidden = launched.hidden  # (b, F) or None
+        if hidden is not None:
+            hidden = hidden[:width] if pick is None else hidden[pick]
+        self.hidden = hidden
         return tokens if pick is None else [tokens[i] for i in pick]
 
     def _hold(self, seqs: list[Sequence], upto: list[int]) -> bool:
@@ -262,19 +271,21 @@ class DecodeAhead:
         """Replay (GPU) or run (CPU) the staged step; its tokens are queued for the host."""
         self.replays += 1
         if self.captured:
-            graph, tokens = self.steps[b]
+            graph, tokens, hidden = self.steps[b]
             graph.replay()
+            kept = None if hidden is None else hidden.clone()  # before the next replay's
             host, done = self._readback[b][self._flip]
             self._flip ^= 1
             host.copy_(tokens, non_blocking=True)
             done.record()
-            return Launched(host, done)
+            return Launched(host, done, kept)
         self.graphs.attention.select((b, 1))
         try:
             tokens = self._body(b)
         finally:
             self.graphs.attention.select(None)
-        return Launched(tokens.clone(), None)
+        hidden = getattr(self.graphs.model, "captured", None)  # (b, F) of this forward
+        return Launched(tokens.clone(), None, None if hidden is None else hidden.clone())
 
     @property
     def info(self) -> dict:

@@ -328,9 +328,9 @@ class LLM(SpeculativeSteps, Introspection):
     def _plain_ahead(self, batch: ScheduledBatch) -> list[int] | None:
         """A step of plain greedy decodes through engine/decode_ahead.py (the next step launched
         before this one is read) when the step allows it: decodes only, greedy, no logprobs,
-        penalties or logit_bias, no drafter reading the target's hidden states; else None."""
+        penalties or logit_bias; else None. A DFlash drafter gets the step's hidden rows."""
         ahead, chunks = self.ahead, batch.decodes
-        if ahead is None or batch.prefills or not chunks or self.model.capture_layers:
+        if ahead is None or batch.prefills or not chunks:
             return None
         seqs = [c.seq for c in chunks]
         if self.processor.needed(seqs) or any(
@@ -348,6 +348,9 @@ class LLM(SpeculativeSteps, Introspection):
         self._step_steady = ahead.steady
         for seq in seqs:
             self._logprobs[seq.request_id].append(None)
+        if ahead.hidden is not None and self.spec is not None:  # (n, F), the chunks' order
+            for i, c in enumerate(chunks):
+                self.spec.source.observe(c.seq.request_id, c.start, ahead.hidden[i : i + 1])
         return tokens
 
     def _forward(self, batch: ScheduledBatch, tb) -> list[int | list[int]]:

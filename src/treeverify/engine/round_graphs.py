@@ -71,6 +71,9 @@ class Launched:
 
     host: torch.Tensor  # (b, 2 + 2K) int64, pinned on a GPU
     done: torch.cuda.Event | None  # recorded after the copy (None on the CPU: eager, done)
+    # a plain step's (b, F) tapped hidden states for a DFlash drafter (engine/decode_ahead.py),
+    # copied right after its replay, before the next one overwrites the graph's output
+    hidden: torch.Tensor | None = None
 
     def rows(self, n: int) -> list[list[int]]:
         if self.done is not None:
