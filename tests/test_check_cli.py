@@ -227,6 +227,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_DECODE_GEMV_PDL",
         "TREEVERIFY_MOE_GEMV_SHARED",
         "TREEVERIFY_TRITON_PDL",
+        "TREEVERIFY_DECODE_LOOKAHEAD",
         "TREEVERIFY_CUDA_MERGE_MAX_CTAS",
         "TREEVERIFY_CUDA_GQA_SCHEDULE",
         "TREEVERIFY_CUDA_TMA_MIN_PAGE",
@@ -287,8 +288,9 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_FUSED_MOE_DISPATCH", env.fused_moe_dispatch, "auto", "yes", "1"),
         ("TREEVERIFY_MOE_GEMV", env.moe_gemv, "auto", " 0", "0"),
         ("TREEVERIFY_DECODE_GEMV_PDL", env.decode_gemv_pdl, "auto", "no", "0"),
-        ("TREEVERIFY_TRITON_PDL", env.triton_pdl, False, "yes", True),  # off until measured
-        ("TREEVERIFY_MOE_GEMV_SHARED", env.moe_gemv_shared, False, "true", True),
+        ("TREEVERIFY_TRITON_PDL", env.triton_pdl, True, "no", False),
+        ("TREEVERIFY_MOE_GEMV_SHARED", env.moe_gemv_shared, True, "false", False),
+        ("TREEVERIFY_DECODE_LOOKAHEAD", env.decode_lookahead, True, " 0", False),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(
