@@ -97,6 +97,30 @@ def req(rid, n_prompt, max_tokens=4, start=1, **sp) -> Sequence:
     return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, **sp))
 
 
+def test_decodes_fill_the_token_budget_exactly_oldest_first():
+    """The budget kept as decodes are added (not re-summed per sequence): with 5 decodes and 3
+    tokens of budget, the 3 oldest run; then with a preemption in the decode loop (the newest
+    gives its pages to an older one), every decode left still runs."""
+    s = make(num_pages=64, page_size=4, max_num_batched_tokens=64)
+    h = Harness(s)
+    for i in range(5):
+        s.add(req(f"r{i}", 3, max_tokens=20, start=i))
+    h.step()  # the five prefills
+    s.max_num_batched_tokens = 3
+    batch, _ = h.step()
+    assert [c.seq.request_id for c in batch.decodes] == ["r0", "r1", "r2"]
+    tight = make(num_pages=5, page_size=4, max_num_batched_tokens=64)  # a page a request
+    ht = Harness(tight)
+    for i in range(5):
+        tight.add(req(f"t{i}", 3, max_tokens=10, start=i))
+    ht.step()
+    batch, _ = ht.step()  # 4 tokens a page: position 3 fits, no new page yet
+    batch, _ = ht.step()  # position 4 needs a page each: the newest are preempted
+    assert batch.preempted and batch.decodes
+    running = [q.request_id for q in tight.running]
+    assert [c.seq.request_id for c in batch.decodes] == running
+
+
 def test_chunked_prefill_respects_budget():
     s = make(max_num_batched_tokens=8)
     s.add(req("a", 20, max_tokens=3))

@@ -196,14 +196,19 @@ class Scheduler:
             raise RuntimeError("schedule() called again before postprocess() of the last batch")
         batch = self._in_flight = ScheduledBatch()
         bm = self.block_manager
+        # the token budget left, kept as chunks are added (recounted after a preemption, which
+        # may drop a chunk already scheduled): not re-summed per sequence, O(n^2) a step
+        budget = self.max_num_batched_tokens
         # 1. decodes, oldest first
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncached_tokens != 1:
                 continue
-            if self._budget(batch) < 1:
+            if budget < 1:
                 break
+            preempted = len(batch.preempted)
             if self._make_room(seq, 1, batch):
                 batch.decodes.append(self._chunk(seq, 1))
+            budget = self._budget(batch) if len(batch.preempted) != preempted else budget - 1
         # 2. prefills in progress, oldest first
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncached_tokens <= 1:
