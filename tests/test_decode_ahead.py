@@ -84,6 +84,18 @@ def test_steps_launched_ahead_through_preemption_equal_plain_greedy():
     assert llm.block_manager.num_free_pages == llm.block_manager.num_pages
 
 
+def test_a_full_engine_with_requests_waiting_still_launches_ahead():
+    """At max_num_seqs the waiting requests cannot join next step: the running ones' steps go
+    ahead until one finishes (then the next request's prefill discards the launched step)."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in _engine().generate(CODE, sp)]
+    llm = LLM("tiny-code", num_pages=96, max_num_seqs=2, decode_lookahead=True)
+    assert [o.token_ids for o in llm.generate(CODE, sp)] == want
+    # two waves of two requests, ~22 steps each, nearly all taken from the step before (with
+    # the other two waiting in the first wave: read first would give ~22)
+    assert llm.ahead.ahead_used >= 40
+
+
 def test_steps_the_lookahead_must_not_take_take_the_general_path():
     params = [
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),

@@ -338,7 +338,7 @@ class LLM(SpeculativeSteps, Introspection):
             for s in seqs
         ):
             return None
-        go_on = not self.scheduler.waiting  # a request may be admitted next step: read first
+        go_on = not self.scheduler.may_admit()  # a prefill may join next step: read first
         if go_on and self.controller is not None:  # the next step's budget, chosen now
             want = [s for s in seqs if self.spec.wants(s)]
             go_on = not want or self._plan_next(want) == 0

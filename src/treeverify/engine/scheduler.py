@@ -176,6 +176,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_admit(self) -> bool:
+        """Whether the next step may admit a waiting request (one waits and a running slot is
+        free; pages permitting): a step launched ahead of it would likely be discarded."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def abort(self, request_id: str) -> bool:
         """Finish a request with reason 'abort' and free its pages; False if not in flight."""
         seq = self._by_id.pop(request_id, None)
