@@ -52,7 +52,7 @@ def test_steps_launched_ahead_equal_read_first_step_by_step():
         pairs.append((ahead.add_request(prompt, sp), first.add_request(prompt, sp)))
     steps = 0
     while ahead.has_unfinished() or first.has_unfinished():
-        if steps == 9:  # its prefill discards the launched step
+        if steps == 9:  # its prefill runs after the step launched ahead, which is taken
             sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
             pairs.append((ahead.add_request(prompts[3], sp), first.add_request(prompts[3], sp)))
         if steps == 30:
@@ -65,7 +65,8 @@ def test_steps_launched_ahead_equal_read_first_step_by_step():
             assert a.num_cached_tokens == b.num_cached_tokens, f"step {steps}"
         ahead.block_manager.check(ahead.scheduler.running)
     info = ahead.ahead.info
-    assert info["ahead_used"] > 20 and info["ahead_discarded"] >= 1 and info["ahead_partial"] >= 1
+    # the arrival's prefill runs beside the step launched ahead (taken), the abort drops a row
+    assert info["ahead_used"] > 20 and info["ahead_partial"] >= 1 and info["ahead_discarded"] == 0
     assert ahead.block_manager.num_free_pages == ahead.block_manager.num_pages
     assert ahead.cuda_graph_info["decode_ahead"]["replays"] == info["replays"]
 

@@ -18,7 +18,8 @@ is launched, the page of position q + 1 is held (`BlockManager.hold`) and in the
 table, since the step's advance looks its slot up there; the table is restaged alone when a hold
 added a page (queued after the steps already launched, which read the table they had). The next
 engine step takes the step launched ahead when it schedules the same requests, in order, at the
-positions predicted, as plain greedy decodes; otherwise the launched step is discarded. It wrote
+positions predicted, as plain greedy decodes (prefill chunks of an arrival in the same step run
+their own forward after it); otherwise the launched step is discarded. It wrote
 the K/V of the token greedy decoding puts there (or of a request that has finished) at a held
 slot past every committed position, which the next step overwrites or nothing reads; stream order
 puts it before any later step's writes, so there is nothing to undo but the hold. A request that

@@ -326,11 +326,14 @@ class LLM(SpeculativeSteps, Introspection):
         return self._forward(batch, tb)
 
     def _plain_ahead(self, batch: ScheduledBatch) -> list[int] | None:
-        """A step of plain greedy decodes through engine/decode_ahead.py (the next step launched
-        before this one is read) when the step allows it: decodes only, greedy, no logprobs,
-        penalties or logit_bias; else None. A DFlash drafter gets the step's hidden rows."""
+        """A step's plain greedy decodes through engine/decode_ahead.py (the next step launched
+        before this one is read) when the step allows it: greedy, no logprobs, penalties or
+        logit_bias; else None. A DFlash drafter gets the step's hidden rows. Prefill chunks in
+        the same step (an arrival) run their own forward after it, so the step launched ahead
+        for the decodes is still taken; the next is launched only if no prefill completes now
+        and no request may be admitted next step (either changes the next step's batch)."""
         ahead, chunks = self.ahead, batch.decodes
-        if ahead is None or batch.prefills or not chunks:
+        if ahead is None or not chunks:
             return None
         seqs = [c.seq for c in chunks]
         if self.processor.needed(seqs) or any(
@@ -338,7 +341,7 @@ class LLM(SpeculativeSteps, Introspection):
             for s in seqs
         ):
             return None
-        go_on = not self.scheduler.may_admit()  # a prefill may join next step: read first
+        go_on = not self.scheduler.may_admit() and not any(c.samples for c in batch.prefills)
         if go_on and self.controller is not None:  # the next step's budget, chosen now
             want = [s for s in seqs if self.spec.wants(s)]
             go_on = not want or self._plan_next(want) == 0
@@ -351,6 +354,8 @@ class LLM(SpeculativeSteps, Introspection):
         if ahead.hidden is not None and self.spec is not None:  # (n, F), the chunks' order
             for i, c in enumerate(chunks):
                 self.spec.source.observe(c.seq.request_id, c.start, ahead.hidden[i : i + 1])
+        if batch.prefills:  # the step's sampled order: decodes, then prefills
+            return tokens + self._forward(ScheduledBatch(prefills=batch.prefills), None)
         return tokens
 
     def _forward(self, batch: ScheduledBatch, tb) -> list[int | list[int]]:
