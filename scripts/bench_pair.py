@@ -16,6 +16,7 @@ startup (load, capture) is left out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -82,8 +83,12 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
               cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
               max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
     if llm.controller is not None:
-        llm.controller.cfg.cost_trials = trials
-        llm.controller.cfg.accept_trials = accept_trials
+        knobs = dict(cost_trials=trials, accept_trials=accept_trials)
+        for kv in args.controller_set:  # validated by ControllerConfig, each error naming it
+            name, _, value = kv.partition("=")
+            kind = type(getattr(llm.controller.cfg, name))
+            knobs[name] = value.lower() in ("1", "true") if kind is bool else kind(value)
+        llm.controller.cfg = dataclasses.replace(llm.controller.cfg, **knobs)
     return llm
 
 
@@ -417,6 +422,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="speed: a new prompt joins as one finishes (continuous batching) instead of groups "
         "of --batches prompts; use --n > the batch so the batch stays full",
+    )
+    p.add_argument(
+        "--controller-set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="a ControllerConfig knob for the adaptive configs (repeatable), e.g. "
+        "prior_rounds=128: the A/B of a controller setting on the GPU",
     )
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--no-graphs", action="store_true")
