@@ -277,3 +277,22 @@ def test_kept_rate_sums_follow_every_round_and_forget():
     c.cost.frozen = False
     c.cost.observe(2, 8, 10.0)  # a measured cost at this batch size replaces the borrowed one
     assert c.rate(ids, 8) == pytest.approx(fresh(8))
+
+
+@pytest.mark.parametrize(("plain_decay", "comes_back"), [(0.9, True), (1.0, False)])
+def test_plain_steps_fade_a_dip_toward_the_engine_wide_curve(plain_decay, comes_back):
+    """A request whose rounds accepted nothing went plain; then the engine's other requests'
+    rounds accept 6 drafts again; no probe comes (explore_every huge). With `plain_decay` the
+    request's own estimate fades step by step toward the engine-wide one and it speculates
+    again; without, it stays plain."""
+    ctl = synthetic({0: 1.0, 16: 1.6}, plain_decay=plain_decay, prior_rounds=1.0, min_dwell=2,
+                    explore_every=10_000, explore_max=10_000)  # fmt: skip
+    for _ in range(60):  # the dip, long enough to weigh ~20 rounds (decay 0.95)
+        ctl.observe_round("r", 16, [0])
+    while ctl.choose(["r"]):
+        pass  # to plain decoding (after the dwell and confirmation)
+    for _ in range(40):
+        ctl.observe_round("other", 16, [0, 1, 2, 3, 4, 5, 6])  # the engine's rounds recover
+    chosen = [ctl.choose(["r"]) for _ in range(80)]
+    assert chosen[0] == 0
+    assert (chosen[-1] == 16) == comes_back

@@ -24,6 +24,9 @@ class ControllerConfig:
     accept_trials: bool = True  # a dwell one bucket up when its gain lacks evidence (False: A/B)
     accept_evidence: float = 2.0  # rounds of a request's own below which a gain lacks evidence
     accept_optimism: float = 0.35  # a trial's bucket assumed to add this x the current one's gain
+    plain_decay: float = 0.95  # a plain step fades a request's own acceptance toward the
+    # engine-wide curve by this factor (1: never; with plain decoding at 0.20 ms a step the CPU
+    # replay lost 8-12% to dips that held requests at 0 without it, docs/ddtree.md)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay < 1.0:
@@ -42,3 +45,5 @@ class ControllerConfig:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.accept_evidence < 0 or self.accept_optimism < 0:
             raise ValueError("accept_evidence, accept_optimism: expected >= 0")
+        if not 0.0 < self.plain_decay <= 1.0:
+            raise ValueError(f"plain_decay: expected in (0, 1], got {self.plain_decay}")

@@ -239,7 +239,22 @@ class BudgetController:
         if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):
             self._probed()
             return self._count(up)  # one step at the probe's budget; `current` stays
+        if self.current == 0 and self.cfg.plain_decay < 1.0:
+            self._fade(request_ids)
         return self._count(self.current)
+
+    def _fade(self, request_ids: list[str]) -> None:
+        """A plain step measures no acceptance: the requests' own estimates lose weight
+        (`plain_decay` a step) toward the engine-wide curve, so a dip that sent a request to
+        plain decoding does not hold it there once the engine's recent rounds say otherwise."""
+        d = self.cfg.plain_decay
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                for mean in req.curve.values():
+                    mean.num *= d
+                    mean.den *= d
+        self._accept_sums.clear()
 
     def _explore_due(self, n: int, up: int) -> bool:
         here, there = self.cost.estimate(n, self.current), self.cost.estimate(n, up)
