@@ -65,3 +65,14 @@ def cycle_budgets(llm, budgets: list[int]) -> None:
         return b
 
     llm.controller.choose = choose
+
+
+def heldout_prompts(rng, k: int) -> list[str]:
+    """k of tiny-code's held-out code prompts, each cut to 100-600 characters (the GPU lockstep
+    tests' requests)."""
+    import json
+
+    from treeverify.models.shipped import shipped_dir
+
+    heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
+    return [text[: rng.randrange(100, 600)] for text in rng.sample(heldout, k)]

@@ -10,7 +10,6 @@ skipped without a GPU. (The CPU runs the same body eagerly: test_decode_ahead.py
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
@@ -20,20 +19,19 @@ import torch
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from lockstep import cycle_budgets, record_budgets, replay_budgets  # noqa: E402
+from lockstep import (  # noqa: E402
+    cycle_budgets,
+    heldout_prompts,
+    record_budgets,
+    replay_budgets,
+)
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
-from treeverify.models.shipped import shipped_dir  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _prompts(rng: random.Random, k: int) -> list[str]:
-    heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
-    return [text[: rng.randrange(100, 600)] for text in rng.sample(heldout, k)]
 
 
 def _engine(model: str = "tiny-code", **kw) -> LLM:
@@ -43,7 +41,7 @@ def _engine(model: str = "tiny-code", **kw) -> LLM:
 
 def test_steps_launched_ahead_equal_read_first_step_by_step():
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    prompts = _prompts(rng, 4)
+    prompts = heldout_prompts(rng, 4)
     ahead, first = _engine(decode_lookahead=True), _engine(decode_lookahead=False)
     assert ahead.ahead is not None and ahead.ahead.captured and first.ahead is None
     pairs = []
@@ -91,7 +89,7 @@ def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(mo
     the next step already queued behind it; counted, exactly one a step."""
     llm = _engine(decode_lookahead=True)
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    seqs = [llm.add_request(p, sp) for p in _prompts(random.Random(5), 2)]
+    seqs = [llm.add_request(p, sp) for p in heldout_prompts(random.Random(5), 2)]
     while any(s.num_output_tokens < 4 for s in seqs):
         llm.step()  # prefills and the first steps, read first
     waits = []
@@ -123,7 +121,7 @@ def test_dflash_plain_steps_launched_ahead_feed_the_drafter_the_same_rows():
     launched ahead and read first give the same tokens and the same acceptance, round by round
     (a wrong or late hidden row would change the drafts)."""
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    prompts = _prompts(rng, 2)
+    prompts = heldout_prompts(rng, 2)
     sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     knobs = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16)
     ahead = _engine(decode_lookahead=True, **knobs)

@@ -10,7 +10,6 @@ general path step by step: test_round_graphs.py.)
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
@@ -20,20 +19,19 @@ import torch
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from lockstep import cycle_budgets, record_budgets, replay_budgets  # noqa: E402
+from lockstep import (  # noqa: E402
+    cycle_budgets,
+    heldout_prompts,
+    record_budgets,
+    replay_budgets,
+)
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
-from treeverify.models.shipped import shipped_dir  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _prompts(rng: random.Random, k: int) -> list[str]:
-    heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
-    return [text[: rng.randrange(100, 600)] for text in rng.sample(heldout, k)]
 
 
 @pytest.mark.parametrize(
@@ -51,7 +49,7 @@ def _prompts(rng: random.Random, k: int) -> list[str]:
 def test_whole_rounds_equal_the_general_path(knobs):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    prompts = _prompts(rng, 3)
+    prompts = heldout_prompts(rng, 3)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = {}
     variants = (("ahead", {}), ("whole", {"round_lookahead": False}),
@@ -76,7 +74,7 @@ def test_ngram_whole_rounds_captured_equal_the_general_path():
     and launched ahead: the same greedy tokens as its general path (host votes,
     ngram_whole_rounds=False), batched and alone."""
     seed = int.from_bytes(os.urandom(4), "little")
-    prompts = [p * 2 for p in _prompts(random.Random(seed), 3)]  # repeats: the n-gram drafts
+    prompts = [p * 2 for p in heldout_prompts(random.Random(seed), 3)]  # repeats: the n-gram drafts
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     knobs = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
                  speculative_adaptive=False, speculative_draft_model_path="ngram")  # fmt: skip
@@ -104,7 +102,7 @@ def test_a_replay_allocates_nothing():
               speculative_adaptive=False)  # fmt: skip
     rng = random.Random(0)
     sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    seqs = [llm.add_request(p, sp) for p in _prompts(rng, 2)]
+    seqs = [llm.add_request(p, sp) for p in heldout_prompts(rng, 2)]
     while any(s.num_output_tokens < 8 for s in seqs):  # prefills done, rounds running
         llm.step()
     replays = llm.rounds.replays
@@ -171,7 +169,7 @@ def test_rounds_launched_ahead_across_budget_switches():
     an engine that launches nothing ahead (each round staged by the host) give the same
     tokens: the same graphs over the same shapes, so any difference is a wrong input."""
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    prompts = _prompts(rng, 3)
+    prompts = heldout_prompts(rng, 3)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     knobs = dict(device="cuda", num_pages=256, cuda_graph_max_bs=4,
                  speculative_algorithm="DDTREE", speculative_ddtree_budget=32)  # fmt: skip

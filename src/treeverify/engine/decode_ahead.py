@@ -50,7 +50,7 @@ import torch
 
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
-from treeverify.engine.round_graphs import Launched, positions_in
+from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
 from treeverify.engine.round_state import RoundState
 from treeverify.engine.scheduler import ScheduledChunk
 from treeverify.engine.sequence import Sequence
@@ -68,7 +68,7 @@ class _InFlight:
     launched: Launched
 
 
-class DecodeAhead:
+class DecodeAhead(LaunchAhead):
     def __init__(self, graphs: CudaGraphs, bm: BlockManager, batch_sizes: list[int], *,
                  capture: bool = True, moe_impl=None):  # fmt: skip
         """`graphs`: the engine's decode buckets (b, 1) (their stages, plans and forward are
@@ -86,12 +86,9 @@ class DecodeAhead:
         # copies into the one its predecessor's read has already released
         self._readback: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._flip = 0
-        self._in_flight: _InFlight | None = None
+        self._init_in_flight()  # the step launched ahead (an _InFlight) and its counters
         self.pool = None
         self.replays = 0
-        self.ahead_used = 0  # steps launched ahead and consumed by the next engine step
-        self.ahead_discarded = 0  # ... thrown away (the batch changed)
-        self.ahead_partial = 0  # ... consumed by the requests of it still running
         self.steady = False  # the last step took a step launched ahead and launched the next
         self.hidden: torch.Tensor | None = None  # the last step's (n, F) tapped rows, its order
         t0 = time.perf_counter()
@@ -153,21 +150,6 @@ class DecodeAhead:
         return graph, tokens, hidden
 
     # ---- a step --------------------------------------------------------------------------------
-    @property
-    def in_flight(self) -> _InFlight | None:
-        """The step launched ahead, not yet consumed (None when there is none)."""
-        return self._in_flight
-
-    def discard(self) -> None:
-        """Throw the step launched ahead away (the engine step went another way): release the
-        pages held for it. Its device work still runs; nothing it wrote is read."""
-        fl, self._in_flight = self._in_flight, None
-        if fl is None:
-            return
-        self.ahead_discarded += 1
-        for seq in fl.seqs:
-            self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
-
     def _take(self, chunks: list[ScheduledChunk]) -> tuple[_InFlight, list[int]] | None:
         """The step in flight and where each chunk's sequence is in it, when it is this step's:
         the chunks' sequences its own in order (or those of them still running), each at the
@@ -180,9 +162,7 @@ class DecodeAhead:
                                                                          strict=True)):  # fmt: skip
             self.discard()
             return None
-        self._in_flight = None
-        self.ahead_used += 1
-        self.ahead_partial += len(pick) < len(fl.seqs)
+        self._taken(fl, pick)
         return fl, pick
 
     def bucket_for(self, chunks: list[ScheduledChunk]) -> int | None:

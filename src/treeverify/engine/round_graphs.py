@@ -58,27 +58,12 @@ import torch
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.draft_graphs import DraftMeta
+from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
 from treeverify.engine.round_state import RoundState
 from treeverify.engine.sequence import Sequence
 from treeverify.spec import accept_greedy
 
 log = logging.getLogger("treeverify.engine")
-
-
-@dataclass
-class Launched:
-    """A launched round: its packed result, copied to the host as soon as the round ends."""
-
-    host: torch.Tensor  # (b, 2 + 2K) int64, pinned on a GPU
-    done: torch.cuda.Event | None  # recorded after the copy (None on the CPU: eager, done)
-    # a plain step's (b, F) tapped hidden states for a DFlash drafter (engine/decode_ahead.py),
-    # copied right after its replay, before the next one overwrites the graph's output
-    hidden: torch.Tensor | None = None
-
-    def rows(self, n: int) -> list[list[int]]:
-        if self.done is not None:
-            self.done.synchronize()  # this round only: a round launched after it keeps running
-        return self.host[:n].tolist()
 
 
 @dataclass
@@ -92,15 +77,7 @@ class _InFlight:
     launched: Launched
 
 
-def positions_in(launched: list[Sequence], seqs: list[Sequence]) -> list[int] | None:
-    """Where each of `seqs` is among the sequences of a step launched ahead, when all are, in
-    its order (the scheduler keeps arrival order); else None."""
-    at = {id(s): i for i, s in enumerate(launched)}
-    pick = [at.get(id(s), -1) for s in seqs]
-    return pick if seqs and -1 not in pick and pick == sorted(pick) else None
-
-
-class RoundGraphs:
+class RoundGraphs(LaunchAhead):
     def __init__(self, graphs: CudaGraphs, spec, context: DraftContextCache,
                  batch_sizes: list[int], budgets: list[int], *, capture: bool = True,
                  lookahead: bool = False, moe_impl=None):  # fmt: skip
@@ -125,12 +102,9 @@ class RoundGraphs:
         # copies into the one its predecessor's read has already released
         self._readback: dict[tuple[int, int], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._flip = 0
-        self._in_flight: _InFlight | None = None
+        self._init_in_flight()  # the round launched ahead (an _InFlight) and its counters
         self.pool = None
         self.replays = 0
-        self.ahead_used = 0  # rounds launched ahead and consumed by the next step
-        self.ahead_discarded = 0  # ... and thrown away (the batch or budget changed)
-        self.ahead_partial = 0  # ... consumed by the requests of it still running
         self.ahead_switched = 0  # ... launched at another budget than the round before it
         # the last step ran overlapped: it took a round launched ahead and launched the next
         # (with lookahead, the cost a budget has when the controller stays on it)
@@ -235,25 +209,10 @@ class RoundGraphs:
                 return None
         return b if need <= self.bm.num_free_pages else None
 
-    @property
-    def in_flight(self) -> _InFlight | None:
-        """The round launched ahead, not yet consumed (None when there is none)."""
-        return self._in_flight
-
     def ahead_budget(self, seqs: list[Sequence]) -> int | None:
         """The budget of the round launched ahead when it holds these sequences' rounds."""
         fl = self._in_flight
         return fl.budget if fl is not None and positions_in(fl.seqs, seqs) is not None else None
-
-    def discard(self) -> None:
-        """Throw the round launched ahead away (the step went another way): release the pages
-        held for it. Its device work still runs; nothing it wrote is read (module docstring)."""
-        fl, self._in_flight = self._in_flight, None
-        if fl is None:
-            return
-        self.ahead_discarded += 1
-        for seq in fl.seqs:
-            self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
 
     def _take(self, seqs: list[Sequence], budget: int) -> tuple[_InFlight, list[int]] | None:
         """The round in flight and where each of `seqs` is in it, if it is this step's: the
@@ -276,9 +235,7 @@ class RoundGraphs:
         if not ok:
             self.discard()
             return None
-        self._in_flight = None
-        self.ahead_used += 1
-        self.ahead_partial += len(pick) < len(fl.seqs)
+        self._taken(fl, pick)
         return fl, pick
 
     @torch.inference_mode()
