@@ -115,7 +115,10 @@ class Introspection:
         draft's graphs under "draft")."""
         if self.runner.graphs is None:
             why = "disabled" if self.config.on_gpu else "CPU (eager)"
-            return {"enabled": False, "buckets": [], "reason": why}
+            info = {"enabled": False, "buckets": [], "reason": why}
+            if self.ahead is not None:  # the CPU's eager steps launched ahead (asked for)
+                info["decode_ahead"] = self.ahead.info
+            return info
         info = dict(self.runner.graphs.info)
         draft = None if self.spec is None else getattr(self.spec.source, "graphs", None)
         if draft is not None:
