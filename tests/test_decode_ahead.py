@@ -167,3 +167,23 @@ def test_decode_lookahead_defaults_off_on_the_cpu_and_follows_the_switch(monkeyp
     monkeypatch.setenv("TREEVERIFY_DECODE_LOOKAHEAD", "maybe")
     with pytest.raises(ValueError, match="TREEVERIFY_DECODE_LOOKAHEAD"):
         _ = EngineConfig(device="cuda", num_pages=8).plain_lookahead
+
+
+@pytest.mark.parametrize("drafter", ["ngram", None], ids=["ngram", "dflash"])
+def test_plain_steps_and_rounds_both_launched_ahead_hand_over_cleanly(drafter):
+    """Both lookaheads on (whole rounds and plain steps), budgets switching between 0 and
+    rounds every few steps, requests finishing at different steps (the controller's plan for
+    the next step then no longer matches and it chooses again): each path gives the other's
+    held pages back before holding its own, so the block manager stays consistent and every
+    token equals plain greedy decoding."""
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 13, 22)]
+    want = [o.token_ids for o in _engine().generate(CODE[:3], sp)]
+    llm = _engine(decode_lookahead=True, round_lookahead=True, speculative_algorithm="DDTREE",
+                  speculative_draft_model_path=drafter)  # fmt: skip
+    cycle_budgets(llm, [0, 0, 8, 8, 0, 16, 16, 16, 0, 4])
+    seqs = [llm.add_request(p, s) for p, s in zip(CODE[:3], sp, strict=True)]
+    while llm.has_unfinished():
+        llm.step()
+        llm.block_manager.check(llm.scheduler.running)
+    assert [llm.output(s).token_ids for s in seqs] == want
+    assert llm.ahead.ahead_used > 0 and llm.rounds.ahead_used > 0

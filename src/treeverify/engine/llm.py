@@ -311,7 +311,7 @@ class LLM(SpeculativeSteps, Introspection):
         self._step_budget = None
         self._step_steady = True
         self.last_budget = None  # this step's budget for its speculating requests, if any
-        if self.spec is not None:
+        if self.spec is not None:  # (a step with rounds discards a plain step launched ahead)
             out, tb = self._speculative_step(batch)  # engine/spec_step.py
             if out is not None:
                 return out

@@ -18,6 +18,7 @@ from treeverify.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from treeverify.engine.budget_controller import BudgetController
+    from treeverify.engine.decode_ahead import DecodeAhead
     from treeverify.engine.round_graphs import RoundGraphs
     from treeverify.engine.speculative import SpeculativeDecoder, TreeBatch
 
@@ -27,6 +28,7 @@ class SpeculativeSteps:
 
     spec: SpeculativeDecoder | None
     rounds: RoundGraphs | None
+    ahead: DecodeAhead | None
     controller: BudgetController | None
 
     def _speculative_step(self, batch: ScheduledBatch) -> tuple[list | None, TreeBatch | None]:
@@ -48,6 +50,10 @@ class SpeculativeSteps:
             # the round launched ahead at the last budget runs already: take it, switch next
             budget, ahead = running, False
         self.last_budget = budget if want else None
+        if budget and want and self.ahead is not None:
+            # rounds this step: a plain step launched ahead gives its held pages back first (a
+            # round launched ahead below holds its own; a later release would take those)
+            self.ahead.discard()
         if budget and want and len(want) == len(batch.decodes):
             nxt = budget
             lookahead = self.rounds is not None and self.rounds.lookahead
