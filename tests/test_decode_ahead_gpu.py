@@ -136,3 +136,35 @@ def test_dflash_plain_steps_launched_ahead_feed_the_drafter_the_same_rows():
     assert [o.token_ids for o in first.generate(prompts, sp)] == got
     assert next(budgets, None) is None  # step for step
     assert first.spec_stats["accept_length_histogram"] == stats["accept_length_histogram"]
+
+
+def test_fused_step_end_equals_the_pytorch_ops_and_the_engine_with_it(monkeypatch):
+    """engine/decode_step_end.py compiled (TREEVERIFY_FUSED_DECODE_STEP=1): the same tokens and
+    advanced stage as the PyTorch ops on fresh logits of a 129k vocabulary with a tie, and an
+    engine ending its steps that way decodes what one without it does."""
+    from treeverify.engine.decode_step_end import end_step, end_step_torch
+    from treeverify.engine.round_state import RoundState
+    from treeverify.engine.step_stage import StepStage
+
+    dev = torch.device("cuda")
+    logits = torch.randn(4, 129280, device=dev)  # (b, V) fp32
+    logits[2, [70000, 9]] = logits.max() + 1  # a tie across chunks: index 9 wins
+    stages = []
+    for _ in range(2):
+        st = StepStage(4, 1, 1, 8, scratch_slot=12345, device=dev)
+        st.write_decodes([1, 2, 3], [15, 3, 40], [15, 3, 40], [[0, 5], [1], [2, 3, 4]])
+        stages.append(st)
+    torch.cuda.synchronize()
+    want = end_step_torch(logits, stages[0].views, 4, 12345, RoundState(dev, 16))
+    got = end_step(logits, stages[1].views, 4, 12345, 16)
+    assert torch.equal(got, want) and int(got[2]) == 9
+    assert torch.equal(stages[1].dev, stages[0].dev)
+    monkeypatch.setenv("TREEVERIFY_FUSED_DECODE_STEP", "1")
+    prompts = heldout_prompts(random.Random(11), 3)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    fused = _engine(decode_lookahead=True)
+    assert fused.ahead.info["fused_step_end"]
+    got_tokens = [o.token_ids for o in fused.generate(prompts, sp)]
+    del fused
+    monkeypatch.setenv("TREEVERIFY_FUSED_DECODE_STEP", "0")
+    assert got_tokens == [o.token_ids for o in _engine(decode_lookahead=True).generate(prompts, sp)]

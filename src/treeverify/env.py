@@ -31,6 +31,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   previous one is read, where graphs are captured (engine/decode_ahead.py); default ``1``
   (measured 1.09-1.45x at b=1 on the H200); ``0`` reads every step first (A/B runs).
   ``EngineConfig.decode_lookahead`` overrides it.
+- ``TREEVERIFY_FUSED_DECODE_STEP``: ``1`` ends a greedy decode step launched ahead (its argmax
+  and the advance of its inputs) in two Triton launches (engine/decode_step_end.py) instead of
+  ~7 PyTorch kernels; default ``0`` (until measured on a GPU).
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -157,6 +160,8 @@ VARIABLES: dict[str, str] = {
     "launch on sm_90+ (each waits for the kernel before it as it starts); default 1; 0: A/B.",
     "TREEVERIFY_DECODE_LOOKAHEAD": "1: each plain greedy decode step launched before the "
     "previous one is read, where graphs are captured (engine/decode_ahead.py); default 1.",
+    "TREEVERIFY_FUSED_DECODE_STEP": "1: a greedy decode step launched ahead ends (argmax, the "
+    "advance of its inputs) in two Triton launches (engine/decode_step_end.py); default 0.",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -480,6 +485,13 @@ def decode_lookahead() -> bool:
     (measured 1.09-1.45x a decode step at b=1, H200, 2026-12-04); 0 reads every step first. Read
     when an engine is built (EngineConfig.decode_lookahead overrides)."""
     return _switch("TREEVERIFY_DECODE_LOOKAHEAD", "1")
+
+
+def fused_decode_step() -> bool:
+    """TREEVERIFY_FUSED_DECODE_STEP: 1 ends a greedy decode step launched ahead (its argmax and
+    the advance of its inputs) in two Triton launches (engine/decode_step_end.py) instead of ~7
+    PyTorch kernels; default 0 until measured on a GPU. Read when an engine is built."""
+    return _switch("TREEVERIFY_FUSED_DECODE_STEP", "0")
 
 
 def moe_gemv_shared() -> bool:

@@ -48,12 +48,15 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify import env
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
+from treeverify.engine.decode_step_end import end_step, end_step_torch
 from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
 from treeverify.engine.round_state import RoundState
 from treeverify.engine.scheduler import ScheduledChunk
 from treeverify.engine.sequence import Sequence
+from treeverify.kernels.api import triton_available
 
 log = logging.getLogger("treeverify.engine")
 
@@ -77,6 +80,8 @@ class DecodeAhead(LaunchAhead):
         self.graphs, self.bm = graphs, bm
         self.device = graphs.attention.cache.device
         self.state = RoundState(self.device, bm.page_size)
+        # the step's end (argmax + advance) in two Triton launches (engine/decode_step_end.py)
+        self.fused_end = capture and env.fused_decode_step() and triton_available()
         self.captured = capture
         self.batch_sizes = sorted(b for b in set(batch_sizes) if not capture
                                   or (b, 1) in graphs.steps)  # fmt: skip
@@ -116,14 +121,9 @@ class DecodeAhead(LaunchAhead):
         v = stage.views
         graphs._unpack(stage, b, 1)
         logits = graphs.forward_rows(b)  # (b, V) fp32
-        tokens = logits.argmax(-1)  # (b,) int64, the sampler's greedy choice
-        valid = v["valid"][:b]  # (b,) int32: padding rows stay as they were
-        ids = v["ids"][:b]  # (b,) int64
-        ids.copy_(torch.where(valid != 0, tokens, ids))
-        v["pos"][:b].add_(valid)
-        v["prefix"][:b].add_(valid)
-        self.state.node_slots(v, b, 1, stage.scratch_slot)  # position = the new prefix length
-        return tokens
+        if self.fused_end:
+            return end_step(logits, v, b, stage.scratch_slot, self.bm.page_size)  # (b,)
+        return end_step_torch(logits, v, b, stage.scratch_slot, self.state)  # (b,)
 
     @torch.inference_mode()
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
@@ -278,4 +278,5 @@ class DecodeAhead(LaunchAhead):
             "ahead_used": self.ahead_used,
             "ahead_discarded": self.ahead_discarded,
             "ahead_partial": self.ahead_partial,
+            "fused_step_end": self.fused_end,
         }
