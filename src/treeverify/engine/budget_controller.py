@@ -32,6 +32,10 @@ a code generation (0.77x of the best fixed budget), probing the top recovered mo
 the engine's 2026-12-04 costs (plain 0.28 ms, rounds 0.42-0.57 ms) a top probe from a
 speculating budget cost 1-3% against the best fixed budget, one bucket up ~0.5%, so hybrid
 takes each where it pays (docs/ddtree.md).
+A plain step measures no acceptance, so it fades the requests' own curves toward the
+engine-wide one (`plain_decay` a step): a dip that sent a request to plain decoding does not
+hold it there once the engine's recent rounds say otherwise (docs/ddtree.md: at plain decoding's
+0.20 ms a step the replay lost 8-12% to such dips without it).
 The interval is `explore_every` steps times cost(probe) / cost(current) (a probe that costs 4
 plain steps comes 4x less often), doubled after each probe that changed nothing, up to
 `explore_max` steps, and back to the start when a request without its own measurements joins
