@@ -140,8 +140,12 @@ def decode_speed(model: str, *, batch: int, prompt_len: int = 512, steps: int = 
     graph = llm.captured_graph(batch) if graphs else None
     if graph is not None:
         fwd = median_replay_seconds(graph, 50) * 1e3
+        # the share of an engine step outside its forward (host work not hidden, the step's
+        # own kernels beyond the forward: with plain steps launched ahead, its argmax/advance)
         row.update(forward_ms=round(fwd, 4),
-                   forward_pct_of_roofline=round(100 * floor_ms / fwd, 1))  # fmt: skip
+                   forward_pct_of_roofline=round(100 * floor_ms / fwd, 1),
+                   outside_forward_pct=round(100 * max(0.0, step_ms - fwd) / step_ms, 1),
+                   decode_lookahead=llm.ahead is not None)  # fmt: skip
     _free(llm)
     return row
 
