@@ -190,7 +190,7 @@ class DecodeAhead(LaunchAhead):
             if b is None:
                 return None
             # this step's advance looks up the slot of q + 1: that page staged with the rest
-            ahead = ahead and self._hold(seqs, [q + 2 for q in starts])
+            ahead = ahead and self._hold(seqs, [q + 2 for q in starts], self.graphs.max_pages)
             if not ahead:
                 for seq in seqs:
                     self.bm.release_hold(seq)
@@ -204,7 +204,7 @@ class DecodeAhead(LaunchAhead):
             ahead = ahead and len(pick) == width  # else its twin still has the dropped rows
         if ahead:  # the next step's advance looks up q + 2: hold that page, restage the table
             pages = [len(s.block_table) for s in seqs]
-            ahead = self._hold(seqs, [q + 3 for q in starts])
+            ahead = self._hold(seqs, [q + 3 for q in starts], self.graphs.max_pages)
             if ahead and any(len(s.block_table) != n for s, n in zip(seqs, pages, strict=True)):
                 self._stage(b).write_table([s.block_table for s in seqs])  # after `now`
         if not ahead:  # nothing launched ahead: held pages without a slot go back
@@ -228,21 +228,6 @@ class DecodeAhead(LaunchAhead):
             hidden = hidden[:width] if pick is None else hidden[pick]
         self.hidden = hidden
         return tokens if pick is None else [tokens[i] for i in pick]
-
-    def _hold(self, seqs: list[Sequence], upto: list[int]) -> bool:
-        """Hold each sequence's pages for positions below upto[i]; False (nothing held) when
-        the free pages or the staged page table do not cover them all."""
-        bm, need = self.bm, 0
-        for seq, u in zip(seqs, upto, strict=True):
-            pages = bm.pages_for(u)
-            if pages > self.graphs.max_pages:
-                return False
-            need += max(0, pages - len(seq.block_table))
-        if need > bm.num_free_pages:
-            return False
-        for seq, u in zip(seqs, upto, strict=True):
-            bm.hold(seq, u)
-        return True
 
     def _stage(self, b: int):
         """Bucket b's decode stage (on the CPU made on first use, eagerly)."""

@@ -69,6 +69,22 @@ class LaunchAhead:
         for seq in fl.seqs:
             self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
 
+    def _hold(self, seqs: list[Sequence], upto: list[int], max_pages: int) -> bool:
+        """Hold each sequence's pages for positions below upto[i] (where a step launched ahead
+        writes, or looks a slot up), all or nothing: False, nothing held, when the free pages or
+        a staged page table of `max_pages` rows do not cover them together."""
+        bm, need = self.bm, 0
+        for seq, u in zip(seqs, upto, strict=True):
+            pages = bm.pages_for(u)
+            if pages > max_pages:
+                return False
+            need += max(0, pages - len(seq.block_table))
+        if need > bm.num_free_pages:
+            return False
+        for seq, u in zip(seqs, upto, strict=True):
+            bm.hold(seq, u)
+        return True
+
     def _taken(self, fl: Any, pick: list[int]) -> None:
         """Count the step in flight as consumed by `pick` of its sequences."""
         self._in_flight = None

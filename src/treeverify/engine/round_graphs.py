@@ -322,18 +322,7 @@ class RoundGraphs(LaunchAhead):
         if not self.lookahead or (nb != budget and (nb <= 0 or (b, nb) not in self.rounds)):
             return False
         reach = self.spec.draft_depth(nb) + 1 + self.spec.nodes_for(nb)
-        bm, limit = self.bm, self.graphs.max_pages
-        need = 0
-        for seq, p in zip(seqs, starts, strict=True):
-            pages = bm.pages_for(p + reach)
-            if pages > limit:
-                return False
-            need += max(0, pages - len(seq.block_table))
-        if need > bm.num_free_pages:
-            return False
-        for seq, p in zip(seqs, starts, strict=True):
-            bm.hold(seq, p + reach)
-        return True
+        return self._hold(seqs, [p + reach for p in starts], self.graphs.max_pages)
 
     def _launch(self, b: int, budget: int, rows_read: int | None) -> Launched:
         """Replay (GPU) or run (CPU) the staged round; its result is queued for the host."""
