@@ -19,6 +19,7 @@ from treeverify.engine.sequence import Sequence
 if TYPE_CHECKING:
     from treeverify.engine.budget_controller import BudgetController
     from treeverify.engine.decode_ahead import DecodeAhead
+    from treeverify.engine.logits_processor import LogitsProcessor
     from treeverify.engine.round_graphs import RoundGraphs
     from treeverify.engine.speculative import SpeculativeDecoder, TreeBatch
 
@@ -30,6 +31,7 @@ class SpeculativeSteps:
     rounds: RoundGraphs | None
     ahead: DecodeAhead | None
     controller: BudgetController | None
+    processor: LogitsProcessor
 
     def _speculative_step(self, batch: ScheduledBatch) -> tuple[list | None, TreeBatch | None]:
         """The speculating requests' part of a step: their budget (pinned by a request, else the
@@ -76,6 +78,13 @@ class SpeculativeSteps:
             self._step_budget = budget if decoding else None
         return None, tb
 
+    def _device_greedy(self, seqs: list[Sequence]) -> bool:
+        """Whether the device alone can pick these sequences' tokens (a whole round, a plain
+        step launched ahead): greedy, no logprobs, no penalties or logit_bias."""
+        return not self.processor.needed(seqs) and all(
+            s.sampling_params.temperature == 0 and s.sampling_params.logprobs is None for s in seqs
+        )
+
     def _controller_budget(self, seqs: list[Sequence]) -> int:
         """This step's budget: the one chosen last step for these requests, else chosen now."""
         ids, plan = tuple(s.request_id for s in seqs), self._planned
@@ -99,14 +108,7 @@ class SpeculativeSteps:
         penalties or logprobs, a bucket that holds it); None: take the general path. `ahead`:
         launch the next round, at `next_budget`, before reading this one (RoundGraphs.step)."""
         rounds = self.rounds
-        if (
-            rounds is None
-            or self.processor.needed(seqs)
-            or any(
-                s.sampling_params.temperature != 0 or s.sampling_params.logprobs is not None
-                for s in seqs
-            )
-        ):
+        if rounds is None or not self._device_greedy(seqs):
             return None
         stats = self.spec.stats
         t0 = time.perf_counter()
