@@ -116,16 +116,14 @@ class Introspection:
         if self.runner.graphs is None:
             why = "disabled" if self.config.on_gpu else "CPU (eager)"
             info = {"enabled": False, "buckets": [], "reason": why}
-            if self.ahead is not None:  # the CPU's eager steps launched ahead (asked for)
-                info["decode_ahead"] = self.ahead.info
-            return info
-        info = dict(self.runner.graphs.info)
-        draft = None if self.spec is None else getattr(self.spec.source, "graphs", None)
-        if draft is not None:
-            info["draft"] = draft.info
-        if self.rounds is not None:
-            info["rounds"] = self.rounds.info
-        if self.ahead is not None:
+        else:
+            info = dict(self.runner.graphs.info)
+            draft = None if self.spec is None else getattr(self.spec.source, "graphs", None)
+            if draft is not None:
+                info["draft"] = draft.info
+            if self.rounds is not None:
+                info["rounds"] = self.rounds.info
+        if self.ahead is not None:  # (on the CPU: eager steps launched ahead, when asked for)
             info["decode_ahead"] = self.ahead.info
         return info
 
