@@ -83,12 +83,9 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
               cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
               max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
     if llm.controller is not None:
-        knobs = dict(cost_trials=trials, accept_trials=accept_trials)
-        for kv in args.controller_set:  # validated by ControllerConfig, each error naming it
-            name, _, value = kv.partition("=")
-            kind = type(getattr(llm.controller.cfg, name))
-            knobs[name] = value.lower() in ("1", "true") if kind is bool else kind(value)
-        llm.controller.cfg = dataclasses.replace(llm.controller.cfg, **knobs)
+        cfg = dataclasses.replace(llm.controller.cfg, cost_trials=trials,
+                                  accept_trials=accept_trials)  # fmt: skip
+        llm.controller.cfg = cfg.with_settings(args.controller_set)
     return llm
 
 

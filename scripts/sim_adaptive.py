@@ -205,12 +205,7 @@ def main() -> int:
         for _ in range(8)
     ]
     buckets = budget_buckets(max(costs))
-    cfg = ControllerConfig()
-    for kv in args.set:
-        name, value = kv.split("=")
-        kind = type(getattr(cfg, name))
-        parsed = value.lower() in ("1", "true") if kind is bool else kind(value)
-        cfg = dataclasses.replace(cfg, **{name: parsed})
+    cfg = ControllerConfig().with_settings(args.set)
     out = {"traces": str(args.traces), "costs": costs, "controller": dataclasses.asdict(cfg),
            "texts": {}}  # fmt: skip
     by_batch = {1: costs}

@@ -296,3 +296,13 @@ def test_plain_steps_fade_a_dip_toward_the_engine_wide_curve(plain_decay, comes_
     chosen = [ctl.choose(["r"]) for _ in range(80)]
     assert chosen[0] == 0
     assert (chosen[-1] == 16) == comes_back
+
+
+def test_settings_from_the_command_line_are_parsed_and_validated():
+    cfg = ControllerConfig().with_settings(["prior_rounds=128", "min_dwell=32", "cost_trials=0"])
+    assert (cfg.prior_rounds, cfg.min_dwell, cfg.cost_trials) == (128.0, 32, False)
+    assert ControllerConfig().with_settings([]) == ControllerConfig()
+    for bad, name in (("nope=1", "nope"), ("decay", "decay"), ("min_dwell=x", "min_dwell"),
+                      ("decay=2", "decay")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            ControllerConfig().with_settings([bad])

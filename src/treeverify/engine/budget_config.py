@@ -3,6 +3,7 @@ dataclass, validated at construction, each error naming the knob."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -47,3 +48,20 @@ class ControllerConfig:
             raise ValueError("accept_evidence, accept_optimism: expected >= 0")
         if not 0.0 < self.plain_decay <= 1.0:
             raise ValueError(f"plain_decay: expected in (0, 1], got {self.plain_decay}")
+
+    def with_settings(self, settings: list[str]) -> ControllerConfig:
+        """A copy with "KNOB=VALUE" settings applied (the benchmarks' command lines: --set,
+        --controller-set), each value parsed as the knob's type and validated; a ValueError
+        names an unknown knob or a bad value."""
+        knobs = {}
+        for kv in settings:
+            name, sep, value = kv.partition("=")
+            if not sep or name not in {f.name for f in dataclasses.fields(self)}:
+                raise ValueError(f"controller setting {kv!r}: expected KNOB=VALUE with a "
+                                 f"ControllerConfig knob")  # fmt: skip
+            kind = type(getattr(self, name))
+            try:
+                knobs[name] = value.lower() in ("1", "true") if kind is bool else kind(value)
+            except ValueError:
+                raise ValueError(f"{name}: expected a {kind.__name__}, got {value!r}") from None
+        return dataclasses.replace(self, **knobs)
