@@ -14,6 +14,7 @@ must give the accept lengths the engine measured there (`check` in the JSON).
 
     PYTHONPATH=src python scripts/record_accept_traces.py --json traces.json [--n 8 --tokens 128]
         [--skip 8]  (prompts 8.. : a second set, to check a tuning on traces it was not tuned on)
+        [--texts code]  (the prose prompts repeat six paragraphs: a third set is code only)
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=0, help="start at this prompt (a held-out set)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=64, help="the largest budget traced")
+    ap.add_argument("--texts", default="code,prose", help="which texts to trace")
     args = ap.parse_args()
     torch.manual_seed(0)
     llm = LLM("tiny-code", device="cpu", num_pages=1024, max_num_seqs=1,
@@ -103,7 +105,7 @@ def main() -> int:
               speculative_adaptive=False)  # fmt: skip
     texts = {"code": code_prompts(DATA / "tiny-code" / "heldout.json", args.skip + args.n),
              "prose": prose_prompts(PROSE, args.skip + args.n)}  # fmt: skip
-    texts = {k: v[args.skip :] for k, v in texts.items()}
+    texts = {k: v[args.skip :] for k, v in texts.items() if k in args.texts.split(",")}
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "commit": _git_commit(), "command": " ".join(sys.argv), "target": "tiny-code",
            "drafter": "tiny-code-dflash", "budget": args.budget, "depth": llm.spec.depth,

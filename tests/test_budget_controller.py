@@ -125,15 +125,39 @@ def test_hysteresis_keeps_the_budget_within_the_margin():
     assert ctl.current == settled and ctl.switches == switches
 
 
+def test_leaving_the_rounds_needs_a_margin_that_narrows_while_plain_keeps_winning():
+    """Plain decoding measures no acceptance, and acceptance comes in bursts: a dip where plain
+    looks 30% faster must persist before the rounds are left (the margin starts at
+    plain_margin = 1.0 and halves every plain_halflife = 16 decisions: below 0.3 after ~28),
+    while text that nothing predicts (plain 2.5x faster) leaves at once."""
+    knobs = dict(min_dwell=2, explore_every=1000, explore_max=1000)
+    ctl = synthetic({0: 1.0, 16: 1.3}, **knobs)  # nothing accepted: plain 1.3x the rate
+    ctl.current, ctl.switches = 16, 1
+    chosen = feed(ctl, "r", {16: 0}, 60)
+    first_plain = chosen.index(0)
+    assert 26 <= first_plain <= 32, chosen  # log2(1 / 0.3) * 16 = 27.8 decisions, + confirm
+    assert chosen[first_plain:] == [0] * (60 - first_plain)
+
+    ctl = synthetic({0: 1.0, 16: 2.5}, **knobs)  # plain 2.5x: beyond the widest margin
+    ctl.current, ctl.switches = 16, 1
+    assert feed(ctl, "r", {16: 0}, 4) == [16, 16, 0, 0]  # the dwell (2), then confirmed
+
+    ctl = synthetic({0: 1.0, 16: 1.3}, plain_margin=0.05, **knobs)  # the old rule: at once
+    ctl.current, ctl.switches = 16, 1
+    assert feed(ctl, "r", {16: 0}, 4) == [16, 16, 0, 0]
+
+
 def test_switch_needs_dwell_and_confirmation():
-    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=5, confirm=3, explore_every=1000, explore_max=1000)
+    # plain_margin=0.05: the leaving-the-rounds margin as any switch's (tested on its own below)
+    knobs = dict(confirm=3, explore_every=1000, explore_max=1000, plain_margin=0.05)
+    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=5, **knobs)
     ctl.current, ctl.switches = 4, 1  # as if it had just switched to 4
     ctl.observe_round("r", 4, [0])  # nothing accepted: plain is better
     chosen = [ctl.choose(["r"]) for _ in range(5)]
     assert chosen == [4] * 5  # five steps at 4 (the dwell) before the switch
     assert ctl.choose(["r"]) == 0 and ctl.switches == 2
 
-    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=0, confirm=3, explore_every=1000, explore_max=1000)
+    ctl = synthetic({0: 1.0, 4: 1.5}, min_dwell=0, **knobs)
     ctl.current, ctl.switches = 4, 1
     ctl.observe_round("r", 4, [0])
     assert [ctl.choose(["r"]) for _ in range(4)] == [4, 4, 0, 0]  # 3 consecutive wins
@@ -227,6 +251,10 @@ def test_pinned_budget_and_info():
 def test_bad_config_is_a_value_error():
     with pytest.raises(ValueError, match="decay"):
         ControllerConfig(decay=1.0)
+    with pytest.raises(ValueError, match="plain_margin"):
+        ControllerConfig(plain_margin=-0.1)
+    with pytest.raises(ValueError, match="plain_halflife"):
+        ControllerConfig(plain_halflife=0)
     with pytest.raises(ValueError, match="buckets"):
         BudgetController((4, 8))
 

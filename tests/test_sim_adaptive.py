@@ -95,3 +95,42 @@ def test_ceilings_bound_the_fixed_budgets_and_see_the_future(sim):
     traces = [{"paths": [easy if i % 9 == 0 else hard for i in range(400)]}]
     oracle = sim.ceilings(traces, 128, costs)["per_step_oracle"]
     assert oracle > 1.2 * max(sim.replay(traces, 128, costs, b)["tokens_per_s"] for b in costs)
+
+
+def test_a_switch_between_plain_and_rounds_costs_its_read_first_step(sim):
+    """replay's switch_seconds: added once per plain <-> rounds change of path, not per
+    change of budget between rounds (both launched ahead)."""
+    traces = [{"paths": [[0, 1]] * 50}]
+    costs = {0: 1.0, 4: 2.0, 8: 2.5}
+    budgets = [0, 4, 8]  # plain, 4, 8, plain, ...: two changes of path per three steps
+    free = sim.replay(traces, 30, costs, 4)
+    charged = sim.replay(traces, 30, costs, 4, switch_seconds=0.5)
+    assert charged["seconds"] == free["seconds"]  # one budget throughout: nothing charged
+    ctl = BudgetController(budget_buckets(8), CostModel.given(costs))
+    seq = [budgets[i % 3] for i in range(200)]
+    it = iter(seq)
+    ctl.choose = lambda ids: next(it)  # a scripted policy through the controller's interface
+    got = sim.replay(traces, 30, costs, ctl, switch_seconds=0.5)
+    steps = sum(got["steps_by_budget"].values())
+    changes = sum((a == 0) != (b == 0) for a, b in zip(seq[: steps - 1], seq[1:steps], strict=True))
+    base = sum(costs[b] for b in seq[:steps])
+    assert changes > 0 and got["seconds"] == pytest.approx(base + 0.5 * changes)
+
+
+def test_suite_of_trace_sets_at_the_defaults():
+    """scripts/sim_adaptive_suite.py: today's defaults on all three trace sets and four cost
+    tables (switches charged at the newest): at the best fixed budget on predictable text
+    (0.989-1.002 when plain_margin was chosen), near plain decoding on unpredictable text."""
+    spec = importlib.util.spec_from_file_location(
+        "_suite", ROOT / "scripts" / "sim_adaptive_suite.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from treeverify.engine.budget_config import ControllerConfig
+
+    res = mod.evaluate(ControllerConfig())
+    assert res["min_of_best_fixed"] >= 0.97, res["rows"]
+    assert res["mean_of_best_fixed"] >= 0.985, res["rows"]
+    assert res["unpredictable_min"] >= 0.95, res["rows"]
+    old = mod.evaluate(ControllerConfig(plain_margin=0.05))  # the rule before: dips went plain
+    assert old["min_of_best_fixed"] < res["min_of_best_fixed"]

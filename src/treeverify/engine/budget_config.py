@@ -28,6 +28,10 @@ class ControllerConfig:
     plain_decay: float = 0.95  # a plain step fades a request's own acceptance toward the
     # engine-wide curve by this factor (1: never; with plain decoding at 0.20 ms a step the CPU
     # replay lost 8-12% to dips that held requests at 0 without it, docs/ddtree.md)
+    plain_margin: float = 1.0  # plain decoding must beat the rounds by this fraction to be
+    # chosen (a dip in bursty acceptance is weak evidence, and plain steps measure none) ...
+    plain_halflife: float = 16.0  # ... halving every this many decisions plain keeps winning,
+    # down to switch_margin (CPU replay over 3 trace sets: docs/ddtree.md, "Leaving the rounds")
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay < 1.0:
@@ -46,6 +50,8 @@ class ControllerConfig:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.accept_evidence < 0 or self.accept_optimism < 0:
             raise ValueError("accept_evidence, accept_optimism: expected >= 0")
+        if self.plain_margin < 0 or self.plain_halflife <= 0:
+            raise ValueError("plain_margin: expected >= 0; plain_halflife: expected > 0")
         if not 0.0 < self.plain_decay <= 1.0:
             raise ValueError(f"plain_decay: expected in (0, 1], got {self.plain_decay}")
 

@@ -151,6 +151,7 @@ class BudgetController:
         self._explore_interval = float(self.cfg.explore_every)  # before the cost ratio
         self._switches_at_probe = 0
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
+        self._plain_wins = 0
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
         self.explorations = 0
@@ -226,7 +227,7 @@ class BudgetController:
             self._judge_accept_trial(rates)
             cur = self.current
             best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
-            self._consider(best, known[best], rates[cur])
+            self._consider(best, known[best], rates[cur], rates.get(0))
             if self.current == cur:
                 self._cost_trial(request_ids, rates[cur])
             if self.current == cur:
@@ -274,8 +275,15 @@ class BudgetController:
         self.since_explore = 0
         self.explorations += 1
 
-    def _consider(self, best: int, best_rate: float, cur_rate: float) -> None:
-        if best == self.current or best_rate <= (1 + self.cfg.switch_margin) * cur_rate:
+    def _consider(self, best: int, best_rate: float, cur_rate: float,
+                  plain_rate: float | None = None) -> None:  # fmt: skip
+        margin = self.cfg.switch_margin
+        if self.current != 0 and plain_rate is not None:  # decisions in a row plain has won
+            self._plain_wins = self._plain_wins + 1 if plain_rate > (1 + margin) * cur_rate else 0
+        if best == 0:  # leaving the rounds, the only evidence of acceptance: a wider margin
+            wide = self.cfg.plain_margin * 0.5 ** (self._plain_wins / self.cfg.plain_halflife)
+            margin = max(margin, wide)
+        if best == self.current or best_rate <= (1 + margin) * cur_rate:
             self._pending = None
             return
         wins = self._pending[1] + 1 if self._pending and self._pending[0] == best else 1

@@ -1,0 +1,170 @@
+"""The adaptive controller replayed on every recorded trace set at several step-cost tables at
+once (scripts/sim_adaptive.py one case at a time): one line per setting, adaptive / best fixed
+budget per (costs, text), and the mean and minimum, so a change to the decision rule is judged
+on all the evidence, not on the one trace set where it was tuned. Traces: bench_results/
+*-cpu-accept_traces-tiny-code*.json (set 1: 8 code + 8 prose prompts; set 2: 16 + 16, the prose
+repeating set 1's six paragraphs; set 3: 40 more code prompts).
+
+    PYTHONPATH=src python scripts/sim_adaptive_suite.py [--set KNOB=VALUE ...] [--json out.json]
+        [--vs KNOB=VALUE ...]  (a second setting, printed below the first)
+        [--reactive]  (what a rule reacting to one known round could gain: docs/ddtree.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_adaptive import controller, cut, replay  # noqa: E402
+
+from treeverify.bench.kernel import _git_commit  # noqa: E402
+from treeverify.engine.budget_controller import (  # noqa: E402
+    BudgetController,
+    ControllerConfig,
+    CostModel,
+    budget_buckets,
+)
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench_results"
+TRACE_SETS = {
+    "set1": "2026-12-01-cpu-accept_traces-tiny-code.json",
+    "set2": "2026-12-01-cpu-accept_traces-tiny-code-set2.json",
+    "set3": "2026-12-04-cpu-accept_traces-tiny-code-set3.json",
+}
+# Seconds per step at batch 1 (H200): plain decoding launched ahead (0.200 ms, e6a3f84), read
+# first (0.282 ms, cac6562), the tenth session's served table (0.404 ms); rounds as served.
+ROUNDS = {4: 0.00042, 8: 0.000438, 16: 0.000461, 32: 0.000506, 64: 0.000573}
+COSTS = {
+    "plain0.20": {0: 0.000200, **ROUNDS},
+    "plain0.20-free-switch": {0: 0.000200, **ROUNDS},
+    "plain0.28": {0: 0.000282, **ROUNDS},
+    "tenth": {0: 0.000404, 4: 0.000428, 8: 0.000446, 16: 0.00047, 32: 0.000516, 64: 0.000584},
+}
+# A plain <-> rounds switch: the step before it is read first (plain decoding launched ahead:
+# 0.2005 ms a step, read first 0.291); before e6a3f84 plain steps were read first anyway.
+SWITCH_SECONDS = {"plain0.20": 0.09e-3, "plain0.20-free-switch": 0.0}
+TOKENS = 128
+
+
+def unpredictable(n: int = 8) -> list[dict]:
+    """Text no drafter predicts: the root alone, a lucky draft in ten (as sim_adaptive)."""
+    rng = random.Random(0)
+    return [{"paths": [[0] if rng.random() > 0.1 else [0, 1] for _ in range(2 * TOKENS)]}
+            for _ in range(n)]  # fmt: skip
+
+
+def texts() -> dict[str, list[dict]]:
+    out = {}
+    for name, file in TRACE_SETS.items():
+        for text, traces in json.loads((RESULTS / file).read_text())["texts"].items():
+            out[f"{name} {text}"] = traces
+    return out
+
+
+def evaluate(cfg: ControllerConfig) -> dict:
+    """adaptive / best fixed per (costs, text); unpredictable and a code -> unpredictable ->
+    code sequence (one controller throughout) as x plain."""
+    rows: dict[str, float] = {}
+    all_texts = texts()
+    for cname, costs in COSTS.items():
+        buckets = budget_buckets(max(costs))
+        sw = SWITCH_SECONDS.get(cname, 0.0)
+        for tname, traces in all_texts.items():
+            best = max(replay(traces, TOKENS, costs, b)["tokens_per_s"] for b in buckets)
+            got = replay(traces, TOKENS, costs, controller(buckets, {1: costs}, cfg), False, sw)
+            rows[f"{cname} {tname}"] = round(got["tokens_per_s"] / best, 3)
+        plain = replay(unpredictable(), TOKENS, costs, 0)["tokens_per_s"]
+        got = replay(
+            unpredictable(), TOKENS, costs, controller(buckets, {1: costs}, cfg), False, sw
+        )
+        rows[f"{cname} unpredictable"] = round(got["tokens_per_s"] / plain, 3)
+        ctl = BudgetController(buckets, CostModel.given(costs), cfg)
+        seq = [all_texts["set1 code"], unpredictable(), all_texts["set3 code"][:8]]
+        for i, traces in enumerate(seq):  # one controller through code, noise, code
+            plain = replay(traces, TOKENS, costs, 0)["tokens_per_s"]
+            got = replay(traces, TOKENS, costs, ctl, False, sw)["tokens_per_s"]
+            rows[f"{cname} sequence{i}"] = round(got / plain, 3)
+    fixed = [v for k, v in rows.items() if "unpredictable" not in k and "sequence" not in k]
+    noise = [v for k, v in rows.items() if k.endswith("unpredictable")]
+    return {"rows": rows, "mean_of_best_fixed": round(sum(fixed) / len(fixed), 4),
+            "min_of_best_fixed": min(fixed), "unpredictable_min": min(noise)}  # fmt: skip
+
+
+def reactive(traces: list[dict], costs: dict[int, float], lag: int, switch_seconds: float,
+             low: int, threshold: int, high: int = 16) -> float:  # fmt: skip
+    """tokens/s of a rule that reacts to one round: the budget is `low` when the round `lag`
+    steps back committed fewer than `threshold` tokens, else `high` (after a plain step: high).
+    lag 1 sees the round just finished; the engine, choosing a step's budget when it launches
+    the step before, sees lag 2."""
+    made_total, seconds = 0, 0.0
+    for trace in traces:
+        paths, made, hist = trace["paths"], 0, []  # (budget, committed) per step
+        while made < TOKENS and made < len(paths):
+            seen = hist[-lag] if len(hist) >= lag else None
+            b = high if seen is None or seen[0] == 0 or seen[1] >= threshold else low
+            seconds += costs[b] + (switch_seconds if hist and (hist[-1][0] == 0) != (b == 0) else 0)
+            n = len(cut(paths[made], b)) if b else 1
+            hist.append((b, n))
+            made += n
+        made_total += made
+    return made_total / seconds
+
+
+def reactive_table() -> dict:
+    """The best reactive rule (low in {0, 4, 8}, threshold 2-8) per text at plain 0.20 ms, as a
+    fraction of the best fixed budget: at lag 1 and 2, switches free and charged."""
+    costs, out = COSTS["plain0.20"], {}
+    for tname, traces in texts().items():
+        best = max(replay(traces, TOKENS, costs, b)["tokens_per_s"] for b in costs)
+        for lag, sw in ((1, 0.0), (2, 0.0), (2, SWITCH_SECONDS["plain0.20"])):
+            got = max(reactive(traces, costs, lag, sw, low, thr)
+                      for low in (0, 4, 8) for thr in (2, 3, 4, 6, 8))  # fmt: skip
+            out[f"{tname} lag {lag} switch {sw * 1e3:.2f} ms"] = round(got / best, 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", action="append", default=[], help="ControllerConfig KNOB=VALUE")
+    ap.add_argument("--vs", action="append", default=None, help="a second setting to compare")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--brief", action="store_true", help="summary + the newest costs' rows")
+    ap.add_argument("--reactive", action="store_true", help="also the one-round reactive rules")
+    args = ap.parse_args()
+    settings = {"a": args.set}
+    if args.vs is not None:
+        settings["b"] = args.vs
+    out = {key: evaluate(ControllerConfig().with_settings(sets)) | {"settings": sets}
+           for key, sets in settings.items()}  # fmt: skip
+    out["run"] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(), "command": " ".join(sys.argv), "machine": "CPU",
+        "traces": TRACE_SETS, "costs": COSTS, "switch_seconds": SWITCH_SECONDS,
+    }  # fmt: skip
+    if args.reactive:
+        out["reactive"] = reactive_table()
+        for name, v in out["reactive"].items():
+            print(f"  reactive {name}: {v}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    for key, res in ((k, out[k]) for k in settings):
+        name = " ".join(res["settings"]) or "defaults"
+        print(f"[{key}] {name}: mean {res['mean_of_best_fixed']} min {res['min_of_best_fixed']} "
+              f"unpredictable min {res['unpredictable_min']}")  # fmt: skip
+        if args.brief:
+            rows = res["rows"].items()
+            print("    ", " ".join(f"{k.split(' ', 1)[1]}={v}" for k, v in rows
+                                   if k.startswith("plain0.20 ")))  # fmt: skip
+    if not args.brief:
+        for name in out["a"]["rows"]:
+            print(f"  {name:28s}", "  ".join(f"{out[k]['rows'][name]:.3f}" for k in settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
