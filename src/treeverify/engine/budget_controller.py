@@ -21,7 +21,11 @@ stays below it, and a stale level there would outlive a drop in predictability t
 levels below show (and pull the budget up); a stale gain rides on the fresh levels below it.
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
-decisions and at least `min_dwell` steps at the current budget. Exploration: below the largest
+decisions and at least `min_dwell` steps at the current budget. Leaving the rounds for plain
+decoding needs a wider margin, `plain_margin` (1.0), halving every `plain_halflife` (16)
+decisions in a row that plain decoding is ahead: rounds are the only evidence of acceptance, and
+on recorded code and prose a dip in it puts plain 5-50% ahead for a while, text no drafter
+predicts 110% (docs/ddtree.md, "Leaving the rounds"). Exploration: below the largest
 bucket, now and then one step runs a larger bucket, so budgets above the current one (never
 measured by the free curve) get fresh evidence and a batch at 0 can come back. `probe="hybrid"`
 (default): from plain decoding the largest bucket, else one bucket up; "top": always the
