@@ -64,12 +64,21 @@ def load_streams(args) -> dict:
     from tokenizers import Tokenizer
 
     log(f"{path} not found: re-reading the corpus ({args.corpus_bytes} characters)")
-    _, train_texts, _, _ = corpus_split(
+    files, train_texts, _, _ = corpus_split(
         1500 if args.smoke else None,
         30.0 if args.smoke else 6.0,
         200_000 if args.smoke else 3_000_000,
         args.corpus_bytes,
     )  # fmt: skip (train_tiny_code's defaults: the same held-out packages stay out)
+    # ... and the packages the target's held-out slice came from, by name: the split above
+    # depends on package sizes, which another machine's installs may change
+    heldout = args.target / "heldout.json"
+    if heldout.is_file():
+        names = set(json.loads(heldout.read_text())["packages"])
+        of = {text: pkg for pkg, text in files}
+        kept = [t for t in train_texts if of.get(t) not in names]
+        log(f"held-out packages of {heldout}: {len(train_texts) - len(kept)} files left out")
+        train_texts = kept
     tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     return {"train": encode_stream(tok, train_texts)}
 
