@@ -142,6 +142,17 @@ def test_leaving_the_rounds_needs_a_margin_that_narrows_while_plain_keeps_winnin
     ctl.current, ctl.switches = 16, 1
     assert feed(ctl, "r", {16: 0}, 4) == [16, 16, 0, 0]  # the dwell (2), then confirmed
 
+    # 8 requests: their summed acceptance averages bursts out, the margin is 1 / sqrt(8) = 0.35
+    ctl = synthetic({0: 1.0, 16: 1.3}, **knobs)
+    ctl.current, ctl.switches = 16, 1
+    ids = [f"r{i}" for i in range(8)]
+    chosen = []
+    for _ in range(12):
+        chosen.append(ctl.choose(ids))
+        for rid in ids if chosen[-1] else []:
+            ctl.observe_round(rid, 16, [0])
+    assert 4 <= chosen.index(0) <= 8, chosen  # 0.35 * 0.5 ** (w / 16) < 0.3: w >= 4, + confirm
+
     ctl = synthetic({0: 1.0, 16: 1.3}, plain_margin=0.05, **knobs)  # the old rule: at once
     ctl.current, ctl.switches = 16, 1
     assert feed(ctl, "r", {16: 0}, 4) == [16, 16, 0, 0]

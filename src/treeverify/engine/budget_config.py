@@ -28,8 +28,8 @@ class ControllerConfig:
     plain_decay: float = 0.95  # a plain step fades a request's own acceptance toward the
     # engine-wide curve by this factor (1: never; with plain decoding at 0.20 ms a step the CPU
     # replay lost 8-12% to dips that held requests at 0 without it, docs/ddtree.md)
-    plain_margin: float = 1.0  # plain decoding must beat the rounds by this fraction to be
-    # chosen (a dip in bursty acceptance is weak evidence, and plain steps measure none) ...
+    plain_margin: float = 1.0  # plain decoding must beat the rounds by this fraction / sqrt(n
+    # requests) to be chosen (a dip in bursty acceptance is weak evidence; plain measures none) ...
     plain_halflife: float = 16.0  # ... halving every this many decisions plain keeps winning,
     # down to switch_margin (CPU replay over 3 trace sets: docs/ddtree.md, "Leaving the rounds")
 

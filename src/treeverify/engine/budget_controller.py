@@ -22,12 +22,13 @@ levels below show (and pull the budget up); a stale gain rides on the fresh leve
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
 decisions and at least `min_dwell` steps at the current budget. Leaving the rounds for plain
-decoding needs a wider margin, `plain_margin` (1.0), halving every `plain_halflife` (16)
-decisions in a row that plain decoding is ahead: rounds are the only evidence of acceptance, and
-on recorded code and prose a dip in it puts plain 5-50% ahead for a while, text no drafter
-predicts 110% (docs/ddtree.md, "Leaving the rounds"). Exploration: below the largest
-bucket, now and then one step runs a larger bucket, so budgets above the current one (never
-measured by the free curve) get fresh evidence and a batch at 0 can come back. `probe="hybrid"`
+decoding needs a wider margin, `plain_margin` (1.0) / sqrt(n requests), halving every
+`plain_halflife` (16) decisions in a row that plain decoding is ahead: rounds are the only
+evidence of acceptance, and on recorded code and prose a dip in it puts plain 5-50% ahead for
+a while, text no drafter predicts 110% (docs/ddtree.md, "Leaving the rounds").
+Exploration: below the largest bucket, now and then one step runs a larger bucket, so budgets
+above the current one (never measured by the free curve) get fresh evidence and a batch at 0
+can come back. `probe="hybrid"`
 (default): from plain decoding the largest bucket, else one bucket up; "top": always the
 largest; "up": always one up. A probe at the top measures every bucket's gain in one round (the
 free curve), one bucket up only its own: replayed on recorded tiny-code traces at the H200's step
@@ -231,7 +232,7 @@ class BudgetController:
             self._judge_accept_trial(rates)
             cur = self.current
             best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
-            self._consider(best, known[best], rates[cur], rates.get(0))
+            self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
             if self.current == cur:
                 self._cost_trial(request_ids, rates[cur])
             if self.current == cur:
@@ -280,12 +281,14 @@ class BudgetController:
         self.explorations += 1
 
     def _consider(self, best: int, best_rate: float, cur_rate: float,
-                  plain_rate: float | None = None) -> None:  # fmt: skip
+                  plain_rate: float | None = None, n: int = 1) -> None:  # fmt: skip
         margin = self.cfg.switch_margin
         if self.current != 0 and plain_rate is not None:  # decisions in a row plain has won
             self._plain_wins = self._plain_wins + 1 if plain_rate > (1 + margin) * cur_rate else 0
         if best == 0:  # leaving the rounds, the only evidence of acceptance: a wider margin
+            # / sqrt(n): n requests' summed acceptance averages their bursts out
             wide = self.cfg.plain_margin * 0.5 ** (self._plain_wins / self.cfg.plain_halflife)
+            wide /= n**0.5
             margin = max(margin, wide)
         if best == self.current or best_rate <= (1 + margin) * cur_rate:
             self._pending = None
