@@ -42,6 +42,32 @@ def test_planted_faults_break_only_their_class(monkeypatch, healthy, fault, shor
         assert got[0][:6] == healthy[0][:6]  # the first N tokens are still right
 
 
+def _staggered(**kw) -> list[list[int]]:
+    """Two requests whose prefills run alone (one sequence a forward) and whose decodes then
+    run together: only steps of two decodes have more than one sequence."""
+    llm = LLM("tiny-llama", **kw)
+    a = llm.add_request(LONG, GREEDY)
+    llm.step()  # a's prefill alone
+    b = llm.add_request("Hi", GREEDY)
+    while not (a.is_finished and b.is_finished):
+        llm.step()
+    if kw.get("decode_lookahead"):
+        assert llm.ahead is not None and llm.ahead.ahead_used > 0  # the path under test ran
+    return [list(a.output_token_ids), list(b.output_token_ids)]
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_batch_over_reaches_plain_steps_launched_ahead(monkeypatch, lookahead):
+    """Plain greedy steps launched ahead (engine/decode_ahead.py: on by default where graphs
+    are captured) never call runner.run, so batch_over wraps their tokens too (eagerly on the
+    CPU with decode_lookahead=True, the steps a GPU replays)."""
+    clean = _staggered(decode_lookahead=lookahead)
+    monkeypatch.setenv("TREEVERIFY_FAULT", "batch_over:1")
+    got = _staggered(decode_lookahead=lookahead)
+    assert got[0][:1] == clean[0][:1]  # a's first token: its prefill ran alone
+    assert got[0] != clean[0] and got[1] != clean[1]
+
+
 def test_attn_past_starts_where_the_context_crosses(monkeypatch):
     """attn_past:N corrupts exactly the rows whose context exceeds N, decode steps included: a
     56-token prompt's token j comes from a row of context 56 + j, so tokens 0..8 stay right

@@ -11,7 +11,8 @@ into the graphs, reading a fixed device buffer that every step's plan() refills)
 | attn_past:N         | attention wrong for tokens whose context exceeds N     | PagedAttention   |
 | merge_bug           | like a broken split-KV merge: wrong once prefix > 256  | PagedAttention   |
 | batch_over:N        | logits corrupted in steps of more than N sequences     | ModelRunner.run, |
-|                     | (a whole captured round: its committed tokens)         | commit_rows      |
+|                     | (a whole captured round: its committed tokens; plain   | commit_rows,     |
+|                     | steps launched ahead: their decode tokens)             | LLM._plain_ahead |
 | garbage_after:N     | every output token after a request's N-th is garbage   | LLM.run_batch    |
 | spec_diverge        | speculative rounds commit a wrong bonus token          | commit_rows      |
 | spec_greedy_sampled | sampled requests' rounds use greedy acceptance         | accept_batch     |
@@ -54,7 +55,8 @@ def install(llm) -> str | None:
         _FaultyAttention.adopt(llm.runner.attention, name, n)
     elif name == "batch_over":
         _wrap_runner_logits(llm.runner, n)
-        if llm.spec is not None:  # whole-round graphs never call runner.run
+        _wrap_plain_ahead_over(llm, n)  # plain steps launched ahead never call runner.run ...
+        if llm.spec is not None:  # ... nor do whole-round graphs
             _wrap_round_tokens_over(llm.spec, n, llm.vocab_size)
     elif name == "garbage_after":
         _wrap_garbage_after(llm, n)
@@ -107,6 +109,22 @@ def _wrap_runner_logits(runner, over: int) -> None:
         return out
 
     runner.run = faulty_run
+
+
+def _wrap_plain_ahead_over(llm, over: int) -> None:
+    """A step of more than `over` sequences whose plain greedy decodes ran launched ahead
+    (engine/decode_ahead.py: a captured step, argmax included) commits wrong decode tokens."""
+    plain_ahead, vocab = llm._plain_ahead, llm.vocab_size
+
+    @functools.wraps(plain_ahead)
+    def faulty_plain_ahead(batch):
+        out = plain_ahead(batch)
+        if out is not None and len(batch.chunks) > over:
+            n = len(batch.decodes)  # the step's order: decodes, then prefills (wrapped above)
+            out = [(t + 7) % vocab for t in out[:n]] + out[n:]
+        return out
+
+    llm._plain_ahead = faulty_plain_ahead
 
 
 def _wrap_round_tokens_over(spec, over: int, vocab: int) -> None:
