@@ -187,3 +187,33 @@ def test_plain_steps_and_rounds_both_launched_ahead_hand_over_cleanly(drafter):
         llm.block_manager.check(llm.scheduler.running)
     assert [llm.output(s).token_ids for s in seqs] == want
     assert llm.ahead.ahead_used > 0 and llm.rounds.ahead_used > 0
+
+
+def test_a_partial_take_gives_back_the_holds_of_the_sequences_it_leaves():
+    """engine/launch_ahead.py `_taken`: a step launched ahead for A, B, C and taken by A and C
+    (B left out of this engine step) gives B's held page back at once, not at B's next
+    launched step; A's and C's holds are the taker's to manage."""
+    from treeverify.engine.block_manager import BlockManager
+    from treeverify.engine.launch_ahead import LaunchAhead
+    from treeverify.engine.sequence import Sequence
+
+    bm = BlockManager(num_pages=16, page_size=4)
+    seqs = [Sequence(f"r{i}", list(range(1, 4 + i)), SamplingParams()) for i in range(3)]
+    for seq in seqs:
+        bm.allocate(seq)
+        bm.hold(seq, seq.num_tokens + 3)  # a page past its slots, for the step launched ahead
+    assert all(bm.num_held_slots(s) for s in seqs)
+    free = bm.num_free_pages
+
+    class Steps(LaunchAhead):
+        def __init__(self):
+            self.bm = bm
+            self._init_in_flight()
+
+    steps = Steps()
+    fl = type("InFlight", (), {"seqs": seqs})()
+    steps._in_flight = fl
+    steps._taken(fl, [0, 2])
+    assert steps.in_flight is None and steps.ahead_used == 1 and steps.ahead_partial == 1
+    assert bm.num_held_slots(seqs[1]) == 0 and bm.num_free_pages > free  # B's page back
+    assert bm.num_held_slots(seqs[0]) and bm.num_held_slots(seqs[2])

@@ -86,7 +86,13 @@ class LaunchAhead:
         return True
 
     def _taken(self, fl: Any, pick: list[int]) -> None:
-        """Count the step in flight as consumed by `pick` of its sequences."""
+        """Count the step in flight as consumed by `pick` of its sequences; the others' holds
+        go back (a finished one was freed whole; one still running but left out of this step,
+        by the scheduler's token budget, would keep its page until its next launched step)."""
         self._in_flight = None
         self.ahead_used += 1
         self.ahead_partial += len(pick) < len(fl.seqs)
+        kept = set(pick)
+        for i, seq in enumerate(fl.seqs):
+            if i not in kept:
+                self.bm.release_hold(seq)
