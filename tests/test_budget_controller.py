@@ -141,6 +141,9 @@ def test_leaving_the_rounds_needs_a_margin_that_narrows_while_plain_keeps_winnin
     ctl = synthetic({0: 1.0, 16: 2.5}, **knobs)  # plain 2.5x: beyond the widest margin
     ctl.current, ctl.switches = 16, 1
     assert feed(ctl, "r", {16: 0}, 4) == [16, 16, 0, 0]  # the dwell (2), then confirmed
+    info = ctl.info()  # /server_info: why the budget is what it is
+    assert info["config"]["plain_margin"] == 1.0 and info["config"]["plain_halflife"] == 16.0
+    assert info["plain_ahead_decisions"] >= 2
 
     # 8 requests: their summed acceptance averages bursts out, the margin is 1 / sqrt(8) = 0.35
     ctl = synthetic({0: 1.0, 16: 1.3}, **knobs)

@@ -60,6 +60,7 @@ Torch-free: the engine feeds it paths and step times; tests feed it synthetic cu
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -435,4 +436,9 @@ class BudgetController:
                 if (a := self.global_estimate(b)) is not None
             },  # fmt: skip
             "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
+            # decisions in a row plain decoding has been ahead (what narrows the margin to
+            # leave the rounds), and the knobs in force: what a 3 a.m. reader needs to explain
+            # a budget
+            "plain_ahead_decisions": self._plain_wins,
+            "config": dataclasses.asdict(self.cfg),
         }
