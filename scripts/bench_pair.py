@@ -16,7 +16,6 @@ startup (load, capture) is left out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -79,13 +78,12 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
         kw["speculative_adaptive"] = adaptive
         if adaptive:  # the controller's step costs on the same clock as the benchmark's
             kw["speculative_cost_clock"] = args.clock
+            kw["speculative_controller"] = (f"cost_trials={trials}",
+                                            f"accept_trials={accept_trials}",
+                                            *args.controller_set)  # fmt: skip
     llm = LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
               cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
               max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
-    if llm.controller is not None:
-        cfg = dataclasses.replace(llm.controller.cfg, cost_trials=trials,
-                                  accept_trials=accept_trials)  # fmt: skip
-        llm.controller.cfg = cfg.with_settings(args.controller_set)
     return llm
 
 

@@ -112,6 +112,41 @@ def test_serve_adaptive_needs_ddtree(capsys):
     assert "--speculative-adaptive" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--speculative-controller", "nope=1"], "nope=1"),
+        (["--speculative-controller", "plain_margin=lots"], "plain_margin"),
+        (["--speculative-controller", "plain_halflife=0"], "plain_halflife"),
+        (["--no-speculative-adaptive", "--speculative-controller", "plain_margin=1"],
+         "adaptive"),
+    ],
+)  # fmt: skip
+def test_serve_controller_knobs_are_checked_before_the_model_loads(capsys, extra, says):
+    argv = ["serve", "--speculative-algorithm", "DDTREE", *extra]
+    assert cli.run(_parse(cli, argv)) == 2
+    err = capsys.readouterr().err
+    assert "--speculative-controller" in err and says in err
+
+
+def test_serve_controller_knobs_reach_the_engine():
+    """--speculative-controller KNOB=VALUE (repeatable) -> EngineConfig.speculative_controller
+    -> the controller's config (shown in /server_info: tests/test_server_speculative.py)."""
+    from treeverify.engine.llm import LLM
+
+    args = _parse(cli, ["serve", "--speculative-controller", "plain_margin=0.05",
+                        "--speculative-controller", "min_dwell=4"])  # fmt: skip
+    assert args.speculative_controller == ["plain_margin=0.05", "min_dwell=4"]
+    llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+              speculative_controller=tuple(args.speculative_controller),
+              speculative_cost_seconds={0: 1.0, 4: 1.5, 8: 1.6})  # fmt: skip
+    cfg = llm.controller.cfg
+    assert cfg.plain_margin == 0.05 and cfg.min_dwell == 4 and cfg.plain_halflife == 16.0
+    assert llm.controller.info()["config"]["min_dwell"] == 4
+    with pytest.raises(ValueError, match="speculative_controller: .*decay"):
+        LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_controller=("decay=2",))
+
+
 def test_serve_gpu_flag_defaults():
     args = _parse(cli, ["serve"])
     assert args.mem_fraction_static == 0.88 and not args.disable_cuda_graph

@@ -25,15 +25,16 @@ def make_controller(config: EngineConfig) -> BudgetController | None:
     """A controller for DDTREE unless speculative_adaptive is False; CHAIN has no budget buckets.
     `speculative_cost_seconds`: a fixed cost curve (seconds per step at batch 1 for every bucket)
     instead of the one `calibrate` measures; `speculative_cost_clock`: "wall" or "process"
-    (budget_controller.CLOCKS). The values were validated by the config."""
+    (budget_controller.CLOCKS); `speculative_controller`: the controller's knobs. The values
+    were validated by the config."""
     if not config.adaptive:
         return None
-    costs = config.speculative_cost_seconds
+    costs, knobs = config.speculative_cost_seconds, config.controller_config
     if costs is None:
-        ctl = BudgetController(config.budget_buckets)
+        ctl = BudgetController(config.budget_buckets, config=knobs)
         ctl.clock = CLOCKS[config.speculative_cost_clock]
         return ctl
-    return BudgetController(config.budget_buckets, CostModel.given(dict(costs)))
+    return BudgetController(config.budget_buckets, CostModel.given(dict(costs)), knobs)
 
 
 def calibration_batches(llm: LLM) -> tuple[int, ...]:

@@ -50,8 +50,10 @@ class ControllerConfig:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.accept_evidence < 0 or self.accept_optimism < 0:
             raise ValueError("accept_evidence, accept_optimism: expected >= 0")
-        if self.plain_margin < 0 or self.plain_halflife <= 0:
-            raise ValueError("plain_margin: expected >= 0; plain_halflife: expected > 0")
+        if self.plain_margin < 0:
+            raise ValueError(f"plain_margin: expected >= 0, got {self.plain_margin}")
+        if self.plain_halflife <= 0:
+            raise ValueError(f"plain_halflife: expected > 0, got {self.plain_halflife}")
         if not 0.0 < self.plain_decay <= 1.0:
             raise ValueError(f"plain_decay: expected in (0, 1], got {self.plain_decay}")
 

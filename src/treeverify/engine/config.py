@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treeverify import env
+from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_controller import CLOCKS, budget_buckets
 from treeverify.engine.cuda_graphs import batch_buckets
 from treeverify.kernels.api import BACKENDS
@@ -76,6 +77,9 @@ class EngineConfig:
     # A fixed cost curve (seconds per step at batch 1 per budget bucket) instead of measured
     speculative_cost_seconds: Mapping[int, float] | None = field(default=None, hash=False)
     speculative_cost_clock: str = "wall"  # or "process" (budget_controller.CLOCKS)
+    # The adaptive budget controller's knobs as "KNOB=VALUE" (engine/budget_config.py
+    # ControllerConfig; e.g. "plain_margin=0.05"), each parsed and validated here
+    speculative_controller: tuple[str, ...] = ()
     mem_fraction_static: float = 0.88
     cuda_graph_max_bs: int | None = None  # None: min(max_num_seqs, 32)
     disable_cuda_graph: bool = False
@@ -112,6 +116,7 @@ class EngineConfig:
             set_("attention_backend", "cuda" if on_gpu else "torch")
         if self.num_pages is None and not on_gpu:
             set_("num_pages", CPU_NUM_PAGES)
+        set_("speculative_controller", tuple(self.speculative_controller))
         if self.speculative_cost_seconds is not None:  # read-only: the config is frozen
             set_("speculative_cost_seconds", types.MappingProxyType(
                 {int(k): float(v) for k, v in self.speculative_cost_seconds.items()}))  # fmt: skip
@@ -153,6 +158,19 @@ class EngineConfig:
         if self.speculative_adaptive and algo != "DDTREE":
             raise ValueError(f"speculative_adaptive: needs speculative_algorithm DDTREE, got "
                              f"{algo!r}")  # fmt: skip
+        knobs = self.speculative_controller
+        if isinstance(knobs, str) or not all(isinstance(k, str) for k in knobs):
+            raise ValueError(f"speculative_controller: expected a sequence of 'KNOB=VALUE' "
+                             f"strings, got {knobs!r}")  # fmt: skip
+        if knobs and not self.adaptive:
+            raise ValueError(
+                "speculative_controller: needs the adaptive budget "
+                "(speculative_algorithm DDTREE, speculative_adaptive not False)"
+            )
+        try:
+            ControllerConfig().with_settings(list(knobs))
+        except ValueError as exc:
+            raise ValueError(f"speculative_controller: {exc}") from None
         costs = self.speculative_cost_seconds
         if costs is not None and self.adaptive:
             if missing := [b for b in self.budget_buckets if b not in costs]:
@@ -209,6 +227,11 @@ class EngineConfig:
     def adaptive(self) -> bool:
         """Whether a budget controller picks each step's budget (DDTREE unless turned off)."""
         return self.speculative_algorithm == "DDTREE" and self.speculative_adaptive is not False
+
+    @property
+    def controller_config(self) -> ControllerConfig:
+        """The adaptive budget controller's knobs: the defaults with `speculative_controller`."""
+        return ControllerConfig().with_settings(list(self.speculative_controller))
 
     @functools.cached_property
     def budget_buckets(self) -> tuple[int, ...]:

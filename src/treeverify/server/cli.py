@@ -181,6 +181,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "startup (default: on for DDTREE; docs/ddtree.md)",
     )
     p.add_argument(
+        "--speculative-controller",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="an adaptive budget controller knob (repeatable), e.g. plain_margin=0.05; the knobs "
+        "and defaults: engine/budget_config.py, docs/ddtree.md; /server_info shows those in force",
+    )
+    p.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
         help="draft depth L (positions proposed per round; default: a DFlash drafter's block "
@@ -275,6 +283,20 @@ def run(args: argparse.Namespace) -> int:
         print("treeverify serve: --speculative-adaptive: needs --speculative-algorithm DDTREE",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.speculative_controller:  # checked before the model loads: one line, exit 2
+        from treeverify.engine.budget_config import ControllerConfig
+
+        problem = None
+        if args.speculative_algorithm != "DDTREE" or args.speculative_adaptive is False:
+            problem = "needs the adaptive budget (--speculative-algorithm DDTREE)"
+        else:
+            try:
+                ControllerConfig().with_settings(args.speculative_controller)
+            except ValueError as exc:
+                problem = str(exc)
+        if problem:
+            print(f"treeverify serve: --speculative-controller: {problem}", file=sys.stderr)
+            return 2
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

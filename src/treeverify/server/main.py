@@ -104,6 +104,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, int]:
             speculative_num_draft_tokens=args.speculative_num_draft_tokens,
             speculative_draft_model_path=args.speculative_draft_model_path,
             speculative_adaptive=args.speculative_adaptive,
+            speculative_controller=tuple(getattr(args, "speculative_controller", ()) or ()),
             mem_fraction_static=args.mem_fraction_static,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
