@@ -49,14 +49,15 @@ def prose_prompts(path: Path, n: int) -> list[str]:
 
 
 def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_seqs: int,
-           adaptive: bool | str = False) -> LLM:  # fmt: skip
+           adaptive: bool | str | tuple[str, ...] = False) -> LLM:  # fmt: skip
     """`adaptive`: True (the controller picks budgets), False (fixed), "general" (fixed,
     every round on the general path: no whole-round graphs, the A/B of engine/round_graphs.py)
     or "read-first" (fixed, whole rounds without lookahead: each round read before the next is
     launched, the A/B of the overlap), "ngram-general" (fixed, n-gram rounds on the general
     path, host votes: `ngram_whole_rounds=False`; whole rounds are the default), "no-trials" /
     "no-accept-trials" (adaptive without cost / acceptance trials: the A/Bs of docs/ddtree.md's
-    stale costs and thin evidence)."""
+    stale costs and thin evidence), or a tuple of KNOB=VALUE (adaptive with those controller
+    knobs on top of --controller-set: the A/B of --adaptive-ab)."""
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     kw = {}
     if adaptive == "general":
@@ -65,6 +66,9 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
         kw["round_lookahead"], adaptive = False, False
     elif adaptive == "ngram-general":
         kw["ngram_whole_rounds"], adaptive = False, False
+    extra: tuple[str, ...] = ()
+    if isinstance(adaptive, tuple):
+        extra, adaptive = adaptive, True
     trials, accept_trials = adaptive != "no-trials", adaptive != "no-accept-trials"
     adaptive = bool(adaptive)
     if algo:
@@ -80,7 +84,7 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
             kw["speculative_cost_clock"] = args.clock
             kw["speculative_controller"] = (f"cost_trials={trials}",
                                             f"accept_trials={accept_trials}",
-                                            *args.controller_set)  # fmt: skip
+                                            *args.controller_set, *extra)  # fmt: skip
     llm = LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
               cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
               max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
@@ -236,6 +240,10 @@ def speed_configs(args, block: int) -> list[tuple]:
         if args.no_accept_trials_too:
             cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} no acceptance trials", "DDTREE",
                          args.drafter, args.adaptive, block - 1, "no-accept-trials"))  # fmt: skip
+        if args.adaptive_ab:  # the same controller with other knobs, in the same passes
+            knobs = tuple(args.adaptive_ab)
+            cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} [{','.join(knobs)}]",
+                         "DDTREE", args.drafter, args.adaptive, block - 1, knobs))  # fmt: skip
         if args.ngram_adaptive:  # the n-gram drafter's (whole) rounds under the controller
             cfgs.append((f"DDTREE(ngram) adaptive<={args.adaptive}", "DDTREE", "ngram",
                          args.adaptive, args.ngram_depth, True))  # fmt: skip
@@ -425,6 +433,14 @@ def main(argv=None) -> int:
         metavar="KNOB=VALUE",
         help="a ControllerConfig knob for the adaptive configs (repeatable), e.g. "
         "prior_rounds=128: the A/B of a controller setting on the GPU",
+    )
+    p.add_argument(
+        "--adaptive-ab",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="with --adaptive: one more adaptive config with these controller knobs (repeatable), "
+        "in the same passes: e.g. plain_margin=0.05, the rule before 5a4c446",
     )
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--no-graphs", action="store_true")
