@@ -68,15 +68,33 @@ def path_for(accepted: dict[int, int], budget: int) -> list[int]:
     return path
 
 
-@pytest.mark.parametrize(("probe", "probed"), [("top", 16), ("up", 4), ("hybrid", 16)])
+@pytest.mark.parametrize(("probe", "probed"), [("top", {16}), ("up", {4}), ("hybrid", {4, 16})])
 def test_falls_back_to_plain_when_drafts_are_never_accepted(probe, probed):
     ctl = synthetic({0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}, min_dwell=4, explore_every=10, probe=probe)
     chosen = feed(ctl, "r", {4: 0, 8: 0, 16: 0}, 60)
     assert ctl.current == 0
     tail = chosen[20:]
     assert tail.count(0) >= 0.85 * len(tail)  # plain, with a probe now and then ...
-    assert set(tail) <= {0, probed}  # ... at the largest bucket, or one bucket up
+    # ... at the largest bucket, one bucket up, or (hybrid) in turns the best-rated one (with
+    # nothing accepted, the cheapest: 4) and the largest
+    assert set(tail) - {0} <= probed and (probe != "hybrid" or set(tail) - {0} == probed)
     assert ctl.rate(["r"], 0) > ctl.rate(["r"], 4)
+
+
+def test_hybrid_probes_from_plain_alternate_the_best_rated_bucket_and_the_top():
+    """From plain decoding hybrid probes in turns the speculating bucket of best estimated rate
+    (cheaper than the top, and the one a switch would go to) and the largest; from a
+    speculating budget one bucket up."""
+    costs = {0: 1.0, 4: 2.0, 8: 2.1, 16: 3.0}  # 8 accepts as much as 16 here, for less
+    ctl = synthetic(costs, min_dwell=1, explore_every=1, explore_max=1)
+    ctl.current, ctl.switches = 0, 1
+    ctl.observe_round("r", 16, path_for({4: 0, 8: 1, 16: 1}, 16))  # R(8) = 2 / 2.1 best of 4-16
+    probes = [b for b in (ctl.choose(["r"]) for _ in range(40)) if b]
+    assert probes[:4] == [8, 16, 8, 16], probes
+    ctl = synthetic(costs, min_dwell=1, explore_every=1, explore_max=1)
+    ctl.current, ctl.switches = 4, 1
+    ctl.observe_round("r", 16, path_for({4: 3, 8: 3, 16: 3}, 16))
+    assert {ctl._probe_target({b: 1.0 for b in costs})} == {8}  # one up from 4
 
 
 @pytest.mark.parametrize(("probe", "ends_at"), [("top", 16), ("up", 0), ("hybrid", 16)])
