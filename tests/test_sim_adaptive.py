@@ -120,7 +120,8 @@ def test_a_switch_between_plain_and_rounds_costs_its_read_first_step(sim):
 def test_suite_of_trace_sets_at_the_defaults():
     """scripts/sim_adaptive_suite.py: today's defaults on all three trace sets and four cost
     tables (switches charged at the newest): at the best fixed budget on predictable text
-    (0.989-1.002 when plain_margin was chosen), near plain decoding on unpredictable text."""
+    (0.989-1.002 when plain_margin was chosen), near plain decoding on unpredictable text, and
+    back to speculation soon when code follows unpredictable text."""
     spec = importlib.util.spec_from_file_location(
         "_suite", ROOT / "scripts" / "sim_adaptive_suite.py"
     )
@@ -132,5 +133,8 @@ def test_suite_of_trace_sets_at_the_defaults():
     assert res["min_of_best_fixed"] >= 0.97, res["rows"]
     assert res["mean_of_best_fixed"] >= 0.985, res["rows"]
     assert res["unpredictable_min"] >= 0.95, res["rows"]
+    # code after unpredictable text: probes from plain alternate the best-rated bucket and the
+    # top (1.44x plain when chosen; 1.27x probing the top every time)
+    assert res["rows"]["plain0.20 sequence2"] >= 1.35, res["rows"]
     old = mod.evaluate(ControllerConfig(plain_margin=0.05))  # the rule before: dips went plain
     assert old["min_of_best_fixed"] < res["min_of_best_fixed"]
