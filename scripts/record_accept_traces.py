@@ -52,7 +52,11 @@ def walk(tokens: list[int], parents: list[int], cont: list[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def trace_prompt(llm: LLM, prompt: str, tokens: int, budget: int, chunk: int = 32) -> dict:
+def trace_prompt(llm: LLM, prompt: str, tokens: int, budget: int, chunk: int = 32,
+                 keep: dict | None = None) -> dict:  # fmt: skip
+    """The prompt's trace; `keep` (a dict) also receives what rebuilding its trees needs: the
+    drafter's logits (tokens, L, V) and roots (tokens,) per traced position, and the token ids
+    (prompt + generation) the walks follow."""
     depth = llm.spec.depth
     want = tokens + depth + 1  # every traced position's walk sees a full continuation
     sp = SamplingParams(temperature=0, max_tokens=want + 2 * depth, ignore_eos=True)
@@ -79,10 +83,17 @@ def trace_prompt(llm: LLM, prompt: str, tokens: int, budget: int, chunk: int = 3
         logits = drafter.propose_from_kv(
             padded, torch.tensor(ps), torch.tensor([ids[p] for p in ps]), torch.tensor(ps), depth
         )  # (b, L, V)
-        tree = build_tree(logits, budget, torch.tensor([ids[p] for p in ps]))
+        roots = torch.tensor([ids[p] for p in ps])  # (b,)
+        tree = build_tree(logits, budget, roots)
+        if keep is not None:
+            keep.setdefault("logits", []).append(logits)
+            keep.setdefault("roots", []).append(roots)
         for i, p in enumerate(ps):
             cont = ids[p + 1 : p + 1 + depth]
             paths.append(walk(tree.tokens[i].tolist(), tree.parents[i].tolist(), cont))
+    if keep is not None:
+        keep["logits"], keep["roots"] = torch.cat(keep["logits"]), torch.cat(keep["roots"])
+        keep["ids"] = ids
     by_pos = {start + i: len(path) for i, path in enumerate(paths)}
     check = [(p, n, by_pos.get(p)) for p, n in rounds if p in by_pos and p < start + tokens]
     bad = [c for c in check if c[1] != c[2]]

@@ -1,16 +1,16 @@
 """Does scaling the drafter's logits by a temperature before `build_tree` choose better DDTree
 trees? Offline, on the CPU, from the acceptance traces of scripts/record_accept_traces.py.
 
-Per prompt: `trace_prompt` (record_accept_traces.py, run as is) generates `--tokens` greedy tokens
-with DDTREE at budget 64 and, for every position p, drafts with DFlash from the engine's own
-context rows, builds the tree and walks it along the known greedy continuation. While it runs,
-its `build_tree` calls are intercepted to keep the drafter logits (b, L, V) and roots, and its
-request is kept to read the token ids. Then, for every temperature setting (a vector T_k, one per
-depth position k), the trees are rebuilt from `logits / T_k` at budget 64 and walked with the
-same `walk`; a budget-B round accepts the path cut at its first node index > B (`cut` in
-sim_adaptive.py: the budget-B tree is the first B nodes of the budget-64 one; checked here on
-the first chunk of every setting). Speculation stays lossless for any tree, so only the accept
-length changes: the mean committed tokens per round (mean len(path), over all positions).
+Per prompt: `trace_prompt` (record_accept_traces.py) generates `--tokens` greedy tokens with
+DDTREE at budget 64 and, for every position p, drafts with DFlash from the engine's own context
+rows, builds the tree and walks it along the known greedy continuation; its `keep` hands back
+the drafter logits (N, L, V), the roots and the token ids. Then, for every temperature setting
+(a vector T_k, one per depth position k), the trees are rebuilt from `logits / T_k` at budget 64
+and walked with the same `walk`; a budget-B round accepts the path cut at its first node index >
+B (`cut` in sim_adaptive.py: the budget-B tree is the first B nodes of the budget-64 one;
+checked here on the first chunk of every setting). Speculation stays lossless for any tree, so
+only the accept length changes: the mean committed tokens per round (mean len(path), over all
+positions).
 
 Settings: single T in --temps; then T_k = T0 * (1 + s*k/(L-1)) for s in --slopes with T0 the
 best single T on set A (mean over texts and budgets 8/16/32/64); and T_k fitted per depth to
@@ -31,14 +31,12 @@ import argparse
 import json
 import sys
 import time
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record_accept_traces as rat  # noqa: E402
 from bench_pair import DATA, PROSE, code_prompts, prose_prompts  # noqa: E402
 from record_accept_traces import trace_prompt, walk  # noqa: E402
 from sim_adaptive import cut  # noqa: E402
@@ -51,38 +49,12 @@ BUDGETS = (8, 16, 32, 64)
 CHUNK = 32  # trees built per call, as trace_prompt does
 
 
-@contextmanager
-def capture(llm: LLM):
-    """While `trace_prompt` runs: keep every `build_tree` input and the request it adds."""
-    cap: dict = {"logits": [], "roots": [], "seq": None}
-    real_build, real_add = rat.build_tree, llm.add_request
-
-    def build(logits, budget, roots, **kw):
-        cap["logits"].append(logits.detach().clone())
-        cap["roots"].append(roots.detach().clone())
-        return real_build(logits, budget, roots, **kw)
-
-    def add(*a, **kw):
-        cap["seq"] = real_add(*a, **kw)
-        return cap["seq"]
-
-    rat.build_tree, llm.add_request = build, add
-    try:
-        yield cap
-    finally:
-        rat.build_tree = real_build
-        del llm.add_request  # the instance attribute: the method shows through again
-
-
 def record(llm: LLM, prompt: str, tokens: int, budget: int) -> dict:
     """One prompt's trace plus what a re-build needs: logits (N, L, V), roots (N,), conts (N, L)."""
-    with capture(llm) as cap:
-        t = trace_prompt(llm, prompt, tokens, budget, chunk=CHUNK)
-    seq, depth = cap["seq"], llm.spec.depth
-    ids = list(seq.prompt_token_ids) + list(seq.output_token_ids)
-    start = t["prompt_tokens"]
-    logits = torch.cat(cap["logits"])  # (N, L, V) fp32
-    roots = torch.cat(cap["roots"])
+    keep: dict = {}
+    t = trace_prompt(llm, prompt, tokens, budget, chunk=CHUNK, keep=keep)
+    ids, depth, start = keep["ids"], llm.spec.depth, t["prompt_tokens"]
+    logits, roots = keep["logits"], keep["roots"]  # (N, L, V) fp32, (N,)
     assert logits.shape[0] == tokens and roots.tolist() == ids[start : start + tokens]
     conts = torch.tensor([ids[p + 1 : p + 1 + depth] for p in range(start, start + tokens)])
     return {"logits": logits, "roots": roots, "conts": conts, "paths": t["paths"],
