@@ -283,20 +283,18 @@ def run(args: argparse.Namespace) -> int:
         print("treeverify serve: --speculative-adaptive: needs --speculative-algorithm DDTREE",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.speculative_controller:  # checked before the model loads: one line, exit 2
-        from treeverify.engine.budget_config import ControllerConfig
+    if args.speculative_controller:  # EngineConfig's check, before the model loads: exit 2
+        from treeverify.engine.config import EngineConfig
 
-        problem = None
-        if args.speculative_algorithm != "DDTREE" or args.speculative_adaptive is False:
-            problem = "needs the adaptive budget (--speculative-algorithm DDTREE)"
-        else:
-            try:
-                ControllerConfig().with_settings(args.speculative_controller)
-            except ValueError as exc:
-                problem = str(exc)
-        if problem:
-            print(f"treeverify serve: --speculative-controller: {problem}", file=sys.stderr)
-            return 2
+        try:
+            EngineConfig(model=args.model, speculative_algorithm=args.speculative_algorithm,
+                         speculative_adaptive=args.speculative_adaptive,
+                         speculative_controller=tuple(args.speculative_controller))  # fmt: skip
+        except ValueError as exc:
+            name, _, problem = str(exc).partition(": ")
+            if name == "speculative_controller":  # (any other argument: reported at startup)
+                print(f"treeverify serve: --speculative-controller: {problem}", file=sys.stderr)
+                return 2
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
