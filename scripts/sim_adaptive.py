@@ -43,6 +43,14 @@ from treeverify.engine.budget_controller import (
 H200_COSTS = {0: 0.63e-3, 4: 1.58e-3, 8: 1.58e-3, 16: 1.61e-3, 32: 1.63e-3, 64: 1.65e-3}
 
 
+def unpredictable(tokens: int, n: int = 8) -> list[dict]:
+    """Traces of text no drafter predicts: n requests whose rounds accept the root alone, a
+    lucky draft in ten (seeded: every replay sees the same ones)."""
+    rng = random.Random(0)
+    return [{"paths": [[0] if rng.random() > 0.1 else [0, 1] for _ in range(2 * tokens)]}
+            for _ in range(n)]  # fmt: skip
+
+
 def cut(path: list[int], budget: int) -> list[int]:
     """The budget-`budget` tree's walk: the larger tree's path up to its first node > budget."""
     out = []
@@ -210,11 +218,7 @@ def main() -> int:
     if args.costs:
         costs = {int(b): float(s) for b, s in (kv.split(":") for kv in args.costs.split(","))}
     data = json.loads(args.traces.read_text())
-    rng = random.Random(0)  # and text no drafter predicts: the root alone, a lucky draft in 10
-    data["texts"]["unpredictable"] = [
-        {"paths": [[0] if rng.random() > 0.1 else [0, 1] for _ in range(2 * args.tokens)]}
-        for _ in range(8)
-    ]
+    data["texts"]["unpredictable"] = unpredictable(args.tokens)
     buckets = budget_buckets(max(costs))
     cfg = ControllerConfig().with_settings(args.set)
     out = {"traces": str(args.traces), "costs": costs, "controller": dataclasses.asdict(cfg),

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_adaptive import controller, cut, replay  # noqa: E402
+from sim_adaptive import controller, cut, replay, unpredictable  # noqa: E402
 
 from treeverify.bench.kernel import _git_commit  # noqa: E402
 from treeverify.engine.budget_controller import (  # noqa: E402
@@ -51,13 +50,6 @@ SWITCH_SECONDS = {"plain0.20": 0.09e-3, "plain0.20-free-switch": 0.0}
 TOKENS = 128
 
 
-def unpredictable(n: int = 8) -> list[dict]:
-    """Text no drafter predicts: the root alone, a lucky draft in ten (as sim_adaptive)."""
-    rng = random.Random(0)
-    return [{"paths": [[0] if rng.random() > 0.1 else [0, 1] for _ in range(2 * TOKENS)]}
-            for _ in range(n)]  # fmt: skip
-
-
 def texts() -> dict[str, list[dict]]:
     out = {}
     for name, file in TRACE_SETS.items():
@@ -78,13 +70,13 @@ def evaluate(cfg: ControllerConfig) -> dict:
             best = max(replay(traces, TOKENS, costs, b)["tokens_per_s"] for b in buckets)
             got = replay(traces, TOKENS, costs, controller(buckets, {1: costs}, cfg), False, sw)
             rows[f"{cname} {tname}"] = round(got["tokens_per_s"] / best, 3)
-        plain = replay(unpredictable(), TOKENS, costs, 0)["tokens_per_s"]
+        plain = replay(unpredictable(TOKENS), TOKENS, costs, 0)["tokens_per_s"]
         got = replay(
-            unpredictable(), TOKENS, costs, controller(buckets, {1: costs}, cfg), False, sw
+            unpredictable(TOKENS), TOKENS, costs, controller(buckets, {1: costs}, cfg), False, sw
         )
         rows[f"{cname} unpredictable"] = round(got["tokens_per_s"] / plain, 3)
         ctl = BudgetController(buckets, CostModel.given(costs), cfg)
-        seq = [all_texts["set1 code"], unpredictable(), all_texts["set3 code"][:8]]
+        seq = [all_texts["set1 code"], unpredictable(TOKENS), all_texts["set3 code"][:8]]
         for i, traces in enumerate(seq):  # one controller through code, noise, code
             plain = replay(traces, TOKENS, costs, 0)["tokens_per_s"]
             got = replay(traces, TOKENS, costs, ctl, False, sw)["tokens_per_s"]

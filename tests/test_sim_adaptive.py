@@ -45,10 +45,7 @@ def test_cut_and_fixed_budget_accounting(sim):
 def test_tuned_controller_on_recorded_traces(sim):
     data = json.loads(TRACES.read_text())
     costs, buckets = sim.H200_COSTS, budget_buckets(64)
-    rng = random.Random(0)
-    data["texts"]["unpredictable"] = [
-        {"paths": [[0] if rng.random() > 0.1 else [0, 1] for _ in range(256)]} for _ in range(8)
-    ]
+    data["texts"]["unpredictable"] = sim.unpredictable(128)
     for text, traces in data["texts"].items():
         plain = sim.replay(traces, 128, costs, 0)["tokens_per_s"]
         best = max(sim.replay(traces, 128, costs, b)["tokens_per_s"] for b in buckets)
