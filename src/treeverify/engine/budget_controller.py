@@ -300,8 +300,11 @@ class BudgetController:
         self.since_explore = 0
         self.explorations += 1
 
-    def _consider(self, best: int, best_rate: float, cur_rate: float,
-                  plain_rate: float | None = None, n: int = 1) -> None:  # fmt: skip
+    def _consider(self, best: int, best_rate: float, cur_rate: float, plain_rate: float | None,
+                  n: int) -> None:  # fmt: skip
+        """Switch to `best` when it beats the current budget by the margin on `confirm`
+        decisions after the dwell; to plain decoding (rate `plain_rate`, n requests) by the
+        wider margin that narrows while plain stays ahead."""
         margin = self.cfg.switch_margin
         if self.current != 0 and plain_rate is not None:  # decisions in a row plain has won
             self._plain_wins = self._plain_wins + 1 if plain_rate > (1 + margin) * cur_rate else 0
