@@ -91,11 +91,25 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
     return llm
 
 
+def speed_texts(args) -> dict[str, tuple[list[str], float]]:
+    """The speed texts: name -> (prompts, temperature). "prose-sampled" (--sampled): the prose
+    prompts at temperature 1, what the drafter cannot predict (issue 13: >= 0.95x plain there);
+    its outputs are not compared with plain decoding's (sampling is lossless in distribution,
+    not token for token)."""
+    texts = {"code": (code_prompts(args.code_prompts, args.n), 0.0),
+             "prose": (prose_prompts(args.prose, args.n), 0.0)}  # fmt: skip
+    if args.sampled:
+        texts["prose-sampled"] = (texts["prose"][0], 1.0)
+    return texts
+
+
 def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
-          clock=time.perf_counter, queue: bool = False) -> tuple[list, float, float]:  # fmt: skip
-    """Greedy outputs of all prompts, at most `batch` running at once, the seconds it took (the
-    best of `repeat` passes: host-bound steps jitter; each pass starts with fresh requests) and
-    the batch occupancy (running requests per step / batch, mean over the last pass's steps).
+          clock=time.perf_counter, queue: bool = False,
+          temperature: float = 0.0) -> tuple[list, float, float]:  # fmt: skip
+    """Greedy outputs (or, at `temperature` > 0, seeded samples) of all prompts, at most
+    `batch` running at once, the seconds it took (the best of `repeat` passes: host-bound steps
+    jitter; each pass starts with fresh requests) and the batch occupancy (running requests per
+    step / batch, mean over the last pass's steps).
 
     Groups (default): `batch` prompts start together and the next group starts when all have
     finished, as a fixed-size batch job. Speculation makes requests of equal length finish at
@@ -103,7 +117,8 @@ def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
     occupancy says how much. `queue`: a new prompt joins as soon as one finishes (a server's
     continuous batching); the batch then stays full until the prompts run out. Spec stats are
     those of the last pass."""
-    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True,
+                        seed=2026 if temperature else None)  # fmt: skip
     llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     best, occupancy = float("inf"), 1.0
@@ -279,8 +294,7 @@ def run_speed(args, block: int) -> list[dict]:
     if args.interleave:
         return run_speed_interleaved(args, block)
     batches = [int(b) for b in args.batches.split(",")]
-    texts = {"code": code_prompts(args.code_prompts, args.n),
-             "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
+    texts = speed_texts(args)
     cfgs = speed_configs(args, block)
     # plain decoding again, last: the first engine of a process can run slower (clocks, caches),
     # and a ratio against a slow baseline flatters every other config
@@ -289,13 +303,13 @@ def run_speed(args, block: int) -> list[dict]:
     judge = None if args.no_judge else DivergenceJudge(args)
     for name, algo, drafter, budget, depth, adaptive in cfgs:
         llm = engine(args, algo, drafter, budget, depth, max(batches), adaptive)
-        for text, prompts in texts.items():
+        for text, (prompts, temp) in texts.items():
             for b in batches:
                 outs, secs, occupancy = timed(llm, prompts, b, args.tokens, args.repeat,
-                                              CLOCKS[args.clock], args.queue)  # fmt: skip
+                                              CLOCKS[args.clock], args.queue, temp)  # fmt: skip
                 key = (text, b)
-                r = describe(llm, name, outs, secs, plain.get(key), b, text, occupancy, judge,
-                             prompts)  # fmt: skip
+                r = describe(llm, name, outs, secs, None if temp else plain.get(key), b, text,
+                             occupancy, judge, prompts)  # fmt: skip
                 rows.append(r)
                 plain.setdefault(key, outs)
                 print(json.dumps(r), flush=True)
@@ -318,14 +332,13 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
     tokens/s over passes, every pass's figure, and `speedup_vs_plain` = the median over passes
     of the ratio to plain decoding's time in the same pass (paired)."""
     batches = [int(b) for b in args.batches.split(",")]
-    texts = {"code": code_prompts(args.code_prompts, args.n),
-             "prose": prose_prompts(args.prose, args.n)}  # fmt: skip
+    texts = speed_texts(args)
     cfgs = speed_configs(args, block)
     engines = [engine(args, algo, drafter, budget, depth, max(batches), adaptive)
                for _, algo, drafter, budget, depth, adaptive in cfgs]  # fmt: skip
     judge = None if args.no_judge else DivergenceJudge(args)
     rows = []
-    for text, prompts in texts.items():
+    for text, (prompts, temp) in texts.items():
         for b in batches:
             secs = {c[0]: [] for c in cfgs}
             last = {}
@@ -334,7 +347,7 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
                 k = p % len(pairs)  # each pass starts one config later
                 for (name, *_), llm in pairs[k:] + pairs[:k]:
                     outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
-                                                CLOCKS[args.clock], args.queue)  # fmt: skip
+                                                CLOCKS[args.clock], args.queue, temp)  # fmt: skip
                     secs[name].append(s_)
                     last[name] = (outs, occupancy)
             plain_name = cfgs[0][0]
@@ -342,8 +355,9 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
             for (name, *_), llm in zip(cfgs, engines, strict=True):
                 outs, occupancy = last[name]
                 med = statistics.median(secs[name])
-                r = describe(llm, name, outs, med, None if name == plain_name else plain_outs,
-                             b, text, occupancy, judge, prompts)  # fmt: skip
+                greedy_ref = None if name == plain_name or temp else plain_outs
+                r = describe(llm, name, outs, med, greedy_ref, b, text, occupancy, judge,
+                             prompts)  # fmt: skip
                 toks = r["tokens"]
                 r["passes_tokens_per_s"] = [round(toks / x, 1) for x in secs[name]]
                 r["speedup_vs_plain"] = round(
@@ -418,6 +432,11 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--no-judge", action="store_true", help="skip the fp32 near-tie check of divergences"
+    )
+    p.add_argument(
+        "--sampled",
+        action="store_true",
+        help="speed: also the prose prompts at temperature 1 (text the drafter cannot predict)",
     )
     p.add_argument("--batches", default="1,8")
     p.add_argument(
