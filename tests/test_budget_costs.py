@@ -18,27 +18,28 @@ CALIBRATED = {0: 1.0, 4: 1.3, 8: 1.3, 16: 1.9}  # what startup measured
 ACCEPTED = {4: 1, 8: 2, 16: 3}  # accepted drafts of a budget-b tree: R(8) = 3/1.3, R(16) = 4/1.9
 
 
-def calibrated(**cfg) -> BudgetController:
+def calibrated(table: dict[int, float] = CALIBRATED, **cfg) -> BudgetController:
     """A controller started as calibrate() leaves it: the table filled, every entry stale.
     Exploration probes (one step at the top now and then) are pushed past the runs here, so
     every step at 16 after the start is a trial's."""
     cfg = {"explore_every": 1000, "explore_max": 1000, **cfg}
     ctl = BudgetController(BUCKETS, CostModel(window=9), ControllerConfig(**cfg))
-    for b, s in CALIBRATED.items():
+    for b, s in table.items():
         ctl.observe_step(1, b, s)
     ctl.reset()
     return ctl
 
 
-def serve(ctl: BudgetController, true_cost: dict[int, float], steps: int) -> list:
-    """`steps` decisions for one request, rounds accepting ACCEPTED; steady steps feed back
+def serve(ctl: BudgetController, true_cost: dict[int, float], steps: int,
+          accepted: dict[int, int] = ACCEPTED) -> list:  # fmt: skip
+    """`steps` decisions for one request, rounds accepting `accepted`; steady steps feed back
     the true cost."""
     chosen, run, last = [], 0, None
     for _ in range(steps):
         b = ctl.choose(["r"])
         chosen.append(b)
         if b:
-            ctl.observe_round("r", b, path_for(ACCEPTED, b))
+            ctl.observe_round("r", b, path_for(accepted, b))
         run, last = (run + 1 if b == last else 1), b
         if run >= 3:
             ctl.observe_step(1, b, true_cost[b])
@@ -73,10 +74,56 @@ def test_an_accurate_cost_costs_one_short_trial_per_window():
     assert chosen.count(16) <= 1 + ctl.cost_trials * 12  # a trial lasts about one dwell
 
 
+NOTHING = {4: 0, 8: 0, 16: 0}  # text no drafter predicts: rounds commit their bonus token only
+
+
+def plain_trials(chosen: list[int]) -> list[int]:
+    """Decision indices where a run of plain steps began after a speculating one."""
+    return [i for i in range(1, len(chosen)) if chosen[i] == 0 and chosen[i - 1] != 0]
+
+
+def test_a_stalled_calibration_of_plain_decoding_is_tried_and_left():
+    """Calibration timed plain decoding during a stall (2.0 for a true 1.0: the CPU engine
+    measured 16 ms for 8 under a neighbour's load), so on unpredictable text the rounds (1 token
+    per 1.3) look better than plain (1 per 2.0) and nothing runs plain to correct it. A plain
+    trial (its stale cost at half itself would win) measures it; the usual rule then leaves
+    the rounds. Without trials (floor 1: the stale cost taken as is) it never does."""
+    stalled = {**CALIBRATED, 0: 2.0}
+    ctl = calibrated(stalled, min_dwell=4)
+    chosen = serve(ctl, CALIBRATED, 300, NOTHING)
+    assert ctl.cost.estimate(1, 0) == pytest.approx(1.0)  # re-measured
+    assert chosen[150:].count(0) >= 0.95 * 150 and ctl.current == 0
+    still = calibrated(stalled, min_dwell=4, stale_plain_floor=1.0)
+    chosen = serve(still, CALIBRATED, 300, NOTHING)
+    assert chosen.count(0) == 0 and still.cost.estimate(1, 0) == pytest.approx(2.0)
+
+
+def test_a_plain_trial_only_measures_and_confirmed_trials_come_less_often():
+    """Where rounds win (1 accepted draft at 4: 2 tokens per 1.3 against plain's 1 per 1.0,
+    within the 2x a stale plain cost may be off) each trial is PLAIN_TRIAL_STEPS plain steps,
+    after which the controller is back at its bucket; each trial confirms the cost, so the gap
+    to the next doubles (100, 200, 400, ...); where rounds win by more than 2x, no trial."""
+    from treeverify.engine.budget_controller import PLAIN_TRIAL_STEPS
+
+    ctl = calibrated(min_dwell=4, cost_fresh_steps=100, cost_trials=True)
+    chosen = serve(ctl, CALIBRATED, 1600, {4: 1, 8: 1, 16: 1})
+    starts = plain_trials(chosen)
+    assert len(starts) >= 3
+    runs = [next(k for k, b in enumerate(chosen[i:]) if b) for i in starts]  # plain steps
+    assert runs == [PLAIN_TRIAL_STEPS] * len(starts)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert all(g2 >= 1.8 * g1 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
+    assert ctl.cost.estimate(1, 0) == pytest.approx(1.0)
+    busy = calibrated(min_dwell=4, cost_fresh_steps=100)
+    chosen = serve(busy, CALIBRATED, 600)  # ACCEPTED: 8 runs 3 per 1.3, > 2x plain
+    assert plain_trials(chosen) == []
+
+
 def test_no_trial_without_a_fresh_smaller_cost_nor_for_a_fresh_bucket():
     ctl = calibrated(min_dwell=0)
     ctl.current = 16
     ctl.observe_round("r", 16, path_for(ACCEPTED, 16))
+    ctl.observe_step(1, 0, 1.0)  # plain decoding's cost fresh: no plain trial either
     ctl._cost_trial(["r"], 0.1)  # nothing fresh yet: no lower bound, no trial
     assert ctl.current == 16 and ctl.cost_trials == 0
     ctl.observe_step(1, 16, 1.9)  # 16 fresh; 4 and 8 stale but no fresh cost below them

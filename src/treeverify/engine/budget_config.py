@@ -30,6 +30,10 @@ class ControllerConfig:
     # replay lost 8-12% to dips that held requests at 0 without it, docs/ddtree.md)
     plain_margin: float = 1.0  # plain decoding must beat the rounds by this fraction / sqrt(n
     # requests) to be chosen (a dip in bursty acceptance is weak evidence; plain measures none) ...
+    stale_plain_floor: float = 0.5  # a stale plain cost may be overstated down to this
+    # fraction of itself: when plain decoding at that cost would beat the rounds, a plain
+    # trial (a few plain steps, then back) measures it (a stall while calibrating held a CPU
+    # engine in rounds on text no drafter predicts at 0.66x plain; docs/ddtree.md)
     plain_halflife: float = 16.0  # ... halving every this many decisions plain keeps winning,
     # down to switch_margin (CPU replay over 3 trace sets: docs/ddtree.md, "Leaving the rounds")
 
@@ -52,6 +56,8 @@ class ControllerConfig:
             raise ValueError("accept_evidence, accept_optimism: expected >= 0")
         if self.plain_margin < 0:
             raise ValueError(f"plain_margin: expected >= 0, got {self.plain_margin}")
+        if not 0.0 < self.stale_plain_floor <= 1.0:
+            raise ValueError(f"stale_plain_floor: expected in (0, 1], got {self.stale_plain_floor}")
         if self.plain_halflife <= 0:
             raise ValueError(f"plain_halflife: expected > 0, got {self.plain_halflife}")
         if not 0.0 < self.plain_decay <= 1.0:

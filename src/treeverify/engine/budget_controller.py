@@ -75,6 +75,12 @@ MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are fo
 # Cost and acceptance trials are looked for every this many decisions: a search costs ~5 us
 # of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
 TRIAL_CHECK_EVERY = 4
+# A plain trial's steps: on a GPU the first takes the round launched ahead and the second is
+# read first, so four steady steps measure plain decoding (a majority of a cost window of 9
+# holding one calibrated sample).
+PLAIN_TRIAL_STEPS = 6
+PLAIN_TRIAL_CONFIRMED = 0.15  # a trial within this fraction of the estimate confirmed it ...
+PLAIN_TRIAL_MAX_GAP = 16  # ... and doubles the gap to the next, up to this x cost_fresh_steps
 
 
 def budget_buckets(max_budget: int, smallest: int = 4) -> tuple[int, ...]:
@@ -121,6 +127,18 @@ class DecayedMean:
 
 
 @dataclass
+class _PlainTrial:
+    """A plain trial under way: plain steps left, the batch size and plain's estimate it
+    started from, and the decision state it resumes (the trial only measures)."""
+
+    left: int
+    n: int
+    before: float
+    since_switch: int
+    pending: tuple[int, int] | None
+
+
+@dataclass
 class _Request:
     curve: dict[int, DecayedMean] = field(default_factory=dict)
     tried_up: set[int] = field(default_factory=set)  # buckets of its acceptance trials
@@ -144,6 +162,10 @@ class BudgetController:
         self.cost.mark_stale()
         self.step_index = 0  # decisions made: the clock of cost freshness
         self._tried: dict[tuple[int, int], int] = {}  # (n, budget) -> step of its cost trial
+        # a plain trial under way (_PlainTrial); per batch size the steps between plain trials
+        # (doubling while they confirm the estimate)
+        self._plain_trial: _PlainTrial | None = None
+        self._plain_trial_gap: dict[int, float] = {}
         self.cost_trials = 0
         self.accept_trials = 0
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
@@ -228,6 +250,8 @@ class BudgetController:
         self.step_index += 1
         if self.pinned is not None:
             return self._count(self.pinned)
+        if self._plain_trial is not None and self._plain_trial_step():
+            return self._count(0)
         rates = {b: self.rate(request_ids, b) for b in self.buckets}
         known = {b: r for b, r in rates.items() if r is not None}
         cur = self.current
@@ -349,6 +373,48 @@ class BudgetController:
                     self.switches += 1
                     self.cost_trials += 1
                     return
+        self._maybe_plain_trial(n, bar)
+
+    def _maybe_plain_trial(self, n: int, bar: float) -> None:
+        """Plain decoding's cost bounds nothing (another path), so only plain steps refresh it:
+        a calibration during a stall overstated it and held a CPU engine in rounds on text no
+        drafter predicts (0.66x plain). When its stale cost at `stale_plain_floor` of itself
+        would beat the rounds' rate (`bar`: the switch margin included), PLAIN_TRIAL_STEPS plain
+        steps measure it and the controller goes back; the usual rule decides on the fresh
+        cost. At most one per `cost_fresh_steps` per batch size, the gap doubling after each
+        trial that confirmed the estimate (predictable text pays ~0.5% for the first)."""
+        now, fresh = self.step_index, self.cfg.cost_fresh_steps
+        gap = self._plain_trial_gap.get(n, float(fresh))
+        if not self.current or self.cost.frozen or self.cost.is_fresh(n, 0, now, fresh):
+            return  # frozen: a given cost table (tests, replays) is never re-measured
+        if now - self._tried.get((n, 0), -gap - 1) <= gap:
+            return
+        est = self.cost.estimate(n, 0)
+        if est and n / (self.cfg.stale_plain_floor * est) > bar:
+            self._tried[(n, 0)] = now
+            self._plain_trial = _PlainTrial(PLAIN_TRIAL_STEPS, n, est, self.since_switch,
+                                            self._pending)  # fmt: skip
+            self.cost_trials += 1
+
+    def _plain_trial_step(self) -> bool:
+        """One step of a plain trial (True: run it plainly). At its end the decision state is
+        as the trial found it (the current bucket never changed; its dwell and a pending
+        switch resume), and the gap to the next trial doubles when the fresh cost confirmed
+        the estimate. A trial that moved the controller (a dwell back at the bucket, a
+        confirmed switch lost) cost one replayed prose row 5% at accurate costs."""
+        t = self._plain_trial
+        if t.left > 0:
+            t.left -= 1
+            return True
+        self._plain_trial = None
+        after = self.cost.estimate(t.n, 0) or t.before
+        fresh = float(self.cfg.cost_fresh_steps)
+        gap = self._plain_trial_gap.get(t.n, fresh)
+        confirmed = abs(after - t.before) <= PLAIN_TRIAL_CONFIRMED * t.before
+        longer = min(2 * gap, PLAIN_TRIAL_MAX_GAP * fresh)
+        self._plain_trial_gap[t.n] = longer if confirmed else fresh
+        self.since_switch, self._pending = t.since_switch, t.pending
+        return False
 
     def _accept_trial(self, request_ids: list[str], cur_rate: float) -> None:
         """While the controller stays below a bucket, only the rare probes measure that bucket's
