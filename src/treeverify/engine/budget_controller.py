@@ -53,7 +53,10 @@ calibrated budget 16 (0.52 ms) kept the controller at 8 (0.43) while a fixed 16 
 budget's cost is at least the fresh cost of any smaller budget (a larger tree is never
 cheaper), so when that lower bound, in place of the stale cost, would beat the current rate by
 the switch margin, the controller moves there for a dwell (a "cost trial"), which measures it;
-each (batch size, budget) at most once per `cost_fresh_steps` steps.
+each (batch size, budget) at most once per `cost_fresh_steps` steps. Plain decoding's cost
+bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win,
+a "plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
+during a stall held a CPU engine in rounds on unpredictable text at 0.63x plain).
 
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
@@ -528,5 +531,7 @@ class BudgetController:
             # leave the rounds), and the knobs in force: what a 3 a.m. reader needs to explain
             # a budget
             "plain_ahead_decisions": self._plain_wins,
+            # decisions between plain trials, by batch size (doubling while they confirm)
+            "plain_trial_gaps": {str(n): int(g) for n, g in sorted(self._plain_trial_gap.items())},
             "config": dataclasses.asdict(self.cfg),
         }
