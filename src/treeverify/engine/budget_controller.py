@@ -82,6 +82,7 @@ TRIAL_CHECK_EVERY = 4
 # read first, so four steady steps measure plain decoding (a majority of a cost window of 9
 # holding one calibrated sample).
 PLAIN_TRIAL_STEPS = 6
+FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (plain_decay each)
 PLAIN_TRIAL_CONFIRMED = 0.15  # a trial within this fraction of the estimate confirmed it ...
 PLAIN_TRIAL_MAX_GAP = 16  # ... and doubles the gap to the next, up to this x cost_fresh_steps
 
@@ -185,6 +186,7 @@ class BudgetController:
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
         self._plain_wins = 0
         self._plain_probes = 0  # probes made from plain decoding (hybrid alternates their target)
+        self._plain_unfaded = 0  # plain steps since the last fade
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
         self.explorations = 0
@@ -277,7 +279,10 @@ class BudgetController:
             self._plain_probes += self.current == 0
             return self._count(up)  # one step at the probe's budget; `current` stays
         if self.current == 0 and self.cfg.plain_decay < 1.0:
-            self._fade(request_ids)
+            self._plain_unfaded += 1
+            if self._plain_unfaded >= FADE_EVERY:
+                self._fade(request_ids, self.cfg.plain_decay**self._plain_unfaded)
+                self._plain_unfaded = 0
         return self._count(self.current)
 
     def _probe_target(self, rates: dict[int, float | None]) -> int | None:
@@ -300,11 +305,13 @@ class BudgetController:
             return max(known, key=lambda b: (known[b], -b))
         return self.buckets[i + 1]
 
-    def _fade(self, request_ids: list[str]) -> None:
+    def _fade(self, request_ids: list[str], d: float) -> None:
         """A plain step measures no acceptance: the requests' own estimates lose weight
         (`plain_decay` a step) toward the engine-wide curve, so a dip that sent a request to
-        plain decoding does not hold it there once the engine's recent rounds say otherwise."""
-        d = self.cfg.plain_decay
+        plain decoding does not hold it there once the engine's recent rounds say otherwise.
+        Applied every FADE_EVERY plain steps (d = plain_decay ** steps): each fade voids the
+        rates' cached sums, which a plain step then recomputed in full (~2/3 of its decision's
+        Python at 8 requests)."""
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
