@@ -7,10 +7,16 @@ at one budget) observes its true cost."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from test_budget_controller import path_for
-from treeverify.engine.budget_controller import BudgetController, ControllerConfig
+from treeverify.engine.budget_controller import (
+    PLAIN_TRIAL_STEPS,
+    BudgetController,
+    ControllerConfig,
+)
 from treeverify.engine.budget_costs import CostModel
 
 BUCKETS = (0, 4, 8, 16)
@@ -103,20 +109,44 @@ def test_a_plain_trial_only_measures_and_confirmed_trials_come_less_often():
     within the 2x a stale plain cost may be off) each trial is PLAIN_TRIAL_STEPS plain steps,
     after which the controller is back at its bucket; each trial confirms the cost, so the gap
     to the next doubles (100, 200, 400, ...); where rounds win by more than 2x, no trial."""
-    from treeverify.engine.budget_controller import PLAIN_TRIAL_STEPS
-
     ctl = calibrated(min_dwell=4, cost_fresh_steps=100, cost_trials=True)
     chosen = serve(ctl, CALIBRATED, 1600, {4: 1, 8: 1, 16: 1})
     starts = plain_trials(chosen)
     assert len(starts) >= 3
     runs = [next(k for k, b in enumerate(chosen[i:]) if b) for i in starts]  # plain steps
     assert runs == [PLAIN_TRIAL_STEPS] * len(starts)
+    # back where it was: the bucket before the trial is the one after it
+    assert all(chosen[i - 1] == chosen[i + PLAIN_TRIAL_STEPS] for i in starts), starts
+    # an acceptance trial at 8 keeps its dwell (min_dwell 4): none starts beside a plain trial,
+    # whose restored state would judge it after one round
+    # (a later single step at 8 is the exploration probe due every 1000 steps)
+    runs_at_8 = [len(list(g)) for b, g in itertools.groupby(chosen) if b == 8]
+    assert runs_at_8 and runs_at_8[0] >= 4, runs_at_8
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert all(g2 >= 1.8 * g1 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
     assert ctl.cost.estimate(1, 0) == pytest.approx(1.0)
     busy = calibrated(min_dwell=4, cost_fresh_steps=100)
     chosen = serve(busy, CALIBRATED, 600)  # ACCEPTED: 8 runs 3 per 1.3, > 2x plain
     assert plain_trials(chosen) == []
+
+
+def test_a_plain_trial_resumes_the_decision_state_and_an_unmeasured_one_is_not_judged():
+    """A trial restores the dwell and pending switch it found, starts no acceptance trial
+    beside it (whose dwell the restore would cut to one round), and when none of its steps was
+    measured (prefills came, the batch size changed) the gap to the next stays as it was."""
+    ctl = calibrated({**CALIBRATED, 0: 2.0}, min_dwell=4)
+    ctl.current, ctl.since_switch = 4, 9
+    ctl.observe_round("r", 16, path_for(NOTHING, 16))  # every bucket's gain measured: 0
+    ctl.observe_step(1, 4, 1.3)  # 4 fresh: the rate a plain trial is weighed against
+    ctl.step_index = 3  # the next decision is a trial check (every 4th)
+    assert ctl.choose(["r"]) == 4 and ctl._plain_trial is not None
+    assert ctl._trial_from is None  # no acceptance trial started beside it
+    chosen = [ctl.choose(["r"]) for _ in range(PLAIN_TRIAL_STEPS)]  # no step observed
+    assert chosen == [0] * PLAIN_TRIAL_STEPS and ctl.current == 4
+    ctl.choose(["r"])  # the trial ends: state restored (and this decision counted)
+    assert ctl._plain_trial is None and ctl.since_switch == 10  # 9 restored, +1 this decision
+    assert 1 not in ctl._plain_trial_gap  # nothing measured: not judged
+    assert ctl.cost.estimate(1, 0) == pytest.approx(2.0)
 
 
 def test_no_trial_without_a_fresh_smaller_cost_nor_for_a_fresh_bucket():

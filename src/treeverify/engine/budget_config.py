@@ -19,7 +19,8 @@ class ControllerConfig:
     # bucket up ("hybrid"); always the largest ("top"), or always one up ("up")
     explore_every: int = 16  # steps between probes below the largest bucket ...
     explore_max: int = 256  # ... backing off to at most this many while probes change nothing
-    cost_trials: bool = True  # try a budget whose stale cost hides a better rate (False: A/B)
+    cost_trials: bool = True  # try a budget whose stale cost hides a better rate, plain
+    # decoding's included (plain trials, stale_plain_floor); False: neither (A/B)
     cost_fresh_steps: int = 256  # a cost measured this many steps ago or less is fresh; a cost
     # trial per (batch size, budget) at most once per this many steps
     accept_trials: bool = True  # a dwell one bucket up when its gain lacks evidence (False: A/B)

@@ -140,6 +140,7 @@ class _PlainTrial:
     before: float
     since_switch: int
     pending: tuple[int, int] | None
+    started: int  # the decision it started at (a cost seen after it was measured by it)
 
 
 @dataclass
@@ -267,7 +268,9 @@ class BudgetController:
             self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
             if self.current == cur:
                 self._cost_trial(request_ids, rates[cur])
-            if self.current == cur:
+            if self.current == cur and self._plain_trial is None:  # one trial at a time: a
+                # plain trial restores the dwell it found, which would cut an acceptance
+                # trial's dwell to one round
                 self._accept_trial(request_ids, rates[cur])
         self.since_switch += 1
         self.since_explore += 1
@@ -283,6 +286,8 @@ class BudgetController:
             if self._plain_unfaded >= FADE_EVERY:
                 self._fade(request_ids, self.cfg.plain_decay**self._plain_unfaded)
                 self._plain_unfaded = 0
+        elif self.current:  # a stretch at plain ended: its last steps' fade is dropped, not
+            self._plain_unfaded = 0  # applied later over the rounds' newer acceptance
         return self._count(self.current)
 
     def _probe_target(self, rates: dict[int, float | None]) -> int | None:
@@ -403,7 +408,7 @@ class BudgetController:
         if est and n / (self.cfg.stale_plain_floor * est) > bar:
             self._tried[(n, 0)] = now
             self._plain_trial = _PlainTrial(PLAIN_TRIAL_STEPS, n, est, self.since_switch,
-                                            self._pending)  # fmt: skip
+                                            self._pending, now)  # fmt: skip
             self.cost_trials += 1
 
     def _plain_trial_step(self) -> bool:
@@ -417,12 +422,14 @@ class BudgetController:
             t.left -= 1
             return True
         self._plain_trial = None
-        after = self.cost.estimate(t.n, 0) or t.before
         fresh = float(self.cfg.cost_fresh_steps)
         gap = self._plain_trial_gap.get(t.n, fresh)
-        confirmed = abs(after - t.before) <= PLAIN_TRIAL_CONFIRMED * t.before
-        longer = min(2 * gap, PLAIN_TRIAL_MAX_GAP * fresh)
-        self._plain_trial_gap[t.n] = longer if confirmed else fresh
+        if self.cost.seen_at.get((t.n, 0), -1) > t.started:  # measured (not: prefills came,
+            # the batch size changed, no step was steady): judged; else the gap stays
+            after = self.cost.estimate(t.n, 0) or t.before
+            confirmed = abs(after - t.before) <= PLAIN_TRIAL_CONFIRMED * t.before
+            longer = min(2 * gap, PLAIN_TRIAL_MAX_GAP * fresh)
+            self._plain_trial_gap[t.n] = longer if confirmed else fresh
         self.since_switch, self._pending = t.since_switch, t.pending
         return False
 
