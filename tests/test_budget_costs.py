@@ -13,6 +13,7 @@ import pytest
 
 from test_budget_controller import path_for
 from treeverify.engine.budget_controller import (
+    PLAIN_TRIAL_PATIENCE,
     PLAIN_TRIAL_STEPS,
     BudgetController,
     ControllerConfig,
@@ -138,7 +139,11 @@ def test_a_plain_trial_resumes_the_decision_state_and_an_unmeasured_one_is_not_j
     ctl.current, ctl.since_switch = 4, 9
     ctl.observe_round("r", 16, path_for(NOTHING, 16))  # every bucket's gain measured: 0
     ctl.observe_step(1, 4, 1.3)  # 4 fresh: the rate a plain trial is weighed against
-    ctl.step_index = 3  # the next decision is a trial check (every 4th)
+    # the case must hold on PLAIN_TRIAL_PATIENCE trial checks in a row (every 4th decision):
+    # a dip in acceptance passes, a trap stays
+    for _ in range(4 * PLAIN_TRIAL_PATIENCE - 1):
+        assert ctl.choose(["r"]) == 4 and ctl._plain_trial is None
+    ctl.since_switch = 9  # as at the decision that starts it
     assert ctl.choose(["r"]) == 4 and ctl._plain_trial is not None
     assert ctl._trial_from is None  # no acceptance trial started beside it
     chosen = [ctl.choose(["r"]) for _ in range(PLAIN_TRIAL_STEPS)]  # no step observed

@@ -83,6 +83,7 @@ TRIAL_CHECK_EVERY = 4
 # holding one calibrated sample).
 PLAIN_TRIAL_STEPS = 6
 FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (plain_decay each)
+PLAIN_TRIAL_PATIENCE = 4  # trial checks in a row (every 4th decision) the case must hold
 PLAIN_TRIAL_CONFIRMED = 0.15  # a trial within this fraction of the estimate confirmed it ...
 PLAIN_TRIAL_MAX_GAP = 16  # ... and doubles the gap to the next, up to this x cost_fresh_steps
 
@@ -171,6 +172,7 @@ class BudgetController:
         # (doubling while they confirm the estimate)
         self._plain_trial: _PlainTrial | None = None
         self._plain_trial_gap: dict[int, float] = {}
+        self._plain_gate = 0  # trial checks in a row that a plain trial's case held
         self.cost_trials = 0
         self.accept_trials = 0
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
@@ -405,7 +407,12 @@ class BudgetController:
         if now - self._tried.get((n, 0), -gap - 1) <= gap:
             return
         est = self.cost.estimate(n, 0)
-        if est and n / (self.cfg.stale_plain_floor * est) > bar:
+        if not (est and n / (self.cfg.stale_plain_floor * est) > bar):
+            self._plain_gate = 0
+            return
+        self._plain_gate += 1  # checks in a row it held: a dip in acceptance passes, a trap stays
+        if self._plain_gate >= PLAIN_TRIAL_PATIENCE:
+            self._plain_gate = 0
             self._tried[(n, 0)] = now
             self._plain_trial = _PlainTrial(PLAIN_TRIAL_STEPS, n, est, self.since_switch,
                                             self._pending, now)  # fmt: skip
