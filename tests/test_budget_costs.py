@@ -191,3 +191,11 @@ def test_frozen_costs_never_trial():
 def test_bad_freshness_window_is_a_value_error():
     with pytest.raises(ValueError, match="cost_fresh_steps"):
         ControllerConfig(cost_fresh_steps=0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5])
+def test_bad_stale_plain_floor_is_a_value_error_naming_it(bad):
+    with pytest.raises(ValueError, match="stale_plain_floor"):
+        ControllerConfig(stale_plain_floor=bad)
+    with pytest.raises(ValueError, match="stale_plain_floor"):
+        ControllerConfig().with_settings([f"stale_plain_floor={bad}"])
