@@ -56,7 +56,7 @@ the switch margin, the controller moves there for a dwell (a "cost trial"), whic
 each (batch size, budget) at most once per `cost_fresh_steps` steps. Plain decoding's cost
 bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win,
 a "plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
-during a stall held a CPU engine in rounds on unpredictable text at 0.63x plain).
+during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain).
 
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
@@ -395,11 +395,12 @@ class BudgetController:
     def _maybe_plain_trial(self, n: int, bar: float) -> None:
         """Plain decoding's cost bounds nothing (another path), so only plain steps refresh it:
         a calibration during a stall overstated it and held a CPU engine in rounds on text no
-        drafter predicts (0.66x plain). When its stale cost at `stale_plain_floor` of itself
+        drafter predicts (0.64-0.66x plain). When its stale cost at `stale_plain_floor` of itself
         would beat the rounds' rate (`bar`: the switch margin included), PLAIN_TRIAL_STEPS plain
         steps measure it and the controller goes back; the usual rule decides on the fresh
         cost. At most one per `cost_fresh_steps` per batch size, the gap doubling after each
-        trial that confirmed the estimate (predictable text pays ~0.5% for the first)."""
+        trial that confirmed the estimate; the case must hold on PLAIN_TRIAL_PATIENCE checks in
+        a row (a dip in acceptance passes: the replay's predictable rows kept their rates)."""
         now, fresh = self.step_index, self.cfg.cost_fresh_steps
         gap = self._plain_trial_gap.get(n, float(fresh))
         if not self.current or self.cost.frozen or self.cost.is_fresh(n, 0, now, fresh):
