@@ -100,6 +100,11 @@ def speed_texts(args) -> dict[str, tuple[list[str], float]]:
              "prose": (prose_prompts(args.prose, args.n), 0.0)}  # fmt: skip
     if args.sampled:
         texts["prose-sampled"] = (texts["prose"][0], 1.0)
+    if args.texts:  # only these (e.g. prose-sampled alone: a quick A/B)
+        unknown = set(args.texts.split(",")) - set(texts)
+        if unknown:
+            raise SystemExit(f"--texts: unknown {sorted(unknown)}; expected some of {list(texts)}")
+        texts = {k: v for k, v in texts.items() if k in args.texts.split(",")}
     return texts
 
 
@@ -438,6 +443,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="speed: also the prose prompts at temperature 1 (text the drafter cannot predict)",
     )
+    p.add_argument("--texts", default="", help="speed: only these texts, comma list "
+                   "(code, prose, prose-sampled with --sampled); default all")  # fmt: skip
     p.add_argument("--batches", default="1,8")
     p.add_argument(
         "--queue",

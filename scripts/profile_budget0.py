@@ -22,12 +22,13 @@ def main() -> None:
     p.add_argument("--model", default="tiny-code")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     costs = {0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}  # budget 0 always wins: only plain steps run
     spec = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
                 speculative_adaptive=True, speculative_cost_seconds=costs)  # fmt: skip
-    sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=a.temperature, max_tokens=a.tokens, ignore_eos=True, seed=0)
     prompts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(a.batch)]
     for name, kw in (("plain", {}), ("budget0", spec)):
         llm = LLM(a.model, device=dev, num_pages=512, max_num_seqs=a.batch, **kw)

@@ -103,10 +103,25 @@ def test_a_full_engine_with_requests_waiting_still_launches_ahead():
     assert llm.ahead.ahead_used >= 40
 
 
+def test_sampled_steps_are_launched_ahead_with_the_samplers_tokens():
+    """A sampled request beside a greedy one: its steps launched ahead draw on the device what
+    the sampler draws (engine/sample_noise.py's hash of key and position), so the tokens are the
+    general path's, and seeded ones repeat."""
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)]  # fmt: skip
+    want = [o.token_ids for o in _engine().generate(CODE[:2], params)]
+    llm = _engine(decode_lookahead=True)
+    assert [o.token_ids for o in llm.generate(CODE[:2], params)] == want
+    assert llm.ahead.ahead_used > 0
+    greedy = [o.token_ids for o in _engine().generate(CODE[:2], params[0])]
+    assert want[1] != greedy[1]  # it did sample (a seed whose draws leave the argmax)
+
+
 def test_steps_the_lookahead_must_not_take_take_the_general_path():
     params = [
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, top_p=0.9),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, top_k=20),
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5),
     ]

@@ -174,3 +174,59 @@ def test_fused_step_end_equals_the_pytorch_ops_and_the_engine_with_it(monkeypatc
     del fused
     monkeypatch.setenv("TREEVERIFY_FUSED_DECODE_STEP", "0")
     assert got_tokens == [o.token_ids for o in _engine(decode_lookahead=True).generate(prompts, sp)]
+
+
+def test_sampled_picks_compiled_equal_the_pytorch_reference():
+    """engine/pick_kernels.py compiled: greedy and sampled rows of fresh 129k-vocabulary logits
+    pick what the PyTorch reference picks (the same hashed draws; only the Gumbel terms' float
+    rounding may differ, never enough to move a token of random logits), and the sampled step
+    end advances the stage as its PyTorch ops do."""
+    from treeverify.engine.decode_step_end import end_step, end_step_torch
+    from treeverify.engine.pick_kernels import pick_tokens, pick_tokens_torch
+    from treeverify.engine.round_state import RoundState
+    from treeverify.engine.sample_noise import mix
+    from treeverify.engine.step_stage import StepStage
+
+    dev = torch.device("cuda")
+    logits = torch.randn(64, 129280, device=dev) * 2  # (R, V) fp32
+    temps = torch.rand(64, device=dev) * 2  # (R,)
+    temps[::4] = 0  # greedy rows among them
+    keys = torch.tensor([mix(i * 7919 + 1) for i in range(64)], device=dev)
+    positions = torch.randint(0, 30000, (64,), device=dev)
+    got = pick_tokens(logits, temps, keys, positions)
+    assert torch.equal(got, pick_tokens_torch(logits, temps, keys, positions))
+    assert torch.equal(got[::4], logits[::4].argmax(-1))
+    assert (got[1::4] != logits[1::4].argmax(-1)).any()  # sampled rows do sample
+    stages = []
+    for _ in range(2):
+        st = StepStage(4, 1, 1, 8, scratch_slot=12345, device=dev)
+        st.write_decodes([1, 2, 3], [15, 3, 40], [15, 3, 40], [[0, 5], [1], [2, 3, 4]],
+                         [0.0, 0.8, 1.5], [mix(1), mix(2), mix(3)])  # fmt: skip
+        stages.append(st)
+    torch.cuda.synchronize()
+    small = logits[:4].contiguous()  # (4, V)
+    want = end_step_torch(small, stages[0].views, 4, 12345, RoundState(dev, 16), sampled=True)
+    assert torch.equal(end_step(small, stages[1].views, 4, 12345, 16, sampled=True), want)
+    assert torch.equal(stages[1].dev, stages[0].dev)
+
+
+def test_sampled_steps_launched_ahead_equal_the_general_path(monkeypatch):
+    """With the fused step end, sampled plain decodes (seeded, T 0.7 and 1.0, beside a greedy
+    one) are launched ahead inside the captured graph and decode what an engine reading every
+    step first through the sampler decodes; a top-p request still reads first."""
+    monkeypatch.setenv("TREEVERIFY_FUSED_DECODE_STEP", "1")
+    prompts = heldout_prompts(random.Random(12), 3)
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=48, ignore_eos=True)]  # fmt: skip
+    ahead = _engine(decode_lookahead=True)
+    assert ahead.ahead.info["sampled_steps"]
+    got = [o.token_ids for o in ahead.generate(prompts, params)]
+    assert ahead.ahead.ahead_used > 30
+    first = _engine(decode_lookahead=False)
+    assert got == [o.token_ids for o in first.generate(prompts, params)]
+    assert got[1] != [o.token_ids for o in first.generate(prompts[1:2], params[0])][0]
+    nucleus = SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=16, ignore_eos=True)
+    used = ahead.ahead.ahead_used
+    ahead.generate(prompts[:1], nucleus)
+    assert ahead.ahead.ahead_used == used

@@ -54,6 +54,8 @@ from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturi
 from treeverify.engine.decode_step_end import end_step, end_step_torch
 from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
 from treeverify.engine.round_state import RoundState
+from treeverify.engine.sample_noise import request_key
+from treeverify.engine.sampler import unfiltered
 from treeverify.engine.scheduler import ScheduledChunk
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.api import triton_available
@@ -83,6 +85,9 @@ class DecodeAhead(LaunchAhead):
         # the step's end (argmax + advance) in two Triton launches (engine/decode_step_end.py)
         self.fused_end = capture and env.fused_decode_step() and triton_available()
         self.captured = capture
+        # sampled rows too (each drawn on the device by its staged temperature and key): with
+        # the fused end, or eagerly on the CPU; a captured PyTorch end takes greedy steps only
+        self.sampling = self.fused_end or not capture
         self.batch_sizes = sorted(b for b in set(batch_sizes) if not capture
                                   or (b, 1) in graphs.steps)  # fmt: skip
         # per bucket: the graph, its (b,) tokens and its (b, F) tapped hidden states (or None)
@@ -122,8 +127,12 @@ class DecodeAhead(LaunchAhead):
         graphs._unpack(stage, b, 1)
         logits = graphs.forward_rows(b)  # (b, V) fp32
         if self.fused_end:
-            return end_step(logits, v, b, stage.scratch_slot, self.bm.page_size)  # (b,)
-        return end_step_torch(logits, v, b, stage.scratch_slot, self.state)  # (b,)
+            return end_step(
+                logits, v, b, stage.scratch_slot, self.bm.page_size, sampled=self.sampling
+            )  # (b,) fmt: skip
+        return end_step_torch(
+            logits, v, b, stage.scratch_slot, self.state, sampled=self.sampling
+        )  # (b,) fmt: skip
 
     @torch.inference_mode()
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
@@ -194,9 +203,12 @@ class DecodeAhead(LaunchAhead):
             if not ahead:
                 for seq in seqs:
                     self.bm.release_hold(seq)
+            temps = [float(s.sampling_params.temperature) for s in seqs]
+            keys = [request_key(s) for s in seqs] if any(temps) else None
             self._stage(b).write_decodes([c.token_ids[0] for c in chunks], starts,
                                          [c.slots[0] for c in chunks],
-                                         [s.block_table for s in seqs])  # fmt: skip
+                                         [s.block_table for s in seqs], temps if keys else None,
+                                         keys)  # fmt: skip
             now, width, pick = self._launch(b), len(seqs), None
         else:
             fl, pick = taken
@@ -253,6 +265,14 @@ class DecodeAhead(LaunchAhead):
         hidden = getattr(self.graphs.model, "captured", None)  # (b, F) of this forward
         return Launched(tokens.clone(), None, None if hidden is None else hidden.clone())
 
+    def takes(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of these requests' plain decodes can run here as to their sampling
+        (the engine checks logprobs, penalties and logit_bias): greedy, or with `sampling`
+        drawn without top-p / top-k."""
+        if all(s.sampling_params.temperature == 0 for s in seqs):
+            return True
+        return self.sampling and all(unfiltered(s) for s in seqs)
+
     @property
     def info(self) -> dict:
         return {
@@ -264,4 +284,5 @@ class DecodeAhead(LaunchAhead):
             "ahead_discarded": self.ahead_discarded,
             "ahead_partial": self.ahead_partial,
             "fused_step_end": self.fused_end,
+            "sampled_steps": self.sampling,
         }

@@ -1,5 +1,6 @@
-"""The end of a greedy decode step launched ahead (engine/decode_ahead.py): the tokens and the
-advance of the bucket's stage to the next step, in two Triton launches instead of ~7 kernels.
+"""The end of a decode step launched ahead (engine/decode_ahead.py): the tokens (greedy, or each
+row sampled by its staged temperature and draw key) and the advance of the bucket's stage to the
+next step, in two Triton launches instead of ~7 kernels (greedy) or ~25 (sampled).
 
 In PyTorch the step's end is an argmax over the vocabulary (one or two reduction kernels for
 (b, V) logits) and five small kernels of the advance (ids where valid, positions and prefix
@@ -8,8 +9,8 @@ step launched ahead runs ~50 us (vocabularies of 128-129k) / ~20 us (tiny-code's
 than the forward alone (docs/performance.md, thirtieth session); these kernels are suspected.
 Here:
 
-    chunk_argmax   grid (b, ceil(V / CHUNK)): each program the max of one chunk of a row and
-                   its first index
+    chunk_pick     grid (b, ceil(V / CHUNK)): each program the best of one chunk of a row and
+                   its first index (engine/pick_kernels.py; a sampled row's Gumbel-max scores)
     finish         grid (b,): the row's token = the first chunk holding the row's max, its
                    index (so the first index of the max overall, as torch.argmax); then the
                    advance of that row (padding rows, valid 0, keep their inputs and take the
@@ -27,25 +28,13 @@ import functools
 
 import torch
 
-CHUNK = 4096  # logits a program of the first kernel reduces (a power of two)
+from treeverify.engine.pick_kernels import CHUNK, chunk_picks, pick_tokens_torch
 
 
 @functools.cache
 def _kernels():
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def chunk_argmax(L, V, stride, PV, PI, NC, BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        cols = c * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
-        x = tl.load(L + r * stride + cols, mask=cols < V, other=float("-inf"))
-        best = tl.max(x, axis=0)
-        first = tl.min(tl.where(x == best, cols, V), axis=0)  # the first index of the max
-        first = tl.minimum(first, V - 1)  # (a NaN row: some index, never out of range)
-        tl.store(PV + r * NC + c, best)
-        tl.store(PI + r * NC + c, first.to(tl.int64))
 
     @triton.jit
     def finish(PV, PI, NC, Tok, Ids, Pos, Prefix, Valid, Table, Slots, page_size, pages,
@@ -69,24 +58,26 @@ def _kernels():
         slot = page * page_size + (pre % page_size).to(tl.int64)
         tl.store(Slots + r, tl.where(live, slot, scratch))
 
-    return chunk_argmax, finish
+    return finish
 
 
 def end_step(logits: torch.Tensor, v: dict[str, torch.Tensor], b: int, scratch: int,
-             page_size: int, chunk: int = CHUNK) -> torch.Tensor:  # fmt: skip
-    """The (b,) greedy tokens of `logits` (b, V) fp32, and the stage twin `v` (StepStage.views)
+             page_size: int, chunk: int = CHUNK,
+             sampled: bool = False) -> torch.Tensor:  # fmt: skip
+    """The (b,) tokens of `logits` (b, V) fp32 (greedy; with `sampled` each row by its staged
+    temperature and draw key: engine/pick_kernels.py), and the stage twin `v` (StepStage.views)
     advanced in place to the next step (ids, positions, prefix lengths, slots of rows 0..b-1).
     Capture-safe (its workspace comes from the allocator: the graph's pool when captured)."""
     n, vocab = logits.shape
     if n != b or logits.stride(1) != 1:
         raise ValueError(f"logits: expected ({b}, V) with unit column stride, got "
                          f"{tuple(logits.shape)} strides {logits.stride()}")  # fmt: skip
-    chunk_argmax, finish = _kernels()
-    nc = -(-vocab // chunk)
-    part_v = torch.empty(b, nc, dtype=torch.float32, device=logits.device)  # (b, nc)
-    part_i = torch.empty(b, nc, dtype=torch.int64, device=logits.device)  # (b, nc)
+    finish = _kernels()
+    # the drawn token sits one past the input's position (v["pos"] before the advance)
+    picks = (v["temp"], v["key"], v["pos"]) if sampled else (None, None, None)
+    part_v, part_i = chunk_picks(logits, *picks, pos_offset=1, chunk=chunk)  # (b, nc) each
+    nc = part_v.shape[1]
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)  # (b,)
-    chunk_argmax[(b, nc)](logits, vocab, logits.stride(0), part_v, part_i, nc, BLOCK=chunk)
     table = v["table"]  # (P, B) int32, pages-major
     finish[(b,)](part_v, part_i, nc, tokens, v["ids"], v["pos"], v["prefix"], v["valid"], table,
                  v["slots"], page_size, table.shape[0], table.stride(0), scratch,
@@ -95,10 +86,13 @@ def end_step(logits: torch.Tensor, v: dict[str, torch.Tensor], b: int, scratch: 
 
 
 def end_step_torch(logits: torch.Tensor, v: dict[str, torch.Tensor], b: int, scratch: int,
-                   state) -> torch.Tensor:  # fmt: skip
-    """The same in PyTorch ops (the reference, and the default): argmax, then the advance;
+                   state, sampled: bool = False) -> torch.Tensor:  # fmt: skip
+    """The same in PyTorch ops (the reference, and the default): the tokens, then the advance;
     `state` an engine/round_state.RoundState (its node-slot lookup)."""
-    tokens = logits.argmax(-1)  # (b,) int64, the sampler's greedy choice
+    if sampled:  # each row by its staged temperature and key, at the next position
+        tokens = pick_tokens_torch(logits, v["temp"][:b], v["key"][:b], v["pos"][:b] + 1)
+    else:
+        tokens = logits.argmax(-1)  # (b,) int64, the sampler's greedy choice
     valid = v["valid"][:b]  # (b,) int32: padding rows stay as they were
     ids = v["ids"][:b]  # (b,) int64
     ids.copy_(torch.where(valid != 0, tokens, ids))

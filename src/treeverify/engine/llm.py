@@ -336,7 +336,7 @@ class LLM(SpeculativeSteps, Introspection):
         if ahead is None or not chunks:
             return None
         seqs = [c.seq for c in chunks]
-        if not self._device_greedy(seqs):  # engine/spec_step.py
+        if not self._device_picks(seqs) or not ahead.takes(seqs):  # engine/spec_step.py
             return None
         go_on = not self.scheduler.may_admit() and not any(c.samples for c in batch.prefills)
         if go_on and self.controller is not None:  # the next step's budget, chosen now

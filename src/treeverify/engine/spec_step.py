@@ -79,10 +79,15 @@ class SpeculativeSteps:
         return None, tb
 
     def _device_greedy(self, seqs: list[Sequence]) -> bool:
-        """Whether the device alone can pick these sequences' tokens (a whole round, a plain
-        step launched ahead): greedy, no logprobs, no penalties or logit_bias."""
+        """Whether the device alone can pick these sequences' round tokens (a whole round):
+        greedy, no logprobs, no penalties or logit_bias."""
+        return self._device_picks(seqs) and all(s.sampling_params.temperature == 0 for s in seqs)
+
+    def _device_picks(self, seqs: list[Sequence]) -> bool:
+        """Whether a step's tokens need nothing but the logits (a plain step launched ahead,
+        greedy or sampled: DecodeAhead.takes): no logprobs, no penalties or logit_bias."""
         return not self.processor.needed(seqs) and all(
-            s.sampling_params.temperature == 0 and s.sampling_params.logprobs is None for s in seqs
+            s.sampling_params.logprobs is None for s in seqs
         )
 
     def _controller_budget(self, seqs: list[Sequence]) -> int:

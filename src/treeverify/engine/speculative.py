@@ -32,7 +32,8 @@ from treeverify.engine.config import tree_nodes
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
-from treeverify.engine.sampler import TokenLogprobs, filters, position_noise, token_logprobs
+from treeverify.engine.sample_noise import position_noise
+from treeverify.engine.sampler import TokenLogprobs, filters, token_logprobs
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.staging import to_device
 from treeverify.spec import (

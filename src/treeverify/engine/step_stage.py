@@ -8,8 +8,13 @@ them with numpy into one pinned buffer, one non-blocking copy moves it to the de
 the bucket's captured graph begins by unpacking the twin into the fixed buffers (copy kernels
 inside the graph, no host cost):
 
-    int64  ids (R) | positions (R) | slots (R)                                R = B * n rows
-    int32  prefix lens (B) | qo_indptr (B+1) | valid (R) | mask (R, words) | page table^T (P, B)
+    int64  ids (R) | positions (R) | slots (R) | draw keys (R)                 R = B * n rows
+    int32  prefix lens (B) | qo_indptr (B+1) | valid (R) | temperature (R, fp32 bits) |
+           mask (R, words) | page table^T (P, B)
+
+Temperatures and draw keys (engine/sample_noise.py's K) are read only by a sampled decode step
+launched ahead (engine/decode_ahead.py), whose step end draws each row's token on the device;
+every other write leaves them 0 (greedy).
 
 The page table is stored transposed so that the pages in use, the first w of P, are a prefix of
 the buffer: the copy stops there. Rows of the table past w keep stale page ids, which no kernel
@@ -32,11 +37,12 @@ class StepStage:
         self.batch, self.n, self.words, self.pages = batch, n, words, pages
         self.rows = rows = batch * n
         self.scratch_slot = scratch_slot
-        self._n64 = 3 * rows  # int64 values, stored as 2 int32 each
+        self._n64 = 4 * rows  # int64 values, stored as 2 int32 each
         self._o32 = {}  # int32 offsets (past the int64 part)
         off = 2 * self._n64
         for name, size in (("prefix", batch), ("qo", batch + 1), ("valid", rows),
-                           ("mask", rows * words), ("table", pages * batch)):  # fmt: skip
+                           ("temp", rows), ("mask", rows * words),
+                           ("table", pages * batch)):  # fmt: skip
             self._o32[name] = (off, off + size)
             off += size
         self.size = off
@@ -54,8 +60,10 @@ class StepStage:
         r = self.rows
         h64 = h[: 2 * self._n64].view(np.int64)
         self.h_ids, self.h_pos, self.h_slots = h64[:r], h64[r : 2 * r], h64[2 * r : 3 * r]
+        self.h_key = h64[3 * r : 4 * r]
         part = {k: h[a:b] for k, (a, b) in self._o32.items()}
         self.h_prefix, self.h_qo, self.h_valid = part["prefix"], part["qo"], part["valid"]
+        self.h_temp = part["temp"].view(np.float32)
         self.h_mask = part["mask"].reshape(r, self.words)  # (R, words)
         self.h_table = part["table"].reshape(self.pages, self.batch)  # (P, B) transposed
 
@@ -66,7 +74,9 @@ class StepStage:
         part = {k: d[a:b] for k, (a, b) in self._o32.items()}
         return {
             "ids": d64[:r], "pos": d64[r : 2 * r], "slots": d64[2 * r : 3 * r],
+            "key": d64[3 * r : 4 * r],
             "prefix": part["prefix"], "qo": part["qo"], "valid": part["valid"],
+            "temp": part["temp"].view(torch.float32),
             "mask": part["mask"].view(r, self.words),  # (R, words)
             "table": part["table"].view(self.pages, self.batch),  # (P, B)
         }  # fmt: skip
@@ -92,6 +102,8 @@ class StepStage:
         self.h_qo[b + 1 :] = b * n
         self.h_valid[: b * n] = 1
         self.h_valid[b * n :] = 0
+        self.h_temp[:] = 0  # greedy unless a sampled decode step says otherwise
+        self.h_key[:] = 0
         return w
 
     def _write_table(self, block_tables: list[list[int]]) -> int:
@@ -107,11 +119,15 @@ class StepStage:
         return w
 
     def write_decodes(self, tokens: list[int], starts: list[int], slots: list[int],
-                      block_tables: list[list[int]]) -> None:  # fmt: skip
-        """b plain decodes (n = 1): token, position (= its prefix length), slot, pages."""
+                      block_tables: list[list[int]], temps: list[float] | None = None,
+                      keys: list[int] | None = None) -> None:  # fmt: skip
+        """b plain decodes (n = 1): token, position (= its prefix length), slot, pages; for a
+        sampled step launched ahead each row's temperature (0: greedy) and draw key."""
         self._fresh_if_busy()
         b = len(tokens)
         w = self._write_common(block_tables, starts, 1)
+        if temps is not None:
+            self.h_temp[:b], self.h_key[:b] = temps, keys
         self.h_ids[:b], self.h_pos[:b], self.h_slots[:b] = tokens, starts, slots
         self.h_ids[b:], self.h_pos[b:], self.h_slots[b:] = 0, 0, self.scratch_slot
         self.h_mask[:b, 0] = 1  # a decode row sees itself (bit 0)
