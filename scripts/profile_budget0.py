@@ -23,14 +23,25 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ngram", action="store_true", help="the n-gram drafter, not the model's own")
+    p.add_argument(
+        "--lookahead",
+        action="store_true",
+        help="decode steps launched ahead on the CPU too (eager; a GPU's default)",
+    )
+    p.add_argument("--top", type=int, default=18, help="functions shown, by own time")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     costs = {0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}  # budget 0 always wins: only plain steps run
     spec = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
                 speculative_adaptive=True, speculative_cost_seconds=costs)  # fmt: skip
+    if a.ngram:
+        spec["speculative_draft_model_path"] = "ngram"
     sp = SamplingParams(temperature=a.temperature, max_tokens=a.tokens, ignore_eos=True, seed=0)
     prompts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(a.batch)]
     for name, kw in (("plain", {}), ("budget0", spec)):
+        if a.lookahead:
+            kw = {**kw, "decode_lookahead": True}
         llm = LLM(a.model, device=dev, num_pages=512, max_num_seqs=a.batch, **kw)
         llm.generate(prompts, sp)
         prof = cProfile.Profile()
@@ -40,7 +51,7 @@ def main() -> None:
         prof.disable()
         dt = time.perf_counter() - t0
         print(f"== {name}: {dt:.3f} s, {a.batch * a.tokens / dt:.0f} tok/s")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
         del llm
 
 

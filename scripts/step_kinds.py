@@ -1,0 +1,121 @@
+"""Where an engine's wall time goes, by kind of step: prefill steps, plain steps taken from the
+step launched ahead (steady), plain steps read first, speculative rounds. bench_pair's tokens/s
+is the sum; this splits it, for plain decoding and the adaptive DDTREE engines (DFlash and n-gram)
+side by side, so a per-step or per-request loss shows where it is.
+
+    PYTHONPATH=src python3 scripts/step_kinds.py [--batch 1] [--temperature 1] --json P.json
+
+Host clock around each engine step (no sync inside: a sync would undo the overlap); the device
+is synchronized before and after each pass. Prompts: bench_pair's prose (the speed texts').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pair import PROSE, free, prose_prompts  # noqa: E402
+
+from treeverify.bench.kernel import _git_commit  # noqa: E402
+from treeverify.engine.llm import LLM  # noqa: E402
+from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
+
+CONFIGS = {
+    "none": {},
+    "DDTREE(dflash) adaptive<=64": dict(speculative_algorithm="DDTREE",
+                                        speculative_ddtree_budget=64),
+    "DDTREE(ngram) adaptive<=64": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=64,
+                                       speculative_draft_model_path="ngram"),
+}  # fmt: skip
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingParams]) -> dict:
+    """Every prompt, `batch` at a time; per step kind: (steps, seconds)."""
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    seen = {}
+    run_batch = llm.run_batch
+
+    def spy(b):
+        seen["prefill"] = bool(b.prefills)
+        return run_batch(b)
+
+    llm.run_batch = spy
+    sync()
+    t_all = time.perf_counter()
+    try:
+        for i in range(0, len(prompts), batch):
+            for p, sp in zip(prompts[i : i + batch], params[i : i + batch], strict=True):
+                llm.add_request(p, sp)
+            while llm.has_unfinished():
+                t0 = time.perf_counter()
+                llm.step()
+                dt = time.perf_counter() - t0
+                if seen.get("prefill"):
+                    kind = "prefill"
+                elif llm.last_budget:
+                    kind = f"round b={llm.last_budget}"
+                else:
+                    kind = "plain steady" if llm._step_steady and llm.ahead and llm.ahead.steady \
+                        else "plain read-first"  # fmt: skip
+                kinds[kind][0] += 1
+                kinds[kind][1] += dt
+        sync()
+    finally:
+        del llm.run_batch
+    total = time.perf_counter() - t_all
+    kinds["(outside steps)"] = [0, total - sum(v[1] for v in kinds.values())]
+    return {"seconds": total, "kinds": {k: v for k, v in kinds.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="tiny-code")
+    ap.add_argument("--prose", type=Path, default=PROSE)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeat", type=int, default=3, help="passes; the last one is reported")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    prompts = prose_prompts(args.prose, args.n)
+    params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.tokens,
+                             ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for name, kw in CONFIGS.items():
+        llm = LLM(args.target, device=dev, max_num_seqs=args.batch, num_pages=512, **kw)
+        for _ in range(args.repeat):
+            res = run_pass(llm, prompts, args.batch, params)
+        tokens = len(prompts) * args.tokens
+        rows.append({"config": name, "tokens_per_s": round(tokens / res["seconds"], 1)} | res)
+        print(f"--- {name}: {res['seconds'] * 1e3:.1f} ms, {tokens / res['seconds']:.0f} tok/s")
+        for kind, (n, s) in sorted(res["kinds"].items(), key=lambda kv: -kv[1][1]):
+            per = f"{1e6 * s / n:8.1f} us each" if n else ""
+            print(f"      {kind:24s} {n:6d} steps {1e3 * s:9.2f} ms {per}")
+        free(llm)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "commit": _git_commit(),
+            "command": "scripts/step_kinds.py " + " ".join(argv or sys.argv[1:]),
+            "rows": rows}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
