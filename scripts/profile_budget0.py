@@ -29,6 +29,11 @@ def main() -> None:
         action="store_true",
         help="decode steps launched ahead on the CPU too (eager; a GPU's default)",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="torch.profiler (host ops and GPU kernels) instead of cProfile",
+    )
     p.add_argument("--top", type=int, default=18, help="functions shown, by own time")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,15 +49,42 @@ def main() -> None:
             kw = {**kw, "decode_lookahead": True}
         llm = LLM(a.model, device=dev, num_pages=512, max_num_seqs=a.batch, **kw)
         llm.generate(prompts, sp)
-        prof = cProfile.Profile()
         t0 = time.perf_counter()
-        prof.enable()
-        llm.generate(prompts, sp)
-        prof.disable()
+        llm.generate(prompts, sp)  # timed alone: no profiler
         dt = time.perf_counter() - t0
         print(f"== {name}: {dt:.3f} s, {a.batch * a.tokens / dt:.0f} tok/s")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+        if a.trace:
+            trace(llm, prompts, sp, a.top, a.tokens)
+        else:
+            prof = cProfile.Profile()
+            prof.enable()
+            llm.generate(prompts, sp)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
         del llm
+
+
+def trace(llm: LLM, prompts: list[str], sp: SamplingParams, top: int, steps: int) -> None:
+    """torch.profiler over one more pass: host ops by own time, GPU kernels by time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        llm.generate(prompts, sp)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ev = prof.key_averages()
+    print(f"  host ops by own time, per step ({steps} steps):")
+    for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]:
+        print(f"    {e.self_cpu_time_total / steps:9.1f} us {e.count / steps:6.2f}x {e.key[:90]}")
+    gpu = [e for e in ev if e.device_type.name == "CUDA"]
+    print(
+        f"  GPU kernels, per step: {sum(e.count for e in gpu) / steps:.1f} launches, "
+        f"{sum(e.self_device_time_total for e in gpu) / steps:.1f} us"
+    )
+    for e in sorted(gpu, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        us, n = e.self_device_time_total / steps, e.count / steps
+        print(f"    {us:9.1f} us {n:6.2f}x {e.key[:88]}")
 
 
 if __name__ == "__main__":
