@@ -124,7 +124,7 @@ def test_whole_rounds_through_preemption_and_abort(drafter, lookahead):
     Also with the n-gram drafter's token rings (engine/ngram_rings.py), rounds launched ahead."""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [p * 2 for p in CODE]
-    small = dict(num_pages=14, max_num_seqs=4)  # 224 slots: not enough for 3 x (~110 + 40 + 16)
+    small = dict(num_pages=12, max_num_seqs=4)  # 192 slots: not enough for 3 x (~110 + 40 + 16)
     want = [o.token_ids for o in LLM("tiny-code", **small).generate(prompts, sp)]
     llm = LLM("tiny-code", speculative_algorithm="DDTREE", speculative_adaptive=False,
               speculative_draft_model_path=drafter, round_lookahead=lookahead, **small)  # fmt: skip

@@ -4,9 +4,10 @@ A sampled token is the Gumbel-max of its row, `argmax(logits / T - log(-log(u)))
 uniform `u` per vocabulary entry. Every path that picks a sampled token draws the same `u` for
 the same (request, position): the eager sampler (engine/sampler.py), the fused step end of a
 sampled decode step launched ahead (engine/decode_step_end.py) and a speculative round's lossless
-acceptance (a node at depth d draws what plain decoding draws d places on). So a request's draws
-do not depend on its batch neighbours, on speculation or on which path ran, and a seeded request
-is reproducible, on the CPU and on a GPU alike (the hash is integer arithmetic, exact on both).
+acceptance (sampler.draw_nodes: a node at depth d draws what plain decoding draws d places on).
+So a request's draws do not depend on its batch neighbours, on speculation or on which path
+ran, and a seeded request is reproducible, on the CPU and on a GPU alike (the hash is integer
+arithmetic, exact on both).
 
 Until 2026-12-05 each sampled row built a torch.Generator seeded by (seed, position) and drew
 with torch.rand: ~18 small kernels and a generator per row, 0.24 ms a step at b=1 and ~1.9 ms at
@@ -97,10 +98,3 @@ def uniform_noise(seeds: list[int], vocab: int, device: torch.device) -> torch.T
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return uniform_from_seeds(host.to(device, non_blocking=True), vocab)
-
-
-def position_noise(seq: Sequence, count: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """(count, V) draws: row d is what plain decoding draws for the token d places after the
-    sequence's last one (a speculative round gives it to every node at depth d)."""
-    k = request_key(seq)
-    return uniform_noise([row_seed(k, seq.num_tokens + d) for d in range(count)], vocab, device)

@@ -28,13 +28,6 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # the k most likely (token, logprob), best first
 
 
-def filters(seq: Sequence, vocab: int) -> tuple[float, float | None, int | None]:
-    """(temperature, top_p, top_k) as the spec samplers take them (None = off)."""
-    p = seq.sampling_params
-    return (p.temperature, p.top_p if p.top_p < 1 else None,
-            min(p.top_k, vocab) if p.top_k > 0 else None)  # fmt: skip
-
-
 def unfiltered(seq: Sequence) -> bool:
     """Whether a request's draw needs no sort (no top-p, no top-k): the fused pick takes it."""
     p = seq.sampling_params
@@ -64,27 +57,47 @@ def sample(
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """(N,) tokens of a step with sampled rows (greedy rows, temperature 0, their argmax)."""
-    n, vocab = logits.shape
+    return draw_nodes(logits[:, None, :], None, 0, seqs)[:, 0]
+
+
+def draw_nodes(logits: torch.Tensor, depths: torch.Tensor | None, max_depth: int,
+               seqs: list[Sequence]) -> torch.Tensor:  # fmt: skip
+    """(B, T) draws for logits (B, T, V): each node of sequence b at depth d = depths[b, t] (<=
+    max_depth; None: one node a sequence, depth 0) draws what plain decoding draws for the token
+    d places after the sequence's last one, so a round's committed tokens are plain sampled
+    decoding's whatever the tree (its path holds one node per depth). Greedy sequences: their
+    argmax. On the device, no sync."""
+    b, t, vocab = logits.shape
     dev = logits.device
     temps = [float(s.sampling_params.temperature) for s in seqs]
-    keys = [request_key(s) for s in seqs]
-    positions = [s.num_tokens for s in seqs]  # each row draws its next token
+    keys = [request_key(s) if temp > 0 else 0 for s, temp in zip(seqs, temps, strict=True)]
+    base = [s.num_tokens for s in seqs]  # the position a depth-0 node draws for
     if dev.type == "cuda" and triton_available() and all(unfiltered(s) for s in seqs):
-        params = to_device(torch.tensor([keys, positions], dtype=torch.int64), dev)  # (2, N)
-        return pick_tokens(logits.float().contiguous(), to_device(torch.tensor(temps), dev),
-                           params[0], params[1])  # fmt: skip
-    noise = uniform_noise(
-        [row_seed(k, q) for k, q in zip(keys, positions, strict=True)], vocab, dev
-    )  # (N, V) fmt: skip
+        params = to_device(torch.tensor([keys, base], dtype=torch.int64), dev)  # (2, B)
+        positions = params[1][:, None].expand(b, t)  # (B, T)
+        if depths is not None:
+            positions = positions + depths
+        rows = to_device(torch.tensor(temps), dev).repeat_interleave(t)  # (B*T,)
+        return pick_tokens(
+            logits.float().reshape(b * t, vocab),
+            rows,
+            params[0].repeat_interleave(t),
+            positions.reshape(-1),
+        ).view(b, t)
+    per = max_depth + 1  # one draw per depth, gathered to the nodes
+    seeds = [row_seed(k, q + d) for k, q in zip(keys, base, strict=True) for d in range(per)]
+    noise = uniform_noise(seeds, vocab, dev).view(b, per, vocab)  # (B, D+1, V)
+    if depths is not None:
+        noise = noise.gather(1, depths.to(dev)[..., None].expand(b, t, vocab))  # (B, T, V)
     top_p = [s.sampling_params.top_p for s in seqs]  # 1: off
     top_k = [s.sampling_params.top_k for s in seqs]  # 0: off
     any_p, any_k = any(p < 1 for p in top_p), any(k > 0 for k in top_k)
     return sample_per_node(
-        logits.view(n, 1, vocab), to_device(torch.tensor(temps), dev),
+        logits, to_device(torch.tensor(temps), dev),
         to_device(torch.tensor(top_p), dev) if any_p else None,
         to_device(torch.tensor(top_k), dev) if any_k else None,
-        noise=noise.view(n, 1, vocab),
-    )[:, 0]  # fmt: skip
+        noise=noise,
+    )  # fmt: skip
 
 
 def token_logprobs(

@@ -32,13 +32,11 @@ from treeverify.engine.config import tree_nodes
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
-from treeverify.engine.sample_noise import position_noise
-from treeverify.engine.sampler import TokenLogprobs, filters, token_logprobs
+from treeverify.engine.sampler import TokenLogprobs, draw_nodes, token_logprobs
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.staging import to_device
 from treeverify.spec import (
     accept_greedy,
-    accept_sampled,
     build_tree,
     parents_to_tree_mask,
 )
@@ -292,20 +290,11 @@ class SpeculativeDecoder:
             packed = self._accept[n](tb.tokens, tb.parents, logits.argmax(-1),
                                      tb.device_slots())[0]  # fmt: skip
         else:
-            acc = accept_greedy(tb.tokens, tb.parents, logits.argmax(-1), max_depth=tb.max_depth)
-            path, length, bonus = acc.path.clone(), acc.length.clone(), acc.bonus.clone()
-            for i, seq in enumerate(tb.seqs):  # sampled requests: their own walk, on the device
-                if seq.sampling_params.temperature == 0:
-                    continue
-                # node at depth d: plain decoding's draw for the token d places on, so the
-                # committed tokens are exactly plain sampled decoding's (tree-independent)
-                per_depth = position_noise(seq, tb.max_depth + 1, logits.shape[-1], logits.device)
-                one = accept_sampled(
-                    tb.tokens[i : i + 1], tb.parents[i : i + 1], logits[i : i + 1],
-                    *filters(seq, logits.shape[-1]), max_depth=tb.max_depth,
-                    noise=per_depth[tb.depths[i]][None],  # (1, N, V)
-                )  # fmt: skip
-                path[i], length[i], bonus[i] = one.path[0], one.length[0], one.bonus[0]
+            # every node's own draw (a sampled request's node at depth d: plain decoding's draw
+            # for the token d places on), then one walk for the whole batch
+            posterior = draw_nodes(logits, tb.depths, tb.max_depth, tb.seqs)  # (B, N)
+            acc = accept_greedy(tb.tokens, tb.parents, posterior, max_depth=tb.max_depth)
+            path, length, bonus = acc.path, acc.length, acc.bonus
             packed = self._move_and_pack(tb.tokens, tb.parents, tb.device_slots(), path, length,
                                          bonus)  # fmt: skip
         t0 = self._time("accept", t0)
