@@ -266,9 +266,13 @@ class LLM(SpeculativeSteps, Introspection):
         return now
 
     def warmup(self) -> None:
-        """One short request end to end (prefill + a decode step): loads kernels, allocates the
-        eager plans, and fails here rather than on the first real request."""
-        self.generate([[0, 1, 2]], SamplingParams(temperature=0, max_tokens=2, speculative=False))
+        """Two short requests end to end (prefill + a decode step), one greedy and one sampled:
+        loads kernels (a GPU's sampling kernel is compiled here, not on the first sampled
+        request), allocates the eager plans, and fails here rather than on the first real one."""
+        self.generate([[0, 1, 2]] * 2, [
+            SamplingParams(temperature=0, max_tokens=2, speculative=False),
+            SamplingParams(temperature=1.0, seed=0, max_tokens=2, speculative=False),
+        ])  # fmt: skip
         if self.spec is not None:
             self.spec.reset_stats()
         self._next_id = 0
