@@ -1,11 +1,11 @@
-"""Whole greedy rounds captured as one CUDA graph each (engine/round_graphs.py), on a GPU: the
-tiny-code engine with its trained DFlash drafter produces the same greedy tokens with whole
-rounds as with the general path (draft, build, verify, accept graphs one by one; the same kernels
-over the same shapes), batched and alone, at two budgets, DDTREE and CHAIN; a
-replay allocates nothing. (Against plain decoding bf16 verify logits may flip near-ties, ~0.01-0.1
-nats apart, as bench_pair's divergence gaps show; the CPU tests compare with plain decoding in
-fp32.) Real CUDA graphs; skipped without a GPU. (The CPU runs the same body eagerly against the
-general path step by step: test_round_graphs.py.)
+"""Whole rounds captured as one CUDA graph each (engine/round_graphs.py), on a GPU: the tiny-code
+engine with its trained DFlash drafter produces the same greedy tokens (and, with the fused pick,
+the same seeded sampled tokens) with whole rounds as with the general path (draft, build, verify,
+accept graphs one by one; the same kernels over the same shapes), batched and alone, at two budgets,
+DDTREE and CHAIN; a replay allocates nothing. (Against plain decoding bf16 verify logits may flip
+near-ties, ~0.01-0.1 nats apart, as bench_pair's divergence gaps show; the CPU tests compare with
+plain decoding in fp32.) Real CUDA graphs; skipped without a GPU. (The CPU runs the same body
+eagerly against the general path step by step: test_round_graphs.py.)
 """
 
 from __future__ import annotations
@@ -67,6 +67,35 @@ def test_whole_rounds_equal_the_general_path(knobs):
             assert llm.spec_stats["avg_spec_accept_length"] > 1.5  # the trained pair drafts
         del llm
     assert outs["ahead"] == outs["whole"] == outs["general"], f"seed {seed}"
+
+
+def test_sampled_whole_rounds_captured_equal_the_general_path(monkeypatch):
+    """With the fused pick (TREEVERIFY_FUSED_DECODE_STEP=1) seeded sampled requests (T 0.7 / 1.0)
+    run whole rounds, read first and launched ahead, each node drawn in the graph from its
+    request's staged temperature and key: the same tokens as the general path's `draw_nodes`
+    over the same verify logits; a top-p request still takes the general path."""
+    monkeypatch.setenv("TREEVERIFY_FUSED_DECODE_STEP", "1")
+    prompts = heldout_prompts(random.Random(21), 3)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=64, ignore_eos=True)
+              for t, s in ((0.7, 1), (1.0, 2), (0.7, 3))]  # fmt: skip
+    knobs = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+                 speculative_adaptive=False)  # fmt: skip
+    outs = {}
+    for name, extra in (("ahead", {}), ("whole", {"round_lookahead": False}),
+                        ("general", {"disable_round_graphs": True})):  # fmt: skip
+        llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=4, **knobs, **extra)
+        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+        if name != "general":
+            assert llm.rounds.sampling and llm.cuda_graph_info["rounds"]["replays"] > 0
+            assert llm.spec_stats["whole_round_steps"] > 0
+            if name == "ahead":
+                nucleus = SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=16,
+                                         ignore_eos=True)  # fmt: skip
+                steps = llm.spec_stats["whole_round_steps"]
+                llm.generate(prompts[:1], nucleus)
+                assert llm.spec_stats["whole_round_steps"] == steps
+        del llm
+    assert outs["ahead"] == outs["whole"] == outs["general"]
 
 
 def test_ngram_whole_rounds_captured_equal_the_general_path():

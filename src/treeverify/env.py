@@ -31,9 +31,12 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   previous one is read, where graphs are captured (engine/decode_ahead.py); default ``1``
   (measured 1.09-1.45x at b=1 on the H200); ``0`` reads every step first (A/B runs).
   ``EngineConfig.decode_lookahead`` overrides it.
-- ``TREEVERIFY_FUSED_DECODE_STEP``: ``1`` ends a greedy decode step launched ahead (its argmax
-  and the advance of its inputs) in two Triton launches (engine/decode_step_end.py) instead of
-  ~7 PyTorch kernels; default ``0`` (until measured on a GPU).
+- ``TREEVERIFY_FUSED_DECODE_STEP``: ``1`` picks the tokens of a decode step launched ahead and
+  of a whole round in Triton (engine/pick_kernels.py; the step's end with the advance of its
+  inputs in two launches, engine/decode_step_end.py, instead of ~7 PyTorch kernels), greedy or
+  sampled: sampled plain steps are then launched ahead and sampled rounds run whole, each draw
+  hashed on the device (2.1x plain sampled decoding at b=1 on an H100); default ``0`` until
+  the greedy A/B is measured on a GPU.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -160,8 +163,9 @@ VARIABLES: dict[str, str] = {
     "launch on sm_90+ (each waits for the kernel before it as it starts); default 1; 0: A/B.",
     "TREEVERIFY_DECODE_LOOKAHEAD": "1: each plain greedy decode step launched before the "
     "previous one is read, where graphs are captured (engine/decode_ahead.py); default 1.",
-    "TREEVERIFY_FUSED_DECODE_STEP": "1: a greedy decode step launched ahead ends (argmax, the "
-    "advance of its inputs) in two Triton launches (engine/decode_step_end.py); default 0.",
+    "TREEVERIFY_FUSED_DECODE_STEP": "1: a decode step launched ahead and a whole round pick their "
+    "tokens in Triton (engine/pick_kernels.py), greedy or sampled: sampled plain steps launched "
+    "ahead, sampled rounds whole; default 0.",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -488,9 +492,10 @@ def decode_lookahead() -> bool:
 
 
 def fused_decode_step() -> bool:
-    """TREEVERIFY_FUSED_DECODE_STEP: 1 ends a greedy decode step launched ahead (its argmax and
-    the advance of its inputs) in two Triton launches (engine/decode_step_end.py) instead of ~7
-    PyTorch kernels; default 0 until measured on a GPU. Read when an engine is built."""
+    """TREEVERIFY_FUSED_DECODE_STEP: 1 picks the tokens of a decode step launched ahead (and its
+    advance: engine/decode_step_end.py) and of a whole round in Triton (engine/pick_kernels.py),
+    greedy or sampled, so sampled plain steps are launched ahead and sampled rounds run whole;
+    default 0 until the greedy A/B is measured on a GPU. Read when an engine is built."""
     return _switch("TREEVERIFY_FUSED_DECODE_STEP", "0")
 
 

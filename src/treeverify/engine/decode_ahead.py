@@ -1,4 +1,5 @@
-"""Plain greedy decoding with each step launched before the previous one is read (overlap).
+"""Plain decoding (greedy, or sampled with the fused step end) with each step launched before
+the previous one is read (overlap).
 
 A plain decode step on a GPU is one graph replay, but the host's part of it does not overlap the
 GPU: it schedules (~25 us), stages the inputs (~40-65 us) and launches (~10 us) before the
@@ -27,8 +28,12 @@ finished at step k wastes one step of GPU work; when some requests of the launch
 running, their rows are taken and the next step is staged by the host (read first), as a
 whole round's partial take is (engine/round_graphs.py, whose lookahead this mirrors).
 
-Eligible steps (the engine decides, `LLM._plain_ahead`): only plain decodes, all greedy, without
-logprobs, penalties or logit_bias. A DFlash drafter conditions on the target's hidden states of
+Eligible steps (the engine decides, `LLM._plain_ahead`): only plain decodes without logprobs,
+penalties or logit_bias, all greedy or, where the step's end is the fused Triton pick
+(TREEVERIFY_FUSED_DECODE_STEP=1; the CPU's eager body always), sampled without top-p / top-k:
+each row's draw is hashed on the device from its staged temperature and key and the token's
+position (engine/sample_noise.py), the same draw the sampler makes, so the tokens are the read-
+first path's. A DFlash drafter conditions on the target's hidden states of
 every committed token, plain steps' too: each launch copies the graph's tapped rows right after
 its replay (stream order puts the copy before the next step overwrites them), and the engine
 hands them to the drafter once the step is read (`hidden`), as the read-first path does.

@@ -100,10 +100,12 @@ def chunk_picks(logits: torch.Tensor, temps: torch.Tensor | None, keys: torch.Te
 
 
 def pick_tokens(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor,
-                positions: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:  # fmt: skip
-    """(R,) int64 tokens of logits (R, V) fp32: one Triton launch, then the chunks' reduction
-    (the first chunk holding the row's best: torch.argmax keeps the first)."""
-    part_v, part_i = chunk_picks(logits, temps, keys, positions, 0, chunk)
+                positions: torch.Tensor, chunk: int = CHUNK,
+                pos_offset: int = 0) -> torch.Tensor:  # fmt: skip
+    """(R,) int64 tokens of logits (R, V) fp32 (row r draws for position positions[r] +
+    pos_offset): one Triton launch, then the chunks' reduction (the first chunk holding the
+    row's best: torch.argmax keeps the first). Capture-safe."""
+    part_v, part_i = chunk_picks(logits, temps, keys, positions, pos_offset, chunk)
     return part_i.gather(1, part_v.argmax(1, keepdim=True))[:, 0]  # (R,)
 
 

@@ -1,4 +1,5 @@
-"""A whole greedy speculative round in one CUDA graph replay per (batch bucket, budget).
+"""A whole speculative round (greedy, or sampled) in one CUDA graph replay per (batch bucket,
+budget).
 
 A round taken piece by piece (engine/speculative.py) is five graph replays with host work between
 them: project the context rows, draft, build, stage the trees, verify, accept, gather the
@@ -10,7 +11,10 @@ work). Here the round's device work is one graph that reads only fixed buffers:
     build      DDTree's best-`budget` tree (or CHAIN's one path) and its ancestor mask
     stage      the trees' ids, positions (prefix + depth) and mask into the bucket's StepStage
     verify     the bucket's unpack + the target forward (the same as the verify graph's)
-    accept     the greedy walk, the accepted K/V moved into place, the result packed
+    accept     each node's token (its argmax; a sampled request's node: plain decoding's draw
+               for the position after it, hashed in the pick kernel from the request's staged
+               temperature and key, engine/pick_kernels.py), the walk, the accepted K/V moved
+               into place, the result packed
     context    the accepted rows' hidden states -> the drafter's keys/values -> their rings
 
 The host stages two small inputs (the draft's meta, the verify stage: prefix lengths, page
@@ -35,15 +39,17 @@ held slots past every committed position and its context rows past each ring's e
 next round overwrites or masks (the rings' SLACK), so there is nothing to undo but the hold. A
 request that finished at round k wastes one round of GPU work.
 
-A step whose decodes are all greedy rounds of DFlash-drafted requests without penalties,
-logit_bias or logprobs takes this path (prefill chunks in the same step run their own forward
-after the replay); so do n-gram-drafted ones (`EngineConfig.ngram_whole_rounds`; the context is
-then engine/ngram_rings.py: the requests' newest tokens, drafted by the device matcher; the
-round writes its accepted tokens where DFlash's writes keys/values). Any other round (sampled
-acceptance, a step with a plain or opted-out decode, reservations that do not fit the free pages
-together) takes the general one, whose results it equals (tests/test_round_graphs.py and
-tests/test_ngram_rounds.py: step by step, through preemption, aborts and stops). On the CPU
-the same body runs eagerly (`capture=False`), which is how the tests check it without a GPU.
+A step whose decodes are all rounds of DFlash-drafted requests without penalties, logit_bias or
+logprobs, greedy or (with the fused pick: TREEVERIFY_FUSED_DECODE_STEP=1 on a GPU; always on the
+CPU's eager body) sampled without top-p / top-k, takes this path (prefill chunks in the same step
+run their own forward after the replay); so do n-gram-drafted ones
+(`EngineConfig.ngram_whole_rounds`; the context is then engine/ngram_rings.py: the requests' newest
+tokens, drafted by the device matcher; the round writes its accepted tokens where DFlash's writes
+keys/values). Any other round (top-p / top-k sampling, a step with a plain or opted-out decode,
+reservations that do not fit the free pages together) takes the general one, whose results it equals
+(tests/test_round_graphs.py and tests/test_ngram_rounds.py: step by step, through preemption, aborts
+and stops). On the CPU the same body runs eagerly (`capture=False`), which is how the tests check it
+without a GPU.
 Measured on the H200: docs/performance.md.
 """
 
@@ -55,12 +61,17 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify import env
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.draft_graphs import DraftMeta
 from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
+from treeverify.engine.pick_kernels import pick_tokens, pick_tokens_torch
 from treeverify.engine.round_state import RoundState
+from treeverify.engine.sample_noise import request_key
+from treeverify.engine.sampler import unfiltered
 from treeverify.engine.sequence import Sequence
+from treeverify.kernels.api import triton_available
 from treeverify.spec import accept_greedy
 
 log = logging.getLogger("treeverify.engine")
@@ -97,6 +108,11 @@ class RoundGraphs(LaunchAhead):
         self.state = RoundState(dev, self.bm.page_size)
         self.captured = capture
         self.lookahead = lookahead
+        # sampled rounds too (each node drawn on the device by its request's staged temperature
+        # and key, engine/pick_kernels.py): captured with the fused pick (Triton,
+        # TREEVERIFY_FUSED_DECODE_STEP), or eagerly on the CPU; else greedy rounds only
+        self.sampling = not capture or (env.fused_decode_step() and triton_available())
+        self._sampled_now = False  # (eager: whether this launch's requests sample)
         self.rounds: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         # per bucket, two pinned result buffers + events, alternating: a round launched ahead
         # copies into the one its predecessor's read has already released
@@ -159,7 +175,8 @@ class RoundGraphs(LaunchAhead):
         graphs._unpack(stage, b, n)
         out = graphs.forward_rows(rows)  # (rows, V)
         hidden = getattr(self.model, "captured", None)  # (rows, F) DFlash's tapped layers
-        acc = accept_greedy(tokens, parents, out.view(b, n, -1).argmax(-1), max_depth=depth)
+        post = self._posterior(out, v, rows).view(b, n)  # each node's token: argmax or draw
+        acc = accept_greedy(tokens, parents, post, max_depth=depth)
         slots = v["slots"][:rows].view(b, n)  # (b, n) node i at position P + i
         packed = spec._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus)
         # The accepted rows (root first) are the next context rows: position P + d of the path.
@@ -171,6 +188,33 @@ class RoundGraphs(LaunchAhead):
         # stages overwrites them)
         self.state.advance(self.meta.dev, b, acc.length, acc.bonus, v, ctx.window)
         return packed
+
+    def _posterior(self, out: torch.Tensor, v: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+        """(rows,) each node's token from the verify logits (rows, V): greedy rows their argmax,
+        sampled rows (staged temperature > 0) the draw plain decoding makes for the position
+        after the node (so the walk commits plain sampled decoding's tokens: sampler.draw_nodes)."""
+        if not self.sampling or (not self.captured and not self._sampled_now):
+            return out.argmax(-1)
+        temps, keys, pos = v["temp"][:rows], v["key"][:rows], v["pos"][:rows]
+        if self.captured:
+            return pick_tokens(out, temps, keys, pos, pos_offset=1)
+        return pick_tokens_torch(out, temps, keys, pos + 1)
+
+    def takes(self, seqs: list[Sequence]) -> bool:
+        """Whether these requests' rounds can run here as to their sampling (the engine checks
+        logprobs, penalties and logit_bias): greedy, or with `sampling` drawn without top-p /
+        top-k."""
+        if all(s.sampling_params.temperature == 0 for s in seqs):
+            return True
+        return self.sampling and all(unfiltered(s) for s in seqs)
+
+    def _sampling_rows(self, seqs: list[Sequence]) -> tuple[list[float] | None, list[int] | None]:
+        """The requests' temperatures and draw keys for their stage (None, None: all greedy)."""
+        temps = [float(s.sampling_params.temperature) for s in seqs]
+        self._sampled_now = any(temps)
+        if not self._sampled_now:
+            return None, None
+        return temps, [request_key(s) for s in seqs]
 
     @torch.inference_mode()
     def _capture(self, b: int, budget: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -271,7 +315,8 @@ class RoundGraphs(LaunchAhead):
                 self.bm.reserve(seq, n - 1)
             held = ahead and self._hold_next(seqs, starts, b, budget, nb)
             tables = [s.block_table for s in seqs]
-            self._stage(b, budget).write_round(tables, starts)  # the graph finds the slots
+            temps, keys = self._sampling_rows(seqs)
+            self._stage(b, budget).write_round(tables, starts, temps, keys)  # it finds the slots
             now = self._launch(b, budget, self.context.eager_rows(meta[2][: len(seqs)]))
         else:
             fl, pick = taken
@@ -297,7 +342,10 @@ class RoundGraphs(LaunchAhead):
         self.steady = taken is not None
         if nb != budget:  # the other bucket's stage: this layout, `now`'s advanced prefixes
             stage = self._stage(b, nb)
-            stage.write_round([s.block_table for s in seqs], starts)  # prefixes replaced below
+            temps, keys = self._sampling_rows(seqs)
+            stage.write_round(
+                [s.block_table for s in seqs], starts, temps, keys
+            )  # prefixes replaced below fmt: skip
             stage.views["prefix"][:b].copy_(self._stage(b, budget).views["prefix"][:b])
         nxt = self._launch(b, nb, None) if self.captured else None  # before reading `now`
         rows = now.rows(len(seqs))  # on a GPU: waits for this round, not the next

@@ -78,14 +78,10 @@ class SpeculativeSteps:
             self._step_budget = budget if decoding else None
         return None, tb
 
-    def _device_greedy(self, seqs: list[Sequence]) -> bool:
-        """Whether the device alone can pick these sequences' round tokens (a whole round):
-        greedy, no logprobs, no penalties or logit_bias."""
-        return self._device_picks(seqs) and all(s.sampling_params.temperature == 0 for s in seqs)
-
     def _device_picks(self, seqs: list[Sequence]) -> bool:
-        """Whether a step's tokens need nothing but the logits (a plain step launched ahead,
-        greedy or sampled: DecodeAhead.takes): no logprobs, no penalties or logit_bias."""
+        """Whether a step's tokens need nothing but the logits (a whole round or a plain step
+        launched ahead, greedy or sampled as RoundGraphs / DecodeAhead.takes say): no logprobs,
+        no penalties or logit_bias."""
         return not self.processor.needed(seqs) and all(
             s.sampling_params.logprobs is None for s in seqs
         )
@@ -113,7 +109,7 @@ class SpeculativeSteps:
         penalties or logprobs, a bucket that holds it); None: take the general path. `ahead`:
         launch the next round, at `next_budget`, before reading this one (RoundGraphs.step)."""
         rounds = self.rounds
-        if rounds is None or not self._device_greedy(seqs):
+        if rounds is None or not self._device_picks(seqs) or not rounds.takes(seqs):
             return None
         stats = self.spec.stats
         t0 = time.perf_counter()

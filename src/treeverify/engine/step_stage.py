@@ -151,12 +151,23 @@ class StepStage:
         self.h_mask[:, chain.shape[1] :] = 0
         self._copy(w)
 
-    def write_round(self, block_tables: list[list[int]], starts: list[int]) -> None:
+    def write_round(
+        self,
+        block_tables: list[list[int]],
+        starts: list[int],
+        temps: list[float] | None = None,
+        keys: list[int] | None = None,
+    ) -> None:
         """The host part of a whole captured round (engine/round_graphs.py): b requests of n
-        rows, their prefix lengths and pages; the graph itself writes the nodes' slots, the
-        trees' ids, positions and mask into the twin after this copy."""
+        rows, their prefix lengths and pages (and for sampled requests each one's temperature
+        and draw key, on all its rows); the graph itself writes the nodes' slots, the trees'
+        ids, positions and mask into the twin after this copy."""
         self._fresh_if_busy()
         w = self._write_common(block_tables, starts, self.n)
+        if temps is not None:
+            rows = len(temps) * self.n
+            self.h_temp[:rows] = np.repeat(np.asarray(temps, dtype=np.float32), self.n)
+            self.h_key[:rows] = np.repeat(np.asarray(keys, dtype=np.int64), self.n)
         self._copy(w)
 
     def write_table(self, block_tables: list[list[int]]) -> None:
