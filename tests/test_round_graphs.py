@@ -88,9 +88,11 @@ def test_sampled_whole_rounds_commit_plain_sampled_decodings_tokens():
     params = [SamplingParams(temperature=t, seed=s, max_tokens=40, ignore_eos=True)
               for t, s in ((0.7, 3), (1.0, 4), (0.7, 5))]  # fmt: skip
     want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE, params)]
-    llm = _engine()
-    assert [o.token_ids for o in llm.generate(CODE, params)] == want
-    assert llm.rounds.replays > 0 and llm.rounds.sampling
+    for lookahead in (False, True):  # rounds read first; each launched before the last is read
+        llm = _engine(round_lookahead=lookahead)
+        assert [o.token_ids for o in llm.generate(CODE, params)] == want, lookahead
+        assert llm.rounds.replays > 0 and llm.rounds.sampling
+        assert (llm.rounds.ahead_used > 0) == lookahead
 
 
 @pytest.mark.parametrize(
