@@ -12,19 +12,16 @@ device is synchronized before each request starts and after it ends.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pair import DATA, code_prompts, free  # noqa: E402
+from bench_pair import DATA, code_prompts, free, write_rows  # noqa: E402
 
-from treeverify.bench.kernel import _git_commit  # noqa: E402
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -138,12 +135,7 @@ def main(argv=None) -> int:
             print(f"      {cum:8.3f} {own:8.3f} ms {fn}")
         free(llm)  # its KV pool took most of the GPU
     if args.json:
-        args.json.write_text(json.dumps({
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "commit": _git_commit(),
-            "command": "scripts/request_phases_gpu.py " + " ".join(argv or sys.argv[1:]),
-            "rows": rows}, indent=1))  # fmt: skip
+        write_rows(args.json, "request_phases_gpu.py", argv, rows)
     return 0
 
 

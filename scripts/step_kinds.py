@@ -12,19 +12,16 @@ is synchronized before and after each pass. Prompts: bench_pair's prose (the spe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pair import PROSE, free, prose_prompts  # noqa: E402
+from bench_pair import PROSE, free, prose_prompts, write_rows  # noqa: E402
 
-from treeverify.bench.kernel import _git_commit  # noqa: E402
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -108,12 +105,7 @@ def main(argv=None) -> int:
             print(f"      {kind:24s} {n:6d} steps {1e3 * s:9.2f} ms {per}")
         free(llm)
     if args.json:
-        args.json.write_text(json.dumps({
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "commit": _git_commit(),
-            "command": "scripts/step_kinds.py " + " ".join(argv or sys.argv[1:]),
-            "rows": rows}, indent=1))  # fmt: skip
+        write_rows(args.json, "step_kinds.py", argv, rows)
     return 0
 
 
