@@ -91,6 +91,47 @@ def test_pending_chunks_are_bounded(drafter):
     assert not ctx.pending and ctx.count == DraftContextCache.MAX_PENDING  # projected at the bound
 
 
+class _BucketedProjection:
+    """Stands in for the captured projection (a CapturedFn of context_kv by row bucket, GPU
+    only): eager, but it records the row counts asked and refuses any past its largest bucket."""
+
+    def __init__(self, drafter, batch_sizes):
+        self.drafter, self.batch_sizes, self.calls = drafter, batch_sizes, []
+
+    def __call__(self, feats, pos):
+        self.calls.append(feats.shape[0])
+        assert feats.shape[0] <= self.batch_sizes[-1], feats.shape
+        return (self.drafter.context_kv(feats, pos),)
+
+
+def test_captured_projections_flush_at_the_largest_bucket_and_chunk_a_prefill(drafter):
+    """With a captured projection, a request's pending rows are projected as soon as they fill
+    the largest bucket (plain steps never fall back to an eager projection) and a longer run (a
+    prefill) is projected in pieces of it; the rings hold what one eager projection gives."""
+    feats = drafter.config.context_features
+    g = torch.Generator().manual_seed(3)
+    truth = torch.randn(45, feats, generator=g)  # (45, F): a 21-row prefill, then 24 decodes
+    caches = {}
+    for name in ("eager", "bucketed"):
+        cache = DraftContextCache(drafter, 1024)
+        if name == "bucketed":
+            cache._captured = _BucketedProjection(drafter, [4, 8])
+        with torch.inference_mode():
+            cache.observe("r", 0, truth[:21])
+            for i in range(21, 45):
+                cache.observe("r", i, truth[i : i + 1])
+                if name == "bucketed":
+                    assert cache._ctx["r"].pending_rows < 8  # flushed at the bucket
+            cache.project(["r"])
+        caches[name] = cache
+    assert caches["bucketed"]._captured.calls[:3] == [8, 8, 5]  # the prefill in pieces
+    kv, first = caches["bucketed"].keys_values("r")
+    want, want_first = caches["eager"].keys_values("r")
+    assert first == want_first == 0
+    torch.testing.assert_close(kv, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv, _expected(drafter, truth, 1024)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_errors_name_the_request_and_positions(drafter):
     cache = DraftContextCache(drafter, 16)
     feats = drafter.config.context_features
