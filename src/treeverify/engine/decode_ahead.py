@@ -93,6 +93,7 @@ class DecodeAhead(LaunchAhead):
         # sampled rows too (each drawn on the device by its staged temperature and key): with
         # the fused end, or eagerly on the CPU; a captured PyTorch end takes greedy steps only
         self.sampling = self.fused_end or not capture
+        self._sampled_now = False  # (eager: whether the staged requests sample)
         self.batch_sizes = sorted(b for b in set(batch_sizes) if not capture
                                   or (b, 1) in graphs.steps)  # fmt: skip
         # per bucket: the graph, its (b,) tokens and its (b, F) tapped hidden states (or None)

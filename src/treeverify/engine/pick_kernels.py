@@ -1,10 +1,11 @@
 """Each row's next token, greedy or sampled, in one Triton launch over chunks of the vocabulary.
 
-A row with temperature 0 takes the argmax of its logits; a row with temperature T > 0 takes the
-Gumbel-max `argmax(logits / T - log(-log(u)))` with engine/sample_noise.py's draws `u`, hashed
-in the kernel from the row's key K and the drawn token's position (no noise tensor is ever
-written). Top-p / top-k rows are not taken here (they need a sort: engine/sampler.py runs them
-through spec/accept.py's sample_per_node).
+A row with temperature 0 takes the argmax of its logits (a branch per program: no hashing); a row
+with temperature T > 0 takes the Gumbel-max `argmax(logits / T - log(-log(u)))` with
+engine/sample_noise.py's draws `u`, hashed in the kernel from the row's key K and the drawn token's
+position (no noise tensor is ever written; the division rounds as IEEE's, as torch's). Top-p / top-k
+rows are not taken here (they need a sort: engine/sampler.py runs them through spec/accept.py's
+sample_per_node).
 
     chunk_pick   grid (R, ceil(V / CHUNK)): each program the best value of one chunk of a row
                  and its first index; the chunks are then reduced by the caller (a Triton
@@ -37,8 +38,10 @@ def _kernels():
         c = tl.program_id(1)
         cols = c * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
         x = tl.load(L + r * stride + cols, mask=cols < V, other=float("-inf"))
+        t = 0.0
         if SAMPLED:
             t = tl.load(Temp + r)
+        if t > 0:  # (a greedy row of a sampled-capable graph: its argmax, no hashing)
             k = (tl.load(Key + r) & 0xFFFFFFFF).to(tl.uint32)  # K < 2^32
             p = ((tl.load(Pos + r) + pos_offset) & 0xFFFFFFFF).to(tl.uint32)
             m1 = tl.full((BLOCK,), 0x7FEB352D, tl.uint32)  # lowbias32's multipliers
@@ -65,7 +68,7 @@ def _kernels():
             h = h ^ (h >> 16)
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # (0, 1), exact
             g = -tl.log(-tl.log(u))
-            x = tl.where(t > 0, x / tl.where(t > 0, t, 1.0) + g, x)
+            x = tl.math.div_rn(x, tl.zeros_like(x) + t) + g  # IEEE division, as torch's
             x = tl.where(cols < V, x, float("-inf"))
         best = tl.max(x, axis=0)
         first = tl.min(tl.where(x == best, cols, V), axis=0)  # the first index of the max

@@ -6,8 +6,11 @@ the same (request, position): the eager sampler (engine/sampler.py), the fused s
 sampled decode step launched ahead (engine/decode_step_end.py) and a speculative round's lossless
 acceptance (sampler.draw_nodes: a node at depth d draws what plain decoding draws d places on).
 So a request's draws do not depend on its batch neighbours, on speculation or on which path
-ran, and a seeded request is reproducible, on the CPU and on a GPU alike (the hash is integer
-arithmetic, exact on both).
+ran, and a seeded request is reproducible, on the CPU and on a GPU alike: the hash is integer
+arithmetic, exact on both (the Gumbel scores built from it go through a float log, whose last
+bit may differ between torch and the kernel: a token can differ only at a near-tie, as with
+any change of kernel). A request's state is 32 bits (K): two unseeded requests collide at the
+birthday rate (~1 in 2^32 a pair), as the per-request generator seeds before them did (31).
 
 Until 2026-12-05 each sampled row built a torch.Generator seeded by (seed, position) and drew
 with torch.rand: ~18 small kernels and a generator per row, 0.24 ms a step at b=1 and ~1.9 ms at

@@ -29,9 +29,10 @@ class TokenLogprobs:
 
 
 def unfiltered(seq: Sequence) -> bool:
-    """Whether a request's draw needs no sort (no top-p, no top-k): the fused pick takes it."""
+    """Whether a request's token needs no sort (greedy, or no top-p and no top-k): the fused
+    pick takes it."""
     p = seq.sampling_params
-    return p.top_p >= 1 and p.top_k <= 0
+    return p.temperature == 0 or (p.top_p >= 1 and p.top_k <= 0)
 
 
 def sample(
@@ -70,6 +71,8 @@ def draw_nodes(logits: torch.Tensor, depths: torch.Tensor | None, max_depth: int
     b, t, vocab = logits.shape
     dev = logits.device
     temps = [float(s.sampling_params.temperature) for s in seqs]
+    if not any(temps):
+        return logits.argmax(-1)  # all greedy: no draws
     keys = [request_key(s) if temp > 0 else 0 for s, temp in zip(seqs, temps, strict=True)]
     base = [s.num_tokens for s in seqs]  # the position a depth-0 node draws for
     if dev.type == "cuda" and triton_available() and all(unfiltered(s) for s in seqs):

@@ -13,8 +13,8 @@ inside the graph, no host cost):
            mask (R, words) | page table^T (P, B)
 
 Temperatures and draw keys (engine/sample_noise.py's K) are read only by a sampled decode step
-launched ahead (engine/decode_ahead.py), whose step end draws each row's token on the device;
-every other write leaves them 0 (greedy).
+launched ahead (engine/decode_ahead.py) and a sampled whole round (engine/round_graphs.py),
+which draw each row's token on the device; every other write leaves them 0 (greedy).
 
 The page table is stored transposed so that the pages in use, the first w of P, are a prefix of
 the buffer: the copy stops there. Rows of the table past w keep stale page ids, which no kernel
