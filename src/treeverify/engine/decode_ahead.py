@@ -125,20 +125,20 @@ class DecodeAhead(LaunchAhead):
 
     # ---- the step's device work ----------------------------------------------------------------
     def _body(self, b: int) -> torch.Tensor:
-        """One greedy decode step of bucket b from its stage's twin, the twin advanced to the
-        next step; returns the (b,) tokens. Capture-safe."""
+        """One decode step of bucket b from its stage's twin (greedy rows their argmax, sampled
+        rows the hashed draw), the twin advanced to the next step; returns the (b,) tokens.
+        Capture-safe."""
         graphs = self.graphs
         stage = graphs.stages[(b, 1)]
         v = stage.views
         graphs._unpack(stage, b, 1)
         logits = graphs.forward_rows(b)  # (b, V) fp32
+        # eager: hash only when a staged request samples; a captured graph's greedy rows skip
+        # it in the kernel
+        sampled = self.sampling if self.captured else self._sampled_now
         if self.fused_end:
-            return end_step(
-                logits, v, b, stage.scratch_slot, self.bm.page_size, sampled=self.sampling
-            )  # (b,) fmt: skip
-        return end_step_torch(
-            logits, v, b, stage.scratch_slot, self.state, sampled=self.sampling
-        )  # (b,) fmt: skip
+            return end_step(logits, v, b, stage.scratch_slot, self.bm.page_size, sampled=sampled)
+        return end_step_torch(logits, v, b, stage.scratch_slot, self.state, sampled=sampled)
 
     @torch.inference_mode()
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
@@ -211,6 +211,7 @@ class DecodeAhead(LaunchAhead):
                     self.bm.release_hold(seq)
             temps = [float(s.sampling_params.temperature) for s in seqs]
             keys = [request_key(s) for s in seqs] if any(temps) else None
+            self._sampled_now = keys is not None
             self._stage(b).write_decodes([c.token_ids[0] for c in chunks], starts,
                                          [c.slots[0] for c in chunks],
                                          [s.block_table for s in seqs], temps if keys else None,
