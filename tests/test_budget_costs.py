@@ -12,13 +12,9 @@ import itertools
 import pytest
 
 from test_budget_controller import path_for
-from treeverify.engine.budget_controller import (
-    PLAIN_TRIAL_PATIENCE,
-    PLAIN_TRIAL_STEPS,
-    BudgetController,
-    ControllerConfig,
-)
+from treeverify.engine.budget_controller import BudgetController, ControllerConfig
 from treeverify.engine.budget_costs import CostModel
+from treeverify.engine.plain_trials import PLAIN_TRIAL_PATIENCE, PLAIN_TRIAL_STEPS
 
 BUCKETS = (0, 4, 8, 16)
 CALIBRATED = {0: 1.0, 4: 1.3, 8: 1.3, 16: 1.9}  # what startup measured
@@ -145,15 +141,15 @@ def test_a_plain_trial_resumes_the_decision_state_and_an_unmeasured_one_is_not_j
     # the case must hold on PLAIN_TRIAL_PATIENCE trial checks in a row (every 4th decision):
     # a dip in acceptance passes, a trap stays
     for _ in range(4 * PLAIN_TRIAL_PATIENCE - 1):
-        assert ctl.choose(["r"]) == 4 and ctl._plain_trial is None
+        assert ctl.choose(["r"]) == 4 and not ctl.plain_trials.running
     ctl.since_switch = 9  # as at the decision that starts it
-    assert ctl.choose(["r"]) == 4 and ctl._plain_trial is not None
+    assert ctl.choose(["r"]) == 4 and ctl.plain_trials.running
     assert ctl._trial_from is None  # no acceptance trial started beside it
     chosen = [ctl.choose(["r"]) for _ in range(PLAIN_TRIAL_STEPS)]  # no step observed
     assert chosen == [0] * PLAIN_TRIAL_STEPS and ctl.current == 4
     ctl.choose(["r"])  # the trial ends: state restored (and this decision counted)
-    assert ctl._plain_trial is None and ctl.since_switch == 10  # 9 restored, +1 this decision
-    assert 1 not in ctl._plain_trial_gap  # nothing measured: not judged
+    assert not ctl.plain_trials.running and ctl.since_switch == 10  # 9 restored, +1 this decision
+    assert 1 not in ctl.plain_trials.gap  # nothing measured: not judged
     assert ctl.cost.estimate(1, 0) == pytest.approx(2.0)
 
 

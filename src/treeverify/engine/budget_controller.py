@@ -56,7 +56,8 @@ the switch margin, the controller moves there for a dwell (a "cost trial"), whic
 each (batch size, budget) at most once per `cost_fresh_steps` steps. Plain decoding's cost
 bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win,
 a "plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
-during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain).
+during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain;
+engine/plain_trials.py).
 
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
@@ -70,6 +71,7 @@ from dataclasses import dataclass, field
 
 from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_costs import CostModel
+from treeverify.engine.plain_trials import PlainTrials
 
 # "wall": elapsed time (serving). "process": CPU seconds of this process, for a benchmark on a CPU
 # shared with other work, where wall time measures the neighbours (use one torch thread).
@@ -78,14 +80,7 @@ MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are fo
 # Cost and acceptance trials are looked for every this many decisions: a search costs ~5 us
 # of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
 TRIAL_CHECK_EVERY = 4
-# A plain trial's steps: on a GPU the first takes the round launched ahead and the second is
-# read first, so four steady steps measure plain decoding (a majority of a cost window of 9
-# holding one calibrated sample).
-PLAIN_TRIAL_STEPS = 6
 FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (plain_decay each)
-PLAIN_TRIAL_PATIENCE = 4  # trial checks in a row (every 4th decision) the case must hold
-PLAIN_TRIAL_CONFIRMED = 0.15  # a trial within this fraction of the estimate confirmed it ...
-PLAIN_TRIAL_MAX_GAP = 16  # ... and doubles the gap to the next, up to this x cost_fresh_steps
 
 
 def budget_buckets(max_budget: int, smallest: int = 4) -> tuple[int, ...]:
@@ -132,19 +127,6 @@ class DecayedMean:
 
 
 @dataclass
-class _PlainTrial:
-    """A plain trial under way: plain steps left, the batch size and plain's estimate it
-    started from, and the decision state it resumes (the trial only measures)."""
-
-    left: int
-    n: int
-    before: float
-    since_switch: int
-    pending: tuple[int, int] | None
-    started: int  # the decision it started at (a cost seen after it was measured by it)
-
-
-@dataclass
 class _Request:
     curve: dict[int, DecayedMean] = field(default_factory=dict)
     tried_up: set[int] = field(default_factory=set)  # buckets of its acceptance trials
@@ -168,11 +150,7 @@ class BudgetController:
         self.cost.mark_stale()
         self.step_index = 0  # decisions made: the clock of cost freshness
         self._tried: dict[tuple[int, int], int] = {}  # (n, budget) -> step of its cost trial
-        # a plain trial under way (_PlainTrial); per batch size the steps between plain trials
-        # (doubling while they confirm the estimate)
-        self._plain_trial: _PlainTrial | None = None
-        self._plain_trial_gap: dict[int, float] = {}
-        self._plain_gate = 0  # trial checks in a row that a plain trial's case held
+        self.plain_trials = PlainTrials()  # plain decoding's stale cost re-measured
         self.cost_trials = 0
         self.accept_trials = 0
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
@@ -258,7 +236,7 @@ class BudgetController:
         self.step_index += 1
         if self.pinned is not None:
             return self._count(self.pinned)
-        if self._plain_trial is not None and self._plain_trial_step():
+        if self.plain_trials.step(self):
             return self._count(0)
         rates = {b: self.rate(request_ids, b) for b in self.buckets}
         known = {b: r for b, r in rates.items() if r is not None}
@@ -270,7 +248,7 @@ class BudgetController:
             self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
             if self.current == cur:
                 self._cost_trial(request_ids, rates[cur])
-            if self.current == cur and self._plain_trial is None:  # one trial at a time: a
+            if self.current == cur and not self.plain_trials.running:  # one trial at a time: a
                 # plain trial restores the dwell it found, which would cut an acceptance
                 # trial's dwell to one round
                 self._accept_trial(request_ids, rates[cur])
@@ -390,56 +368,7 @@ class BudgetController:
                     self.switches += 1
                     self.cost_trials += 1
                     return
-        self._maybe_plain_trial(n, bar)
-
-    def _maybe_plain_trial(self, n: int, bar: float) -> None:
-        """Plain decoding's cost bounds nothing (another path), so only plain steps refresh it:
-        a calibration during a stall overstated it and held a CPU engine in rounds on text no
-        drafter predicts (0.64-0.66x plain). When its stale cost at `stale_plain_floor` of itself
-        would beat the rounds' rate (`bar`: the switch margin included), PLAIN_TRIAL_STEPS plain
-        steps measure it and the controller goes back; the usual rule decides on the fresh
-        cost. At most one per `cost_fresh_steps` per batch size, the gap doubling after each
-        trial that confirmed the estimate; the case must hold on PLAIN_TRIAL_PATIENCE checks in
-        a row (a dip in acceptance passes: the replay's predictable rows kept their rates)."""
-        now, fresh = self.step_index, self.cfg.cost_fresh_steps
-        gap = self._plain_trial_gap.get(n, float(fresh))
-        if not self.current or self.cost.frozen or self.cost.is_fresh(n, 0, now, fresh):
-            return  # frozen: a given cost table (tests, replays) is never re-measured
-        if now - self._tried.get((n, 0), -gap - 1) <= gap:
-            return
-        est = self.cost.estimate(n, 0)
-        if not (est and n / (self.cfg.stale_plain_floor * est) > bar):
-            self._plain_gate = 0
-            return
-        self._plain_gate += 1  # checks in a row it held: a dip in acceptance passes, a trap stays
-        if self._plain_gate >= PLAIN_TRIAL_PATIENCE:
-            self._plain_gate = 0
-            self._tried[(n, 0)] = now
-            self._plain_trial = _PlainTrial(PLAIN_TRIAL_STEPS, n, est, self.since_switch,
-                                            self._pending, now)  # fmt: skip
-            self.cost_trials += 1
-
-    def _plain_trial_step(self) -> bool:
-        """One step of a plain trial (True: run it plainly). At its end the decision state is
-        as the trial found it (the current bucket never changed; its dwell and a pending
-        switch resume), and the gap to the next trial doubles when the fresh cost confirmed
-        the estimate. A trial that moved the controller (a dwell back at the bucket, a
-        confirmed switch lost) cost one replayed prose row 5% at accurate costs."""
-        t = self._plain_trial
-        if t.left > 0:
-            t.left -= 1
-            return True
-        self._plain_trial = None
-        fresh = float(self.cfg.cost_fresh_steps)
-        gap = self._plain_trial_gap.get(t.n, fresh)
-        if self.cost.seen_at.get((t.n, 0), -1) > t.started:  # measured (not: prefills came,
-            # the batch size changed, no step was steady): judged; else the gap stays
-            after = self.cost.estimate(t.n, 0) or t.before
-            confirmed = abs(after - t.before) <= PLAIN_TRIAL_CONFIRMED * t.before
-            longer = min(2 * gap, PLAIN_TRIAL_MAX_GAP * fresh)
-            self._plain_trial_gap[t.n] = longer if confirmed else fresh
-        self.since_switch, self._pending = t.since_switch, t.pending
-        return False
+        self.plain_trials.maybe_start(self, n, bar)
 
     def _accept_trial(self, request_ids: list[str], cur_rate: float) -> None:
         """While the controller stays below a bucket, only the rare probes measure that bucket's
@@ -554,6 +483,6 @@ class BudgetController:
             # a budget
             "plain_ahead_decisions": self._plain_wins,
             # decisions between plain trials, by batch size (doubling while they confirm)
-            "plain_trial_gaps": {str(n): int(g) for n, g in sorted(self._plain_trial_gap.items())},
+            "plain_trial_gaps": self.plain_trials.gaps(),
             "config": dataclasses.asdict(self.cfg),
         }

@@ -1,0 +1,108 @@
+"""Plain trials: the adaptive controller re-measuring plain decoding's stale cost (a mixin-free
+helper of engine/budget_controller.py).
+
+A round's cost bounds the costs of larger rounds (a larger tree is never cheaper), so cost
+trials can re-measure stale round costs; plain decoding's cost bounds nothing (another path), so
+only plain steps refresh it. A calibration during a stall overstated it and held a CPU engine
+in rounds on text no drafter predicts (0.64-0.66x plain, thirty-second session). So when plain
+decoding's stale cost at `stale_plain_floor` of itself would beat the rounds' rate (the switch
+margin included) on PLAIN_TRIAL_PATIENCE trial checks in a row, PLAIN_TRIAL_STEPS plain steps
+measure it and the controller resumes the decision state it had (the trial only measures; the
+usual rule then decides on the fresh cost). At most one trial per `cost_fresh_steps` decisions
+per batch size, the gap doubling after each trial that confirmed the estimate (within
+PLAIN_TRIAL_CONFIRMED of it), up to PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`.
+
+Torch-free, as the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treeverify.engine.budget_controller import BudgetController
+
+# A plain trial's steps: on a GPU the first takes the round launched ahead and the second is
+# read first, so four steady steps measure plain decoding (a majority of a cost window of 9
+# holding one calibrated sample).
+PLAIN_TRIAL_STEPS = 6
+PLAIN_TRIAL_PATIENCE = 4  # trial checks in a row (every 4th decision) the case must hold
+PLAIN_TRIAL_CONFIRMED = 0.15  # a trial within this fraction of the estimate confirmed it ...
+PLAIN_TRIAL_MAX_GAP = 16  # ... and doubles the gap to the next, up to this x cost_fresh_steps
+
+
+@dataclass
+class _Trial:
+    """A plain trial under way: plain steps left, the batch size and plain's estimate it
+    started from, and the decision state it resumes (the trial only measures)."""
+
+    left: int
+    n: int
+    before: float
+    since_switch: int
+    pending: tuple[int, int] | None
+    started: int  # the decision it started at (a cost seen after it was measured by it)
+
+
+class PlainTrials:
+    """The trial under way (if any), the gap to the next per batch size, and the patience."""
+
+    def __init__(self) -> None:
+        self.trial: _Trial | None = None
+        self.gap: dict[int, float] = {}  # per batch size: decisions between trials
+        self.gate = 0  # trial checks in a row that a trial's case held
+
+    @property
+    def running(self) -> bool:
+        return self.trial is not None
+
+    def gaps(self) -> dict[str, int]:
+        """Per batch size the decisions between trials (/server_info)."""
+        return {str(n): int(g) for n, g in sorted(self.gap.items())}
+
+    def maybe_start(self, c: BudgetController, n: int, bar: float) -> None:
+        """A trial check at batch size n (`bar`: the rounds' rate with the switch margin): start
+        a trial when plain decoding's stale cost at `stale_plain_floor` of itself has beaten
+        `bar` on PLAIN_TRIAL_PATIENCE checks in a row (a dip in acceptance passes: the replay's
+        predictable rows kept their rates), the gap since the last trial is over, and the cost
+        model is not frozen (a given cost table, tests and replays, is never re-measured)."""
+        now, fresh = c.step_index, c.cfg.cost_fresh_steps
+        gap = self.gap.get(n, float(fresh))
+        if not c.current or c.cost.frozen or c.cost.is_fresh(n, 0, now, fresh):
+            return
+        if now - c._tried.get((n, 0), -gap - 1) <= gap:
+            return
+        est = c.cost.estimate(n, 0)
+        if not (est and n / (c.cfg.stale_plain_floor * est) > bar):
+            self.gate = 0
+            return
+        self.gate += 1
+        if self.gate >= PLAIN_TRIAL_PATIENCE:
+            self.gate = 0
+            c._tried[(n, 0)] = now
+            self.trial = _Trial(PLAIN_TRIAL_STEPS, n, est, c.since_switch, c._pending, now)
+            c.cost_trials += 1
+
+    def step(self, c: BudgetController) -> bool:
+        """One decision during a trial: True, run it plainly. At the trial's end (False) the
+        decision state is as the trial found it (the current bucket never changed; its dwell
+        and a pending switch resume), and the gap to the next trial doubles when the fresh cost
+        confirmed the estimate. A trial that moved the controller (a dwell back at the bucket,
+        a confirmed switch lost) cost one replayed prose row 5% at accurate costs."""
+        t = self.trial
+        if t is None:
+            return False
+        if t.left > 0:
+            t.left -= 1
+            return True
+        self.trial = None
+        fresh = float(c.cfg.cost_fresh_steps)
+        gap = self.gap.get(t.n, fresh)
+        if c.cost.seen_at.get((t.n, 0), -1) > t.started:  # measured (not: prefills came, the
+            # batch size changed, no step was steady): judged; else the gap stays
+            after = c.cost.estimate(t.n, 0) or t.before
+            confirmed = abs(after - t.before) <= PLAIN_TRIAL_CONFIRMED * t.before
+            self.gap[t.n] = min(2 * gap, PLAIN_TRIAL_MAX_GAP * fresh) if confirmed else fresh
+        c.since_switch, c._pending = t.since_switch, t.pending
+        return False
