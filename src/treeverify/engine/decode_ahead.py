@@ -243,8 +243,8 @@ class DecodeAhead(LaunchAhead):
         requests are gone; its tapped hidden rows, the same ones, in `hidden`."""
         tokens = launched.rows(width)
         hidden = launched.hidden  # (b, F) or None
-        if hidden is not None:
-            hidden = hidden[:width] if pick is None else hidden[pick]
+        if hidden is not None and (pick is not None or width < hidden.shape[0]):
+            hidden = hidden[:width] if pick is None else hidden[pick]  # (a view op: only then)
         self.hidden = hidden
         return tokens if pick is None else [tokens[i] for i in pick]
 
