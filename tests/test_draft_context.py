@@ -106,8 +106,9 @@ class _BucketedProjection:
 
 def test_captured_projections_flush_at_the_largest_bucket_and_chunk_a_prefill(drafter):
     """With a captured projection, a request's pending rows are projected as soon as they fill
-    the largest bucket (plain steps never fall back to an eager projection) and a longer run (a
-    prefill) is projected in pieces of it; the rings hold what one eager projection gives."""
+    the largest bucket (plain steps never fall back to an eager projection), a longer run (a
+    prefill) in pieces of it, a run past CHUNKED_REPLAYS pieces in one eager call; the rings hold
+    what one eager projection gives."""
     feats = drafter.config.context_features
     g = torch.Generator().manual_seed(3)
     truth = torch.randn(45, feats, generator=g)  # (45, F): a 21-row prefill, then 24 decodes
@@ -124,12 +125,20 @@ def test_captured_projections_flush_at_the_largest_bucket_and_chunk_a_prefill(dr
                     assert cache._ctx["r"].pending_rows < 8  # flushed at the bucket
             cache.project(["r"])
         caches[name] = cache
-    assert caches["bucketed"]._captured.calls[:3] == [8, 8, 5]  # the prefill in pieces
-    kv, first = caches["bucketed"].keys_values("r")
+    bucketed = caches["bucketed"]
+    assert bucketed._captured.calls[:3] == [8, 8, 5]  # the prefill in pieces
+    kv, first = bucketed.keys_values("r")
     want, want_first = caches["eager"].keys_values("r")
     assert first == want_first == 0
     torch.testing.assert_close(kv, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv, _expected(drafter, truth, 1024)[0], rtol=1e-5, atol=1e-5)
+    calls = len(bucketed._captured.calls)
+    long = torch.randn(40, feats, generator=g)  # past CHUNKED_REPLAYS x 8 rows: one eager call
+    with torch.inference_mode():
+        bucketed.observe("s", 0, long)
+    assert len(bucketed._captured.calls) == calls and not bucketed._ctx["s"].pending
+    kv, _ = bucketed.keys_values("s")
+    torch.testing.assert_close(kv, _expected(drafter, long, 1024)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_errors_name_the_request_and_positions(drafter):

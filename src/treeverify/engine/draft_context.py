@@ -62,6 +62,7 @@ class _Context:
 
 class DraftContextCache:
     MAX_PENDING = 64  # observed chunks kept before they are projected (bounds the list)
+    CHUNKED_REPLAYS = 4  # a captured projection replays at most this many pieces, else eager
     # Rows kept beyond the window, so that dropping rejected or recomputed rows (a few at the
     # end) still leaves a full window to draft from.
     SLACK = 64
@@ -237,15 +238,15 @@ class DraftContextCache:
                           for (_, ctx), (_, n) in zip(todo, spans, strict=True)])  # fmt: skip
         flat = to_device(ring + pos_host % self.width, dev)  # (R,) rows of the flat store
         store = self.kv.view(-1, *self.kv.shape[2:])
-        # captured: in pieces of the largest bucket (a prefill's rows too), each a replay whose
-        # output (a view of the graph's) is scattered before the next replay overwrites it
-        step = feats.shape[0] if self._captured is None else self._captured.batch_sizes[-1]
-        for a in range(0, feats.shape[0], step):
-            if self._captured is not None:
-                kv = self._captured(feats[a : a + step], pos[a : a + step])[0]
-            else:
-                kv = self.drafter.context_kv(feats, pos)  # (R, n_layers, 2, Hkv, D)
-            store.index_copy_(0, flat[a : a + step], kv.to(self.kv.dtype))
+        bucket, total = self.flush_rows, feats.shape[0]  # bucket: None when nothing is captured
+        if bucket is not None and total <= self.CHUNKED_REPLAYS * bucket:
+            for a in range(0, total, bucket):  # replays: each output (a view of the graph's)
+                # is scattered before the next replay overwrites it
+                kv = self._captured(feats[a : a + bucket], pos[a : a + bucket])[0]
+                store.index_copy_(0, flat[a : a + bucket], kv.to(self.kv.dtype))
+        else:  # eager: nothing captured, or a long run (a prefill's rows): ~25 launches for all
+            kv = self.drafter.context_kv(feats, pos)  # (R, n_layers, 2, Hkv, D)
+            store.index_copy_(0, flat, kv.to(self.kv.dtype))
         for (_, ctx), (begin, n) in zip(todo, spans, strict=True):
             ctx.set_pending([])
             held = ctx.count if begin == ctx.end else 0  # rows skipped: the ring starts over
