@@ -20,12 +20,12 @@ newest `window` rows. A captured whole round (engine/round_graphs.py) writes its
 straight into the ring and the host only advances `end` and `count` (`advance`).
 
 `observe` only appends to a pending list (a plain decode step, e.g. at adaptive budget 0, costs a
-list append) and projects the request's rows once they fill the largest captured projection
-bucket (`flush_rows`; on the CPU every MAX_PENDING chunks); `project` turns every pending row of a
-set of requests into keys/values in ONE drafter call (rows are independent: one flat (R, F) batch
-over all requests; captured: up to CHUNKED_REPLAYS replays of the largest bucket, a longer run
-eagerly) and scatters them into the rings. Rows older than W are never projected. SLACK rows beyond the window let a few rejected
-or recomputed rows at the end be dropped and still leave a full window.
+list append) and projects the request's rows once they fill the largest captured projection bucket
+(`flush_rows`; on the CPU every MAX_PENDING chunks); `project` turns every pending row of a set of
+requests into keys/values in ONE drafter call (rows are independent: one flat (R, F) batch over all
+requests; captured: up to CHUNKED_REPLAYS replays of the largest bucket, a longer run eagerly) and
+scatters them into the rings. Rows older than W are never projected. SLACK rows beyond the window
+let a few rejected or recomputed rows at the end be dropped and still leave a full window.
 
 The store grows by slots while requests come (CPU, before capture); `fix` sizes it once for
 captured graphs (their addresses are baked in), after which a new request takes the slot of the
