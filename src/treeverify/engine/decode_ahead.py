@@ -53,17 +53,15 @@ from dataclasses import dataclass
 
 import torch
 
-from treeverify import env
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.decode_step_end import end_step, end_step_torch
 from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
+from treeverify.engine.pick_kernels import fused_picks
 from treeverify.engine.round_state import RoundState
-from treeverify.engine.sample_noise import request_key
-from treeverify.engine.sampler import unfiltered
+from treeverify.engine.sampler import drawable, staged_draws
 from treeverify.engine.scheduler import ScheduledChunk
 from treeverify.engine.sequence import Sequence
-from treeverify.kernels.api import triton_available
 
 log = logging.getLogger("treeverify.engine")
 
@@ -88,7 +86,7 @@ class DecodeAhead(LaunchAhead):
         self.device = graphs.attention.cache.device
         self.state = RoundState(self.device, bm.page_size)
         # the step's end (argmax + advance) in two Triton launches (engine/decode_step_end.py)
-        self.fused_end = capture and env.fused_decode_step() and triton_available()
+        self.fused_end = capture and fused_picks()
         self.captured = capture
         # sampled rows too (each drawn on the device by its staged temperature and key): with
         # the fused end, or eagerly on the CPU; a captured PyTorch end takes greedy steps only
@@ -209,12 +207,11 @@ class DecodeAhead(LaunchAhead):
             if not ahead:
                 for seq in seqs:
                     self.bm.release_hold(seq)
-            temps = [float(s.sampling_params.temperature) for s in seqs]
-            keys = [request_key(s) for s in seqs] if any(temps) else None
+            temps, keys = staged_draws(seqs)
             self._sampled_now = keys is not None
             self._stage(b).write_decodes([c.token_ids[0] for c in chunks], starts,
                                          [c.slots[0] for c in chunks],
-                                         [s.block_table for s in seqs], temps if keys else None,
+                                         [s.block_table for s in seqs], temps,
                                          keys)  # fmt: skip
             now, width, pick = self._launch(b), len(seqs), None
         else:
@@ -274,11 +271,8 @@ class DecodeAhead(LaunchAhead):
 
     def takes(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these requests' plain decodes can run here as to their sampling
-        (the engine checks logprobs, penalties and logit_bias): greedy, or with `sampling`
-        drawn without top-p / top-k."""
-        if all(s.sampling_params.temperature == 0 for s in seqs):
-            return True
-        return self.sampling and all(unfiltered(s) for s in seqs)
+        (sampler.drawable)."""
+        return drawable(seqs, self.sampling)
 
     @property
     def info(self) -> dict:

@@ -90,7 +90,7 @@ def end_step_torch(logits: torch.Tensor, v: dict[str, torch.Tensor], b: int, scr
     """The same in PyTorch ops (the reference, and the default): the tokens, then the advance;
     `state` an engine/round_state.RoundState (its node-slot lookup)."""
     if sampled:  # each row by its staged temperature and key, at the next position
-        tokens = pick_tokens_torch(logits, v["temp"][:b], v["key"][:b], v["pos"][:b] + 1)
+        tokens = pick_tokens_torch(logits, v["temp"][:b], v["key"][:b], v["pos"][:b], pos_offset=1)
     else:
         tokens = logits.argmax(-1)  # (b,) int64, the sampler's greedy choice
     valid = v["valid"][:b]  # (b,) int32: padding rows stay as they were

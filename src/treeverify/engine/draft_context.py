@@ -194,8 +194,9 @@ class DraftContextCache:
     def flush_rows(self) -> int | None:
         """Pending rows projected as soon as a request has them: the largest captured
         projection bucket (a run of plain steps then projects by graph replays, never eagerly:
-        an eager 64-row projection cost ~0.7 ms a GEMM of host time on the H200, thirty-third
-        session); None when nothing is captured (the CPU: every MAX_PENDING chunks)."""
+        an eager 64-row projection's GEMMs took ~0.7 ms of host time each under cProfile on the
+        H200, thirty-third session); None when nothing is captured (the CPU: every MAX_PENDING
+        chunks)."""
         return None if self._captured is None else self._captured.batch_sizes[-1]
 
     def _truncate(self, ctx: _Context, start: int) -> None:

@@ -353,8 +353,8 @@ class LLM(SpeculativeSteps, Introspection):
         for seq in seqs:
             self._logprobs[seq.request_id].append(None)
         if ahead.hidden is not None and self.spec is not None:  # (n, F), the chunks' order
-            rows = ahead.hidden if len(chunks) == 1 else ahead.hidden.split(1)  # one op for all
-            for c, row in zip(chunks, rows if len(chunks) > 1 else [rows], strict=True):
+            rows = [ahead.hidden] if len(chunks) == 1 else ahead.hidden.split(1)  # (1, F) each
+            for c, row in zip(chunks, rows, strict=True):
                 self.spec.source.observe(c.seq.request_id, c.start, row)
         if batch.prefills:  # the step's sampled order: decodes, then prefills
             return tokens + self._forward(ScheduledBatch(prefills=batch.prefills), None)

@@ -21,9 +21,19 @@ import functools
 
 import torch
 
+from treeverify import env
 from treeverify.engine.sample_noise import M32, mix_tensor, uniform_from_seeds
+from treeverify.kernels.api import triton_available
+from treeverify.spec.accept import sample_per_node
 
 CHUNK = 4096  # logits a program reduces (a power of two)
+
+
+def fused_picks() -> bool:
+    """Whether captured graphs pick their tokens with `chunk_pick` (greedy or sampled): the
+    fused step end (TREEVERIFY_FUSED_DECODE_STEP) where Triton imports. Read when an engine's
+    decode-ahead and whole-round graphs are built."""
+    return env.fused_decode_step() and triton_available()
 
 
 @functools.cache
@@ -113,13 +123,10 @@ def pick_tokens(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor,
 
 
 def pick_tokens_torch(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor,
-                      positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                      positions: torch.Tensor, pos_offset: int = 0) -> torch.Tensor:  # fmt: skip
     """The reference in PyTorch ops: the same tokens as `pick_tokens` (up to float rounding of
-    the Gumbel terms): greedy rows their argmax, sampled rows the Gumbel-max of their draws."""
-    seeds = mix_tensor(keys ^ (positions & M32))  # (R,) S
+    the Gumbel terms): spec/accept.py's sample_per_node over the same draws (greedy rows their
+    argmax). Capture-safe; it hashes every row (a CPU's eager step, the tests)."""
+    seeds = mix_tensor(keys ^ ((positions + pos_offset) & M32))  # (R,) S
     u = uniform_from_seeds(seeds, logits.shape[-1])  # (R, V)
-    gumbel = -torch.log(-torch.log(u))
-    live = temps > 0  # (R,)
-    safe = torch.where(live, temps, torch.ones_like(temps))[:, None]  # (R, 1)
-    scores = torch.where(live[:, None], logits / safe + gumbel, logits)  # (R, V)
-    return scores.argmax(-1)
+    return sample_per_node(logits[:, None, :], temps, noise=u[:, None, :])[:, 0]

@@ -61,17 +61,14 @@ from dataclasses import dataclass
 
 import torch
 
-from treeverify import env
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.draft_graphs import DraftMeta
 from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
-from treeverify.engine.pick_kernels import pick_tokens, pick_tokens_torch
+from treeverify.engine.pick_kernels import fused_picks, pick_tokens, pick_tokens_torch
 from treeverify.engine.round_state import RoundState
-from treeverify.engine.sample_noise import request_key
-from treeverify.engine.sampler import unfiltered
+from treeverify.engine.sampler import drawable, staged_draws
 from treeverify.engine.sequence import Sequence
-from treeverify.kernels.api import triton_available
 from treeverify.spec import accept_greedy
 
 log = logging.getLogger("treeverify.engine")
@@ -111,7 +108,7 @@ class RoundGraphs(LaunchAhead):
         # sampled rounds too (each node drawn on the device by its request's staged temperature
         # and key, engine/pick_kernels.py): captured with the fused pick (Triton,
         # TREEVERIFY_FUSED_DECODE_STEP), or eagerly on the CPU; else greedy rounds only
-        self.sampling = not capture or (env.fused_decode_step() and triton_available())
+        self.sampling = not capture or fused_picks()
         self._sampled_now = False  # (eager: whether this launch's requests sample)
         self.rounds: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         # per bucket, two pinned result buffers + events, alternating: a round launched ahead
@@ -195,26 +192,19 @@ class RoundGraphs(LaunchAhead):
         after the node (so the walk commits plain sampled decoding's tokens: sampler.draw_nodes)."""
         if not self.sampling or (not self.captured and not self._sampled_now):
             return out.argmax(-1)
-        temps, keys, pos = v["temp"][:rows], v["key"][:rows], v["pos"][:rows]
-        if self.captured:
-            return pick_tokens(out, temps, keys, pos, pos_offset=1)
-        return pick_tokens_torch(out, temps, keys, pos + 1)
+        pick = pick_tokens if self.captured else pick_tokens_torch
+        return pick(out, v["temp"][:rows], v["key"][:rows], v["pos"][:rows], pos_offset=1)
 
     def takes(self, seqs: list[Sequence]) -> bool:
-        """Whether these requests' rounds can run here as to their sampling (the engine checks
-        logprobs, penalties and logit_bias): greedy, or with `sampling` drawn without top-p /
-        top-k."""
-        if all(s.sampling_params.temperature == 0 for s in seqs):
-            return True
-        return self.sampling and all(unfiltered(s) for s in seqs)
+        """Whether these requests' rounds can run here as to their sampling (sampler.drawable)."""
+        return drawable(seqs, self.sampling)
 
     def _sampling_rows(self, seqs: list[Sequence]) -> tuple[list[float] | None, list[int] | None]:
-        """The requests' temperatures and draw keys for their stage (None, None: all greedy)."""
-        temps = [float(s.sampling_params.temperature) for s in seqs]
-        self._sampled_now = any(temps)
-        if not self._sampled_now:
-            return None, None
-        return temps, [request_key(s) for s in seqs]
+        """The requests' temperatures and draw keys for their stage (sampler.staged_draws), and
+        whether an eager launch of them draws."""
+        temps, keys = staged_draws(seqs)
+        self._sampled_now = keys is not None
+        return temps, keys
 
     @torch.inference_mode()
     def _capture(self, b: int, budget: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

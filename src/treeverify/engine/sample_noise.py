@@ -39,6 +39,7 @@ import functools
 import torch
 
 from treeverify.engine.sequence import Sequence
+from treeverify.kernels.staging import to_device
 
 M32 = 0xFFFF_FFFF
 MUL1, MUL2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -97,7 +98,4 @@ def uniform_from_seeds(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def uniform_noise(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """(R, V) draws for R host-side row seeds (`row_seed`), one upload."""
-    host = torch.tensor(seeds, dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return uniform_from_seeds(host.to(device, non_blocking=True), vocab)
+    return uniform_from_seeds(to_device(torch.tensor(seeds, dtype=torch.int64), device), vocab)

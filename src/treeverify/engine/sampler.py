@@ -35,6 +35,24 @@ def unfiltered(seq: Sequence) -> bool:
     return p.temperature == 0 or (p.top_p >= 1 and p.top_k <= 0)
 
 
+def drawable(seqs: list[Sequence], sampling: bool) -> bool:
+    """Whether a graph that picks on the device (a decode step launched ahead, a whole round)
+    takes these requests as to their sampling: all greedy, or, where it draws (`sampling`), none
+    needing a sort (the engine checks logprobs, penalties and logit_bias itself)."""
+    if all(s.sampling_params.temperature == 0 for s in seqs):
+        return True
+    return sampling and all(unfiltered(s) for s in seqs)
+
+
+def staged_draws(seqs: list[Sequence]) -> tuple[list[float] | None, list[int] | None]:
+    """The requests' temperatures and draw keys as a stage takes them (StepStage.write_decodes /
+    write_round); (None, None) when all are greedy (the stage's zeros)."""
+    temps = [float(s.sampling_params.temperature) for s in seqs]
+    if not any(temps):
+        return None, None
+    return temps, [request_key(s) for s in seqs]
+
+
 def sample(
     logits: torch.Tensor,  # (N, V) fp32, one row per sampled sequence
     seqs: list[Sequence],
@@ -43,22 +61,13 @@ def sample(
     if logits.shape[0] != len(seqs):
         raise ValueError(f"logits: {logits.shape[0]} rows for {len(seqs)} sequences")
     # One device->host read for the whole step, every row drawn on the device together.
-    if all(s.sampling_params.temperature == 0 for s in seqs):
-        chosen = torch.argmax(logits, dim=-1)  # (N,)
-    else:
-        chosen = _draw(logits, seqs)
-    tokens = chosen.tolist()
+    tokens = draw_nodes(logits[:, None, :], None, 0, seqs)[:, 0].tolist()
     infos: list[TokenLogprobs | None] = [None] * len(seqs)
     for row, seq in enumerate(seqs):
         k = seq.sampling_params.logprobs
         if k is not None:
             infos[row] = token_logprobs(logits[row : row + 1], [tokens[row]], k)[0]
     return tokens, infos
-
-
-def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """(N,) tokens of a step with sampled rows (greedy rows, temperature 0, their argmax)."""
-    return draw_nodes(logits[:, None, :], None, 0, seqs)[:, 0]
 
 
 def draw_nodes(logits: torch.Tensor, depths: torch.Tensor | None, max_depth: int,
