@@ -204,16 +204,6 @@ class DivergenceJudge:
         return found
 
 
-def write_rows(path: Path, script: str, argv: list[str] | None, rows: list[dict]) -> None:
-    """A GPU script's raw JSON: date, device, commit, the command that ran, its rows."""
-    path.write_text(json.dumps({
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "commit": _git_commit(),
-        "command": f"scripts/{script} " + " ".join(argv or sys.argv[1:]),
-        "rows": rows}, indent=1))  # fmt: skip
-
-
 def free(llm) -> None:
     del llm
     gc.collect()

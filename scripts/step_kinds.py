@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pair import PROSE, free, prose_prompts, write_rows  # noqa: E402
+from bench_pair import PROSE, free, prose_prompts  # noqa: E402
+from raw_json import write_rows  # noqa: E402
 
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
