@@ -9,12 +9,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from treeverify.engine.llm import LLM
-from treeverify.engine.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from null_model import make_null  # noqa: E402
+
+from treeverify.engine.llm import LLM  # noqa: E402
+from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -35,6 +40,12 @@ def main() -> None:
         help="torch.profiler (host ops and GPU kernels) instead of cProfile",
     )
     p.add_argument("--top", type=int, default=18, help="functions shown, by own time")
+    p.add_argument(
+        "--null-model",
+        action="store_true",
+        help="the target's forward replaced by a near no-op (scripts/null_model.py; CPU): the "
+        "step's host work alone",
+    )
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     costs = {0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}  # budget 0 always wins: only plain steps run
@@ -48,6 +59,8 @@ def main() -> None:
         if a.lookahead:
             kw = {**kw, "decode_lookahead": True}
         llm = LLM(a.model, device=dev, num_pages=512, max_num_seqs=a.batch, **kw)
+        if a.null_model:
+            make_null(llm)
         llm.generate(prompts, sp)
         t0 = time.perf_counter()
         llm.generate(prompts, sp)  # timed alone: no profiler

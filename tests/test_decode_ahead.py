@@ -153,13 +153,17 @@ def test_ngram_engines_launch_their_plain_steps_ahead():
 def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows():
     """The drafter conditions on the target's hidden states of every committed token: a plain
     step launched ahead hands it the same rows as one read first (the drafter's context rings
-    equal after every step), through switches between plain steps and rounds."""
+    equal after every step), through switches between plain steps and rounds, and when the
+    middle request finishes first (the launched step is taken by the first and the last: its
+    rows 0 and 2, gathered)."""
     knobs = dict(speculative_algorithm="DDTREE", num_pages=128)  # tiny-code's own DFlash drafter
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
-    cycle_budgets(ahead, [0, 0, 0, 16, 0, 0, 8, 0])
+    cycle_budgets(ahead, [0, 0, 0, 16, 0, 0, 8, 0, 0, 0, 0, 0])
     replay_budgets(first, record_budgets(ahead))  # the budgets ahead ran, step for step
-    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    pairs = [(ahead.add_request(p, sp), first.add_request(p, sp)) for p in CODE[:2]]
+    pairs = []
+    for p, n in zip(CODE[:3], (48, 9, 40), strict=True):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        pairs.append((ahead.add_request(p, sp), first.add_request(p, sp)))
     steps = 0
     while ahead.has_unfinished() or first.has_unfinished():
         ahead.step()
@@ -170,6 +174,23 @@ def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows():
             if not a.is_finished:
                 assert_same_state(ahead, a, first, b, f"step {steps}")
     assert ahead.ahead.ahead_used > 5 and ahead.spec_stats["rounds"] > 0
+    assert ahead.ahead.ahead_partial >= 1  # a step taken without its middle request
+
+
+def test_kept_rows_are_views_for_a_leading_run_and_gathered_otherwise():
+    """decode_ahead.kept_rows: the rows of a launched step's tapped hidden states a step takes.
+    A leading run stays a view (no copy, no upload); any other pick is gathered by an index
+    tensor, never by a Python list (on a GPU that indexes through pageable memory: a sync)."""
+    from treeverify.engine.decode_ahead import kept_rows
+
+    hidden = torch.randn(4, 6)  # (b, F)
+    assert kept_rows(hidden, 4, None) is hidden
+    head = kept_rows(hidden, 2, None)
+    assert head.data_ptr() == hidden.data_ptr() and torch.equal(head, hidden[:2])
+    assert kept_rows(hidden, 3, [0, 1]).data_ptr() == hidden.data_ptr()
+    picked = kept_rows(hidden, 3, [0, 2])
+    assert torch.equal(picked, torch.stack([hidden[0], hidden[2]]))
+    assert torch.equal(kept_rows(hidden, 3, [1]), hidden[1:2])
 
 
 def test_decode_lookahead_defaults_off_on_the_cpu_and_follows_the_switch(monkeypatch):

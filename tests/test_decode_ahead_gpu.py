@@ -85,11 +85,20 @@ def test_steps_launched_ahead_on_mla_moe_equal_read_first():
     assert outs[True] == outs[False]
 
 
-def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(monkeypatch):
+@pytest.mark.parametrize("drafter", [None, "dflash"], ids=["plain", "dflash-budget-0"])
+def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(monkeypatch, drafter):
     """Under torch.cuda.set_sync_debug_mode("error") (a sync PyTorch issues raises), a steady
     step's only wait is the one intended: for the copy of its own tokens into pinned memory,
-    the next step already queued behind it; counted, exactly one a step."""
-    llm = _engine(decode_lookahead=True)
+    the next step already queued behind it; counted, exactly one a step. With tiny-code's DFlash
+    drafter at budget 0 too: the step's hidden rows go to the drafter (and are projected into
+    its rings once 32 are pending) without a sync (a Python-list index of the rows did sync:
+    most of that engine's plain step, thirty-fourth session)."""
+    if drafter is None:
+        llm = _engine(decode_lookahead=True)
+    else:
+        llm = _engine(decode_lookahead=True, speculative_algorithm="DDTREE",
+                      speculative_ddtree_budget=16)  # fmt: skip
+        cycle_budgets(llm, [0])  # plain steps only
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     seqs = [llm.add_request(p, sp) for p in heldout_prompts(random.Random(5), 2)]
     while any(s.num_output_tokens < 4 for s in seqs):

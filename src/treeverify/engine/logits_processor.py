@@ -26,6 +26,7 @@ import torch
 
 from treeverify.engine.sampling_params import MAX_LOGIT_BIAS
 from treeverify.engine.sequence import Sequence, SequenceStatus
+from treeverify.kernels.staging import to_device  # pinned: an upload never waits for the stream
 
 
 def penalize(x: torch.Tensor, count: torch.Tensor, frequency: torch.Tensor,
@@ -82,7 +83,7 @@ class LogitsProcessor:
                 continue
             held = self._held.get(seq.request_id)
             out.append(held[1] if held is not None else self._take(seq))
-        return torch.tensor(out, dtype=torch.int64).to(self.device)
+        return to_device(torch.tensor(out, dtype=torch.int64), self.device)
 
     def _take(self, seq: Sequence) -> int:
         if not self._free:
@@ -95,14 +96,16 @@ class LogitsProcessor:
         self.frequency[row] = p.frequency_penalty
         ids, vals = list(p.logit_bias), list(p.logit_bias.values())
         pad = MAX_LOGIT_BIAS - len(ids)
-        self.bias_ids[row] = torch.tensor(ids + [0] * pad, dtype=torch.int64).to(self.device)
-        self.bias_values[row] = torch.tensor(vals + [0.0] * pad).to(self.device)
+        self.bias_ids[row] = to_device(
+            torch.tensor(ids + [0] * pad, dtype=torch.int64), self.device
+        )
+        self.bias_values[row] = to_device(torch.tensor(vals + [0.0] * pad), self.device)
         self._held[seq.request_id] = [seq, row, seq.num_output_tokens]
         return row
 
     def _add(self, row: int, token_ids: list[int]) -> None:
         if token_ids:
-            idx = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
+            idx = to_device(torch.tensor(token_ids, dtype=torch.int64), self.device)
             self.counts[row].index_put_((idx,), torch.ones_like(idx, dtype=torch.float32),
                                         accumulate=True)  # fmt: skip
 
