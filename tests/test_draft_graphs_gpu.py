@@ -207,9 +207,14 @@ def test_tiny_code_engine_drafts_through_the_graphs_same_tokens(algorithm, budge
     assert outs[True] == outs[False], f"seed {seed}"
 
 
-@pytest.mark.parametrize("whole,ahead", [(True, True), (True, False), (False, False)],
-                         ids=["lookahead", "whole-round", "general"])  # fmt: skip
-def test_steady_state_round_reads_the_device_once_and_never_else_syncs(monkeypatch, whole, ahead):
+@pytest.mark.parametrize(
+    "whole,ahead,sampled",
+    [(True, True, False), (True, False, False), (False, False, False), (True, True, True)],
+    ids=["lookahead", "whole-round", "general", "lookahead-sampled"],
+)
+def test_steady_state_round_reads_the_device_once_and_never_else_syncs(
+    monkeypatch, whole, ahead, sampled
+):
     """Issue 14's round contract, end to end on the engine (tiny-code + its DFlash drafter,
     DDTREE at a fixed budget, CUDA graphs, two requests): a steady-state step, from scheduling
     through draft, tree build, verify, accept, K/V moves, commit and the drafter's context
@@ -219,13 +224,17 @@ def test_steady_state_round_reads_the_device_once_and_never_else_syncs(monkeypat
     their copy into pinned memory, with lookahead the next round already queued behind it).
     (Sync debug mode sees the syncs PyTorch itself issues, not every driver call;
     torch.profiler's syncs per step in scripts/profile_round_gpu.py is the check from the
-    other side.)"""
+    other side.) `sampled`: T=1 with the fused pick (TREEVERIFY_FUSED_DECODE_STEP=1), whose
+    whole rounds draw each node's token in the graph from the staged temperature and key."""
+    if sampled:
+        monkeypatch.setenv("TREEVERIFY_FUSED_DECODE_STEP", "1")
     heldout = json.loads((shipped_dir("tiny-code") / "heldout.json").read_text())["prompts"]
     llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=2,
               speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
               speculative_adaptive=False, disable_round_graphs=not whole,
               round_lookahead=ahead)  # fmt: skip
-    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    sp = SamplingParams(temperature=1.0 if sampled else 0, seed=3, max_tokens=200,
+                        ignore_eos=True)  # fmt: skip
     llm.generate([heldout[0][:300]], SamplingParams(temperature=0, max_tokens=32))  # warm
     seqs = [llm.add_request(p[:300], sp) for p in heldout[1:3]]
     while any(s.num_output_tokens < 8 for s in seqs):  # prefills done, rounds running
