@@ -4,6 +4,7 @@ recomputation within rounding; roots and padding nodes see only the committed co
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -86,3 +87,36 @@ def test_rows_are_reused_and_rebuilt_after_preemption():
     ra = int(proc.rows([a])[0])
     assert ra != rb and proc.counts[ra].tolist() == [0, 0, 0, 2, 1]
     assert int(proc.rows([Sequence("c", [1])])[0]) == proc.null_row  # no processing
+
+
+def test_commit_counts_every_request_in_one_scatter_equal_to_a_bincount():
+    """Several requests commit tokens over steps (one, several, repeats, none): after each
+    commit every held row equals a bincount of that request's output tokens, the other rows
+    stay as they were (one scatter over the flattened table must not spill across rows), and
+    the penalties staged for a row are the request's."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    vocab, n = 11, 3
+    proc = LogitsProcessor(max_num_seqs=n + 1, vocab_size=vocab, device=torch.device("cpu"))
+    seqs = []
+    for i in range(n):
+        sp = SamplingParams(frequency_penalty=0.5 * i + 0.25, presence_penalty=0.25 * i)
+        seq = Sequence(f"r{i}", [1], sp)
+        seq.status = SequenceStatus.RUNNING
+        seq.output_token_ids = [rng.randrange(vocab) for _ in range(rng.randrange(4))]
+        seqs.append(seq)
+    rows = proc.rows(seqs).tolist()
+    for step in range(6):
+        for seq in seqs:
+            seq.output_token_ids += [rng.randrange(vocab) for _ in range(rng.randrange(3))]
+        proc.commit()
+        for seq, row in zip(seqs, rows, strict=True):
+            want = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64),
+                                  minlength=vocab).float()  # fmt: skip
+            assert torch.equal(proc.counts[row], want), f"step {step}, {seq.request_id}"
+    for row in set(range(n + 2)) - set(rows):  # free rows and the null row: untouched
+        assert not proc.counts[row].any()
+    for i, row in enumerate(rows):
+        assert proc.frequency[row].item() == 0.5 * i + 0.25
+        assert proc.presence[row].item() == 0.25 * i

@@ -35,6 +35,22 @@ def test_decodes_fill_every_field_and_pad_the_rest():
     assert (table[:, 2:] == -7).all()
 
 
+def test_a_table_grown_by_a_page_is_not_current_until_restaged():
+    """`table_current`: what a step launched ahead checks before restaging the page table (a
+    hold may have added a page; restaging every step was a copy a round for nothing)."""
+    stage = StepStage(batch=2, n=1, words=1, pages=4, scratch_slot=99, device=torch.device("cpu"))
+    tables = [[2, 3], [4]]
+    assert not stage.table_current(tables)  # nothing staged yet
+    stage.write_decodes([1, 2], [20, 5], [50, 69], tables)
+    assert stage.table_current(tables)
+    tables[1].append(7)  # a hold added a page
+    assert not stage.table_current(tables)
+    stage.views["table"].fill_(-7)
+    stage.write_table(tables)
+    assert stage.table_current(tables)
+    assert stage.views["table"].t()[:, :2].tolist() == [[2, 3], [4, 7]]
+
+
 def test_device_step_stages_host_part_and_copies_device_rows():
     stage = StepStage(batch=2, n=3, words=1, pages=4, scratch_slot=50, device=torch.device("cpu"))
     v = stage.views

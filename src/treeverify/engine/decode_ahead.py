@@ -234,10 +234,10 @@ class DecodeAhead(LaunchAhead):
             b, now, width = fl.batch, fl.launched, len(fl.seqs)
             ahead = ahead and len(pick) == width  # else its twin still has the dropped rows
         if ahead:  # the next step's advance looks up q + 2: hold that page, restage the table
-            pages = [len(s.block_table) for s in seqs]
             ahead = self._hold(seqs, [q + 3 for q in starts], self.graphs.max_pages)
-            if ahead and any(len(s.block_table) != n for s, n in zip(seqs, pages, strict=True)):
-                self._stage(b).write_table([s.block_table for s in seqs])  # after `now`
+            tables = [s.block_table for s in seqs]
+            if ahead and not self._stage(b).table_current(tables):  # a page was added
+                self._stage(b).write_table(tables)  # after `now`
         if not ahead:  # nothing launched ahead: held pages without a slot go back
             for seq in seqs:
                 self.bm.release_hold(seq)

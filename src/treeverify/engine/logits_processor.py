@@ -91,9 +91,9 @@ class LogitsProcessor:
         row = self._free.pop()
         p = seq.sampling_params
         self.counts[row].zero_()
-        self._add(row, seq.output_token_ids)
-        self.presence[row] = p.presence_penalty
-        self.frequency[row] = p.frequency_penalty
+        self._add([(row, seq.output_token_ids)])
+        self.presence[row].fill_(p.presence_penalty)  # (a kernel argument: no host copy)
+        self.frequency[row].fill_(p.frequency_penalty)
         ids, vals = list(p.logit_bias), list(p.logit_bias.values())
         pad = MAX_LOGIT_BIAS - len(ids)
         self.bias_ids[row] = to_device(
@@ -103,21 +103,28 @@ class LogitsProcessor:
         self._held[seq.request_id] = [seq, row, seq.num_output_tokens]
         return row
 
-    def _add(self, row: int, token_ids: list[int]) -> None:
-        if token_ids:
-            idx = to_device(torch.tensor(token_ids, dtype=torch.int64), self.device)
-            self.counts[row].index_put_((idx,), torch.ones_like(idx, dtype=torch.float32),
-                                        accumulate=True)  # fmt: skip
+    def _add(self, parts: list[tuple[int, list[int]]]) -> None:
+        """Count each (row, token ids) in one scatter_add_ over the flattened table, its index
+        uploaded through pinned memory: no sync (index_put_ with accumulate=True sorts with a
+        host round trip on a GPU, ~8 ms a call measured on the H200: spec/ngram.py). Adding
+        ones is exact in fp32 in any order."""
+        flat = [row * self.vocab + t for row, ids in parts for t in ids]
+        if flat:
+            idx = to_device(torch.tensor(flat, dtype=torch.int64), self.device)  # (K,)
+            self.counts.view(-1).scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))
 
     def commit(self) -> None:
-        """After a step: count the tokens each running request committed; release the rows of
-        requests that stopped running (finished, aborted, preempted)."""
+        """After a step: count the tokens each running request committed (all requests in one
+        scatter); release the rows of requests that stopped running (finished, aborted,
+        preempted)."""
         self.release_stopped()
+        parts = []
         for held in self._held.values():
             seq, row, counted = held
             if seq.num_output_tokens > counted:
-                self._add(row, seq.output_token_ids[counted:])
+                parts.append((row, seq.output_token_ids[counted:]))
                 held[2] = seq.num_output_tokens
+        self._add(parts)
 
     def release_stopped(self) -> None:
         for rid, (seq, row, _) in list(self._held.items()):

@@ -320,8 +320,9 @@ class RoundGraphs(LaunchAhead):
                                        "were not held")  # fmt: skip
                 self.bm.reserve(seq, n - 1)
             held = ahead and self._hold_next(seqs, starts, b, budget, nb)
-            if held and nb == budget:
-                self.graphs.stages[(b, n)].write_table([s.block_table for s in seqs])
+            stage, tables = self.graphs.stages[(b, n)], [s.block_table for s in seqs]
+            if held and nb == budget and not stage.table_current(tables):  # a page was added:
+                stage.write_table(tables)  # queued after `now`, which read the table it had
         if not held:  # nothing launched ahead: pages held for this round are in its slots now
             for seq in seqs:
                 self.bm.release_hold(seq)
