@@ -67,3 +67,30 @@ def test_sampled_speculation_is_seeded_and_within_max_tokens():
     b = LLM("tiny-llama", **kw).generate(PROMPTS[:2], params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 15 and o.finish_reason == "length" for o in a)
+
+
+def test_speculative_logprobs_equal_plain_decodings_per_request_k():
+    """Logprobs of tokens committed by rounds come from the verify rows of their path nodes,
+    gathered for every asking request at once with each request's own k (2, none, 5): the
+    same tokens, logprobs and alternatives plain decoding reports (fp32 on the CPU: a verify
+    row and a decode row of the same prefix agree to rounding)."""
+    ks = [2, None, 5, 1]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=k)
+              for k in ks]  # fmt: skip
+    plain = LLM("tiny-llama").generate(PROMPTS, params)
+    llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+              speculative_adaptive=False)  # fmt: skip
+    spec = llm.generate(PROMPTS, params)
+    assert llm.spec.stats.avg_accept_length > 1.3  # rounds committed several tokens at once
+    for k, a, b in zip(ks, plain, spec, strict=True):
+        assert a.token_ids == b.token_ids
+        if k is None:
+            assert b.logprobs is None or all(x is None for x in b.logprobs)
+            continue
+        assert len(b.logprobs) == len(b.token_ids)
+        for tok, x, y in zip(b.token_ids, a.logprobs, b.logprobs, strict=True):
+            assert y.token_id == tok and x.token_id == tok
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert len(y.top) == k
+            assert [t for t, _ in y.top] == [t for t, _ in x.top]
+            assert [v for _, v in y.top] == pytest.approx([v for _, v in x.top], abs=1e-4)

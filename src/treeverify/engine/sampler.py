@@ -63,10 +63,13 @@ def sample(
     # One device->host read for the whole step, every row drawn on the device together.
     tokens = draw_nodes(logits[:, None, :], None, 0, seqs)[:, 0].tolist()
     infos: list[TokenLogprobs | None] = [None] * len(seqs)
-    for row, seq in enumerate(seqs):
-        k = seq.sampling_params.logprobs
-        if k is not None:
-            infos[row] = token_logprobs(logits[row : row + 1], [tokens[row]], k)[0]
+    want = [r for r, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
+    if want:  # every asking row in one call (one more read)
+        rows = logits if len(want) == len(seqs) else logits.index_select(
+            0, to_device(torch.tensor(want), logits.device))  # fmt: skip
+        ks = [seqs[r].sampling_params.logprobs for r in want]
+        for r, info in zip(want, rows_logprobs(rows, [tokens[r] for r in want], ks), strict=True):
+            infos[r] = info
     return tokens, infos
 
 
@@ -119,13 +122,27 @@ def token_logprobs(
 ) -> list[TokenLogprobs]:
     """Each token's logprob under its row's softmax and the row's k most likely tokens (one
     device->host read). Plain and speculative decoding both report through here."""
+    return rows_logprobs(logits, token_ids, [k] * len(token_ids))
+
+
+def rows_logprobs(
+    logits: torch.Tensor,  # (M, V)
+    token_ids: list[int],  # (M,)
+    ks: list[int],  # (M,) alternatives per row (rows of several requests: each its own k)
+) -> list[TokenLogprobs]:
+    """`token_logprobs` with a k per row: the chosen logprobs, the top values and their ids in
+    one tensor, one device->host read for all rows (ids as float64: exact below 2^53; values
+    float32 widened exactly). A row with a smaller k takes the head of the largest k's
+    (descending) list. The ids go up through pinned memory (a pageable upload syncs)."""
+    if not token_ids:
+        return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
-    ids = torch.tensor(token_ids, dtype=torch.int64).to(logprobs.device)
-    chosen = logprobs.gather(1, ids[:, None])[:, 0]  # (M,)
-    top = torch.topk(logprobs, k=min(k, logprobs.shape[-1])) if k else None
-    if top is None:
-        return [TokenLogprobs(t, v, []) for t, v in zip(token_ids, chosen.tolist(), strict=True)]
-    host = torch.cat((chosen[:, None], top.values), 1).tolist()
-    idx = top.indices.tolist()
-    return [TokenLogprobs(t, h[0], list(zip(i, h[1:], strict=True)))
-            for t, h, i in zip(token_ids, host, idx, strict=True)]  # fmt: skip
+    ids = to_device(torch.tensor(token_ids, dtype=torch.int64), logprobs.device)  # (M,)
+    parts = [logprobs.gather(1, ids[:, None]).double()]  # (M, 1)
+    k = min(max(ks), logprobs.shape[-1])
+    if k:
+        top = torch.topk(logprobs, k=k)  # (M, k) each
+        parts += [top.values.double(), top.indices.double()]
+    host = torch.cat(parts, 1).tolist()  # (M, 1 + 2k)
+    return [TokenLogprobs(t, h[0], [(int(h[1 + k + j]), h[1 + j]) for j in range(min(kr, k))])
+            for t, h, kr in zip(token_ids, host, ks, strict=True)]  # fmt: skip

@@ -32,7 +32,7 @@ from treeverify.engine.config import tree_nodes
 from treeverify.engine.drafters import DFlashSource, NgramSource
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
-from treeverify.engine.sampler import TokenLogprobs, draw_nodes, token_logprobs
+from treeverify.engine.sampler import TokenLogprobs, draw_nodes, rows_logprobs
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.staging import to_device
 from treeverify.spec import (
@@ -273,6 +273,28 @@ class SpeculativeDecoder:
         self.stats.rounds += len(out)
         return out
 
+    @staticmethod
+    def _round_logprobs(tb: TreeBatch, logits: torch.Tensor,
+                        out: list[list[int]]) -> list[list[TokenLogprobs] | None]:  # fmt: skip
+        """Per request, its committed tokens' logprobs (None: not asked). Lossless acceptance
+        drew committed token j from the row of path node j: its logprobs are that row's (the
+        rows were processed as plain decoding's are). Every asking request's rows gathered by
+        one pinned index and read once (logits (B, N, V))."""
+        want = [i for i, s in enumerate(tb.seqs) if s.sampling_params.logprobs is not None]
+        result: list[list[TokenLogprobs] | None] = [None] * len(tb.seqs)
+        if not want:
+            return result
+        b, n, v = logits.shape
+        flat = [i * n + node for i in want for node in tb.paths[i]]
+        rows = logits.reshape(b * n, v).index_select(
+            0, to_device(torch.tensor(flat), logits.device))  # (M, V)  # fmt: skip
+        ks = [tb.seqs[i].sampling_params.logprobs for i in want for _ in tb.paths[i]]
+        infos = rows_logprobs(rows, [t for i in want for t in out[i]], ks)
+        at = 0
+        for i in want:
+            result[i], at = infos[at : at + len(out[i])], at + len(out[i])
+        return result
+
     def accept_batch(self, tb: TreeBatch, logits: torch.Tensor) -> list[list[int]]:
         """Walk every verified tree (logits (B*N, V)) on the device, move the accepted K/V,
         read the results once, commit on the host. Returns each sequence's committed tokens
@@ -299,12 +321,7 @@ class SpeculativeDecoder:
                                          bonus)  # fmt: skip
         t0 = self._time("accept", t0)
         out = self.commit_rows(tb.seqs, packed.tolist(), tb.paths)  # the round's one read
-        for i, (seq, toks) in enumerate(zip(tb.seqs, out, strict=True)):
-            # Lossless acceptance drew committed token j from the row of path node j: its
-            # logprobs are that row's (the rows were processed as plain decoding's are).
-            want = seq.sampling_params.logprobs
-            tb.logprobs.append(None if want is None else token_logprobs(
-                logits[i, tb.paths[i]], toks, want))  # fmt: skip
+        tb.logprobs.extend(self._round_logprobs(tb, logits, out))
         now = self._time("commit", t0)
         self.stats.round_seconds += now - tb.started
         return out
