@@ -121,3 +121,11 @@ def test_speculative_decoding_keeps_one_uncached_token():
         if not seq.is_finished and seq.num_output_tokens:
             assert seq.num_uncached_tokens == 1  # every accepted node's K/V counted, not the bonus
     assert llm.spec_stats["rounds"] > 0
+
+
+def test_tail_token_ids_is_the_end_of_all_token_ids():
+    seq = Sequence("a", [1, 2, 3, 4])
+    for out in ([], [5], [5, 6, 7, 8, 9]):
+        seq.output_token_ids = list(out)
+        for n in range(0, 12):
+            assert seq.tail_token_ids(n) == (seq.all_token_ids[-n:] if n else [])

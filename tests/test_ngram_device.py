@@ -48,3 +48,28 @@ def test_no_history_and_bad_arguments():
         ngram_logits(torch.zeros(4, dtype=torch.int64), 3, 10)
     with pytest.raises(ValueError, match="depth"):
         ngram_logits(right_aligned([[1, 2]], 8), 0, 10)
+
+
+def _votes_by_scan(h: list[int], depth: int, max_n: int, window: int) -> list[tuple[int, int]]:
+    """The drafter's rule written the plain way (a scan per n over every start): the
+    reference NgramDrafter.votes' one-pass search must equal."""
+    h = h[-window:]
+    for n in range(min(max_n, len(h) - 1), 0, -1):
+        out = []
+        for start in range(len(h) - n - 1, -1, -1):  # most recent first
+            if h[start : start + n] == h[-n:]:
+                out += enumerate(h[start + n : start + n + depth])
+        if out:
+            return out
+    return []
+
+
+@pytest.mark.parametrize("max_n", [1, 3, 4])
+def test_host_votes_equal_the_scan_per_suffix_length(max_n):
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for _ in range(300):
+        vocab, window = rng.choice([2, 3, 7, 50]), rng.choice([2, 5, 64])
+        host = NgramDrafter(vocab, max_n=max_n, window=window)
+        h, depth = _history(rng, rng.randint(0, 2 * window), vocab), rng.randint(1, 9)
+        assert host.votes(h, depth) == _votes_by_scan(h, depth, max_n, window), f"seed {seed}"

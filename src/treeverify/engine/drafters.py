@@ -47,7 +47,8 @@ class NgramSource:
         """(B, L, V) on `device`: the votes are found on the host and sent as (b, d, token)
         triples (a few hundred bytes), the distributions are built on the device."""
         votes = [(b, d, t) for b, s in enumerate(seqs)
-                 for d, t in self.drafter.votes(s.all_token_ids, depth)]  # fmt: skip
+                 for d, t in self.drafter.votes(s.tail_token_ids(self.drafter.window),
+                                                depth)]  # fmt: skip
         v = torch.tensor(votes, dtype=torch.int64).reshape(-1, 3)  # (K, 3)
         return self.drafter.logits_from_votes(v, len(seqs), depth, device)
 

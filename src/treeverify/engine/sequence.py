@@ -88,6 +88,14 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tail_token_ids(self, n: int) -> list[int]:
+        """The last `n` of ``all_token_ids`` without building the whole list (a drafter's
+        window over a long prompt, every round)."""
+        out, prompt = self.output_token_ids, self.prompt_token_ids
+        if len(out) >= n:
+            return out[len(out) - n :]
+        return prompt[max(0, len(prompt) - (n - len(out))) :] + out
+
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
