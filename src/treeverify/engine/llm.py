@@ -35,6 +35,7 @@ from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
 from treeverify.engine.config import EngineConfig
 from treeverify.engine.decode_ahead import DecodeAhead
+from treeverify.engine.drafter_feed import DrafterFeed
 from treeverify.engine.drafters import DFlashSource, default_depth, make_source, resolve_drafter
 from treeverify.engine.introspection import Introspection
 from treeverify.engine.kv_cache import KVCache
@@ -48,7 +49,6 @@ from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
 from treeverify.engine.spec_step import SpeculativeSteps
 from treeverify.engine.speculative import SpeculativeDecoder
-from treeverify.kernels.staging import to_device
 from treeverify.models import fused_routing, gemv, pdl
 from treeverify.models.moe import DeepseekMoE, Router
 
@@ -67,7 +67,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
-class LLM(SpeculativeSteps, Introspection):
+class LLM(SpeculativeSteps, DrafterFeed, Introspection):
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  **knobs) -> None:  # fmt: skip
         """`LLM("tiny-llama", speculative_algorithm="DDTREE", ...)` or `LLM(config=cfg)`: every
@@ -353,9 +353,7 @@ class LLM(SpeculativeSteps, Introspection):
         for seq in seqs:
             self._logprobs[seq.request_id].append(None)
         if ahead.hidden is not None and self.spec is not None:  # (n, F), the chunks' order
-            rows = [ahead.hidden] if len(chunks) == 1 else ahead.hidden.split(1)  # (1, F) each
-            for c, row in zip(chunks, rows, strict=True):
-                self.spec.source.observe(c.seq.request_id, c.start, row)
+            self._observe_ahead(chunks, ahead.hidden)  # engine/drafter_feed.py
         if batch.prefills:  # the step's sampled order: decodes, then prefills
             return tokens + self._forward(ScheduledBatch(prefills=batch.prefills), None)
         return tokens
@@ -393,7 +391,7 @@ class LLM(SpeculativeSteps, Introspection):
                 paths[seq.request_id] = path
             self._keep_round_logprobs(tb)
         if self.spec is not None and self.runner.hidden is not None:
-            self._observe(batch, trees, paths, self.runner.hidden)
+            self._observe(batch.chunks, trees, paths, self.runner.hidden)
         if tb is not None:
             self._observe_paths(tb)
         return out
@@ -415,32 +413,6 @@ class LLM(SpeculativeSteps, Introspection):
             self._prompt_logprobs[rid].extend(
                 token_logprobs(logits, targets, seq.sampling_params.prompt_logprobs)
             )
-
-    def _observe(self, batch: ScheduledBatch, trees: dict[str, int], paths: dict,
-                 hidden: torch.Tensor) -> None:  # fmt: skip
-        """Hand the drafter the target's hidden states of the tokens this step committed to the
-        cache: a chunk's tokens, or a tree's root and accepted path."""
-        hidden = hidden.clone()  # one copy per step: a graph replay overwrites its output
-        row, tree_rows = 0, []
-        for c in batch.chunks:
-            tree = trees.get(c.seq.request_id)
-            n = c.num_tokens if tree is None else tree  # a tree: its node count
-            if tree is None:
-                self.spec.source.observe(c.seq.request_id, c.start, hidden[row : row + n])
-            else:
-                tree_rows.append((c, [row + node for node in paths[c.seq.request_id]]))
-            row += n
-        if tree_rows:
-            self._observe_rows(hidden, tree_rows)
-
-    def _observe_rows(self, hidden: torch.Tensor, parts: list[tuple]) -> None:
-        """Hand the drafter each (chunk, its rows of `hidden`): a tree's root and accepted path.
-        Every part's rows in one gather (one pinned upload, no sync; the gather copies, so a
-        later graph replay cannot overwrite what the drafter keeps)."""
-        flat = [r for _, rows in parts for r in rows]
-        kept = hidden[to_device(torch.tensor(flat), hidden.device)]  # (sum rows, F)
-        for (c, _), part in zip(parts, kept.split([len(r) for _, r in parts]), strict=True):
-            self.spec.source.observe(c.seq.request_id, c.start, part)
 
     def step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()

@@ -1,0 +1,63 @@
+"""The drafter's feed: the target's hidden states of every token committed to the cache, handed
+to a DFlash drafter's context (engine/draft_context.py `observe`), from whichever path ran the
+step. A mixin of `LLM` (with engine/spec_step.py's `SpeculativeSteps`).
+
+    prefill chunks, plain decodes   each chunk's rows of the step's tapped hidden states (T, F)
+    a tree (general path)           its root and accepted path's rows, gathered
+    a plain step launched ahead     its kept rows (engine/decode_ahead.py `kept_rows`)
+    a whole round                   nothing here: its graph writes the accepted rows into the
+                                    rings itself (engine/round_graphs.py)
+
+A graph replay overwrites its output buffers, and the drafter projects pending rows later
+(every largest-bucket of rows, or at the next round), so what it keeps must be a copy: one clone
+a step for the chunks' rows (only when there are any), one gather for the trees' (a gather
+copies). No host read: the gather's index goes up through pinned memory. The n-gram drafter
+reads tokens, not hidden states (its `observe` does nothing; the runner taps no layers for it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeverify.kernels.staging import to_device
+
+
+class DrafterFeed:
+    """Needs `self.spec` (its `source.observe`)."""
+
+    def _observe(self, chunks: list, trees: dict[str, int], paths: dict,
+                 hidden: torch.Tensor) -> None:  # fmt: skip
+        """Hand the drafter the hidden states (T, F) of the tokens this step committed to the
+        cache, `chunks` in the forward's row order: a chunk's tokens, or a tree's root and
+        accepted path (`trees`: request -> node count, `paths`: request -> accepted nodes)."""
+        row, plain, tree_rows = 0, [], []
+        for c in chunks:
+            tree = trees.get(c.seq.request_id)
+            n = c.num_tokens if tree is None else tree  # a tree: its node count
+            if tree is None:
+                plain.append((c, row, n))
+            else:
+                tree_rows.append((c, [row + node for node in paths[c.seq.request_id]]))
+            row += n
+        if plain:
+            kept = hidden.clone()  # one copy for every chunk: a graph replay overwrites it
+            for c, start, n in plain:
+                self.spec.source.observe(c.seq.request_id, c.start, kept[start : start + n])
+        if tree_rows:
+            self._observe_rows(hidden, tree_rows)
+
+    def _observe_rows(self, hidden: torch.Tensor, parts: list[tuple]) -> None:
+        """Hand the drafter each (chunk, its rows of `hidden`): a tree's root and accepted path.
+        Every part's rows in one gather (one pinned upload, no sync; the gather copies, so a
+        later graph replay cannot overwrite what the drafter keeps)."""
+        flat = [r for _, rows in parts for r in rows]
+        kept = hidden[to_device(torch.tensor(flat), hidden.device)]  # (sum rows, F)
+        for (c, _), part in zip(parts, kept.split([len(r) for _, r in parts]), strict=True):
+            self.spec.source.observe(c.seq.request_id, c.start, part)
+
+    def _observe_ahead(self, chunks: list, hidden: torch.Tensor) -> None:
+        """A plain step launched ahead: its kept rows (n, F), one per chunk in order (already a
+        copy, made right after its replay)."""
+        rows = [hidden] if len(chunks) == 1 else hidden.split(1)  # (1, F) each
+        for c, r in zip(chunks, rows, strict=True):
+            self.spec.source.observe(c.seq.request_id, c.start, r)
