@@ -71,7 +71,7 @@ def test_sampled_speculation_is_seeded_and_within_max_tokens():
 
 def test_speculative_logprobs_equal_plain_decodings_per_request_k():
     """Logprobs of tokens committed by rounds come from the verify rows of their path nodes,
-    gathered for every asking request at once with each request's own k (2, none, 5): the
+    gathered for every asking request at once with each request's own k (2, none, 5, 1): the
     same tokens, logprobs and alternatives plain decoding reports (fp32 on the CPU: a verify
     row and a decode row of the same prefix agree to rounding)."""
     ks = [2, None, 5, 1]

@@ -49,6 +49,9 @@ def test_a_table_grown_by_a_page_is_not_current_until_restaged():
     stage.write_table(tables)
     assert stage.table_current(tables)
     assert stage.views["table"].t()[:, :2].tolist() == [[2, 3], [4, 7]]
+    tables[0].pop()  # a round's commit gave a reserved tail page back ...
+    tables[0].append(5)  # ... and a hold regrew the table with another page: same length
+    assert not stage.table_current(tables)
 
 
 def test_device_step_stages_host_part_and_copies_device_rows():

@@ -54,7 +54,7 @@ class StepStage:
         if self._copied is not None:
             self._copied.record()
         self.views = self._device_views()  # the twin, typed and shaped
-        self.table_pages: tuple[int, ...] | None = None  # pages per request, last staged
+        self.table_pages: tuple[tuple[int, ...], ...] | None = None  # the last staged table
 
     def _host_views(self, h: np.ndarray) -> None:
         """numpy views of a host buffer: writes without a torch op per value."""
@@ -113,7 +113,7 @@ class StepStage:
         w = max(len(t) for t in block_tables)
         if w > self.pages:
             raise ValueError(f"block_tables: {w} pages exceed the staged {self.pages}")
-        self.table_pages = tuple(len(t) for t in block_tables)
+        self.table_pages = tuple(map(tuple, block_tables))
         table = self.h_table
         table[:w] = 0  # padding requests' columns too
         for i, pages in enumerate(block_tables):
@@ -173,11 +173,11 @@ class StepStage:
         self._copy(w)
 
     def table_current(self, block_tables: list[list[int]]) -> bool:
-        """Whether the table last staged holds these requests' pages (the same requests, in
-        order, as the last write: a step launched ahead's). Tables only grow while a request
-        runs, so equal page counts mean equal tables, and a step launched next needs no
-        restaging of it."""
-        return self.table_pages == tuple(len(t) for t in block_tables)
+        """Whether the table last staged is exactly these page lists (then a step launched next
+        needs no restaging of it). Page ids, not counts: a round's commit gives reserved tail
+        pages back and a later hold may regrow the table to the same length with other pages
+        (a review found it; counts said "current" and the next round read a stale table)."""
+        return self.table_pages == tuple(map(tuple, block_tables))
 
     def write_table(self, block_tables: list[list[int]]) -> None:
         """Only the page table (pages held for a round launched ahead, engine/round_graphs.py):

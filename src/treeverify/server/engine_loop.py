@@ -224,6 +224,7 @@ class EngineLoop:
                     prompt_logprobs=out.prompt_logprobs)  # fmt: skip
 
     def _step(self) -> None:
+        self._spec_stale = True  # (a failed step may have moved the counters too)
         try:
             finished = self.llm.step()
         except Exception as exc:  # one bad step must not kill the service: fail its requests
@@ -232,7 +233,6 @@ class EngineLoop:
             self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
             return
         self.stats.steps += 1
-        self._spec_stale = True
         done = {s.request_id for s in finished}
         for rid, act in list(self._active.items()):
             if rid in done:
