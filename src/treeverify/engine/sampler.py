@@ -130,19 +130,35 @@ def rows_logprobs(
     token_ids: list[int],  # (M,)
     ks: list[int],  # (M,) alternatives per row (rows of several requests: each its own k)
 ) -> list[TokenLogprobs]:
-    """`token_logprobs` with a k per row: the chosen logprobs, the top values and their ids in
-    one tensor, one device->host read for all rows (ids as float64: exact below 2^53; values
-    float32 widened exactly). A row with a smaller k takes the head of the largest k's
-    (descending) list. The ids go up through pinned memory (a pageable upload syncs)."""
+    """`token_logprobs` with a k per row, one device->host read for all rows: the chosen
+    logprobs, then per distinct k its rows' top values and ids, flattened into one float64
+    tensor (ids exact below 2^53, float32 values widened exactly). Rows are grouped by k so a
+    row's alternatives are `topk` at its own k whatever else shares the step (on tied values a
+    larger k's head need not be the same tokens). Indices go up through pinned memory (a
+    pageable upload syncs)."""
     if not token_ids:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
-    ids = to_device(torch.tensor(token_ids, dtype=torch.int64), logprobs.device)  # (M,)
-    parts = [logprobs.gather(1, ids[:, None]).double()]  # (M, 1)
-    k = min(max(ks), logprobs.shape[-1])
-    if k:
-        top = torch.topk(logprobs, k=k)  # (M, k) each
-        parts += [top.values.double(), top.indices.double()]
-    host = torch.cat(parts, 1).tolist()  # (M, 1 + 2k)
-    return [TokenLogprobs(t, h[0], [(int(h[1 + k + j]), h[1 + j]) for j in range(min(kr, k))])
-            for t, h, kr in zip(token_ids, host, ks, strict=True)]  # fmt: skip
+    dev, vocab = logprobs.device, logprobs.shape[-1]
+    ids = to_device(torch.tensor(token_ids, dtype=torch.int64), dev)  # (M,)
+    parts = [logprobs.gather(1, ids[:, None])[:, 0].double()]  # (M,)
+    groups = []  # (k, its rows, in order)
+    for k in sorted({min(k, vocab) for k in ks} - {0}):
+        rows = [r for r, kr in enumerate(ks) if min(kr, vocab) == k]
+        sub = logprobs if len(rows) == len(ks) else logprobs.index_select(
+            0, to_device(torch.tensor(rows), dev))  # fmt: skip
+        top = torch.topk(sub, k=k)  # (m, k) each
+        parts += [top.values.double().reshape(-1), top.indices.double().reshape(-1)]
+        groups.append((k, rows))
+    host = torch.cat(parts).tolist()
+    m = len(token_ids)
+    alts: list[list[tuple[int, float]]] = [[] for _ in range(m)]
+    at = m
+    for k, rows in groups:
+        size = k * len(rows)
+        vals, idx = host[at : at + size], host[at + size : at + 2 * size]
+        for n, r in enumerate(rows):
+            span = slice(n * k, (n + 1) * k)
+            alts[r] = [(int(t), v) for t, v in zip(idx[span], vals[span], strict=True)]
+        at += 2 * size
+    return [TokenLogprobs(t, host[r], alts[r]) for r, t in enumerate(token_ids)]
