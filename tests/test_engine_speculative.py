@@ -92,5 +92,9 @@ def test_speculative_logprobs_equal_plain_decodings_per_request_k():
             assert y.token_id == tok and x.token_id == tok
             assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
             assert len(y.top) == k
-            assert [t for t, _ in y.top] == [t for t, _ in x.top]
             assert [v for _, v in y.top] == pytest.approx([v for _, v in x.top], abs=1e-4)
+            # the same alternatives, but for near-ties (two rounding paths may order those
+            # differently): a token in one list only sits within 1e-4 of the other's k-th value
+            want, got = dict(x.top), dict(y.top)
+            for t in want.keys() ^ got.keys():
+                assert abs(want.get(t, got.get(t)) - x.top[-1][1]) < 1e-4, (x.top, y.top)
