@@ -18,7 +18,7 @@ import pytest
 from lockstep import assert_same_state, cycle_budgets, record_budgets, replay_budgets
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
-from treeverify.engine.sequence import SequenceStatus
+from treeverify.engine.sequence import Sequence, SequenceStatus
 
 CODE = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -249,3 +249,47 @@ def test_budgets_replayed_without_lookahead_give_the_same_tokens():
     budgets = replay_budgets(replay, ran)
     assert [o.token_ids for o in replay.generate(CODE, sp)] == got, ran
     assert next(budgets, None) is None  # step for step
+
+
+def _assert_in_flight_tables(llm: LLM, msg: str) -> None:
+    """The step or round launched ahead reads its stage's page table on the device: it must be
+    exactly its requests' tables (a stale page = K/V written to and read from a page the request
+    no longer owns)."""
+    for ahead, n in ((llm.rounds, None), (llm.ahead, 1)):
+        fl = None if ahead is None else ahead.in_flight
+        if fl is None:
+            continue
+        nodes = n if n is not None else llm.spec.nodes_for(fl.budget)
+        table = ahead.graphs.stages[(fl.batch, nodes)].views["table"]  # (P, B)
+        for i, seq in enumerate(fl.seqs):
+            pages = seq.block_table
+            assert table[: len(pages), i].tolist() == pages, f"{msg}: {seq.request_id}"
+
+
+def test_a_table_regrown_after_a_commit_is_restaged_for_the_round_launched_ahead():
+    """A large round reserves pages past what the next, smaller one needs; its commit gives the
+    tail back and the next hold regrows the table to the same length, with whichever page is
+    free first. Here another request's page is freed between steps (an abort outside the
+    batch), so the regrown table differs from the staged one at equal length: it must be
+    restaged (a review found the page-count check skipping it). Checked after every step: the
+    launched round's device table equals its requests' tables, and the tokens plain greedy's.
+    (The free steps are where that happens with the shipped drafter: the page-count check
+    fails at step 39; the per-step check itself holds for any run.)"""
+    prompts = CODE + ["def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n"]
+    sp = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(prompts, sp)]
+    for free_at in (38, 52):
+        llm = _engine(True, speculative_ddtree_budget=32)
+        cycle_budgets(llm, [0, 0, 32, 4, 4])
+        bm = llm.scheduler.block_manager
+        other = Sequence("other", [1, 2, 3])
+        bm.allocate(other)  # a low page, held by a request outside the batch
+        seqs = [llm.add_request(p, sp) for p in prompts]
+        steps = 0
+        while llm.has_unfinished():
+            llm.step()
+            steps += 1
+            if steps == free_at:
+                bm.free(other)
+            _assert_in_flight_tables(llm, f"free at {free_at}, step {steps}")
+        assert [s.output_token_ids for s in seqs] == want
