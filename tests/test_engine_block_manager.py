@@ -103,12 +103,17 @@ def test_reserve_commit_frees_only_rejected_pages():
     slots = bm.reserve(a, 9)  # tree of 9 nodes: positions 5..13 -> pages 1, 2, 3
     assert slots == [5, 6, 7, 8, 9, 10, 11, 12, 13]
     assert a.block_table == [0, 1, 2, 3]
+    before = a.block_table
     freed = bm.commit(a, 3)  # accepted path of 3: positions 5..7 stay
     assert freed == [3, 2]
     assert a.block_table == [0, 1] and a.num_slots == 8
+    # a table that lost pages is a new list (a staged step compares tables by identity)
+    assert a.block_table is not before and before == [0, 1, 2, 3]
     assert bm.num_free_pages == 6
+    kept = a.block_table
     bm.reserve(a, 4)
     assert bm.commit(a, 4) == [] and a.num_slots == 12 and a.block_table == [0, 1, 2]
+    assert a.block_table is kept  # grown in place, nothing given back
     bm.check([a])
 
 

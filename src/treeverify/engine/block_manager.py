@@ -168,10 +168,14 @@ class BlockManager:
         """Pop the pages past the slots and the hold; returns those freed."""
         keep = self.pages_for(max(seq.num_slots, self._held.get(seq.request_id, 0)))
         freed = []
-        while len(seq.block_table) > keep:
-            page = seq.block_table.pop()
-            if self._release(page):
-                freed.append(page)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            # a new list, never a cut in place: a table that lost pages is never the list a
+            # staged step recorded (StepStage.table_current compares lists by identity)
+            seq.block_table = seq.block_table[:keep]
+            for page in reversed(tail):
+                if self._release(page):
+                    freed.append(page)
         return freed
 
     def free(self, seq: Sequence) -> None:

@@ -54,7 +54,8 @@ class StepStage:
         if self._copied is not None:
             self._copied.record()
         self.views = self._device_views()  # the twin, typed and shaped
-        self.table_pages: tuple[tuple[int, ...], ...] | None = None  # the last staged table
+        # the last staged table: each request's page list (the object) and its length then
+        self.table_lists: list[tuple[list[int], int]] | None = None
 
     def _host_views(self, h: np.ndarray) -> None:
         """numpy views of a host buffer: writes without a torch op per value."""
@@ -113,7 +114,7 @@ class StepStage:
         w = max(len(t) for t in block_tables)
         if w > self.pages:
             raise ValueError(f"block_tables: {w} pages exceed the staged {self.pages}")
-        self.table_pages = tuple(map(tuple, block_tables))
+        self.table_lists = [(t, len(t)) for t in block_tables]
         table = self.h_table
         table[:w] = 0  # padding requests' columns too
         for i, pages in enumerate(block_tables):
@@ -174,10 +175,16 @@ class StepStage:
 
     def table_current(self, block_tables: list[list[int]]) -> bool:
         """Whether the table last staged is exactly these page lists (then a step launched next
-        needs no restaging of it). Page ids, not counts: a round's commit gives reserved tail
-        pages back and a later hold may regrow the table to the same length with other pages
-        (a review found it; counts said "current" and the next round read a stale table)."""
-        return self.table_pages == tuple(map(tuple, block_tables))
+        needs no restaging of it). The block manager only appends to a request's table in place
+        and replaces it by a new list whenever it loses pages (a commit's shrink, a free), so
+        the same list objects at the same lengths are the same tables: O(batch), where
+        comparing page ids would be O(pages) every step. (Page counts alone are not enough: a
+        round's commit gives reserved tail pages back and a later hold may regrow the table to
+        the same length with other pages; a review found the next round reading a stale table.)"""
+        rec = self.table_lists
+        return (rec is not None and len(rec) == len(block_tables)
+                and all(t is r and len(t) == n
+                        for (r, n), t in zip(rec, block_tables, strict=True)))  # fmt: skip
 
     def write_table(self, block_tables: list[list[int]]) -> None:
         """Only the page table (pages held for a round launched ahead, engine/round_graphs.py):
