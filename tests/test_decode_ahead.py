@@ -177,20 +177,22 @@ def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows():
     assert ahead.ahead.ahead_partial >= 1  # a step taken without one of its requests
 
 
-def test_kept_rows_are_views_for_a_leading_run_and_gathered_otherwise():
-    """decode_ahead.kept_rows: the rows of a launched step's tapped hidden states a step takes.
-    A leading run stays a view (no copy, no upload); any other pick is gathered by an index
-    tensor, never by a Python list (on a GPU that indexes through pageable memory: a sync)."""
-    from treeverify.engine.decode_ahead import kept_rows
+def test_taken_rows_are_views_for_a_leading_run_and_gathered_otherwise():
+    """staging.take_rows, as a launched step takes the rows of its tapped hidden states: the
+    first `width` (the bucket's padding dropped), or those of `pick` when some requests are
+    gone. A leading run stays a view (no copy, no upload); any other pick is gathered by an
+    index tensor, never by a Python list (on a GPU that indexes through pageable memory: a
+    sync)."""
+    from treeverify.kernels.staging import take_rows
 
     hidden = torch.randn(4, 6)  # (b, F)
-    assert kept_rows(hidden, 4, None) is hidden
-    head = kept_rows(hidden, 2, None)
+    assert take_rows(hidden, range(4)) is hidden
+    head = take_rows(hidden, range(2))
     assert head.data_ptr() == hidden.data_ptr() and torch.equal(head, hidden[:2])
-    assert kept_rows(hidden, 3, [0, 1]).data_ptr() == hidden.data_ptr()
-    picked = kept_rows(hidden, 3, [0, 2])
+    assert take_rows(hidden, [0, 1]).data_ptr() == hidden.data_ptr()
+    picked = take_rows(hidden, [0, 2])
     assert torch.equal(picked, torch.stack([hidden[0], hidden[2]]))
-    assert torch.equal(kept_rows(hidden, 3, [1]), hidden[1:2])
+    assert torch.equal(take_rows(hidden, [1]), hidden[1:2])
 
 
 def test_decode_lookahead_defaults_off_on_the_cpu_and_follows_the_switch(monkeypatch):

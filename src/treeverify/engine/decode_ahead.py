@@ -62,7 +62,7 @@ from treeverify.engine.round_state import RoundState
 from treeverify.engine.sampler import drawable, staged_draws
 from treeverify.engine.scheduler import ScheduledChunk
 from treeverify.engine.sequence import Sequence
-from treeverify.kernels.staging import to_device
+from treeverify.kernels.staging import take_rows
 
 log = logging.getLogger("treeverify.engine")
 
@@ -75,20 +75,6 @@ class _InFlight:
     batch: int  # its bucket
     starts: list[int]  # each token's position, as the previous step predicts
     launched: Launched
-
-
-def kept_rows(hidden: torch.Tensor, width: int, pick: list[int] | None) -> torch.Tensor:
-    """The rows of a launched step's (b, F) tapped hidden states that this step takes: the
-    first `width` (its requests; the rest is the bucket's padding), or those of `pick` when
-    some requests are gone. A leading run is a view; other rows are gathered by an index
-    uploaded through pinned memory: indexing a CUDA tensor with a Python list copies the index
-    from pageable memory, which waits for the whole stream, the step launched ahead included
-    (on the H200 that wait was most of a DFlash engine's plain step: 309 vs 169 us)."""
-    rows = list(range(width)) if pick is None else pick
-    if rows == list(range(len(rows))):
-        return hidden if len(rows) == hidden.shape[0] else hidden[: len(rows)]  # (n, F) view
-    index = to_device(torch.tensor(rows, dtype=torch.int64), hidden.device)  # (n,) no sync
-    return hidden.index_select(0, index)  # (n, F)
 
 
 class DecodeAhead(LaunchAhead):
@@ -254,7 +240,8 @@ class DecodeAhead(LaunchAhead):
         """The step's tokens (waits for that step only), those of `pick` when some of its
         requests are gone; its tapped hidden rows, the same ones, in `hidden`."""
         tokens = launched.rows(width)
-        self.hidden = None if launched.hidden is None else kept_rows(launched.hidden, width, pick)
+        rows = range(width) if pick is None else pick  # the bucket's padding rows dropped
+        self.hidden = None if launched.hidden is None else take_rows(launched.hidden, rows)
         return tokens if pick is None else [tokens[i] for i in pick]
 
     def _stage(self, b: int):

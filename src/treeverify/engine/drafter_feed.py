@@ -4,7 +4,7 @@ step. A mixin of `LLM` (with engine/spec_step.py's `SpeculativeSteps`).
 
     prefill chunks, plain decodes   each chunk's rows of the step's tapped hidden states (T, F)
     a tree (general path)           its root and accepted path's rows, gathered
-    a plain step launched ahead     its kept rows (engine/decode_ahead.py `kept_rows`)
+    a plain step launched ahead     its taken rows (engine/decode_ahead.py)
     a whole round                   nothing here: its graph writes the accepted rows into the
                                     rings itself (engine/round_graphs.py)
 
@@ -51,7 +51,8 @@ class DrafterFeed:
         Every part's rows in one gather (one pinned upload, no sync; the gather copies, so a
         later graph replay cannot overwrite what the drafter keeps)."""
         flat = [r for _, rows in parts for r in rows]
-        kept = hidden[to_device(torch.tensor(flat), hidden.device)]  # (sum rows, F)
+        index = to_device(torch.tensor(flat), hidden.device)  # (sum rows,)
+        kept = hidden.index_select(0, index)  # (sum rows, F): always a copy
         for (c, _), part in zip(parts, kept.split([len(r) for _, r in parts]), strict=True):
             self.spec.source.observe(c.seq.request_id, c.start, part)
 

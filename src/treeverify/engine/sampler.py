@@ -17,7 +17,7 @@ from treeverify.engine.pick_kernels import pick_tokens
 from treeverify.engine.sample_noise import request_key, row_seed, uniform_noise
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.api import triton_available
-from treeverify.kernels.staging import to_device
+from treeverify.kernels.staging import take_rows, to_device
 from treeverify.spec.accept import sample_per_node
 
 
@@ -65,10 +65,9 @@ def sample(
     infos: list[TokenLogprobs | None] = [None] * len(seqs)
     want = [r for r, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
     if want:  # every asking row in one call (one more read)
-        rows = logits if len(want) == len(seqs) else logits.index_select(
-            0, to_device(torch.tensor(want), logits.device))  # fmt: skip
         ks = [seqs[r].sampling_params.logprobs for r in want]
-        for r, info in zip(want, rows_logprobs(rows, [tokens[r] for r in want], ks), strict=True):
+        got = rows_logprobs(take_rows(logits, want), [tokens[r] for r in want], ks)
+        for r, info in zip(want, got, strict=True):
             infos[r] = info
     return tokens, infos
 
@@ -145,9 +144,7 @@ def rows_logprobs(
     groups = []  # (k, its rows, in order)
     for k in sorted({min(k, vocab) for k in ks} - {0}):
         rows = [r for r, kr in enumerate(ks) if min(kr, vocab) == k]
-        sub = logprobs if len(rows) == len(ks) else logprobs.index_select(
-            0, to_device(torch.tensor(rows), dev))  # fmt: skip
-        top = torch.topk(sub, k=k)  # (m, k) each
+        top = torch.topk(take_rows(logprobs, rows), k=k)  # (m, k) each
         parts += [top.values.double().reshape(-1), top.indices.double().reshape(-1)]
         groups.append((k, rows))
     host = torch.cat(parts).tolist()

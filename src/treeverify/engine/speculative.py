@@ -34,7 +34,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.sampler import TokenLogprobs, draw_nodes, rows_logprobs
 from treeverify.engine.sequence import Sequence
-from treeverify.kernels.staging import to_device
+from treeverify.kernels.staging import take_rows, to_device
 from treeverify.spec import (
     accept_greedy,
     build_tree,
@@ -286,8 +286,7 @@ class SpeculativeDecoder:
             return result
         b, n, v = logits.shape
         flat = [i * n + node for i in want for node in tb.paths[i]]
-        rows = logits.reshape(b * n, v).index_select(
-            0, to_device(torch.tensor(flat), logits.device))  # (M, V)  # fmt: skip
+        rows = take_rows(logits.reshape(b * n, v), flat)  # (M, V)
         ks = [tb.seqs[i].sampling_params.logprobs for i in want for _ in tb.paths[i]]
         infos = rows_logprobs(rows, [t for i in want for t in out[i]], ks)
         at = 0

@@ -29,3 +29,14 @@ def to_device(src: torch.Tensor, device: torch.device | str) -> torch.Tensor:
         pinned = src if src.is_pinned() else src.pin_memory()
         return pinned.to(device, non_blocking=True)
     return src.to(device)
+
+
+def take_rows(src: torch.Tensor, rows) -> torch.Tensor:
+    """src's rows `rows` (host ints, in order) without waiting for the GPU: a leading run
+    0..n-1 is a view (all of src when n is its length); any other pick is gathered by an index
+    uploaded through pinned memory. (Indexing a CUDA tensor with a Python list uploads the
+    index from pageable memory: a stream sync, ~94 us a DFlash plain step on the H200.)"""
+    rows = list(rows)
+    if rows == list(range(len(rows))):
+        return src if len(rows) == src.shape[0] else src[: len(rows)]
+    return src.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), src.device))
