@@ -36,6 +36,18 @@ def test_tensor_hash_equals_the_scalar_definition():
             assert u[r, v].item() == ((h >> 9) + 0.5) / 2**23  # exact in float32
 
 
+def test_cpu_draws_equal_the_tensor_hash():
+    # the CPU's numpy uint32 path and the int64 path other devices take: the same bits
+    from treeverify.engine.sample_noise import _uniform_numpy, _uniform_torch
+
+    g = torch.Generator().manual_seed(1)
+    seeds = torch.cat([torch.randint(0, 2**32, (37,), generator=g, dtype=torch.int64),
+                       torch.tensor([0, M32, 2**31])])  # fmt: skip
+    a, b = _uniform_numpy(seeds, 1000), _uniform_torch(seeds, 1000)  # (40, 1000)
+    assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    assert torch.equal(uniform_from_seeds(seeds, 1000), a)
+
+
 def _seq(seed: int | None, rid: str = "r") -> Sequence:
     return Sequence(rid, [1, 2, 3], SamplingParams(temperature=1.0, seed=seed))
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from treeverify.engine.sequence import Sequence
@@ -90,10 +91,43 @@ def _token_terms(vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def uniform_from_seeds(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(R, V) float32 draws in (0, 1) for (R,) int64 row seeds S (one row per token drawn)."""
+    """(R, V) float32 draws in (0, 1) for (R,) int64 row seeds S (one row per token drawn).
+    On the CPU through numpy's uint32 (wrapping multiplies are defined there): ~17x faster
+    than the int64 halves (136 x 8192 draws, one thread: 1.7 vs 30 ms), which had made a
+    sampled DDTREE round on the CPU ~3.5x a greedy one; the same bits (tests)."""
+    if seeds.device.type == "cpu":
+        return _uniform_numpy(seeds, vocab)
+    return _uniform_torch(seeds, vocab)
+
+
+def _uniform_torch(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     terms = _token_terms(vocab, seeds.device)  # (V,)
     h = mix_tensor(seeds[:, None] ^ terms[None, :])  # (R, V)
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+@functools.lru_cache(maxsize=8)
+def _token_terms_u32(vocab: int) -> np.ndarray:
+    return _token_terms(vocab, torch.device("cpu")).numpy().astype(np.uint32)  # (V,)
+
+
+def _mix_u32(x: np.ndarray) -> np.ndarray:
+    """lowbias32 in place on a uint32 array (numpy's unsigned multiplies wrap mod 2^32)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(MUL1)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(MUL2)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def _uniform_numpy(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    s = seeds.detach().numpy().astype(np.uint32)  # (R,) values < 2^32: exact
+    h = _mix_u32(s[:, None] ^ _token_terms_u32(vocab)[None, :])  # (R, V)
+    u = (h >> np.uint32(9)).astype(np.float32)
+    u += np.float32(0.5)  # exact: 23-bit integers
+    u *= np.float32(1.0 / (1 << 23))
+    return torch.from_numpy(u)
 
 
 def uniform_noise(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
