@@ -132,8 +132,8 @@ def sample_per_node(
     temp = _as_batch(temperature, bsz, torch.float32, dev)
     greedy = temp <= 0  # (B,)
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).view(bsz, 1, 1)
-    neg_inf = torch.full_like(scaled, float("-inf"))
     if top_k is not None or top_p is not None:
+        neg_inf = torch.full_like(scaled, float("-inf"))
         sorted_logits, _ = torch.sort(scaled, dim=-1, descending=True)  # (B, T, V)
         keep_min = sorted_logits[..., -1:]  # (B, T, 1): by default keep everything
         if top_k is not None:
@@ -159,8 +159,9 @@ def sample_per_node(
         if noise.shape != scaled.shape:
             raise ValueError(f"noise: expected {tuple(scaled.shape)}, got {tuple(noise.shape)}")
         u = noise.to(device=dev, dtype=torch.float32)
-    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
-    sampled = (scaled + gumbel).argmax(dim=-1)  # (B, T)
+    # -log(-log(u)), in place on clamp_min's fresh copy: one (B, T, V) buffer, not four
+    neg_gumbel = u.clamp_min(torch.finfo(torch.float32).tiny).log_().neg_().log_()
+    sampled = (scaled - neg_gumbel).argmax(dim=-1)  # (B, T)
     argmax = logits.argmax(dim=-1)
     return torch.where(greedy.view(bsz, 1), argmax, sampled)
 
