@@ -111,8 +111,10 @@ def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: 
         "accept_length": stats.get("avg_spec_accept_length"),
         "outside_forward_share": stats.get("outside_forward_share"),
         "phase_seconds": stats.get("phase_seconds"),
-        "top_cuda": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3 / steps, 4))
-                     for e in sorted(gpu, key=lambda e: -e.self_device_time_total)[:15]],
+        # every kernel (name, launches, GPU ms a step), dearest first: the round's whole
+        # inventory, for planning fusions (a tiny model's round is ~200 latency-bound kernels)
+        "top_cuda": [(e.key[:120], e.count, round(e.self_device_time_total / 1e3 / steps, 4))
+                     for e in sorted(gpu, key=lambda e: -e.self_device_time_total)],
         "top_host": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3 / steps, 4))
                      for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:25]],
     }  # fmt: skip
