@@ -82,3 +82,14 @@ def test_distinct_keys():
     assert keys[3] == byte_form(b"\xc3") == "bytes:\\xc3" and keys[4] == "bytes:\\xa9"
     assert {keys[1], keys[2]} == {"a#1", "a#2"}  # same text, same bytes: text#id
     assert len(set(keys.values())) == 5
+
+
+@pytest.mark.parametrize("text", ["\ud800abc", "ok \udfff"])
+def test_a_lone_surrogate_is_a_unicode_error_from_every_tokenizer(tmp_path, text):
+    # The server maps UnicodeError to a 400 naming the field; `tokenizers` itself raises
+    # TypeError for a lone surrogate (a "\udxxx" JSON escape), which ended in a 500.
+    hf = HFTokenizer(_word_dir(tmp_path, {}))
+    assert hf.encode("hi") == [1]
+    for tok in (hf, ByteTokenizer()):
+        with pytest.raises(UnicodeError):
+            tok.encode(text)

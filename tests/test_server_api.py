@@ -51,6 +51,10 @@ def test_models_lists_context_length(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny-llama"]
     assert models[0].model_extra["max_model_len"] == CTX
+    card = client.models.retrieve("tiny-llama")  # GET /v1/models/{id}
+    assert card.id == "tiny-llama" and card.model_extra["max_model_len"] == CTX
+    with pytest.raises(openai.NotFoundError, match="tiny-llama"):
+        client.models.retrieve("gpt-17")
 
 
 @pytest.mark.parametrize("stop", [None, ["["]])
@@ -177,12 +181,19 @@ BAD = [
     ("stop wrong type", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("empty stop string", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("seed string", {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    # lone surrogates: valid JSON escapes, not text (the tokenizer raised TypeError: a 500)
+    ("lone surrogate", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
+    ("lone surrogate in a list", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
+    ("lone surrogate in a message", None, 400, "messages"),
 ]
 
 
 @pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_completion_input(server, name, body, status, param):
     url = server.url + "/v1/completions"
+    if body is None:  # a chat request's (bytes: the client would not encode a lone surrogate)
+        url = server.url + "/v1/chat/completions"
+        body = b'{"messages": [{"role": "user", "content": "hi \\ud83d"}], "max_tokens": 2}'
     if isinstance(body, bytes):
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})
     else:

@@ -114,6 +114,7 @@ def test_penalties_and_logit_bias_equal_the_engine(client):
     ({"frequency_penalty": "x"}, "frequency_penalty"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # "²".isdigit(), but no int: was a 500
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"max_tokens": 0}, "max_tokens"),

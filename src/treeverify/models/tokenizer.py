@@ -194,6 +194,9 @@ class HFTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        # UnicodeEncodeError for a lone surrogate, as the byte tokenizer raises (`tokenizers`
+        # raises TypeError for it: callers that map UnicodeError to a 400 answered a 500)
+        text.encode("utf-8")
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]

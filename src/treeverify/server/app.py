@@ -123,15 +123,23 @@ def create_app(
         build = serving.chat_response if chat else serving.completion_response
         return build(job, choices, prompts, want_logprobs)
 
-    @app.get("/v1/models", response_model=P.ModelList)
-    async def models():
-        card = P.ModelCard(
+    def model_card() -> P.ModelCard:
+        return P.ModelCard(
             id=served_model_name,
             created=int(started),
             root=served_model_name,
             max_model_len=context_length,
         )
-        return P.ModelList(data=[card])
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models():
+        return P.ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard)
+    async def model(model_id: str):
+        # the openai client's models.retrieve(id); ids may hold "/" (org/name checkpoints)
+        serving.check_model(model_id)  # 404 naming the served model otherwise
+        return model_card()
 
     # ---- health ----------------------------------------------------------------------------------
     @app.get("/health")

@@ -79,7 +79,7 @@ class Serving:
             )
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
-        try:
+        try:  # every tokenizer raises UnicodeError for text UTF-8 cannot encode
             return self.tok.encode(text, add_bos=bool(getattr(self.tok, "add_bos", False)))
         except UnicodeError as exc:  # e.g. a lone surrogate from a "\udxxx" JSON escape
             raise RequestError(400, f"{param}: not encodable text ({exc})", param) from exc
@@ -140,7 +140,14 @@ class Serving:
         echo = bool(getattr(req, "echo", False))
         bias = req.logit_bias or {}
         for key in bias:
-            if self.vocab_size is not None and key.isdigit() and int(key) >= self.vocab_size:
+            # isascii: "²".isdigit() is True but int("²") raises (a 500 before); such keys
+            # are left to SamplingParams, which rejects them with a 400 naming logit_bias
+            if (
+                self.vocab_size is not None
+                and key.isascii()
+                and key.isdigit()
+                and int(key) >= self.vocab_size
+            ):
                 raise RequestError(
                     400,
                     f"logit_bias: token id {key} is outside the vocabulary "
