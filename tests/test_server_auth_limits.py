@@ -134,6 +134,9 @@ def test_declared_oversized_body_is_413_before_any_byte_is_read(server):
     )
     err = _is_openai_error(r, 413)
     assert "--max-request-bytes" in err["message"]
+    # refused before routing, still counted under its endpoint (was endpoint="other")
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
+    assert 'endpoint="/v1/completions",status="413"' in text
 
 
 def _send_chunked(server, total: int, chunk: int = 256 * 1024) -> tuple[int, int]:

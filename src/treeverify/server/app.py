@@ -242,6 +242,18 @@ class _CountRequests:
 
     def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
+        self._paths: frozenset[str] | None = None  # the app's route paths, on first use
+
+    def _endpoint(self, scope) -> str:
+        """The matched route's path; for a request refused before routing (a 413, a 401) its
+        path when that names a route (so it counts under its endpoint), else "other" (the
+        label's values stay the routes')."""
+        route = scope.get("route")
+        if route is not None:
+            return getattr(route, "path", "other")
+        if self._paths is None and scope.get("app") is not None:
+            self._paths = frozenset(getattr(r, "path", "") for r in scope["app"].routes)
+        return scope.get("path", "") if scope.get("path") in (self._paths or ()) else "other"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -258,8 +270,7 @@ class _CountRequests:
         try:
             await self.app(scope, receive, _send)
         finally:
-            endpoint = getattr(scope.get("route"), "path", "other")
-            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.requests.labels(self._endpoint(scope), str(status)).inc()
 
 
 def _error(message: str, param: str | None, *, status: int) -> JSONResponse:
