@@ -185,7 +185,17 @@ BAD = [
     ("lone surrogate", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
     ("lone surrogate in a list", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
     ("lone surrogate in a message", None, 400, "messages"),
+    ("negative token id", {"prompt": [5, -1]}, 400, "prompt.1"),
 ]
+
+
+def test_a_union_field_reports_the_telling_branch(server):
+    # prompt is a string, strings, token ids or lists of ids: [-1] fails every branch; the
+    # message is the token-id branch's (was the string branch's "Input should be a valid string")
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [[3, -2]]}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt.0.1", err
+    assert "greater than or equal to 0" in err["message"], err
 
 
 @pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])

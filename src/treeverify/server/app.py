@@ -278,10 +278,17 @@ def _error(message: str, param: str | None, *, status: int) -> JSONResponse:
 
 
 def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """(message, param) for the first pydantic error: the field path and what was wrong."""
+    """(message, param) for the first pydantic error: the field path and what was wrong.
+    A union field (prompt: a string, strings, token ids or lists of them) fails once per
+    branch; of the first field's errors the deepest is the telling one (`[-1]`: "prompt.0:
+    Input should be greater than or equal to 0", not the string branch's "should be a valid
+    string")."""
     if not errors:
         return "invalid request", None
-    e = errors[0]
+    top = errors[0].get("loc", ())[:2]  # ("body", field)
+    same = [x for x in errors if x.get("loc", ())[:2] == top]
+    # the first of the deepest, a value's error (">= 0") before a type's ("a valid string")
+    e = max(same, key=lambda x: (len(x.get("loc", ())), not x.get("type", "").endswith("_type")))
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     if not loc and e.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "request body must be a JSON object (Content-Type: application/json)", None
