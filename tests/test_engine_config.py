@@ -104,6 +104,17 @@ def test_a_chain_needs_its_depth_resolved():
           "speculative_cost_seconds": {0: 1.0, 4: 1.0}}, "speculative_cost_seconds"),
         ({"speculative_algorithm": "DDTREE", "speculative_ddtree_budget": 4,
           "speculative_cost_seconds": {0: 1.0, 4: 0.0}}, "speculative_cost_seconds"),
+        # a new user's audit (thirty-fifth session): each was accepted, or failed later
+        # without naming the argument
+        ({"seed": "a"}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"disable_cuda_graph": "no"}, "disable_cuda_graph"),  # "no" counted as True
+        ({"speculative_algorithm": "DDTREE", "speculative_adaptive": "yes"},
+         "speculative_adaptive"),
+        ({"dtype": torch.int32}, "dtype"),
+        ({"speculative_algorithm": "DDTREE", "speculative_draft_model_path": 5},
+         "speculative_draft_model_path"),
+        ({"attention_backend": "cuda", "device": "cpu"}, "attention_backend"),
     ],
 )  # fmt: skip
 def test_bad_knobs_are_named_before_anything_loads(knobs, name):
@@ -131,3 +142,23 @@ def test_llm_from_knobs_equals_llm_from_config():
     assert c.config.speculative_algorithm is None and c.config.page_size == 8
     with pytest.raises(TypeError, match="num_page"):
         LLM("tiny-llama", num_page=3)
+
+
+@pytest.mark.parametrize("knobs", [
+    {"speculative_ddtree_budget": 32},
+    {"speculative_num_draft_tokens": 3},
+    {"speculative_draft_model_path": "ngram"},
+])  # fmt: skip
+def test_speculative_knobs_without_an_algorithm_are_named(knobs):
+    # were silently dropped; a config may still carry them (speculation turned off by override)
+    with pytest.raises(ValueError, match=f"{next(iter(knobs))}: set without"):
+        LLM("tiny-llama", **knobs)
+
+
+def test_no_gpu_and_unknown_models_are_named():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: 'cuda'"):
+            LLM("tiny-llama", device="cuda")  # was torch's AssertionError deep in the load
+        EngineConfig(device="cuda")  # describing a GPU engine needs no GPU
+    with pytest.raises(FileNotFoundError, match="tiny-code"):  # lists the built-in models
+        LLM("tiny-cod")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -133,12 +134,30 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: expected one of {list(BACKENDS)}, got "
                              f"{self.attention_backend!r}")  # fmt: skip
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"dtype: expected None or a torch.dtype, got {self.dtype!r}")
+        if self.dtype is not None and (
+            not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point
+        ):
+            raise ValueError(f"dtype: expected None or a floating torch.dtype, got {self.dtype!r}")
         try:
-            torch.device(self.device)
+            dev = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"device: {self.device!r} is not a device ({exc})") from None
+        if self.attention_backend == "cuda" and dev.type != "cuda":
+            raise ValueError("attention_backend: 'cuda' runs on a GPU only (device "
+                             f"{str(dev)!r}); 'auto' picks torch on the CPU")  # fmt: skip
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed: expected an int >= 0, got {self.seed!r}")
+        for name in ("disable_cuda_graph", "disable_round_graphs", "ngram_whole_rounds",
+                     "disable_prefill_graphs"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):  # "no" would count as True
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        for name in ("speculative_adaptive", "round_lookahead", "decode_lookahead"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected None or a bool, got {getattr(self, name)!r}")
+        path = self.speculative_draft_model_path
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"speculative_draft_model_path: expected a name or a path, got "
+                             f"{path!r}")  # fmt: skip
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static: expected a fraction in (0, 1), got "
                              f"{self.mem_fraction_static}")  # fmt: skip

@@ -80,7 +80,18 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         if model is not None:
             knobs["model"] = model
         config = EngineConfig(**knobs) if config is None else dataclasses.replace(config, **knobs)
+        if config.speculative_algorithm is None:  # given here, they were silently dropped
+            default = EngineConfig.__dataclass_fields__["speculative_ddtree_budget"].default
+            for name in ("speculative_num_draft_tokens", "speculative_draft_model_path",
+                         "speculative_cost_seconds", "speculative_ddtree_budget"):  # fmt: skip
+                if knobs.get(name) not in (None, default if name.endswith("budget") else None):
+                    raise ValueError(f"{name}: set without speculative_algorithm (DDTREE or "
+                                     f"CHAIN): no speculation would use it")  # fmt: skip
         self.config = config  # resolved below: num_pages (GPU sizing), draft depth (drafter)
+        if config.device.type == "cuda" and not torch.cuda.is_available():  # (a config may
+            # describe a GPU engine anywhere; building one needs the GPU)
+            raise ValueError(f"device: {str(config.device)!r}, but this torch sees no CUDA GPU "
+                             f"(torch {torch.__version__}); use device='cpu'")  # fmt: skip
         dtype, on_gpu = config.dtype, config.on_gpu
         self.startup: dict = {}
         t0 = time.perf_counter()
@@ -280,9 +291,11 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:  # fmt: skip
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = params or SamplingParams()
-        self.check_params(params)
+        """Queue one request. ValueError naming the argument for a prompt that is not text or
+        token ids of this vocabulary, or that with max_tokens does not fit the model's context;
+        nothing is queued then (an out-of-vocabulary id used to fail inside the step and leave
+        the engine unable to schedule again)."""
+        ids, params = self._prepare(prompt, params)
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         self._next_id += 1
         seq = self.scheduler.add(Sequence(rid, ids, params))
@@ -290,6 +303,35 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         if params.prompt_logprobs is not None:  # the first prompt token has no logprob
             self._prompt_logprobs[rid] = [TokenLogprobs(ids[0], None, [])]
         return seq
+
+    def _prepare(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        """(token ids, params) of a request, checked (add_request's errors)."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)  # UnicodeError (a ValueError) for bad text
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"prompt: token ids must be ints, got {t!r}")
+        else:
+            raise ValueError(f"prompt: expected a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")  # fmt: skip
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")  # fmt: skip
+        self.check_params(params)
+        ctx = getattr(self.model_config, "max_position_embeddings", None)
+        if ctx is not None and len(ids) + params.max_tokens > ctx:
+            raise ValueError(f"max_tokens: {params.max_tokens} + the prompt's {len(ids)} tokens "
+                             f"exceed the model's context of {ctx} positions")  # fmt: skip
+        return ids, params
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request may ask of this engine beyond SamplingParams' own checks: logit_bias
@@ -441,10 +483,35 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         prompts: list[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        while self.has_unfinished():
-            self.step()
+        """Run prompts (a list of strings or of token-id lists; one string: one prompt) to
+        completion with `params` (one for all, or a list, one each). Every prompt is checked
+        before any is queued; if a step fails, this call's requests are aborted and the engine
+        stays usable."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: expected a non-empty list of prompts (strings or lists of "
+                             "token ids)")  # fmt: skip
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            raise ValueError("prompts: got a list of ints; one tokenized prompt goes in a list "
+                             "of its own: generate([[...]])")  # fmt: skip
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} "
+                                 f"prompts (one for all, or one each)")  # fmt: skip
+            plist = list(params)
+        else:
+            plist = [params] * len(prompts)
+        ready = [self._prepare(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        seqs = [self.add_request(ids, sp) for ids, sp in ready]
+        try:
+            while self.has_unfinished():
+                self.step()
+        except Exception:
+            self.recover_after_failed_step()
+            for s in seqs:
+                self.abort(s.request_id)
+            raise
         return [self.output(s) for s in seqs]
 
     def logprobs_so_far(self, request_id: str) -> list[TokenLogprobs | None]:
@@ -483,7 +550,9 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(
             seq.output_token_ids
         )  # fmt: skip
-        lps = self._logprobs.pop(seq.request_id, [])[: seq.num_output_tokens]  # a stop cuts a round
+        n = seq.num_output_tokens
+        lps = self._logprobs.pop(seq.request_id, [])[:n]  # a stop cuts a round
+        lps += [None] * (n - len(lps))  # one entry per token (rounds without logprobs add none)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
                              text, seq.finish_reason, lps,
                              self._prompt_logprobs.pop(seq.request_id, None))  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -61,10 +62,17 @@ class SamplingParams:
                 raise ValueError("speculative_budget: set together with speculative=false")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # lists (or tuples): None, an int or a dict raised a bare TypeError or passed unchecked
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got "
+                             f"{self.stop_token_ids!r}")  # fmt: skip
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got "
+                             f"{self.temperature!r}")  # fmt: skip
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:

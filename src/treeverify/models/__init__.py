@@ -70,5 +70,11 @@ def load_model(
 
         return build_random(str(name_or_path), dtype=dtype, device=device, seed=seed)
     from treeverify.models.loader import load_pretrained
+    from treeverify.models.random_shapes import RANDOM_SHAPES
 
+    if not Path(name_or_path).exists():  # a typo of a built-in name: say which exist
+        builtin = [*TINY_MODELS, *SHIPPED_MODELS, *GGUF_MODELS, *RANDOM_SHAPES]
+        raise FileNotFoundError(f"model: {str(name_or_path)!r} is neither a built-in model "
+                                f"({', '.join(dict.fromkeys(builtin))}) nor a local "
+                                f"directory")  # fmt: skip
     return load_pretrained(name_or_path, dtype=dtype, device=device, tokenizer=tokenizer)

@@ -1,0 +1,66 @@
+"""The Python API's bad inputs (a new user's audit, thirty-fifth session): each is a ValueError
+naming the argument, raised before anything is queued, and the engine keeps serving. Before: an
+out-of-vocabulary prompt id failed inside the step and left the engine unable to schedule
+again; a string prompt was split into one prompt per character; a prompt past the model's
+context ran on; a mismatched params list queued the first request anyway."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module", params=[None, "DDTREE"], ids=["plain", "ddtree"])
+def llm(request):
+    return LLM("tiny-code", device="cpu", num_pages=128, speculative_algorithm=request.param)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prompts,params,match", [
+    ([[10**7]], GREEDY, "prompt: token id 10000000"),
+    ([[-1, 5]], GREEDY, "prompt: token id -1"),
+    ([[1.5, 5]], GREEDY, "prompt: token ids must be ints"),
+    ([[True, 5]], GREEDY, "prompt: token ids must be ints"),
+    ([[]], GREEDY, "prompt: must not be empty"),
+    ([[5] * 1020], SamplingParams(max_tokens=10), "max_tokens: 10 .* context of 1024"),
+    ([1, 2, 3], GREEDY, "prompts: got a list of ints"),
+    ([], GREEDY, "prompts"),
+    (["a", "b"], [GREEDY], "params: 1 SamplingParams for 2 prompts"),
+    (["a"], {"temperature": 0}, "params: expected a SamplingParams"),
+    (["ok", "\ud800"], GREEDY, "surrogates"),
+])  # fmt: skip
+def test_bad_input_is_named_and_the_engine_keeps_serving(llm, prompts, params, match):
+    good = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, params)
+    assert not llm.has_unfinished()  # nothing of the bad call was queued
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == good
+
+
+def test_one_string_is_one_prompt(llm):
+    out = llm.generate("def f(n):\n", GREEDY)
+    assert len(out) == 1 and out[0].token_ids == llm.generate(["def f(n):\n"], GREEDY)[0].token_ids
+
+
+def test_logprobs_has_one_entry_per_token_with_or_without_speculation(llm):
+    out = llm.generate(["def add(a, b):\n"], SamplingParams(temperature=0, max_tokens=12,
+                                                            ignore_eos=True))[0]  # fmt: skip
+    assert len(out.logprobs) == len(out.token_ids) == 12  # DDTREE gave [None]: one a round
+    assert all(x is None for x in out.logprobs)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"temperature": math.inf}, "temperature"),
+    ({"stop": None}, "stop"),
+    ({"stop": {"a": 1}}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+])  # fmt: skip
+def test_sampling_params_name_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
