@@ -162,3 +162,10 @@ def test_no_gpu_and_unknown_models_are_named():
         EngineConfig(device="cuda")  # describing a GPU engine needs no GPU
     with pytest.raises(FileNotFoundError, match="tiny-code"):  # lists the built-in models
         LLM("tiny-cod")
+
+
+def test_a_draft_depth_past_the_drafter_and_a_pool_too_small_to_calibrate_are_named():
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens: expected 1..15"):
+        LLM("tiny-code", speculative_algorithm="DDTREE", speculative_num_draft_tokens=100)
+    with pytest.raises(ValueError, match="num_pages: the KV pool holds 64 tokens"):
+        LLM("tiny-code", speculative_algorithm="DDTREE", num_pages=4)  # named 'calibrate-1-0'

@@ -72,6 +72,12 @@ def calibrate(llm: LLM, prompt_len: int = 16,
     params = SamplingParams(temperature=0, max_tokens=max(1, min(4 * (top + 2), room)),
                             ignore_eos=True)  # fmt: skip
     per_request = prompt_len + params.max_tokens + top + 1  # KV slots a request may hold
+    if per_request > llm.capacity_tokens:  # (the scheduler's error would name an internal
+        # request, 'calibrate-1-0', not the knob to change)
+        raise ValueError(f"num_pages: the KV pool holds {llm.capacity_tokens} tokens; measuring "
+                         f"the adaptive budget's step costs needs {per_request} (one request "
+                         f"at budget {top}): more pages, a smaller speculative_ddtree_budget, "
+                         f"or speculative_adaptive=False")  # fmt: skip
     raw: dict[int, dict[int, float]] = {}
     passes = TIMED_PASSES_GPU if llm.config.on_gpu else TIMED_PASSES
     for n in batch_sizes or calibration_batches(llm):

@@ -155,6 +155,11 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             if config.speculative_num_draft_tokens is None:
                 self.config = config = config.resolved(
                     speculative_num_draft_tokens=default_depth(source))  # fmt: skip
+            block = getattr(getattr(source, "drafter", None), "block_size", None)  # DFlash's
+            if block is not None and not 1 <= config.speculative_num_draft_tokens < block:
+                raise ValueError(f"speculative_num_draft_tokens: expected 1..{block - 1} for "
+                                 f"this DFlash drafter (block size {block}), got "
+                                 f"{config.speculative_num_draft_tokens}")  # fmt: skip
             self.model.capture_layers = frozenset(source.target_layer_ids)
             self.spec = SpeculativeDecoder(
                 self.block_manager, self.cache, self.vocab_size,
