@@ -105,6 +105,14 @@ def test_plan_rejects_metadata_whose_shapes_disagree():
         plan.plan(bt, pl, qo[:2], mask)
     with pytest.raises(ValueError, match="tree_mask"):
         plan.plan(bt, pl, qo, mask[:5])
+    # values (a new user's audit): a negative prefix ran to NaN, a decreasing indptr to a
+    # shape error in the backend
+    with pytest.raises(ValueError, match="prefix_lens: expected lengths >= 0"):
+        plan.plan(bt, pl - pl.max() - 1, qo, mask)
+    with pytest.raises(ValueError, match="qo_indptr: expected non-decreasing"):
+        plan.plan(bt, pl, qo.flip(0), mask)
+    with pytest.raises(ValueError, match="qo_indptr: expected non-decreasing"):
+        plan.plan(bt, pl, qo + 1, mask)
     plan.plan(bt, pl, qo, mask)  # the plan still works after the rejections
 
 

@@ -35,9 +35,19 @@ def _extents(qo: np.ndarray, pl: np.ndarray) -> tuple[int, int, int]:
     if pl.shape[0] <= 16:  # Python ints: a numpy call costs ~1 us of host time, a step ~4 of them
         q, p = qo.tolist(), pl.tolist()
         trees = [b - a for a, b in itertools.pairwise(q)]
-        return q[-1], max(trees), max(map(operator.add, p, trees))
-    trees = qo[1:].astype(np.int64) - qo[:-1]  # (B,)
-    return int(qo[-1]), int(trees.max()), int((pl + trees).max())
+        first, fewest, shortest = q[0], min(trees), min(p)
+        out = q[-1], max(trees), max(map(operator.add, p, trees))
+    else:
+        trees = qo[1:].astype(np.int64) - qo[:-1]  # (B,)
+        first, fewest, shortest = int(qo[0]), int(trees.min()), int(pl.min())
+        out = int(qo[-1]), int(trees.max()), int((pl + trees).max())
+    # cheap on values already read: a negative prefix ran to NaN, a decreasing indptr to a
+    # shape error deep in the backend
+    if first != 0 or fewest < 0:
+        raise ValueError(f"qo_indptr: expected non-decreasing offsets from 0, got {qo.tolist()}")
+    if shortest < 0:
+        raise ValueError(f"prefix_lens: expected lengths >= 0, got {pl.tolist()}")
+    return out
 
 
 class TreeAttentionPlan:
