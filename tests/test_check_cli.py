@@ -333,3 +333,35 @@ def test_moe_gemv_tile(monkeypatch):
         monkeypatch.setenv("TREEVERIFY_MOE_GEMV_TILE", bad)
         with pytest.raises(ValueError, match="TREEVERIFY_MOE_GEMV_TILE"):
             env.moe_gemv_tile()
+
+
+# ---------------------------------------------------------------- usage errors
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--seed", "-1"], "--seed"),
+        (["--seed", str(2**70)], "--seed"),
+        (["--json", "/nonexistent/dir/x.json"], "--json"),
+        (["--json", "."], "--json"),  # a directory
+        (["--backend", "cuda"], "--backend cuda"),
+    ],
+)
+def test_check_usage_errors_are_one_line_before_the_run(argv, says):
+    """Bad values fail with exit 2 and a line naming the flag, before any case runs."""
+    proc = run_cli("check", "--quick", "--device", "cpu", *argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and says in proc.stderr.splitlines()[-1]
+    assert "rel err" not in proc.stdout  # no case ran
+
+
+def test_check_seed_range_fits_every_generator():
+    """The largest --seed gives every case a seed numpy and torch both take."""
+    parser = argparse.ArgumentParser(prog="treeverify")
+    check.add_parser(parser.add_subparsers())
+    assert parser.parse_args(["check", "--seed", str(check.SEED_MAX)]).seed == check.SEED_MAX
+    last = len(check.cases(False, "cpu")) - 1
+    check.make_inputs(
+        check.cases(True, "cpu")[1], torch.float32, "cpu", check.SEED_MAX * 1000 + last
+    )

@@ -327,3 +327,61 @@ def test_concurrency_sizes_from_server_info():
     assert concurrency_sizes(ctx) == [1, 3, 8, 13, 17, 20]
     ctx.server_info, ctx.max_concurrency = None, 12
     assert concurrency_sizes(ctx) == [1, 3, 8, 12]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--serve-args", '--speculative-algorithm "DDTREE'], "--serve-args"),
+        (["--launch", 'echo "x', "--url", "http://127.0.0.1:9"], "--launch"),
+        (["--url", "http://127.0.0.1:99999"], "--url"),
+        (["--url", "127.0.0.1:30000"], "--url"),  # no scheme
+        (["--baseline-url", "http://127.0.0.1:70000"], "--baseline-url"),
+        (["--margin", "-0.1"], "--margin"),
+        (["--logprob-atol", "-1"], "--logprob-atol"),
+        (["--perf-factor", "-3"], "--perf-factor"),
+        (["--perf-factor", "nan"], "--perf-factor"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--only", ""], "--only"),
+        (["--json", "/nonexistent/dir/x.json"], "--json"),
+        (["--junit", "."], "--junit"),  # a directory
+        (["record", "--golden", "/nonexistent/dir/g.json"], "--golden"),
+        (["--oracle-out", "/nonexistent/dir/o.json"], "--oracle-out"),
+    ],
+)
+def test_bad_values_are_usage_errors_naming_the_flag(argv, flag, capsys):
+    """Each fails with 64 before anything is launched or polled, one line naming the flag."""
+    try:
+        rc = cli.main([*argv, "--timeout", "5"] if "--timeout" not in argv else argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 64
+    out = capsys.readouterr()
+    assert flag in out.err.strip().splitlines()[-1] and "Traceback" not in out.err
+    assert out.out == ""
+
+
+def test_quiet_still_prints_failures_and_the_verdict(capsys):
+    rc = cli.main(
+        ["--url", "http://127.0.0.1:9", "--probes", "smoke", "--interval", "0.05"]
+        + ["--tries", "2", "--request-timeout", "0.5", "--quiet"]
+    )
+    assert rc == 5
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [lines[0], "GATE FAIL: exit 5 (HUNG)"] and lines[0].startswith("smoke: FAIL(5)")
+
+
+def test_report_write_failure_keeps_the_verdict(monkeypatch, tmp_path, capsys):
+    """A report that cannot be written after the run (disk full) is said, and the exit code is
+    still the verdict's, not a traceback's 1."""
+
+    def full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.Report, "write_json", full)
+    rc = cli.main(
+        ["--url", "http://127.0.0.1:9", "--probes", "smoke", "--interval", "0.05"]
+        + ["--tries", "2", "--request-timeout", "0.5", "--quiet", "--json", str(tmp_path / "r")]
+    )
+    assert rc == 5
+    assert "--json: cannot write" in capsys.readouterr().err

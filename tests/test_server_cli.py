@@ -266,3 +266,67 @@ def test_engine_switches_reach_the_engine_config():
     default, _ = build_engine(_parse(cli, base))
     assert not default.config.disable_prefill_graphs and default.config.round_lookahead is None
     assert default.config.prefill_graph_sizes == (32, 64, 128, 256, 512)  # used on a GPU
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--uvicorn-log-level", "bogus"], "--uvicorn-log-level"),
+        (["--health-heartbeat-timeout", "-1"], "--health-heartbeat-timeout"),
+        (["--health-heartbeat-timeout", "inf"], "--health-heartbeat-timeout"),
+        (["--health-generate-timeout", "nan"], "--health-generate-timeout"),
+        (["--health-generate-timeout", "0"], "--health-generate-timeout"),
+        (["--shutdown-grace", "-5"], "--shutdown-grace"),
+    ],
+)
+def test_serve_rejects_bad_levels_and_seconds(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exc:
+        _parse(cli, ["serve", *argv])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_serve_levels_and_seconds_accepted():
+    args = _parse(cli, ["serve", "--uvicorn-log-level", "INFO", "--shutdown-grace", "0",
+                        "--health-generate-timeout", "2.5"])  # fmt: skip
+    assert args.uvicorn_log_level == "info"  # uvicorn's key
+    assert (args.shutdown_grace, args.health_generate_timeout) == (0.0, 2.5)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--name", "x\nExecStartPre=/bin/rm -rf /tmp/zz"], "--name"),
+        (["--name", "my server"], "--name"),
+        (["--timeout-start-sec", "-5"], "--timeout-start-sec"),
+        (["--timeout-stop-sec", "-1"], "--timeout-stop-sec"),
+        (["--restart-sec", "-1"], "--restart-sec"),
+        (["--working-directory", "/srv\nUser=root"], "--working-directory"),
+        (["--exec", "/bin/tv\rx"], "--exec"),
+        (["--user", "tv\nGroup=root"], "--user"),
+        (["--env", "A=1\nExecStartPre=/bin/true"], "--env"),
+    ],
+)
+def test_unit_rejects_values_that_break_the_unit(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exc:
+        _parse(unit, ["unit", *argv])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "serve_args, says",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--page-size", "-3"], "--page-size"),
+        (["--model", "a\nExecStartPre=/bin/true"], "control characters"),
+        (["--help"], "--help"),
+    ],
+)
+def test_unit_checks_serve_args_with_serves_parser(capsys, serve_args, says):
+    assert unit.run(_parse(unit, ["unit", "--", *serve_args])) == 64
+    out = capsys.readouterr()
+    assert out.out == "" and says in out.err and len(out.err.strip().splitlines()) == 1
+
+
+def test_unit_name_with_safe_characters():
+    args = _parse(unit, ["unit", "--name", "kimi-k2_tp8@gpu0.v2", "--", "--port", "30001"])
+    assert "(kimi-k2_tp8@gpu0.v2)" in unit.render(args)

@@ -4,7 +4,7 @@ Every case is fresh random data: GQA, MHA and MLA heads, page sizes 1/16/64, rag
 empty), random topological trees up to 1025 nodes, pages assigned in shuffled order, the output
 poisoned with NaN beforehand. The torch backend is compared to an independent float64 dense
 computation (the reference is not compared with itself); other backends to the fp32 reference.
-Exit code: 0 all cases pass, 1 any fails, 2 the backend or device is unavailable.
+Exit code: 0 all cases pass, 1 any fails, 2 the backend or device is unavailable or a usage error.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from treeverify.kernels import api
 from treeverify.kernels.reference import tree_attention_reference
+from treeverify.strict_args import output_file
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ||out - ref|| / ||ref|| allowed per output dtype
@@ -227,6 +228,19 @@ def _json_number(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+SEED_MAX = 2**32 - 1  # case i draws from seed * 1000 + i: must fit torch's 64-bit seed
+
+
+def _seed(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if not 0 <= n <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be in 0..{SEED_MAX}, got {n}")
+    return n
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "check",
@@ -236,9 +250,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=api.BACKENDS, default="auto")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if any")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help=f"0..{SEED_MAX} (default: 0)")
     p.add_argument("--quick", action="store_true", help="the five core cases only")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--json", metavar="FILE", type=output_file, help="also write the results as JSON"
+    )
     return p
 
 
@@ -246,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("treeverify check: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if args.backend == "cuda" and device != "cuda":  # the kernel would refuse every case
+        print("treeverify check: error: --backend cuda runs on a CUDA device only (--device cuda)",
+              file=sys.stderr)  # fmt: skip
         return 2
     dtype = DTYPES[args.dtype]
     backend = api.resolve_backend(args.backend, torch.device(device), dtype)
@@ -279,6 +299,10 @@ def run(args: argparse.Namespace) -> int:
             "cases": [{k: _json_number(v) for k, v in r.items()} for r in rows],
             "passed": failed == 0,
         }
-        with open(args.json, "w") as fh:
-            json.dump(record, fh, indent=2)
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(record, fh, indent=2)
+        except OSError as exc:  # checked up front; this is a disk full or a race
+            print(f"treeverify check: --json: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 2
     return 0 if failed == 0 else 1

@@ -11,11 +11,13 @@ Also runnable alone: ``python -m treeverify.gate.cli [run|record|check] ...``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shlex
 import socket
 import sys
+import urllib.parse
 
 from treeverify import env
 from treeverify.gate import golden as G
@@ -23,7 +25,7 @@ from treeverify.gate import probes, runner, smoke, targets
 from treeverify.gate.codes import ExitCode
 from treeverify.gate.compare import DEFAULT_LOGPROB_ATOL, DEFAULT_MARGIN
 from treeverify.gate.report import ProbeResult, Report
-from treeverify.strict_args import own_unknown_flags
+from treeverify.strict_args import output_file, output_file_problem, own_unknown_flags
 
 EXIT_CODES = """exit codes:
   0   pass
@@ -159,9 +161,15 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     q.add_argument("--perf-factor", type=float, default=3.0, help="latency regression factor")
     q.add_argument("--perf-slack", type=float, default=0.05, help="latency slack (s)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE", help="write the JSON report here")
-    o.add_argument("--junit", metavar="FILE", help="write a JUnit XML report here")
-    o.add_argument("--quiet", action="store_true", help="no live timeline")
+    o.add_argument("--json", metavar="FILE", type=output_file, help="write the JSON report here")
+    o.add_argument(
+        "--junit", metavar="FILE", type=output_file, help="write a JUnit XML report here"
+    )
+    o.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no live timeline or table: only each failed probe's line and the verdict line",
+    )
     return p
 
 
@@ -180,6 +188,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _check_url(flag: str, url: str) -> None:
+    """A malformed URL is a usage error now, not a server that never became ready."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"{flag}: {url!r}: expected http(s)://HOST[:PORT]")
+
+
+def _split(flag: str, value: str) -> list[str]:
+    try:
+        return shlex.split(value)
+    except ValueError as exc:  # an unbalanced quote
+        raise UsageError(f"{flag}: {exc}: {value!r}") from None
+
+
 def _options(a: argparse.Namespace) -> runner.Options:
     if a.launch and a.unit:
         raise UsageError("--launch and --unit are exclusive")
@@ -190,7 +216,7 @@ def _options(a: argparse.Namespace) -> runner.Options:
     seconds = ("timeout", "ready_timeout", "interval", "request_timeout")
     for name in (*seconds, "connect_timeout", "read_timeout", "itl_deadline"):
         v = getattr(a, name)
-        if v is not None and v <= 0:
+        if v is not None and not v > 0:  # nan too
             raise UsageError(f"--{name.replace('_', '-')} must be > 0")
     if a.tries < 1 or (a.max_concurrency is not None and a.max_concurrency < 1):
         raise UsageError("--tries and --max-concurrency must be >= 1")
@@ -198,11 +224,29 @@ def _options(a: argparse.Namespace) -> runner.Options:
         raise UsageError("--samples must be >= 16")
     if not 0 < a.false_alarm < 0.5:
         raise UsageError("--false-alarm must be in (0, 0.5)")
+    for name in ("margin", "logprob_atol", "perf_slack"):
+        v = getattr(a, name)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0")
+    if not (math.isfinite(a.perf_factor) and a.perf_factor > 0):
+        raise UsageError("--perf-factor must be a finite number > 0")
+    for flag, url in (("--url", a.url), ("--baseline-url", a.baseline_url)):
+        if url is not None:
+            _check_url(flag, url)
+    writes = [("--oracle-out", a.oracle_out)]
+    if a.action == "record":
+        writes.append(("--golden", a.golden))
+    for flag, path in writes:  # record's files: fail before the run, not after it
+        problem = path is not None and output_file_problem(path)
+        if problem:
+            raise UsageError(f"{flag}: {problem}")
     only = None
-    if a.only:
+    if a.only is not None:  # --only "" would otherwise run every probe
         only = [x.strip() for x in a.only.split(",") if x.strip()]
         unknown = [x for x in only if x not in PROBE_NAMES]
-        if unknown or not only:
+        if not only:
+            raise UsageError(f"--only: no probe named; known: {', '.join(PROBE_NAMES)}")
+        if unknown:
             raise UsageError(f"--only: unknown probe(s) {unknown}; known: {', '.join(PROBE_NAMES)}")
     if a.context_length is not None and a.context_length < 64:
         raise UsageError("--context-length must be >= 64")
@@ -260,7 +304,7 @@ def _target(a: argparse.Namespace):
     if a.unit:
         return targets.UnitTarget(a.unit, a.url or "http://127.0.0.1:30000")
     if a.launch:
-        argv = shlex.split(a.launch)
+        argv = _split("--launch", a.launch)
         if not argv:
             raise UsageError("--launch: empty command")
         url = a.url
@@ -273,7 +317,7 @@ def _target(a: argparse.Namespace):
     if a.url:
         return targets.UrlTarget(a.url)
     port = _free_port()
-    argv = targets.serve_argv(port, shlex.split(a.serve_args))
+    argv = targets.serve_argv(port, _split("--serve-args", a.serve_args))
     return targets.LaunchTarget(argv, f"http://127.0.0.1:{port}", env=_child_env(a))
 
 
@@ -298,13 +342,22 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # a bug or an unexpected environment: infrastructure, not a verdict
         print(f"treeverify gate: internal error: {exc!r}", file=sys.stderr)
         report.add(ProbeResult("gate", "fail", f"internal error: {exc!r}", ExitCode.INFRA))
-    if not args.quiet:
-        print(report.table(), flush=True)
-    if args.json:
-        report.write_json(args.json)
-    if args.junit:
-        report.write_junit(args.junit)
-    return int(report.exit_code())
+    table = report.table()
+    if args.quiet:  # the failures and the verdict still: a silent gate explains nothing
+        failed = [r for r in report.results if r.verdict == "fail"]
+        lines = [f"{r.name}: FAIL({int(r.code)}) {r.detail[:200]}".rstrip() for r in failed]
+        table = "\n".join([*lines, table.splitlines()[-1]])
+    print(table, flush=True)
+    code = report.exit_code()
+    for flag, path, write in (("--json", args.json, report.write_json),
+                              ("--junit", args.junit, report.write_junit)):  # fmt: skip
+        if path:
+            try:
+                write(path)
+            except OSError as exc:  # checked up front: a full disk or a race; keep the verdict
+                print(f"treeverify gate: {flag}: cannot write {path}: {exc}", file=sys.stderr)
+                code = code or ExitCode.INFRA
+    return int(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 from treeverify.server.guards import DEFAULT_MAX_REQUEST_BYTES
 from treeverify.strict_args import own_unknown_flags
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -53,6 +55,24 @@ def _fraction(value: str) -> float:
     return x
 
 
+def _seconds(low: float, inclusive: bool):
+    """Finite seconds >= low (> low unless inclusive): nan or inf would never time out."""
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if not math.isfinite(x) or x < low or (x == low and not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>=' if inclusive else '>'} {low:g}, got {value}"
+            )
+        return x
+
+    parse.__name__ = "float"
+    return parse
+
+
 def _tp_size(value: str) -> int:
     n = _int_at_least(1)(value)
     if n > 1:
@@ -72,6 +92,14 @@ def _log_level(value: str) -> str:
     return value
 
 
+def _uvicorn_log_level(value: str) -> str:
+    if value.lower() not in UVICORN_LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown level {value!r} ({', '.join(UVICORN_LOG_LEVELS)})"
+        )
+    return value.lower()  # uvicorn looks its levels up in lower case
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
@@ -81,6 +109,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     own_unknown_flags(p)  # serve's usage, exit 2
     pos, at_least_0 = _int_at_least(1), _int_at_least(0)
+    positive_s, at_least_0_s = _seconds(0.0, inclusive=False), _seconds(0.0, inclusive=True)
     p.add_argument(
         "--model",
         "--model-path",
@@ -245,26 +274,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--health-heartbeat-timeout",
-        type=float,
+        type=positive_s,
         default=10.0,
         help="/health is 503 once the engine loop is silent this long (s)",
     )
     p.add_argument(
         "--health-generate-timeout",
-        type=float,
+        type=positive_s,
         default=10.0,
         help="/health_generate is 503 if its 1-token request takes longer (s)",
     )
     p.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=at_least_0_s,
         default=10.0,
         help="on SIGTERM, seconds in-flight requests may finish before 'abort'",
     )
     p.add_argument(
         "--log-level", type=_log_level, default="info", help="treeverify.server log level"
     )
-    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
+    p.add_argument(
+        "--uvicorn-log-level",
+        type=_uvicorn_log_level,
+        default="warning",
+        help=f"uvicorn's own log level ({', '.join(UVICORN_LOG_LEVELS)})",
+    )
     return p
 
 

@@ -10,31 +10,68 @@ crashed server (a crash loop shows as ``activating (auto-restart)`` with a growi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import re
 import shutil
 import sys
+
+# a newline would end the directive and start another one in the unit file
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_NAME = re.compile(r"[A-Za-z0-9_.@-]+")
+
+
+def _one_line(value: str) -> str:
+    if _CONTROL.search(value):
+        raise argparse.ArgumentTypeError(f"control characters (newline, tab, ...) in {value!r}")
+    return value
+
+
+def _name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: only letters, digits and '-', '_', '.', '@' are allowed"
+        )
+    return value
+
+
+def _seconds(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("unit", help="print a systemd unit (Type=notify) for the server")
-    p.add_argument("--name", default="treeverify", help="Description= suffix")
+    p.add_argument("--name", type=_name, default="treeverify", help="Description= suffix")
     p.add_argument(
         "--exec",
         dest="executable",
+        type=_one_line,
         help="the treeverify executable (default: found on PATH, else python -m)",
     )
-    p.add_argument("--user", help="User= to run as")
-    p.add_argument("--working-directory", help="WorkingDirectory=")
+    p.add_argument("--user", type=_one_line, help="User= to run as")
+    p.add_argument("--working-directory", type=_one_line, help="WorkingDirectory=")
     p.add_argument(
-        "--env", action="append", default=[], metavar="KEY=VALUE", help="Environment= (repeatable)"
+        "--env",
+        action="append",
+        type=_one_line,
+        default=[],
+        metavar="KEY=VALUE",
+        help="Environment= (repeatable)",
     )
     p.add_argument(
         "--timeout-start-sec",
-        type=int,
+        type=_seconds,
         default=1800,
         help="TimeoutStartSec (model load + warmup must fit)",
     )
-    p.add_argument("--timeout-stop-sec", type=int, default=60)
-    p.add_argument("--restart-sec", type=int, default=10)
+    p.add_argument("--timeout-stop-sec", type=_seconds, default=60)
+    p.add_argument("--restart-sec", type=_seconds, default=10)
     p.add_argument(
         "serve_args", nargs=argparse.REMAINDER, help="arguments for 'treeverify serve' (after --)"
     )
@@ -49,10 +86,41 @@ def _quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def render(args: argparse.Namespace) -> str:
+def _serve_args(args: argparse.Namespace) -> list[str]:
     serve_args = list(args.serve_args or [])
-    if serve_args[:1] == ["--"]:
-        serve_args = serve_args[1:]
+    return serve_args[1:] if serve_args[:1] == ["--"] else serve_args
+
+
+class _ServeArgsError(Exception):
+    pass
+
+
+def serve_args_problem(serve_args: list[str]) -> str | None:
+    """What serve's own parser says about these arguments, or None if it takes them."""
+    from treeverify.server import cli as serve_cli
+
+    bad = next((a for a in serve_args if _CONTROL.search(a)), None)
+    if bad is not None:
+        return f"control characters (newline, tab, ...) in {bad!r}"
+    parser = argparse.ArgumentParser(prog="treeverify")
+    serve = serve_cli.add_parser(parser.add_subparsers(dest="command"))
+
+    def error(message: str):
+        raise _ServeArgsError(message)
+
+    serve.error = error  # its message, not its usage and exit
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # --help would print, then exit 0
+            parser.parse_args(["serve", *serve_args])
+    except _ServeArgsError as exc:
+        return str(exc)
+    except SystemExit:
+        return "--help/-h prints serve's help; it runs no server"
+    return None
+
+
+def render(args: argparse.Namespace) -> str:
+    serve_args = _serve_args(args)
     if args.executable:
         cmd = [args.executable, "serve"]
     elif shutil.which("treeverify"):
@@ -90,5 +158,9 @@ def run(args: argparse.Namespace) -> int:
         if "=" not in kv:
             print(f"--env: expected KEY=VALUE, got {kv!r}", file=sys.stderr)
             return 64
+    problem = serve_args_problem(_serve_args(args))
+    if problem:
+        print(f"treeverify unit: serve arguments (after --): {problem}", file=sys.stderr)
+        return 64
     sys.stdout.write(render(args))
     return 0
