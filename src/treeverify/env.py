@@ -35,8 +35,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   of a whole round in Triton (engine/pick_kernels.py; the step's end with the advance of its
   inputs in two launches, engine/decode_step_end.py, instead of ~7 PyTorch kernels), greedy or
   sampled: sampled plain steps are then launched ahead and sampled rounds run whole, each draw
-  hashed on the device (2.1x plain sampled decoding at b=1 on an H100); default ``0`` until
-  the greedy A/B is measured on a GPU.
+  hashed on the device (2.1x plain sampled decoding at b=1 on an H100); default ``0``: the
+  greedy A/B is unmeasured, and with it on the adaptive controller stays in sampled rounds
+  that do not pay on unpredictable text at b=1 (0.41x plain on an H100, docs/performance.md,
+  thirty-fifth session).
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
