@@ -46,3 +46,19 @@ def output_file(value: str) -> str:
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return value
+
+
+def int_at_least(low: int):
+    """An argparse type: an int >= `low` (serve's counts, unit's seconds)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+
+    parse.__name__ = "int"
+    return parse

@@ -15,7 +15,7 @@ import math
 import sys
 
 from treeverify.server.guards import DEFAULT_MAX_REQUEST_BYTES
-from treeverify.strict_args import own_unknown_flags
+from treeverify.strict_args import int_at_least, own_unknown_flags
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
@@ -29,20 +29,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
             return text
         return super()._get_help_string(action)
-
-
-def _int_at_least(low: int):
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
-        return n
-
-    parse.__name__ = "int"
-    return parse
 
 
 def _fraction(value: str) -> float:
@@ -74,7 +60,7 @@ def _seconds(low: float, inclusive: bool):
 
 
 def _tp_size(value: str) -> int:
-    n = _int_at_least(1)(value)
+    n = int_at_least(1)(value)
     if n > 1:
         raise argparse.ArgumentTypeError(
             f"{n}: treeverify serve runs one GPU (tensor parallelism is not built in); to serve "
@@ -108,7 +94,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     own_unknown_flags(p)  # serve's usage, exit 2
-    pos, at_least_0 = _int_at_least(1), _int_at_least(0)
+    pos, at_least_0 = int_at_least(1), int_at_least(0)
     positive_s, at_least_0_s = _seconds(0.0, inclusive=False), _seconds(0.0, inclusive=True)
     p.add_argument(
         "--model",

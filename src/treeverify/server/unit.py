@@ -16,6 +16,8 @@ import re
 import shutil
 import sys
 
+from treeverify.strict_args import int_at_least
+
 # a newline would end the directive and start another one in the unit file
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _NAME = re.compile(r"[A-Za-z0-9_.@-]+")
@@ -35,14 +37,7 @@ def _name(value: str) -> str:
     return value
 
 
-def _seconds(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+_seconds = int_at_least(0)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
