@@ -81,12 +81,16 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             knobs["model"] = model
         config = EngineConfig(**knobs) if config is None else dataclasses.replace(config, **knobs)
         if config.speculative_algorithm is None:  # given here, they were silently dropped
-            default = EngineConfig.__dataclass_fields__["speculative_ddtree_budget"].default
-            for name in ("speculative_num_draft_tokens", "speculative_draft_model_path",
-                         "speculative_cost_seconds", "speculative_ddtree_budget"):  # fmt: skip
-                if knobs.get(name) not in (None, default if name.endswith("budget") else None):
-                    raise ValueError(f"{name}: set without speculative_algorithm (DDTREE or "
-                                     f"CHAIN): no speculation would use it")  # fmt: skip
+            unused = {
+                n: v
+                for n, v in knobs.items()
+                if n.startswith("speculative_")
+                and v is not None
+                and v != EngineConfig.__dataclass_fields__[n].default
+            }
+            if unused:  # fmt: skip
+                raise ValueError(f"{next(iter(unused))}: set without speculative_algorithm "
+                                 f"(DDTREE or CHAIN): no speculation would use it")  # fmt: skip
         self.config = config  # resolved below: num_pages (GPU sizing), draft depth (drafter)
         if config.device.type == "cuda" and not torch.cuda.is_available():  # (a config may
             # describe a GPU engine anywhere; building one needs the GPU)
@@ -300,7 +304,10 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         token ids of this vocabulary, or that with max_tokens does not fit the model's context;
         nothing is queued then (an out-of-vocabulary id used to fail inside the step and leave
         the engine unable to schedule again)."""
-        ids, params = self._prepare(prompt, params)
+        return self._add(*self._prepare(prompt, params), request_id)
+
+    def _add(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+        """Queue a request `_prepare` has checked."""
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         self._next_id += 1
         seq = self.scheduler.add(Sequence(rid, ids, params))
@@ -508,7 +515,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         else:
             plist = [params] * len(prompts)
         ready = [self._prepare(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        seqs = [self.add_request(ids, sp) for ids, sp in ready]
+        seqs = [self._add(ids, sp, None) for ids, sp in ready]  # checked once, above
         try:
             while self.has_unfinished():
                 self.step()
