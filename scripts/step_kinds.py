@@ -7,6 +7,9 @@ side by side, so a per-step or per-request loss shows where it is.
 
 Host clock around each engine step (no sync inside: a sync would undo the overlap); the device
 is synchronized before and after each pass. Prompts: bench_pair's prose (the speed texts').
+The JSON also keeps the last pass's every step (kind, us) and, for the adaptive engines, the
+controller's view at its end (/server_info's) and every step cost it was taught (batch, budget,
+us): where a wrong cost entry came from.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
         return run_batch(b)
 
     llm.run_batch = spy
+    observed = []  # the controller's step costs this pass: (batch, budget, us)
+    ctl = llm.controller
+    if ctl is not None:
+        observe_step = ctl.observe_step
+
+        def spy_cost(n, budget, seconds):
+            observed.append((n, budget, round(seconds * 1e6, 1)))
+            observe_step(n, budget, seconds)
+
+        ctl.observe_step = spy_cost
+    trace = []  # every step of the pass: (kind, us)
     sync()
     t_all = time.perf_counter()
     try:
@@ -70,12 +84,18 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
                         else "plain read-first"  # fmt: skip
                 kinds[kind][0] += 1
                 kinds[kind][1] += dt
+                trace.append((kind, round(dt * 1e6, 1)))
         sync()
     finally:
         del llm.run_batch
+        if ctl is not None:
+            del ctl.observe_step
     total = time.perf_counter() - t_all
     kinds["(outside steps)"] = [0, total - sum(v[1] for v in kinds.values())]
-    return {"seconds": total, "kinds": {k: v for k, v in kinds.items()}}
+    out = {"seconds": total, "kinds": {k: v for k, v in kinds.items()}, "steps": trace}
+    if ctl is not None:  # what the controller believed, and the costs it was taught
+        out |= {"controller": ctl.info(), "observed_costs": observed}
+    return out
 
 
 def main(argv=None) -> int:
@@ -104,6 +124,12 @@ def main(argv=None) -> int:
         for kind, (n, s) in sorted(res["kinds"].items(), key=lambda kv: -kv[1][1]):
             per = f"{1e6 * s / n:8.1f} us each" if n else ""
             print(f"      {kind:24s} {n:6d} steps {1e3 * s:9.2f} ms {per}")
+        if "controller" in res:
+            info = res["controller"]
+            print(
+                f"      controller: steps {info['steps_by_budget']}, costs (b=1, ms) "
+                f"{ {b: round(c * 1e3, 3) for b, c in info['cost_seconds_batch1'].items()} }"
+            )
         free(llm)
     if args.json:
         write_rows(args.json, "step_kinds.py", argv, rows)
