@@ -366,3 +366,41 @@ def test_settings_from_the_command_line_are_parsed_and_validated():
                       ("decay=2", "decay")):  # fmt: skip
         with pytest.raises(ValueError, match=name):
             ControllerConfig().with_settings([bad])
+
+
+def test_plain_decoding_decides_every_fourth_step_and_a_round_or_a_new_request_at_once():
+    """At budget 0 the rates are computed on every TRIAL_CHECK_EVERY-th decision only (a plain
+    step observes no round; the rules' Python was ~25 us of a plain step), but a probe's round
+    and a change of requests are decided on at once."""
+    from treeverify.engine.budget_controller import TRIAL_CHECK_EVERY
+
+    costs = {0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}
+    ctl = synthetic(costs, explore_every=10_000, explore_max=10_000)
+    feed(ctl, "a", {4: 0, 8: 0, 16: 0}, 8)  # nothing accepted: to plain decoding
+    assert ctl.current == 0
+    calls = []
+    rate = ctl.rate
+    ctl.rate = lambda ids, b, cost=None: calls.append(b) or rate(ids, b, cost)
+    decisions = 8 * TRIAL_CHECK_EVERY
+    assert feed(ctl, "a", {4: 0, 8: 0, 16: 0}, decisions) == [0] * decisions
+    full = calls.count(0)  # one rate per bucket per full decision
+    assert full == decisions // TRIAL_CHECK_EVERY
+    calls.clear()
+    ctl.choose(["a", "b"])  # a request joins: decided now, whatever the step
+    ctl.choose(["a", "b"])
+    assert calls.count(0) >= 1
+    calls.clear()
+    ctl.observe_round("a", 16, [0, 1, 2])  # a probe's round moves the rates
+    ctl.choose(["a", "b"])
+    assert calls.count(0) == 1
+
+
+def test_a_switch_back_from_plain_decoding_is_not_delayed_by_the_reused_rates():
+    """Plain decoding, then the text turns predictable (a probe shows it): the controller
+    leaves plain decoding within the steps it took when every decision computed the rates."""
+    costs = {0: 1.0, 4: 1.05, 8: 1.1, 16: 1.2}
+    ctl = synthetic(costs, explore_every=4, explore_max=4)
+    feed(ctl, "a", {4: 0, 8: 0, 16: 0}, 40)
+    assert ctl.current == 0
+    chosen = feed(ctl, "a", {4: 4, 8: 8, 16: 16}, 24)
+    assert ctl.current > 0, chosen

@@ -156,6 +156,9 @@ class BudgetController:
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self.requests: dict[str, _Request] = {}
         self.global_curve: dict[int, DecayedMean] = {}
+        # (request ids, rates) of the last full decision while at plain decoding: reused by
+        # the decisions between full ones (`_decide`); None after anything that moves them
+        self._plain_rates: tuple[tuple[str, ...], dict[int, float | None]] | None = None
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
         # observed (plain steps at budget 0 observe none), so kept and read every step
         self._accept_sums: dict[tuple[str, ...], list[float | None]] = {}
@@ -238,20 +241,14 @@ class BudgetController:
             return self._count(self.pinned)
         if self.plain_trials.step(self):
             return self._count(0)
-        rates = {b: self.rate(request_ids, b) for b in self.buckets}
-        known = {b: r for b, r in rates.items() if r is not None}
-        cur = self.current
-        if known and rates.get(cur) is not None:
-            self._judge_accept_trial(rates)
-            cur = self.current
-            best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
-            self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
-            if self.current == cur:
-                self._cost_trial(request_ids, rates[cur])
-            if self.current == cur and not self.plain_trials.running:  # one trial at a time: a
-                # plain trial restores the dwell it found, which would cut an acceptance
-                # trial's dwell to one round
-                self._accept_trial(request_ids, rates[cur])
+        ids = tuple(request_ids)
+        cached = self._plain_rates
+        if (cached is not None and self.current == 0 and self._pending is None
+                and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
+            rates = cached[1]  # at plain decoding, nothing but plain's cost moved (see below)
+        else:
+            rates = self._decide(request_ids)
+            self._plain_rates = (ids, rates) if self.current == 0 else None
         self.since_switch += 1
         self.since_explore += 1
         if any(rid not in self.requests for rid in request_ids):
@@ -269,6 +266,32 @@ class BudgetController:
         elif self.current:  # a stretch at plain ended: its last steps' fade is dropped, not
             self._plain_unfaded = 0  # applied later over the rounds' newer acceptance
         return self._count(self.current)
+
+    def _decide(self, request_ids: list[str]) -> dict[int, float | None]:
+        """Every bucket's rate, then the switch, trial and judgement rules (which may move
+        `current`); returns the rates. At plain decoding with the same requests, `choose`
+        runs this every TRIAL_CHECK_EVERY decisions only (the other decisions reuse its rates):
+        a plain step observes no round, so only plain decoding's cost and the fade move the
+        rates there, and the four `rate` calls and the rules were ~25 us of a ~150 us CPU
+        plain step (the GPU's DFlash plain step was host-bound, +154 us over plain decoding's;
+        thirty-sixth session). A probe's round, a request joining or leaving, and a reset void
+        the reused rates at once, and a switch that is pending (winning, not yet confirmed) is
+        decided every step, as before."""
+        rates = {b: self.rate(request_ids, b) for b in self.buckets}
+        known = {b: r for b, r in rates.items() if r is not None}
+        cur = self.current
+        if known and rates.get(cur) is not None:
+            self._judge_accept_trial(rates)
+            cur = self.current
+            best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
+            self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
+            if self.current == cur:
+                self._cost_trial(request_ids, rates[cur])
+            if self.current == cur and not self.plain_trials.running:  # one trial at a time: a
+                # plain trial restores the dwell it found, which would cut an acceptance
+                # trial's dwell to one round
+                self._accept_trial(request_ids, rates[cur])
+        return rates
 
     def _probe_target(self, rates: dict[int, float | None]) -> int | None:
         """The bucket a probe would run at (None at the largest bucket: nothing above it).
@@ -437,6 +460,7 @@ class BudgetController:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
         self._accept_sums.clear()  # every estimate may move (the engine-wide curve does)
+        self._plain_rates = None
         # accepted_at_budgets in one walk (node indices grow along a path), each bucket's gain
         # over the one below added to both curves in place: this runs per request per round
         decay, mine, engine = self.cfg.decay, req.curve, self.global_curve
@@ -461,6 +485,7 @@ class BudgetController:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._accept_sums.clear()
+        self._plain_rates = None
 
     def info(self) -> dict:
         """For /server_info."""
