@@ -289,6 +289,10 @@ def describe(llm: LLM, name: str, outs, secs: float, plain, b: int, text: str,
         )
         r["controller"] = {k: adaptive.get(k) for k in keys}
         r["controller"][f"cost_seconds_batch{b}"] = llm.controller.cost.curve(b)
+        # every step path's table (fast: tokens picked in the graphs; general: read first)
+        r["controller"][f"cost_seconds_batch{b}_by_path"] = {
+            p: c.cost.curve(b) for p, c in llm.controller.paths.items()
+        }
         r["controller"]["calibrated_medians"] = llm.startup.get("budget_cost_seconds_measured")
     if r.get("diverged_requests") and judge is not None:
         r["divergence_gaps"] = judge.gaps(prompts, plain, outs)

@@ -9,7 +9,7 @@ Host clock around each engine step (no sync inside: a sync would undo the overla
 is synchronized before and after each pass. Prompts: bench_pair's prose (the speed texts').
 The JSON also keeps the last pass's every step (kind, us) and, for the adaptive engines, the
 controller's view at its end (/server_info's) and every step cost it was taught (batch, budget,
-us): where a wrong cost entry came from.
+us, step path): where a wrong cost entry came from.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
     if ctl is not None:
         observe_step = ctl.observe_step
 
-        def spy_cost(n, budget, seconds):
-            observed.append((n, budget, round(seconds * 1e6, 1)))
-            observe_step(n, budget, seconds)
+        def spy_cost(n, budget, seconds, path):
+            observed.append((n, budget, round(seconds * 1e6, 1), path))
+            observe_step(n, budget, seconds, path)
 
         ctl.observe_step = spy_cost
     trace = []  # every step of the pass: (kind, us)

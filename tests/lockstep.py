@@ -50,7 +50,7 @@ def replay_budgets(llm, budgets: list[int]):
     """Make `llm`'s controller choose `budgets` in order, one per speculating step; returns the
     iterator (exhausted when the replay took every step)."""
     it = iter(budgets)
-    llm.controller.choose = lambda ids: next(it)
+    llm.controller.choose = lambda ids, path="fast": next(it)
     return it
 
 
@@ -59,7 +59,7 @@ def cycle_budgets(llm, budgets: list[int]) -> None:
     the controller would decide (the tests of the rounds around a switch need them)."""
     state = {"i": 0}
 
-    def choose(ids):
+    def choose(ids, path="fast"):
         b = budgets[state["i"] % len(budgets)]
         state["i"] += 1
         return b

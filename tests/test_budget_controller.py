@@ -404,3 +404,32 @@ def test_a_switch_back_from_plain_decoding_is_not_delayed_by_the_reused_rates():
     assert ctl.current == 0
     chosen = feed(ctl, "a", {4: 4, 8: 8, 16: 16}, 24)
     assert ctl.current > 0, chosen
+
+
+def test_each_step_path_keeps_its_own_costs_and_a_new_one_starts_from_the_fast_ones_stale():
+    """Steps read first (general path) cost several times those picked in the graph (fast
+    path): each path has its table, so sampled text's 3 ms rounds do not price greedy rounds,
+    and a decision reads the costs of the path its step takes."""
+    from treeverify.engine.budget_controller import FAST, GENERAL
+
+    ctl = BudgetController((0, 4, 8, 16), CostModel(window=3))
+    for b, sec in {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.3}.items():
+        ctl.observe_step(1, b, sec)  # the calibration: fast path
+    ctl.reset()
+    for _ in range(12):  # predictable text: rounds pay at these costs
+        b = ctl.choose(["a"])
+        ctl.observe_round("a", b, [0, 1, 2, 3, 4] if b else [0])
+    assert ctl.current > 0 and ctl.path == FAST
+    ctl.choose(["a"], GENERAL)  # a new path: the fast table's values, every entry stale
+    assert ctl.path == GENERAL
+    assert ctl.cost.estimate(1, 16) == pytest.approx(1.3)
+    assert not ctl.cost.is_fresh(1, 16, ctl.step_index, 10**6)
+    for _ in range(3):  # the general path's rounds measured at 10x
+        for b in (4, 8, 16):
+            ctl.observe_step(1, b, 13.0, GENERAL)
+    assert ctl.paths[GENERAL].cost.estimate(1, 16) == pytest.approx(13.0)
+    assert ctl.paths[FAST].cost.estimate(1, 16) == pytest.approx(1.3)  # untouched
+    assert ctl.rate(["a"], 16) < ctl.rate(["a"], 0)  # on the general path plain wins
+    ctl.choose(["a"], FAST)
+    assert ctl.rate(["a"], 16) > ctl.rate(["a"], 0)  # on the fast path rounds still do
+    assert set(ctl.info()["cost_seconds_batch1_by_path"]) == {FAST, GENERAL}

@@ -146,10 +146,11 @@ def test_with_rounds_launched_ahead_only_steady_steps_teach_the_cost():
     assert set(per_bucket) == set(llm.controller.buckets)
     observed, unsteady, observe = [], [0], llm.controller.observe_step
 
-    def recording(n, budget, seconds):
+    def recording(n, budget, seconds, path):
         assert llm._step_steady, (budget, llm.rounds.info)  # never a switch's step
+        assert path == "fast"  # greedy: tokens picked in the graphs
         observed.append(budget)
-        return observe(n, budget, seconds)
+        return observe(n, budget, seconds, path)
 
     llm.controller.observe_step = recording
     step = llm.step
@@ -221,3 +222,29 @@ def test_speculative_budget_pins_rounds_the_controller_would_not_run():
         sampled(speculative_budget=0)
     with pytest.raises(ValueError, match="speculative_budget: this engine runs no speculative"):
         LLM("tiny-llama").add_request(text, sampled(speculative_budget=8))
+
+
+def test_steps_read_first_teach_the_general_paths_costs_not_the_fast_ones():
+    """A step whose tokens need the logits read first (here: logprobs) takes the general path
+    and teaches that path's cost table; greedy steps without logprobs teach the fast one (on
+    the H100 one table for both held plain-step costs of 0.7-6.8 ms from sampled text)."""
+    llm = adaptive_llm(decode_lookahead=True)
+    seen, observe = [], llm.controller.observe_step
+
+    def recording(n, budget, seconds, path):
+        seen.append(path)
+        return observe(n, budget, seconds, path)
+
+    llm.controller.observe_step = recording
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate(["the quick brown fox"], greedy)
+    assert seen and set(seen) == {"fast"}
+    seen.clear()
+    with_logprobs = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    out = llm.generate(["the quick brown fox"], with_logprobs)[0]
+    assert seen and set(seen) == {"general"}
+    assert llm.controller.path == "general" and set(llm.controller.paths) == {"fast", "general"}
+    assert len(out.logprobs) == 24 and all(lp is not None for lp in out.logprobs)
+    info = llm.controller.info()
+    assert info["cost_path"] == "general"
+    assert set(info["cost_seconds_batch1_by_path"]) == {"fast", "general"}

@@ -59,6 +59,18 @@ a "plain trial" runs a few plain steps to measure it and resumes where it was (a
 during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain;
 engine/plain_trials.py).
 
+Step paths: what a step costs depends on more than (batch size, budget). Steps whose tokens
+are picked inside their graph (greedy or fused-sampled: plain steps launched ahead, whole rounds)
+cost a fraction of those that read the logits first (logprobs, penalties, top-p / top-k, sampling
+without the fused pick: plain steps read first, rounds on the general path): on the H100 a
+sampled plain step read first took 0.69 ms against 0.2 launched ahead, a sampled general round
+2-3 ms against 0.4-0.6 whole. One table for both learned a mixture (a server with greedy and
+sampled traffic, or bench_pair's texts one after another on the same engines) and held
+plain-step costs of 0.7-6.8 ms on sampled text. So the engine names each step's path (FAST or
+GENERAL) and every path keeps its own cost table, cost-trial marks and plain trials; a path
+first seen starts from a stale copy of the fast path's table (calibrated on greedy steps), which
+its steps and trials then correct. The acceptance curves are shared (they are the requests').
+
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
 
@@ -81,6 +93,20 @@ MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are fo
 # of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
 TRIAL_CHECK_EVERY = 4
 FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (plain_decay each)
+
+
+# Step paths (see "Step paths" above): tokens picked in the step's graph, or read first.
+FAST, GENERAL = "fast", "general"
+
+
+@dataclass
+class _PathCosts:
+    """One step path's cost table, its cost trials' marks ((n, budget) -> decision of the
+    trial) and its plain trials."""
+
+    cost: CostModel
+    tried: dict[tuple[int, int], int] = field(default_factory=dict)
+    plain_trials: PlainTrials = field(default_factory=PlainTrials)
 
 
 def budget_buckets(max_budget: int, smallest: int = 4) -> tuple[int, ...]:
@@ -139,7 +165,9 @@ class BudgetController:
             raise ValueError(f"buckets: expected increasing, starting at 0, got {buckets}")
         self.buckets = tuple(buckets)
         self.cfg = config or ControllerConfig()
-        self.cost = cost or CostModel(self.cfg.cost_window)
+        self.cost = cost or CostModel(self.cfg.cost_window)  # the fast path's, calibrated
+        self.paths: dict[str, _PathCosts] = {FAST: _PathCosts(self.cost)}
+        self.path = FAST  # the path whose table `cost`, `_tried` and `plain_trials` are
         self.pinned: int | None = None  # calibration: every step at this budget
         self.clock = time.perf_counter  # what step costs are measured with (see CLOCKS)
         self.reset()
@@ -147,10 +175,11 @@ class BudgetController:
     def reset(self) -> None:
         """Forget acceptance and decisions (the cost table stays, every entry stale: measured
         before serving, by calibration or an earlier workload)."""
-        self.cost.mark_stale()
+        for p, costs in self.paths.items():
+            costs.cost.mark_stale()
+            self.paths[p] = _PathCosts(costs.cost)  # trial marks and plain trials start over
+        self.use_path(FAST)
         self.step_index = 0  # decisions made: the clock of cost freshness
-        self._tried: dict[tuple[int, int], int] = {}  # (n, budget) -> step of its cost trial
-        self.plain_trials = PlainTrials()  # plain decoding's stale cost re-measured
         self.cost_trials = 0
         self.accept_trials = 0
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
@@ -174,6 +203,16 @@ class BudgetController:
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
         self.explorations = 0
+
+    def use_path(self, path: str) -> None:
+        """Make `path`'s table the one decisions read (`cost`, `_tried`: (n, budget) -> step
+        of its cost trial, `plain_trials`: plain decoding's stale cost re-measured); a path
+        first seen starts from a stale copy of the fast path's."""
+        costs = self.paths.get(path)
+        if costs is None:
+            costs = self.paths[path] = _PathCosts(self.paths[FAST].cost.stale_copy())
+        self.path = path
+        self.cost, self._tried, self.plain_trials = costs.cost, costs.tried, costs.plain_trials
 
     # ---- estimates -----------------------------------------------------------------------------
     def accept_estimate(self, request_id: str, budget: int) -> float | None:
@@ -234,14 +273,17 @@ class BudgetController:
         return None if total is None else total / cost
 
     # ---- the decision --------------------------------------------------------------------------
-    def choose(self, request_ids: list[str]) -> int:
-        """The budget for this step's speculating requests (0: decode them plainly)."""
+    def choose(self, request_ids: list[str], path: str = FAST) -> int:
+        """The budget for this step's speculating requests (0: decode them plainly); `path`:
+        the step path they take (FAST or GENERAL: whose costs to read)."""
+        if path != self.path:
+            self.use_path(path)
         self.step_index += 1
         if self.pinned is not None:
             return self._count(self.pinned)
         if self.plain_trials.step(self):
             return self._count(0)
-        ids = tuple(request_ids)
+        ids = (path, *request_ids)
         cached = self._plain_rates
         if (cached is not None and self.current == 0 and self._pending is None
                 and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
@@ -478,9 +520,11 @@ class BudgetController:
                 mean.num = mean.num * decay + gain
                 mean.den = mean.den * decay + 1.0
 
-    def observe_step(self, n: int, budget: int, seconds: float) -> None:
-        """Wall seconds of one decode-only step of n requests at `budget`."""
-        self.cost.observe(n, budget, seconds, at=self.step_index)
+    def observe_step(self, n: int, budget: int, seconds: float, path: str = FAST) -> None:
+        """Wall seconds of one decode-only step of n requests at `budget`, on step `path`."""
+        if path not in self.paths:
+            self.use_path(path)
+        self.paths[path].cost.observe(n, budget, seconds, at=self.step_index)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -503,6 +547,10 @@ class BudgetController:
                 if (a := self.global_estimate(b)) is not None
             },  # fmt: skip
             "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
+            "cost_path": self.path,  # the step path of the last decision (whose costs above)
+            "cost_seconds_batch1_by_path": {
+                p: {str(b): s for b, s in c.cost.curve(1).items()} for p, c in self.paths.items()
+            },
             # decisions in a row plain decoding has been ahead (what narrows the margin to
             # leave the rounds), and the knobs in force: what a 3 a.m. reader needs to explain
             # a budget

@@ -41,6 +41,17 @@ class CostModel:
         m.frozen = True
         return m
 
+    def stale_copy(self) -> CostModel:
+        """The same medians, every entry stale (a frozen model: itself): what a step path not
+        measured yet starts from (engine/budget_controller.py, "Step paths")."""
+        if self.frozen:
+            return self
+        m = CostModel(self.window)
+        for key, q in self.table.items():
+            m.table[key] = deque(q, maxlen=self.window)
+        m._median = dict(self._median)
+        return m
+
     def observe(self, n: int, budget: int, seconds: float, at: int | None = None) -> None:
         """One step's seconds; `at`: the controller's step index (marks the entry fresh)."""
         if seconds > 0 and not self.frozen:

@@ -33,6 +33,7 @@ import torch
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
+from treeverify.engine.budget_controller import FAST
 from treeverify.engine.config import EngineConfig
 from treeverify.engine.decode_ahead import DecodeAhead
 from treeverify.engine.drafter_feed import DrafterFeed
@@ -182,6 +183,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         # whether the last step ran at its budget's steady cost: False for a whole round read
         # first, or one launched ahead and taken without launching the next (a budget switch)
         self._step_steady = True
+        self._step_path = FAST  # the step path of the controller's last choice (its costs')
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
@@ -368,6 +370,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         tb = None
         self._step_budget = None
         self._step_steady = True
+        self._step_path = FAST  # the controller's step path (spec_step.py's _cost_path)
         self.last_budget = None  # this step's budget for its speculating requests, if any
         if self.spec is not None:  # (a step with rounds discards a plain step launched ahead)
             out, tb = self._speculative_step(batch)  # engine/spec_step.py
@@ -478,7 +481,8 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         if self.controller is not None and self._step_budget is not None and self._step_steady:
             # a decode-only step at its budget's steady cost (a switch's steps would teach the
             # controller a read-first round's cost, or a taken round's remainder)
-            self.controller.observe_step(len(batch.decodes), self._step_budget, clock() - t0)
+            self.controller.observe_step(len(batch.decodes), self._step_budget, clock() - t0,
+                                         self._step_path)  # fmt: skip
         # a round's accepted nodes (all its tokens but the bonus) have their K/V in place
         ahead = [len(t) - 1 if isinstance(t, list) else 0 for t in tokens]
         finished = self.scheduler.postprocess(batch, tokens, ahead)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treeverify.engine.budget_controller import FAST, GENERAL
 from treeverify.engine.scheduler import ScheduledBatch
 from treeverify.engine.sequence import Sequence
 
@@ -45,6 +46,7 @@ class SpeculativeSteps:
         if pinned:  # a request pinned its budget (SamplingParams.speculative_budget)
             budget = max(pinned)
         elif want and self.controller is not None:
+            self._step_path = self._cost_path(want)
             budget = self._controller_budget(want)
         ahead = not batch.prefills  # a new request joins next step: nothing to launch
         running = self.rounds.ahead_budget(want) if self.rounds is not None else None
@@ -86,13 +88,24 @@ class SpeculativeSteps:
             s.sampling_params.logprobs is None for s in seqs
         )
 
+    def _cost_path(self, seqs: list[Sequence]) -> str:
+        """The step path these requests' steps take, as the controller keeps costs by it
+        (engine/budget_controller.py, "Step paths"): FAST when their tokens are picked in the
+        step's graph (whole rounds, plain steps launched ahead; an engine with neither has only
+        the one path), else GENERAL (read first: logprobs, penalties, logit_bias, top-p / top-k,
+        or sampling without the fused pick)."""
+        picker = self.rounds if self.rounds is not None else self.ahead
+        if picker is None or (self._device_picks(seqs) and picker.takes(seqs)):
+            return FAST
+        return GENERAL
+
     def _controller_budget(self, seqs: list[Sequence]) -> int:
         """This step's budget: the one chosen last step for these requests, else chosen now."""
         ids, plan = tuple(s.request_id for s in seqs), self._planned
         self._planned = None
         if plan is not None and plan[0] == ids:
             return plan[1]
-        return self.controller.choose(list(ids))
+        return self.controller.choose(list(ids), self._step_path)
 
     def _plan_next(self, seqs: list[Sequence]) -> int:
         """The controller's budget for the next step, chosen now, before a round is launched
@@ -100,7 +113,7 @@ class SpeculativeSteps:
         budget, a switch or a probe found a round at the old budget in flight next step and
         took it: the probe never ran, and the lookahead was broken for nothing.)"""
         ids = tuple(s.request_id for s in seqs)
-        self._planned = (ids, self.controller.choose(list(ids)))
+        self._planned = (ids, self.controller.choose(list(ids), self._cost_path(seqs)))
         return self._planned[1]
 
     def _whole_round(self, seqs: list[Sequence], budget: int, ahead: bool,
