@@ -424,9 +424,9 @@ def test_each_step_path_keeps_its_own_costs_and_a_new_one_starts_from_the_fast_o
     assert ctl.path == GENERAL
     assert ctl.cost.estimate(1, 16) == pytest.approx(1.3)
     assert not ctl.cost.is_fresh(1, 16, ctl.step_index, 10**6)
-    for _ in range(3):  # the general path's rounds measured at 10x
-        for b in (4, 8, 16):
-            ctl.observe_step(1, b, 13.0, GENERAL)
+    for b in (4, 8, 16):  # the general path's rounds measured at 10x: two steps outvote
+        ctl.observe_step(1, b, 13.0, GENERAL)  # the copied value
+        ctl.observe_step(1, b, 13.0, GENERAL)
     assert ctl.paths[GENERAL].cost.estimate(1, 16) == pytest.approx(13.0)
     assert ctl.paths[FAST].cost.estimate(1, 16) == pytest.approx(1.3)  # untouched
     assert ctl.rate(["a"], 16) < ctl.rate(["a"], 0)  # on the general path plain wins

@@ -42,13 +42,15 @@ class CostModel:
         return m
 
     def stale_copy(self) -> CostModel:
-        """The same medians, every entry stale (a frozen model: itself): what a step path not
-        measured yet starts from (engine/budget_controller.py, "Step paths")."""
+        """The same medians, every entry stale and one sample deep (a frozen model: itself):
+        what a step path not measured yet starts from (engine/budget_controller.py, "Step
+        paths"). One sample, so that the path's own steps outvote it from their second on (a
+        copy of a full window would take five to move the median)."""
         if self.frozen:
             return self
         m = CostModel(self.window)
-        for key, q in self.table.items():
-            m.table[key] = deque(q, maxlen=self.window)
+        for key, median in self._median.items():
+            m.table[key] = deque([median], maxlen=self.window)
         m._median = dict(self._median)
         return m
 
