@@ -20,8 +20,12 @@ newest `window` rows. A captured whole round (engine/round_graphs.py) writes its
 straight into the ring and the host only advances `end` and `count` (`advance`).
 
 `observe` only appends to a pending list (a plain decode step, e.g. at adaptive budget 0, costs a
-list append) and projects the request's rows once they fill the largest captured projection bucket
-(`flush_rows`; on the CPU every MAX_PENDING chunks); `project` turns every pending row of a set of
+list append) and projects every request's pending rows once they fill the largest captured
+projection bucket together (`flush_rows`; on the CPU a request's every MAX_PENDING chunks): the
+rows pending across requests, not each request's, so what a batch keeps pending (and the step
+copies it holds alive) stays within one bucket (per request, a batch of 64 at the largest bucket
+of 64 x 16 rows would have held ~2000 steps' copies of the batch's hidden states, GBs at a large
+model's width); `project` turns every pending row of a set of
 requests into keys/values in ONE drafter call (rows are independent: one flat (R, F) batch over all
 requests; captured: up to CHUNKED_REPLAYS replays of the largest bucket, a longer run eagerly) and
 scatters them into the rings. Rows older than W are never projected. SLACK rows beyond the window
@@ -81,6 +85,7 @@ class DraftContextCache:
         self.fixed = False  # sized for captured graphs: never reallocated
         self.evictions = 0
         self._captured = None  # CapturedFn of drafter.context_kv by row count, on a GPU
+        self._pending_total = 0  # rows pending across requests (`_set_pending` keeps it)
 
     # ---- the store -----------------------------------------------------------------------------
     @property
@@ -129,7 +134,7 @@ class DraftContextCache:
                     raise RuntimeError("DraftContextCache: no ring free and none to evict")
                 self._free.append(victim.slot)
                 victim.slot, victim.count, victim.evicted = None, 0, True
-                victim.set_pending([])
+                self._set_pending(victim, [])
                 self.evictions += 1
         ctx.slot = self._free.pop()
 
@@ -186,28 +191,37 @@ class DraftContextCache:
             self._truncate(ctx, start)
         ctx.pending.append(hidden)
         ctx.pending_rows += hidden.shape[0]
+        self._pending_total += hidden.shape[0]
         flush = self.flush_rows
-        if len(ctx.pending) >= self.MAX_PENDING or (flush and ctx.pending_rows >= flush):
+        if flush and self._pending_total >= flush:  # every request's: one bucket's worth
+            self.project([r for r, c in self._ctx.items() if c.pending])
+        elif len(ctx.pending) >= self.MAX_PENDING:
             self.project([request_id])
+
+    def _set_pending(self, ctx: _Context, chunks: list[torch.Tensor]) -> None:
+        """A request's pending chunks replaced (the total across requests kept)."""
+        self._pending_total -= ctx.pending_rows
+        ctx.set_pending(chunks)
+        self._pending_total += ctx.pending_rows
 
     @property
     def flush_rows(self) -> int | None:
-        """Pending rows projected as soon as a request has them: the largest captured
-        projection bucket (a run of plain steps then projects by graph replays, never eagerly:
-        an eager 64-row projection's GEMMs took ~0.7 ms of host time each under cProfile on the
-        H200, thirty-third session); None when nothing is captured (the CPU: every MAX_PENDING
-        chunks)."""
+        """Pending rows (across requests) projected as soon as there are as many: the
+        largest captured projection bucket (a run of plain steps then projects by graph
+        replays, never eagerly: an eager 64-row projection's GEMMs took ~0.7 ms of host time
+        each under cProfile on the H200, thirty-third session); None when nothing is captured
+        (the CPU: a request's every MAX_PENDING chunks)."""
         return None if self._captured is None else self._captured.batch_sizes[-1]
 
     def _truncate(self, ctx: _Context, start: int) -> None:
         if start >= ctx.end:  # only pending rows go
             keep = start - ctx.end
             joined = torch.cat(ctx.pending)[:keep] if keep else None
-            ctx.set_pending([] if joined is None else [joined])
+            self._set_pending(ctx, [] if joined is None else [joined])
         else:  # projected rows past `start` go (before everything held: all of it)
             ctx.count = max(0, ctx.count - (ctx.end - start))
             ctx.end = start
-            ctx.set_pending([])
+            self._set_pending(ctx, [])
 
     def project(self, request_ids: list[str]) -> None:
         """Keys/values of every pending row of these requests, in one drafter call, scattered
@@ -251,7 +265,7 @@ class DraftContextCache:
             kv = self.drafter.context_kv(feats, pos)  # (R, n_layers, 2, Hkv, D)
             store.index_copy_(0, flat, kv.to(self.kv.dtype))
         for (_, ctx), (begin, n) in zip(todo, spans, strict=True):
-            ctx.set_pending([])
+            self._set_pending(ctx, [])
             held = ctx.count if begin == ctx.end else 0  # rows skipped: the ring starts over
             ctx.end, ctx.count = begin + n, min(self.width, held + n)
 
@@ -345,5 +359,7 @@ class DraftContextCache:
 
     def forget(self, request_id: str) -> None:
         ctx = self._ctx.pop(request_id, None)
+        if ctx is not None:
+            self._pending_total -= ctx.pending_rows
         if ctx is not None and ctx.slot is not None:
             self._free.append(ctx.slot)
