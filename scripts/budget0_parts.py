@@ -6,7 +6,9 @@ Rows: plain decoding; the DFlash engine at budget 0; the same with the controlle
 replaced by a constant 0; and with the drafter's feed (the hidden rows handed to its context)
 off too; the n-gram engine at budget 0, and with the constant decision. Each row is the best of
 `--passes` generations (the least disturbed), in us per step. The cost table is given (budget 0
-always wins), so only plain steps run but for the controller's probes.
+always wins), so only plain steps run but for the controller's probes (a probe's round costs
+milliseconds on the CPU: the engine rows carry them). A last row times the controller's
+decision alone at plain decoding, on the same given costs (no engine, no probes' rounds).
 
     PYTHONPATH=src python3 scripts/budget0_parts.py [--batch 1] [--temperature 0] --json P.json
 """
@@ -35,6 +37,27 @@ def constant_choice(llm: LLM) -> None:
 def no_feed(llm: LLM) -> None:
     constant_choice(llm)
     llm._observe_ahead = lambda chunks, hidden: None
+
+
+def choose_alone(batch: int, decisions: int = 20000) -> float:
+    """us per `choose` of a controller at plain decoding (costs as above, nothing accepted),
+    its probes' rounds observed as accepting nothing, best of 3."""
+    from treeverify.engine.budget_controller import BudgetController, budget_buckets
+    from treeverify.engine.budget_costs import CostModel
+
+    ids = [f"r{i}" for i in range(batch)]
+    best = float("inf")
+    for _ in range(3):
+        ctl = BudgetController(budget_buckets(64), CostModel.given({**COSTS, 32: 1.0, 64: 1.0}))
+        for k in range(decisions + 50):
+            if k == 50:  # settled at plain decoding
+                t0 = time.perf_counter()
+            b = ctl.choose(ids)
+            if b:
+                for rid in ids:
+                    ctl.observe_round(rid, b, [0])
+        best = min(best, time.perf_counter() - t0)
+    return round(best / decisions * 1e6, 2)
 
 
 def main(argv=None) -> int:
@@ -76,6 +99,10 @@ def main(argv=None) -> int:
         rows.append({"config": name, "us_per_step": round(us, 1), "batch": a.batch,
                      "temperature": a.temperature})  # fmt: skip
         print(f"{name:48s} {us:7.1f} us/step", flush=True)
+    us = choose_alone(a.batch)
+    rows.append({"config": "controller.choose alone, at plain decoding", "us_per_step": us,
+                 "batch": a.batch})  # fmt: skip
+    print(f"{'controller.choose alone, at plain decoding':48s} {us:7.1f} us/step")
     if a.json:
         write_rows(a.json, "budget0_parts.py", argv, rows)
     return 0
