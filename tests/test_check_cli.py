@@ -292,7 +292,7 @@ def test_cuda_split_balance(monkeypatch):
         ("TREEVERIFY_TRITON_PDL", env.triton_pdl, True, "no", False),
         ("TREEVERIFY_MOE_GEMV_SHARED", env.moe_gemv_shared, True, "false", False),
         ("TREEVERIFY_DECODE_LOOKAHEAD", env.decode_lookahead, True, " 0", False),
-        ("TREEVERIFY_FUSED_DECODE_STEP", env.fused_decode_step, False, "1", True),
+        ("TREEVERIFY_FUSED_DECODE_STEP", env.fused_decode_step, True, "0", False),
     ],
 )
 def test_kernel_flags_read_and_rejected_by_name(

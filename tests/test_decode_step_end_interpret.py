@@ -3,8 +3,8 @@ interpreter (TRITON_INTERPRET=1), against the PyTorch ops it replaces (the refer
 default): fresh random logits with ties placed within one chunk and across chunks (the first
 index wins, as torch.argmax), a vocabulary that is not a multiple of the chunk, padding rows,
 positions crossing a page boundary; the stage twin's ids, positions, prefix lengths and slots
-must come out equal. (On a GPU the fused end runs only with TREEVERIFY_FUSED_DECODE_STEP=1; its
-A/B is `engine_flag_ab` on bench engine decode.)
+must come out equal. (On a GPU the fused end runs with TREEVERIFY_FUSED_DECODE_STEP=1, the
+default; its A/B is `engine_flag_ab` on bench engine decode.)
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   of a whole round in Triton (engine/pick_kernels.py; the step's end with the advance of its
   inputs in two launches, engine/decode_step_end.py, instead of ~7 PyTorch kernels), greedy or
   sampled: sampled plain steps are then launched ahead and sampled rounds run whole, each draw
-  hashed on the device (2.1x plain sampled decoding at b=1 on an H100); default ``0``: the
-  greedy A/B is unmeasured, and with it on the adaptive controller stays in sampled rounds
-  that do not pay on unpredictable text at b=1 (0.41x plain on an H100, docs/performance.md,
-  thirty-fifth session).
+  hashed on the device; default ``1`` since the thirty-sixth session (H100, ada42ed: greedy
+  decode steps 2-6% faster on all six rows of `bench engine decode`, plain sampled decoding
+  3.1x faster at b=1 on tiny-code, and with the adaptive controller's step paths it leaves
+  sampled rounds that do not pay; docs/performance.md); ``0``: the PyTorch end, sampled steps
+  read first and sampled rounds on the general path (A/B runs).
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -167,7 +168,7 @@ VARIABLES: dict[str, str] = {
     "previous one is read, where graphs are captured (engine/decode_ahead.py); default 1.",
     "TREEVERIFY_FUSED_DECODE_STEP": "1: a decode step launched ahead and a whole round pick their "
     "tokens in Triton (engine/pick_kernels.py), greedy or sampled: sampled plain steps launched "
-    "ahead, sampled rounds whole; default 0.",
+    "ahead, sampled rounds whole; default 1; 0: the PyTorch end (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -497,8 +498,9 @@ def fused_decode_step() -> bool:
     """TREEVERIFY_FUSED_DECODE_STEP: 1 picks the tokens of a decode step launched ahead (and its
     advance: engine/decode_step_end.py) and of a whole round in Triton (engine/pick_kernels.py),
     greedy or sampled, so sampled plain steps are launched ahead and sampled rounds run whole;
-    default 0 until the greedy A/B is measured on a GPU. Read when an engine is built."""
-    return _switch("TREEVERIFY_FUSED_DECODE_STEP", "0")
+    default 1 (measured on an H100: greedy steps 2-6% faster, plain sampled decoding 3.1x at
+    b=1); 0 the PyTorch end (A/B runs). Read when an engine is built."""
+    return _switch("TREEVERIFY_FUSED_DECODE_STEP", "1")
 
 
 def moe_gemv_shared() -> bool:

@@ -30,7 +30,8 @@ whole round's partial take is (engine/round_graphs.py, whose lookahead this mirr
 
 Eligible steps (the engine decides, `LLM._plain_ahead`): only plain decodes without logprobs,
 penalties or logit_bias, all greedy or, where the step's end is the fused Triton pick
-(TREEVERIFY_FUSED_DECODE_STEP=1; the CPU's eager body always), sampled without top-p / top-k:
+(TREEVERIFY_FUSED_DECODE_STEP=1, the default; the CPU's eager body always), sampled without
+top-p / top-k:
 each row's draw is hashed on the device from its staged temperature and key and the token's
 position (engine/sample_noise.py), the same draw the sampler makes, so the tokens are the read-
 first path's. A DFlash drafter conditions on the target's hidden states of

@@ -40,9 +40,9 @@ next round overwrites or masks (the rings' SLACK), so there is nothing to undo b
 request that finished at round k wastes one round of GPU work.
 
 A step whose decodes are all rounds of DFlash-drafted requests without penalties, logit_bias or
-logprobs, greedy or (with the fused pick: TREEVERIFY_FUSED_DECODE_STEP=1 on a GPU; always on the
-CPU's eager body) sampled without top-p / top-k, takes this path (prefill chunks in the same step
-run their own forward after the replay); so do n-gram-drafted ones
+logprobs, greedy or (with the fused pick: TREEVERIFY_FUSED_DECODE_STEP=1, the default, on a
+GPU; always on the CPU's eager body) sampled without top-p / top-k, takes this path (prefill
+chunks in the same step run their own forward after the replay); so do n-gram-drafted ones
 (`EngineConfig.ngram_whole_rounds`; the context is then engine/ngram_rings.py: the requests' newest
 tokens, drafted by the device matcher; the round writes its accepted tokens where DFlash's writes
 keys/values). Any other round (top-p / top-k sampling, a step with a plain or opted-out decode,
