@@ -69,6 +69,12 @@ class _Context:
 class DraftContextCache:
     MAX_PENDING = 64  # observed chunks kept before they are projected (bounds the list)
     CHUNKED_REPLAYS = 4  # a captured projection replays at most this many pieces, else eager
+    # The largest captured projection bucket is at least this many rows, however small the
+    # batch: pending rows are projected once they fill it, and a projection's host cost is
+    # per call, not per row (at b=1 on an H100 the DFlash engine's plain steps were a median
+    # 180 us but a mean 204: a 16-row projection every 16 steps, thirty-sixth session), and a
+    # prompt of up to CHUNKED_REPLAYS x this many rows is projected by replays, not eagerly.
+    MIN_FLUSH_ROWS = 64
     # Rows kept beyond the window, so that dropping rejected or recomputed rows (a few at the
     # end) still leaves a full window to draft from.
     SLACK = 64
@@ -140,13 +146,14 @@ class DraftContextCache:
 
     def capture_projection(self, device: torch.device, max_rows: int) -> None:
         """Capture `context_kv` per row-count bucket (16, 32, .. up to `max_rows`: a round's
-        committed rows, at most batch x (depth + 1)): rows are independent, so padded rows
-        change nothing; a projection of more rows (a prefill, a long run of plain steps) runs
-        eagerly. ~25 small launches per projection become one replay."""
+        committed rows, at most batch x (depth + 1); and at least MIN_FLUSH_ROWS): rows are
+        independent, so padded rows change nothing; a projection of more rows (a prefill, a
+        long run of plain steps) runs eagerly. ~25 small launches per projection become one
+        replay."""
         from treeverify.engine.captured_fn import CapturedFn
 
         buckets, r = [], 16
-        while r < 2 * max_rows:
+        while r < 2 * max(max_rows, self.MIN_FLUSH_ROWS):
             buckets.append(r)
             r *= 2
         cfg = self.drafter.config
