@@ -20,12 +20,12 @@ newest `window` rows. A captured whole round (engine/round_graphs.py) writes its
 straight into the ring and the host only advances `end` and `count` (`advance`).
 
 `observe` only appends to a pending list (a plain decode step, e.g. at adaptive budget 0, costs a
-list append) and projects every request's pending rows once they fill the largest captured
-projection bucket together (`flush_rows`; on the CPU a request's every MAX_PENDING chunks): the
-rows pending across requests, not each request's, so what a batch keeps pending (and the step
-copies it holds alive) stays within one bucket (per request, a batch of 64 at the largest bucket
-of 64 x 16 rows would have held ~2000 steps' copies of the batch's hidden states, GBs at a large
-model's width); `project` turns every pending row of a set of
+list append) and projects a request's rows once they fill the largest captured projection bucket
+(`flush_rows`; on the CPU every MAX_PENDING chunks), and every request's once the rows pending
+across requests fill CHUNKED_REPLAYS buckets (still replays, not an eager call): what a batch
+keeps pending, and the step copies of its hidden states those rows hold alive, stays bounded
+(per request alone, a batch of 64 at a largest bucket of 64 x 16 rows held ~1000 steps' copies,
+GBs at a large model's width); `project` turns every pending row of a set of
 requests into keys/values in ONE drafter call (rows are independent: one flat (R, F) batch over all
 requests; captured: up to CHUNKED_REPLAYS replays of the largest bucket, a longer run eagerly) and
 scatters them into the rings. Rows older than W are never projected. SLACK rows beyond the window
@@ -200,9 +200,9 @@ class DraftContextCache:
         ctx.pending_rows += hidden.shape[0]
         self._pending_total += hidden.shape[0]
         flush = self.flush_rows
-        if flush and self._pending_total >= flush:  # every request's: one bucket's worth
+        if flush and self._pending_total >= self.CHUNKED_REPLAYS * flush:  # the batch's rows
             self.project([r for r, c in self._ctx.items() if c.pending])
-        elif len(ctx.pending) >= self.MAX_PENDING:
+        elif len(ctx.pending) >= self.MAX_PENDING or (flush and ctx.pending_rows >= flush):
             self.project([request_id])
 
     def _set_pending(self, ctx: _Context, chunks: list[torch.Tensor]) -> None:
@@ -213,11 +213,12 @@ class DraftContextCache:
 
     @property
     def flush_rows(self) -> int | None:
-        """Pending rows (across requests) projected as soon as there are as many: the
-        largest captured projection bucket (a run of plain steps then projects by graph
-        replays, never eagerly: an eager 64-row projection's GEMMs took ~0.7 ms of host time
-        each under cProfile on the H200, thirty-third session); None when nothing is captured
-        (the CPU: a request's every MAX_PENDING chunks)."""
+        """A request's pending rows projected as soon as it has as many (every request's at
+        CHUNKED_REPLAYS times as many across requests): the largest captured projection
+        bucket (a run of plain steps then projects by graph replays, never eagerly: an eager
+        64-row projection's GEMMs took ~0.7 ms of host time each under cProfile on the H200,
+        thirty-third session); None when nothing is captured (the CPU: a request's every
+        MAX_PENDING chunks)."""
         return None if self._captured is None else self._captured.batch_sizes[-1]
 
     def _truncate(self, ctx: _Context, start: int) -> None:
