@@ -37,7 +37,7 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   sampled: sampled plain steps are then launched ahead and sampled rounds run whole, each draw
   hashed on the device; default ``1`` since the thirty-sixth session (H100, ada42ed: greedy
   decode steps 2-6% faster on all six rows of `bench engine decode`, plain sampled decoding
-  3.1x faster at b=1 on tiny-code, and with the adaptive controller's step paths it leaves
+  2.7-3.1x faster at b=1 on tiny-code, and with the adaptive controller's step paths it leaves
   sampled rounds that do not pay; docs/performance.md); ``0``: the PyTorch end, sampled steps
   read first and sampled rounds on the general path (A/B runs).
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
@@ -498,8 +498,8 @@ def fused_decode_step() -> bool:
     """TREEVERIFY_FUSED_DECODE_STEP: 1 picks the tokens of a decode step launched ahead (and its
     advance: engine/decode_step_end.py) and of a whole round in Triton (engine/pick_kernels.py),
     greedy or sampled, so sampled plain steps are launched ahead and sampled rounds run whole;
-    default 1 (measured on an H100: greedy steps 2-6% faster, plain sampled decoding 3.1x at
-    b=1); 0 the PyTorch end (A/B runs). Read when an engine is built."""
+    default 1 (measured on an H100: greedy steps 2-6% faster, plain sampled decoding 2.7-3.1x
+    at b=1); 0 the PyTorch end (A/B runs). Read when an engine is built."""
     return _switch("TREEVERIFY_FUSED_DECODE_STEP", "1")
 
 
