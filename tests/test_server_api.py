@@ -303,6 +303,9 @@ def test_server_info(server):
     assert cfg["num_pages"] == info["num_pages"] and cfg["page_size"] == info["page_size"]
     assert cfg["derived"]["capacity_tokens"] == info["kv_capacity_tokens"]
     assert cfg["derived"]["tree_sizes"] == [] and cfg["speculative_algorithm"] is None
+    # startup's objects frozen out of the garbage collector (a full collection over them was
+    # a ~130 ms pause on a CPU)
+    assert info["startup"]["gc_frozen_objects"] > 10_000
 
 
 def test_bench_serve_against_server(server, tmp_path):
