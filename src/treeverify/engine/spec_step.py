@@ -43,10 +43,11 @@ class SpeculativeSteps:
         want = [c.seq for c in batch.decodes if c.samples and self.spec.wants(c.seq)]
         budget = self.spec.budget
         pinned = [p for s in want if (p := s.sampling_params.speculative_budget) is not None]
+        if want and self.controller is not None:  # its costs' path, also read by _plan_next
+            self._step_path = self._cost_path(want)
         if pinned:  # a request pinned its budget (SamplingParams.speculative_budget)
             budget = max(pinned)
         elif want and self.controller is not None:
-            self._step_path = self._cost_path(want)
             budget = self._controller_budget(want)
         ahead = not batch.prefills  # a new request joins next step: nothing to launch
         running = self.rounds.ahead_budget(want) if self.rounds is not None else None
@@ -112,8 +113,8 @@ class SpeculativeSteps:
         ahead: that round runs at it (RoundGraphs.step's next_budget). (Launched at this step's
         budget, a switch or a probe found a round at the old budget in flight next step and
         took it: the probe never ran, and the lookahead was broken for nothing.)"""
-        ids = tuple(s.request_id for s in seqs)
-        self._planned = (ids, self.controller.choose(list(ids), self._cost_path(seqs)))
+        ids = tuple(s.request_id for s in seqs)  # this step's requests: its step path
+        self._planned = (ids, self.controller.choose(list(ids), self._step_path))
         return self._planned[1]
 
     def _whole_round(self, seqs: list[Sequence], budget: int, ahead: bool,
