@@ -43,10 +43,16 @@ COSTS = {
     "plain0.20-free-switch": {0: 0.000200, **ROUNDS},
     "plain0.28": {0: 0.000282, **ROUNDS},
     "tenth": {0: 0.000404, 4: 0.000428, 8: 0.000446, 16: 0.00047, 32: 0.000516, 64: 0.000584},
+    # H100, fused step end (c1d630a, thirty-sixth session): plain steps launched ahead 0.175 ms
+    # (step_kinds), rounds as the controller measured them
+    "h100": {0: 0.000175, 4: 0.000422, 8: 0.000462, 16: 0.000481, 32: 0.000536, 64: 0.000637},
 }
 # A plain <-> rounds switch: the step before it is read first (plain decoding launched ahead:
 # 0.2005 ms a step, read first 0.291); before e6a3f84 plain steps were read first anyway.
-SWITCH_SECONDS = {"plain0.20": 0.09e-3, "plain0.20-free-switch": 0.0}
+SWITCH_SECONDS = {"plain0.20": 0.09e-3, "plain0.20-free-switch": 0.0,
+                  # H100 step kinds (c1d630a): a probe's round read first 0.99-1.50 ms against
+                  # 0.48-0.64 steady, the plain step after it 0.50 against 0.18
+                  "h100": 0.375e-3}  # fmt: skip
 TOKENS = 128
 
 
