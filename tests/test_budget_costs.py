@@ -198,3 +198,33 @@ def test_bad_stale_plain_floor_is_a_value_error_naming_it(bad):
         ControllerConfig(stale_plain_floor=bad)
     with pytest.raises(ValueError, match="stale_plain_floor"):
         ControllerConfig().with_settings([f"stale_plain_floor={bad}"])
+
+
+def test_a_plain_trial_ends_when_the_batch_changes_step_path():
+    """A plain trial measures its own path's plain steps while they run: when the batch takes
+    the other path meanwhile, the trial ends there (its decision state restored), instead of
+    resuming hundreds of decisions later and restoring a dwell from then (review of the
+    thirty-sixth session's step paths)."""
+    from test_budget_controller import path_for
+    from treeverify.engine.budget_controller import FAST, GENERAL
+    from treeverify.engine.plain_trials import PLAIN_TRIAL_PATIENCE
+
+    ctl = calibrated({**CALIBRATED, 0: 2.0}, min_dwell=4)  # plain overstated (a stall)
+    ctl.current, ctl.since_switch = 4, 9
+    ctl.observe_round("r", 16, path_for(NOTHING, 16))
+    ctl.observe_step(1, 4, 1.3)
+    for _ in range(4 * PLAIN_TRIAL_PATIENCE):
+        ctl.choose(["r"], FAST)
+    fast_trials = ctl.paths[FAST].plain_trials
+    assert fast_trials.running
+    saved = fast_trials.trial.since_switch
+    ctl.choose(["r"], GENERAL)  # a sampled request joined: the other path's table
+    assert not fast_trials.running
+    assert ctl.since_switch == saved + 1  # the trial's state restored, then this decision
+    for _ in range(50):
+        b = ctl.choose(["r"], GENERAL)
+        if b:
+            ctl.observe_round("r", b, path_for(NOTHING, b))
+    before = ctl.since_switch
+    ctl.choose(["r"], FAST)
+    assert not fast_trials.running and ctl.since_switch == before + 1

@@ -220,16 +220,16 @@ def test_fixed_store_lends_the_least_recent_ring(drafter):
         cache.fix(4, torch.device("cpu"))
 
 
-def test_pending_rows_flush_across_requests_at_chunked_replays_buckets(drafter):
+def test_pending_rows_flush_across_requests_below_chunked_replays_buckets(drafter):
     """A batch's plain steps each leave one row per request pending: a request's rows are
     projected once they fill the largest bucket, and every request's once the rows pending
-    across requests fill CHUNKED_REPLAYS buckets (per request alone, a batch of 64 at a
+    across requests fill CHUNKED_REPLAYS - 1 buckets (per request alone, a batch of 64 at a
     1024-row bucket held ~1000 steps' copies of its hidden states); the rings hold what one
     eager projection per request gives, and forgetting a request takes its pending rows out
     of the count."""
     feats = drafter.config.context_features
     g = torch.Generator().manual_seed(5)
-    bound = DraftContextCache.CHUNKED_REPLAYS * 8
+    bound = (DraftContextCache.CHUNKED_REPLAYS - 1) * 8
     n, steps = 6, 7  # 42 rows: past the bound across requests, never 8 in one request
     truth = {f"r{i}": torch.randn(steps, feats, generator=g) for i in range(n)}
     cache = DraftContextCache(drafter, 1024)
@@ -250,3 +250,37 @@ def test_pending_rows_flush_across_requests_at_chunked_replays_buckets(drafter):
             kv, first = cache.keys_values(rid)
             assert first == 0
             torch.testing.assert_close(kv, _expected(drafter, rows, 1024)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_flush_never_takes_a_ring_nor_projects_eagerly(drafter):
+    """The batch's flush (rows pending across requests) projects only requests that hold a ring
+    on a fixed store: preempted requests keep contexts with pending rows, and lending them rings
+    evicted a running request (its next draft failed: no hidden states) or found no ring to
+    evict (RuntimeError); and a request's own chunk past a bucket is projected alone first, so
+    the batch's flush stays within CHUNKED_REPLAYS buckets of replays, never one eager call
+    (review of the thirty-sixth session's change)."""
+    feats = drafter.config.context_features
+    g = torch.Generator().manual_seed(7)
+    cache = DraftContextCache(drafter, 1024)
+    cache.fix(3, torch.device("cpu"))  # max_num_seqs 2: 3 rings
+    cache._captured = _BucketedProjection(drafter, [4, 8])
+    eager, context_kv = [], drafter.context_kv
+    with torch.inference_mode():
+        for rid in ("p1", "p2", "p3"):  # ran, then were preempted: a ring each, 7 rows pending
+            cache.observe(rid, 0, torch.randn(2, feats, generator=g))
+            cache.project([rid])
+            cache.observe(rid, 2, torch.randn(7, feats, generator=g))
+        cache.observe("a", 0, torch.randn(5, feats, generator=g))  # the running batch
+        cache.project(["a"])
+        drafter.context_kv = lambda f, p: (eager.append(f.shape[0]), context_kv(f, p))[1]
+        replays = len(cache._captured.calls)  # (a replay stand-in calls context_kv too)
+        try:
+            cache.observe("b", 0, torch.randn(18, feats, generator=g))  # a prefill
+            meta = cache.draft_meta(["a", "b"], [1, 2])  # both still hold their rows
+        finally:
+            drafter.context_kv = context_kv
+    assert meta[0][:2] == [5, 18]
+    assert eager and eager == cache._captured.calls[replays:]  # every projection a replay
+    assert all(c <= 8 for c in cache._captured.calls)
+    assert cache._ctx["a"].slot is not None and cache._ctx["b"].slot is not None
+    assert cache._pending_total == sum(c.pending_rows for c in cache._ctx.values())

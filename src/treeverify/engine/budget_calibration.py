@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from treeverify.engine.budget_controller import CLOCKS, BudgetController, CostModel
+from treeverify.engine.budget_controller import CLOCKS, FAST, BudgetController, CostModel
 from treeverify.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ def calibrate(llm: LLM, prompt_len: int = 16,
         raw[n] = _time_buckets(llm, n, prompt, params, passes)
     measured = {n: monotone_in_budget(c) for n, c in raw.items()}
     ctl.pinned = None
+    ctl.use_path(FAST)  # greedy steps: the fast path's table (its steps above took it too)
     ctl.cost.clear()  # the steps above fed it warm-up steps too
     for n, per_bucket in measured.items():
         for budget, seconds in per_bucket.items():

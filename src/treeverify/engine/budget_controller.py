@@ -207,7 +207,14 @@ class BudgetController:
     def use_path(self, path: str) -> None:
         """Make `path`'s table the one decisions read (`cost`, `_tried`: (n, budget) -> step
         of its cost trial, `plain_trials`: plain decoding's stale cost re-measured); a path
-        first seen starts from a stale copy of the fast path's."""
+        first seen starts from a stale copy of the fast path's. A plain trial under way on the
+        path left ends here, its decision state restored (it measures its own path's plain
+        steps only while they run; resumed later, it restored a dwell and a pending switch
+        from hundreds of decisions before: review of the thirty-sixth session's change)."""
+        old = getattr(self, "plain_trials", None)
+        if old is not None and old.trial is not None and path != self.path:
+            self.since_switch, self._pending = old.trial.since_switch, old.trial.pending
+            old.trial = None
         costs = self.paths.get(path)
         if costs is None:
             costs = self.paths[path] = _PathCosts(self.paths[FAST].cost.stale_copy())

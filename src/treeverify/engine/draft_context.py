@@ -21,11 +21,11 @@ straight into the ring and the host only advances `end` and `count` (`advance`).
 
 `observe` only appends to a pending list (a plain decode step, e.g. at adaptive budget 0, costs a
 list append) and projects a request's rows once they fill the largest captured projection bucket
-(`flush_rows`; on the CPU every MAX_PENDING chunks), and every request's once the rows pending
-across requests fill CHUNKED_REPLAYS buckets (still replays, not an eager call): what a batch
-keeps pending, and the step copies of its hidden states those rows hold alive, stays bounded
-(per request alone, a batch of 64 at a largest bucket of 64 x 16 rows held ~1000 steps' copies,
-GBs at a large model's width); `project` turns every pending row of a set of
+(`flush_rows`; on the CPU every MAX_PENDING chunks), and every request's that holds a ring once
+the rows pending across requests fill CHUNKED_REPLAYS - 1 buckets (replays, never an eager
+call): what a batch keeps pending, and the step copies of its hidden states those rows hold
+alive, stays bounded (per request alone, a batch of 64 at a largest bucket of 64 x 16 rows held
+~1000 steps' copies, GBs at a large model's width); `project` turns every pending row of a set of
 requests into keys/values in ONE drafter call (rows are independent: one flat (R, F) batch over all
 requests; captured: up to CHUNKED_REPLAYS replays of the largest bucket, a longer run eagerly) and
 scatters them into the rings. Rows older than W are never projected. SLACK rows beyond the window
@@ -200,10 +200,15 @@ class DraftContextCache:
         ctx.pending_rows += hidden.shape[0]
         self._pending_total += hidden.shape[0]
         flush = self.flush_rows
-        if flush and self._pending_total >= self.CHUNKED_REPLAYS * flush:  # the batch's rows
-            self.project([r for r, c in self._ctx.items() if c.pending])
-        elif len(ctx.pending) >= self.MAX_PENDING or (flush and ctx.pending_rows >= flush):
+        if len(ctx.pending) >= self.MAX_PENDING or (flush and ctx.pending_rows >= flush):
             self.project([request_id])
+        if flush and self._pending_total >= (self.CHUNKED_REPLAYS - 1) * flush:
+            # the batch's rows, at most CHUNKED_REPLAYS buckets (replays, never one eager call:
+            # a request's own chunk past a bucket went above), and only those of requests that
+            # hold a ring (a fixed store would lend one by evicting a request outside this
+            # flush, maybe a running one; a preempted request's rows stay pending)
+            self.project([r for r, c in self._ctx.items()
+                          if c.pending and (c.slot is not None or not self.fixed)])  # fmt: skip
 
     def _set_pending(self, ctx: _Context, chunks: list[torch.Tensor]) -> None:
         """A request's pending chunks replaced (the total across requests kept)."""
@@ -214,7 +219,7 @@ class DraftContextCache:
     @property
     def flush_rows(self) -> int | None:
         """A request's pending rows projected as soon as it has as many (every request's at
-        CHUNKED_REPLAYS times as many across requests): the largest captured projection
+        CHUNKED_REPLAYS - 1 times as many across requests): the largest captured projection
         bucket (a run of plain steps then projects by graph replays, never eagerly: an eager
         64-row projection's GEMMs took ~0.7 ms of host time each under cProfile on the H200,
         thirty-third session); None when nothing is captured (the CPU: a request's every
