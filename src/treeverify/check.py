@@ -23,7 +23,7 @@ import torch
 
 from treeverify.kernels import api
 from treeverify.kernels.reference import tree_attention_reference
-from treeverify.strict_args import output_file
+from treeverify.strict_args import int_at_least, output_file
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ||out - ref|| / ||ref|| allowed per output dtype
@@ -231,16 +231,6 @@ def _json_number(value):
 SEED_MAX = 2**32 - 1  # case i draws from seed * 1000 + i: must fit torch's 64-bit seed
 
 
-def _seed(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if not 0 <= n <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be in 0..{SEED_MAX}, got {n}")
-    return n
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "check",
@@ -250,7 +240,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=api.BACKENDS, default="auto")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if any")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    p.add_argument("--seed", type=_seed, default=0, help=f"0..{SEED_MAX} (default: 0)")
+    p.add_argument(
+        "--seed", type=int_at_least(0, SEED_MAX), default=0, help=f"0..{SEED_MAX} (default: 0)"
+    )
     p.add_argument("--quick", action="store_true", help="the five core cases only")
     p.add_argument(
         "--json", metavar="FILE", type=output_file, help="also write the results as JSON"

@@ -48,14 +48,17 @@ def output_file(value: str) -> str:
     return value
 
 
-def int_at_least(low: int):
-    """An argparse type: an int >= `low` (serve's counts, unit's seconds)."""
+def int_at_least(low: int, high: int | None = None):
+    """An argparse type: an int >= `low`, and <= `high` when given (serve's counts, unit's
+    seconds, check's seed)."""
 
     def parse(value: str) -> int:
         try:
             n = int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if high is not None and not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {n}")
         if n < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
         return n
