@@ -178,7 +178,7 @@ class BudgetController:
         for p, costs in self.paths.items():
             costs.cost.mark_stale()
             self.paths[p] = _PathCosts(costs.cost)  # trial marks and plain trials start over
-        self.use_path(FAST)
+        self._bind(FAST)
         self.step_index = 0  # decisions made: the clock of cost freshness
         self.cost_trials = 0
         self.accept_trials = 0
@@ -211,15 +211,24 @@ class BudgetController:
         path left ends here, its decision state restored (it measures its own path's plain
         steps only while they run; resumed later, it restored a dwell and a pending switch
         from hundreds of decisions before: review of the thirty-sixth session's change)."""
-        old = getattr(self, "plain_trials", None)
-        if old is not None and old.trial is not None and path != self.path:
-            self.since_switch, self._pending = old.trial.since_switch, old.trial.pending
-            old.trial = None
+        trial = self.plain_trials.trial
+        if trial is not None and path != self.path:
+            self.since_switch, self._pending = trial.since_switch, trial.pending
+            self.plain_trials.trial = None
+        self._bind(path)
+
+    def _bind(self, path: str) -> None:
+        """`path` the one decisions read (`cost`, `_tried`, `plain_trials` are its)."""
+        costs = self._costs_of(path)
+        self.path = path
+        self.cost, self._tried, self.plain_trials = costs.cost, costs.tried, costs.plain_trials
+
+    def _costs_of(self, path: str) -> _PathCosts:
+        """`path`'s table and trials; a path first seen: a stale copy of the fast path's."""
         costs = self.paths.get(path)
         if costs is None:
             costs = self.paths[path] = _PathCosts(self.paths[FAST].cost.stale_copy())
-        self.path = path
-        self.cost, self._tried, self.plain_trials = costs.cost, costs.tried, costs.plain_trials
+        return costs
 
     # ---- estimates -----------------------------------------------------------------------------
     def accept_estimate(self, request_id: str, budget: int) -> float | None:
@@ -528,10 +537,9 @@ class BudgetController:
                 mean.den = mean.den * decay + 1.0
 
     def observe_step(self, n: int, budget: int, seconds: float, path: str = FAST) -> None:
-        """Wall seconds of one decode-only step of n requests at `budget`, on step `path`."""
-        if path not in self.paths:
-            self.use_path(path)
-        self.paths[path].cost.observe(n, budget, seconds, at=self.step_index)
+        """Wall seconds of one decode-only step of n requests at `budget`, on step `path`
+        (its table; the path decisions read stays as it is)."""
+        self._costs_of(path).cost.observe(n, budget, seconds, at=self.step_index)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
