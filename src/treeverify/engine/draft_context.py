@@ -373,6 +373,6 @@ class DraftContextCache:
     def forget(self, request_id: str) -> None:
         ctx = self._ctx.pop(request_id, None)
         if ctx is not None:
-            self._pending_total -= ctx.pending_rows
+            self._set_pending(ctx, [])
         if ctx is not None and ctx.slot is not None:
             self._free.append(ctx.slot)
