@@ -167,8 +167,9 @@ def serve(args: argparse.Namespace) -> int:
     llm, ctx = build_engine(args)
     # What startup made (the model, graphs, tables: ~310k tracked objects on tiny-code) lives
     # as long as the process: out of the cyclic collector's reach, where a full collection
-    # over it took ~125 ms on a CPU, a pause landing in some later step (one engine per
-    # process here, so nothing frozen becomes garbage; the library's LLM leaves GC alone).
+    # over it took 125-141 ms on a CPU (scripts/gc_pause.py), a pause in some later step (one
+    # engine per process here, so nothing frozen becomes garbage; the library's LLM leaves GC
+    # alone).
     gc.collect()
     gc.freeze()
     log.info("startup: %d objects frozen out of the garbage collector", gc.get_freeze_count())
