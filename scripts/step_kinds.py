@@ -10,11 +10,21 @@ is synchronized before and after each pass. Prompts: bench_pair's prose (the spe
 The JSON also keeps the last pass's every step (kind, us) and, for the adaptive engines, the
 controller's view at its end (/server_info's) and every step cost it was taught (batch, budget,
 us, step path): where a wrong cost entry came from.
+
+Each step's wait for the device (the time the host spent blocked on a launched step's result,
+`Launched.rows`) is kept beside its wall time: wall - wait is the step's host work, so a slower
+step says whether the host or the device grew. `--gc off` runs the passes with the collector
+off (after a collection and a freeze, as `treeverify serve` freezes startup's objects): whether
+collections make the irregular slow steps. `--configs` picks configs by name; "DDTREE(dflash)
+budget 0" is the DFlash engine held at plain decoding (costs that make budget 0 always win, as
+scripts/profile_budget0.py does): a plain step's price in that engine without the probes'
+rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from collections import defaultdict
@@ -26,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pair import PROSE, free, prose_prompts  # noqa: E402
 from raw_json import write_rows  # noqa: E402
 
+from treeverify.engine.launch_ahead import Launched  # noqa: E402
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -35,7 +46,20 @@ CONFIGS = {
                                         speculative_ddtree_budget=64),
     "DDTREE(ngram) adaptive<=64": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=64,
                                        speculative_draft_model_path="ngram"),
+    "DDTREE(dflash) budget 0": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+                                    speculative_cost_seconds={0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}),
 }  # fmt: skip
+DEFAULT_CONFIGS = list(CONFIGS)[:3]
+WAITED = [0.0]  # seconds the host spent blocked on launched steps' results (all steps so far)
+
+
+def _timed_rows(self: Launched, n: int) -> list:
+    """Launched.rows, its wait for the device counted in WAITED."""
+    if self.done is not None:
+        t0 = time.perf_counter()
+        self.done.synchronize()
+        WAITED[0] += time.perf_counter() - t0
+    return self.host[:n].tolist()
 
 
 def sync() -> None:
@@ -45,7 +69,7 @@ def sync() -> None:
 
 def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingParams]) -> dict:
     """Every prompt, `batch` at a time; per step kind: (steps, seconds)."""
-    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # steps, s, s waited
     seen = {}
     run_batch = llm.run_batch
 
@@ -64,7 +88,7 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
             observe_step(n, budget, seconds, path)
 
         ctl.observe_step = spy_cost
-    trace = []  # every step of the pass: (kind, us)
+    trace = []  # every step of the pass: (kind, us, us waiting for the device)
     sync()
     t_all = time.perf_counter()
     try:
@@ -72,9 +96,10 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
             for p, sp in zip(prompts[i : i + batch], params[i : i + batch], strict=True):
                 llm.add_request(p, sp)
             while llm.has_unfinished():
-                t0 = time.perf_counter()
+                w0, t0 = WAITED[0], time.perf_counter()
                 llm.step()
                 dt = time.perf_counter() - t0
+                waited = WAITED[0] - w0
                 if seen.get("prefill"):
                     kind = "prefill"
                 elif llm.last_budget:
@@ -84,14 +109,15 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
                         else "plain read-first"  # fmt: skip
                 kinds[kind][0] += 1
                 kinds[kind][1] += dt
-                trace.append((kind, round(dt * 1e6, 1)))
+                kinds[kind][2] += waited
+                trace.append((kind, round(dt * 1e6, 1), round(waited * 1e6, 1)))
         sync()
     finally:
         del llm.run_batch
         if ctl is not None:
             del ctl.observe_step
     total = time.perf_counter() - t_all
-    kinds["(outside steps)"] = [0, total - sum(v[1] for v in kinds.values())]
+    kinds["(outside steps)"] = [0, total - sum(v[1] for v in kinds.values()), 0.0]
     out = {"seconds": total, "kinds": {k: v for k, v in kinds.items()}, "steps": trace}
     if ctl is not None:  # what the controller believed, and the costs it was taught
         out |= {"controller": ctl.info(), "observed_costs": observed}
@@ -107,22 +133,48 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3, help="passes; the last one is reported")
+    ap.add_argument(
+        "--gc",
+        choices=("on", "off"),
+        default="on",
+        help="off: the passes run with the collector off, startup's objects frozen",
+    )
+    ap.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated, of: {'; '.join(CONFIGS)}",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown or not names:
+        ap.error(f"--configs: unknown {unknown}; expected some of {list(CONFIGS)}")
+    Launched.rows = _timed_rows  # the wait counted (the same read)
     prompts = prose_prompts(args.prose, args.n)
     params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.tokens,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for name, kw in CONFIGS.items():
+    for name in names:
+        kw = CONFIGS[name]
         llm = LLM(args.target, device=dev, max_num_seqs=args.batch, num_pages=512, **kw)
-        for _ in range(args.repeat):
-            res = run_pass(llm, prompts, args.batch, params)
+        if args.gc == "off":
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        try:
+            for _ in range(args.repeat):
+                res = run_pass(llm, prompts, args.batch, params)
+        finally:
+            gc.enable()
+            gc.unfreeze()
         tokens = len(prompts) * args.tokens
-        rows.append({"config": name, "tokens_per_s": round(tokens / res["seconds"], 1)} | res)
+        rows.append({"config": name, "gc": args.gc,
+                     "tokens_per_s": round(tokens / res["seconds"], 1)} | res)  # fmt: skip
         print(f"--- {name}: {res['seconds'] * 1e3:.1f} ms, {tokens / res['seconds']:.0f} tok/s")
-        for kind, (n, s) in sorted(res["kinds"].items(), key=lambda kv: -kv[1][1]):
-            per = f"{1e6 * s / n:8.1f} us each" if n else ""
+        for kind, (n, s, w) in sorted(res["kinds"].items(), key=lambda kv: -kv[1][1]):
+            per = f"{1e6 * s / n:8.1f} us each, {1e6 * w / n:6.1f} waiting" if n else ""
             print(f"      {kind:24s} {n:6d} steps {1e3 * s:9.2f} ms {per}")
         if "controller" in res:
             info = res["controller"]
