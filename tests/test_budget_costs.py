@@ -228,3 +228,72 @@ def test_a_plain_trial_ends_when_the_batch_changes_step_path():
     before = ctl.since_switch
     ctl.choose(["r"], FAST)
     assert not fast_trials.running and ctl.since_switch == before + 1
+
+
+def serve_with_burst(ctl: BudgetController, true_cost: dict[int, float], steps: int,
+                     accepted: dict[int, int], burst: range, slow: float) -> list:  # fmt: skip
+    """`serve`, but every steady step observed during the decisions of `burst` costs `slow`
+    times its true cost (a burst of slow host steps: a neighbour on the host, a page-in)."""
+    chosen, run, last = [], 0, None
+    for i in range(steps):
+        b = ctl.choose(["r"])
+        chosen.append(b)
+        if b:
+            ctl.observe_round("r", b, path_for(accepted, b))
+        run, last = (run + 1 if b == last else 1), b
+        if run >= 3:
+            ctl.observe_step(1, b, true_cost[b] * (slow if i in burst else 1.0))
+    return chosen
+
+
+def test_a_burst_of_slow_plain_steps_is_tried_again_and_left():
+    """On the H100 (869825f) bursts of 10-30 slow host steps (1-2.5 ms for 0.18) filled plain
+    decoding's cost window while the DFlash engine decoded sampled prose plainly: its median
+    went to 0.5-1.7 ms, the rounds looked better, and at more than twice the true cost no plain
+    trial was weighed in (`stale_plain_floor`): no plain step in five passes, 0.51x plain. The
+    lowest median plain decoding held (1.0 here) now weighs a trial in, and the trial's steps
+    replace the burst's window."""
+    ctl = calibrated(min_dwell=4)
+    burst = range(40, 60)
+    chosen = serve_with_burst(ctl, CALIBRATED, 600, NOTHING, burst, slow=8.0)
+    assert chosen[20:40].count(0) == 20  # plain decoding before the burst
+    assert chosen[60:120].count(0) < 30  # the burst sent it to the rounds
+    assert chosen[400:].count(0) >= 0.95 * 200 and ctl.current == 0  # and it came back
+    assert ctl.cost.estimate(1, 0) == pytest.approx(1.0)
+    assert ctl.cost.best[(1, 0)] == pytest.approx(1.0)
+    # the weighing before this change (no lowest median: the floor alone), by hand: the
+    # burst's median at half itself loses to the rounds, so no trial would run
+    assert 1 / (0.5 * 8.0) < 1 / 1.3
+
+
+def test_a_trial_restarts_its_entry_so_its_steps_set_the_median():
+    m = CostModel(window=9)
+    for _ in range(9):
+        m.observe(1, 0, 8.0, at=1)  # a burst's full window
+    m.restart(1, 0)
+    assert m.estimate(1, 0) == pytest.approx(8.0)  # nothing measured yet: the old median
+    for _ in range(3):
+        m.observe(1, 0, 1.0, at=2)
+    assert m.estimate(1, 0) == pytest.approx(1.0)  # three steps outvote the one kept sample
+    m.restart(1, 16)  # an entry never measured: nothing to cut
+    assert m.estimate(1, 16) is None
+    frozen = CostModel.given({0: 1.0})
+    frozen.restart(1, 0)
+    assert frozen.estimate(1, 0) == 1.0 and frozen.best[(1, 0)] == 1.0
+
+
+def test_a_stale_cost_above_a_fresh_larger_budgets_is_read_at_that_cost():
+    """A smaller tree is never dearer: a bucket below the current one whose stale cost a burst
+    overstated (20 for 1.3) is rated at the fresh cost of the larger one (1.9), so the rule can
+    choose it again (cost trials only look up: their bound comes from smaller budgets)."""
+    ctl = calibrated({0: 1.0, 4: 20.0, 8: 20.0, 16: 1.9}, min_dwell=0)
+    ctl.current = 16
+    ctl.observe_round("r", 16, path_for({4: 3, 8: 3, 16: 3}, 16))  # 4 accepts what 16 does
+    ctl.observe_step(1, 16, 1.9)  # 16 fresh
+    rates = ctl._decide(["r"])
+    assert rates[4] == pytest.approx(ctl.rate(["r"], 4, cost=1.9))
+    assert rates[8] == pytest.approx(ctl.rate(["r"], 8, cost=1.9))
+    assert rates[0] == pytest.approx(ctl.rate(["r"], 0))  # plain decoding: not capped
+    for _ in range(2):  # 4 fresh and cheaper (a majority of its window): its own cost
+        ctl.observe_step(1, 4, 1.3)
+    assert ctl._decide(["r"])[4] == pytest.approx(ctl.rate(["r"], 4, cost=1.3))

@@ -53,7 +53,9 @@ calibrated budget 16 (0.52 ms) kept the controller at 8 (0.43) while a fixed 16 
 budget's cost is at least the fresh cost of any smaller budget (a larger tree is never
 cheaper), so when that lower bound, in place of the stale cost, would beat the current rate by
 the switch margin, the controller moves there for a dwell (a "cost trial"), which measures it;
-each (batch size, budget) at most once per `cost_fresh_steps` steps. Plain decoding's cost
+each (batch size, budget) at most once per `cost_fresh_steps` steps; a trial's steps replace
+the entry's window (`CostModel.restart`), and a stale cost above a fresh larger budget's is
+read at that cost (`_cap_stale`). Plain decoding's cost
 bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win,
 a "plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
 during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain;
@@ -336,6 +338,7 @@ class BudgetController:
         the reused rates at once, and a switch that is pending (winning, not yet confirmed) is
         decided every step, as before."""
         rates = {b: self.rate(request_ids, b) for b in self.buckets}
+        self._cap_stale(request_ids, rates)
         known = {b: r for b, r in rates.items() if r is not None}
         cur = self.current
         if known and rates.get(cur) is not None:
@@ -350,6 +353,23 @@ class BudgetController:
                 # trial's dwell to one round
                 self._accept_trial(request_ids, rates[cur])
         return rates
+
+    def _cap_stale(self, request_ids: list[str], rates: dict[int, float | None]) -> None:
+        """A stale round cost above a fresh cost of a larger budget is overstated (a smaller
+        tree is never dearer): its rate at that cost instead. The cost trials only look up
+        (their bound comes from smaller budgets), so without this a bucket below the current
+        one that a burst of slow host steps overstated (2.1 ms for 0.41 on the H100) was never
+        chosen again. Plain decoding is another path: not capped (its plain trials)."""
+        n, now, fresh = len(request_ids), self.step_index, self.cfg.cost_fresh_steps
+        cap = None
+        for b in reversed(self.buckets[1:]):
+            est = self.cost.estimate(n, b)
+            if est is None:
+                continue
+            if self.cost.is_fresh(n, b, now, fresh):
+                cap = est if cap is None else min(cap, est)
+            elif cap is not None and est > cap and rates.get(b) is not None:
+                rates[b] = self.rate(request_ids, b, cost=cap)
 
     def _probe_target(self, rates: dict[int, float | None]) -> int | None:
         """The bucket a probe would run at (None at the largest bucket: nothing above it).
@@ -445,6 +465,7 @@ class BudgetController:
                 if low is not None and (r := self.rate(request_ids, b, cost=low)) and r > bar:
                     nearest = stale[0]  # its fresh cost will bound the ones beyond it
                     self._tried[(n, nearest)] = now
+                    self.cost.restart(n, nearest)  # its dwell's steps set the median
                     self.current, self._pending, self.since_switch = nearest, None, 0
                     self.switches += 1
                     self.cost_trials += 1

@@ -19,7 +19,14 @@ class CostModel:
     Freshness: `observe(..., at=step)` records the controller's step index of the measurement;
     `lower_bound` gives, from the fresh entries only, the least a budget can cost (a larger tree
     is never cheaper than a smaller one). The controller tries a budget whose stale cost hides
-    a better rate (docs/ddtree.md, "Stale costs")."""
+    a better rate (docs/ddtree.md, "Stale costs").
+
+    Bursts: `best` keeps each entry's lowest median so far. A burst of slow host steps (ten to
+    thirty steps at 1-2.5 ms where a plain step takes 0.18, seen on a shared H100 host in the
+    plain engine too) fills a window of 9 and leaves a median 10x too high that nothing at
+    that budget re-measures while the controller avoids it; the lowest median says what the
+    entry has cost, so a trial can be weighed against it, and `restart` lets a trial's few
+    steps outvote the burst's window."""
 
     def __init__(self, window: int = 9, frozen: bool = False):
         self.window, self.frozen = window, frozen
@@ -28,6 +35,7 @@ class CostModel:
         self._nearest: dict[tuple[int, int], int | None] = {}  # (n, budget) -> measured size
         self._brackets: dict[tuple[int, int], tuple[int, int] | None] = {}  # measured around n
         self.seen_at: dict[tuple[int, int], int] = {}  # step index of the last serving sample
+        self.best: dict[tuple[int, int], float] = {}  # the lowest median each entry has held
 
     @classmethod
     def given(cls, seconds_by_budget: dict[int, float]) -> CostModel:
@@ -37,7 +45,7 @@ class CostModel:
             if not sec > 0:
                 raise ValueError(f"cost of budget {b}: expected seconds > 0, got {sec}")
             m.table[(1, int(b))] = deque([float(sec)], maxlen=1)
-            m._median[(1, int(b))] = float(sec)
+            m._median[(1, int(b))] = m.best[(1, int(b))] = float(sec)
         m.frozen = True
         return m
 
@@ -52,6 +60,7 @@ class CostModel:
         for key, median in self._median.items():
             m.table[key] = deque([median], maxlen=self.window)
         m._median = dict(self._median)
+        m.best = dict(self.best)
         return m
 
     def observe(self, n: int, budget: int, seconds: float, at: int | None = None) -> None:
@@ -64,7 +73,16 @@ class CostModel:
                 self._brackets.clear()
             q = self.table.setdefault((n, budget), deque(maxlen=self.window))
             q.append(seconds)
-            self._median[(n, budget)] = statistics.median(q)
+            med = self._median[(n, budget)] = statistics.median(q)
+            if med < self.best.get((n, budget), float("inf")):
+                self.best[(n, budget)] = med
+
+    def restart(self, n: int, budget: int) -> None:
+        """The entry's window cut to one sample, its median (a trial is about to measure it:
+        its few steps then decide the median, not a full window of old ones, e.g. a burst's)."""
+        key = (n, budget)
+        if key in self._median and not self.frozen:
+            self.table[key] = deque([self._median[key]], maxlen=self.window)
 
     def _interpolate(self, n: int, budget: int) -> float | None:
         """Linear in the batch size between the nearest measured sizes below and above n at
@@ -85,6 +103,7 @@ class CostModel:
         self.seen_at.clear()
         self.table.clear()
         self._median.clear()
+        self.best.clear()
         self._nearest.clear()
         self._brackets.clear()
 

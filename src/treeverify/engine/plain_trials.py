@@ -12,6 +12,12 @@ usual rule then decides on the fresh cost). At most one trial per `cost_fresh_st
 per batch size, the gap doubling after each trial that confirmed the estimate (within
 PLAIN_TRIAL_CONFIRMED of it), up to PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`.
 
+A burst of slow host steps overstates plain decoding's cost by far more than 2x (medians of
+0.5-1.7 ms for 0.18 on the H100 at 869825f, where the DFlash engine then ran no plain step in
+five passes of sampled prose: 0.51x plain), so the trial is also weighed at the lowest median
+plain decoding has held (`CostModel.best`), and a trial cuts the entry's window to one sample
+(`CostModel.restart`) so that its steady steps, not the burst's, set the median.
+
 Torch-free, as the controller.
 """
 
@@ -63,7 +69,8 @@ class PlainTrials:
 
     def maybe_start(self, c: BudgetController, n: int, bar: float) -> None:
         """A trial check at batch size n (`bar`: the rounds' rate with the switch margin): start
-        a trial when plain decoding's stale cost at `stale_plain_floor` of itself has beaten
+        a trial when plain decoding's stale cost at `stale_plain_floor` of itself (or at the
+        lowest median it has held, if lower: a burst's overstatement) has beaten
         `bar` on PLAIN_TRIAL_PATIENCE checks in a row (a dip in acceptance passes: the replay's
         predictable rows kept their rates), the gap since the last trial is over, and the cost
         model is not frozen (a given cost table, tests and replays, is never re-measured)."""
@@ -74,7 +81,8 @@ class PlainTrials:
         if now - c._tried.get((n, 0), -gap - 1) <= gap:
             return
         est = c.cost.estimate(n, 0)
-        if not (est and n / (c.cfg.stale_plain_floor * est) > bar):
+        low = est and min(c.cfg.stale_plain_floor * est, c.cost.best.get((n, 0), est))
+        if not (low and n / low > bar):
             self.gate = 0
             return
         self.gate += 1
@@ -82,6 +90,7 @@ class PlainTrials:
             self.gate = 0
             c._tried[(n, 0)] = now
             self.trial = _Trial(PLAIN_TRIAL_STEPS, n, est, c.since_switch, c._pending, now)
+            c.cost.restart(n, 0)
             c.cost_trials += 1
 
     def step(self, c: BudgetController) -> bool:
