@@ -41,6 +41,17 @@ def main() -> None:
     )
     p.add_argument("--top", type=int, default=18, help="functions shown, by own time")
     p.add_argument(
+        "--sort",
+        choices=("tottime", "cumulative"),
+        default="tottime",
+        help="cProfile's order (cumulative: a function with its callees)",
+    )
+    p.add_argument(
+        "--filter",
+        default=None,
+        help="only functions whose file:line(name) matches this regex (cProfile)",
+    )
+    p.add_argument(
         "--null-model",
         action="store_true",
         help="the target's forward replaced by a near no-op (scripts/null_model.py; CPU): the "
@@ -73,7 +84,12 @@ def main() -> None:
             prof.enable()
             llm.generate(prompts, sp)
             prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+            stats = pstats.Stats(prof).sort_stats(a.sort)
+            if a.filter:  # the matching functions, then what each calls (torch's C calls too)
+                stats.print_stats(a.filter, a.top)
+                stats.print_callees(a.filter, a.top)
+            else:
+                stats.print_stats(a.top)
         del llm
 
 
