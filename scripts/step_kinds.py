@@ -18,7 +18,9 @@ off (after a collection and a freeze, as `treeverify serve` freezes startup's ob
 collections make the irregular slow steps. `--configs` picks configs by name; "DDTREE(dflash)
 budget 0" is the DFlash engine held at plain decoding (costs that make budget 0 always win, as
 scripts/profile_budget0.py does): a plain step's price in that engine without the probes'
-rounds.
+rounds. `--warm`: before each pass, greedy passes over held-out code and prose on the same
+engine (not reported), as bench_pair's interleaved passes run the texts one after another: the
+controller then starts the measured text with what greedy text taught it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pair import PROSE, free, prose_prompts  # noqa: E402
+from bench_pair import DATA, PROSE, code_prompts, free, prose_prompts  # noqa: E402
 from raw_json import write_rows  # noqa: E402
 
 from treeverify.engine.launch_ahead import Launched  # noqa: E402
@@ -144,6 +146,11 @@ def main(argv=None) -> int:
         default=",".join(DEFAULT_CONFIGS),
         help=f"comma-separated, of: {'; '.join(CONFIGS)}",
     )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="greedy code and prose passes on the same engine before each pass",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -155,6 +162,10 @@ def main(argv=None) -> int:
     params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.tokens,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    warm = [code_prompts(DATA / "tiny-code" / "heldout.json", args.n),
+            prose_prompts(args.prose, args.n)] if args.warm else []  # fmt: skip
+    greedy = [SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+              for _ in range(args.n)]  # fmt: skip
     rows = []
     for name in names:
         kw = CONFIGS[name]
@@ -165,12 +176,14 @@ def main(argv=None) -> int:
             gc.disable()
         try:
             for _ in range(args.repeat):
+                for texts in warm:
+                    run_pass(llm, texts, args.batch, greedy)
                 res = run_pass(llm, prompts, args.batch, params)
         finally:
             gc.enable()
             gc.unfreeze()
         tokens = len(prompts) * args.tokens
-        rows.append({"config": name, "gc": args.gc,
+        rows.append({"config": name, "gc": args.gc, "warm": args.warm,
                      "tokens_per_s": round(tokens / res["seconds"], 1)} | res)  # fmt: skip
         print(f"--- {name}: {res['seconds'] * 1e3:.1f} ms, {tokens / res['seconds']:.0f} tok/s")
         for kind, (n, s, w) in sorted(res["kinds"].items(), key=lambda kv: -kv[1][1]):
