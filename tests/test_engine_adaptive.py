@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from treeverify.engine.budget_controller import SAMPLED
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
 
@@ -57,7 +58,10 @@ def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
             break
     assert ctl.current == 0
     assert ctl.steps_by_budget[0] >= 40
-    assert ctl.global_estimate(16) < 0.5  # chance hits only
+    assert ctl.global_estimate(16, SAMPLED) < 0.5  # chance hits only
+    # the sampled requests taught their class's engine-wide curve, not the greedy one
+    assert ctl.global_estimate(16) is None
+    assert not ctl.classes  # finished requests' classes forgotten with them
     # Predictable text, greedy: a probe one bucket up finds the drafts accepted.
     # (A probe may land where the loop changes phase and find nothing: cap the back-off at 16
     # steps so a few probes come in this short run.)
@@ -72,6 +76,8 @@ def test_falls_back_to_plain_then_comes_back_when_drafts_pay():
     info = llm.spec_stats["adaptive"]
     assert info["current"] == ctl.current and info["switches"] >= 2
     assert info["accept_curve"]["4"] > 0.5
+    assert info["accept_curve_by_class"]["greedy"] == info["accept_curve"]
+    assert info["accept_curve_by_class"]["sampled"]["16"] < 0.5
 
 
 @pytest.mark.parametrize("costs", ["given", "measured"])

@@ -73,6 +73,15 @@ GENERAL) and every path keeps its own cost table, cost-trial marks and plain tri
 first seen starts from a stale copy of the fast path's table (calibrated on greedy steps), which
 its steps and trials then correct. The acceptance curves are shared (they are the requests').
 
+Acceptance classes: the engine-wide curve a request starts from is kept per class, greedy
+(T=0) or sampled (T>0), the class the engine names for each request (`note_request`; unnamed:
+greedy). Acceptance at T=1 is a fraction of greedy acceptance on the same text (prose: τ 1.3
+against 4.9 on the H100), so one engine-wide curve taught by greedy requests sent every new
+sampled request into rounds on the greedy prior: after greedy passes on the same engine, the
+DFlash engine ran budget 32 on 267 of 910 steps of sampled prose at b=1, 0.60x plain (H100,
+2026-12-05, `step_kinds.py --warm`). A class never measured has no prior: its first round
+measures it (every bucket at or below the current one, the free curve).
+
 Torch-free: the engine feeds it paths and step times; tests feed it synthetic curves.
 """
 
@@ -99,6 +108,9 @@ FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (pla
 
 # Step paths (see "Step paths" above): tokens picked in the step's graph, or read first.
 FAST, GENERAL = "fast", "general"
+# Acceptance classes (see "Acceptance classes" above): whose engine-wide curve a request starts
+# from. A request the engine did not name is greedy (tests, replays: one class, as before).
+GREEDY, SAMPLED = "greedy", "sampled"
 
 
 @dataclass
@@ -172,6 +184,7 @@ class BudgetController:
         self.path = FAST  # the path whose table `cost`, `_tried` and `plain_trials` are
         self.pinned: int | None = None  # calibration: every step at this budget
         self.clock = time.perf_counter  # what step costs are measured with (see CLOCKS)
+        self.classes: dict[str, str] = {}  # request -> acceptance class (`note_request`)
         self.reset()
 
     def reset(self) -> None:
@@ -186,7 +199,9 @@ class BudgetController:
         self.accept_trials = 0
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self.requests: dict[str, _Request] = {}
-        self.global_curve: dict[int, DecayedMean] = {}
+        # the engine-wide curve per acceptance class (each request's class outlives a reset:
+        # it is the request's, not something learnt)
+        self.class_curves: dict[str, dict[int, DecayedMean]] = {GREEDY: {}}
         # (request ids, rates) of the last full decision while at plain decoding: reused by
         # the decisions between full ones (`_decide`); None after anything that moves them
         self._plain_rates: tuple[tuple[str, ...], dict[int, float | None]] | None = None
@@ -233,18 +248,44 @@ class BudgetController:
         return costs
 
     # ---- estimates -----------------------------------------------------------------------------
+    @property
+    def global_curve(self) -> dict[int, DecayedMean]:
+        """The greedy class's engine-wide curve (the only one of an engine that names none)."""
+        return self.class_curves[GREEDY]
+
+    def note_request(self, request_id: str, cls: str) -> None:
+        """The acceptance class (GREEDY or SAMPLED) of a request, before its first decision:
+        which engine-wide curve it starts from. Kept until `forget`."""
+        if cls not in (GREEDY, SAMPLED):
+            raise ValueError(f"cls: expected {GREEDY!r} or {SAMPLED!r}, got {cls!r}")
+        if request_id not in self.classes and len(self.classes) >= MAX_TRACKED_REQUESTS:
+            del self.classes[next(iter(self.classes))]  # the oldest (an aborted one, likely)
+        self.classes[request_id] = cls
+        self._accept_sums.clear()
+        self._plain_rates = None
+
+    def _class_curve(self, request_id: str) -> dict[int, DecayedMean]:
+        cls = self.classes.get(request_id, GREEDY)
+        curve = self.class_curves.get(cls)
+        if curve is None:
+            curve = self.class_curves[cls] = {}
+        return curve
+
     def accept_estimate(self, request_id: str, budget: int) -> float | None:
         """A_r(B) = the sum of the estimated gains of each bucket up to B over the one below;
         None when some bucket up to B was never measured."""
-        return self._sum_gains(self.requests.get(request_id), budget)
+        own = self.requests.get(request_id)
+        return self._sum_gains(own, budget, self._class_curve(request_id))
 
-    def global_estimate(self, budget: int) -> float | None:
-        """The engine-wide A(B) (what a request with no rounds of its own starts from)."""
-        return self._sum_gains(None, budget)
+    def global_estimate(self, budget: int, cls: str = GREEDY) -> float | None:
+        """The engine-wide A(B) of a class (what its requests with no rounds of their own start
+        from)."""
+        return self._sum_gains(None, budget, self.class_curves.get(cls, {}))
 
-    def _sum_gains(self, own: _Request | None, budget: int) -> float | None:
+    def _sum_gains(self, own: _Request | None, budget: int,
+                   engine: dict[int, DecayedMean]) -> float | None:  # fmt: skip
         """A(B): the curve at the largest bucket <= B (the gains of every bucket up to B)."""
-        return self._curve(own)[bisect.bisect_right(self.buckets, budget) - 1]
+        return self._curve(own, engine)[bisect.bisect_right(self.buckets, budget) - 1]
 
     def _gain(self, mine: DecayedMean | None, g: DecayedMean | None) -> float | None:
         """A request's decayed mean of one bucket's gain, shrunk toward the engine-wide one."""
@@ -255,14 +296,16 @@ class BudgetController:
         k = self.cfg.prior_rounds
         return (mine.num + k * g.value) / (mine.den + k)
 
-    def _curve(self, own: _Request | None) -> list[float | None]:
-        """A_r(B) for every bucket in order (bucket 0: 0), in one pass over the gains; None
-        from the first never-measured bucket on."""
+    def _curve(self, own: _Request | None,
+               engine: dict[int, DecayedMean]) -> list[float | None]:  # fmt: skip
+        """A_r(B) for every bucket in order (bucket 0: 0), in one pass over the gains (the
+        request's own, shrunk toward its class's `engine` curve); None from the first
+        never-measured bucket on."""
         out: list[float | None] = [0.0]
         total: float | None = 0.0
         for b in self.buckets[1:]:
             if total is not None:
-                gain = self._gain(own.curve.get(b) if own else None, self.global_curve.get(b))
+                gain = self._gain(own.curve.get(b) if own else None, engine.get(b))
                 total = None if gain is None else total + gain
             out.append(total)
         return out
@@ -284,7 +327,8 @@ class BudgetController:
         if sums is None:
             sums = [0.0] * len(self.buckets)
             for rid in request_ids:  # 1 + A_r(B): the bonus token and the accepted drafts
-                for j, a in enumerate(self._curve(self.requests.get(rid))):
+                own = self.requests.get(rid)
+                for j, a in enumerate(self._curve(own, self._class_curve(rid))):
                     sums[j] = None if a is None or sums[j] is None else sums[j] + (1.0 + a)
             self._accept_sums[key] = sums
         total = sums[bisect.bisect_right(self.buckets, budget) - 1]  # the bucket B falls in
@@ -500,8 +544,9 @@ class BudgetController:
         if not lacking or cost_up is None:
             return
         total = 0.0
-        for r in reqs:
-            curve = self._curve(r)  # A_r at every bucket; the current bucket's gain: i - (i - 1)
+        for rid, r in zip(request_ids, reqs, strict=True):
+            curve = self._curve(r, self._class_curve(rid))  # A_r at every bucket; the current
+            # bucket's gain: i - (i - 1)
             if curve[i] is None or curve[i - 1] is None:
                 return
             total += 1.0 + curve[i] + self.cfg.accept_optimism * (curve[i] - curve[i - 1])
@@ -542,7 +587,7 @@ class BudgetController:
         self._plain_rates = None
         # accepted_at_budgets in one walk (node indices grow along a path), each bucket's gain
         # over the one below added to both curves in place: this runs per request per round
-        decay, mine, engine = self.cfg.decay, req.curve, self.global_curve
+        decay, mine, engine = self.cfg.decay, req.curve, self._class_curve(request_id)
         nodes, k, prev = path[1:], 0, 0
         for b in self.buckets[1:]:
             if b > budget:
@@ -564,6 +609,7 @@ class BudgetController:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.classes.pop(request_id, None)
         self._accept_sums.clear()
         self._plain_rates = None
 
@@ -581,6 +627,15 @@ class BudgetController:
                 str(b): round(a, 4)
                 for b in self.buckets[1:]
                 if (a := self.global_estimate(b)) is not None
+            },  # fmt: skip
+            # every class's engine-wide curve (greedy's is accept_curve)
+            "accept_curve_by_class": {
+                cls: {
+                    str(b): round(a, 4)
+                    for b in self.buckets[1:]
+                    if (a := self.global_estimate(b, cls)) is not None
+                }
+                for cls in self.class_curves
             },  # fmt: skip
             "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
             "cost_path": self.path,  # the step path of the last decision (whose costs above)

@@ -33,7 +33,7 @@ import torch
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
-from treeverify.engine.budget_controller import FAST
+from treeverify.engine.budget_controller import FAST, GREEDY, SAMPLED
 from treeverify.engine.config import EngineConfig
 from treeverify.engine.decode_ahead import DecodeAhead
 from treeverify.engine.drafter_feed import DrafterFeed
@@ -313,6 +313,8 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         self._next_id += 1
         seq = self.scheduler.add(Sequence(rid, ids, params))
+        if self.controller is not None:  # whose engine-wide acceptance it starts from
+            self.controller.note_request(rid, SAMPLED if params.temperature > 0 else GREEDY)
         self._logprobs[rid] = []
         if params.prompt_logprobs is not None:  # the first prompt token has no logprob
             self._prompt_logprobs[rid] = [TokenLogprobs(ids[0], None, [])]
