@@ -60,7 +60,7 @@ def test_random_chunks_rejections_and_restarts_match_from_scratch(drafter, captu
         drafter = copy.deepcopy(drafter).to(dev)
     cache = DraftContextCache(drafter, window)
     if captured:
-        cache.capture_projection(dev, max_rows=24)  # buckets 16, 32, 64 (MIN_FLUSH_ROWS)
+        cache.capture_projection(dev, max_rows=24)  # buckets 16 .. 256 (MIN_FLUSH_ROWS)
     feats = drafter.config.context_features
     truth = torch.empty(0, feats, device=dev)  # the rows the target holds now, positions 0..
     with torch.inference_mode():

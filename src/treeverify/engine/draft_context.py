@@ -67,14 +67,20 @@ class _Context:
 
 
 class DraftContextCache:
-    MAX_PENDING = 64  # observed chunks kept before they are projected (bounds the list)
+    MAX_PENDING = 64  # uncaptured (the CPU): observed chunks kept before they are projected
     CHUNKED_REPLAYS = 4  # a captured projection replays at most this many pieces, else eager
     # The largest captured projection bucket is at least this many rows, however small the
     # batch: pending rows are projected once they fill it, and a projection's host cost is
     # per call, not per row (at b=1 on an H100 the DFlash engine's plain steps were a median
     # 180 us but a mean 204: a 16-row projection every 16 steps, thirty-sixth session), and a
     # prompt of up to CHUNKED_REPLAYS x this many rows is projected by replays, not eagerly.
-    MIN_FLUSH_ROWS = 64
+    # 256 (64 until the thirty-seventh session): a flush cost ~0.25 ms of host alone and 0.7-0.9
+    # ms inside a step on the H100, every 64th plain step at b=1 (~9 us a step, half the DFlash
+    # plain step's excess over plain decoding's); at 256 a probe's round, every ~64 steps on
+    # text no drafter predicts, projects the rows first anyway. What stays pending is bounded by
+    # the batch flush: (CHUNKED_REPLAYS - 1) x 256 rows, 768 x F x 2 bytes (1.2 MB at
+    # tiny-code's F = 768; ~33 MB at F = 3 x 7168).
+    MIN_FLUSH_ROWS = 256
     # Rows kept beyond the window, so that dropping rejected or recomputed rows (a few at the
     # end) still leaves a full window to draft from.
     SLACK = 64
@@ -200,7 +206,7 @@ class DraftContextCache:
         ctx.pending_rows += hidden.shape[0]
         self._pending_total += hidden.shape[0]
         flush = self.flush_rows
-        if len(ctx.pending) >= self.MAX_PENDING or (flush and ctx.pending_rows >= flush):
+        if ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING:
             self.project([request_id])
         if flush and self._pending_total >= (self.CHUNKED_REPLAYS - 1) * flush:
             # the batch's rows, at most CHUNKED_REPLAYS buckets (replays, never one eager call:
