@@ -281,6 +281,7 @@ def describe(llm: LLM, name: str, outs, secs: float, plain, b: int, text: str,
         # what the controller believed: why it chose those budgets
         keys = (
             "accept_curve",
+            "accept_curve_by_class",  # greedy and sampled requests' engine-wide curves
             "cost_seconds_batch1",
             "switches",
             "explorations",

@@ -483,3 +483,9 @@ def test_acceptance_classes_are_kept_per_request_and_checked():
     with pytest.raises(ValueError, match="cls"):
         ctl.note_request("x", "beam")
     assert "x" not in ctl.classes
+    # not capped: a long queue of requests noted when queued kept the oldest (running) ones'
+    # classes only up to 4096, then sent them to the greedy curve (a helper's review)
+    ctl.note_request("running", "sampled")
+    for i in range(5000):
+        ctl.note_request(f"queued{i}", "greedy")
+    assert ctl.classes["running"] == "sampled"

@@ -282,18 +282,27 @@ def test_a_trial_restarts_its_entry_so_its_steps_set_the_median():
     assert frozen.estimate(1, 0) == 1.0 and frozen.best[(1, 0)] == 1.0
 
 
-def test_a_stale_cost_above_a_fresh_larger_budgets_is_read_at_that_cost():
-    """A smaller tree is never dearer: a bucket below the current one whose stale cost a burst
-    overstated (20 for 1.3) is rated at the fresh cost of the larger one (1.9), so the rule can
-    choose it again (cost trials only look up: their bound comes from smaller budgets)."""
-    ctl = calibrated({0: 1.0, 4: 20.0, 8: 20.0, 16: 1.9}, min_dwell=0)
-    ctl.current = 16
-    ctl.observe_round("r", 16, path_for({4: 3, 8: 3, 16: 3}, 16))  # 4 accepts what 16 does
-    ctl.observe_step(1, 16, 1.9)  # 16 fresh
-    rates = ctl._decide(["r"])
-    assert rates[4] == pytest.approx(ctl.rate(["r"], 4, cost=1.9))
-    assert rates[8] == pytest.approx(ctl.rate(["r"], 8, cost=1.9))
-    assert rates[0] == pytest.approx(ctl.rate(["r"], 0))  # plain decoding: not capped
-    for _ in range(2):  # 4 fresh and cheaper (a majority of its window): its own cost
-        ctl.observe_step(1, 4, 1.3)
-    assert ctl._decide(["r"])[4] == pytest.approx(ctl.rate(["r"], 4, cost=1.3))
+@pytest.mark.parametrize("burst", [range(20, 30), range(20, 40)])
+def test_a_burst_at_a_round_bucket_is_tried_again(burst):
+    """A burst while at the best bucket (8 here: 3 tokens per 1.3 against 16's 4 per 1.9)
+    overstates its cost, the controller moves up to 16, and no cost trial looks down from
+    there (their bound comes from fresh smaller buckets): before, it stayed at 16 for the
+    remaining 3000 decisions (a helper's review of aecf875). A stale cost at BURST_FACTOR x the
+    lowest median its entry held is weighed at that median: 8 is tried and wins again."""
+    ctl = calibrated(min_dwell=8, explore_every=16, explore_max=256)
+    chosen = serve_with_burst(ctl, CALIBRATED, 3000, ACCEPTED, burst, slow=8.0)
+    tail = chosen[1000:]
+    assert tail.count(8) > 0.8 * len(tail), {b: tail.count(b) for b in BUCKETS}
+    assert ctl.cost.estimate(1, 8) == pytest.approx(1.3)
+
+
+def test_a_new_step_path_keeps_no_lowest_median_of_the_fast_path():
+    """A path first seen starts from a stale copy of the fast path's medians but not of their
+    lowest values: the general path's plain steps cost ~3x the fast path's, and a borrowed
+    lowest median weighed its plain trials as if plain decoding cost a third of itself."""
+    m = CostModel(window=3)
+    m.observe(1, 0, 0.2, at=1)
+    copy = m.stale_copy()
+    assert copy.estimate(1, 0) == pytest.approx(0.2) and copy.best == {}
+    copy.observe(1, 0, 0.69, at=2)  # its own steps: the lowest median is theirs (with the
+    assert copy.best[(1, 0)] == pytest.approx(0.445)  # copied sample in the window), not 0.2

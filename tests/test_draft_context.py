@@ -284,3 +284,29 @@ def test_a_batch_flush_never_takes_a_ring_nor_projects_eagerly(drafter):
     assert all(c <= 8 for c in cache._captured.calls)
     assert cache._ctx["a"].slot is not None and cache._ctx["b"].slot is not None
     assert cache._pending_total == sum(c.pending_rows for c in cache._ctx.values())
+
+
+def test_rows_a_batch_flush_leaves_pending_do_not_make_every_step_flush(drafter):
+    """Requests without a ring in a fixed store (their rows under a bucket each) stay pending
+    through a batch flush; once their rows alone reached CHUNKED_REPLAYS - 1 buckets, every
+    later observe of a running request flushed again, a projection a plain step (a helper's
+    review of the 256-row flush). The next batch flush now waits for that many new rows."""
+    feats = drafter.config.context_features
+    g = torch.Generator().manual_seed(9)
+    cache = DraftContextCache(drafter, 1024)
+    cache.fix(1, torch.device("cpu"))  # one ring: "run" holds it
+    cache._captured = _BucketedProjection(drafter, [4, 8])
+    bound = (DraftContextCache.CHUNKED_REPLAYS - 1) * 8
+    with torch.inference_mode():
+        cache.observe("run", 0, torch.randn(3, feats, generator=g))
+        cache.project(["run"])
+        for i in range(4):  # ringless (never projected): 7 rows each, 28 >= the bound of 24
+            cache.observe(f"wait{i}", 0, torch.randn(7, feats, generator=g))
+        before = len(cache._captured.calls)
+        for t in range(20):  # twenty plain steps of the running request
+            cache.observe("run", 3 + t, torch.randn(1, feats, generator=g))
+        flushes = len(cache._captured.calls) - before
+    assert flushes <= 20 // 8 + 1, flushes  # its own bucket's flushes (and the first batch one)
+    assert all(cache._ctx[f"wait{i}"].slot is None for i in range(4))  # no ring lent
+    assert cache._pending_total == sum(c.pending_rows for c in cache._ctx.values())
+    assert cache._pending_total - cache._pending_left < bound

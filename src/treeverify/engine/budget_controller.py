@@ -54,8 +54,8 @@ budget's cost is at least the fresh cost of any smaller budget (a larger tree is
 cheaper), so when that lower bound, in place of the stale cost, would beat the current rate by
 the switch margin, the controller moves there for a dwell (a "cost trial"), which measures it;
 each (batch size, budget) at most once per `cost_fresh_steps` steps; a trial's steps replace
-the entry's window (`CostModel.restart`), and a stale cost above a fresh larger budget's is
-read at that cost (`_cap_stale`). Plain decoding's cost
+the entry's window (`CostModel.restart`), and a stale cost at BURST_FACTOR x the lowest median
+its entry held (a burst of slow host steps) is weighed at that median. Plain decoding's cost
 bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win,
 a "plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
 during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain;
@@ -103,6 +103,10 @@ MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are fo
 # Cost and acceptance trials are looked for every this many decisions: a search costs ~5 us
 # of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
 TRIAL_CHECK_EVERY = 4
+# A stale cost at least this many times the lowest median its entry held was overstated by a
+# burst of slow host steps (docs/ddtree.md, "Bursts of slow host steps"): a cost trial weighs the
+# bucket at that lowest median.
+BURST_FACTOR = 2.0
 FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (plain_decay each)
 
 
@@ -258,8 +262,9 @@ class BudgetController:
         which engine-wide curve it starts from. Kept until `forget`."""
         if cls not in (GREEDY, SAMPLED):
             raise ValueError(f"cls: expected {GREEDY!r} or {SAMPLED!r}, got {cls!r}")
-        if request_id not in self.classes and len(self.classes) >= MAX_TRACKED_REQUESTS:
-            del self.classes[next(iter(self.classes))]  # the oldest (an aborted one, likely)
+        # not capped: a request is noted when queued, and a cap would drop the classes of the
+        # oldest, the running ones, under a long queue; `forget` (every finish and abort) keeps
+        # it to the requests in flight
         self.classes[request_id] = cls
         self._accept_sums.clear()
         self._plain_rates = None
@@ -382,7 +387,6 @@ class BudgetController:
         the reused rates at once, and a switch that is pending (winning, not yet confirmed) is
         decided every step, as before."""
         rates = {b: self.rate(request_ids, b) for b in self.buckets}
-        self._cap_stale(request_ids, rates)
         known = {b: r for b, r in rates.items() if r is not None}
         cur = self.current
         if known and rates.get(cur) is not None:
@@ -397,23 +401,6 @@ class BudgetController:
                 # trial's dwell to one round
                 self._accept_trial(request_ids, rates[cur])
         return rates
-
-    def _cap_stale(self, request_ids: list[str], rates: dict[int, float | None]) -> None:
-        """A stale round cost above a fresh cost of a larger budget is overstated (a smaller
-        tree is never dearer): its rate at that cost instead. The cost trials only look up
-        (their bound comes from smaller budgets), so without this a bucket below the current
-        one that a burst of slow host steps overstated (2.1 ms for 0.41 on the H100) was never
-        chosen again. Plain decoding is another path: not capped (its plain trials)."""
-        n, now, fresh = len(request_ids), self.step_index, self.cfg.cost_fresh_steps
-        cap = None
-        for b in reversed(self.buckets[1:]):
-            est = self.cost.estimate(n, b)
-            if est is None:
-                continue
-            if self.cost.is_fresh(n, b, now, fresh):
-                cap = est if cap is None else min(cap, est)
-            elif cap is not None and est > cap and rates.get(b) is not None:
-                rates[b] = self.rate(request_ids, b, cost=cap)
 
     def _probe_target(self, rates: dict[int, float | None]) -> int | None:
         """The bucket a probe would run at (None at the largest bucket: nothing above it).
@@ -493,7 +480,9 @@ class BudgetController:
         beats the current rate by the switch margin while its own cost is stale, move to the
         nearest stale bucket on that side of the current one: its steps there measure it (and
         its fresh cost then bounds the buckets beyond it: on accurate costs one trial, not a
-        climb to the top), and the usual rule (margin, dwell) decides after."""
+        climb to the top), and the usual rule (margin, dwell) decides after. A stale cost at
+        BURST_FACTOR or more times the lowest median its entry held is weighed at that median
+        too (on either side: a burst of slow host steps overstated it)."""
         n, now, fresh = len(request_ids), self.step_index, self.cfg.cost_fresh_steps
         if not self.cfg.cost_trials or self.since_switch < self.cfg.min_dwell:
             return
@@ -506,6 +495,11 @@ class BudgetController:
                      and now - self._tried.get((n, b), -fresh - 1) > fresh]  # fmt: skip
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
+                seen, est = self.cost.best.get((n, b)), self.cost.estimate(n, b)
+                if seen is not None and est is not None and est >= BURST_FACTOR * seen:
+                    low = seen if low is None else min(low, seen)  # a burst's overstatement:
+                    # below the current bucket no fresh smaller cost bounds it, so without
+                    # this a bucket a burst hit was never measured again
                 if low is not None and (r := self.rate(request_ids, b, cost=low)) and r > bar:
                     nearest = stale[0]  # its fresh cost will bound the ones beyond it
                     self._tried[(n, nearest)] = now

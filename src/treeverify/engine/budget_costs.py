@@ -60,8 +60,8 @@ class CostModel:
         for key, median in self._median.items():
             m.table[key] = deque([median], maxlen=self.window)
         m._median = dict(self._median)
-        m.best = dict(self.best)
-        return m
+        return m  # `best` starts empty: the lowest medians are the path's own (its plain steps
+        # may cost 3x the fast path's, and a borrowed best would weigh plain trials too low)
 
     def observe(self, n: int, budget: int, seconds: float, at: int | None = None) -> None:
         """One step's seconds; `at`: the controller's step index (marks the entry fresh)."""

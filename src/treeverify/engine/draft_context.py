@@ -79,7 +79,9 @@ class DraftContextCache:
     # plain step's excess over plain decoding's); at 256 a probe's round, every ~64 steps on
     # text no drafter predicts, projects the rows first anyway. What stays pending is bounded by
     # the batch flush: (CHUNKED_REPLAYS - 1) x 256 rows, 768 x F x 2 bytes (1.2 MB at
-    # tiny-code's F = 768; ~33 MB at F = 3 x 7168).
+    # tiny-code's F = 768; ~33 MB at F = 3 x 7168), plus what a request without a ring holds
+    # (under `flush` rows each, in a fixed store), each row in its own step's copy of the
+    # decodes' rows (engine/drafter_feed.py: a decode's row shares no copy with a prefill's).
     MIN_FLUSH_ROWS = 256
     # Rows kept beyond the window, so that dropping rejected or recomputed rows (a few at the
     # end) still leaves a full window to draft from.
@@ -98,6 +100,9 @@ class DraftContextCache:
         self.evictions = 0
         self._captured = None  # CapturedFn of drafter.context_kv by row count, on a GPU
         self._pending_total = 0  # rows pending across requests (`_set_pending` keeps it)
+        # rows the last batch flush left pending (requests without a ring in a fixed store):
+        # the next batch flush waits for as many new rows again, not for one more row
+        self._pending_left = 0
 
     # ---- the store -----------------------------------------------------------------------------
     @property
@@ -208,19 +213,23 @@ class DraftContextCache:
         flush = self.flush_rows
         if ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING:
             self.project([request_id])
-        if flush and self._pending_total >= (self.CHUNKED_REPLAYS - 1) * flush:
+        if flush and self._pending_total - self._pending_left >= (self.CHUNKED_REPLAYS - 1) * flush:
             # the batch's rows, at most CHUNKED_REPLAYS buckets (replays, never one eager call:
             # a request's own chunk past a bucket went above), and only those of requests that
             # hold a ring (a fixed store would lend one by evicting a request outside this
             # flush, maybe a running one; a preempted request's rows stay pending)
             self.project([r for r, c in self._ctx.items()
                           if c.pending and (c.slot is not None or not self.fixed)])  # fmt: skip
+            # what it could not take (ringless requests' rows, each below `flush`): without
+            # this every later observe flushed again, a replay a step (a helper's review)
+            self._pending_left = self._pending_total
 
     def _set_pending(self, ctx: _Context, chunks: list[torch.Tensor]) -> None:
         """A request's pending chunks replaced (the total across requests kept)."""
         self._pending_total -= ctx.pending_rows
         ctx.set_pending(chunks)
         self._pending_total += ctx.pending_rows
+        self._pending_left = min(self._pending_left, self._pending_total)
 
     @property
     def flush_rows(self) -> int | None:

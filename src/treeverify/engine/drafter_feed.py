@@ -10,9 +10,12 @@ step. A mixin of `LLM` (with engine/spec_step.py's `SpeculativeSteps`).
 
 A graph replay overwrites its output buffers, and the drafter projects pending rows later
 (every largest-bucket of rows, or at the next round), so what it keeps must be a copy: one clone
-a step for the chunks' rows (only when there are any), one gather for the trees' (a gather
-copies). No host read: the gather's index goes up through pinned memory. The n-gram drafter
-reads tokens, not hidden states (its `observe` does nothing; the runner taps no layers for it).
+a step for its one-row chunks (decodes), one per longer chunk (a prefill's), one gather for the
+trees' (a gather copies). A pending view keeps its whole copy alive, so a decode's row must not
+share one with a prefill chunk's thousands (a helper's review: at F = 3 x 7168, GBs pinned by
+1-row views once pending rows flush at 256). No host read: the gather's index goes up through
+pinned memory. The n-gram drafter reads tokens, not hidden states (its `observe` does nothing;
+the runner taps no layers for it).
 """
 
 from __future__ import annotations
@@ -40,11 +43,28 @@ class DrafterFeed:
                 tree_rows.append((c, [row + node for node in paths[c.seq.request_id]]))
             row += n
         if plain:
-            kept = hidden.clone()  # one copy for every chunk: a graph replay overwrites it
-            for c, start, n in plain:
-                self.spec.source.observe(c.seq.request_id, c.start, kept[start : start + n])
+            self._observe_plain(plain, hidden)
         if tree_rows:
             self._observe_rows(hidden, tree_rows)
+
+    def _observe_plain(self, plain: list[tuple], hidden: torch.Tensor) -> None:
+        """(chunk, first row, rows) of `hidden` each: the one-row chunks' rows in one copy when
+        they are one run of rows (decodes come first in a step), else one each; a longer chunk
+        in its own copy."""
+        observe = self.spec.source.observe
+        ones = [(c, start) for c, start, n in plain if n == 1]
+        if ones:
+            lo, hi = ones[0][1], ones[-1][1] + 1
+            if hi - lo == len(ones):  # one run: one copy (a replay overwrites `hidden`)
+                kept = hidden[lo:hi].clone()  # (len(ones), F)
+                for c, start in ones:
+                    observe(c.seq.request_id, c.start, kept[start - lo : start - lo + 1])
+            else:
+                for c, start in ones:
+                    observe(c.seq.request_id, c.start, hidden[start : start + 1].clone())
+        for c, start, n in plain:
+            if n > 1:
+                observe(c.seq.request_id, c.start, hidden[start : start + n].clone())
 
     def _observe_rows(self, hidden: torch.Tensor, parts: list[tuple]) -> None:
         """Hand the drafter each (chunk, its rows of `hidden`): a tree's root and accepted path.
