@@ -62,26 +62,34 @@ def cut(path: list[int], budget: int) -> list[int]:
 
 
 def replay(traces: list[dict], tokens: int, costs: dict[int, float], policy,
-           feedback: bool = False, switch_seconds: float = 0.0) -> dict:  # fmt: skip
+           feedback: bool = False, switch_seconds: float = 0.0,
+           bursts: tuple[int, int, float] | None = None) -> dict:  # fmt: skip
     """Generate `tokens` per prompt under `policy` (a fixed budget, or a BudgetController);
     returns tokens, seconds, rounds and steps by budget. `feedback`: the controller observes
     each steady step's cost (the third and later in a row at one budget). `switch_seconds`:
     added to a step whose neighbour is on the other path (plain <-> rounds): the engine
     launches the next step ahead only on the same path, so the step before a switch is read
-    first (on the H200, tiny-code b=1: a plain step 0.291 ms read first, 0.2005 launched ahead)."""
+    first (on the H200, tiny-code b=1: a plain step 0.291 ms read first, 0.2005 launched ahead).
+    `bursts` (every, length, factor): steps `length` of every `every` (counted over the whole
+    replay) cost `factor` times as much, and are observed so (a burst of slow host steps: on
+    an H100 host 10-30 steps at 1-2.5 ms for 0.18, thirty-seventh session)."""
     seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
+    step_no = 0
     last, run = None, 0  # the previous step's budget, steps in a row at it
     for k, trace in enumerate(traces):
         paths, rid, made, p = trace["paths"], f"r{k}", 0, 0
         while made < tokens and p < len(paths):
             budget = policy.choose([rid]) if isinstance(policy, BudgetController) else policy
             steps[budget] = steps.get(budget, 0) + 1
-            seconds += costs[budget]
+            slow = bursts is not None and step_no % bursts[0] < bursts[1]
+            cost = costs[budget] * (bursts[2] if slow else 1.0)
+            step_no += 1
+            seconds += cost
             if last is not None and (last == 0) != (budget == 0):
                 seconds += switch_seconds
             run, last = (run + 1 if budget == last else 1), budget
             if feedback and run >= 3 and isinstance(policy, BudgetController):
-                policy.observe_step(1, budget, costs[budget])
+                policy.observe_step(1, budget, cost)
             if budget == 0:
                 n = 1
             else:

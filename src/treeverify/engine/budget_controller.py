@@ -47,17 +47,17 @@ plain steps comes 4x less often), doubled after each probe that changed nothing,
 `explore_max` steps, and back to the start when a request without its own measurements joins
 (new text, maybe predictable).
 
-Stale costs: a cost the controller does not run is not re-measured (a probe is one step, never
-a steady overlapped one), so a calibration that overstated it would hold forever: on the H200 the
+Stale costs: a cost the controller does not run is not re-measured (a probe is one step, never a
+steady overlapped one), so a calibration that overstated it would hold forever: on the H200 the
 calibrated budget 16 (0.52 ms) kept the controller at 8 (0.43) while a fixed 16 outran it. A
-budget's cost is at least the fresh cost of any smaller budget (a larger tree is never
-cheaper), so when that lower bound, in place of the stale cost, would beat the current rate by
-the switch margin, the controller moves there for a dwell (a "cost trial"), which measures it;
-each (batch size, budget) at most once per `cost_fresh_steps` steps; a trial's steps replace
-the entry's window (`CostModel.restart`), and a stale cost at BURST_FACTOR x the lowest median
-its entry held (a burst of slow host steps) is weighed at that median. Plain decoding's cost
-bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win,
-a "plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
+budget's cost is at least the fresh cost of any smaller budget (a larger tree is never cheaper),
+so when that lower bound, in place of the stale cost, would beat the current rate by the switch
+margin, the controller moves there for a dwell (a "cost trial"), which measures it; each (batch
+size, budget) at most once per `cost_fresh_steps` steps; a trial's steps replace the entry's
+window (`CostModel.restart`), and a cost at BURST_FACTOR x the lowest median its entry held (a
+burst of slow host steps) is tried, fresh or not, weighed at that median. Plain decoding's cost
+bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win, a
+"plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
 during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain;
 engine/plain_trials.py).
 
@@ -93,7 +93,7 @@ import time
 from dataclasses import dataclass, field
 
 from treeverify.engine.budget_config import ControllerConfig
-from treeverify.engine.budget_costs import CostModel
+from treeverify.engine.budget_costs import BURST_RETRY, CostModel
 from treeverify.engine.plain_trials import PlainTrials
 
 # "wall": elapsed time (serving). "process": CPU seconds of this process, for a benchmark on a CPU
@@ -103,10 +103,6 @@ MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are fo
 # Cost and acceptance trials are looked for every this many decisions: a search costs ~5 us
 # of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
 TRIAL_CHECK_EVERY = 4
-# A stale cost at least this many times the lowest median its entry held was overstated by a
-# burst of slow host steps (docs/ddtree.md, "Bursts of slow host steps"): a cost trial weighs the
-# bucket at that lowest median.
-BURST_FACTOR = 2.0
 FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (plain_decay each)
 
 
@@ -482,7 +478,8 @@ class BudgetController:
         its fresh cost then bounds the buckets beyond it: on accurate costs one trial, not a
         climb to the top), and the usual rule (margin, dwell) decides after. A stale cost at
         BURST_FACTOR or more times the lowest median its entry held is weighed at that median
-        too (on either side: a burst of slow host steps overstated it)."""
+        too (on either side: a burst of slow host steps overstated it), and is tried even when
+        its samples are fresh (the burst's are)."""
         n, now, fresh = len(request_ids), self.step_index, self.cfg.cost_fresh_steps
         if not self.cfg.cost_trials or self.since_switch < self.cfg.min_dwell:
             return
@@ -491,15 +488,18 @@ class BudgetController:
         i = self.buckets.index(self.current)
         bar = (1 + self.cfg.switch_margin) * cur_rate
         for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
-            stale = [b for b in side if not self.cost.is_fresh(n, b, now, fresh)
-                     and now - self._tried.get((n, b), -fresh - 1) > fresh]  # fmt: skip
+            # stale, or overstated by a burst (fresh as its samples are)
+            stale = [b for b in side if (not self.cost.is_fresh(n, b, now, fresh)
+                                         or self.cost.overstated(n, b))
+                     and now - self._tried.get((n, b), -fresh - 1)
+                     > (BURST_RETRY if self.cost.overstated(n, b) else fresh)]  # fmt: skip
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
-                seen, est = self.cost.best.get((n, b)), self.cost.estimate(n, b)
-                if seen is not None and est is not None and est >= BURST_FACTOR * seen:
-                    low = seen if low is None else min(low, seen)  # a burst's overstatement:
-                    # below the current bucket no fresh smaller cost bounds it, so without
-                    # this a bucket a burst hit was never measured again
+                if self.cost.overstated(n, b):  # weighed at its lowest median: below the
+                    # current bucket no fresh smaller cost bounds it, so without this a bucket
+                    # a burst hit was never measured again
+                    seen = self.cost.best[(n, b)]
+                    low = seen if low is None else min(low, seen)
                 if low is not None and (r := self.rate(request_ids, b, cost=low)) and r > bar:
                     nearest = stale[0]  # its fresh cost will bound the ones beyond it
                     self._tried[(n, nearest)] = now

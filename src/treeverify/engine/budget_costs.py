@@ -8,6 +8,14 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+# A cost at least this many times the lowest median its entry held was overstated by a burst of
+# slow host steps (docs/ddtree.md, "Bursts of slow host steps"), fresh or not: a trial re-measures
+# it, weighed at that lowest median.
+BURST_FACTOR = 2.0
+# ... and is tried again this many decisions after a trial that found it still overstated (the
+# burst was not over), not after the freshness window.
+BURST_RETRY = 32
+
 
 class CostModel:
     """Seconds per step by (batch size, budget): the median of the last `window` measured steps
@@ -76,6 +84,12 @@ class CostModel:
             med = self._median[(n, budget)] = statistics.median(q)
             if med < self.best.get((n, budget), float("inf")):
                 self.best[(n, budget)] = med
+
+    def overstated(self, n: int, budget: int) -> bool:
+        """Whether the entry's median is BURST_FACTOR or more times the lowest it has held."""
+        key = (n, budget)
+        low, med = self.best.get(key), self._median.get(key)
+        return low is not None and med is not None and med >= BURST_FACTOR * low
 
     def restart(self, n: int, budget: int) -> None:
         """The entry's window cut to one sample, its median (a trial is about to measure it:

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from treeverify.engine.budget_costs import BURST_RETRY
+
 if TYPE_CHECKING:
     from treeverify.engine.budget_controller import BudgetController
 
@@ -75,9 +77,15 @@ class PlainTrials:
         predictable rows kept their rates), the gap since the last trial is over, and the cost
         model is not frozen (a given cost table, tests and replays, is never re-measured)."""
         now, fresh = c.step_index, c.cfg.cost_fresh_steps
-        gap = self.gap.get(n, float(fresh))
-        if not c.current or c.cost.frozen or c.cost.is_fresh(n, 0, now, fresh):
+        if not c.current or c.cost.frozen:
             return
+        # a burst's overstatement (BURST_FACTOR x the lowest median held) is tried at once: its
+        # samples are fresh, a trial inside the burst is retried BURST_RETRY decisions later,
+        # and there is no dip of acceptance to wait out (the patience)
+        over = c.cost.overstated(n, 0)
+        if c.cost.is_fresh(n, 0, now, fresh) and not over:
+            return
+        gap = BURST_RETRY if over else self.gap.get(n, float(fresh))
         if now - c._tried.get((n, 0), -gap - 1) <= gap:
             return
         est = c.cost.estimate(n, 0)
@@ -86,7 +94,7 @@ class PlainTrials:
             self.gate = 0
             return
         self.gate += 1
-        if self.gate >= PLAIN_TRIAL_PATIENCE:
+        if over or self.gate >= PLAIN_TRIAL_PATIENCE:
             self.gate = 0
             c._tried[(n, 0)] = now
             self.trial = _Trial(PLAIN_TRIAL_STEPS, n, est, c.since_switch, c._pending, now)
@@ -111,7 +119,11 @@ class PlainTrials:
         if c.cost.seen_at.get((t.n, 0), -1) > t.started:  # measured (not: prefills came, the
             # batch size changed, no step was steady): judged; else the gap stays
             after = c.cost.estimate(t.n, 0) or t.before
-            confirmed = abs(after - t.before) <= PLAIN_TRIAL_CONFIRMED * t.before
+            confirmed = abs(
+                after - t.before
+            ) <= PLAIN_TRIAL_CONFIRMED * t.before and not c.cost.overstated(
+                t.n, 0
+            )  # (a burst still on: not judged)
             self.gap[t.n] = min(2 * gap, PLAIN_TRIAL_MAX_GAP * fresh) if confirmed else fresh
         c.since_switch, c._pending = t.since_switch, t.pending
         return False
