@@ -252,13 +252,14 @@ def test_a_burst_of_slow_plain_steps_is_tried_again_and_left():
     went to 0.5-1.7 ms, the rounds looked better, and at more than twice the true cost no plain
     trial was weighed in (`stale_plain_floor`): no plain step in five passes, 0.51x plain. The
     lowest median plain decoding held (1.0 here) now weighs a trial in, and the trial's steps
-    replace the burst's window."""
+    replace the burst's window. (A burst longer than the hold at plain decoding, BURST_RETRY
+    decisions, still sends it to the rounds: the trials bring it back.)"""
     ctl = calibrated(min_dwell=4)
-    burst = range(40, 60)
-    chosen = serve_with_burst(ctl, CALIBRATED, 600, NOTHING, burst, slow=8.0)
+    burst = range(40, 110)
+    chosen = serve_with_burst(ctl, CALIBRATED, 700, NOTHING, burst, slow=8.0)
     assert chosen[20:40].count(0) == 20  # plain decoding before the burst
-    assert chosen[60:120].count(0) < 30  # the burst sent it to the rounds
-    assert chosen[400:].count(0) >= 0.95 * 200 and ctl.current == 0  # and it came back
+    assert chosen[80:110].count(0) < 15  # the burst, past the hold, sent it to the rounds
+    assert chosen[400:].count(0) >= 0.95 * 300 and ctl.current == 0  # and it came back
     assert ctl.cost.estimate(1, 0) == pytest.approx(1.0)
     assert ctl.cost.best[(1, 0)] == pytest.approx(1.0)
     # the weighing before this change (no lowest median: the floor alone), by hand: the
@@ -306,3 +307,31 @@ def test_a_new_step_path_keeps_no_lowest_median_of_the_fast_path():
     assert copy.estimate(1, 0) == pytest.approx(0.2) and copy.best == {}
     copy.observe(1, 0, 0.69, at=2)  # its own steps: the lowest median is theirs (with the
     assert copy.best[(1, 0)] == pytest.approx(0.445)  # copied sample in the window), not 0.2
+
+
+def test_plain_decoding_holds_through_a_burst():
+    """A burst raises the cost of what runs, here plain decoding, not of the rounds it is
+    compared with: the controller left plain decoding for rounds that then cost the burst's
+    factor too. At plain decoding an overstated cost holds the decision for BURST_RETRY
+    decisions (`_held_in_burst`): through a 15-step burst, no switch to the rounds."""
+    ctl = calibrated(min_dwell=4)
+    chosen = serve_with_burst(ctl, CALIBRATED, 200, NOTHING, range(60, 75), slow=8.0)
+    assert chosen[20:60].count(0) >= 38 and ctl.current == 0
+    assert ctl.switches <= 1  # the start's (the top, then plain), none at the burst
+    assert chosen[60:120].count(0) >= 57  # a probe or two at most
+
+
+def test_a_lasting_rise_of_plain_decodings_cost_is_tried_ever_less_often():
+    """A plain step that really got dearer (a long context) stays overstated against its
+    lowest median: the trials of an overstated cost back off (32, 64, ... decisions), so
+    rounds that now win are not cut by a plain trial every 32 decisions for good."""
+    ctl = calibrated(min_dwell=4)
+    dear = {**CALIBRATED, 0: 4.0}  # plain 4x from here on: a round (1 per 1.3) wins
+    serve(ctl, CALIBRATED, 100, NOTHING)  # at plain decoding
+    chosen = serve(ctl, dear, 3000, NOTHING)
+    assert chosen[:30].count(0) >= 28  # held: maybe a burst
+    starts = plain_trials(chosen[60:])  # in the rounds since: the trials of plain decoding
+    assert 2 <= len(starts) <= 8, starts
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert all(g2 >= 1.8 * g1 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
+    assert chosen[1000:].count(0) <= 0.02 * 2000

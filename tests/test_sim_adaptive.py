@@ -141,9 +141,8 @@ def test_the_controller_recovers_from_bursts_of_slow_host_steps(tmp_path):
     """scripts/sim_bursts.py: every trace set and the unpredictable text at the H100's costs,
     bursts of 20 steps at 8x every 400 (the shape an H100 host showed, thirty-seventh session).
     Before aecf875 a burst at plain decoding locked it out: 0.40x plain on the unpredictable text
-    (0.915x without bursts); now a burst's overstated cost is tried at once and retried while
-    the burst lasts: 0.68x (what is left: the rounds run while the burst lasts, at 8x too).
-    Without bursts the rows are unchanged (the suite's own guard)."""
+    (0.915x without bursts); now plain decoding holds through a burst and an overstated cost
+    is tried at once: 0.91x. Without bursts the rows are unchanged (the suite's own guard)."""
     spec = importlib.util.spec_from_file_location("_bursts", ROOT / "scripts" / "sim_bursts.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -152,5 +151,5 @@ def test_the_controller_recovers_from_bursts_of_slow_host_steps(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     calm, bursts = rows["no bursts"]["summary"], rows["bursts"]["summary"]
     assert calm["unpredictable"] >= 0.9 and calm["min"] >= 0.93
-    assert bursts["unpredictable"] >= 0.6  # 0.40 before
+    assert bursts["unpredictable"] >= 0.85  # 0.40 before
     assert bursts["min"] >= 0.93 and bursts["mean"] >= 0.97

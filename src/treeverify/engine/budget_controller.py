@@ -215,6 +215,8 @@ class BudgetController:
         self._switches_at_probe = 0
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
         self._plain_wins = 0
+        self._overstated_at: tuple[int, int] | None = None  # (bucket, since): `_held_in_burst`
+        self._burst_gaps: dict[tuple[int, int], int] = {}  # (n, budget) -> `burst_gap`
         self._plain_probes = 0  # probes made from plain decoding (hybrid alternates their target)
         self._plain_unfaded = 0  # plain steps since the last fade
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
@@ -452,6 +454,9 @@ class BudgetController:
         """Switch to `best` when it beats the current budget by the margin on `confirm`
         decisions after the dwell; to plain decoding (rate `plain_rate`, n requests) by the
         wider margin that narrows while plain stays ahead."""
+        if self._held_in_burst(n):
+            self._pending = None
+            return
         margin = self.cfg.switch_margin
         if self.current != 0 and plain_rate is not None:  # decisions in a row plain has won
             self._plain_wins = self._plain_wins + 1 if plain_rate > (1 + margin) * cur_rate else 0
@@ -470,6 +475,38 @@ class BudgetController:
             self.current, self._pending = best, None
             self.since_switch = 0
             self.switches += 1
+
+    def burst_gap(self, n: int, budget: int) -> int:
+        """Decisions between trials of an overstated cost (a burst's): BURST_RETRY, doubling
+        after each trial that still found it overstated (a rise that lasts, e.g. a long
+        context's, is re-measured ever less often: up to 16 freshness windows), back to
+        BURST_RETRY once the cost is not overstated at a trial check."""
+        if not self.cost.overstated(n, budget):
+            self._burst_gaps.pop((n, budget), None)
+            return BURST_RETRY
+        return self._burst_gaps.get((n, budget), BURST_RETRY)
+
+    def burst_tried(self, n: int, budget: int) -> None:
+        """A trial of an overstated cost started: the next waits twice as long."""
+        if self.cost.overstated(n, budget):
+            gap = self._burst_gaps.get((n, budget), BURST_RETRY)
+            self._burst_gaps[(n, budget)] = min(2 * gap, 16 * self.cfg.cost_fresh_steps)
+
+    def _held_in_burst(self, n: int) -> bool:
+        """At plain decoding, whether its cost is overstated (BURST_FACTOR x its lowest
+        median) since fewer than BURST_RETRY decisions: then no switch. A burst of slow host
+        steps raises the cost of what runs, not of what does not, so the rates compared a
+        burst's plain step with calm rounds and sent the controller into rounds that then cost
+        the burst's factor too, on a dearer step (`scripts/sim_bursts.py`: text no drafter
+        predicts 0.68-0.80x plain through bursts, 0.91x with the hold); a rise that lasts past
+        BURST_RETRY decisions is taken as real. Only at plain decoding: in the rounds a burst
+        on the current bucket moved the replay's predictable rows no worse either way."""
+        if self.current != 0 or not self.cost.overstated(n, 0):
+            self._overstated_at = None
+            return False
+        if self._overstated_at is None or self._overstated_at[0] != self.current:
+            self._overstated_at = (self.current, self.step_index)
+        return self.step_index - self._overstated_at[1] < BURST_RETRY
 
     def _cost_trial(self, request_ids: list[str], cur_rate: float) -> None:
         """When some bucket's rate at its least possible cost (the largest fresh cost below it)
@@ -492,7 +529,7 @@ class BudgetController:
             stale = [b for b in side if (not self.cost.is_fresh(n, b, now, fresh)
                                          or self.cost.overstated(n, b))
                      and now - self._tried.get((n, b), -fresh - 1)
-                     > (BURST_RETRY if self.cost.overstated(n, b) else fresh)]  # fmt: skip
+                     > (self.burst_gap(n, b) if self.cost.overstated(n, b) else fresh)]  # fmt: skip
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
                 if self.cost.overstated(n, b):  # weighed at its lowest median: below the
@@ -503,6 +540,7 @@ class BudgetController:
                 if low is not None and (r := self.rate(request_ids, b, cost=low)) and r > bar:
                     nearest = stale[0]  # its fresh cost will bound the ones beyond it
                     self._tried[(n, nearest)] = now
+                    self.burst_tried(n, nearest)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
                     self.current, self._pending, self.since_switch = nearest, None, 0
                     self.switches += 1

@@ -26,8 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from treeverify.engine.budget_costs import BURST_RETRY
-
 if TYPE_CHECKING:
     from treeverify.engine.budget_controller import BudgetController
 
@@ -80,12 +78,13 @@ class PlainTrials:
         if not c.current or c.cost.frozen:
             return
         # a burst's overstatement (BURST_FACTOR x the lowest median held) is tried at once: its
-        # samples are fresh, a trial inside the burst is retried BURST_RETRY decisions later,
-        # and there is no dip of acceptance to wait out (the patience)
+        # samples are fresh, a trial that still finds it overstated is retried after
+        # `burst_gap` decisions (32, doubling), and there is no dip of acceptance to wait out
+        # (the patience)
         over = c.cost.overstated(n, 0)
         if c.cost.is_fresh(n, 0, now, fresh) and not over:
             return
-        gap = BURST_RETRY if over else self.gap.get(n, float(fresh))
+        gap = c.burst_gap(n, 0) if over else self.gap.get(n, float(fresh))
         if now - c._tried.get((n, 0), -gap - 1) <= gap:
             return
         est = c.cost.estimate(n, 0)
@@ -97,6 +96,7 @@ class PlainTrials:
         if over or self.gate >= PLAIN_TRIAL_PATIENCE:
             self.gate = 0
             c._tried[(n, 0)] = now
+            c.burst_tried(n, 0)
             self.trial = _Trial(PLAIN_TRIAL_STEPS, n, est, c.since_switch, c._pending, now)
             c.cost.restart(n, 0)
             c.cost_trials += 1
