@@ -258,7 +258,8 @@ def test_a_burst_of_slow_plain_steps_is_tried_again_and_left():
     burst = range(40, 110)
     chosen = serve_with_burst(ctl, CALIBRATED, 700, NOTHING, burst, slow=8.0)
     assert chosen[20:40].count(0) == 20  # plain decoding before the burst
-    assert chosen[80:110].count(0) < 15  # the burst, past the hold, sent it to the rounds
+    assert chosen[40:75].count(0) >= 34  # held at plain decoding through the hold's span
+    assert chosen[75:110].count(0) <= 25  # the burst, past the hold, sent it to the rounds
     assert chosen[400:].count(0) >= 0.95 * 300 and ctl.current == 0  # and it came back
     assert ctl.cost.estimate(1, 0) == pytest.approx(1.0)
     assert ctl.cost.best[(1, 0)] == pytest.approx(1.0)
@@ -323,15 +324,31 @@ def test_plain_decoding_holds_through_a_burst():
 
 def test_a_lasting_rise_of_plain_decodings_cost_is_tried_ever_less_often():
     """A plain step that really got dearer (a long context) stays overstated against its
-    lowest median: the trials of an overstated cost back off (32, 64, ... decisions), so
-    rounds that now win are not cut by a plain trial every 32 decisions for good."""
+    lowest median: the trials of an overstated cost back off (32, 64, ... decisions, up to the
+    freshness window), so rounds that now win are not cut by a plain trial every 32 decisions
+    for good, and a rise that ends is seen within a window."""
     ctl = calibrated(min_dwell=4)
     dear = {**CALIBRATED, 0: 4.0}  # plain 4x from here on: a round (1 per 1.3) wins
     serve(ctl, CALIBRATED, 100, NOTHING)  # at plain decoding
     chosen = serve(ctl, dear, 3000, NOTHING)
     assert chosen[:30].count(0) >= 28  # held: maybe a burst
     starts = plain_trials(chosen[60:])  # in the rounds since: the trials of plain decoding
-    assert 2 <= len(starts) <= 8, starts
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert all(g2 >= 1.8 * g1 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
-    assert chosen[1000:].count(0) <= 0.02 * 2000
+    assert 8 <= len(starts) <= 16, starts  # 32, 64, 128, then one a window (256)
+    assert gaps[1] >= 1.8 * gaps[0] and gaps[2] >= 1.8 * gaps[1], gaps
+    assert all(240 <= g <= 300 for g in gaps[4:]), gaps
+    assert chosen[1000:].count(0) <= 0.04 * 2000
+
+
+def test_the_hold_is_not_left_by_a_cost_trial_to_a_bucket_a_burst_overstated():
+    """An earlier long burst left the round buckets' costs overstated; in a later short burst
+    at plain decoding a cost trial weighed them at their lowest medians against the burst's
+    plain rate and left plain decoding inside the hold (a helper's review: 3-8% over all-plain
+    decoding in this replay). During the hold such buckets get no trial."""
+    ctl = calibrated(min_dwell=4)
+    serve_with_burst(ctl, CALIBRATED, 1000, NOTHING, range(40, 110), slow=8.0)
+    assert ctl.current == 0 and ctl.cost.overstated(1, 4)  # the earlier burst's leftovers
+    for _ in range(3):
+        switches = ctl.switches
+        chosen = serve_with_burst(ctl, CALIBRATED, 300, NOTHING, range(60, 75), slow=8.0)
+        assert chosen[60:120].count(0) >= 58 and ctl.switches == switches

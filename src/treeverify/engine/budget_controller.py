@@ -120,6 +120,8 @@ class _PathCosts:
 
     cost: CostModel
     tried: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (n, budget) -> decisions between trials of its overstated cost (`burst_gap`)
+    burst_gaps: dict[tuple[int, int], int] = field(default_factory=dict)
     plain_trials: PlainTrials = field(default_factory=PlainTrials)
 
 
@@ -215,8 +217,7 @@ class BudgetController:
         self._switches_at_probe = 0
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
         self._plain_wins = 0
-        self._overstated_at: tuple[int, int] | None = None  # (bucket, since): `_held_in_burst`
-        self._burst_gaps: dict[tuple[int, int], int] = {}  # (n, budget) -> `burst_gap`
+        self._overstated_at: int | None = None  # since when plain's cost is overstated (hold)
         self._plain_probes = 0  # probes made from plain decoding (hybrid alternates their target)
         self._plain_unfaded = 0  # plain steps since the last fade
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
@@ -241,6 +242,7 @@ class BudgetController:
         costs = self._costs_of(path)
         self.path = path
         self.cost, self._tried, self.plain_trials = costs.cost, costs.tried, costs.plain_trials
+        self._burst_gaps = costs.burst_gaps
 
     def _costs_of(self, path: str) -> _PathCosts:
         """`path`'s table and trials; a path first seen: a stale copy of the fast path's."""
@@ -390,10 +392,14 @@ class BudgetController:
         if known and rates.get(cur) is not None:
             self._judge_accept_trial(rates)
             cur = self.current
-            best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
-            self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
+            held = self._held_in_burst(len(request_ids))  # at plain decoding, in a burst:
+            if held:  # no switch (a cost trial only to a bucket no burst overstated)
+                self._pending = None
+            else:
+                best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
+                self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
             if self.current == cur:
-                self._cost_trial(request_ids, rates[cur])
+                self._cost_trial(request_ids, rates[cur], held)
             if self.current == cur and not self.plain_trials.running:  # one trial at a time: a
                 # plain trial restores the dwell it found, which would cut an acceptance
                 # trial's dwell to one round
@@ -454,9 +460,6 @@ class BudgetController:
         """Switch to `best` when it beats the current budget by the margin on `confirm`
         decisions after the dwell; to plain decoding (rate `plain_rate`, n requests) by the
         wider margin that narrows while plain stays ahead."""
-        if self._held_in_burst(n):
-            self._pending = None
-            return
         margin = self.cfg.switch_margin
         if self.current != 0 and plain_rate is not None:  # decisions in a row plain has won
             self._plain_wins = self._plain_wins + 1 if plain_rate > (1 + margin) * cur_rate else 0
@@ -477,38 +480,51 @@ class BudgetController:
             self.switches += 1
 
     def burst_gap(self, n: int, budget: int) -> int:
-        """Decisions between trials of an overstated cost (a burst's): BURST_RETRY, doubling
-        after each trial that still found it overstated (a rise that lasts, e.g. a long
-        context's, is re-measured ever less often: up to 16 freshness windows), back to
-        BURST_RETRY once the cost is not overstated at a trial check."""
-        if not self.cost.overstated(n, budget):
-            self._burst_gaps.pop((n, budget), None)
-            return BURST_RETRY
+        """Decisions between trials of an overstated cost (a burst's), on this step path:
+        BURST_RETRY after the first, doubling with each trial that follows one that still
+        found it overstated (a rise that lasts, e.g. a long context's, is re-measured ever less
+        often), at most `cost_fresh_steps` (the ordinary gap: a rise that ends is seen within
+        it); forgotten once the cost is not overstated at a trial check (`burst_calm`)."""
         return self._burst_gaps.get((n, budget), BURST_RETRY)
 
     def burst_tried(self, n: int, budget: int) -> None:
-        """A trial of an overstated cost started: the next waits twice as long."""
+        """A trial of an overstated cost started: the first sets BURST_RETRY, a repeat (the
+        last trial left it overstated: its gap was not forgotten) doubles the gap."""
         if self.cost.overstated(n, budget):
-            gap = self._burst_gaps.get((n, budget), BURST_RETRY)
-            self._burst_gaps[(n, budget)] = min(2 * gap, 16 * self.cfg.cost_fresh_steps)
+            gap = self._burst_gaps.get((n, budget))
+            self._burst_gaps[(n, budget)] = (
+                BURST_RETRY if gap is None else min(2 * gap, self.cfg.cost_fresh_steps)
+            )
+
+    def burst_calm(self, n: int, budget: int) -> None:
+        """At a trial check: a cost no longer overstated forgets its backed-off gap."""
+        if self._burst_gaps and not self.cost.overstated(n, budget):
+            self._burst_gaps.pop((n, budget), None)
 
     def _held_in_burst(self, n: int) -> bool:
         """At plain decoding, whether its cost is overstated (BURST_FACTOR x its lowest
-        median) since fewer than BURST_RETRY decisions: then no switch. A burst of slow host
-        steps raises the cost of what runs, not of what does not, so the rates compared a
-        burst's plain step with calm rounds and sent the controller into rounds that then cost
-        the burst's factor too, on a dearer step (`scripts/sim_bursts.py`: text no drafter
-        predicts 0.68-0.80x plain through bursts, 0.91x with the hold); a rise that lasts past
-        BURST_RETRY decisions is taken as real. Only at plain decoding: in the rounds a burst
-        on the current bucket moved the replay's predictable rows no worse either way."""
+        median) since fewer than BURST_RETRY decisions: then no switch, and no cost trial to a
+        bucket whose own cost is overstated (`_cost_trial`'s `held`). A burst
+        of slow host steps raises the cost of what runs, not of what does not, so the rates
+        compared a burst's plain step with calm rounds and sent the controller into rounds
+        that then cost the burst's factor too, on a dearer step (`scripts/sim_bursts.py`: text
+        no drafter predicts 0.68-0.80x plain through bursts, 0.91x held); a rise that lasts
+        past BURST_RETRY decisions is taken as real. A cost trial to a bucket an earlier burst
+        had overstated, weighed at its lowest median against the burst's plain rate, left
+        plain decoding inside the hold (a helper's review: 3-8% in a replay of two bursts);
+        trials to stale buckets stay (weighed against the calm plain rate instead, set 3's
+        code fell from 1.02 to 0.90 of the best fixed budget through bursts). Only at plain
+        decoding: in the rounds a
+        burst on the current bucket moved the replay's predictable rows no worse either
+        way."""
         if self.current != 0 or not self.cost.overstated(n, 0):
             self._overstated_at = None
             return False
-        if self._overstated_at is None or self._overstated_at[0] != self.current:
-            self._overstated_at = (self.current, self.step_index)
-        return self.step_index - self._overstated_at[1] < BURST_RETRY
+        if self._overstated_at is None:
+            self._overstated_at = self.step_index
+        return self.step_index - self._overstated_at < BURST_RETRY
 
-    def _cost_trial(self, request_ids: list[str], cur_rate: float) -> None:
+    def _cost_trial(self, request_ids: list[str], cur_rate: float, held: bool = False) -> None:
         """When some bucket's rate at its least possible cost (the largest fresh cost below it)
         beats the current rate by the switch margin while its own cost is stale, move to the
         nearest stale bucket on that side of the current one: its steps there measure it (and
@@ -522,12 +538,16 @@ class BudgetController:
             return
         if now % TRIAL_CHECK_EVERY:
             return
+        if self._burst_gaps:  # calm again: the backed-off gaps forgotten
+            for b in self.buckets[1:]:
+                self.burst_calm(n, b)
         i = self.buckets.index(self.current)
         bar = (1 + self.cfg.switch_margin) * cur_rate
         for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
             # stale, or overstated by a burst (fresh as its samples are)
             stale = [b for b in side if (not self.cost.is_fresh(n, b, now, fresh)
                                          or self.cost.overstated(n, b))
+                     and not (held and self.cost.overstated(n, b))
                      and now - self._tried.get((n, b), -fresh - 1)
                      > (self.burst_gap(n, b) if self.cost.overstated(n, b) else fresh)]  # fmt: skip
             for b in stale:

@@ -82,6 +82,7 @@ class PlainTrials:
         # `burst_gap` decisions (32, doubling), and there is no dip of acceptance to wait out
         # (the patience)
         over = c.cost.overstated(n, 0)
+        c.burst_calm(n, 0)
         if c.cost.is_fresh(n, 0, now, fresh) and not over:
             return
         gap = c.burst_gap(n, 0) if over else self.gap.get(n, float(fresh))
