@@ -287,6 +287,9 @@ def test_bad_config_is_a_value_error():
         ControllerConfig(plain_margin=-0.1)
     with pytest.raises(ValueError, match="plain_halflife"):
         ControllerConfig(plain_halflife=0)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="arrival_probe_factor"):
+            ControllerConfig(arrival_probe_factor=bad)
     with pytest.raises(ValueError, match="buckets"):
         BudgetController((4, 8))
 
@@ -301,15 +304,28 @@ def test_per_request_state_is_bounded(monkeypatch):
     assert list(ctl.requests) == ["r2", "r3", "r4"]
 
 
-def test_probes_back_off_scale_with_cost_and_restart_for_new_requests():
-    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0)
+@pytest.mark.parametrize(("factor", "restarts"), [(0.0, True), (0.6, False)])
+def test_probes_back_off_scale_with_cost_and_restart_for_new_requests(factor, restarts):
+    """Probes back off while they change nothing; a request without rounds of its own
+    restarts the interval (new text, maybe predictable), unless its class's engine-wide curve
+    says no bucket comes within `arrival_probe_factor` of plain decoding (here 0.5 of it: a
+    round accepts nothing at twice a plain step's cost). Replayed at the H100's costs, the
+    restart's probes cost text no drafter predicts 0.915 -> 0.962x plain (2 probes a 128-token
+    request), the recorded code and prose rows nothing (docs/ddtree.md)."""
+    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0,
+                    arrival_probe_factor=factor)  # fmt: skip
     feed(ctl, "r", {4: 0}, 200)  # never accepted: at 0, probing less and less often
     probes = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 200)) if b == 4]
     gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
     assert gaps and all(g == 32 for g in gaps)  # backed off to explore_max
     ctl.observe_round("r", 4, [0])
-    chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2
-    assert 4 in chosen[:9]
+    ctl.since_explore = 0  # as right after a probe
+    chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2?
+    assert (4 in chosen[:9]) == restarts
+    # a request of a class never measured has no prior: the interval restarts
+    ctl.note_request("s", "sampled")
+    ctl.since_explore = 0
+    assert 4 in feed(ctl, "s", {4: 0}, 12)[:9]
 
 
 def test_kept_rate_sums_follow_every_round_and_forget():

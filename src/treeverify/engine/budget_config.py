@@ -19,6 +19,9 @@ class ControllerConfig:
     # bucket up ("hybrid"); always the largest ("top"), or always one up ("up")
     explore_every: int = 16  # steps between probes below the largest bucket ...
     explore_max: int = 256  # ... backing off to at most this many while probes change nothing
+    arrival_probe_factor: float = 0.6  # a request without rounds of its own restarts the probe
+    # interval only when some bucket's rate on its class's prior is within this factor of plain
+    # decoding's (0: always, as before)
     cost_trials: bool = True  # try a budget whose stale cost hides a better rate, plain
     # decoding's included (plain trials, stale_plain_floor); False: neither (A/B)
     cost_fresh_steps: int = 256  # a cost measured this many steps ago or less is fresh; a cost
@@ -49,6 +52,10 @@ class ControllerConfig:
             raise ValueError("confirm, explore_every: expected >= 1; min_dwell >= 0")
         if self.probe not in ("top", "up", "hybrid"):
             raise ValueError(f"probe: expected 'top', 'up' or 'hybrid', got {self.probe!r}")
+        if not 0.0 <= self.arrival_probe_factor <= 1.0:
+            raise ValueError(
+                f"arrival_probe_factor: expected in [0, 1], got {self.arrival_probe_factor}"
+            )
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")
         if self.cost_fresh_steps < 1:

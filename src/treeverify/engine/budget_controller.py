@@ -360,7 +360,7 @@ class BudgetController:
             self._plain_rates = (ids, rates) if self.current == 0 else None
         self.since_switch += 1
         self.since_explore += 1
-        if any(rid not in self.requests for rid in request_ids):
+        if any(rid not in self.requests for rid in request_ids) and self._arrival_pays(rates):
             self._explore_interval = float(self.cfg.explore_every)
         up = self._probe_target(rates)
         if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):
@@ -405,6 +405,17 @@ class BudgetController:
                 # trial's dwell to one round
                 self._accept_trial(request_ids, rates[cur])
         return rates
+
+    def _arrival_pays(self, rates: dict[int, float | None]) -> bool:
+        """Whether requests without rounds of their own restart the probe interval: always
+        (`arrival_probe_factor` 0), else when some bucket's rate on their prior (the engine-wide
+        curve of their class) is within that factor of plain decoding's, or unknown."""
+        factor = self.cfg.arrival_probe_factor
+        plain = rates.get(0)
+        if not factor or plain is None:
+            return True
+        rounds = [r for b, r in rates.items() if b]
+        return any(r is None for r in rounds) or max(rounds) >= factor * plain
 
     def _probe_target(self, rates: dict[int, float | None]) -> int | None:
         """The bucket a probe would run at (None at the largest bucket: nothing above it).
