@@ -34,18 +34,20 @@ def calibrated(table: dict[int, float] = CALIBRATED, **cfg) -> BudgetController:
 
 
 def serve(ctl: BudgetController, true_cost: dict[int, float], steps: int,
-          accepted: dict[int, int] = ACCEPTED) -> list:  # fmt: skip
+          accepted: dict[int, int] = ACCEPTED, burst: range = range(0),
+          slow: float = 1.0) -> list:  # fmt: skip
     """`steps` decisions for one request, rounds accepting `accepted`; steady steps feed back
-    the true cost."""
+    the true cost, `slow` times it during the decisions of `burst` (a burst of slow host steps:
+    a neighbour on the host, a page-in)."""
     chosen, run, last = [], 0, None
-    for _ in range(steps):
+    for i in range(steps):
         b = ctl.choose(["r"])
         chosen.append(b)
         if b:
             ctl.observe_round("r", b, path_for(accepted, b))
         run, last = (run + 1 if b == last else 1), b
         if run >= 3:
-            ctl.observe_step(1, b, true_cost[b])
+            ctl.observe_step(1, b, true_cost[b] * (slow if i in burst else 1.0))
     return chosen
 
 
@@ -230,22 +232,6 @@ def test_a_plain_trial_ends_when_the_batch_changes_step_path():
     assert not fast_trials.running and ctl.since_switch == before + 1
 
 
-def serve_with_burst(ctl: BudgetController, true_cost: dict[int, float], steps: int,
-                     accepted: dict[int, int], burst: range, slow: float) -> list:  # fmt: skip
-    """`serve`, but every steady step observed during the decisions of `burst` costs `slow`
-    times its true cost (a burst of slow host steps: a neighbour on the host, a page-in)."""
-    chosen, run, last = [], 0, None
-    for i in range(steps):
-        b = ctl.choose(["r"])
-        chosen.append(b)
-        if b:
-            ctl.observe_round("r", b, path_for(accepted, b))
-        run, last = (run + 1 if b == last else 1), b
-        if run >= 3:
-            ctl.observe_step(1, b, true_cost[b] * (slow if i in burst else 1.0))
-    return chosen
-
-
 def test_a_burst_of_slow_plain_steps_is_tried_again_and_left():
     """On the H100 (869825f) bursts of 10-30 slow host steps (1-2.5 ms for 0.18) filled plain
     decoding's cost window while the DFlash engine decoded sampled prose plainly: its median
@@ -256,7 +242,7 @@ def test_a_burst_of_slow_plain_steps_is_tried_again_and_left():
     decisions, still sends it to the rounds: the trials bring it back.)"""
     ctl = calibrated(min_dwell=4)
     burst = range(40, 110)
-    chosen = serve_with_burst(ctl, CALIBRATED, 700, NOTHING, burst, slow=8.0)
+    chosen = serve(ctl, CALIBRATED, 700, NOTHING, burst=burst, slow=8.0)
     assert chosen[20:40].count(0) == 20  # plain decoding before the burst
     assert chosen[40:75].count(0) >= 34  # held at plain decoding through the hold's span
     assert chosen[75:110].count(0) <= 25  # the burst, past the hold, sent it to the rounds
@@ -292,7 +278,7 @@ def test_a_burst_at_a_round_bucket_is_tried_again(burst):
     remaining 3000 decisions (a helper's review of aecf875). A stale cost at BURST_FACTOR x the
     lowest median its entry held is weighed at that median: 8 is tried and wins again."""
     ctl = calibrated(min_dwell=8, explore_every=16, explore_max=256)
-    chosen = serve_with_burst(ctl, CALIBRATED, 3000, ACCEPTED, burst, slow=8.0)
+    chosen = serve(ctl, CALIBRATED, 3000, ACCEPTED, burst=burst, slow=8.0)
     tail = chosen[1000:]
     assert tail.count(8) > 0.8 * len(tail), {b: tail.count(b) for b in BUCKETS}
     assert ctl.cost.estimate(1, 8) == pytest.approx(1.3)
@@ -316,7 +302,7 @@ def test_plain_decoding_holds_through_a_burst():
     factor too. At plain decoding an overstated cost holds the decision for BURST_RETRY
     decisions (`_held_in_burst`): through a 15-step burst, no switch to the rounds."""
     ctl = calibrated(min_dwell=4)
-    chosen = serve_with_burst(ctl, CALIBRATED, 200, NOTHING, range(60, 75), slow=8.0)
+    chosen = serve(ctl, CALIBRATED, 200, NOTHING, burst=range(60, 75), slow=8.0)
     assert chosen[20:60].count(0) >= 38 and ctl.current == 0
     assert ctl.switches <= 1  # the start's (the top, then plain), none at the burst
     assert chosen[60:120].count(0) >= 57  # a probe or two at most
@@ -346,9 +332,9 @@ def test_the_hold_is_not_left_by_a_cost_trial_to_a_bucket_a_burst_overstated():
     plain rate and left plain decoding inside the hold (a helper's review: 3-8% over all-plain
     decoding in this replay). During the hold such buckets get no trial."""
     ctl = calibrated(min_dwell=4)
-    serve_with_burst(ctl, CALIBRATED, 1000, NOTHING, range(40, 110), slow=8.0)
+    serve(ctl, CALIBRATED, 1000, NOTHING, burst=range(40, 110), slow=8.0)
     assert ctl.current == 0 and ctl.cost.overstated(1, 4)  # the earlier burst's leftovers
     for _ in range(3):
         switches = ctl.switches
-        chosen = serve_with_burst(ctl, CALIBRATED, 300, NOTHING, range(60, 75), slow=8.0)
+        chosen = serve(ctl, CALIBRATED, 300, NOTHING, burst=range(60, 75), slow=8.0)
         assert chosen[60:120].count(0) >= 58 and ctl.switches == switches
