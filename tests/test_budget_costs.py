@@ -306,6 +306,13 @@ def test_plain_decoding_holds_through_a_burst():
     assert chosen[20:60].count(0) >= 38 and ctl.current == 0
     assert ctl.switches <= 1  # the start's (the top, then plain), none at the burst
     assert chosen[60:120].count(0) >= 57  # a probe or two at most
+    assert ctl.info()["burst_holds"] > 0  # /server_info, /metrics: what held it
+    ctl.reset()
+    assert ctl.info()["burst_holds"] == 0
+    m = CostModel(window=3)
+    for s in (1.0, 1.0, 4.0, 4.0):
+        m.observe(1, 0, s)
+    assert m.overstated_entries() == {"1:0": 4.0}  # /server_info's overstated_costs
 
 
 def test_a_lasting_rise_of_plain_decodings_cost_is_tried_ever_less_often():

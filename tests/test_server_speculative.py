@@ -80,6 +80,9 @@ def test_speculative_server_matches_plain_server():
         assert f'treeverify_spec_cost_trials_total{{model="tiny-llama"}} {trials}\n' in metrics
         trials = float(adaptive["accept_trials"])
         assert f'treeverify_spec_accept_trials_total{{model="tiny-llama"}} {trials}\n' in metrics
+        holds = float(adaptive["burst_holds"])
+        assert f'treeverify_spec_burst_holds_total{{model="tiny-llama"}} {holds}\n' in metrics
+        assert set(adaptive["overstated_costs"]) >= {"fast"}
         # speculative_budget pins a request's rounds (the gate's speculation probe uses it):
         # same answers, and every step of those requests is a round (<= 1 + 4 tokens each)
         rounds = info["rounds"]

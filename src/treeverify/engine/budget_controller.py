@@ -199,6 +199,7 @@ class BudgetController:
         self.step_index = 0  # decisions made: the clock of cost freshness
         self.cost_trials = 0
         self.accept_trials = 0
+        self.burst_holds = 0  # full decisions held at plain decoding by a burst
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self.requests: dict[str, _Request] = {}
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
@@ -395,6 +396,7 @@ class BudgetController:
             held = self._held_in_burst(len(request_ids))  # at plain decoding, in a burst:
             if held:  # no switch (a cost trial only to a bucket no burst overstated)
                 self._pending = None
+                self.burst_holds += 1
             else:
                 best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
                 self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
@@ -686,6 +688,10 @@ class BudgetController:
             "explorations": self.explorations,
             "cost_trials": self.cost_trials,
             "accept_trials": self.accept_trials,
+            # bursts of slow host steps (docs/ddtree.md): decisions held at plain decoding, and
+            # per step path the costs now 2x or more their lowest median (the ratio)
+            "burst_holds": self.burst_holds,
+            "overstated_costs": {p: c.cost.overstated_entries() for p, c in self.paths.items()},
             "accept_curve": {
                 str(b): round(a, 4)
                 for b in self.buckets[1:]

@@ -91,6 +91,11 @@ class CostModel:
         low, med = self.best.get(key), self._median.get(key)
         return low is not None and med is not None and med >= BURST_FACTOR * low
 
+    def overstated_entries(self) -> dict[str, float]:
+        """Every overstated entry, "n:budget" -> its median over its lowest (/server_info)."""
+        return {f"{n}:{b}": round(self._median[(n, b)] / self.best[(n, b)], 2)
+                for (n, b) in sorted(self._median) if self.overstated(n, b)}  # fmt: skip
+
     def restart(self, n: int, budget: int) -> None:
         """The entry's window cut to one sample, its median (a trial is about to measure it:
         its few steps then decide the median, not a full window of old ones, e.g. a burst's)."""

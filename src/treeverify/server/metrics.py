@@ -118,6 +118,14 @@ class Metrics:
             registry=r,
         )
 
+        self.spec_burst_holds = Gauge(
+            "treeverify_spec_burst_holds_total",
+            "Decisions the adaptive controller held at plain decoding because a burst of slow "
+            "host steps had doubled its measured cost (docs/ddtree.md, bursts), since start",
+            ["model"],
+            registry=r,
+        )
+
     def observe_tokens(self, n: int, dt: float | None, first: bool) -> None:
         """``n`` tokens came ``dt`` s after the previous event (or the request, if first)."""
         self.generation_tokens.labels(self.model_name).inc(n)
@@ -151,4 +159,5 @@ class Metrics:
                 self.spec_budget_current.labels(m).set(adaptive["current"])
                 self.spec_cost_trials.labels(m).set(adaptive["cost_trials"])
                 self.spec_accept_trials.labels(m).set(adaptive["accept_trials"])
+                self.spec_burst_holds.labels(m).set(adaptive["burst_holds"])
         return generate_latest(self.registry)
