@@ -300,7 +300,8 @@ def test_plain_decoding_holds_through_a_burst():
     """A burst raises the cost of what runs, here plain decoding, not of the rounds it is
     compared with: the controller left plain decoding for rounds that then cost the burst's
     factor too. At plain decoding an overstated cost holds the decision for BURST_RETRY
-    decisions (`_held_in_burst`): through a 15-step burst, no switch to the rounds."""
+    decisions (`BurstHold`, engine/cost_bursts.py): through a 15-step burst, no switch to the
+    rounds."""
     ctl = calibrated(min_dwell=4)
     chosen = serve(ctl, CALIBRATED, 200, NOTHING, burst=range(60, 75), slow=8.0)
     assert chosen[20:60].count(0) >= 38 and ctl.current == 0

@@ -93,7 +93,8 @@ import time
 from dataclasses import dataclass, field
 
 from treeverify.engine.budget_config import ControllerConfig
-from treeverify.engine.budget_costs import BURST_RETRY, CostModel
+from treeverify.engine.budget_costs import CostModel
+from treeverify.engine.cost_bursts import BurstGaps, BurstHold
 from treeverify.engine.plain_trials import PlainTrials
 
 # "wall": elapsed time (serving). "process": CPU seconds of this process, for a benchmark on a CPU
@@ -120,8 +121,7 @@ class _PathCosts:
 
     cost: CostModel
     tried: dict[tuple[int, int], int] = field(default_factory=dict)
-    # (n, budget) -> decisions between trials of its overstated cost (`burst_gap`)
-    burst_gaps: dict[tuple[int, int], int] = field(default_factory=dict)
+    bursts: BurstGaps = field(default_factory=BurstGaps)  # trials of overstated costs
     plain_trials: PlainTrials = field(default_factory=PlainTrials)
 
 
@@ -199,7 +199,6 @@ class BudgetController:
         self.step_index = 0  # decisions made: the clock of cost freshness
         self.cost_trials = 0
         self.accept_trials = 0
-        self.burst_holds = 0  # full decisions held at plain decoding by a burst
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self.requests: dict[str, _Request] = {}
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
@@ -218,7 +217,7 @@ class BudgetController:
         self._switches_at_probe = 0
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
         self._plain_wins = 0
-        self._overstated_at: int | None = None  # since when plain's cost is overstated (hold)
+        self._hold = BurstHold()  # plain decoding held through a burst of its own cost
         self._plain_probes = 0  # probes made from plain decoding (hybrid alternates their target)
         self._plain_unfaded = 0  # plain steps since the last fade
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
@@ -243,7 +242,7 @@ class BudgetController:
         costs = self._costs_of(path)
         self.path = path
         self.cost, self._tried, self.plain_trials = costs.cost, costs.tried, costs.plain_trials
-        self._burst_gaps = costs.burst_gaps
+        self._bursts = costs.bursts
 
     def _costs_of(self, path: str) -> _PathCosts:
         """`path`'s table and trials; a path first seen: a stale copy of the fast path's."""
@@ -253,11 +252,6 @@ class BudgetController:
         return costs
 
     # ---- estimates -----------------------------------------------------------------------------
-    @property
-    def global_curve(self) -> dict[int, DecayedMean]:
-        """The greedy class's engine-wide curve (the only one of an engine that names none)."""
-        return self.class_curves[GREEDY]
-
     def note_request(self, request_id: str, cls: str) -> None:
         """The acceptance class (GREEDY or SAMPLED) of a request, before its first decision:
         which engine-wide curve it starts from. Kept until `forget`."""
@@ -393,10 +387,10 @@ class BudgetController:
         if known and rates.get(cur) is not None:
             self._judge_accept_trial(rates)
             cur = self.current
-            held = self._held_in_burst(len(request_ids))  # at plain decoding, in a burst:
-            if held:  # no switch (a cost trial only to a bucket no burst overstated)
+            # at plain decoding in a burst of its cost: no switch (engine/cost_bursts.py)
+            held = self._hold.held(self.cost, cur, len(request_ids), self.step_index)
+            if held:
                 self._pending = None
-                self.burst_holds += 1
             else:
                 best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
                 self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
@@ -492,51 +486,6 @@ class BudgetController:
             self.since_switch = 0
             self.switches += 1
 
-    def burst_gap(self, n: int, budget: int) -> int:
-        """Decisions between trials of an overstated cost (a burst's), on this step path:
-        BURST_RETRY after the first, doubling with each trial that follows one that still
-        found it overstated (a rise that lasts, e.g. a long context's, is re-measured ever less
-        often), at most `cost_fresh_steps` (the ordinary gap: a rise that ends is seen within
-        it); forgotten once the cost is not overstated at a trial check (`burst_calm`)."""
-        return self._burst_gaps.get((n, budget), BURST_RETRY)
-
-    def burst_tried(self, n: int, budget: int) -> None:
-        """A trial of an overstated cost started: the first sets BURST_RETRY, a repeat (the
-        last trial left it overstated: its gap was not forgotten) doubles the gap."""
-        if self.cost.overstated(n, budget):
-            gap = self._burst_gaps.get((n, budget))
-            self._burst_gaps[(n, budget)] = (
-                BURST_RETRY if gap is None else min(2 * gap, self.cfg.cost_fresh_steps)
-            )
-
-    def burst_calm(self, n: int, budget: int) -> None:
-        """At a trial check: a cost no longer overstated forgets its backed-off gap."""
-        if self._burst_gaps and not self.cost.overstated(n, budget):
-            self._burst_gaps.pop((n, budget), None)
-
-    def _held_in_burst(self, n: int) -> bool:
-        """At plain decoding, whether its cost is overstated (BURST_FACTOR x its lowest
-        median) since fewer than BURST_RETRY decisions: then no switch, and no cost trial to a
-        bucket whose own cost is overstated (`_cost_trial`'s `held`). A burst
-        of slow host steps raises the cost of what runs, not of what does not, so the rates
-        compared a burst's plain step with calm rounds and sent the controller into rounds
-        that then cost the burst's factor too, on a dearer step (`scripts/sim_bursts.py`: text
-        no drafter predicts 0.68-0.80x plain through bursts, 0.91x held); a rise that lasts
-        past BURST_RETRY decisions is taken as real. A cost trial to a bucket an earlier burst
-        had overstated, weighed at its lowest median against the burst's plain rate, left
-        plain decoding inside the hold (a helper's review: 3-8% in a replay of two bursts);
-        trials to stale buckets stay (weighed against the calm plain rate instead, set 3's
-        code fell from 1.02 to 0.90 of the best fixed budget through bursts). Only at plain
-        decoding: in the rounds a
-        burst on the current bucket moved the replay's predictable rows no worse either
-        way."""
-        if self.current != 0 or not self.cost.overstated(n, 0):
-            self._overstated_at = None
-            return False
-        if self._overstated_at is None:
-            self._overstated_at = self.step_index
-        return self.step_index - self._overstated_at < BURST_RETRY
-
     def _cost_trial(self, request_ids: list[str], cur_rate: float, held: bool = False) -> None:
         """When some bucket's rate at its least possible cost (the largest fresh cost below it)
         beats the current rate by the switch margin while its own cost is stale, move to the
@@ -551,21 +500,19 @@ class BudgetController:
             return
         if now % TRIAL_CHECK_EVERY:
             return
-        if self._burst_gaps:  # calm again: the backed-off gaps forgotten
-            for b in self.buckets[1:]:
-                self.burst_calm(n, b)
+        self._bursts.calm(self.cost, n, self.buckets[1:])  # calm again: gaps forgotten
+        over = {b: self.cost.overstated(n, b) for b in self.buckets[1:]}  # a burst's
         i = self.buckets.index(self.current)
         bar = (1 + self.cfg.switch_margin) * cur_rate
         for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
-            # stale, or overstated by a burst (fresh as its samples are)
-            stale = [b for b in side if (not self.cost.is_fresh(n, b, now, fresh)
-                                         or self.cost.overstated(n, b))
-                     and not (held and self.cost.overstated(n, b))
+            # overstated by a burst (fresh as its samples are; none while held), or stale
+            stale = [b for b in side
+                     if (not held if over[b] else not self.cost.is_fresh(n, b, now, fresh))
                      and now - self._tried.get((n, b), -fresh - 1)
-                     > (self.burst_gap(n, b) if self.cost.overstated(n, b) else fresh)]  # fmt: skip
+                     > (self._bursts.gap(n, b) if over[b] else fresh)]  # fmt: skip
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
-                if self.cost.overstated(n, b):  # weighed at its lowest median: below the
+                if over[b]:  # weighed at its lowest median: below the
                     # current bucket no fresh smaller cost bounds it, so without this a bucket
                     # a burst hit was never measured again
                     seen = self.cost.best[(n, b)]
@@ -573,7 +520,7 @@ class BudgetController:
                 if low is not None and (r := self.rate(request_ids, b, cost=low)) and r > bar:
                     nearest = stale[0]  # its fresh cost will bound the ones beyond it
                     self._tried[(n, nearest)] = now
-                    self.burst_tried(n, nearest)
+                    self._bursts.tried(self.cost, n, nearest, fresh)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
                     self.current, self._pending, self.since_switch = nearest, None, 0
                     self.switches += 1
@@ -690,7 +637,7 @@ class BudgetController:
             "accept_trials": self.accept_trials,
             # bursts of slow host steps (docs/ddtree.md): decisions held at plain decoding, and
             # per step path the costs now 2x or more their lowest median (the ratio)
-            "burst_holds": self.burst_holds,
+            "burst_holds": self._hold.holds,
             "overstated_costs": {p: c.cost.overstated_entries() for p, c in self.paths.items()},
             "accept_curve": {
                 str(b): round(a, 4)

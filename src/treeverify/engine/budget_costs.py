@@ -9,12 +9,9 @@ import statistics
 from collections import deque
 
 # A cost at least this many times the lowest median its entry held was overstated by a burst of
-# slow host steps (docs/ddtree.md, "Bursts of slow host steps"), fresh or not: a trial re-measures
-# it, weighed at that lowest median.
+# slow host steps (engine/cost_bursts.py), fresh or not: a trial re-measures it, weighed at that
+# lowest median.
 BURST_FACTOR = 2.0
-# ... and is tried again this many decisions after a trial that found it still overstated (the
-# burst was not over), not after the freshness window.
-BURST_RETRY = 32
 
 
 class CostModel:

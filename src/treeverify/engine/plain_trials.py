@@ -79,13 +79,13 @@ class PlainTrials:
             return
         # a burst's overstatement (BURST_FACTOR x the lowest median held) is tried at once: its
         # samples are fresh, a trial that still finds it overstated is retried after
-        # `burst_gap` decisions (32, doubling), and there is no dip of acceptance to wait out
-        # (the patience)
+        # engine/cost_bursts.py's gap (32, doubling), and there is no dip of acceptance to wait
+        # out (the patience)
         over = c.cost.overstated(n, 0)
-        c.burst_calm(n, 0)
+        c._bursts.calm(c.cost, n, (0,))
         if c.cost.is_fresh(n, 0, now, fresh) and not over:
             return
-        gap = c.burst_gap(n, 0) if over else self.gap.get(n, float(fresh))
+        gap = c._bursts.gap(n, 0) if over else self.gap.get(n, float(fresh))
         if now - c._tried.get((n, 0), -gap - 1) <= gap:
             return
         est = c.cost.estimate(n, 0)
@@ -97,7 +97,7 @@ class PlainTrials:
         if over or self.gate >= PLAIN_TRIAL_PATIENCE:
             self.gate = 0
             c._tried[(n, 0)] = now
-            c.burst_tried(n, 0)
+            c._bursts.tried(c.cost, n, 0, fresh)
             self.trial = _Trial(PLAIN_TRIAL_STEPS, n, est, c.since_switch, c._pending, now)
             c.cost.restart(n, 0)
             c.cost_trials += 1
@@ -120,11 +120,8 @@ class PlainTrials:
         if c.cost.seen_at.get((t.n, 0), -1) > t.started:  # measured (not: prefills came, the
             # batch size changed, no step was steady): judged; else the gap stays
             after = c.cost.estimate(t.n, 0) or t.before
-            confirmed = abs(
-                after - t.before
-            ) <= PLAIN_TRIAL_CONFIRMED * t.before and not c.cost.overstated(
-                t.n, 0
-            )  # (a burst still on: not judged)
+            close = abs(after - t.before) <= PLAIN_TRIAL_CONFIRMED * t.before
+            confirmed = close and not c.cost.overstated(t.n, 0)  # (a burst still on: not judged)
             self.gap[t.n] = min(2 * gap, PLAIN_TRIAL_MAX_GAP * fresh) if confirmed else fresh
         c.since_switch, c._pending = t.since_switch, t.pending
         return False
