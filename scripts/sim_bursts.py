@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,15 +25,8 @@ from sim_adaptive import controller, replay, unpredictable  # noqa: E402
 from sim_adaptive_suite import COSTS, RESULTS, SWITCH_SECONDS, TOKENS, TRACE_SETS  # noqa: E402
 
 import treeverify  # noqa: E402
+from treeverify.bench.kernel import _git_commit  # noqa: E402
 from treeverify.engine.budget_controller import ControllerConfig, budget_buckets  # noqa: E402
-
-
-def src_commit() -> str:
-    """The commit of the checkout whose controller runs (PYTHONPATH's treeverify)."""
-    where = Path(treeverify.__file__).resolve().parent
-    done = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=False)  # fmt: skip
-    return done.stdout.strip() or "unknown"
 
 
 def main(argv=None) -> int:
@@ -52,9 +44,10 @@ def main(argv=None) -> int:
         for text, traces in data.items():
             texts[f"{name} {text}"] = traces
     texts["unpredictable"] = unpredictable(TOKENS)
+    src = str(Path(treeverify.__file__).parent)  # the checkout whose controller runs
+    command = "scripts/sim_bursts.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "controller_commit": src_commit(), "command": "scripts/sim_bursts.py " + " ".join(
-               sys.argv[1:] if argv is None else argv),
+           "controller_commit": _git_commit(src), "command": command,
            "costs": costs, "switch_seconds": switch,
            "bursts": [a.every, a.length, a.factor], "rows": {}}  # fmt: skip
     for label, bursts in (("no bursts", None), ("bursts", (a.every, a.length, a.factor))):

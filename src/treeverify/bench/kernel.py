@@ -363,13 +363,16 @@ def run_grid(
     }
 
 
-def _git_commit() -> str:
+def _git_commit(where: str | None = None) -> str:
+    """The short commit of the working directory's checkout (TREEVERIFY_COMMIT overrides it),
+    or of the checkout holding `where`."""
     from treeverify import env
 
-    if env.commit_override():
+    if where is None and env.commit_override():
         return env.commit_override()
+    at = [] if where is None else ["-C", where]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        return subprocess.run(["git", *at, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -211,7 +211,8 @@ class DraftContextCache:
         ctx.pending_rows += hidden.shape[0]
         self._pending_total += hidden.shape[0]
         flush = self.flush_rows
-        if ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING:
+        full = ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING
+        if full:  # captured: a bucket's rows; the CPU: MAX_PENDING chunks
             self.project([request_id])
         if flush and self._pending_total - self._pending_left >= (self.CHUNKED_REPLAYS - 1) * flush:
             # the batch's rows, at most CHUNKED_REPLAYS buckets (replays, never one eager call:
