@@ -26,7 +26,9 @@ controller then starts the measured text with what greedy text taught it.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -73,8 +75,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingParams]) -> dict:
-    """Every prompt, `batch` at a time; per step kind: (steps, seconds)."""
+def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingParams],
+             profiles: StepProfiles | None = None) -> dict:  # fmt: skip
+    """Every prompt, `batch` at a time; per step kind: (steps, seconds). `profiles`: every
+    step under its own cProfile, kept by kind (a diagnosis pass: the profiler's cost is in its
+    times)."""
     kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # steps, s, s waited
     seen = {}
     run_batch = llm.run_batch
@@ -102,8 +107,13 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
             for p, sp in zip(prompts[i : i + batch], params[i : i + batch], strict=True):
                 llm.add_request(p, sp)
             while llm.has_unfinished():
+                prof = cProfile.Profile() if profiles is not None else None
                 w0, t0 = WAITED[0], time.perf_counter()
+                if prof is not None:
+                    prof.enable()
                 llm.step()
+                if prof is not None:
+                    prof.disable()
                 dt = time.perf_counter() - t0
                 waited = WAITED[0] - w0
                 if seen.get("prefill"):
@@ -116,6 +126,8 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
                 kinds[kind][0] += 1
                 kinds[kind][1] += dt
                 kinds[kind][2] += waited
+                if prof is not None:
+                    profiles.keep(kind, trace, prof)
                 trace.append((kind, round(dt * 1e6, 1), round(waited * 1e6, 1)))
         sync()
     finally:
@@ -128,6 +140,37 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
     if ctl is not None:  # what the controller believed, and the costs it was taught
         out |= {"controller": ctl.info(), "observed_costs": observed}
     return out
+
+
+class StepProfiles:
+    """Per kind of step ("round", "after round": the step that follows one, "plain": every
+    other plain step; prefills left out), the steps' cProfiles added up, and their count."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, pstats.Stats] = {}
+        self.steps: dict[str, int] = defaultdict(int)
+
+    def keep(self, kind: str, trace: list, prof: cProfile.Profile) -> None:
+        """One step's profile (`kind` as run_pass names it; `trace`: the steps before it)."""
+        if kind == "prefill":
+            return
+        if kind.startswith("round"):
+            key = "round"
+        else:
+            key = "after round" if trace and trace[-1][0].startswith("round") else "plain"
+        if key in self.stats:
+            self.stats[key].add(prof)
+        else:
+            self.stats[key] = pstats.Stats(prof)
+        self.steps[key] += 1
+
+    def write(self, path: Path, name: str, top: int = 45) -> None:
+        """Each kind's cumulative stats, appended to `path`."""
+        with path.open("a") as f:
+            for key, stats in self.stats.items():
+                f.write(f"\n===== {name}: {key} steps ({self.steps[key]} of them)\n")
+                stats.stream = f
+                stats.sort_stats("cumulative").print_stats(top)
 
 
 def main(argv=None) -> int:
@@ -154,6 +197,14 @@ def main(argv=None) -> int:
         "--warm",
         action="store_true",
         help="greedy code and prose passes on the same engine before each pass",
+    )
+    ap.add_argument(
+        "--profile-rounds",
+        type=Path,
+        default=None,
+        help="after the timed passes, one more pass with every step under cProfile; the "
+        "cumulative stats of rounds, of the steps right after them and of other plain steps "
+        "written to this text file (where a probe's host time goes)",
     )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -186,6 +237,12 @@ def main(argv=None) -> int:
         finally:
             gc.enable()
             gc.unfreeze()
+        if args.profile_rounds is not None:  # after the timed passes: their figures unprofiled
+            profiles = StepProfiles()
+            for texts in warm:
+                run_pass(llm, texts, args.batch, greedy)
+            run_pass(llm, prompts, args.batch, params, profiles)
+            profiles.write(args.profile_rounds, name)
         tokens = len(prompts) * args.tokens
         rows.append({"config": name, "gc": args.gc, "warm": args.warm,
                      "tokens_per_s": round(tokens / res["seconds"], 1)} | res)  # fmt: skip

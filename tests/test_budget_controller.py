@@ -505,3 +505,48 @@ def test_acceptance_classes_are_kept_per_request_and_checked():
     for i in range(5000):
         ctl.note_request(f"queued{i}", "greedy")
     assert ctl.classes["running"] == "sampled"
+
+
+def test_a_new_group_switches_on_its_classs_prior_at_once():
+    """A step whose requests have no rounds of their own (a new group) is judged on its class's
+    prior with no dwell nor confirmation: after greedy groups ran at 16, a new group of sampled
+    requests (a class that accepts nothing) goes to plain decoding on its first decision; with
+    `new_batch_at_once` off it runs rounds until `confirm` decisions and `min_dwell` steps.
+    Once its requests have rounds of their own, the usual rules hold."""
+    costs = {0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}
+    high, none = {4: 4, 8: 7, 16: 10}, {4: 0, 8: 0, 16: 0}
+
+    def after_greedy(at_once: bool) -> list[int]:
+        ctl = synthetic(costs, min_dwell=6, confirm=3, explore_every=1000, explore_max=1000,
+                        new_batch_at_once=at_once)  # fmt: skip
+        greedy = [f"g{i}" for i in range(8)]
+        for _ in range(40):
+            for rid in greedy:
+                ctl.note_request(rid, "greedy")
+            b = ctl.choose(greedy)
+            for rid in greedy:
+                if b:
+                    ctl.observe_round(rid, b, path_for(high, b))
+        assert ctl.current == 16
+        ctl.switches = max(ctl.switches, 1)  # past the start's first switch (no dwell there)
+        sampled = [f"s{i}" for i in range(8)]
+        for rid in greedy:
+            ctl.forget(rid)
+        for i in range(4):  # the sampled class's prior: an earlier group's rounds
+            ctl.note_request(f"old{i}", "sampled")
+            ctl.observe_round(f"old{i}", 16, path_for(none, 16))
+            ctl.forget(f"old{i}")
+        for rid in sampled:
+            ctl.note_request(rid, "sampled")
+        chosen = []
+        for _ in range(8):
+            b = ctl.choose(sampled)
+            chosen.append(b)
+            for rid in sampled:
+                if b:
+                    ctl.observe_round(rid, b, path_for(none, b))
+        return chosen
+
+    assert after_greedy(True) == [0] * 8
+    slow = after_greedy(False)
+    assert slow[0] == 16 and slow[-1] == 0, slow  # the dwell and the confirmations first

@@ -22,6 +22,9 @@ class ControllerConfig:
     arrival_probe_factor: float = 0.6  # a request without rounds of its own restarts the probe
     # interval only when some bucket's rate on its class's prior is within this factor of plain
     # decoding's (0: always, as before)
+    new_batch_at_once: bool = True  # a step whose requests have no rounds of their own (a new
+    # group) switches on its class's prior with no dwell nor confirmation: after greedy groups
+    # the H200 ran a new sampled group of 8 at budget 32 for 6 of its 131 steps (2026-12-05)
     cost_trials: bool = True  # try a budget whose stale cost hides a better rate, plain
     # decoding's included (plain trials, stale_plain_floor); False: neither (A/B)
     cost_fresh_steps: int = 256  # a cost measured this many steps ago or less is fresh; a cost

@@ -393,7 +393,14 @@ class BudgetController:
                 self._pending = None
             else:
                 best = max(known, key=lambda b: (known[b], -b))  # ties: the smaller budget
-                self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids))
+                # a batch of requests none of which has rounds of its own (a new group) is
+                # judged on its class's prior alone: the dwell and the confirmation guard a
+                # budget chosen on these requests' own noisy rounds, which it has none of
+                at_once = self.cfg.new_batch_at_once and not any(
+                    rid in self.requests for rid in request_ids
+                )
+                self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids),
+                               at_once)  # fmt: skip
             if self.current == cur:
                 self._cost_trial(request_ids, rates[cur], held)
             if self.current == cur and not self.plain_trials.running:  # one trial at a time: a
@@ -463,10 +470,11 @@ class BudgetController:
         self.explorations += 1
 
     def _consider(self, best: int, best_rate: float, cur_rate: float, plain_rate: float | None,
-                  n: int) -> None:  # fmt: skip
+                  n: int, at_once: bool = False) -> None:  # fmt: skip
         """Switch to `best` when it beats the current budget by the margin on `confirm`
         decisions after the dwell; to plain decoding (rate `plain_rate`, n requests) by the
-        wider margin that narrows while plain stays ahead."""
+        wider margin that narrows while plain stays ahead. `at_once`: no dwell and no
+        confirmation (the margins stay): a new group of requests, on its class's prior."""
         margin = self.cfg.switch_margin
         if self.current != 0 and plain_rate is not None:  # decisions in a row plain has won
             self._plain_wins = self._plain_wins + 1 if plain_rate > (1 + margin) * cur_rate else 0
@@ -481,7 +489,8 @@ class BudgetController:
         wins = self._pending[1] + 1 if self._pending and self._pending[0] == best else 1
         self._pending = (best, wins)
         first = self.switches == 0  # leaving the start: one round has measured every budget
-        if first or (wins >= self.cfg.confirm and self.since_switch >= self.cfg.min_dwell):
+        if first or at_once or (wins >= self.cfg.confirm
+                                and self.since_switch >= self.cfg.min_dwell):  # fmt: skip
             self.current, self._pending = best, None
             self.since_switch = 0
             self.switches += 1
