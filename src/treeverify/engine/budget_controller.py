@@ -104,7 +104,12 @@ MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are fo
 # Cost and acceptance trials are looked for every this many decisions: a search costs ~5 us
 # of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
 TRIAL_CHECK_EVERY = 4
-FADE_EVERY = 4  # plain steps between fades of the requests' own acceptance (plain_decay each)
+# Plain steps between fades of the requests' own acceptance (plain_decay each): a fade voids
+# every request's cached sums, which the next full decision recomputes (at 8 requests ~2/3 of
+# the controller's Python a plain step with 4); the replay suite's every row is the same at 4,
+# 8 and 16 (thirty-eighth session), and at 16 a plain step's decision at 8 requests took 10.6
+# us against 14.8 (CPU, scripts/controller_cost.py, with the arrival check cached too)
+FADE_EVERY = 16
 
 
 # Step paths (see "Step paths" above): tokens picked in the step's graph, or read first.
@@ -206,7 +211,9 @@ class BudgetController:
         self.class_curves: dict[str, dict[int, DecayedMean]] = {GREEDY: {}}
         # (request ids, rates) of the last full decision while at plain decoding: reused by
         # the decisions between full ones (`_decide`); None after anything that moves them
-        self._plain_rates: tuple[tuple[str, ...], dict[int, float | None]] | None = None
+        # and whether some of those requests had no rounds of their own (no round is observed
+        # at plain decoding, so neither moves until the requests change)
+        self._plain_rates: tuple[tuple[str, ...], dict[int, float | None], bool] | None = None
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
         # observed (plain steps at budget 0 observe none), so kept and read every step
         self._accept_sums: dict[tuple[str, ...], list[float | None]] = {}
@@ -349,13 +356,14 @@ class BudgetController:
         cached = self._plain_rates
         if (cached is not None and self.current == 0 and self._pending is None
                 and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
-            rates = cached[1]  # at plain decoding, nothing but plain's cost moved (see below)
+            _, rates, arrived = cached  # at plain decoding, nothing but plain's cost moved
         else:
             rates = self._decide(request_ids)
-            self._plain_rates = (ids, rates) if self.current == 0 else None
+            arrived = any(rid not in self.requests for rid in request_ids)
+            self._plain_rates = (ids, rates, arrived) if self.current == 0 else None
         self.since_switch += 1
         self.since_explore += 1
-        if any(rid not in self.requests for rid in request_ids) and self._arrival_pays(rates):
+        if arrived and self._arrival_pays(rates):
             self._explore_interval = float(self.cfg.explore_every)
         up = self._probe_target(rates)
         if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):

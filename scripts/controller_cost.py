@@ -1,0 +1,56 @@
+"""Host time of the adaptive controller's per-step work at plain decoding (`choose` and
+`observe_step`), no engine: n requests of low acceptance (sampled text) held at budget 0, step
+costs from the H200's b=8 table, rounds at the probes. At b=8 a step is host-bound on the GPU,
+so every microsecond here is one of the step's.
+
+    PYTHONPATH=src python3 scripts/controller_cost.py [--requests 8] [--steps 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from treeverify.engine.budget_controller import SAMPLED, BudgetController, budget_buckets
+
+# H200 (45a5d34, thirty-eighth session): the DFlash engine's step costs at 8 requests, seconds
+COSTS = {0: 224e-6, 4: 441e-6, 8: 537e-6, 16: 589e-6, 32: 586e-6, 64: 739e-6}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--accept", type=float, default=0.3, help="chance a round accepts a draft")
+    args = ap.parse_args()
+    n, rng = args.requests, random.Random(0)
+    ctl = BudgetController(budget_buckets(max(COSTS)))
+    for b, c in COSTS.items():
+        for _ in range(ctl.cfg.cost_window):
+            ctl.cost.observe(n, b, c * rng.uniform(0.95, 1.05), at=0)
+    ids = [f"r{i}" for i in range(n)]
+
+    def a_round(budget: int) -> None:
+        for rid in ids:
+            ctl.observe_round(rid, budget, [0, 1] if rng.random() < args.accept else [0])
+
+    for rid in ids:
+        ctl.note_request(rid, SAMPLED)
+    for _ in range(3):
+        a_round(max(COSTS))
+    budgets: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        b = ctl.choose(ids)
+        budgets[b] = budgets.get(b, 0) + 1
+        ctl.observe_step(n, b, COSTS[b] * rng.uniform(0.95, 1.05))
+        if b:
+            a_round(b)
+    us = (time.perf_counter() - t0) / args.steps * 1e6
+    print(f"{n} requests: {us:.1f} us a step (choose + observe_step); steps by budget {budgets}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
