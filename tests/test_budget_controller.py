@@ -290,6 +290,8 @@ def test_bad_config_is_a_value_error():
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="arrival_probe_factor"):
             ControllerConfig(arrival_probe_factor=bad)
+    with pytest.raises(ValueError, match="explore_far_factor"):
+        ControllerConfig(explore_far_factor=0.5)
     with pytest.raises(ValueError, match="buckets"):
         BudgetController((4, 8))
 
@@ -304,20 +306,26 @@ def test_per_request_state_is_bounded(monkeypatch):
     assert list(ctl.requests) == ["r2", "r3", "r4"]
 
 
-@pytest.mark.parametrize(("factor", "restarts"), [(0.0, True), (0.6, False)])
-def test_probes_back_off_scale_with_cost_and_restart_for_new_requests(factor, restarts):
-    """Probes back off while they change nothing; a request without rounds of its own
-    restarts the interval (new text, maybe predictable), unless its class's engine-wide curve
-    says no bucket comes within `arrival_probe_factor` of plain decoding (here 0.5 of it: a
-    round accepts nothing at twice a plain step's cost). Replayed at the H100's costs, the
-    restart's probes cost text no drafter predicts 0.915 -> 0.962x plain (2 probes a 128-token
-    request), the recorded code and prose rows nothing (docs/ddtree.md)."""
+@pytest.mark.parametrize(
+    ("factor", "far", "restarts", "gap"),
+    [(0.0, 2.0, True, 32), (0.6, 2.0, False, 64), (0.6, 1.0, False, 32)],
+)
+def test_probes_back_off_scale_with_cost_and_restart_for_new_requests(factor, far, restarts,
+                                                                      gap):  # fmt: skip
+    """Probes back off while they change nothing, to `explore_max` steps apart, or that times
+    `explore_far_factor` while every bucket's rate is under `arrival_probe_factor` of plain
+    decoding's (here 0.5 of it: a round accepts nothing at twice a plain step's cost); a
+    request without rounds of its own restarts the interval (new text, maybe predictable),
+    unless its class's engine-wide curve says no bucket comes within that factor. Replayed at
+    the H100's costs, the restart's probes cost text no drafter predicts 0.915 -> 0.962x plain
+    (2 probes a 128-token request), the far cap 0.962 -> 0.968x, the recorded code and prose
+    rows nothing (docs/ddtree.md)."""
     ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0,
-                    arrival_probe_factor=factor)  # fmt: skip
-    feed(ctl, "r", {4: 0}, 200)  # never accepted: at 0, probing less and less often
-    probes = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 200)) if b == 4]
+                    arrival_probe_factor=factor, explore_far_factor=far)  # fmt: skip
+    feed(ctl, "r", {4: 0}, 400)  # never accepted: at 0, probing less and less often
+    probes = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 400)) if b == 4]
     gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
-    assert gaps and all(g == 32 for g in gaps)  # backed off to explore_max
+    assert gaps and all(g == gap for g in gaps), gaps  # backed off to the cap
     ctl.observe_round("r", 4, [0])
     ctl.since_explore = 0  # as right after a probe
     chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2?

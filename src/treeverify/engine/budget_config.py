@@ -19,6 +19,10 @@ class ControllerConfig:
     # bucket up ("hybrid"); always the largest ("top"), or always one up ("up")
     explore_every: int = 16  # steps between probes below the largest bucket ...
     explore_max: int = 256  # ... backing off to at most this many while probes change nothing
+    explore_far_factor: float = 2.0  # ... times this at plain decoding while every bucket's
+    # rate is under arrival_probe_factor of plain's (replay: unpredictable text 0.962 -> 0.968x
+    # plain at the H100 table, every predictable row and the code after unpredictable text
+    # unchanged; 1: as before)
     arrival_probe_factor: float = 0.6  # a request without rounds of its own restarts the probe
     # interval only when some bucket's rate on its class's prior is within this factor of plain
     # decoding's (0: always, as before)
@@ -61,6 +65,8 @@ class ControllerConfig:
             )
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")
+        if self.explore_far_factor < 1.0:
+            raise ValueError(f"explore_far_factor: expected >= 1, got {self.explore_far_factor}")
         if self.cost_fresh_steps < 1:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.accept_evidence < 0 or self.accept_optimism < 0:

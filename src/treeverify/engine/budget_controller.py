@@ -366,7 +366,11 @@ class BudgetController:
         if arrived and self._arrival_pays(rates):
             self._explore_interval = float(self.cfg.explore_every)
         up = self._probe_target(rates)
-        if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up)):
+        # at plain decoding with every bucket's rate far below plain's (the arrival rule's
+        # test): the probes' interval may back off further (explore_far_factor)
+        far = self.current == 0 and not self._arrival_pays(rates)
+        if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up,
+                                                                           far)):  # fmt: skip
             self._probed()
             self._plain_probes += self.current == 0
             return self._count(up)  # one step at the probe's budget; `current` stays
@@ -463,14 +467,19 @@ class BudgetController:
                     mean.den *= d
         self._accept_sums.clear()
 
-    def _explore_due(self, n: int, up: int) -> bool:
+    def _explore_due(self, n: int, up: int, far: bool = False) -> bool:
+        """Whether a probe is due: the interval times the probe's cost against a step here,
+        at most `explore_max` steps (times `explore_far_factor` when `far`: every bucket's
+        rate far below plain decoding's, as on sampled text no drafter predicts)."""
         here, there = self.cost.estimate(n, self.current), self.cost.estimate(n, up)
         ratio = max(1.0, there / here) if here and there else 1.0
-        return self.since_explore >= min(self.cfg.explore_max, self._explore_interval * ratio)
+        cap = self.cfg.explore_max * (self.cfg.explore_far_factor if far else 1.0)
+        return self.since_explore >= min(cap, self._explore_interval * ratio)
 
     def _probed(self) -> None:
         if self.explorations and self.switches == self._switches_at_probe:  # changed nothing
-            self._explore_interval = min(2 * self._explore_interval, float(self.cfg.explore_max))
+            top = self.cfg.explore_max * self.cfg.explore_far_factor
+            self._explore_interval = min(2 * self._explore_interval, top)
         else:
             self._explore_interval = float(self.cfg.explore_every)
         self._switches_at_probe = self.switches
