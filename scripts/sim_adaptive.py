@@ -156,15 +156,20 @@ def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig) -> 
     return ctl
 
 
-def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int) -> dict:
+def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int,
+                 cls: str | None = None) -> dict:  # fmt: skip
     """`replay` with `batch` requests decoding together, as bench_pair's b=8 rows: prompts in
     groups of `batch` starting together; each step one budget for every live request (the
     controller's `choose` over all of them), costing costs.estimate(live, budget); a request
-    leaves when it has its tokens, so a group's last steps run smaller batches."""
+    leaves when it has its tokens, so a group's last steps run smaller batches. `cls`: the
+    requests' acceptance class, named to the controller (engine/budget_controller.py)."""
     seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
     ctl = policy if isinstance(policy, BudgetController) else None
     for g in range(0, len(traces), batch):
         live = {f"r{g + i}": [t["paths"], 0, 0] for i, t in enumerate(traces[g : g + batch])}
+        if ctl is not None and cls is not None:
+            for rid in live:
+                ctl.note_request(rid, cls)
         while live:
             rids = list(live)
             budget = ctl.choose(rids) if ctl else policy

@@ -3,7 +3,9 @@ once (scripts/sim_adaptive.py one case at a time): one line per setting, adaptiv
 budget per (costs, text), and the mean and minimum, so a change to the decision rule is judged
 on all the evidence, not on the one trace set where it was tuned. Traces: bench_results/
 *-cpu-accept_traces-tiny-code*.json (set 1: 8 code + 8 prose prompts; set 2: 16 + 16, the prose
-repeating set 1's six paragraphs; set 3: 40 more code prompts).
+repeating set 1's six paragraphs; set 3: 40 more code prompts). Apart from those aggregates,
+groups of 8 requests in turns (greedy code, then sampled unpredictable text, twice) at the
+H200's b=1 / b=8 costs, one controller throughout, each group as x plain decoding.
 
     PYTHONPATH=src python scripts/sim_adaptive_suite.py [--set KNOB=VALUE ...] [--json out.json]
         [--vs KNOB=VALUE ...]  (a second setting, printed below the first)
@@ -19,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_adaptive import controller, cut, replay, unpredictable  # noqa: E402
+from sim_adaptive import controller, cut, replay, replay_batch, table, unpredictable  # noqa: E402
 
 from treeverify.bench.kernel import _git_commit  # noqa: E402
 from treeverify.engine.budget_controller import (  # noqa: E402
@@ -91,6 +93,8 @@ def evaluate(cfg: ControllerConfig) -> dict:
             got = replay(traces, TOKENS, costs, ctl, False, sw)["tokens_per_s"]
             rows[f"{cname} sequence{i}"] = round(got / plain, 3)
     tuned = {k: v for k, v in rows.items() if not k.startswith(f"{UNTUNED} ")}
+    grouped = groups(cfg)  # reported apart: the aggregates below stay those of earlier runs
+    rows |= grouped
     fixed = [v for k, v in tuned.items() if "unpredictable" not in k and "sequence" not in k]
     noise = [v for k, v in tuned.items() if k.endswith("unpredictable")]
     new = [v for k, v in rows.items() if k.startswith(f"{UNTUNED} set")]
@@ -98,7 +102,37 @@ def evaluate(cfg: ControllerConfig) -> dict:
             "min_of_best_fixed": min(fixed), "unpredictable_min": min(noise),
             # the newest costs, which the rule was not tuned on: reported, not in the above
             f"{UNTUNED}_min_of_best_fixed": min(new),
-            f"{UNTUNED}_unpredictable": rows[f"{UNTUNED} unpredictable"]}  # fmt: skip
+            f"{UNTUNED}_unpredictable": rows[f"{UNTUNED} unpredictable"],
+            # groups of 8 in turns at the H200's b=1 / b=8 costs (x plain): the worst of each
+            "groups_code_min": min(v for k, v in grouped.items() if k.endswith("code")),
+            "groups_unpredictable_min": min(v for k, v in grouped.items()
+                                            if k.endswith("unpredictable"))}  # fmt: skip
+
+
+# H200 (45a5d34, thirty-eighth session), the DFlash engine's calibrated step costs at 1 and 8
+# requests (bench_pair's adaptive rows), seconds
+H200_BATCH = {
+    1: {0: 0.000156, 4: 0.000418, 8: 0.000435, 16: 0.000461, 32: 0.000495, 64: 0.000609},
+    8: {0: 0.000233, 4: 0.000476, 8: 0.000537, 16: 0.000594, 32: 0.000627, 64: 0.000792},
+}
+
+
+def groups(cfg: ControllerConfig) -> dict[str, float]:
+    """Groups of 8 requests in turns, greedy code and sampled unpredictable text, one
+    controller throughout (a server with both kinds of traffic; bench_pair's b=8 texts one
+    after another): each group's tokens/s as x plain decoding at the H200's b=1 / b=8 costs."""
+    all_texts, costs = texts(), table(H200_BATCH)
+    ctl = controller(budget_buckets(64), H200_BATCH, cfg)
+    seq = [("code", all_texts["set1 code"][:8], "greedy"),
+           ("unpredictable", unpredictable(TOKENS)[:8], "sampled"),
+           ("code", all_texts["set3 code"][:8], "greedy"),
+           ("unpredictable", unpredictable(TOKENS, 16)[8:], "sampled")]  # fmt: skip
+    rows = {}
+    for i, (name, traces, cls) in enumerate(seq):
+        plain = replay_batch(traces, TOKENS, costs, 0, 8)["tokens_per_s"]
+        got = replay_batch(traces, TOKENS, costs, ctl, 8, cls)["tokens_per_s"]
+        rows[f"groups b=8 {i} {name}"] = round(got / plain, 3)
+    return rows
 
 
 def reactive(traces: list[dict], costs: dict[int, float], lag: int, switch_seconds: float,
@@ -163,7 +197,9 @@ def main() -> int:
         print(f"[{key}] {name}: mean {res['mean_of_best_fixed']} min {res['min_of_best_fixed']} "
               f"unpredictable min {res['unpredictable_min']}; {UNTUNED} (untuned): min "
               f"{res[f'{UNTUNED}_min_of_best_fixed']} unpredictable "
-              f"{res[f'{UNTUNED}_unpredictable']}")  # fmt: skip
+              f"{res[f'{UNTUNED}_unpredictable']}; groups b=8: code min "
+              f"{res['groups_code_min']} unpredictable min "
+              f"{res['groups_unpredictable_min']}")  # fmt: skip
         if args.brief:
             rows = res["rows"].items()
             print("    ", " ".join(f"{k.split(' ', 1)[1]}={v}" for k, v in rows
