@@ -107,7 +107,7 @@ TRIAL_CHECK_EVERY = 4
 # Plain steps between fades of the requests' own acceptance (plain_decay each): a fade voids
 # every request's cached sums, which the next full decision recomputes (at 8 requests ~2/3 of
 # the controller's Python a plain step with 4); the replay suite's every row is the same at 4,
-# 8 and 16 (thirty-eighth session), and at 16 a plain step's decision at 8 requests took 10.6
+# 8 and 16 (thirty-eighth session), and at 16 a plain step's decision at 8 requests took 10.8
 # us against 14.8 (CPU, scripts/controller_cost.py, with the arrival check cached too)
 FADE_EVERY = 16
 
@@ -211,9 +211,10 @@ class BudgetController:
         self.class_curves: dict[str, dict[int, DecayedMean]] = {GREEDY: {}}
         # (request ids, rates) of the last full decision while at plain decoding: reused by
         # the decisions between full ones (`_decide`); None after anything that moves them
-        # and whether some of those requests had no rounds of their own (no round is observed
-        # at plain decoding, so neither moves until the requests change)
-        self._plain_rates: tuple[tuple[str, ...], dict[int, float | None], bool] | None = None
+        # whether some of those requests had no rounds of their own, and whether some bucket
+        # came near plain's rate (`_arrival_pays`; no round is observed at plain decoding, so
+        # none of these moves until the requests change)
+        self._plain_rates: tuple[tuple[str, ...], dict[int, float | None], bool, bool] | None = None
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
         # observed (plain steps at budget 0 observe none), so kept and read every step
         self._accept_sums: dict[tuple[str, ...], list[float | None]] = {}
@@ -356,19 +357,21 @@ class BudgetController:
         cached = self._plain_rates
         if (cached is not None and self.current == 0 and self._pending is None
                 and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
-            _, rates, arrived = cached  # at plain decoding, nothing but plain's cost moved
+            _, rates, arrived, pays = cached  # at plain decoding, nothing but plain's cost moved
         else:
             rates = self._decide(request_ids)
             arrived = any(rid not in self.requests for rid in request_ids)
-            self._plain_rates = (ids, rates, arrived) if self.current == 0 else None
+            # some bucket near plain's rate (read on arrivals, and at plain decoding: `far`)
+            pays = self._arrival_pays(rates) if arrived or self.current == 0 else True
+            self._plain_rates = (ids, rates, arrived, pays) if self.current == 0 else None
         self.since_switch += 1
         self.since_explore += 1
-        if arrived and self._arrival_pays(rates):
+        if arrived and pays:
             self._explore_interval = float(self.cfg.explore_every)
         up = self._probe_target(rates)
         # at plain decoding with every bucket's rate far below plain's (the arrival rule's
         # test): the probes' interval may back off further (explore_far_factor)
-        far = self.current == 0 and not self._arrival_pays(rates)
+        far = self.current == 0 and not pays
         if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up,
                                                                            far)):  # fmt: skip
             self._probed()
