@@ -101,3 +101,33 @@ def test_a_trial_within_the_margin_goes_back_after_its_dwell():
     chosen = feed(ctl, "r", flat_above_16, 40)
     assert ctl.accept_trials == 1 and 32 in chosen
     assert ctl.current == 16 and chosen[-15:] == [16] * 15
+
+
+def test_a_new_groups_switch_ends_the_acceptance_trial_of_the_group_before():
+    """A switch made at once for a new group (`new_batch_at_once`) can fall inside an acceptance
+    trial's dwell (no other switch can). The trial is over then: judged after the new group's
+    dwell it moved the controller back to the bucket the old request's trial left, with no
+    margin nor confirmation (a helper's review: [4, 4, 4, 4, 8, 8, ...], 8 kept)."""
+    ctl = controller()
+    i = 0
+    while ctl.accept_trials == 0:  # a greedy request's trial, 8 -> 16
+        b = ctl.choose(["r"])
+        if b:
+            ctl.observe_round("r", b, path_for(UNLUCKY if i == 0 else TRUE, b))
+        i += 1
+    assert ctl._trial_from == 8 and ctl.current == 16
+    ctl.forget("r")
+    lucky = {4: 1, 8: 1, 16: 1, 64: 1}  # the sampled class: one draft a round, whatever the tree
+    ctl.note_request("old", "sampled")
+    for _ in range(3):
+        ctl.observe_round("old", 64, path_for(lucky, 64))
+    ctl.forget("old")
+    ctl.note_request("s", "sampled")
+    chosen = []
+    for _ in range(12):
+        b = ctl.choose(["s"])
+        chosen.append(b)
+        if b:
+            ctl.observe_round("s", b, path_for(lucky, b))
+    assert chosen[:7] == [4] * 7, chosen  # at once to 4, its rate's best; no judgement back
+    assert ctl.current == 4, chosen  # (its own trial at 8 after the dwell returns to 4)

@@ -290,8 +290,16 @@ def test_bad_config_is_a_value_error():
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="arrival_probe_factor"):
             ControllerConfig(arrival_probe_factor=bad)
-    with pytest.raises(ValueError, match="explore_far_factor"):
-        ControllerConfig(explore_far_factor=0.5)
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="explore_far_factor"):
+            ControllerConfig(explore_far_factor=bad)
+    # a bool knob from the command line: the usual spellings, and a typo is an error
+    cfg = ControllerConfig()
+    assert cfg.with_settings(["new_batch_at_once=off"]).new_batch_at_once is False
+    assert cfg.with_settings(["cost_trials=No"]).cost_trials is False
+    assert cfg.with_settings(["new_batch_at_once=yes"]).new_batch_at_once is True
+    with pytest.raises(ValueError, match="new_batch_at_once: expected true or false"):
+        cfg.with_settings(["new_batch_at_once=maybe"])
     with pytest.raises(ValueError, match="buckets"):
         BudgetController((4, 8))
 
@@ -558,3 +566,24 @@ def test_a_new_group_switches_on_its_classs_prior_at_once():
     assert after_greedy(True) == [0] * 8
     slow = after_greedy(False)
     assert slow[0] == 16 and slow[-1] == 0, slow  # the dwell and the confirmations first
+
+
+def test_a_probe_from_plain_decoding_fades_first():
+    """The fade of the plain steps since the last one (every FADE_EVERY) is applied before a
+    probe's round is observed (and before the first round after a stretch at plain decoding):
+    none lands on acceptance newer than the steps it stands for (a helper's review, with the
+    fade every 16 plain steps instead of 4)."""
+    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=40, min_dwell=0)
+    probes = 0
+    for _ in range(400):
+        before = ctl._plain_unfaded
+        mean = ctl.requests["r"].curve[4] if "r" in ctl.requests else None
+        den = mean.den if mean is not None else None
+        b = ctl.choose(["r"])
+        if b and ctl.current == 0 and den is not None:  # a probe from plain decoding
+            probes += 1
+            assert ctl._plain_unfaded == 0
+            assert mean.den == pytest.approx(den * ctl.cfg.plain_decay**before)
+        if b:
+            ctl.observe_round("r", b, [0])  # nothing accepted: plain decoding stays best
+    assert probes >= 5

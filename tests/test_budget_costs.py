@@ -67,6 +67,39 @@ def test_an_overstated_stale_cost_is_tried_and_replaced():
     assert still.cost.estimate(1, 16) == pytest.approx(1.9)
 
 
+def test_a_new_group_does_not_cut_a_cost_trial_short():
+    """A cost trial measures a cost (the device's, whichever requests run its steps): a new
+    group arriving in its dwell, whose prior's best bucket is another one, waits for the
+    dwell instead of switching at once (`new_batch_at_once`; cut short, the cost stayed stale
+    and the trial's mark blocked another for `cost_fresh_steps` decisions: a helper's review)."""
+    true = {**CALIBRATED, 16: 1.32}
+    ctl = calibrated(min_dwell=6)
+    run, last, rid = 0, None, "r"
+    for _ in range(200):
+        trials = ctl.cost_trials
+        b = ctl.choose([rid])
+        if b:
+            ctl.observe_round(rid, b, path_for(ACCEPTED, b))
+        run, last = (run + 1 if b == last else 1), b
+        if run >= 3:
+            ctl.observe_step(1, b, true[b])
+        if ctl.cost_trials > trials:
+            break
+    assert ctl.cost_trials == 1 and ctl.current == 16
+    assert ctl.rate(["x"], 8) > 1.05 * ctl.rate(["x"], 16)  # a new request's prior: 8 best
+    ctl.forget(rid)
+    rid, dwell = "new", []
+    for _ in range(ctl.cfg.min_dwell):
+        b = ctl.choose([rid])
+        dwell.append(b)
+        ctl.observe_round(rid, b, path_for(ACCEPTED, b))
+        run, last = (run + 1 if b == last else 1), b
+        if run >= 3:
+            ctl.observe_step(1, b, true[b])
+    assert dwell == [16] * ctl.cfg.min_dwell
+    assert ctl.cost.estimate(1, 16) == pytest.approx(1.32)  # measured: the trial did its job
+
+
 def test_an_accurate_cost_costs_one_short_trial_per_window():
     ctl = calibrated(min_dwell=4, cost_fresh_steps=100)
     chosen = serve(ctl, CALIBRATED, 300)

@@ -4,6 +4,7 @@ dataclass, validated at construction, each error naming the knob."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -65,7 +66,7 @@ class ControllerConfig:
             )
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")
-        if self.explore_far_factor < 1.0:
+        if not 1.0 <= self.explore_far_factor < math.inf:  # (nan fails too)
             raise ValueError(f"explore_far_factor: expected >= 1, got {self.explore_far_factor}")
         if self.cost_fresh_steps < 1:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
@@ -91,8 +92,15 @@ class ControllerConfig:
                 raise ValueError(f"controller setting {kv!r}: expected KNOB=VALUE with a "
                                  f"ControllerConfig knob")  # fmt: skip
             kind = type(getattr(self, name))
+            if kind is bool:  # anything else is a typo, not False
+                flags = {"1": True, "true": True, "on": True, "yes": True,
+                         "0": False, "false": False, "off": False, "no": False}  # fmt: skip
+                if value.lower() not in flags:
+                    raise ValueError(f"{name}: expected true or false, got {value!r}")
+                knobs[name] = flags[value.lower()]
+                continue
             try:
-                knobs[name] = value.lower() in ("1", "true") if kind is bool else kind(value)
+                knobs[name] = kind(value)
             except ValueError:
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {value!r}") from None
         return dataclasses.replace(self, **knobs)

@@ -205,6 +205,7 @@ class BudgetController:
         self.cost_trials = 0
         self.accept_trials = 0
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
+        self._cost_trial_at: int | None = None  # the decision a cost trial started at
         self.requests: dict[str, _Request] = {}
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
         # it is the request's, not something learnt)
@@ -374,17 +375,25 @@ class BudgetController:
         far = self.current == 0 and not pays
         if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up,
                                                                            far)):  # fmt: skip
-            self._probed()
+            self._probed(far)
             self._plain_probes += self.current == 0
+            self._fade_pending(request_ids)  # before the probe's round is observed
             return self._count(up)  # one step at the probe's budget; `current` stays
         if self.current == 0 and self.cfg.plain_decay < 1.0:
             self._plain_unfaded += 1
             if self._plain_unfaded >= FADE_EVERY:
-                self._fade(request_ids, self.cfg.plain_decay**self._plain_unfaded)
-                self._plain_unfaded = 0
-        elif self.current:  # a stretch at plain ended: its last steps' fade is dropped, not
-            self._plain_unfaded = 0  # applied later over the rounds' newer acceptance
+                self._fade_pending(request_ids)
+        elif self.current:  # a stretch at plain ended: its last steps' fade now, before the
+            self._fade_pending(request_ids)  # rounds' newer acceptance is observed
         return self._count(self.current)
+
+    def _fade_pending(self, request_ids: list[str]) -> None:
+        """The fade of the plain steps since the last one, applied now (every FADE_EVERY plain
+        steps, and before a round: a probe's, or the first after a stretch at plain decoding,
+        so no fade lands on acceptance newer than the steps it stands for)."""
+        if self._plain_unfaded:
+            self._fade(request_ids, self.cfg.plain_decay**self._plain_unfaded)
+            self._plain_unfaded = 0
 
     def _decide(self, request_ids: list[str]) -> dict[int, float | None]:
         """Every bucket's rate, then the switch, trial and judgement rules (which may move
@@ -411,9 +420,10 @@ class BudgetController:
                 # a batch of requests none of which has rounds of its own (a new group) is
                 # judged on its class's prior alone: the dwell and the confirmation guard a
                 # budget chosen on these requests' own noisy rounds, which it has none of
-                at_once = self.cfg.new_batch_at_once and not any(
-                    rid in self.requests for rid in request_ids
-                )
+                # (not inside a cost trial's dwell: its steps measure a cost, the device's,
+                # whichever requests run them)
+                at_once = (self.cfg.new_batch_at_once and not self._cost_trial_dwell()
+                           and not any(rid in self.requests for rid in request_ids))  # fmt: skip
                 self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids),
                                at_once)  # fmt: skip
             if self.current == cur:
@@ -423,6 +433,16 @@ class BudgetController:
                 # trial's dwell to one round
                 self._accept_trial(request_ids, rates[cur])
         return rates
+
+    def _cost_trial_dwell(self) -> bool:
+        """Whether a cost trial is in its dwell (at the bucket it moved to, under min_dwell
+        steps)."""
+        at = self._cost_trial_at
+        return (
+            at is not None
+            and self.since_switch < self.cfg.min_dwell
+            and (self.step_index - at <= self.cfg.min_dwell)
+        )
 
     def _arrival_pays(self, rates: dict[int, float | None]) -> bool:
         """Whether requests without rounds of their own restart the probe interval: always
@@ -479,9 +499,11 @@ class BudgetController:
         cap = self.cfg.explore_max * (self.cfg.explore_far_factor if far else 1.0)
         return self.since_explore >= min(cap, self._explore_interval * ratio)
 
-    def _probed(self) -> None:
+    def _probed(self, far: bool = False) -> None:
+        """A probe ran: the interval doubles while probes change nothing (up to `_explore_due`'s
+        cap: `explore_max`, times `explore_far_factor` when `far`), else starts over."""
         if self.explorations and self.switches == self._switches_at_probe:  # changed nothing
-            top = self.cfg.explore_max * self.cfg.explore_far_factor
+            top = self.cfg.explore_max * (self.cfg.explore_far_factor if far else 1.0)
             self._explore_interval = min(2 * self._explore_interval, top)
         else:
             self._explore_interval = float(self.cfg.explore_every)
@@ -511,6 +533,9 @@ class BudgetController:
         first = self.switches == 0  # leaving the start: one round has measured every budget
         if first or at_once or (wins >= self.cfg.confirm
                                 and self.since_switch >= self.cfg.min_dwell):  # fmt: skip
+            # an acceptance trial still in its dwell (only `at_once` switches there) is over:
+            # judged later it would move this group back to the bucket it left
+            self._trial_from = None
             self.current, self._pending = best, None
             self.since_switch = 0
             self.switches += 1
@@ -552,6 +577,7 @@ class BudgetController:
                     self._bursts.tried(self.cost, n, nearest, fresh)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
                     self.current, self._pending, self.since_switch = nearest, None, 0
+                    self._cost_trial_at = self.step_index
                     self.switches += 1
                     self.cost_trials += 1
                     return
