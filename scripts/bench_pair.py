@@ -336,6 +336,23 @@ def run_speed(args, block: int) -> list[dict]:
     return rows
 
 
+_COUNTERS = ("switches", "explorations", "cost_trials", "accept_trials")
+
+
+def _decision_counts(llm: LLM) -> dict[str, int] | None:
+    """The adaptive controller's cumulative counters (None: no controller)."""
+    ctl = llm.controller
+    return None if ctl is None else {k: getattr(ctl, k) for k in _COUNTERS}
+
+
+def _pass_decisions(llm: LLM, before: dict[str, int]) -> dict:
+    """One pass of an adaptive engine: its steps by budget (reset at each pass's start) and
+    how many switches, probes and trials it made."""
+    ctl = llm.controller
+    out = {"steps_by_budget": {b: c for b, c in ctl.steps_by_budget.items() if c}}
+    return out | {k: getattr(ctl, k) - before[k] for k in _COUNTERS}
+
+
 def run_speed_interleaved(args, block: int) -> list[dict]:
     """Every engine alive at once; each pass runs every config back to back (the order rotated
     per pass), so a slow stretch of the machine hits all configs alike. Per config: the median
@@ -351,15 +368,19 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
     for text, (prompts, temp) in texts.items():
         for b in batches:
             secs = {c[0]: [] for c in cfgs}
+            passes = {c[0]: [] for c in cfgs}  # an adaptive engine's decisions, pass by pass
             last = {}
             pairs = list(zip(cfgs, engines, strict=True))
             for p in range(args.repeat):
                 k = p % len(pairs)  # each pass starts one config later
                 for (name, *_), llm in pairs[k:] + pairs[:k]:
+                    before = _decision_counts(llm)
                     outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
                                                 CLOCKS[args.clock], args.queue, temp)  # fmt: skip
                     secs[name].append(s_)
                     last[name] = (outs, occupancy)
+                    if before is not None:
+                        passes[name].append(_pass_decisions(llm, before))
             plain_name = cfgs[0][0]
             plain_outs = last[plain_name][0]
             for (name, *_), llm in zip(cfgs, engines, strict=True):
@@ -370,6 +391,8 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
                              prompts)  # fmt: skip
                 toks = r["tokens"]
                 r["passes_tokens_per_s"] = [round(toks / x, 1) for x in secs[name]]
+                if passes[name]:  # the median pass's speed may come from another pass's
+                    r["passes_decisions"] = passes[name]  # budgets than the last pass's
                 r["speedup_vs_plain"] = round(
                     statistics.median(
                         [q / x for q, x in zip(secs[plain_name], secs[name], strict=True)]

@@ -33,6 +33,15 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
     greedy_spec = [r for r in rows if r["text"] != "prose-sampled" and r["config"] != "none"]
     assert greedy_spec and all(r["identical_to_plain"] for r in greedy_spec)
     assert not any("identical_to_plain" in r for r in rows if r["text"] == "prose-sampled")
+    for r in rows:  # an adaptive engine's decisions per pass (the median's may not be the last)
+        if "adaptive" in r["config"]:
+            passes = r["passes_decisions"]
+            assert len(passes) == 2 and all(p["cost_trials"] >= 0 for p in passes)
+            assert [sum(p["steps_by_budget"].values()) for p in passes][-1] == sum(
+                r["steps_by_budget"].values()
+            )  # the last pass's: the row's own
+        else:
+            assert "passes_decisions" not in r
     sampled_dd = next(r for r in rows if r["text"] == "prose-sampled"
                       and r["config"] == "DDTREE(dflash) b=8")  # fmt: skip
     # T=1 on prose: the tiny drafter accepts little (it does predict greedy prose: ~4 tokens)
