@@ -118,6 +118,8 @@ def test_serve_adaptive_needs_ddtree(capsys):
         (["--speculative-controller", "nope=1"], "nope=1"),
         (["--speculative-controller", "plain_margin=lots"], "plain_margin"),
         (["--speculative-controller", "plain_halflife=0"], "plain_halflife"),
+        (["--speculative-controller", "new_batch_at_once=maybe"], "new_batch_at_once"),
+        (["--speculative-controller", "explore_far_factor=nan"], "explore_far_factor"),
         (["--no-speculative-adaptive", "--speculative-controller", "plain_margin=1"],
          "adaptive"),
     ],
