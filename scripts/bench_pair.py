@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -109,8 +110,9 @@ def speed_texts(args) -> dict[str, tuple[list[str], float]]:
 
 
 def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
-          clock=time.perf_counter, queue: bool = False,
-          temperature: float = 0.0) -> tuple[list, float, float]:  # fmt: skip
+          clock=time.perf_counter, queue: bool = False, temperature: float = 0.0,
+          at_pass_start: Callable[[], None] | None = None,
+          ) -> tuple[list, float, float]:  # fmt: skip
     """Greedy outputs (or, at `temperature` > 0, seeded samples) of all prompts, at most
     `batch` running at once, the seconds it took (the best of `repeat` passes: host-bound steps
     jitter; each pass starts with fresh requests) and the batch occupancy (running requests per
@@ -120,7 +122,8 @@ def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
     finished, as a fixed-size batch job. Speculation makes requests of equal length finish at
     different steps, so a group's last steps run part-empty (plain decoding's never do): the
     occupancy says how much. `queue`: a new prompt joins as soon as one finishes (a server's
-    continuous batching); the batch then stays full until the prompts run out. Spec stats are
+    continuous batching); the batch then stays full until the prompts run out.
+    `at_pass_start`: called as each timed pass starts, after the warm-up. Spec stats are
     those of the last pass."""
     sp = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True,
                         seed=2026 if temperature else None)  # fmt: skip
@@ -129,6 +132,8 @@ def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
     best, occupancy = float("inf"), 1.0
     for _ in range(repeat):
         llm.reset_stats()  # counters of this pass only (steps per budget included)
+        if at_pass_start is not None:  # after the warm-up generate: the pass's own decisions
+            at_pass_start()
         sync()
         t0 = clock()
         seqs, running, steps, busy = [None] * len(prompts), [], 0, 0
@@ -374,12 +379,17 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
             for p in range(args.repeat):
                 k = p % len(pairs)  # each pass starts one config later
                 for (name, *_), llm in pairs[k:] + pairs[:k]:
-                    before = _decision_counts(llm)
+                    before: dict[str, int] = {}  # the controller's counters at the pass's start
+
+                    def mark(llm=llm, before=before) -> None:
+                        before.update(_decision_counts(llm) or {})
+
                     outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
-                                                CLOCKS[args.clock], args.queue, temp)  # fmt: skip
+                                                CLOCKS[args.clock], args.queue, temp,
+                                                mark)  # fmt: skip
                     secs[name].append(s_)
                     last[name] = (outs, occupancy)
-                    if before is not None:
+                    if before:
                         passes[name].append(_pass_decisions(llm, before))
             plain_name = cfgs[0][0]
             plain_outs = last[plain_name][0]

@@ -44,6 +44,12 @@ NEW_DRAFTER = "set4"
 # Seconds per step at batch 1 (H200): plain decoding launched ahead (0.200 ms, e6a3f84), read
 # first (0.282 ms, cac6562), the tenth session's served table (0.404 ms); rounds as served.
 ROUNDS = {4: 0.00042, 8: 0.000438, 16: 0.000461, 32: 0.000506, 64: 0.000573}
+# H200 (45a5d34, thirty-eighth session), the DFlash engine's calibrated step costs at 1 and 8
+# requests (bench_pair's adaptive rows), seconds
+H200_BATCH = {
+    1: {0: 0.000156, 4: 0.000418, 8: 0.000435, 16: 0.000461, 32: 0.000495, 64: 0.000609},
+    8: {0: 0.000233, 4: 0.000476, 8: 0.000537, 16: 0.000594, 32: 0.000627, 64: 0.000792},
+}
 COSTS = {
     "plain0.20": {0: 0.000200, **ROUNDS},
     "plain0.20-free-switch": {0: 0.000200, **ROUNDS},
@@ -53,7 +59,7 @@ COSTS = {
     # (step_kinds), rounds as the controller measured them
     "h100": {0: 0.000175, 4: 0.000422, 8: 0.000462, 16: 0.000481, 32: 0.000536, 64: 0.000637},
     # H200 (45a5d34, thirty-eighth session): the DFlash engine's calibrated medians at b=1
-    "h200": {0: 0.000156, 4: 0.000418, 8: 0.000435, 16: 0.000461, 32: 0.000495, 64: 0.000609},
+    "h200": H200_BATCH[1],
 }
 # A plain <-> rounds switch: the step before it is read first (plain decoding launched ahead:
 # 0.2005 ms a step, read first 0.291); before e6a3f84 plain steps were read first anyway.
@@ -133,14 +139,6 @@ def evaluate(cfg: ControllerConfig) -> dict:
             "groups_code_min": min(v for k, v in grouped.items() if k.endswith("code")),
             "groups_unpredictable_min": min(v for k, v in grouped.items()
                                             if k.endswith("unpredictable"))}  # fmt: skip
-
-
-# H200 (45a5d34, thirty-eighth session), the DFlash engine's calibrated step costs at 1 and 8
-# requests (bench_pair's adaptive rows), seconds
-H200_BATCH = {
-    1: {0: 0.000156, 4: 0.000418, 8: 0.000435, 16: 0.000461, 32: 0.000495, 64: 0.000609},
-    8: {0: 0.000233, 4: 0.000476, 8: 0.000537, 16: 0.000594, 32: 0.000627, 64: 0.000792},
-}
 
 
 def groups(cfg: ControllerConfig) -> dict[str, float]:

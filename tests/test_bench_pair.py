@@ -36,7 +36,11 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
     for r in rows:  # an adaptive engine's decisions per pass (the median's may not be the last)
         if "adaptive" in r["config"]:
             passes = r["passes_decisions"]
-            assert len(passes) == 2 and all(p["cost_trials"] >= 0 for p in passes)
+            assert len(passes) == 2
+            for k in ("switches", "explorations", "cost_trials", "accept_trials"):
+                # per pass, not cumulative (the engine's running total), never negative
+                assert all(p[k] >= 0 for p in passes)
+                assert sum(p[k] for p in passes) <= r["controller"][k], (k, passes)
             assert [sum(p["steps_by_budget"].values()) for p in passes][-1] == sum(
                 r["steps_by_budget"].values()
             )  # the last pass's: the row's own

@@ -300,6 +300,9 @@ def test_bad_config_is_a_value_error():
     assert cfg.with_settings(["new_batch_at_once=yes"]).new_batch_at_once is True
     with pytest.raises(ValueError, match="new_batch_at_once: expected true or false"):
         cfg.with_settings(["new_batch_at_once=maybe"])
+    for knob in ("plain_margin=nan", "switch_margin=inf", "prior_rounds=-inf"):  # pass `<` checks
+        with pytest.raises(ValueError, match=f"{knob.split('=')[0]}: expected a finite number"):
+            cfg.with_settings([knob])
     with pytest.raises(ValueError, match="buckets"):
         BudgetController((4, 8))
 

@@ -37,12 +37,12 @@ def test_step_kinds_rows_and_the_rounds_profile(tmp_path: Path) -> None:
     assert "cumulative" in text  # pstats' header: each kind's functions, by cumulative time
 
 
-def test_step_profiles_keep_each_step_by_kind(tmp_path: Path) -> None:
+def test_step_profiles_keep_each_step_by_kind(tmp_path: Path, monkeypatch) -> None:
     """A round's profile, the next step's ("after round") and other plain steps' go apart;
     prefills are left out."""
     import cProfile
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from step_kinds import StepProfiles
 
     profiles, trace = StepProfiles(), []

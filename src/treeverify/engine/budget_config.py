@@ -67,7 +67,9 @@ class ControllerConfig:
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")
         if not 1.0 <= self.explore_far_factor < math.inf:  # (nan fails too)
-            raise ValueError(f"explore_far_factor: expected >= 1, got {self.explore_far_factor}")
+            raise ValueError(
+                f"explore_far_factor: expected a finite number >= 1, got {self.explore_far_factor}"
+            )
         if self.cost_fresh_steps < 1:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.accept_evidence < 0 or self.accept_optimism < 0:
@@ -103,4 +105,6 @@ class ControllerConfig:
                 knobs[name] = kind(value)
             except ValueError:
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {value!r}") from None
+            if kind is float and not math.isfinite(knobs[name]):  # nan passes every `<` check
+                raise ValueError(f"{name}: expected a finite number, got {value!r}")
         return dataclasses.replace(self, **knobs)
