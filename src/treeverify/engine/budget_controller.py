@@ -435,14 +435,9 @@ class BudgetController:
         return rates
 
     def _cost_trial_dwell(self) -> bool:
-        """Whether a cost trial is in its dwell (at the bucket it moved to, under min_dwell
-        steps)."""
+        """Whether a cost trial is in its dwell (under min_dwell decisions since it moved)."""
         at = self._cost_trial_at
-        return (
-            at is not None
-            and self.since_switch < self.cfg.min_dwell
-            and (self.step_index - at <= self.cfg.min_dwell)
-        )
+        return at is not None and self.step_index - at < self.cfg.min_dwell
 
     def _arrival_pays(self, rates: dict[int, float | None]) -> bool:
         """Whether requests without rounds of their own restart the probe interval: always
@@ -496,15 +491,17 @@ class BudgetController:
         rate far below plain decoding's, as on sampled text no drafter predicts)."""
         here, there = self.cost.estimate(n, self.current), self.cost.estimate(n, up)
         ratio = max(1.0, there / here) if here and there else 1.0
-        cap = self.cfg.explore_max * (self.cfg.explore_far_factor if far else 1.0)
-        return self.since_explore >= min(cap, self._explore_interval * ratio)
+        return self.since_explore >= min(self._explore_cap(far), self._explore_interval * ratio)
+
+    def _explore_cap(self, far: bool) -> float:
+        """The most steps between probes: `explore_max`, times `explore_far_factor` when far."""
+        return self.cfg.explore_max * (self.cfg.explore_far_factor if far else 1.0)
 
     def _probed(self, far: bool = False) -> None:
         """A probe ran: the interval doubles while probes change nothing (up to `_explore_due`'s
         cap: `explore_max`, times `explore_far_factor` when `far`), else starts over."""
         if self.explorations and self.switches == self._switches_at_probe:  # changed nothing
-            top = self.cfg.explore_max * (self.cfg.explore_far_factor if far else 1.0)
-            self._explore_interval = min(2 * self._explore_interval, top)
+            self._explore_interval = min(2 * self._explore_interval, self._explore_cap(far))
         else:
             self._explore_interval = float(self.cfg.explore_every)
         self._switches_at_probe = self.switches
