@@ -3,28 +3,31 @@
 costs from the H200's b=8 table, rounds at the probes. At b=8 a step is host-bound on the GPU,
 so every microsecond here is one of the step's.
 
-    PYTHONPATH=src python3 scripts/controller_cost.py [--requests 8] [--steps 20000]
+    PYTHONPATH=src python3 scripts/controller_cost.py [--requests 1,8] [--steps 20000]
+        [--repeat 2] [--json F] [--label L]  (L: whose controller PYTHONPATH holds, for the rows)
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 
-from treeverify.engine.budget_controller import SAMPLED, BudgetController, budget_buckets
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from raw_json import write_rows  # noqa: E402
+
+from treeverify.engine.budget_controller import SAMPLED, BudgetController, budget_buckets  # noqa: E402
 
 # H200 (45a5d34, thirty-eighth session): the DFlash engine's step costs at 8 requests, seconds
 COSTS = {0: 224e-6, 4: 441e-6, 8: 537e-6, 16: 589e-6, 32: 586e-6, 64: 739e-6}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--accept", type=float, default=0.3, help="chance a round accepts a draft")
-    args = ap.parse_args()
-    n, rng = args.requests, random.Random(0)
+def run(n: int, steps: int, accept: float) -> tuple[float, dict[int, int]]:
+    """us a step (choose + observe_step) for n requests held at plain decoding, and the budgets
+    chosen."""
+    rng = random.Random(0)
     ctl = BudgetController(budget_buckets(max(COSTS)))
     for b, c in COSTS.items():
         for _ in range(ctl.cfg.cost_window):
@@ -33,7 +36,7 @@ def main() -> int:
 
     def a_round(budget: int) -> None:
         for rid in ids:
-            ctl.observe_round(rid, budget, [0, 1] if rng.random() < args.accept else [0])
+            ctl.observe_round(rid, budget, [0, 1] if rng.random() < accept else [0])
 
     for rid in ids:
         ctl.note_request(rid, SAMPLED)
@@ -41,14 +44,36 @@ def main() -> int:
         a_round(max(COSTS))
     budgets: dict[int, int] = {}
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         b = ctl.choose(ids)
         budgets[b] = budgets.get(b, 0) + 1
         ctl.observe_step(n, b, COSTS[b] * rng.uniform(0.95, 1.05))
         if b:
             a_round(b)
-    us = (time.perf_counter() - t0) / args.steps * 1e6
-    print(f"{n} requests: {us:.1f} us a step (choose + observe_step); steps by budget {budgets}")
+    return (time.perf_counter() - t0) / steps * 1e6, budgets
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", default="1,8", help="comma list of batch sizes")
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--repeat", type=int, default=2, help="runs per batch size")
+    ap.add_argument("--accept", type=float, default=0.3, help="chance a round accepts a draft")
+    ap.add_argument("--label", default="", help="whose controller this is (kept in the rows)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = []
+    for n in (int(x) for x in args.requests.split(",")):
+        for _ in range(args.repeat):
+            us, budgets = run(n, args.steps, args.accept)
+            rows.append({"label": args.label, "requests": n, "us_per_step": round(us, 2),
+                         "steps_by_budget": budgets})  # fmt: skip
+            print(
+                f"{n} requests: {us:.1f} us a step (choose + observe_step); "
+                f"steps by budget {budgets}"
+            )
+    if args.json:
+        write_rows(args.json, "controller_cost.py", None, rows)
     return 0
 
 
