@@ -107,8 +107,8 @@ TRIAL_CHECK_EVERY = 4
 # Plain steps between fades of the requests' own acceptance (plain_decay each): a fade voids
 # every request's cached sums, which the next full decision recomputes (at 8 requests ~2/3 of
 # the controller's Python a plain step with 4); the replay suite's every row is the same at 4,
-# 8 and 16 (thirty-eighth session), and at 16 a plain step's decision at 8 requests took 10.8
-# us against 14.8 (CPU, scripts/controller_cost.py, with the arrival check cached too)
+# 8 and 16 (thirty-eighth session), and at 16 a plain step's decision at 8 requests took
+# 10.6-10.7 us against 14.4 (CPU, scripts/controller_cost.py, with the arrival check cached too)
 FADE_EVERY = 16
 
 
