@@ -94,7 +94,7 @@ def test_hybrid_probes_from_plain_alternate_the_best_rated_bucket_and_the_top():
     ctl = synthetic(costs, min_dwell=1, explore_every=1, explore_max=1)
     ctl.current, ctl.switches = 4, 1
     ctl.observe_round("r", 16, path_for({4: 3, 8: 3, 16: 3}, 16))
-    assert {ctl._probe_target({b: 1.0 for b in costs})} == {8}  # one up from 4
+    assert {ctl.probes.target(ctl, {b: 1.0 for b in costs})} == {8}  # one up from 4
 
 
 @pytest.mark.parametrize(("probe", "ends_at"), [("top", 16), ("up", 0), ("hybrid", 16)])
@@ -338,12 +338,12 @@ def test_probes_back_off_scale_with_cost_and_restart_for_new_requests(factor, fa
     gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
     assert gaps and all(g == gap for g in gaps), gaps  # backed off to the cap
     ctl.observe_round("r", 4, [0])
-    ctl.since_explore = 0  # as right after a probe
+    ctl.probes.since = 0  # as right after a probe
     chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2?
     assert (4 in chosen[:9]) == restarts
     # a request of a class never measured has no prior: the interval restarts
     ctl.note_request("s", "sampled")
-    ctl.since_explore = 0
+    ctl.probes.since = 0
     assert 4 in feed(ctl, "s", {4: 0}, 12)[:9]
 
 

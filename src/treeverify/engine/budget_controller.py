@@ -45,7 +45,7 @@ hold it there once the engine's recent rounds say otherwise (docs/ddtree.md: at 
 The interval is `explore_every` steps times cost(probe) / cost(current) (a probe that costs 4
 plain steps comes 4x less often), doubled after each probe that changed nothing, up to
 `explore_max` steps, and back to the start when a request without its own measurements joins
-(new text, maybe predictable).
+(new text, maybe predictable): engine/budget_probes.py.
 
 Stale costs: a cost the controller does not run is not re-measured (a probe is one step, never a
 steady overlapped one), so a calibration that overstated it would hold forever: on the H200 the
@@ -94,6 +94,7 @@ from dataclasses import dataclass, field
 
 from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_costs import CostModel
+from treeverify.engine.budget_probes import Probes
 from treeverify.engine.cost_bursts import BurstGaps, BurstHold
 from treeverify.engine.plain_trials import PlainTrials
 
@@ -213,7 +214,7 @@ class BudgetController:
         # (request ids, rates) of the last full decision while at plain decoding: reused by
         # the decisions between full ones (`_decide`); None after anything that moves them
         # whether some of those requests had no rounds of their own, and whether some bucket
-        # came near plain's rate (`_arrival_pays`; no round is observed at plain decoding, so
+        # came near plain's rate (`Probes.near_plain`; no round is observed at plain decoding, so
         # none of these moves until the requests change)
         self._plain_rates: tuple[tuple[str, ...], dict[int, float | None], bool, bool] | None = None
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
@@ -221,17 +222,13 @@ class BudgetController:
         self._accept_sums: dict[tuple[str, ...], list[float | None]] = {}
         self.current = self.buckets[-1]  # start at the top: one round measures every budget
         self.since_switch = 0
-        self.since_explore = 0
-        self._explore_interval = float(self.cfg.explore_every)  # before the cost ratio
-        self._switches_at_probe = 0
+        self.probes = Probes(self.cfg.explore_every)  # exploration (engine/budget_probes.py)
         self._pending: tuple[int, int] | None = None  # (candidate, consecutive wins)
         self._plain_wins = 0
         self._hold = BurstHold()  # plain decoding held through a burst of its own cost
-        self._plain_probes = 0  # probes made from plain decoding (hybrid alternates their target)
         self._plain_unfaded = 0  # plain steps since the last fade
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
-        self.explorations = 0
 
     def use_path(self, path: str) -> None:
         """Make `path`'s table the one decisions read (`cost`, `_tried`: (n, budget) -> step
@@ -343,6 +340,11 @@ class BudgetController:
         total = sums[bisect.bisect_right(self.buckets, budget) - 1]  # the bucket B falls in
         return None if total is None else total / cost
 
+    @property
+    def explorations(self) -> int:
+        """Probes made since the last reset."""
+        return self.probes.count
+
     # ---- the decision --------------------------------------------------------------------------
     def choose(self, request_ids: list[str], path: str = FAST) -> int:
         """The budget for this step's speculating requests (0: decode them plainly); `path`:
@@ -363,20 +365,19 @@ class BudgetController:
             rates = self._decide(request_ids)
             arrived = any(rid not in self.requests for rid in request_ids)
             # some bucket near plain's rate (read on arrivals, and at plain decoding: `far`)
-            pays = self._arrival_pays(rates) if arrived or self.current == 0 else True
+            pays = Probes.near_plain(self, rates) if arrived or self.current == 0 else True
             self._plain_rates = (ids, rates, arrived, pays) if self.current == 0 else None
         self.since_switch += 1
-        self.since_explore += 1
+        self.probes.since += 1
         if arrived and pays:
-            self._explore_interval = float(self.cfg.explore_every)
-        up = self._probe_target(rates)
+            self.probes.restart(self)
+        up = self.probes.target(self, rates)
         # at plain decoding with every bucket's rate far below plain's (the arrival rule's
         # test): the probes' interval may back off further (explore_far_factor)
         far = self.current == 0 and not pays
-        if up is not None and (rates.get(up) is None or self._explore_due(len(request_ids), up,
-                                                                           far)):  # fmt: skip
-            self._probed(far)
-            self._plain_probes += self.current == 0
+        if up is not None and (rates.get(up) is None
+                               or self.probes.due(self, len(request_ids), up, far)):  # fmt: skip
+            self.probes.probed(self, far)
             self._fade_pending(request_ids)  # before the probe's round is observed
             return self._count(up)  # one step at the probe's budget; `current` stays
         if self.current == 0 and self.cfg.plain_decay < 1.0:
@@ -439,37 +440,6 @@ class BudgetController:
         at = self._cost_trial_at
         return at is not None and self.step_index - at < self.cfg.min_dwell
 
-    def _arrival_pays(self, rates: dict[int, float | None]) -> bool:
-        """Whether requests without rounds of their own restart the probe interval: always
-        (`arrival_probe_factor` 0), else when some bucket's rate on their prior (the engine-wide
-        curve of their class) is within that factor of plain decoding's, or unknown."""
-        factor = self.cfg.arrival_probe_factor
-        plain = rates.get(0)
-        if not factor or plain is None:
-            return True
-        rounds = [r for b, r in rates.items() if b]
-        return any(r is None for r in rounds) or max(rounds) >= factor * plain
-
-    def _probe_target(self, rates: dict[int, float | None]) -> int | None:
-        """The bucket a probe would run at (None at the largest bucket: nothing above it).
-        "hybrid" from plain decoding: in turns, the speculating bucket of best estimated rate
-        (what a switch would go to; the same round measures every bucket below it, at less
-        than the top's cost) and the largest (the gains only a large tree sees); elsewhere one
-        bucket up. CPU suite against the largest every time: unpredictable text 0.959 ->
-        0.963x plain, code after it 1.27x -> 1.44x, predictable rows unchanged (docs/ddtree.md).
-        "top": always the largest; "up": always one up."""
-        i = self.buckets.index(self.current)
-        if i + 1 >= len(self.buckets):
-            return None
-        if self.cfg.probe == "top":
-            return self.buckets[-1]
-        if self.cfg.probe == "hybrid" and self.current == 0:
-            known = {b: r for b, r in rates.items() if b and r is not None}
-            if self._plain_probes % 2 or not known:
-                return self.buckets[-1]
-            return max(known, key=lambda b: (known[b], -b))
-        return self.buckets[i + 1]
-
     def _fade(self, request_ids: list[str], d: float) -> None:
         """A plain step measures no acceptance: the requests' own estimates lose weight
         (`plain_decay` a step) toward the engine-wide curve, so a dip that sent a request to
@@ -484,29 +454,6 @@ class BudgetController:
                     mean.num *= d
                     mean.den *= d
         self._accept_sums.clear()
-
-    def _explore_due(self, n: int, up: int, far: bool = False) -> bool:
-        """Whether a probe is due: the interval times the probe's cost against a step here,
-        at most `explore_max` steps (times `explore_far_factor` when `far`: every bucket's
-        rate far below plain decoding's, as on sampled text no drafter predicts)."""
-        here, there = self.cost.estimate(n, self.current), self.cost.estimate(n, up)
-        ratio = max(1.0, there / here) if here and there else 1.0
-        return self.since_explore >= min(self._explore_cap(far), self._explore_interval * ratio)
-
-    def _explore_cap(self, far: bool) -> float:
-        """The most steps between probes: `explore_max`, times `explore_far_factor` when far."""
-        return self.cfg.explore_max * (self.cfg.explore_far_factor if far else 1.0)
-
-    def _probed(self, far: bool = False) -> None:
-        """A probe ran: the interval doubles while probes change nothing (up to `_explore_due`'s
-        cap: `explore_max`, times `explore_far_factor` when `far`), else starts over."""
-        if self.explorations and self.switches == self._switches_at_probe:  # changed nothing
-            self._explore_interval = min(2 * self._explore_interval, self._explore_cap(far))
-        else:
-            self._explore_interval = float(self.cfg.explore_every)
-        self._switches_at_probe = self.switches
-        self.since_explore = 0
-        self.explorations += 1
 
     def _consider(self, best: int, best_rate: float, cur_rate: float, plain_rate: float | None,
                   n: int, at_once: bool = False) -> None:  # fmt: skip
@@ -684,7 +631,7 @@ class BudgetController:
             "current": self.current,
             "steps_by_budget": {str(b): c for b, c in sorted(self.steps_by_budget.items())},
             "switches": self.switches,
-            "explorations": self.explorations,
+            "explorations": self.explorations,  # probes
             "cost_trials": self.cost_trials,
             "accept_trials": self.accept_trials,
             # bursts of slow host steps (docs/ddtree.md): decisions held at plain decoding, and

@@ -1,0 +1,91 @@
+"""Exploration for the adaptive controller (engine/budget_controller.py, "Exploration"): which
+bucket a probe runs at, when one is due, and how the interval between probes backs off. A
+helper of the controller, as plain_trials.py and cost_bursts.py are; its methods read the
+controller's config, buckets, costs and switch count. Torch-free.
+
+The interval is `explore_every` decisions times cost(probe) / cost(current), doubled after each
+probe that changed nothing, up to `explore_max` (times `explore_far_factor` at plain decoding
+while no bucket's rate comes within `arrival_probe_factor` of plain decoding's), and back to
+`explore_every` when a request without rounds of its own joins and its class's prior says a
+bucket may pay (`near_plain`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treeverify.engine.budget_controller import BudgetController
+
+
+class Probes:
+    def __init__(self, explore_every: int) -> None:
+        self.since = 0  # decisions since the last probe
+        self.interval = float(explore_every)  # decisions between probes, before the cost ratio
+        self.count = 0  # probes made (/server_info's `explorations`)
+        self.from_plain = 0  # probes made from plain decoding (hybrid alternates their target)
+        self._switches_at_probe = 0
+
+    def restart(self, c: BudgetController) -> None:
+        """Back to the shortest interval (a request that may be predictable joined)."""
+        self.interval = float(c.cfg.explore_every)
+
+    @staticmethod
+    def near_plain(c: BudgetController, rates: dict[int, float | None]) -> bool:
+        """Whether some bucket's rate comes within `arrival_probe_factor` of plain decoding's,
+        or is unknown (always, at factor 0): requests without rounds of their own restart the
+        interval only then (their rates are their class's prior), and far from it, at plain
+        decoding, the interval backs off further."""
+        factor = c.cfg.arrival_probe_factor
+        plain = rates.get(0)
+        if not factor or plain is None:
+            return True
+        rounds = [r for b, r in rates.items() if b]
+        return any(r is None for r in rounds) or max(rounds) >= factor * plain
+
+    def target(self, c: BudgetController, rates: dict[int, float | None]) -> int | None:
+        """The bucket a probe would run at (None at the largest bucket: nothing above it).
+        "hybrid" from plain decoding: in turns, the speculating bucket of best estimated rate
+        (what a switch would go to; the same round measures every bucket below it, at less
+        than the top's cost) and the largest (the gains only a large tree sees); elsewhere one
+        bucket up. CPU suite against the largest every time: unpredictable text 0.959 ->
+        0.963x plain, code after it 1.27x -> 1.44x, predictable rows unchanged (docs/ddtree.md).
+        "top": always the largest; "up": always one up."""
+        buckets = c.buckets
+        i = buckets.index(c.current)
+        if i + 1 >= len(buckets):
+            return None
+        if c.cfg.probe == "top":
+            return buckets[-1]
+        if c.cfg.probe == "hybrid" and c.current == 0:
+            known = {b: r for b, r in rates.items() if b and r is not None}
+            if self.from_plain % 2 or not known:
+                return buckets[-1]
+            return max(known, key=lambda b: (known[b], -b))
+        return buckets[i + 1]
+
+    def due(self, c: BudgetController, n: int, up: int, far: bool = False) -> bool:
+        """Whether a probe at `up` is due for n requests: the interval times the probe's cost
+        against a step here, at most `cap(far)` decisions."""
+        here, there = c.cost.estimate(n, c.current), c.cost.estimate(n, up)
+        ratio = max(1.0, there / here) if here and there else 1.0
+        return self.since >= min(self.cap(c, far), self.interval * ratio)
+
+    @staticmethod
+    def cap(c: BudgetController, far: bool) -> float:
+        """The most decisions between probes: `explore_max`, times `explore_far_factor` when
+        `far` (every bucket's rate far below plain decoding's, as on sampled text no drafter
+        predicts)."""
+        return c.cfg.explore_max * (c.cfg.explore_far_factor if far else 1.0)
+
+    def probed(self, c: BudgetController, far: bool) -> None:
+        """A probe runs: the interval doubles while probes change nothing (up to `cap(far)`),
+        else starts over."""
+        if self.count and c.switches == self._switches_at_probe:  # changed nothing
+            self.interval = min(2 * self.interval, self.cap(c, far))
+        else:
+            self.interval = float(c.cfg.explore_every)
+        self._switches_at_probe = c.switches
+        self.since = 0
+        self.count += 1
+        self.from_plain += c.current == 0
