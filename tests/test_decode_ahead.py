@@ -150,12 +150,15 @@ def test_ngram_engines_launch_their_plain_steps_ahead():
     assert llm.ahead.ahead_discarded == 0
 
 
-def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows():
+@pytest.mark.parametrize("ring", ["1", "0"], ids=["feed-ring", "copies"])
+def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkeypatch, ring):
     """The drafter conditions on the target's hidden states of every committed token: a plain
     step launched ahead hands it the same rows as one read first (the drafter's context rings
     equal after every step), through switches between plain steps and rounds, and when a
     request other than the last finishes first (the launched step is taken by the others: a
-    pick that is no leading run, its rows gathered)."""
+    pick that is no leading run, its rows gathered). `ring`: the rows go through the context's
+    feed ring as ids (TREEVERIFY_FEED_RING, the default) or as a copy a step."""
+    monkeypatch.setenv("TREEVERIFY_FEED_RING", ring)
     knobs = dict(speculative_algorithm="DDTREE", num_pages=128)  # tiny-code's own DFlash drafter
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
     cycle_budgets(ahead, [0, 0, 0, 16, 0, 0, 8, 0, 0, 0, 0, 0])
@@ -175,6 +178,8 @@ def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows():
                 assert_same_state(ahead, a, first, b, f"step {steps}")
     assert ahead.ahead.ahead_used > 5 and ahead.spec_stats["rounds"] > 0
     assert ahead.ahead.ahead_partial >= 1  # a step taken without one of its requests
+    ring_of = ahead.spec.source.context._ring
+    assert (ring_of is not None and ring_of.writes > 5) == (ring == "1")
 
 
 def test_taken_rows_are_views_for_a_leading_run_and_gathered_otherwise():

@@ -40,6 +40,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   2.7-3.1x faster at b=1 on tiny-code, and with the adaptive controller's step paths it leaves
   sampled rounds that do not pay; docs/performance.md); ``0``: the PyTorch end, sampled steps
   read first and sampled rounds on the general path (A/B runs).
+- ``TREEVERIFY_FEED_RING``: ``1`` (default) has a DFlash engine's plain steps launched ahead
+  copy their tapped hidden rows into one device ring and hand the drafter's context row ids
+  (engine/feed_ring.py: no clone, split or call per request a step); ``0`` keeps a clone a step
+  and a view a request (A/B runs).
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -169,6 +173,9 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_FUSED_DECODE_STEP": "1: a decode step launched ahead and a whole round pick their "
     "tokens in Triton (engine/pick_kernels.py), greedy or sampled: sampled plain steps launched "
     "ahead, sampled rounds whole; default 1; 0: the PyTorch end (A/B).",
+    "TREEVERIFY_FEED_RING": "1: a DFlash engine's plain steps launched ahead copy their tapped "
+    "rows into one device ring and hand the drafter row ids (engine/feed_ring.py); default 1; "
+    "0: a clone a step, a view a request (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -492,6 +499,13 @@ def decode_lookahead() -> bool:
     (measured 1.09-1.45x a decode step at b=1, H200, 2026-12-04); 0 reads every step first. Read
     when an engine is built (EngineConfig.decode_lookahead overrides)."""
     return _switch("TREEVERIFY_DECODE_LOOKAHEAD", "1")
+
+
+def feed_ring() -> bool:
+    """TREEVERIFY_FEED_RING: 1 (default) has a DFlash engine's plain steps launched ahead write
+    their tapped rows into the context's feed ring (engine/feed_ring.py); 0 a clone a step (A/B).
+    Read when an engine is built."""
+    return _switch("TREEVERIFY_FEED_RING", "1")
 
 
 def fused_decode_step() -> bool:

@@ -107,6 +107,9 @@ class DecodeAhead(LaunchAhead):
         self.replays = 0
         self.steady = False  # the last step took a step launched ahead and launched the next
         self.hidden: torch.Tensor | None = None  # the last step's (n, F) tapped rows, its order
+        # with a feed ring (`sink`: DraftContextCache.ring_write): those rows' ids there instead
+        self.sink = None
+        self.hidden_ids: list[int] | None = None
         t0 = time.perf_counter()
         if capture:
             previous = moe_impl("graph") if moe_impl is not None else None
@@ -243,6 +246,8 @@ class DecodeAhead(LaunchAhead):
         tokens = launched.rows(width)
         rows = range(width) if pick is None else pick  # the bucket's padding rows dropped
         self.hidden = None if launched.hidden is None else take_rows(launched.hidden, rows)
+        first = launched.ring_first
+        self.hidden_ids = None if first is None else [first + r for r in rows]
         return tokens if pick is None else [tokens[i] for i in pick]
 
     def _stage(self, b: int):
@@ -255,19 +260,28 @@ class DecodeAhead(LaunchAhead):
         if self.captured:
             graph, tokens, hidden = self.steps[b]
             graph.replay()
-            kept = None if hidden is None else hidden.clone()  # before the next replay's
+            kept, first = self._keep(hidden)  # before the next replay's
             host, done = self._readback[b][self._flip]
             self._flip ^= 1
             host.copy_(tokens, non_blocking=True)
             done.record()
-            return Launched(host, done, kept)
+            return Launched(host, done, kept, first)
         self.graphs.attention.select((b, 1))
         try:
             tokens = self._body(b)
         finally:
             self.graphs.attention.select(None)
-        hidden = getattr(self.graphs.model, "captured", None)  # (b, F) of this forward
-        return Launched(tokens.clone(), None, None if hidden is None else hidden.clone())
+        kept, first = self._keep(getattr(self.graphs.model, "captured", None))  # (b, F)
+        return Launched(tokens.clone(), None, kept, first)
+
+    def _keep(self, hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
+        """A step's tapped rows kept past the next replay: into the feed ring (their first
+        id), or as a clone."""
+        if hidden is None:
+            return None, None
+        if self.sink is not None:
+            return None, self.sink(hidden)
+        return hidden.clone(), None
 
     def takes(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these requests' plain decodes can run here as to their sampling

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeverify.engine.feed_ring import FeedRing
 from treeverify.kernels.staging import to_device
 
 
@@ -52,7 +53,8 @@ class _Context:
     slot: int | None = None  # ring in the store; None: evicted (holds nothing)
     end: int = 0  # one past the last projected position
     count: int = 0  # projected rows held: positions end - count .. end - 1
-    pending: list[torch.Tensor] = field(default_factory=list)  # (rows_i, F) each, in order
+    # in order: (rows_i, F) copies, or runs of row ids in the feed ring (engine/feed_ring.py)
+    pending: list[torch.Tensor | list[int]] = field(default_factory=list)
     pending_rows: int = 0  # sum of the pending chunks' rows (read every step: kept, not summed)
     evicted: bool = False  # lost its ring (and rows): the next chunk may start anywhere
 
@@ -61,9 +63,32 @@ class _Context:
         """One past the last observed position."""
         return self.end + self.pending_rows
 
-    def set_pending(self, chunks: list[torch.Tensor]) -> None:
+    def set_pending(self, chunks: list[torch.Tensor | list[int]]) -> None:
         self.pending = chunks
-        self.pending_rows = sum(c.shape[0] for c in chunks)
+        self.pending_rows = sum(len(c) for c in chunks)  # a tensor's len: its rows
+
+
+def _head(pieces: list, keep: int) -> list:
+    """The first `keep` rows of pending pieces (tensors sliced, id runs cut)."""
+    out = []
+    for p in pieces:
+        if keep <= 0:
+            break
+        out.append(p[:keep])
+        keep -= len(out[-1])
+    return out
+
+
+def _tail(pieces: list, skip: int) -> list:
+    """Pending pieces without their first `skip` rows."""
+    out = []
+    for p in pieces:
+        if skip >= len(p):
+            skip -= len(p)
+            continue
+        out.append(p[skip:])
+        skip = 0
+    return out
 
 
 class DraftContextCache:
@@ -103,6 +128,12 @@ class DraftContextCache:
         # rows the last batch flush left pending (requests without a ring in a fixed store):
         # the next batch flush waits for as many new rows again, not for one more row
         self._pending_left = 0
+        # plain steps launched ahead copy their tapped rows into this ring (`ring_write`) and
+        # hand over row ids (`observe_ring`); None until `enable_ring`
+        self._ring: FeedRing | None = None
+        self._ring_batch = 0  # the largest write `enable_ring` sized the ring for
+        self._ring_floor = 0  # <= every ring id still pending (spilled before a write reaches it)
+        self.ring_spills = 0
 
     # ---- the store -----------------------------------------------------------------------------
     @property
@@ -214,18 +245,112 @@ class DraftContextCache:
         full = ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING
         if full:  # captured: a bucket's rows; the CPU: MAX_PENDING chunks
             self.project([request_id])
+        self._flush_batch()
+
+    def observe_ring(self, items: list[tuple[str, int, int]]) -> None:
+        """One row per (request, position, id in the feed ring) of a plain step launched ahead
+        (`ring_write`), as `observe` would take each row: a step's rows in one call, each kept
+        as an integer until a projection gathers them."""
+        flush = self.flush_rows
+        for request_id, start, row_id in items:
+            ctx = self._ctx.get(request_id)
+            if ctx is None:
+                ctx = self._ctx[request_id] = _Context()
+            else:
+                self._ctx.move_to_end(request_id)
+            if ctx.evicted:
+                ctx.end, ctx.evicted = start, False
+            end = ctx.observed_end
+            if start != end:
+                if start > end:
+                    raise RuntimeError(f"dflash context of {request_id}: {end} rows, "
+                                       f"row starts at {start}")  # fmt: skip
+                self._truncate(ctx, start)
+            self._ring_floor = min(self._ring_floor, row_id)
+            last = ctx.pending[-1] if ctx.pending else None
+            if isinstance(last, list):
+                last.append(row_id)
+            else:
+                ctx.pending.append([row_id])
+            ctx.pending_rows += 1
+            self._pending_total += 1
+            if ctx.pending_rows >= (flush or self.MAX_PENDING):  # the CPU: rows, not chunks
+                self.project([request_id])
+        self._flush_batch()
+
+    def _flush_batch(self) -> None:
+        """Project the batch's pending rows once they fill CHUNKED_REPLAYS - 1 buckets (replays,
+        never one eager call: a request's own rows past a bucket were projected already), and
+        only those of requests that hold a ring (a fixed store would lend one by evicting a
+        request outside this flush, maybe a running one; a preempted request's rows stay
+        pending)."""
+        flush = self.flush_rows
         if flush and self._pending_total - self._pending_left >= (self.CHUNKED_REPLAYS - 1) * flush:
-            # the batch's rows, at most CHUNKED_REPLAYS buckets (replays, never one eager call:
-            # a request's own chunk past a bucket went above), and only those of requests that
-            # hold a ring (a fixed store would lend one by evicting a request outside this
-            # flush, maybe a running one; a preempted request's rows stay pending)
             self.project([r for r, c in self._ctx.items()
                           if c.pending and (c.slot is not None or not self.fixed)])  # fmt: skip
             # what it could not take (ringless requests' rows, each below `flush`): without
             # this every later observe flushed again, a replay a step (a helper's review)
             self._pending_left = self._pending_total
 
-    def _set_pending(self, ctx: _Context, chunks: list[torch.Tensor]) -> None:
+    # ---- the feed ring (engine/feed_ring.py) ---------------------------------------------------
+    def enable_ring(self, max_batch: int) -> None:
+        """Plain steps of up to `max_batch` rows will write through `ring_write` (the ring is
+        made at the first write, on the rows' device and dtype)."""
+        self._ring_batch = max(self._ring_batch, max_batch)
+
+    @property
+    def ring_enabled(self) -> bool:
+        return self._ring_batch > 0
+
+    def _ring_rows(self) -> int:
+        """The ring's size: what the batch flush lets pend (CHUNKED_REPLAYS buckets) plus four
+        of the largest writes (a step launched ahead is written before the one before it is
+        observed); requests without a ring, or the CPU's chunk-counted flushes, may hold more:
+        the guard spills those."""
+        bucket = self.flush_rows or self.MAX_PENDING
+        return self.CHUNKED_REPLAYS * bucket + 4 * self._ring_batch
+
+    def ring_write(self, hidden: torch.Tensor) -> int:
+        """Copy a plain step's (n, F) tapped rows into the feed ring; returns the first row's
+        id. Pending ids the write would overwrite are copied out first (`_spill_ring`)."""
+        n = hidden.shape[0]
+        if n > self._ring_batch:
+            raise RuntimeError(f"DraftContextCache.ring_write: {n} rows, enabled for "
+                               f"{self._ring_batch}")  # fmt: skip
+        if self._ring is None:
+            self._ring = FeedRing(self._ring_rows(), hidden.shape[1], hidden.dtype, hidden.device)
+        ring = self._ring
+        first = ring.start_of(n)
+        if first + n - self._ring_floor > ring.rows:
+            self._spill_ring()
+        return ring.write(hidden, first)
+
+    def _spill_ring(self) -> None:
+        """Every pending run of ring ids copied out of the ring (rare: the batch flush projects
+        rows long before the ring laps; requests without a ring, a CPU run's many requests)."""
+        for ctx in self._ctx.values():
+            if any(isinstance(p, list) for p in ctx.pending):
+                self._set_pending(ctx, [self._materialize(ctx.pending)])
+        self._ring_floor = self._ring.head
+        self.ring_spills += 1
+
+    def _materialize(self, pieces: list) -> torch.Tensor:
+        """(rows, F): pending pieces in order, each run of ring ids (adjacent runs merged, across
+        requests too) in one gather."""
+        parts, run = [], []
+        for p in pieces:
+            if isinstance(p, list):
+                run += p
+                continue
+            if run:
+                parts.append(self._ring.gather(run))
+                run = []
+            parts.append(p)
+        if run:
+            parts.append(self._ring.gather(run))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _set_pending(self, ctx: _Context, chunks: list) -> None:
         """A request's pending chunks replaced (the total across requests kept)."""
         self._pending_total -= ctx.pending_rows
         ctx.set_pending(chunks)
@@ -244,9 +369,7 @@ class DraftContextCache:
 
     def _truncate(self, ctx: _Context, start: int) -> None:
         if start >= ctx.end:  # only pending rows go
-            keep = start - ctx.end
-            joined = torch.cat(ctx.pending)[:keep] if keep else None
-            self._set_pending(ctx, [] if joined is None else [joined])
+            self._set_pending(ctx, _head(ctx.pending, start - ctx.end))
         else:  # projected rows past `start` go (before everything held: all of it)
             ctx.count = max(0, ctx.count - (ctx.end - start))
             ctx.end = start
@@ -262,24 +385,22 @@ class DraftContextCache:
 
     @torch.inference_mode()
     def _project(self, todo: list[tuple[str, _Context]]) -> None:
-        feats, positions, spans = [], [], []
+        pieces, positions, spans = [], [], []
         for _, ctx in todo:
-            rows = torch.cat(ctx.pending) if len(ctx.pending) > 1 else ctx.pending[0]  # (R_i, F)
-            begin = ctx.end
-            skip = max(0, rows.shape[0] - self.width)  # older than any ring keeps
-            if skip:
-                begin, rows = begin + skip, rows[skip:]
-            feats.append(rows)
-            positions.append(torch.arange(begin, begin + rows.shape[0]))
-            spans.append((begin, rows.shape[0]))
-        dev = feats[0].device
+            begin, rows = ctx.end, ctx.pending_rows
+            skip = max(0, rows - self.width)  # older than any ring keeps
+            pieces += _tail(ctx.pending, skip) if skip else ctx.pending
+            begin, rows = begin + skip, rows - skip
+            positions.append(torch.arange(begin, begin + rows))
+            spans.append((begin, rows))
+        feats = self._materialize(pieces)  # (R, F): every request's rows, in order
+        dev = feats.device
         keep = {rid for rid, _ in todo}
         for _, ctx in todo:
             if ctx.slot is None:
                 self._acquire(ctx, dev, keep)
         pos_host = torch.cat(positions)  # (R,)
         pos = to_device(pos_host, dev)  # (R,) pinned, non-blocking: no sync
-        feats = torch.cat(feats)  # (R, F)
         ring = torch.cat([torch.full((n,), ctx.slot * self.width, dtype=torch.int64)
                           for (_, ctx), (_, n) in zip(todo, spans, strict=True)])  # fmt: skip
         flat = to_device(ring + pos_host % self.width, dev)  # (R,) rows of the flat store

@@ -4,7 +4,8 @@ step. A mixin of `LLM` (with engine/spec_step.py's `SpeculativeSteps`).
 
     prefill chunks, plain decodes   each chunk's rows of the step's tapped hidden states (T, F)
     a tree (general path)           its root and accepted path's rows, gathered
-    a plain step launched ahead     its taken rows (engine/decode_ahead.py)
+    a plain step launched ahead     its taken rows (engine/decode_ahead.py), or their ids in
+                                    the context's feed ring (engine/feed_ring.py, the default)
     a whole round                   nothing here: its graph writes the accepted rows into the
                                     rings itself (engine/round_graphs.py)
 
@@ -82,3 +83,9 @@ class DrafterFeed:
         rows = [hidden] if len(chunks) == 1 else hidden.split(1)  # (1, F) each
         for c, r in zip(chunks, rows, strict=True):
             self.spec.source.observe(c.seq.request_id, c.start, r)
+
+    def _observe_ring(self, chunks: list, ids: list[int]) -> None:
+        """A plain step launched ahead whose rows went into the context's feed ring
+        (engine/feed_ring.py): one id per chunk in order, handed over in one call."""
+        items = [(c.seq.request_id, c.start, i) for c, i in zip(chunks, ids, strict=True)]
+        self.spec.source.context.observe_ring(items)

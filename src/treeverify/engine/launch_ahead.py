@@ -28,6 +28,8 @@ class Launched:
     # a plain step's (b, F) tapped hidden states for a DFlash drafter (engine/decode_ahead.py),
     # copied right after its replay, before the next one overwrites the graph's output
     hidden: torch.Tensor | None = None
+    # or, with the DFlash context's feed ring (engine/feed_ring.py), the id of its first row there
+    ring_first: int | None = None
 
     def rows(self, n: int) -> list:
         if self.done is not None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeverify import env
 from treeverify.engine import faults
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.budget_calibration import calibrate, make_controller
@@ -261,6 +262,11 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
         self.ahead = DecodeAhead(graphs, self.block_manager, list(cfg.graph_batch_sizes),
                                  capture=capture, moe_impl=self.runner._moe_impl)  # fmt: skip
+        source = None if self.spec is None else self.spec.source
+        if isinstance(source, DFlashSource) and self.ahead.batch_sizes and env.feed_ring():
+            # its plain steps' tapped rows go into the context's feed ring (ids, not copies)
+            source.context.enable_ring(max(self.ahead.batch_sizes))
+            self.ahead.sink = source.context.ring_write
         if capture:
             self.startup["decode_ahead"] = self.ahead.info
 
@@ -413,6 +419,8 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             self._logprobs[seq.request_id].append(None)
         if ahead.hidden is not None and self.spec is not None:  # (n, F), the chunks' order
             self._observe_ahead(chunks, ahead.hidden)  # engine/drafter_feed.py
+        elif ahead.hidden_ids is not None and self.spec is not None:  # in the feed ring
+            self._observe_ring(chunks, ahead.hidden_ids)
         if batch.prefills:  # the step's sampled order: decodes, then prefills
             return tokens + self._forward(ScheduledBatch(prefills=batch.prefills), None)
         return tokens

@@ -1,0 +1,66 @@
+"""A device ring of the target's tapped hidden rows, written by plain decode steps launched
+ahead, read back by the DFlash context's projections (engine/draft_context.py).
+
+A plain step's tapped rows (b, F) must outlive the next replay, which overwrites the graph's
+output, and stay until the drafter projects them (every `flush_rows` rows, or before a round).
+Before this ring each step kept them as its own copy (a clone), split into one (1, F) view per
+request, each handed to the context in its own `observe` call: ~57 us of host a step at b=8 on
+the GPU lease's host (clone 11, split 10, eight observes 36; thirty-seventh session), on a step
+that is host-bound there. Here a step's rows are copied into the ring (one copy, no allocation)
+and named by integers: row id i lives at `buf[i % rows]`; a request's pending rows are ids,
+handed over in one call for the whole step, and a flush gathers them in one `index_select`.
+
+Ids grow without bound; a write of b rows that would cross the ring's end starts at the next
+lap instead (rows stay contiguous: one copy). The ring overwrites a row `rows` ids later; the
+context keeps a floor under every id it still holds and spills (copies out) what is pending
+before a write would reach it (`DraftContextCache.ring_write`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeverify.kernels.staging import to_device
+
+
+class FeedRing:
+    def __init__(self, rows: int, features: int, dtype: torch.dtype, device: torch.device):
+        if rows < 1:
+            raise ValueError(f"rows: expected >= 1, got {rows}")
+        self.rows = rows
+        self.buf = torch.empty((rows, features), dtype=dtype, device=device)  # (rows, F)
+        self.head = 0  # ids handed out so far: the next write starts here (or at the next lap)
+        self.writes = 0
+
+    def start_of(self, n: int) -> int:
+        """The first id a write of n rows would take (contiguous in `buf`)."""
+        if n > self.rows:
+            raise ValueError(f"FeedRing: a write of {n} rows, the ring holds {self.rows}")
+        at = self.head % self.rows
+        return self.head if at + n <= self.rows else self.head + self.rows - at
+
+    def write(self, hidden: torch.Tensor, first: int | None = None) -> int:
+        """Copy (n, F) rows in (queued on the current stream: after the step that made them);
+        returns the first row's id (row j is id + j). `first`: `start_of(n)`, when known."""
+        n = hidden.shape[0]
+        if first is None:
+            first = self.start_of(n)
+        at = first % self.rows
+        self.buf[at : at + n].copy_(hidden)
+        self.head = first + n
+        self.writes += 1
+        return first
+
+    def live(self, row_id: int) -> bool:
+        """Whether a row is still in the ring (not yet overwritten)."""
+        return 0 <= row_id < self.head and self.head - row_id <= self.rows
+
+    def gather(self, ids: list[int]) -> torch.Tensor:
+        """(len(ids), F): a copy of those rows, in order (one pinned upload, no sync).
+        RuntimeError when one was overwritten (the context's floor failed: a bug)."""
+        lo = min(ids)
+        if not self.live(lo) or max(ids) >= self.head:
+            raise RuntimeError(f"FeedRing: row {lo} requested, the ring holds ids "
+                               f"{max(0, self.head - self.rows)}..{self.head - 1}")  # fmt: skip
+        index = torch.tensor(ids, dtype=torch.int64) % self.rows  # (n,)
+        return self.buf.index_select(0, to_device(index, self.buf.device))

@@ -1,0 +1,170 @@
+"""The feed ring (engine/feed_ring.py) and the DFlash context's use of it (CPU, fp32, the seeded
+tiny DFlash drafter on tiny-llama): plain steps launched ahead write their tapped rows into one
+ring and hand the context row ids. The context's rings must then hold what they hold when every
+row is handed over as its own copy, through rejections, other requests' chunks in between, the
+batch flushes and spills before the ring laps; an overwritten id is an error, never a wrong
+row."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from treeverify.engine.draft_context import DraftContextCache
+from treeverify.engine.feed_ring import FeedRing
+from treeverify.models.tiny import build_tiny
+from treeverify.spec.dflash_io import tiny_dflash
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    cfg, model, _ = build_tiny("tiny-llama", seed=0)
+    return tiny_dflash(cfg, seed=1, target_embed=model.model.embed_tokens,
+                       target_lm_head=model.lm_head).eval()  # fmt: skip
+
+
+def test_writes_stay_contiguous_and_gathers_refuse_overwritten_rows():
+    ring = FeedRing(10, 3, torch.float32, torch.device("cpu"))
+    a = torch.randn(4, 3)
+    assert ring.write(a) == 0 and ring.head == 4
+    b = torch.randn(4, 3)
+    assert ring.write(b) == 4
+    c = torch.randn(4, 3)  # 8 + 4 > 10: starts at the next lap (id 10, row 0)
+    assert ring.start_of(4) == 10 and ring.write(c) == 10 and ring.head == 14
+    torch.testing.assert_close(ring.gather([5, 4, 11]), torch.stack([b[1], b[0], c[1]]))
+    assert not ring.live(3)  # rows 0..3 now hold c
+    with pytest.raises(RuntimeError, match="row 3 requested"):
+        ring.gather([3, 12])
+    with pytest.raises(RuntimeError, match="requested"):
+        ring.gather([14])  # not written yet
+    with pytest.raises(ValueError, match="holds 10"):
+        ring.write(torch.randn(11, 3))
+
+
+def _steps(seed: int, feats: int):
+    """A random history for 3 requests: prompts (chunks), plain steps of all running requests
+    in one batch (rows 1 each, maybe a bucket's padding rows), rejections (a request's next row
+    starts before its end), and reads."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ends = {}
+    for _ in range(400):
+        kind = rng.random()
+        if kind < 0.05 or len(ends) < 2:
+            rid = f"r{rng.randrange(3)}"
+            start = 0 if rid not in ends else max(0, ends[rid] - rng.randint(0, 3))
+            n = rng.randint(1, 30)
+            ends[rid] = start + n
+            yield "chunk", [(rid, start)], torch.randn(n, feats, generator=gen)
+        elif kind < 0.1:
+            yield "read", sorted(ends), None
+        else:
+            items = []
+            for rid in sorted(ends):
+                start = ends[rid] - (rng.randint(1, 3) if rng.random() < 0.05 else 0)
+                start = max(0, start)
+                ends[rid] = start + 1
+                items.append((rid, start))
+            pad = rng.choice([0, 0, 1, 3])  # a bucket's padding rows: written, never observed
+            yield "step", items, torch.randn(len(items) + pad, feats, generator=gen)
+
+
+@pytest.mark.parametrize("bucket", [None, 8], ids=["cpu-flush", "bucketed-flush"])
+def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket):
+    """Two caches fed the same random history, one every plain step's rows as copies
+    (`observe`), one as ring ids (`ring_write` + `observe_ring`): after every read their rings
+    hold the same keys/values, equal to a projection from scratch. `bucket`: a captured
+    projection's largest bucket (batch flushes at 3 x 8 rows) or the CPU's flush every
+    MAX_PENDING rows; the ring is small, so it spills before it laps."""
+    from test_draft_context import _BucketedProjection, _expected
+
+    seed = random.randrange(2**32)
+    feats, window = drafter.config.context_features, 48
+    copies, ringed = DraftContextCache(drafter, window), DraftContextCache(drafter, window)
+    if bucket:
+        for c in (copies, ringed):
+            c._captured = _BucketedProjection(drafter, [bucket])
+    ringed.enable_ring(6)
+    truth: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for kind, items, rows in _steps(seed, feats):
+            if kind == "chunk":
+                ((rid, start),) = items
+                for c in (copies, ringed):
+                    c.observe(rid, start, rows)
+                truth[rid] = torch.cat([truth.get(rid, rows[:0])[:start], rows])
+            elif kind == "step":
+                first = ringed.ring_write(rows)
+                ringed.observe_ring([(rid, s, first + i) for i, (rid, s) in enumerate(items)])
+                for i, (rid, s) in enumerate(items):
+                    copies.observe(rid, s, rows[i : i + 1].clone())
+                    truth[rid] = torch.cat([truth[rid][:s], rows[i : i + 1]])
+            else:
+                for rid in items:
+                    assert ringed.end(rid) == copies.end(rid) == truth[rid].shape[0], seed
+                    kv, first = ringed.keys_values(rid)
+                    want, want_first = _expected(drafter, truth[rid], window)
+                    assert first == want_first, seed
+                    torch.testing.assert_close(kv, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+                    kv2, _ = copies.keys_values(rid)
+                    torch.testing.assert_close(kv, kv2, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+    assert ringed._ring is not None and ringed._ring.writes > 100
+    assert ringed._ring.head > 2 * ringed._ring.rows, "the ring must have lapped"
+
+
+def test_a_write_that_would_reach_pending_ids_spills_them_first(drafter):
+    """Rows pending as ids (a request that never reaches a flush: a small stretch each) are
+    copied out before the ring laps onto them; the context's rows stay right."""
+    from test_draft_context import _expected
+
+    feats = drafter.config.context_features
+    cache = DraftContextCache(drafter, 1024)
+    cache.enable_ring(2)
+    rows = cache._ring_rows()
+    g = torch.Generator().manual_seed(5)
+    truth = torch.randn(rows + 40, feats, generator=g)  # more rows than the ring holds
+    with torch.inference_mode():
+        cache.observe("r", 0, truth[:1])
+        for i in range(1, truth.shape[0]):
+            first = cache.ring_write(truth[i : i + 1])  # the first write sizes the ring
+            cache.MAX_PENDING = 10**6  # then nothing flushes: every row stays pending as an id
+            cache.observe_ring([("r", i, first)])
+        assert cache.ring_spills >= 1
+        kv, first = cache.keys_values("r")
+    assert first == 0
+    torch.testing.assert_close(kv, _expected(drafter, truth, 1024)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_ring_write_refuses_more_rows_than_it_was_enabled_for(drafter):
+    cache = DraftContextCache(drafter, 16)
+    cache.enable_ring(2)
+    with pytest.raises(RuntimeError, match="3 rows, enabled for 2"):
+        cache.ring_write(torch.randn(3, drafter.config.context_features))
+
+
+def test_rows_written_before_a_spill_and_observed_after_it_are_kept(drafter):
+    """As the engine runs it: step k + 1 is written (launched ahead) before step k's rows are
+    observed, so a spill at k + 1's write cannot see k's ids; observing them must lower the
+    floor again, or the ring laps onto them while they are pending."""
+    from test_draft_context import _expected
+
+    feats = drafter.config.context_features
+    cache = DraftContextCache(drafter, 1024)
+    cache.enable_ring(1)
+    g = torch.Generator().manual_seed(6)
+    truth = torch.randn(3 * (cache._ring_rows() + 8), feats, generator=g)
+    with torch.inference_mode():
+        cache.observe("r", 0, truth[:1])
+        in_flight = (1, cache.ring_write(truth[1:2]))
+        cache.MAX_PENDING = 10**6  # nothing flushes: rows stay pending as ids until a spill
+        for i in range(2, truth.shape[0]):
+            nxt = (i, cache.ring_write(truth[i : i + 1]))  # launched before the last is read
+            cache.observe_ring([("r", *in_flight)])
+            in_flight = nxt
+        cache.observe_ring([("r", *in_flight)])
+        assert cache.ring_spills >= 2
+        kv, first = cache.keys_values("r")
+    assert first == 0
+    torch.testing.assert_close(kv, _expected(drafter, truth, 1024)[0], rtol=1e-5, atol=1e-5)
