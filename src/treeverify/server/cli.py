@@ -162,8 +162,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=("auto", "on", "off"),
         default="auto",
         help="launch each plain greedy decode step before reading the previous one's tokens, so "
-        "the host's part overlaps the GPU (auto: TREEVERIFY_DECODE_LOOKAHEAD, default off, where "
-        "CUDA graphs are captured)",
+        "the host's part overlaps the GPU (auto: on where CUDA graphs are captured, unless "
+        "TREEVERIFY_DECODE_LOOKAHEAD=0; off on the CPU)",
     )
     p.add_argument(
         "--disable-prefill-graphs",
