@@ -91,6 +91,22 @@ def test_pending_chunks_are_bounded(drafter):
     assert not ctx.pending and ctx.count == DraftContextCache.MAX_PENDING  # projected at the bound
 
 
+def test_a_rejection_leaves_the_kept_rows_one_chunk(drafter):
+    """Uncaptured (the CPU), pending rows flush by chunk count: the rows a rejection keeps are
+    joined into one chunk, so 40 one-row chunks, a one-row rejection and 30 more leave 31 chunks
+    pending and nothing projected (keeping each piece reached MAX_PENDING 26 chunks early)."""
+    cache = DraftContextCache(drafter, 1024)
+    g = torch.Generator().manual_seed(0)
+    feats = drafter.config.context_features
+    with torch.inference_mode():
+        for pos in range(40):
+            cache.observe("r", pos, torch.randn(1, feats, generator=g))
+        for pos in range(39, 69):  # the first rejects position 39
+            cache.observe("r", pos, torch.randn(1, feats, generator=g))
+    ctx = cache._ctx["r"]
+    assert (len(ctx.pending), ctx.pending_rows, ctx.end) == (31, 69, 0)
+
+
 class _BucketedProjection:
     """Stands in for the captured projection (a CapturedFn of context_kv by row bucket, GPU
     only): eager, but it records the row counts asked and refuses any past its largest bucket."""

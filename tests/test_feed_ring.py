@@ -168,3 +168,28 @@ def test_rows_written_before_a_spill_and_observed_after_it_are_kept(drafter):
         kv, first = cache.keys_values("r")
     assert first == 0
     torch.testing.assert_close(kv, _expected(drafter, truth, 1024)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_steady_plain_steps_never_spill(drafter):
+    """b=8 plain steps launched ahead (each written before the last is observed), a captured
+    projection's largest bucket of 256 rows: the batch flush projects every pending id long
+    before the ring laps onto it, so no write needs a spill (with a floor that only fell, every
+    lap copied out whatever was pending: a helper's review)."""
+    from test_draft_context import _BucketedProjection
+
+    b, feats = 8, drafter.config.context_features
+    cache = DraftContextCache(drafter, 64)
+    cache._captured = _BucketedProjection(drafter, [16, 32, 64, 128, 256])
+    cache.enable_ring(b)
+    rids = [f"r{i}" for i in range(b)]
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for rid in rids:
+            cache.observe(rid, 0, torch.randn(4, feats, generator=g))
+        pos, in_flight = 4, cache.ring_write(torch.randn(b, feats, generator=g))
+        for _ in range(1000):
+            nxt = cache.ring_write(torch.randn(b, feats, generator=g))
+            cache.observe_ring([(rid, pos, in_flight + i) for i, rid in enumerate(rids)])
+            pos, in_flight = pos + 1, nxt
+    assert cache._ring.head > 4 * cache._ring.rows  # it lapped
+    assert cache.ring_spills == 0
