@@ -142,6 +142,9 @@ def test_ring_write_refuses_more_rows_than_it_was_enabled_for(drafter):
     cache.enable_ring(2)
     with pytest.raises(RuntimeError, match="3 rows, enabled for 2"):
         cache.ring_write(torch.randn(3, drafter.config.context_features))
+    cache.ring_write(torch.randn(2, drafter.config.context_features))  # sizes the ring
+    with pytest.raises(RuntimeError, match="sized for writes of 2 rows, asked for 4"):
+        cache.enable_ring(4)
 
 
 def test_rows_written_before_a_spill_and_observed_after_it_are_kept(drafter):

@@ -295,7 +295,10 @@ class DraftContextCache:
     # ---- the feed ring (engine/feed_ring.py) ---------------------------------------------------
     def enable_ring(self, max_batch: int) -> None:
         """Plain steps of up to `max_batch` rows will write through `ring_write` (the ring is
-        made at the first write, on the rows' device and dtype)."""
+        made at the first write, on the rows' device and dtype, and sized then)."""
+        if self._ring is not None and max_batch > self._ring_batch:
+            raise RuntimeError(f"DraftContextCache.enable_ring: the ring is sized for writes "
+                               f"of {self._ring_batch} rows, asked for {max_batch}")  # fmt: skip
         self._ring_batch = max(self._ring_batch, max_batch)
 
     @property
