@@ -157,14 +157,18 @@ def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig) -> 
 
 
 def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int,
-                 cls: str | None = None) -> dict:  # fmt: skip
+                 cls: str | None = None, switch_seconds: float = 0.0) -> dict:  # fmt: skip
     """`replay` with `batch` requests decoding together, as bench_pair's b=8 rows: prompts in
     groups of `batch` starting together; each step one budget for every live request (the
     controller's `choose` over all of them), costing costs.estimate(live, budget); a request
     leaves when it has its tokens, so a group's last steps run smaller batches. `cls`: the
-    requests' acceptance class, named to the controller (engine/budget_controller.py)."""
+    requests' acceptance class, named to the controller (engine/budget_controller.py).
+    `switch_seconds`: added to a step on the other path (plain <-> rounds) than the step
+    before it, as `replay` does (a round entered from plain decoding, and the plain step after
+    a round, run read first; at b=8 they also project the context rows pending)."""
     seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
     ctl = policy if isinstance(policy, BudgetController) else None
+    last = None  # the previous step's budget
     for g in range(0, len(traces), batch):
         live = {f"r{g + i}": [t["paths"], 0, 0] for i, t in enumerate(traces[g : g + batch])}
         if ctl is not None and cls is not None:
@@ -175,6 +179,9 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
             budget = ctl.choose(rids) if ctl else policy
             steps[budget] = steps.get(budget, 0) + 1
             seconds += costs.estimate(len(rids), budget)
+            if last is not None and (last == 0) != (budget == 0):
+                seconds += switch_seconds
+            last = budget
             for rid in rids:
                 state = live[rid]
                 paths, p, made = state
