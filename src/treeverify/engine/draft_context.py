@@ -225,6 +225,20 @@ class DraftContextCache:
         """The target's hidden states (rows, F) of positions start.. . Rows already held at or
         past `start` were recomputed or rejected: they are dropped first. `hidden` must not be
         overwritten later (the engine copies graph outputs once per step)."""
+        ctx = self._context_at(request_id, start)
+        ctx.pending.append(hidden)
+        ctx.pending_rows += hidden.shape[0]
+        self._pending_total += hidden.shape[0]
+        flush = self.flush_rows
+        full = ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING
+        if full:  # captured: a bucket's rows; the CPU: MAX_PENDING chunks
+            self.project([request_id])
+        self._flush_batch()
+
+    def _context_at(self, request_id: str, start: int) -> _Context:
+        """The request's context (made on its first rows, the most recently used now), its
+        observed rows cut back to `start` (rows at or past it were recomputed or rejected).
+        RuntimeError when `start` leaves a gap."""
         ctx = self._ctx.get(request_id)
         if ctx is None:
             ctx = self._ctx[request_id] = _Context()
@@ -238,14 +252,7 @@ class DraftContextCache:
                                f"chunk starts at {start}")  # fmt: skip
         if start < end:
             self._truncate(ctx, start)
-        ctx.pending.append(hidden)
-        ctx.pending_rows += hidden.shape[0]
-        self._pending_total += hidden.shape[0]
-        flush = self.flush_rows
-        full = ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING
-        if full:  # captured: a bucket's rows; the CPU: MAX_PENDING chunks
-            self.project([request_id])
-        self._flush_batch()
+        return ctx
 
     def observe_ring(self, items: list[tuple[str, int, int]]) -> None:
         """One row per (request, position, id in the feed ring) of a plain step launched ahead
@@ -253,19 +260,7 @@ class DraftContextCache:
         as an integer until a projection gathers them."""
         flush = self.flush_rows
         for request_id, start, row_id in items:
-            ctx = self._ctx.get(request_id)
-            if ctx is None:
-                ctx = self._ctx[request_id] = _Context()
-            else:
-                self._ctx.move_to_end(request_id)
-            if ctx.evicted:
-                ctx.end, ctx.evicted = start, False
-            end = ctx.observed_end
-            if start != end:
-                if start > end:
-                    raise RuntimeError(f"dflash context of {request_id}: {end} rows, "
-                                       f"row starts at {start}")  # fmt: skip
-                self._truncate(ctx, start)
+            ctx = self._context_at(request_id, start)
             self._ring_floor = min(self._ring_floor, row_id)
             last = ctx.pending[-1] if ctx.pending else None
             if isinstance(last, list):
@@ -300,10 +295,6 @@ class DraftContextCache:
             raise RuntimeError(f"DraftContextCache.enable_ring: the ring is sized for writes "
                                f"of {self._ring_batch} rows, asked for {max_batch}")  # fmt: skip
         self._ring_batch = max(self._ring_batch, max_batch)
-
-    @property
-    def ring_enabled(self) -> bool:
-        return self._ring_batch > 0
 
     def _ring_rows(self) -> int:
         """The ring's size: what the batch flush lets pend (CHUNKED_REPLAYS buckets) plus four
