@@ -318,7 +318,8 @@ class DraftContextCache:
         if first + n - self._ring_floor > ring.rows:
             # the floor only falls as ids are observed: raise it to the oldest id still pending
             # (a run's ids ascend) before spilling anything; without this every lap spilled
-            # (a helper's review: 15 needless spills in 2000 steps at b=8). Ids written but not
+            # (a helper's review; tests/test_feed_ring.py's steady b=8 run: 7 spills in 1000
+            # steps, none needed). Ids written but not
             # yet observed lower it again when they are, as after a spill.
             self._ring_floor = min((p[0] for c in self._ctx.values() for p in c.pending
                                     if isinstance(p, list) and p), default=ring.head)  # fmt: skip
