@@ -341,7 +341,7 @@ def run_speed(args, block: int) -> list[dict]:
     return rows
 
 
-_COUNTERS = ("switches", "explorations", "cost_trials", "accept_trials")
+_COUNTERS = ("switches", "explorations", "cost_trials", "accept_trials", "step_index")
 
 
 def _decision_counts(llm: LLM) -> dict[str, int] | None:
@@ -352,10 +352,13 @@ def _decision_counts(llm: LLM) -> dict[str, int] | None:
 
 def _pass_decisions(llm: LLM, before: dict[str, int]) -> dict:
     """One pass of an adaptive engine: its steps by budget (reset at each pass's start) and
-    how many switches, probes and trials it made."""
+    how many switches, probes and trials it made, and each of them (the controller's
+    decision log: at which decision, from where, and why; `step_index` counts the pass's
+    decisions)."""
     ctl = llm.controller
     out = {"steps_by_budget": {b: c for b, c in ctl.steps_by_budget.items() if c}}
-    return out | {k: getattr(ctl, k) - before[k] for k in _COUNTERS}
+    out |= {k: getattr(ctl, k) - before[k] for k in _COUNTERS}
+    return out | {"events": ctl.events.since(before["step_index"])}
 
 
 def run_speed_interleaved(args, block: int) -> list[dict]:

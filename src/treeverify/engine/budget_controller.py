@@ -92,6 +92,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from treeverify.engine import budget_events as ev
 from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_costs import CostModel
 from treeverify.engine.budget_probes import Probes
@@ -229,6 +230,7 @@ class BudgetController:
         self._plain_unfaded = 0  # plain steps since the last fade
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
+        self.events = ev.DecisionEvents()  # probes, switches, trials: when and why
 
     def use_path(self, path: str) -> None:
         """Make `path`'s table the one decisions read (`cost`, `_tried`: (n, budget) -> step
@@ -369,15 +371,18 @@ class BudgetController:
             self._plain_rates = (ids, rates, arrived, pays) if self.current == 0 else None
         self.since_switch += 1
         self.probes.since += 1
-        if arrived and pays:
-            self.probes.restart(self)
+        if arrived and pays and self.probes.restart(self):
+            why = "a request without rounds joined; a bucket may pay"
+            self.events.add(self.step_index, ev.INTERVAL_RESTART, self.current, self.current,
+                            len(request_ids), why)  # fmt: skip
         up = self.probes.target(self, rates)
         # at plain decoding with every bucket's rate far below plain's (the arrival rule's
         # test): the probes' interval may back off further (explore_far_factor)
         far = self.current == 0 and not pays
         if up is not None and (rates.get(up) is None
                                or self.probes.due(self, len(request_ids), up, far)):  # fmt: skip
-            self.probes.probed(self, far)
+            note = self.probes.probed(self, far)
+            self.events.add(self.step_index, ev.PROBE, self.current, up, len(request_ids), note)
             self._fade_pending(request_ids)  # before the probe's round is observed
             return self._count(up)  # one step at the probe's budget; `current` stays
         if self.current == 0 and self.cfg.plain_decay < 1.0:
@@ -480,6 +485,11 @@ class BudgetController:
             # an acceptance trial still in its dwell (only `at_once` switches there) is over:
             # judged later it would move this group back to the bucket it left
             self._trial_from = None
+            kind = ev.FIRST if first else ev.NEW_BATCH if at_once else ev.SWITCH
+            why = f"rate {best_rate:.4g} vs {cur_rate:.4g} (margin {margin:.3g})"
+            self.events.add(self.step_index, kind, self.current, best, n, why)
+            if at_once and not first and not self.cfg.new_batch_restarts_probes:
+                self.probes.not_a_change()  # the class's prior moved it, not what a probe saw
             self.current, self._pending = best, None
             self.since_switch = 0
             self.switches += 1
@@ -520,6 +530,8 @@ class BudgetController:
                     self._tried[(n, nearest)] = now
                     self._bursts.tried(self.cost, n, nearest, fresh)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
+                    self.events.add(now, ev.COST_TRIAL, self.current, nearest, n,
+                                    f"{b} at cost >= {low:.3g} s beats {bar:.4g}")  # fmt: skip
                     self.current, self._pending, self.since_switch = nearest, None, 0
                     self._cost_trial_at = self.step_index
                     self.switches += 1
@@ -566,6 +578,8 @@ class BudgetController:
         for r in reqs:
             r.tried_up.add(up)
         self._trial_from = cur
+        self.events.add(self.step_index, ev.ACCEPT_TRIAL, cur, up, len(request_ids),
+                        f"{len(lacking)} request(s) lack rounds at {up}")  # fmt: skip
         self.current, self._pending, self.since_switch = up, None, 0
         self.switches += 1
         self.accept_trials += 1
@@ -581,6 +595,8 @@ class BudgetController:
         r_here, r_from = rates.get(here), rates.get(came_from)
         known = r_here is not None and r_from is not None
         if known and r_here <= (1 + self.cfg.switch_margin) * r_from:
+            self.events.add(self.step_index, ev.TRIAL_BACK, here, came_from, 0,
+                            f"rate {r_here:.4g} vs {r_from:.4g}")  # fmt: skip
             self.current, self._pending, self.since_switch = came_from, None, 0
             self.switches += 1
 
@@ -663,5 +679,8 @@ class BudgetController:
             "plain_ahead_decisions": self._plain_wins,
             # decisions between plain trials, by batch size (doubling while they confirm)
             "plain_trial_gaps": self.plain_trials.gaps(),
+            # the last probes, switches and trials: at which decision, from where, and why
+            "decision_index": self.step_index,
+            "recent_decisions": self.events.recent(),
             "config": dataclasses.asdict(self.cfg),
         }

@@ -26,9 +26,17 @@ class Probes:
         self.from_plain = 0  # probes made from plain decoding (hybrid alternates their target)
         self._switches_at_probe = 0
 
-    def restart(self, c: BudgetController) -> None:
-        """Back to the shortest interval (a request that may be predictable joined)."""
+    def restart(self, c: BudgetController) -> bool:
+        """Back to the shortest interval (a request that may be predictable joined); whether
+        it was longer."""
+        longer = self.interval > c.cfg.explore_every
         self.interval = float(c.cfg.explore_every)
+        return longer
+
+    def not_a_change(self) -> None:
+        """A switch just made is not one a probe's measurement caused (a new group moved on
+        its class's prior): the next probe does not start the interval over for it."""
+        self._switches_at_probe += 1
 
     @staticmethod
     def near_plain(c: BudgetController, rates: dict[int, float | None]) -> bool:
@@ -78,14 +86,21 @@ class Probes:
         predicts)."""
         return c.cfg.explore_max * (c.cfg.explore_far_factor if far else 1.0)
 
-    def probed(self, c: BudgetController, far: bool) -> None:
+    def probed(self, c: BudgetController, far: bool) -> str:
         """A probe runs: the interval doubles while probes change nothing (up to `cap(far)`),
-        else starts over."""
+        else starts over. Returns what it did, for the decision log."""
+        waited = self.since
         if self.count and c.switches == self._switches_at_probe:  # changed nothing
             self.interval = min(2 * self.interval, self.cap(c, far))
+            why = "doubled"
         else:
             self.interval = float(c.cfg.explore_every)
+            since_last = c.switches - self._switches_at_probe
+            why = f"restarted ({since_last} switches since the last)" if self.count else "first"
         self._switches_at_probe = c.switches
         self.since = 0
         self.count += 1
         self.from_plain += c.current == 0
+        return f"after {waited} decisions; interval {why} -> {self.interval:g}" + (
+            " (far)" if far else ""
+        )

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from treeverify.engine.budget_events import PLAIN_TRIAL
+
 if TYPE_CHECKING:
     from treeverify.engine.budget_controller import BudgetController
 
@@ -99,6 +101,8 @@ class PlainTrials:
             c._tried[(n, 0)] = now
             c._bursts.tried(c.cost, n, 0, fresh)
             self.trial = _Trial(PLAIN_TRIAL_STEPS, n, est, c.since_switch, c._pending, now)
+            c.events.add(now, PLAIN_TRIAL, c.current, 0, n,
+                         f"plain at cost >= {low:.3g} s beats the rounds' {bar:.4g}")  # fmt: skip
             c.cost.restart(n, 0)
             c.cost_trials += 1
 
