@@ -148,7 +148,9 @@ def evaluate(cfg: ControllerConfig) -> dict:
                                             if k.endswith("unpredictable")),
             "groups_charged_code_min": min(v for k, v in charged.items() if k.endswith("code")),
             "groups_charged_unpredictable_min": min(v for k, v in charged.items()
-                                                    if k.endswith("unpredictable"))}  # fmt: skip
+                                                    if k.endswith("unpredictable")),
+            "groups_charged_sampled1.3_min": min(v for k, v in charged.items()
+                                                 if k.endswith("sampled1.3"))}  # fmt: skip
 
 
 def groups(cfg: ControllerConfig) -> dict[str, float]:
@@ -159,7 +161,12 @@ def groups(cfg: ControllerConfig) -> dict[str, float]:
     seq = [("code", all_texts["set1 code"][:8], "greedy"),
            ("unpredictable", unpredictable(TOKENS)[:8], "sampled"),
            ("code", all_texts["set3 code"][:8], "greedy"),
-           ("unpredictable", unpredictable(TOKENS, 16)[8:], "sampled")]  # fmt: skip
+           ("unpredictable", unpredictable(TOKENS, 16)[8:], "sampled"),
+           # sampled groups at the DFlash drafter's T=1 accept length (~1.3): their class's
+           # prior comes within arrival_probe_factor of plain's rate, so arrivals probe
+           ("sampled1.3", unpredictable(TOKENS, 8, 0.3), "sampled"),
+           ("sampled1.3", unpredictable(TOKENS, 16, 0.3)[8:], "sampled"),
+           ("sampled1.3", unpredictable(TOKENS, 24, 0.3)[16:], "sampled")]  # fmt: skip
     plain = [replay_batch(traces, TOKENS, costs, 0, 8)["tokens_per_s"] for _, traces, _ in seq]
     rows = {}
     # switches free (as the rule was tuned), then each charged as measured at b=8 (a fresh
@@ -240,7 +247,8 @@ def main() -> int:
               f"{res['groups_code_min']} unpredictable min "
               f"{res['groups_unpredictable_min']} (switches charged: code "
               f"{res['groups_charged_code_min']}, unpredictable "
-              f"{res['groups_charged_unpredictable_min']})")  # fmt: skip
+              f"{res['groups_charged_unpredictable_min']}, sampled1.3 "
+              f"{res['groups_charged_sampled1.3_min']})")  # fmt: skip
         if args.brief:
             rows = res["rows"].items()
             print("    ", " ".join(f"{k.split(' ', 1)[1]}={v}" for k, v in rows

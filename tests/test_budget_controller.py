@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from treeverify.engine import budget_events
 from treeverify.engine.budget_controller import (
     BudgetController,
     ControllerConfig,
@@ -590,3 +591,107 @@ def test_a_probe_from_plain_decoding_fades_first():
         if b:
             ctl.observe_round("r", b, [0])  # nothing accepted: plain decoding stays best
     assert probes >= 5
+
+
+def _groups_in_turns(ctl: BudgetController, passes: int) -> list[list[dict]]:
+    """Groups of 8 requests in turns, as bench_pair's b=8 passes run them: greedy code (high
+    acceptance), then sampled text no drafter predicts, one controller throughout; returns each
+    group's decision log."""
+    high = {4: 3, 8: 4, 16: 5, 32: 6, 64: 6}
+    none = dict.fromkeys(high, 0)
+    logs = []
+    for p in range(passes):
+        for cls, acc in (("greedy", high), ("sampled", none)):
+            ids = [f"{cls}{p}-{i}" for i in range(8)]
+            for rid in ids:
+                ctl.note_request(rid, cls)
+            start, tokens = ctl.step_index, 0
+            while tokens < 128:  # tokens per request
+                b = ctl.choose(ids)
+                got = path_for(acc, b) if b else [0]
+                for rid in ids:
+                    if b:
+                        ctl.observe_round(rid, b, got)
+                tokens += len(got)
+            for rid in ids:
+                ctl.forget(rid)
+            logs.append(ctl.events.since(start))
+    return logs
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+def test_the_decision_log_says_when_and_why_and_a_new_groups_switch_need_not_restart_probes(
+    restarts,
+):
+    """Every probe, switch and trial is logged with its decision index, the bucket it left and
+    the one it went to (/server_info's `recent_decisions`). On groups in turns at b=8-like
+    costs, a sampled group switches to plain decoding on its class's prior at once; counted as
+    a change a probe saw (`new_batch_restarts_probes`, as before), that switch starts the probe
+    interval over and the group probes twice; not counted, the later sampled groups probe at
+    most once (what the thirty-ninth session measured on the H100: two probes a sampled group,
+    ~1.5 ms each beyond a steady round, in a ~36 ms group)."""
+    costs = {0: 0.28, 4: 0.5, 8: 0.52, 16: 0.56, 32: 0.65, 64: 0.85}
+    ctl = synthetic(costs, new_batch_restarts_probes=restarts)
+    chosen = []
+    real_choose = ctl.choose
+
+    def choose(ids, path="fast"):
+        b = real_choose(ids, path)
+        chosen.append((ctl.step_index, b, ctl.current))
+        return b
+
+    ctl.choose = choose
+    logs = _groups_in_turns(ctl, 3)
+    by_step = {s: (b, cur) for s, b, cur in chosen}
+    for log in logs:
+        moved = {}  # decision -> the bucket its last move went to
+        for e in log:
+            b, cur = by_step[e["step"]]
+            if e["kind"] == "probe":  # the step ran at the probe's bucket, current stayed
+                assert b == e["to"] != cur == e["from"] and "interval" in e["note"], e
+            elif e["kind"] != "interval_restart":
+                assert e["from"] != e["to"], e
+                moved[e["step"]] = e["to"]
+        assert all(by_step[s][1] == to for s, to in moved.items()), (moved, log)
+    later_sampled = logs[3::2]  # the sampled class's prior was measured by the first group
+    assert all(log[0]["kind"] == "new_batch" and log[0]["to"] == 0 for log in later_sampled)
+    probes = [sum(e["kind"] == "probe" for e in log) for log in later_sampled]
+    assert min(probes) >= 2 if restarts else max(probes) <= 1, probes
+    info = ctl.info()
+    assert info["recent_decisions"] == ctl.events.recent()
+    assert info["recent_decisions"][-1]["step"] <= info["decision_index"] == ctl.step_index
+    assert len(ctl.events.recent(10_000)) <= budget_events.KEPT_EVENTS  # bounded
+
+
+def test_the_decision_log_keeps_the_last_events_only():
+    log = budget_events.DecisionEvents(kept=3)
+    for i in range(5):
+        log.add(i, budget_events.PROBE, 0, 64, 8, f"p{i}")
+    assert [e["step"] for e in log.recent()] == [2, 3, 4]
+    assert [e["note"] for e in log.since(3)] == ["p4"]
+    assert log.recent(1) == [{"step": 4, "kind": "probe", "from": 0, "to": 64, "n": 8,
+                              "note": "p4"}]  # fmt: skip
+
+
+@pytest.mark.parametrize("once", [False, True])
+def test_an_arrival_buys_one_probe_and_then_the_back_off_resumes(once):
+    """A request without rounds restarts the probes' interval (its class's prior says a bucket
+    may pay: factor 0, always). As before (`arrival_probe_once` off) the interval then doubles
+    from `explore_every`: the newcomer's first probe comes soon and the next a few intervals
+    later. With it on, the next probe after one that changed nothing comes at the back-off the
+    arrival cut short (the cap here): one probe per arrival instead of several (a sampled
+    group of 8 on the H100 probed twice, ~1.5 ms each beyond a steady round)."""
+    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0,
+                    arrival_probe_factor=0.0, arrival_probe_once=once)  # fmt: skip
+    before = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 400)) if b == 4]
+    steady = before[-1] - before[-2]  # never accepted: at 0, backed off to the cap (32)
+    assert ctl.current == 0 and ctl.probes.interval == 32 and steady == 32, before
+    ctl.forget("r")
+    chosen = feed(ctl, "new", {4: 0}, 70)
+    probes = [i for i, b in enumerate(chosen) if b == 4]
+    assert probes and probes[0] < 9, probes  # the newcomer is probed soon either way ...
+    # ... then: at the steady gap again, or sooner (the doubling from explore_every again)
+    assert (probes[1] - probes[0] == steady) if once else (probes[1] - probes[0] < steady), probes
+    log = ctl.events.recent()  # the arrival's restart, then its probe: back-off resumed?
+    at = next(i for i, e in enumerate(log) if e["kind"] == "interval_restart")
+    assert log[at + 1]["kind"] == "probe" and ("resumed" in log[at + 1]["note"]) == once, log
