@@ -672,26 +672,3 @@ def test_the_decision_log_keeps_the_last_events_only():
     assert log.recent(1) == [{"step": 4, "kind": "probe", "from": 0, "to": 64, "n": 8,
                               "note": "p4"}]  # fmt: skip
 
-
-@pytest.mark.parametrize("once", [False, True])
-def test_an_arrival_buys_one_probe_and_then_the_back_off_resumes(once):
-    """A request without rounds restarts the probes' interval (its class's prior says a bucket
-    may pay: factor 0, always). As before (`arrival_probe_once` off) the interval then doubles
-    from `explore_every`: the newcomer's first probe comes soon and the next a few intervals
-    later. With it on, the next probe after one that changed nothing comes at the back-off the
-    arrival cut short (the cap here): one probe per arrival instead of several (a sampled
-    group of 8 on the H100 probed twice, ~1.5 ms each beyond a steady round)."""
-    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0,
-                    arrival_probe_factor=0.0, arrival_probe_once=once)  # fmt: skip
-    before = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 400)) if b == 4]
-    steady = before[-1] - before[-2]  # never accepted: at 0, backed off to the cap (32)
-    assert ctl.current == 0 and ctl.probes.interval == 32 and steady == 32, before
-    ctl.forget("r")
-    chosen = feed(ctl, "new", {4: 0}, 70)
-    probes = [i for i, b in enumerate(chosen) if b == 4]
-    assert probes and probes[0] < 9, probes  # the newcomer is probed soon either way ...
-    # ... then: at the steady gap again, or sooner (the doubling from explore_every again)
-    assert (probes[1] - probes[0] == steady) if once else (probes[1] - probes[0] < steady), probes
-    log = ctl.events.recent()  # the arrival's restart, then its probe: back-off resumed?
-    at = next(i for i, e in enumerate(log) if e["kind"] == "interval_restart")
-    assert log[at + 1]["kind"] == "probe" and ("resumed" in log[at + 1]["note"]) == once, log

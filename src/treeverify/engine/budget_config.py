@@ -30,9 +30,6 @@ class ControllerConfig:
     new_batch_at_once: bool = True  # a step whose requests have no rounds of their own (a new
     # group) switches on its class's prior with no dwell nor confirmation: after greedy groups
     # the H200 ran a new sampled group of 8 at budget 32 for 6 of its 131 steps (2026-12-05)
-    arrival_probe_once: bool = False  # an arrival's restart brings one probe soon; when that
-    # probe changes nothing the interval resumes the back-off it had (False: it doubles from
-    # explore_every, so a group of 8 whose class's prior comes near plain's probed twice)
     new_batch_restarts_probes: bool = True  # such a switch counts as a change a probe saw (the
     # next probe starts the interval over); False: it is the prior's, not a probe's (the
     # decision log showed each sampled group's second probe coming from this restart)

@@ -7,10 +7,7 @@ The interval is `explore_every` decisions times cost(probe) / cost(current), dou
 probe that changed nothing, up to `explore_max` (times `explore_far_factor` at plain decoding
 while no bucket's rate comes within `arrival_probe_factor` of plain decoding's), and back to
 `explore_every` when a request without rounds of its own joins and its class's prior says a
-bucket may pay (`near_plain`). With `arrival_probe_once`, that restart buys one probe: if it
-changes nothing, the interval resumes the back-off the arrival cut short (on the H100 each
-sampled group of 8, whose class's prior came within 0.6 of plain's rate, probed twice at
-~1.5 ms a probe beyond a steady round).
+bucket may pay (`near_plain`).
 """
 
 from __future__ import annotations
@@ -28,14 +25,11 @@ class Probes:
         self.count = 0  # probes made (/server_info's `explorations`)
         self.from_plain = 0  # probes made from plain decoding (hybrid alternates their target)
         self._switches_at_probe = 0
-        self._resume: float | None = None  # the interval an arrival's restart cut short
 
     def restart(self, c: BudgetController) -> bool:
         """Back to the shortest interval (a request that may be predictable joined); whether
         it was longer."""
         longer = self.interval > c.cfg.explore_every
-        if longer and c.cfg.arrival_probe_once:
-            self._resume = max(self._resume or 0.0, self.interval)
         self.interval = float(c.cfg.explore_every)
         return longer
 
@@ -97,14 +91,13 @@ class Probes:
         else starts over. Returns what it did, for the decision log."""
         waited = self.since
         if self.count and c.switches == self._switches_at_probe:  # changed nothing
-            self.interval = min(max(2 * self.interval, self._resume or 0.0), self.cap(c, far))
-            why = "doubled" if self._resume is None else "resumed"
+            self.interval = min(2 * self.interval, self.cap(c, far))
+            why = "doubled"
         else:
             self.interval = float(c.cfg.explore_every)
             since_last = c.switches - self._switches_at_probe
             why = f"restarted ({since_last} switches since the last)" if self.count else "first"
         self._switches_at_probe = c.switches
-        self._resume = None
         self.since = 0
         self.count += 1
         self.from_plain += c.current == 0
