@@ -671,4 +671,3 @@ def test_the_decision_log_keeps_the_last_events_only():
     assert [e["note"] for e in log.since(3)] == ["p4"]
     assert log.recent(1) == [{"step": 4, "kind": "probe", "from": 0, "to": 64, "n": 8,
                               "note": "p4"}]  # fmt: skip
-
