@@ -82,6 +82,21 @@ def test_speculative_server_matches_plain_server():
         assert f'treeverify_spec_accept_trials_total{{model="tiny-llama"}} {trials}\n' in metrics
         holds = float(adaptive["burst_holds"])
         assert f'treeverify_spec_burst_holds_total{{model="tiny-llama"}} {holds}\n' in metrics
+        probes, switches = float(adaptive["explorations"]), float(adaptive["switches"])
+        assert f'treeverify_spec_probes_total{{model="tiny-llama"}} {probes}\n' in metrics
+        line = f'treeverify_spec_budget_switches_total{{model="tiny-llama"}} {switches}\n'
+        assert line in metrics
+        # the decision log: every event names budgets the controller has, in decision order;
+        # while the whole log is shown, its moves are the switches counted and the first one
+        # leaves the start (the top bucket)
+        log = adaptive["recent_decisions"]
+        assert all(e["from"] in (0, 4, 8) and e["to"] in (0, 4, 8) for e in log), log
+        steps_seen = [e["step"] for e in log]
+        assert steps_seen == sorted(steps_seen) and steps_seen[-1] <= adaptive["decision_index"]
+        moves = [e for e in log if e["kind"] not in ("probe", "interval_restart")]
+        assert sum(e["kind"] == "probe" for e in log) <= probes
+        if len(log) < 32:
+            assert len(moves) == switches and (not moves or moves[0]["from"] == 8), log
         assert set(adaptive["overstated_costs"]) >= {"fast"}
         # speculative_budget pins a request's rounds (the gate's speculation probe uses it):
         # same answers, and every step of those requests is a round (<= 1 + 4 tokens each)

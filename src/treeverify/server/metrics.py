@@ -118,6 +118,20 @@ class Metrics:
             registry=r,
         )
 
+        self.spec_probes = Gauge(
+            "treeverify_spec_probes_total",
+            "Probe steps of the adaptive controller (one step at a larger budget to refresh "
+            "its acceptance estimates; docs/ddtree.md, exploration), since start",
+            ["model"],
+            registry=r,
+        )
+        self.spec_switches = Gauge(
+            "treeverify_spec_budget_switches_total",
+            "Times the adaptive controller changed its current budget (switches and trials; "
+            "/server_info's recent_decisions says when and why), since start",
+            ["model"],
+            registry=r,
+        )
         self.spec_burst_holds = Gauge(
             "treeverify_spec_burst_holds_total",
             "Decisions the adaptive controller held at plain decoding because a burst of slow "
@@ -160,4 +174,6 @@ class Metrics:
                 self.spec_cost_trials.labels(m).set(adaptive["cost_trials"])
                 self.spec_accept_trials.labels(m).set(adaptive["accept_trials"])
                 self.spec_burst_holds.labels(m).set(adaptive["burst_holds"])
+                self.spec_probes.labels(m).set(adaptive["explorations"])
+                self.spec_switches.labels(m).set(adaptive["switches"])
         return generate_latest(self.registry)
