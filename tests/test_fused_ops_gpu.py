@@ -27,6 +27,12 @@ def test_add_rmsnorm(t, h):
     assert torch.equal(r_out, want_r)  # the add rounds exactly as torch's
     want = F.rms_norm(want_r.float(), (h,), norm.weight.float(), 1e-5)
     torch.testing.assert_close(y.float(), want, rtol=8e-3, atol=8e-3)  # one bf16 rounding
+    # a tap: the sum also into a column block of wider rows, the neighbours untouched
+    taps = torch.full((t, 3 * h), float("nan"), device="cuda", dtype=BF16)
+    y2, r2 = add_rmsnorm(x, r, norm, taps[:, h : 2 * h])
+    assert torch.equal(y2, y) and torch.equal(r2, want_r)
+    assert torch.equal(taps[:, h : 2 * h], want_r)
+    assert taps[:, :h].isnan().all() and taps[:, 2 * h :].isnan().all()
 
 
 @pytest.mark.parametrize("t,h,extra", [(1, 512, 64), (17, 1536, 0), (5, 7168, 0)])

@@ -67,17 +67,25 @@ def test_rmsnorm_of_a_strided_view_and_add_rmsnorm_equal_the_pytorch_norm():
     norm.weight.data = (1 + 0.1 * torch.randn(96, generator=g)).to(BF16)
     got = fused_ops._triton()[0]  # the kernel, decorated under the interpreter
     y = torch.empty(3, 96, dtype=BF16)
-    got[(3,)](x, x, norm.weight, y, y, 96, x.stride(0), 1e-6, BLOCK=128, HAS_RES=False, PDL=False)
+    got[(3,)](x, x, norm.weight, y, y, 96, x.stride(0), 1e-6, y, 0, BLOCK=128, HAS_RES=False,
+              PDL=False)  # fmt: skip
     want = torch.nn.functional.rms_norm(x.float(), (96,), norm.weight.float(), 1e-6)
     torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
     r = torch.randn(3, 96, generator=g).to(BF16)
     xc = x.contiguous()
     y2, r_out = torch.empty_like(xc), torch.empty_like(xc)
-    got[(3,)](xc, r, norm.weight, y2, r_out, 96, 96, 1e-6, BLOCK=128, HAS_RES=True, PDL=False)
+    # HAS_TAP: the sum also into a (3, 96) column block of wider rows (a forward's captured
+    # taps); the block's neighbours, poisoned, stay as they were
+    taps = torch.full((3, 3 * 96), float("nan"), dtype=BF16)
+    tap = taps[:, 96:192]
+    got[(3,)](xc, r, norm.weight, y2, r_out, 96, 96, 1e-6, tap, tap.stride(0), BLOCK=128,
+              HAS_RES=True, PDL=False, HAS_TAP=True)  # fmt: skip
     # the add rounded once (exactly torch's on the GPU; numpy's roundings here: a last bit)
     torch.testing.assert_close(r_out.float(), (r + xc).float(), rtol=1e-2, atol=1e-2)
     want2 = torch.nn.functional.rms_norm((r + xc).float(), (96,), norm.weight.float(), 1e-6)
     torch.testing.assert_close(y2.float(), want2, rtol=1e-2, atol=1e-2)
+    assert torch.equal(tap, r_out)  # the same rounded sum, stored twice
+    assert taps[:, :96].isnan().all() and taps[:, 192:].isnan().all()
     assert torch.equal(fused_ops.rmsnorm(x, norm), norm(x))  # the CPU keeps PyTorch's norm
 
 

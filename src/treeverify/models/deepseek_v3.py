@@ -226,13 +226,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         absorbed = self.absorbed if absorbed is None else absorbed
         cos, sin = self.rope(positions)  # (T, R/2) each
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        h, taps = residual_stream(
+        # captured: the tapped layers' outputs side by side (T, len(taps) * hidden), or None
+        h, self.captured = residual_stream(
             x, self.model.layers, self.model.norm,
             lambda i, layer, h, residual: layer(h, residual, cos, sin, attention, absorbed,
                                                 self.moe_expert_counts[i], token_valid),
             self.capture_layers,
         )  # fmt: skip
-        self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(h).float()

@@ -57,9 +57,12 @@ def _build_kernels():
     gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
 
     @triton.jit
-    def add_rmsnorm_kernel(X, R, W, Y, ROut, n, x_row, eps, BLOCK: tl.constexpr,
-                           HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    def add_rmsnorm_kernel(X, R, W, Y, ROut, n, x_row, eps, Tap, tap_row, BLOCK: tl.constexpr,
+                           HAS_RES: tl.constexpr, PDL: tl.constexpr,
+                           HAS_TAP: tl.constexpr = False):  # fmt: skip
         # HAS_RES: Y = norm(X + R), ROut = X + R; else Y = norm(X) (X rows x_row apart).
+        # HAS_TAP (with HAS_RES): X + R also to Tap's row (rows tap_row apart: a drafter's
+        # layer columns of the forward's captured rows, in place of a torch.cat after it).
         # PDL (models/pdl.py): wait for the kernel before (a no-op unless launched by PDL), then
         # let the next start (a decode GEMV loads its weights while this kernel runs).
         if PDL:
@@ -73,6 +76,8 @@ def _build_kernels():
             r = tl.load(R + row * n + cols, mask=m, other=0.0).to(tl.float32)
             s = (x + r).to(ROut.dtype.element_ty)  # the residual add rounds, as torch's does
             tl.store(ROut + row * n + cols, s, mask=m)
+            if HAS_TAP:
+                tl.store(Tap + row * tap_row + cols, s, mask=m)
             sf = s.to(tl.float32)
         else:
             sf = x
@@ -156,13 +161,17 @@ def add_rmsnorm(
     x: torch.Tensor,  # (T, H)
     residual: torch.Tensor,  # (T, H)
     norm,  # an RMSNorm module (weight (H,), eps)
+    tap: torch.Tensor | None = None,  # (T, H), rows may be strided: residual + x copied here too
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed (T, H), residual + x (T, H)
     if not (_use_triton(x) and norm.weight.dtype == x.dtype and x.is_contiguous()
-            and residual.is_contiguous()):  # fmt: skip
+            and residual.is_contiguous()
+            and (tap is None or (tap.dtype == x.dtype and tap.stride(1) == 1))):  # fmt: skip
         summed = residual + x
+        if tap is not None:
+            tap.copy_(summed)
         return norm(summed), summed
     r_out = torch.empty_like(x)
-    return _launch_norm(x, residual, r_out, norm), r_out
+    return _launch_norm(x, residual, r_out, norm, tap), r_out
 
 
 def rmsnorm(
@@ -199,16 +208,20 @@ def rmsnorm_pair(
     return y1, y2
 
 
-def _launch_norm(x, residual, r_out, norm) -> torch.Tensor:
-    """add_rmsnorm_kernel's launch: norm(x + residual) with the sum to r_out, or with residual
-    None norm(x) (x's rows may be strided); returns the normed rows, contiguous."""
+def _launch_norm(x, residual, r_out, norm, tap=None) -> torch.Tensor:
+    """add_rmsnorm_kernel's launch: norm(x + residual) with the sum to r_out (and to `tap`'s
+    rows, strided, when given), or with residual None norm(x) (x's rows may be strided);
+    returns the normed rows, contiguous."""
     import triton
 
     t, n = x.shape
     y = x.new_empty(t, n)
     has_res = residual is not None
+    has_tap = has_res and tap is not None
+    tap, tap_row = (tap, tap.stride(0)) if has_tap else (y, 0)
     _triton()[0][(t,)](x, residual if has_res else x, norm.weight, y, r_out if has_res else y, n,
-                       x.stride(0), norm.eps, BLOCK=triton.next_power_of_2(n), HAS_RES=has_res,
+                       x.stride(0), norm.eps, tap, tap_row,
+                       BLOCK=triton.next_power_of_2(n), HAS_RES=has_res, HAS_TAP=has_tap,
                        **pdl.flags(x), num_warps=4)  # fmt: skip
     return y
 
@@ -219,20 +232,26 @@ def residual_stream(
     final_norm,  # the RMSNorm after the last layer
     body: Callable[[int, Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     taps: Collection[int] = (),
-) -> tuple[torch.Tensor, list[torch.Tensor]]:  # final-normed (T, H), the tapped layer outputs
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # final-normed (T, H), tapped (T, len(taps) * H)
     """A pre-norm decoder's residual stream with each add fused into the next norm:
     h = norm_0(x); per layer i, (m, residual) = body(i, layer, h, residual) (m: what the layer
     adds after its own fused post-attention add), then h, residual = add_rmsnorm(m, residual,
-    norm_{i+1} or final_norm). Returns the final norm's output and, for each i in `taps`, layer
-    i's output (the residual after its add)."""
+    norm_{i+1} or final_norm). Returns the final norm's output and the layers in `taps` side by
+    side, in layer order: each one's output (the residual after its add), written into its
+    columns by the add's own kernel (a torch.cat after the forward was one more kernel of every
+    DFlash engine's step: ~2-3 us of a ~180 us plain step on the H100); None without taps."""
     residual, h = x, rmsnorm(x, layers[0].input_layernorm)
-    tapped = []
+    order = sorted(set(taps))  # the columns follow the layers' order
+    hidden = x.shape[-1]
+    tapped = x.new_empty(x.shape[0], len(order) * hidden) if order else None  # (T, k * H)
     for i, layer in enumerate(layers):
         m, residual = body(i, layer, h, residual)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        h, residual = add_rmsnorm(m, residual, nxt)  # residual = layer i's output
+        tap = None
         if i in taps:
-            tapped.append(residual)
+            j = order.index(i)
+            tap = tapped[:, j * hidden : (j + 1) * hidden]  # (T, H), rows k * H apart
+        h, residual = add_rmsnorm(m, residual, nxt, tap)  # residual = layer i's output
     return h, tapped
 
 

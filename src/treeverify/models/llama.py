@@ -147,12 +147,12 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rope.rotate_half_tables(positions, x.dtype)  # (T, D) each
         else:
             cos, sin = self.rope(positions)  # (T, D/2) each
-        h, taps = residual_stream(
+        # captured: the tapped layers' outputs side by side (T, len(taps) * hidden), or None
+        h, self.captured = residual_stream(
             x, self.model.layers, self.model.norm,
             lambda i, layer, h, residual: layer(h, residual, cos, sin, attention),
             self.capture_layers,
         )  # fmt: skip
-        self.captured = torch.cat(taps, -1) if taps else None  # (T, len(taps) * hidden)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(h).float()
