@@ -22,6 +22,7 @@ pytest.importorskip("tokenizers")
 from lockstep import (  # noqa: E402
     cycle_budgets,
     heldout_prompts,
+    parted_at_near_tie,
     record_budgets,
     replay_budgets,
 )
@@ -40,6 +41,12 @@ def _engine(model: str = "tiny-code", **kw) -> LLM:
 
 
 def test_steps_launched_ahead_equal_read_first_step_by_step():
+    """Equal token for token, except at a bf16 near-tie that the late arrival's step may
+    make: the read-first engine runs its prefill in one forward with the three decodes (GEMMs
+    over more rows: another tiling, other roundings), the engine launching ahead runs it alone
+    after the step it took (on the H100, seed 172712899 parted the arrival at its 4th token, at
+    95983b4 and at 227d96f alike). Each request may part once, at a near-tie of the reference's
+    top 2 (read first, with logprobs=2: its tokens do not change); anything else fails."""
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")  # shown with a failure: the same prompts again
     rng = random.Random(seed)
@@ -49,20 +56,26 @@ def test_steps_launched_ahead_equal_read_first_step_by_step():
     pairs = []
     for prompt, n in zip(prompts[:3], (70, 17, 41), strict=True):
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        pairs.append((ahead.add_request(prompt, sp), first.add_request(prompt, sp)))
-    steps = 0
+        ref = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+        pairs.append((ahead.add_request(prompt, sp), first.add_request(prompt, ref)))
+    steps, parted = 0, set()
     while ahead.has_unfinished() or first.has_unfinished():
         if steps == 9:  # its prefill runs after the step launched ahead, which is taken
             sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-            pairs.append((ahead.add_request(prompts[3], sp), first.add_request(prompts[3], sp)))
+            ref = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+            pairs.append((ahead.add_request(prompts[3], sp), first.add_request(prompts[3], ref)))
         if steps == 30:
             assert ahead.abort(pairs[0][0].request_id) and first.abort(pairs[0][1].request_id)
         ahead.step()
         first.step()
         steps += 1
-        for a, b in pairs:
-            assert a.output_token_ids == b.output_token_ids, f"step {steps}: {a.request_id}"
-            assert a.num_cached_tokens == b.num_cached_tokens, f"step {steps}"
+        for i, (a, b) in enumerate(pairs):
+            msg = f"step {steps}: {a.request_id}"
+            assert a.num_cached_tokens == b.num_cached_tokens, msg
+            if i not in parted and parted_at_near_tie(
+                a.output_token_ids, b.output_token_ids, first.logprobs_so_far(b.request_id), msg
+            ):
+                parted.add(i)
         ahead.block_manager.check(ahead.scheduler.running)
     info = ahead.ahead.info
     # the arrival's prefill runs beside the step launched ahead (taken), the abort drops a row
