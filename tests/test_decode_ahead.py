@@ -157,7 +157,7 @@ def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkey
     equal after every step), through switches between plain steps and rounds, and when a
     request other than the last finishes first (the launched step is taken by the others: a
     pick that is no leading run, its rows gathered). `ring`: the rows go through the context's
-    feed ring as ids (TREEVERIFY_FEED_RING=1) or as a copy a step (the default)."""
+    feed ring as ids (TREEVERIFY_FEED_RING=1, the default) or as a copy a step (0)."""
     monkeypatch.setenv("TREEVERIFY_FEED_RING", ring)
     knobs = dict(speculative_algorithm="DDTREE", num_pages=128)  # tiny-code's own DFlash drafter
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)

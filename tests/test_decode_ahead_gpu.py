@@ -47,7 +47,8 @@ def test_steps_launched_ahead_equal_read_first_step_by_step():
     after the step it took (on the H100, seed 172712899 parted the arrival at its 4th token, at
     95983b4 and at 227d96f alike). Each request may part once, at a near-tie of the reference's
     top 2 (read first, with logprobs=2: its tokens do not change); anything else fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    # LOCKSTEP_SEED=172712899 re-runs the prompts that parted at a near-tie
+    seed = int(os.environ.get("LOCKSTEP_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"seed {seed}")  # shown with a failure: the same prompts again
     rng = random.Random(seed)
     prompts = heldout_prompts(rng, 4)

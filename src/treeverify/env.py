@@ -40,12 +40,13 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   2.7-3.1x faster at b=1 on tiny-code, and with the adaptive controller's step paths it leaves
   sampled rounds that do not pay; docs/performance.md); ``0``: the PyTorch end, sampled steps
   read first and sampled rounds on the general path (A/B runs).
-- ``TREEVERIFY_FEED_RING``: ``1`` has a DFlash engine's plain steps launched ahead copy their
-  tapped hidden rows into one device ring and hand the drafter's context row ids
-  (engine/feed_ring.py: no clone, split or view per request a step, one gather a flush);
-  default ``0`` (a clone a step, a view a request): on an H100 its plain steps were no faster
-  (b=8 1.3-1.8% slower, b=1 equal, thirty-ninth session); its effect on the flush before a round
-  entered from plain decoding is not yet measured (gpu-round step feed_ring).
+- ``TREEVERIFY_FEED_RING``: ``1`` (the default since the fortieth session) has a DFlash engine's
+  plain steps launched ahead copy their tapped hidden rows into one device ring and hand the
+  drafter's context row ids (engine/feed_ring.py: no clone, split or view per request a step,
+  one gather a flush); ``0``: a clone a step, a view a request (A/B). On an H100 (227d96f,
+  `step_kinds --warm` at T=1 after greedy passes, off and on in turns): adaptive at b=8
+  18477 / 19748 -> 19797 / 20520 tok/s (+4-7%: the plain steps read first after a round
+  610-808 -> 520-525 us), b=1 +0.7%, plain steps alone equal.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -175,9 +176,9 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_FUSED_DECODE_STEP": "1: a decode step launched ahead and a whole round pick their "
     "tokens in Triton (engine/pick_kernels.py), greedy or sampled: sampled plain steps launched "
     "ahead, sampled rounds whole; default 1; 0: the PyTorch end (A/B).",
-    "TREEVERIFY_FEED_RING": "1: a DFlash engine's plain steps launched ahead copy their tapped "
-    "rows into one device ring and hand the drafter row ids (engine/feed_ring.py); default 0 "
-    "(a clone a step, a view a request) until measured on rounds entered from plain decoding.",
+    "TREEVERIFY_FEED_RING": "1 (default): a DFlash engine's plain steps launched ahead copy "
+    "their tapped rows into one device ring and hand the drafter row ids (engine/feed_ring.py); "
+    "0: a clone a step, a view a request (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -504,11 +505,11 @@ def decode_lookahead() -> bool:
 
 
 def feed_ring() -> bool:
-    """TREEVERIFY_FEED_RING: 1 has a DFlash engine's plain steps launched ahead write their
-    tapped rows into the context's feed ring (engine/feed_ring.py); default 0, a clone a step (no
-    gain measured on plain steps, H100; rounds entered from plain decoding not yet measured).
-    Read when an engine is built."""
-    return _switch("TREEVERIFY_FEED_RING", "0")
+    """TREEVERIFY_FEED_RING: 1 (default) has a DFlash engine's plain steps launched ahead
+    write their tapped rows into the context's feed ring (engine/feed_ring.py); 0, a clone a
+    step (A/B; the ring measured +4-7% at b=8 adaptive on an H100, fortieth session). Read
+    when an engine is built."""
+    return _switch("TREEVERIFY_FEED_RING", "1")
 
 
 def fused_decode_step() -> bool:

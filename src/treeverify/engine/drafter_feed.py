@@ -5,7 +5,7 @@ step. A mixin of `LLM` (with engine/spec_step.py's `SpeculativeSteps`).
     prefill chunks, plain decodes   each chunk's rows of the step's tapped hidden states (T, F)
     a tree (general path)           its root and accepted path's rows, gathered
     a plain step launched ahead     its taken rows (engine/decode_ahead.py), or their ids in
-                                    the context's feed ring (engine/feed_ring.py, opt-in)
+                                    the context's feed ring (engine/feed_ring.py, default)
     a whole round                   nothing here: its graph writes the accepted rows into the
                                     rings itself (engine/round_graphs.py)
 
