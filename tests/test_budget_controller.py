@@ -671,3 +671,49 @@ def test_the_decision_log_keeps_the_last_events_only():
     assert [e["note"] for e in log.since(3)] == ["p4"]
     assert log.recent(1) == [{"step": 4, "kind": "probe", "from": 0, "to": 64, "n": 8,
                               "note": "p4"}]  # fmt: skip
+
+
+def test_a_round_not_yet_observed_is_no_arrival(monkeypatch):
+    """The engine launches each step ahead, so the decision after a round comes before that
+    round is observed. A group whose class's prior comes near plain decoding's rate restarts
+    the probes' interval on arrival; its first probe's requests must not count as arrivals
+    again at the next decision, which undid the probe's back-off: on the H100 each sampled
+    group of 8 then probed again ~50 decisions after the first (the fortieth session's
+    decision log). With the round awaited, decisions lagged by one make the same probes as
+    decisions that see every round at once; without (the helper stubbed out), the lagged ones
+    restart the interval after the first probe and probe sooner."""
+    costs = {0: 0.28, 4: 0.5, 8: 0.52, 16: 0.56, 32: 0.65, 64: 0.85}
+
+    def group_events(lag: int, **knobs) -> list[tuple[int, str]]:
+        ctl = synthetic(costs, **knobs)
+        for i in range(8):  # the sampled class's prior: a lucky draft in 3 (rate(4) ~0.73 x
+            ctl.note_request(f"old{i}", "sampled")  # plain's: arrivals restart the interval)
+            for k in range(12):
+                ctl.observe_round(f"old{i}", 64, [0, 1] if k % 3 == 0 else [0])
+            ctl.forget(f"old{i}")
+        ctl.current, ctl.switches = 0, 1  # at plain decoding, probes backed off before
+        ctl.probes.count, ctl.probes.interval, ctl.probes._switches_at_probe = 5, 256.0, 1
+        ids = [f"s{i}" for i in range(8)]
+        for rid in ids:
+            ctl.note_request(rid, "sampled")
+        start, waiting = ctl.step_index, []
+        for k in range(128):
+            waiting.append(ctl.choose(ids))
+            if len(waiting) > lag:  # observed `lag` decisions late
+                done = waiting.pop(0)
+                for rid in ids:
+                    if done:
+                        ctl.observe_round(rid, done, [0, 1] if k % 3 == 0 else [0])
+        return [(e["step"] - start, e["kind"]) for e in ctl.events.since(start)]
+
+    at_once = group_events(0)
+    assert [k for _, k in at_once][:2] == ["interval_restart", "probe"], at_once
+    assert group_events(1) == at_once
+    monkeypatch.setattr(BudgetController, "_await_round", lambda self, ids: None)
+    lagged = group_events(1)
+    monkeypatch.undo()
+    assert group_events(1, await_rounds=False) == lagged  # the knob, for A/B
+    first = at_once[1][0]
+    assert (first + 1, "interval_restart") in lagged, lagged  # the restart right after it
+    probes = [s for s, k in lagged if k == "probe"]
+    assert probes[1] < next(s for s, k in at_once[2:] if k == "probe"), (lagged, at_once)

@@ -30,6 +30,9 @@ class ControllerConfig:
     new_batch_at_once: bool = True  # a step whose requests have no rounds of their own (a new
     # group) switches on its class's prior with no dwell nor confirmation: after greedy groups
     # the H200 ran a new sampled group of 8 at budget 32 for 6 of its 131 steps (2026-12-05)
+    await_rounds: bool = True  # a request whose first round is chosen but not yet observed (a
+    # step launched ahead) is no arrival meanwhile; False: as before, for A/B (the decision
+    # after each probe of a new group restarted the probes' interval on the GPU)
     new_batch_restarts_probes: bool = True  # such a switch counts as a change a probe saw (the
     # next probe starts the interval over); False: it is the prior's, not a probe's (the
     # decision log showed each sampled group's second probe coming from this restart)

@@ -209,6 +209,12 @@ class BudgetController:
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self._cost_trial_at: int | None = None  # the decision a cost trial started at
         self.requests: dict[str, _Request] = {}
+        # requests with a round chosen but not yet observed: the engine launches a step ahead,
+        # so the decision after a request's first round (a probe's, say) comes before that round
+        # is read; counted as arrivals there, they restarted the probes' interval right after
+        # every probe that found nothing (the H100's b=8 sampled groups: a second probe ~50
+        # decisions after the first, fortieth session's decision log)
+        self._awaiting: set[str] = set()
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
         # it is the request's, not something learnt)
         self.class_curves: dict[str, dict[int, DecayedMean]] = {GREEDY: {}}
@@ -365,7 +371,8 @@ class BudgetController:
             _, rates, arrived, pays = cached  # at plain decoding, nothing but plain's cost moved
         else:
             rates = self._decide(request_ids)
-            arrived = any(rid not in self.requests for rid in request_ids)
+            arrived = any(rid not in self.requests and rid not in self._awaiting
+                          for rid in request_ids)  # fmt: skip
             # some bucket near plain's rate (read on arrivals, and at plain decoding: `far`)
             pays = Probes.near_plain(self, rates) if arrived or self.current == 0 else True
             self._plain_rates = (ids, rates, arrived, pays) if self.current == 0 else None
@@ -384,6 +391,7 @@ class BudgetController:
             note = self.probes.probed(self, far)
             self.events.add(self.step_index, ev.PROBE, self.current, up, len(request_ids), note)
             self._fade_pending(request_ids)  # before the probe's round is observed
+            self._await_round(request_ids)
             return self._count(up)  # one step at the probe's budget; `current` stays
         if self.current == 0 and self.cfg.plain_decay < 1.0:
             self._plain_unfaded += 1
@@ -391,7 +399,19 @@ class BudgetController:
                 self._fade_pending(request_ids)
         elif self.current:  # a stretch at plain ended: its last steps' fade now, before the
             self._fade_pending(request_ids)  # rounds' newer acceptance is observed
+            self._await_round(request_ids)
         return self._count(self.current)
+
+    def _await_round(self, request_ids: list[str]) -> None:
+        """A round was chosen for these requests: those without rounds of their own are no
+        arrivals until it is observed (or they are forgotten), and the arrival test reused at
+        plain decoding is made again."""
+        new = [rid for rid in request_ids if rid not in self.requests]
+        if new and self.cfg.await_rounds:
+            if len(self._awaiting) >= MAX_TRACKED_REQUESTS:
+                self._awaiting.clear()  # rounds discarded unobserved: bounded all the same
+            self._awaiting.update(new)
+            self._plain_rates = None
 
     def _fade_pending(self, request_ids: list[str]) -> None:
         """The fade of the plain steps since the last one, applied now (every FADE_EVERY plain
@@ -610,6 +630,7 @@ class BudgetController:
         if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
+        self._awaiting.discard(request_id)
         self._accept_sums.clear()  # every estimate may move (the engine-wide curve does)
         self._plain_rates = None
         # accepted_at_budgets in one walk (node indices grow along a path), each bucket's gain
@@ -636,6 +657,7 @@ class BudgetController:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self._awaiting.discard(request_id)
         self.classes.pop(request_id, None)
         self._accept_sums.clear()
         self._plain_rates = None
