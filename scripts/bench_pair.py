@@ -358,7 +358,9 @@ def _pass_decisions(llm: LLM, before: dict[str, int]) -> dict:
     ctl = llm.controller
     out = {"steps_by_budget": {b: c for b, c in ctl.steps_by_budget.items() if c}}
     out |= {k: getattr(ctl, k) - before[k] for k in _COUNTERS}
-    return out | {"events": ctl.events.since(before["step_index"])}
+    start = before["step_index"]  # (a pass with more events than the log keeps: its oldest gone)
+    return out | {"events": ctl.events.since(start),
+                  "events_complete": ctl.events.complete_since(start)}  # fmt: skip
 
 
 def run_speed_interleaved(args, block: int) -> list[dict]:

@@ -37,6 +37,9 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
         if "adaptive" in r["config"]:
             passes = r["passes_decisions"]
             assert len(passes) == 2
+            assert all(p["events_complete"] for p in passes)  # a short run: every event kept
+            for p in passes:  # each probe counted is in the pass's log, at a decision of it
+                assert sum(e["kind"] == "probe" for e in p["events"]) == p["explorations"], p
             for k in ("switches", "explorations", "cost_trials", "accept_trials"):
                 # per pass, not cumulative (the engine's running total), never negative
                 assert all(p[k] >= 0 for p in passes)

@@ -193,6 +193,17 @@ def test_config_rejects_other_variants(patch, named):
         DFlashConfig.from_hf_dict({**PUBLISHED_8B, **patch})
 
 
+@pytest.mark.parametrize("ids", [[9, 1, 17, 25, 33], [1, 9, 9, 17, 25], [-1, 9]])
+def test_config_target_layers_must_increase(ids):
+    """The target hands its tapped layers over side by side in layer order (fused_ops'
+    residual_stream), so a drafter that lists them in another order, or twice, would read
+    another layer's columns: refused, naming the key."""
+    d = json.loads(json.dumps(PUBLISHED_8B))
+    d["dflash_config"]["target_layer_ids"] = ids
+    with pytest.raises(ValueError, match="target_layer_ids: expected a non-empty increasing"):
+        DFlashConfig.from_hf_dict(d)
+
+
 def test_parameter_names_are_the_published_ones(drafter):
     names = set(drafter.state_dict())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names

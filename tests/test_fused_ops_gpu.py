@@ -16,7 +16,7 @@ BF16 = torch.bfloat16
 
 
 @pytest.mark.parametrize("t,h", [(1, 2048), (7, 4096), (33, 128)])
-def test_add_rmsnorm(t, h):
+def test_add_rmsnorm(t, h, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(t * h)
     x = torch.randn(t, h, device="cuda", generator=g).to(BF16)
     r = torch.randn(t, h, device="cuda", generator=g).to(BF16)
@@ -27,9 +27,16 @@ def test_add_rmsnorm(t, h):
     assert torch.equal(r_out, want_r)  # the add rounds exactly as torch's
     want = F.rms_norm(want_r.float(), (h,), norm.weight.float(), 1e-5)
     torch.testing.assert_close(y.float(), want, rtol=8e-3, atol=8e-3)  # one bf16 rounding
-    # a tap: the sum also into a column block of wider rows, the neighbours untouched
+    # a tap: the sum also into a column block of wider rows, the neighbours untouched, by the
+    # kernel (not the PyTorch fallback)
+    from treeverify.models import fused_ops
+
+    launched, launch = [], fused_ops._launch_norm
+    monkeypatch.setattr(fused_ops, "_launch_norm",
+                        lambda *a: launched.append(a[4] is not None) or launch(*a))  # fmt: skip
     taps = torch.full((t, 3 * h), float("nan"), device="cuda", dtype=BF16)
     y2, r2 = add_rmsnorm(x, r, norm, taps[:, h : 2 * h])
+    assert launched == [True]
     assert torch.equal(y2, y) and torch.equal(r2, want_r)
     assert torch.equal(taps[:, h : 2 * h], want_r)
     assert taps[:, :h].isnan().all() and taps[:, 2 * h :].isnan().all()

@@ -42,3 +42,13 @@ def test_residual_stream_taps_equal_the_layer_outputs_side_by_side(device, taps)
         return
     assert tapped.shape == (t, len(taps) * h) and tapped.dtype == torch.bfloat16
     assert torch.equal(tapped, torch.cat([outputs[i] for i in sorted(taps)], -1))
+
+
+@pytest.mark.parametrize("taps", [{-1}, {5}, {0, 7}])
+def test_residual_stream_refuses_taps_outside_its_layers(taps):
+    """A tap past the layers would leave its columns unwritten (uninitialised memory handed
+    to the drafter): a ValueError naming the argument instead."""
+    norms = [RMSNorm(16, 1e-5) for _ in range(6)]
+    with pytest.raises(ValueError, match=r"taps: expected layer indices in \[0, 5\)"):
+        residual_stream(torch.randn(2, 16), [_Layer(n) for n in norms[:5]], norms[-1],
+                        lambda i, layer, x, r: (x, r), taps)  # fmt: skip

@@ -112,6 +112,11 @@ TRIAL_CHECK_EVERY = 4
 # 8 and 16 (thirty-eighth session), and at 16 a plain step's decision at 8 requests took
 # 10.6-10.7 us against 14.4 (CPU, scripts/controller_cost.py, with the arrival check cached too)
 FADE_EVERY = 16
+# Decisions after the one that chose a request's round during which that round may still be
+# unobserved: the engine plans the next step's budget before reading this step's round (one
+# decision), and a step launched ahead is read a step later (a second). Past it, a request
+# whose round never came back (the planned step was dropped) counts as an arrival again.
+AWAIT_DECISIONS = 2
 
 
 # Step paths (see "Step paths" above): tokens picked in the step's graph, or read first.
@@ -214,7 +219,10 @@ class BudgetController:
         # is read; counted as arrivals there, they restarted the probes' interval right after
         # every probe that found nothing (the H100's b=8 sampled groups: a second probe ~50
         # decisions after the first, fortieth session's decision log)
-        self._awaiting: set[str] = set()
+        # (request -> the decision that chose its round; it holds for AWAIT_DECISIONS more: a
+        # decision the engine planned and then dropped, the batch having changed, must not
+        # keep its requests from counting as arrivals; a helper's review)
+        self._awaiting: dict[str, int] = {}
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
         # it is the request's, not something learnt)
         self.class_curves: dict[str, dict[int, DecayedMean]] = {GREEDY: {}}
@@ -371,7 +379,7 @@ class BudgetController:
             _, rates, arrived, pays = cached  # at plain decoding, nothing but plain's cost moved
         else:
             rates = self._decide(request_ids)
-            arrived = any(rid not in self.requests and rid not in self._awaiting
+            arrived = any(rid not in self.requests and not self._awaited(rid)
                           for rid in request_ids)  # fmt: skip
             # some bucket near plain's rate (read on arrivals, and at plain decoding: `far`)
             pays = Probes.near_plain(self, rates) if arrived or self.current == 0 else True
@@ -406,12 +414,20 @@ class BudgetController:
         """A round was chosen for these requests: those without rounds of their own are no
         arrivals until it is observed (or they are forgotten), and the arrival test reused at
         plain decoding is made again."""
+        if not self.cfg.await_rounds:
+            return
         new = [rid for rid in request_ids if rid not in self.requests]
-        if new and self.cfg.await_rounds:
+        if new:
             if len(self._awaiting) >= MAX_TRACKED_REQUESTS:
                 self._awaiting.clear()  # rounds discarded unobserved: bounded all the same
-            self._awaiting.update(new)
+            self._awaiting.update(dict.fromkeys(new, self.step_index))
             self._plain_rates = None
+
+    def _awaited(self, request_id: str) -> bool:
+        """Whether a round chosen for this request within the last AWAIT_DECISIONS decisions
+        is still to be observed."""
+        at = self._awaiting.get(request_id)
+        return at is not None and self.step_index - at <= AWAIT_DECISIONS
 
     def _fade_pending(self, request_ids: list[str]) -> None:
         """The fade of the plain steps since the last one, applied now (every FADE_EVERY plain
@@ -435,7 +451,7 @@ class BudgetController:
         known = {b: r for b, r in rates.items() if r is not None}
         cur = self.current
         if known and rates.get(cur) is not None:
-            self._judge_accept_trial(rates)
+            self._judge_accept_trial(rates, len(request_ids))
             cur = self.current
             # at plain decoding in a burst of its cost: no switch (engine/cost_bursts.py)
             held = self._hold.held(self.cost, cur, len(request_ids), self.step_index)
@@ -604,7 +620,7 @@ class BudgetController:
         self.switches += 1
         self.accept_trials += 1
 
-    def _judge_accept_trial(self, rates: dict[int, float | None]) -> None:
+    def _judge_accept_trial(self, rates: dict[int, float | None], n: int) -> None:
         """After its dwell, an acceptance trial stays only if it beats the bucket it left by
         the switch margin, as a switch up must; otherwise back (a trial within the margin would
         otherwise stay by hysteresis: replayed at b=8, a trial at 32 costing 2% more than 16)."""
@@ -615,7 +631,7 @@ class BudgetController:
         r_here, r_from = rates.get(here), rates.get(came_from)
         known = r_here is not None and r_from is not None
         if known and r_here <= (1 + self.cfg.switch_margin) * r_from:
-            self.events.add(self.step_index, ev.TRIAL_BACK, here, came_from, 0,
+            self.events.add(self.step_index, ev.TRIAL_BACK, here, came_from, n,
                             f"rate {r_here:.4g} vs {r_from:.4g}")  # fmt: skip
             self.current, self._pending, self.since_switch = came_from, None, 0
             self.switches += 1
@@ -630,7 +646,7 @@ class BudgetController:
         if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
         req = self.requests.setdefault(request_id, _Request())
-        self._awaiting.discard(request_id)
+        self._awaiting.pop(request_id, None)
         self._accept_sums.clear()  # every estimate may move (the engine-wide curve does)
         self._plain_rates = None
         # accepted_at_budgets in one walk (node indices grow along a path), each bucket's gain
@@ -657,7 +673,7 @@ class BudgetController:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
-        self._awaiting.discard(request_id)
+        self._awaiting.pop(request_id, None)
         self.classes.pop(request_id, None)
         self._accept_sums.clear()
         self._plain_rates = None

@@ -22,6 +22,7 @@ COST_TRIAL = "cost_trial"  # a dwell at a bucket whose cost is stale, to measure
 ACCEPT_TRIAL = "accept_trial"  # a dwell one bucket up, to measure its acceptance
 TRIAL_BACK = "trial_back"  # an acceptance trial that did not pay, back where it came from
 PLAIN_TRIAL = "plain_trial"  # a few plain steps to re-measure plain decoding's stale cost
+# (they start at the next decision; `current` stays at `from`: a measurement, not a switch)
 INTERVAL_RESTART = "interval_restart"  # the probes' interval back to its shortest (an arrival)
 
 
@@ -30,9 +31,16 @@ class DecisionEvents:
 
     def __init__(self, kept: int = KEPT_EVENTS) -> None:
         self._log: deque[tuple[int, str, int, int, int, str]] = deque(maxlen=kept)
+        self._dropped_through = -1  # the decision of the newest event no longer kept
 
     def add(self, step: int, kind: str, frm: int, to: int, n: int, note: str = "") -> None:
+        if len(self._log) == self._log.maxlen:
+            self._dropped_through = self._log[0][0]
         self._log.append((step, kind, frm, to, n, note))
+
+    def complete_since(self, step: int) -> bool:
+        """Whether every event after decision `step` is still kept."""
+        return self._dropped_through <= step
 
     def since(self, step: int) -> list[dict]:
         """The events after decision `step` (those still kept), oldest first."""

@@ -240,8 +240,10 @@ def residual_stream(
     side, in layer order: each one's output (the residual after its add), written into its
     columns by the add's own kernel (a torch.cat after the forward was one more kernel of every
     DFlash engine's step: ~2-3 us of a ~180 us plain step on the H100); None without taps."""
-    residual, h = x, rmsnorm(x, layers[0].input_layernorm)
     order = sorted(set(taps))  # the columns follow the layers' order
+    if order and not 0 <= order[0] <= order[-1] < len(layers):
+        raise ValueError(f"taps: expected layer indices in [0, {len(layers)}), got {order}")
+    residual, h = x, rmsnorm(x, layers[0].input_layernorm)
     hidden = x.shape[-1]
     tapped = x.new_empty(x.shape[0], len(order) * hidden) if order else None  # (T, k * H)
     for i, layer in enumerate(layers):

@@ -118,10 +118,12 @@ class DFlashConfig:
             raise ValueError(f"block_size: expected >= 2, got {self.block_size}")
         if self.mask_token_id < 0:
             raise ValueError(f"mask_token_id: expected >= 0, got {self.mask_token_id}")
-        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
+        ids = self.target_layer_ids
+        if not ids or min(ids) < 0 or list(ids) != sorted(set(ids)):
+            # increasing: the target hands its tapped layers over in layer order
             raise ValueError(
-                f"target_layer_ids: expected a non-empty list of layer indices >= 0, got "
-                f"{self.target_layer_ids}"
+                f"target_layer_ids: expected a non-empty increasing list of layer indices >= 0, "
+                f"got {ids}"
             )
 
     @property
