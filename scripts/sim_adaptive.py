@@ -158,7 +158,8 @@ def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig) -> 
 
 
 def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int,
-                 cls: str | None = None, switch_seconds: float = 0.0) -> dict:  # fmt: skip
+                 cls: str | None = None, switch_seconds: float = 0.0,
+                 lag: int = 0) -> dict:  # fmt: skip
     """`replay` with `batch` requests decoding together, as bench_pair's b=8 rows: prompts in
     groups of `batch` starting together; each step one budget for every live request (the
     controller's `choose` over all of them), costing costs.estimate(live, budget); a request
@@ -166,8 +167,11 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
     requests' acceptance class, named to the controller (engine/budget_controller.py).
     `switch_seconds`: added to a step on the other path (plain <-> rounds) than the step
     before it, as `replay` does (a round entered from plain decoding, and the plain step after
-    a round, run read first; at b=8 they also project the context rows pending)."""
+    a round, run read first; at b=8 they also project the context rows pending). `lag`: the
+    controller observes each round that many decisions late, as the engine does (it chooses
+    the next step's budget, and launches it, before reading this step's round: lag 1)."""
     seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
+    unseen: list[list[tuple[str, int, list[int]]]] = []  # per decision, its rounds not yet seen
     ctl = policy if isinstance(policy, BudgetController) else None
     last = None  # the previous step's budget
     for g in range(0, len(traces), batch):
@@ -178,6 +182,11 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
         while live:
             rids = list(live)
             budget = ctl.choose(rids) if ctl else policy
+            while ctl and len(unseen) > max(lag - 1, 0):  # the rounds read by now
+                for rid, b, walk in unseen.pop(0):
+                    if rid in live:  # (a finished request's last rounds were seen as it left)
+                        ctl.observe_round(rid, b, walk)
+            now: list[tuple[str, int, list[int]]] = []
             steps[budget] = steps.get(budget, 0) + 1
             seconds += costs.estimate(len(rids), budget)
             if last is not None and (last == 0) != (budget == 0):
@@ -192,14 +201,21 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
                     walk = cut(paths[p], budget)
                     n = len(walk)
                     rounds += 1
-                    if ctl:
+                    if ctl and lag:
+                        now.append((rid, budget, walk))
+                    elif ctl:
                         ctl.observe_round(rid, budget, walk)
                 state[1], state[2] = p + n, made + n
                 if state[2] >= tokens or state[1] >= len(paths):
                     committed_total += state[2]
                     del live[rid]
                     if ctl:
+                        for r, b, walk in [x for d in unseen for x in d] + now:
+                            if r == rid:  # the engine reads a request's last round, then drops it
+                                ctl.observe_round(r, b, walk)
                         ctl.forget(rid)
+            if lag:
+                unseen.append(now)
     return {"tokens": committed_total, "seconds": round(seconds, 6),
             "tokens_per_s": round(committed_total / seconds, 1), "rounds": rounds,
             "steps_by_budget": dict(sorted(steps.items()))}  # fmt: skip

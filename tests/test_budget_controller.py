@@ -729,3 +729,29 @@ def test_a_round_not_yet_observed_is_no_arrival(monkeypatch):
     assert (first + 1, "interval_restart") in lagged, lagged  # the restart right after it
     probes = [s for s, k in lagged if k == "probe"]
     assert probes[1] < next(s for s, k in at_once[2:] if k == "probe"), (lagged, at_once)
+
+
+@pytest.mark.parametrize("await_rounds", [True, False])
+def test_an_unknown_rate_is_probed_once_while_its_round_is_awaited(await_rounds):
+    """A class never measured has no rate above the current bucket: its first decision probes
+    there. With decisions lagged by one (steps launched ahead), the next decision still sees no
+    rate; with the probe's round awaited it does not probe again (the lagged replay's first
+    sampled group probed twice in a row)."""
+    costs = {0: 0.28, 4: 0.5, 8: 0.52, 16: 0.56}
+    ctl = synthetic(costs, await_rounds=await_rounds)
+    for i in range(4):  # the greedy class is known up to 8 only (rounds at 8)
+        ctl.observe_round(f"g{i}", 8, [0, 1, 2])
+    ctl.current, ctl.switches = 8, 1
+    ids = [f"s{i}" for i in range(4)]
+    for rid in ids:
+        ctl.note_request(rid, "sampled")  # no prior at all
+    chosen, waiting = [], []
+    for _ in range(4):
+        chosen.append(ctl.choose(ids))
+        waiting.append(chosen[-1])
+        if len(waiting) > 1:  # observed a decision late
+            done = waiting.pop(0)
+            for rid in ids:
+                ctl.observe_round(rid, done, [0])
+    assert chosen[0] == 16  # the probe
+    assert chosen[1] == (8 if await_rounds else 16), chosen

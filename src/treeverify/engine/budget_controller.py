@@ -394,8 +394,13 @@ class BudgetController:
         # at plain decoding with every bucket's rate far below plain's (the arrival rule's
         # test): the probes' interval may back off further (explore_far_factor)
         far = self.current == 0 and not pays
-        if up is not None and (rates.get(up) is None
-                               or self.probes.due(self, len(request_ids), up, far)):  # fmt: skip
+        # a rate unknown at `up` calls for a probe at once, unless the round that measures it
+        # is chosen already and not yet observed (steps launched ahead: the lagged replay's
+        # first sampled group probed twice in a row)
+        unknown = rates.get(up) is None and not (
+            self.cfg.await_rounds and all(self._awaited(r) for r in request_ids)
+        )
+        if up is not None and (unknown or self.probes.due(self, len(request_ids), up, far)):
             note = self.probes.probed(self, far)
             self.events.add(self.step_index, ev.PROBE, self.current, up, len(request_ids), note)
             self._fade_pending(request_ids)  # before the probe's round is observed
