@@ -327,7 +327,7 @@ def run_speed(args, block: int) -> list[dict]:
                              occupancy, judge, prompts)  # fmt: skip
                 rows.append(r)
                 plain.setdefault(key, outs)
-                print(json.dumps(r), flush=True)
+                print(json.dumps(_brief(r)), flush=True)
         free(llm)
     for r in rows:  # speedups against plain decoding of the same text and batch
         base = max(
@@ -361,6 +361,31 @@ def _pass_decisions(llm: LLM, before: dict[str, int]) -> dict:
     start = before["step_index"]  # (a pass with more events than the log keeps: its oldest gone)
     return out | {"events": ctl.events.since(start),
                   "events_complete": ctl.events.complete_since(start)}  # fmt: skip
+
+
+def _brief(row: dict) -> dict:
+    """A row as printed while the run goes: its passes' decision logs left to the JSON file
+    (hundreds of events would push everything else out of a log's tail)."""
+    passes = row.get("passes_decisions")
+    if not passes:
+        return row
+    return row | {"passes_decisions": [{k: v for k, v in p.items() if k != "events"}
+                                       for p in passes]}  # fmt: skip
+
+
+def speed_table(rows: list[dict]) -> str:
+    """The speed rows as one short table, printed last: text, batch, config, tokens/s, x plain,
+    accept length, and an adaptive engine's probes and switches per pass."""
+    lines = [f"{'text':<14} {'b':>2} {'config':<52} {'tok/s':>9} {'x plain':>7} {'tau':>5}  "
+             "probes/switches a pass"]  # fmt: skip
+    for r in rows:
+        passes = r.get("passes_decisions") or []
+        ps = " ".join(f"{p['explorations']}/{p['switches']}" for p in passes)
+        tau = r.get("accept_length")
+        lines.append(f"{r['text']:<14} {r['batch']:>2} {r['config'][:52]:<52} "
+                     f"{r['tokens_per_s']:>9.1f} {r.get('speedup_vs_plain', 1.0):>7.3f} "
+                     f"{'-' if tau is None else f'{tau:.2f}':>5}  {ps}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def run_speed_interleaved(args, block: int) -> list[dict]:
@@ -415,7 +440,7 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
                     3,
                 )
                 rows.append(r)
-                print(json.dumps(r), flush=True)
+                print(json.dumps(_brief(r)), flush=True)
     for llm in engines:
         free(llm)
     return rows
@@ -546,6 +571,8 @@ def main(argv=None) -> int:
               "torch_threads": torch.get_num_threads(), "rows": rows,
               "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     args.json.write_text(json.dumps(result, indent=1))
+    if args.mode == "speed":
+        print(speed_table(rows), flush=True)
     return 0
 
 
