@@ -379,3 +379,27 @@ def test_the_hold_is_not_left_by_a_cost_trial_to_a_bucket_a_burst_overstated():
         switches = ctl.switches
         chosen = serve(ctl, CALIBRATED, 300, NOTHING, burst=range(60, 75), slow=8.0)
         assert chosen[60:120].count(0) >= 58 and ctl.switches == switches
+
+
+@pytest.mark.parametrize("steady", [0, 8])
+def test_trials_wait_for_a_batch_size_that_holds(steady):
+    """`trial_steady_batch`: a batch size that changes every few decisions (a draining group's
+    tail) gets no cost trial until one size has held that long; once it holds, the trial comes
+    as before (the same overstated 16 as test_an_overstated_stale_cost_is_tried_and_replaced)."""
+    true = {**CALIBRATED, 16: 1.32}
+    ctl = calibrated(min_dwell=4, trial_steady_batch=steady)
+    run, last = 0, None
+    for i in range(60):  # one request, then two, in turns every 4 decisions
+        ids = ["r"] if (i // 4) % 2 == 0 else ["r", "q"]
+        b = ctl.choose(ids)
+        for rid in ids:
+            if b:
+                ctl.observe_round(rid, b, path_for(ACCEPTED, b))
+        run, last = (run + 1 if (b, len(ids)) == last else 1), (b, len(ids))
+        if run >= 3:  # a steady step's cost, as serve() feeds them (two requests: 20% more)
+            ctl.observe_step(len(ids), b, true[b] * (1.0 + 0.2 * (len(ids) - 1)))
+    assert (ctl.cost_trials == 0) == bool(steady), ctl.cost_trials
+    serve(ctl, true, 100)  # one request from now on: the size holds
+    assert ctl.cost_trials >= 1
+    with pytest.raises(ValueError, match="trial_steady_batch"):
+        ControllerConfig(trial_steady_batch=-1)

@@ -38,6 +38,10 @@ class ControllerConfig:
     # decision log showed each sampled group's second probe coming from this restart)
     cost_trials: bool = True  # try a budget whose stale cost hides a better rate, plain
     # decoding's included (plain trials, stale_plain_floor); False: neither (A/B)
+    trial_steady_batch: int = 0  # a cost or plain trial only at a batch size that has held for
+    # this many decisions (0: any): a draining group's tail (n = 6, 5, ... 1 a few decisions
+    # each) spent dwells on trials near its end on the H100 at b=8 (fortieth session's log);
+    # not yet measured on a GPU (PAIR_AB="trial_steady_batch=8")
     cost_fresh_steps: int = 256  # a cost measured this many steps ago or less is fresh; a cost
     # trial per (batch size, budget) at most once per this many steps
     accept_trials: bool = True  # a dwell one bucket up when its gain lacks evidence (False: A/B)
@@ -78,6 +82,8 @@ class ControllerConfig:
             )
         if self.cost_fresh_steps < 1:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
+        if self.trial_steady_batch < 0:
+            raise ValueError(f"trial_steady_batch: expected >= 0, got {self.trial_steady_batch}")
         if self.accept_evidence < 0 or self.accept_optimism < 0:
             raise ValueError("accept_evidence, accept_optimism: expected >= 0")
         if self.plain_margin < 0:

@@ -245,6 +245,7 @@ class BudgetController:
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
         self.events = ev.DecisionEvents()  # probes, switches, trials: when and why
+        self._batch_size, self._batch_since = 0, 0  # the last decision's, and since when
 
     def use_path(self, path: str) -> None:
         """Make `path`'s table the one decisions read (`cost`, `_tried`: (n, budget) -> step
@@ -368,6 +369,8 @@ class BudgetController:
         if path != self.path:
             self.use_path(path)
         self.step_index += 1
+        if len(request_ids) != self._batch_size:
+            self._batch_size, self._batch_since = len(request_ids), self.step_index
         if self.pinned is not None:
             return self._count(self.pinned)
         if self.plain_trials.step(self):
@@ -547,6 +550,9 @@ class BudgetController:
         n, now, fresh = len(request_ids), self.step_index, self.cfg.cost_fresh_steps
         if not self.cfg.cost_trials or self.since_switch < self.cfg.min_dwell:
             return
+        steady = self.cfg.trial_steady_batch
+        if steady and now - self._batch_since < steady:  # a batch size passing by (a draining
+            return  # group's tail): no trial, plain trials included, until it holds
         if now % TRIAL_CHECK_EVERY:
             return
         self._bursts.calm(self.cost, n, self.buckets[1:])  # calm again: gaps forgotten
