@@ -138,23 +138,16 @@ def evaluate(cfg: ControllerConfig) -> dict:
     out[f"{NEW_DRAFTER}_h200"] = {
         k.rsplit(" ", 1)[1]: v for k, v in rows.items() if k.startswith(f"h200 {NEW_DRAFTER} ")
     }
-    free = {k: v for k, v in grouped.items() if k.startswith("groups b=8")}
-    charged = {k: v for k, v in grouped.items() if "charged" in k}
-    lagged = {k: v for k, v in grouped.items() if "lagged" in k}
-    return out | {
-            # groups of 8 in turns at the H200's b=1 / b=8 costs (x plain): the worst of each,
-            # switches free (as tuned) and charged as measured at b=8
-            "groups_code_min": min(v for k, v in free.items() if k.endswith("code")),
-            "groups_unpredictable_min": min(v for k, v in free.items()
-                                            if k.endswith("unpredictable")),
-            "groups_charged_code_min": min(v for k, v in charged.items() if k.endswith("code")),
-            "groups_charged_unpredictable_min": min(v for k, v in charged.items()
-                                                    if k.endswith("unpredictable")),
-            "groups_charged_sampled1.3_min": min(v for k, v in charged.items()
-                                                 if k.endswith("sampled1.3")),
-            "groups_lagged_code_min": min(v for k, v in lagged.items() if k.endswith("code")),
-            "groups_lagged_sampled1.3_min": min(v for k, v in lagged.items()
-                                                if k.endswith("sampled1.3"))}  # fmt: skip
+    # groups of 8 in turns at the H200's b=1 / b=8 costs (x plain): the worst of each text,
+    # switches free (as tuned), charged as measured at b=8, and charged with rounds seen late
+    worst = {}
+    for tag in ("", "charged_", "lagged_"):
+        label = f"groups {tag[:-1]}".strip()
+        for text in ("code", "unpredictable", "sampled1.3"):
+            worst[f"groups_{tag}{text}_min"] = min(
+                v for k, v in grouped.items() if k.startswith(f"{label} b=8") and k.endswith(text)
+            )
+    return out | worst
 
 
 def groups(cfg: ControllerConfig) -> dict[str, float]:

@@ -214,14 +214,12 @@ class BudgetController:
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self._cost_trial_at: int | None = None  # the decision a cost trial started at
         self.requests: dict[str, _Request] = {}
-        # requests with a round chosen but not yet observed: the engine launches a step ahead,
-        # so the decision after a request's first round (a probe's, say) comes before that round
-        # is read; counted as arrivals there, they restarted the probes' interval right after
-        # every probe that found nothing (the H100's b=8 sampled groups: a second probe ~50
-        # decisions after the first, fortieth session's decision log)
-        # (request -> the decision that chose its round; it holds for AWAIT_DECISIONS more: a
-        # decision the engine planned and then dropped, the batch having changed, must not
-        # keep its requests from counting as arrivals; a helper's review)
+        # request -> the decision that chose its first round, not yet observed: the engine
+        # launches a step ahead, so the decision after a probe comes before its round is read,
+        # and counted as arrivals there its requests restarted the probes' interval (the H100's
+        # b=8 sampled groups: a second probe ~50 decisions after the first, fortieth session).
+        # Held AWAIT_DECISIONS decisions at most: a planned step the engine dropped never
+        # reports back (a helper's review)
         self._awaiting: dict[str, int] = {}
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
         # it is the request's, not something learnt)
@@ -400,9 +398,7 @@ class BudgetController:
         # a rate unknown at `up` calls for a probe at once, unless the round that measures it
         # is chosen already and not yet observed (steps launched ahead: the lagged replay's
         # first sampled group probed twice in a row)
-        unknown = rates.get(up) is None and not (
-            self.cfg.await_rounds and all(self._awaited(r) for r in request_ids)
-        )
+        unknown = rates.get(up) is None and not all(self._awaited(r) for r in request_ids)
         if up is not None and (unknown or self.probes.due(self, len(request_ids), up, far)):
             note = self.probes.probed(self, far)
             self.events.add(self.step_index, ev.PROBE, self.current, up, len(request_ids), note)
@@ -531,12 +527,16 @@ class BudgetController:
             self._trial_from = None
             kind = ev.FIRST if first else ev.NEW_BATCH if at_once else ev.SWITCH
             why = f"rate {best_rate:.4g} vs {cur_rate:.4g} (margin {margin:.3g})"
-            self.events.add(self.step_index, kind, self.current, best, n, why)
+            self._move(kind, best, n, why)
             if at_once and not first and not self.cfg.new_batch_restarts_probes:
                 self.probes.not_a_change()  # the class's prior moved it, not what a probe saw
-            self.current, self._pending = best, None
-            self.since_switch = 0
-            self.switches += 1
+
+    def _move(self, kind: str, to: int, n: int, why: str) -> None:
+        """`current` to `to` (a switch or a trial, `kind` in the decision log): the pending
+        switch is dropped and the dwell starts over."""
+        self.events.add(self.step_index, kind, self.current, to, n, why)
+        self.current, self._pending, self.since_switch = to, None, 0
+        self.switches += 1
 
     def _cost_trial(self, request_ids: list[str], cur_rate: float, held: bool = False) -> None:
         """When some bucket's rate at its least possible cost (the largest fresh cost below it)
@@ -577,11 +577,9 @@ class BudgetController:
                     self._tried[(n, nearest)] = now
                     self._bursts.tried(self.cost, n, nearest, fresh)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
-                    self.events.add(now, ev.COST_TRIAL, self.current, nearest, n,
-                                    f"{b} at cost >= {low:.3g} s beats {bar:.4g}")  # fmt: skip
-                    self.current, self._pending, self.since_switch = nearest, None, 0
+                    self._move(ev.COST_TRIAL, nearest, n,
+                               f"{b} at cost >= {low:.3g} s beats {bar:.4g}")  # fmt: skip
                     self._cost_trial_at = self.step_index
-                    self.switches += 1
                     self.cost_trials += 1
                     return
         self.plain_trials.maybe_start(self, n, bar)
@@ -625,10 +623,8 @@ class BudgetController:
         for r in reqs:
             r.tried_up.add(up)
         self._trial_from = cur
-        self.events.add(self.step_index, ev.ACCEPT_TRIAL, cur, up, len(request_ids),
-                        f"{len(lacking)} request(s) lack rounds at {up}")  # fmt: skip
-        self.current, self._pending, self.since_switch = up, None, 0
-        self.switches += 1
+        self._move(ev.ACCEPT_TRIAL, up, len(request_ids),
+                   f"{len(lacking)} request(s) lack rounds at {up}")  # fmt: skip
         self.accept_trials += 1
 
     def _judge_accept_trial(self, rates: dict[int, float | None], n: int) -> None:
@@ -642,10 +638,7 @@ class BudgetController:
         r_here, r_from = rates.get(here), rates.get(came_from)
         known = r_here is not None and r_from is not None
         if known and r_here <= (1 + self.cfg.switch_margin) * r_from:
-            self.events.add(self.step_index, ev.TRIAL_BACK, here, came_from, n,
-                            f"rate {r_here:.4g} vs {r_from:.4g}")  # fmt: skip
-            self.current, self._pending, self.since_switch = came_from, None, 0
-            self.switches += 1
+            self._move(ev.TRIAL_BACK, came_from, n, f"rate {r_here:.4g} vs {r_from:.4g}")
 
     def _count(self, budget: int) -> int:
         self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1

@@ -246,14 +246,12 @@ def residual_stream(
     residual, h = x, rmsnorm(x, layers[0].input_layernorm)
     hidden = x.shape[-1]
     tapped = x.new_empty(x.shape[0], len(order) * hidden) if order else None  # (T, k * H)
+    # layer -> its columns (T, H), rows k * H apart
+    cols = {i: tapped[:, j * hidden : (j + 1) * hidden] for j, i in enumerate(order)}
     for i, layer in enumerate(layers):
         m, residual = body(i, layer, h, residual)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        tap = None
-        if i in taps:
-            j = order.index(i)
-            tap = tapped[:, j * hidden : (j + 1) * hidden]  # (T, H), rows k * H apart
-        h, residual = add_rmsnorm(m, residual, nxt, tap)  # residual = layer i's output
+        h, residual = add_rmsnorm(m, residual, nxt, cols.get(i))  # residual = layer i's output
     return h, tapped
 
 
