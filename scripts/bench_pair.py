@@ -111,7 +111,7 @@ def speed_texts(args) -> dict[str, tuple[list[str], float]]:
 
 def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
           clock=time.perf_counter, queue: bool = False, temperature: float = 0.0,
-          at_pass_start: Callable[[], None] | None = None,
+          at_pass_start: Callable[[], None] | None = None, greedy_warmup: bool = False,
           ) -> tuple[list, float, float]:  # fmt: skip
     """Greedy outputs (or, at `temperature` > 0, seeded samples) of all prompts, at most
     `batch` running at once, the seconds it took (the best of `repeat` passes: host-bound steps
@@ -124,10 +124,16 @@ def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
     occupancy says how much. `queue`: a new prompt joins as soon as one finishes (a server's
     continuous batching); the batch then stays full until the prompts run out.
     `at_pass_start`: called as each timed pass starts, after the warm-up. Spec stats are
-    those of the last pass."""
+    those of the last pass. The warm-up (4 tokens of the first group) samples as the pass does:
+    a greedy warm-up before a sampled pass made the pass open with a greedy-to-sampled batch
+    change, which restarts an adaptive controller's probes (b=1: 5-6 probes a pass instead of
+    ~2, fortieth session) — something a server with steady sampled traffic never sees.
+    `greedy_warmup`: the warm-up greedy whatever the pass (before the forty-first session)."""
     sp = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True,
                         seed=2026 if temperature else None)  # fmt: skip
-    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    warm_t = 0.0 if greedy_warmup else temperature
+    llm.generate(prompts[:batch], SamplingParams(temperature=warm_t, max_tokens=4, ignore_eos=True,
+                                                 seed=2025 if warm_t else None))  # fmt: skip
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     best, occupancy = float("inf"), 1.0
     for _ in range(repeat):
@@ -321,7 +327,8 @@ def run_speed(args, block: int) -> list[dict]:
         for text, (prompts, temp) in texts.items():
             for b in batches:
                 outs, secs, occupancy = timed(llm, prompts, b, args.tokens, args.repeat,
-                                              CLOCKS[args.clock], args.queue, temp)  # fmt: skip
+                                              CLOCKS[args.clock], args.queue, temp,
+                                              greedy_warmup=args.greedy_warmup)  # fmt: skip
                 key = (text, b)
                 r = describe(llm, name, outs, secs, None if temp else plain.get(key), b, text,
                              occupancy, judge, prompts)  # fmt: skip
@@ -416,7 +423,7 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
 
                     outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
                                                 CLOCKS[args.clock], args.queue, temp,
-                                                mark)  # fmt: skip
+                                                mark, args.greedy_warmup)  # fmt: skip
                     secs[name].append(s_)
                     last[name] = (outs, occupancy)
                     if before:
@@ -511,6 +518,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="speed: also the prose prompts at temperature 1 (text the drafter cannot predict)",
     )
+    p.add_argument(
+        "--greedy-warmup",
+        action="store_true",
+        help="speed: each pass's untimed warm-up greedy even before a sampled pass (the "
+        "benchmark before the forty-first session: every sampled pass opened with a batch change)",
+    )
     p.add_argument("--texts", default="", help="speed: only these texts, comma list "
                    "(code, prose, prose-sampled with --sampled); default all")  # fmt: skip
     p.add_argument("--batches", default="1,8")
@@ -568,6 +581,7 @@ def main(argv=None) -> int:
               "drafter": args.drafter,
               "prompts_per_text": args.n, "tokens_per_prompt": args.tokens,
               "graphs": not args.no_graphs, "torch": torch.__version__, "clock": args.clock,
+              "warmup": "greedy" if args.greedy_warmup else "as the pass samples",
               "torch_threads": torch.get_num_threads(), "rows": rows,
               "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     args.json.write_text(json.dumps(result, indent=1))

@@ -5,11 +5,14 @@ timed but not compared (sampling is lossless in distribution, not token for toke
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +56,36 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
                       and r["config"] == "DDTREE(dflash) b=8")  # fmt: skip
     # T=1 on prose: the tiny drafter accepts little (it does predict greedy prose: ~4 tokens)
     assert 1.0 <= sampled_dd["accept_length"] < 3.0
+
+
+def _bench_pair_module():
+    spec = importlib.util.spec_from_file_location("bench_pair", ROOT / "scripts" / "bench_pair.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("greedy_warmup", [False, True])
+def test_warmup_samples_as_the_pass_does(greedy_warmup: bool) -> None:
+    """A sampled pass's untimed warm-up samples too (unless --greedy-warmup): a greedy warm-up
+    made every sampled pass open with a greedy-to-sampled batch change, restarting an adaptive
+    controller's probes. The real engine runs; its generate is wrapped only to see the params."""
+    from treeverify.engine.llm import LLM
+
+    timed = _bench_pair_module().timed
+    llm = LLM("tiny-code", max_num_seqs=2)
+    seen = []
+    real = llm.generate
+
+    def spy(prompts, sp):
+        seen.append(sp)
+        return real(prompts, sp)
+
+    llm.generate = spy
+    outs, secs, _ = timed(llm, ["def f(x):", "import os"], 2, 3, temperature=1.0,
+                          greedy_warmup=greedy_warmup)  # fmt: skip
+    assert [len(o) for o in outs] == [3, 3] and secs > 0
+    (warm,) = seen
+    assert warm.max_tokens == 4
+    assert warm.temperature == (0.0 if greedy_warmup else 1.0)
+    assert (warm.seed is None) == greedy_warmup  # a sampled warm-up is seeded (repeatable)
