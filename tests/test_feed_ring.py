@@ -71,13 +71,16 @@ def _steps(seed: int, feats: int):
             yield "step", items, torch.randn(len(items) + pad, feats, generator=gen)
 
 
+@pytest.mark.parametrize("by_ring", [True, False], ids=["ring-projection", "general-projection"])
 @pytest.mark.parametrize("bucket", [None, 8], ids=["cpu-flush", "bucketed-flush"])
-def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket):
+def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket, by_ring):
     """Two caches fed the same random history, one every plain step's rows as copies
     (`observe`), one as ring ids (`ring_write` + `observe_ring`): after every read their rings
     hold the same keys/values, equal to a projection from scratch. `bucket`: a captured
     projection's largest bucket (batch flushes at 3 x 8 rows) or the CPU's flush every
-    MAX_PENDING rows; the ring is small, so it spills before it laps."""
+    MAX_PENDING rows; the ring is small, so it spills before it laps. `by_ring`: the ids
+    projected by engine/ring_projection.py's gather-project-scatter (TREEVERIFY_RING_PROJECTION,
+    eager here) or gathered for the general projection."""
     from test_draft_context import _BucketedProjection, _expected
 
     seed = random.randrange(2**32)
@@ -87,6 +90,7 @@ def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket):
         for c in (copies, ringed):
             c._captured = _BucketedProjection(drafter, [bucket])
     ringed.enable_ring(6)
+    ringed.ring_projection = by_ring
     truth: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         for kind, items, rows in _steps(seed, feats):
@@ -111,6 +115,7 @@ def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket):
                     kv2, _ = copies.keys_values(rid)
                     torch.testing.assert_close(kv, kv2, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
     assert ringed._ring is not None and ringed._ring.writes > 100
+    assert (ringed.ring_projected > 100) == by_ring, ringed.ring_projected
     assert ringed._ring.head > 2 * ringed._ring.rows, "the ring must have lapped"
 
 

@@ -47,6 +47,11 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   `step_kinds --warm` at T=1 after greedy passes, off and on in turns): adaptive at b=8
   18477 / 19748 -> 19797 / 20520 tok/s (+4-7%: the plain steps read first after a round
   610-808 -> 520-525 us), b=1 +0.7%, plain steps alone equal.
+- ``TREEVERIFY_RING_PROJECTION``: ``1`` (default, forty-first session) projects the feed ring's
+  pending rows into the DFlash context by one captured replay per chunk that gathers them from
+  the ring itself (engine/ring_projection.py: one upload of ring row, position and store row per
+  row); ``0``: the general path (a host-built gather, per-request index tensors, the captured
+  projection's input copies per bucket), A/B. Read when an engine is built.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -179,6 +184,9 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_FEED_RING": "1 (default): a DFlash engine's plain steps launched ahead copy "
     "their tapped rows into one device ring and hand the drafter row ids (engine/feed_ring.py); "
     "0: a clone a step, a view a request (A/B).",
+    "TREEVERIFY_RING_PROJECTION": "1 (default): the feed ring's pending rows projected by one "
+    "replay a chunk that gathers them in the graph (engine/ring_projection.py); 0: the general "
+    "path (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -510,6 +518,13 @@ def feed_ring() -> bool:
     step (A/B; the ring measured +4-7% at b=8 adaptive on an H100, fortieth session). Read
     when an engine is built."""
     return _switch("TREEVERIFY_FEED_RING", "1")
+
+
+def ring_projection() -> bool:
+    """TREEVERIFY_RING_PROJECTION: 1 (default) projects the DFlash context's pending feed-ring
+    rows by one replay a chunk that gathers them inside the graph (engine/ring_projection.py);
+    0, the general path (A/B). Read when an engine is built."""
+    return _switch("TREEVERIFY_RING_PROJECTION", "1")
 
 
 def fused_decode_step() -> bool:

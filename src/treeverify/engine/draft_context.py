@@ -42,9 +42,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from treeverify import env
 from treeverify.engine.feed_ring import FeedRing
+from treeverify.engine.ring_projection import RingProjection, buckets_up_to, project_from_ring
 from treeverify.kernels.staging import to_device
 
 
@@ -134,6 +137,11 @@ class DraftContextCache:
         self._ring_batch = 0  # the largest write `enable_ring` sized the ring for
         self._ring_floor = 0  # <= every ring id still pending (spilled before a write reaches it)
         self.ring_spills = 0
+        # pending ring ids projected by a replay that gathers them in the graph
+        # (engine/ring_projection.py; TREEVERIFY_RING_PROJECTION), else by the general path
+        self.ring_projection = env.ring_projection()
+        self._ring_proj: RingProjection | None = None  # its graphs (a GPU, after capture)
+        self.ring_projected = 0  # rows projected that way (the rest by the general path)
 
     # ---- the store -----------------------------------------------------------------------------
     @property
@@ -296,6 +304,23 @@ class DraftContextCache:
                                f"of {self._ring_batch} rows, asked for {max_batch}")  # fmt: skip
         self._ring_batch = max(self._ring_batch, max_batch)
 
+    def capture_ring_projection(self, features: int, dtype: torch.dtype,
+                                device: torch.device) -> dict:  # fmt: skip
+        """Make the feed ring now (rows of `features` in `dtype`: the tapped rows' width and
+        type) and capture its projection graphs (engine/ring_projection.py) over the fixed
+        store; after `enable_ring` and `fix`. Returns what was captured."""
+        if not (self.fixed and self._ring_batch):
+            raise RuntimeError("DraftContextCache.capture_ring_projection: fix the store and "
+                               "enable the ring first")  # fmt: skip
+        if self._ring is None:
+            self._ring = FeedRing(self._ring_rows(), features, dtype, device)
+        w = self.width
+        store = self.kv.view(-1, *self.kv.shape[2:])
+        scratch = range(self.scratch_slot * w, (self.scratch_slot + 1) * w)
+        self._ring_proj = RingProjection(self.drafter, self._ring.buf, store, scratch,
+                                         buckets_up_to(self._ring.rows))  # fmt: skip
+        return {"ring_rows": self._ring.rows, "buckets": self._ring_proj.buckets}
+
     def _ring_rows(self) -> int:
         """The ring's size: what the batch flush lets pend (CHUNKED_REPLAYS buckets) plus four
         of the largest writes (a step launched ahead is written before the one before it is
@@ -314,6 +339,10 @@ class DraftContextCache:
         if self._ring is None:
             self._ring = FeedRing(self._ring_rows(), hidden.shape[1], hidden.dtype, hidden.device)
         ring = self._ring
+        if hidden.dtype != ring.buf.dtype or hidden.shape[1] != ring.buf.shape[1]:
+            raise RuntimeError(f"DraftContextCache.ring_write: rows {tuple(hidden.shape)} "
+                               f"{hidden.dtype}, the ring holds (, {ring.buf.shape[1]}) "
+                               f"{ring.buf.dtype}")  # fmt: skip
         first = ring.start_of(n)
         if first + n - self._ring_floor > ring.rows:
             # the floor only falls as ids are observed: raise it to the oldest id still pending
@@ -391,25 +420,75 @@ class DraftContextCache:
 
     @torch.inference_mode()
     def _project(self, todo: list[tuple[str, _Context]]) -> None:
-        pieces, positions, spans = [], [], []
-        for _, ctx in todo:
-            begin, rows = ctx.end, ctx.pending_rows
-            skip = max(0, rows - self.width)  # older than any ring keeps
-            pieces += _tail(ctx.pending, skip) if skip else ctx.pending
-            begin, rows = begin + skip, rows - skip
-            positions.append(torch.arange(begin, begin + rows))
-            spans.append((begin, rows))
-        feats = self._materialize(pieces)  # (R, F): every request's rows, in order
-        dev = feats.device
+        """Every pending row of `todo`'s requests into their rings: runs of feed-ring ids by
+        `_project_ring` when it is on (gathered inside the graph), the rest (chunks of copied
+        rows: prompts, steps read first) by one general projection."""
+        by_ring = self.ring_projection and self._ring is not None
+        dev = self._ring.buf.device if by_ring else None
         keep = {rid for rid, _ in todo}
+        pieces, positions, dests = [], [], []  # the general path's rows, in order
+        ring_ids, ring_pos, ring_dest = [], [], []  # feed-ring rows gathered in the graph
+        spans = []
         for _, ctx in todo:
             if ctx.slot is None:
-                self._acquire(ctx, dev, keep)
-        pos_host = torch.cat(positions)  # (R,)
-        pos = to_device(pos_host, dev)  # (R,) pinned, non-blocking: no sync
-        ring = torch.cat([torch.full((n,), ctx.slot * self.width, dtype=torch.int64)
-                          for (_, ctx), (_, n) in zip(todo, spans, strict=True)])  # fmt: skip
-        flat = to_device(ring + pos_host % self.width, dev)  # (R,) rows of the flat store
+                first = ctx.pending[0]
+                self._acquire(ctx, first.device if isinstance(first, torch.Tensor)
+                              else self._ring.buf.device, keep)  # fmt: skip
+            begin, rows = ctx.end, ctx.pending_rows
+            skip = max(0, rows - self.width)  # older than any ring keeps
+            begin, rows = begin + skip, rows - skip
+            spans.append((begin, rows))
+            at, base = begin, ctx.slot * self.width
+            for piece in _tail(ctx.pending, skip) if skip else ctx.pending:
+                n = len(piece) if isinstance(piece, list) else piece.shape[0]
+                pos = np.arange(at, at + n, dtype=np.int64)  # (n,)
+                if by_ring and isinstance(piece, list):
+                    ring_ids.append(piece)
+                    ring_pos.append(pos)
+                    ring_dest.append(base + pos % self.width)
+                else:
+                    pieces.append(piece)
+                    positions.append(pos)
+                    dests.append(base + pos % self.width)
+                at += n
+        if ring_ids:
+            self._project_ring(np.concatenate(ring_ids), np.concatenate(ring_pos),
+                               np.concatenate(ring_dest), dev)  # fmt: skip
+        if pieces:
+            self._project_general(pieces, np.concatenate(positions), np.concatenate(dests))
+        for (_, ctx), (begin, n) in zip(todo, spans, strict=True):
+            self._set_pending(ctx, [])
+            held = ctx.count if begin == ctx.end else 0  # rows skipped: the ring starts over
+            ctx.end, ctx.count = begin + n, min(self.width, held + n)
+
+    def _project_ring(self, ids: np.ndarray, pos: np.ndarray, dest: np.ndarray,
+                      dev: torch.device) -> None:  # fmt: skip
+        """Feed-ring rows (ids, their positions and flat store rows, each (R,)) projected by a
+        replay that gathers them in the graph (engine/ring_projection.py); uncaptured (the CPU),
+        the same gather, projection and scatter eagerly. RuntimeError on an overwritten id."""
+        ring = self._ring
+        lo, hi = int(ids.min()), int(ids.max())
+        if not ring.live(lo) or hi >= ring.head:
+            raise RuntimeError(f"FeedRing: row {lo} requested, the ring holds ids "
+                               f"{max(0, ring.head - ring.rows)}..{ring.head - 1}")  # fmt: skip
+        rows = ids % ring.rows  # (R,) rows of the ring's buffer
+        self.ring_projected += len(rows)
+        if self._ring_proj is not None:
+            self._ring_proj(rows, pos, dest)
+            return
+        store = self.kv.view(-1, *self.kv.shape[2:])
+        block = to_device(torch.from_numpy(np.stack([rows, pos, dest])), dev)  # (3, R)
+        project_from_ring(self.drafter, ring.buf, store, block)
+
+    def _project_general(self, pieces: list, pos_host: np.ndarray, dest: np.ndarray) -> None:
+        """Pending pieces (copied chunks, or ring ids when the ring projection is off) with
+        their positions and flat store rows ((R,) each): the rows gathered on the host side,
+        projected by the captured projection's replays (or eagerly: nothing captured, or a
+        long run such as a prompt's) and scattered into the store."""
+        feats = self._materialize(pieces)  # (R, F): every request's rows, in order
+        dev = feats.device
+        pos = to_device(torch.from_numpy(pos_host), dev)  # (R,) pinned, non-blocking: no sync
+        flat = to_device(torch.from_numpy(dest), dev)  # (R,) rows of the flat store
         store = self.kv.view(-1, *self.kv.shape[2:])
         bucket, total = self.flush_rows, feats.shape[0]  # bucket: None when nothing is captured
         if bucket is not None and total <= self.CHUNKED_REPLAYS * bucket:
@@ -420,10 +499,6 @@ class DraftContextCache:
         else:  # eager: nothing captured, or a long run (a prefill's rows): ~25 launches for all
             kv = self.drafter.context_kv(feats, pos)  # (R, n_layers, 2, Hkv, D)
             store.index_copy_(0, flat, kv.to(self.kv.dtype))
-        for (_, ctx), (begin, n) in zip(todo, spans, strict=True):
-            self._set_pending(ctx, [])
-            held = ctx.count if begin == ctx.end else 0  # rows skipped: the ring starts over
-            ctx.end, ctx.count = begin + n, min(self.width, held + n)
 
     def prepare(self, seqs: list, device: torch.device) -> None:
         """Nothing to write before a round is staged: rows arrive by `observe` and `draft_meta`

@@ -267,6 +267,10 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             # its plain steps' tapped rows go into the context's feed ring (ids, not copies)
             source.context.enable_ring(max(self.ahead.batch_sizes))
             self.ahead.sink = source.context.ring_write
+            if capture and source.context.ring_projection:  # its rows projected by replays
+                self.startup["ring_projection"] = source.context.capture_ring_projection(
+                    source.drafter.config.context_features, self.config.dtype, self.device
+                )  # engine/ring_projection.py: the gather inside the graph
         if capture:
             self.startup["decode_ahead"] = self.ahead.info
 
