@@ -28,7 +28,9 @@ alive, stays bounded (per request alone, a batch of 64 at a largest bucket of 64
 ~1000 steps' copies, GBs at a large model's width); `project` turns every pending row of a set of
 requests into keys/values in ONE drafter call (rows are independent: one flat (R, F) batch over all
 requests; captured: up to CHUNKED_REPLAYS replays of the largest bucket, a longer run eagerly) and
-scatters them into the rings. Rows older than W are never projected. SLACK rows beyond the window
+scatters them into the rings; pending feed-ring ids (plain steps launched ahead) go instead to
+one replay per chunk that gathers them inside the graph (engine/ring_projection.py,
+TREEVERIFY_RING_PROJECTION). Rows older than W are never projected. SLACK rows beyond the window
 let a few rejected or recomputed rows at the end be dropped and still leave a full window.
 
 The store grows by slots while requests come (CPU, before capture); `fix` sizes it once for
