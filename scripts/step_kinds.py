@@ -199,6 +199,15 @@ def main(argv=None) -> int:
         help="greedy code and prose passes on the same engine before each pass",
     )
     ap.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=0,
+        help="with --warm: tokens a warm request generates (default --tokens); 4 with "
+        "--warm-n 8 is bench_pair's greedy warm-up before the forty-first session",
+    )
+    ap.add_argument("--warm-n", type=int, default=0, help="with --warm: prompts a warm text "
+                    "runs (default --n)")  # fmt: skip
+    ap.add_argument(
         "--profile-rounds",
         type=Path,
         default=None,
@@ -217,10 +226,11 @@ def main(argv=None) -> int:
     params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.tokens,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    warm = [code_prompts(DATA / "tiny-code" / "heldout.json", args.n),
-            prose_prompts(args.prose, args.n)] if args.warm else []  # fmt: skip
-    greedy = [SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-              for _ in range(args.n)]  # fmt: skip
+    warm_n = args.warm_n or args.n
+    warm = [code_prompts(DATA / "tiny-code" / "heldout.json", warm_n),
+            prose_prompts(args.prose, warm_n)] if args.warm else []  # fmt: skip
+    greedy = [SamplingParams(temperature=0.0, max_tokens=args.warm_tokens or args.tokens,
+                             ignore_eos=True) for _ in range(warm_n)]  # fmt: skip
     rows = []
     for name in names:
         kw = CONFIGS[name]
