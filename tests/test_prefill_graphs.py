@@ -7,6 +7,8 @@ tests/test_engine_gpu.py compares graphs on and off.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -125,6 +127,75 @@ def test_staged_prefill_equals_the_eager_padded_prefill(monkeypatch):
     assert seq.num_prompt_tokens == chunk.num_tokens == 45
 
 
+def _prefill_steps(llm, monkeypatch) -> list[list[int]]:
+    """Spy: the buckets `_run_prefill` ran, grouped by engine step."""
+    steps: list[list[int]] = []
+    real_run, real_one = llm.runner.run, llm.runner._run_prefill
+
+    def run(batch, *a, **kw):
+        steps.append([])
+        return real_run(batch, *a, **kw)
+
+    monkeypatch.setattr(llm.runner, "run", run)
+    monkeypatch.setattr(llm.runner, "_run_prefill",
+                        lambda c, n: steps[-1].append(n) or real_one(c, n))  # fmt: skip
+    return steps
+
+
+@pytest.mark.parametrize("replays", ["1", "0"])
+def test_prefills_arriving_together_run_one_padded_chain_each(monkeypatch, replays):
+    """Three prompts added at once make one step of three prefill chunks: with
+    TREEVERIFY_PREFILL_REPLAYS=1 each runs as its own padded chain (a graph replay on a GPU) in
+    that one step, with 0 the step is one eager forward; greedy tokens and logprobs equal the
+    plain engine's either way (fp32: padding is invisible to real rows)."""
+    monkeypatch.setenv("TREEVERIFY_PREFILL_REPLAYS", replays)
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 40, 25)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    plain = LLM("tiny-llama", device="cpu", num_pages=96, max_num_seqs=3).generate(prompts, sp)
+    llm = LLM("tiny-llama", device="cpu", num_pages=96, max_num_seqs=3)
+    llm.runner.plan_batch_sizes, llm.runner.prefill_sizes = [1, 2, 3], [32, 64]
+    steps = _prefill_steps(llm, monkeypatch)
+    got = llm.generate(prompts, sp)
+    assert steps[0] == ([32, 64, 32] if replays == "1" else []), steps[:2]
+    assert not any(steps[1:])  # decodes after
+    for a, b in zip(got, plain, strict=True):
+        assert a.token_ids == b.token_ids, seed
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4), seed
+
+
+def test_prefills_arriving_together_keep_each_drafters_context_rows(monkeypatch):
+    """DDTREE with the DFlash drafter, two prompts in one step of two padded chains: each
+    request's context rows are its own chunk's real rows (the hidden rows of both replays kept
+    in the step's order), as in the plain engine's one eager forward; greedy output equals plain
+    decoding."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(40, 90)), list(range(100, 121))]  # buckets 64 and 32
+    kw = dict(speculative_algorithm="DDTREE", speculative_draft_model_path="tiny-dflash",
+              speculative_ddtree_budget=8, speculative_adaptive=False)  # fmt: skip
+    rows, outs = [], []
+    for padded in (False, True):
+        llm = LLM("tiny-llama", device="cpu", num_pages=96, max_num_seqs=2, **kw)
+        if padded:
+            llm.runner.plan_batch_sizes, llm.runner.prefill_sizes = [1, 2], [32, 64]
+            steps = _prefill_steps(llm, monkeypatch)
+        seqs = [llm.add_request(p, sp) for p in prompts]
+        llm.step()  # both prefills
+        if padded:
+            assert steps == [[64, 32]]
+        rows.append([llm.spec.source.context.keys_values(q.request_id) for q in seqs])
+        while not all(q.is_finished for q in seqs):
+            llm.step()
+        outs.append([llm.output(q).token_ids for q in seqs])
+    for (kv0, s0), (kv1, s1) in zip(rows[0], rows[1], strict=True):
+        assert s0 == s1 and kv0.shape == kv1.shape
+        torch.testing.assert_close(kv1, kv0, rtol=1e-4, atol=1e-4)
+    plain = LLM("tiny-llama", device="cpu", num_pages=96, max_num_seqs=2).generate(prompts, sp)
+    assert outs[0] == outs[1] == [o.token_ids for o in plain]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_prefill_graphs_on_a_gpu_equal_eager_and_replay_their_bucket():
     """tiny-code on a GPU: short prompts' prefills replay their (1, n) graph; greedy tokens equal
@@ -155,3 +226,31 @@ def test_prefill_graphs_on_a_gpu_equal_eager_and_replay_their_bucket():
     assert outs["graphs"] == outs["eager"]
     same = sum(a == b for a, b in zip(outs["graphs"], outs["plain"], strict=True))
     assert same >= 3, (outs["graphs"], outs["plain"])  # a bf16 near-tie may part one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefills_arriving_together_replay_their_buckets_on_a_gpu():
+    """tiny-code on a GPU, four prompts added at once: the first step replays four (1, n)
+    prefill graphs (TREEVERIFY_PREFILL_REPLAYS, default on), and the greedy tokens equal the
+    eager padded chains' (graphs off: the same chains, same kernels' shapes)."""
+    g = torch.Generator().manual_seed(10)
+    prompts = [torch.randint(3, 8000, (n,), generator=g).tolist() for n in (5, 40, 200, 90)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for name, kw in (("graphs", {}), ("eager", {"disable_cuda_graph": True})):
+        llm = LLM("tiny-code", device="cuda", num_pages=256, max_num_seqs=4, **kw)
+        replayed = []
+        if name == "graphs":
+            graphs = llm.runner.graphs
+
+            def spy(bucket, b, _seen=replayed, _real=graphs.replay):
+                _seen.append(bucket)
+                return _real(bucket, b)
+
+            graphs.replay = spy
+        outs[name] = [o.token_ids for o in llm.generate(prompts, sp)]
+        if name == "graphs":
+            assert replayed[:4] == [(1, 32), (1, 64), (1, 256), (1, 128)], replayed[:6]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs["graphs"] == outs["eager"]

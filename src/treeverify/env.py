@@ -47,6 +47,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   `step_kinds --warm` at T=1 after greedy passes, off and on in turns): adaptive at b=8
   18477 / 19748 -> 19797 / 20520 tok/s (+4-7%: the plain steps read first after a round
   610-808 -> 520-525 us), b=1 +0.7%, plain steps alone equal.
+- ``TREEVERIFY_PREFILL_REPLAYS``: ``1`` (default, forty-first session) runs a step of up to 8
+  short prefill chunks (requests arriving together, each <= 512 tokens) as one padded (1, n)
+  prefill graph replay per chunk (engine/model_runner.py); ``0``: such a step runs one eager
+  forward (A/B). Read when an engine is built.
 - ``TREEVERIFY_RING_PROJECTION``: ``1`` (default, forty-first session) projects the feed ring's
   pending rows into the DFlash context by one captured replay per chunk that gathers them from
   the ring itself (engine/ring_projection.py: one upload of ring row, position and store row per
@@ -184,6 +188,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_FEED_RING": "1 (default): a DFlash engine's plain steps launched ahead copy "
     "their tapped rows into one device ring and hand the drafter row ids (engine/feed_ring.py); "
     "0: a clone a step, a view a request (A/B).",
+    "TREEVERIFY_PREFILL_REPLAYS": "1 (default): a step of up to 8 short prefill chunks runs as "
+    "one prefill graph replay per chunk (engine/model_runner.py); 0: one eager forward (A/B).",
     "TREEVERIFY_RING_PROJECTION": "1 (default): the feed ring's pending rows projected by one "
     "replay a chunk that gathers them in the graph (engine/ring_projection.py); 0: the general "
     "path (A/B).",
@@ -518,6 +524,13 @@ def feed_ring() -> bool:
     step (A/B; the ring measured +4-7% at b=8 adaptive on an H100, fortieth session). Read
     when an engine is built."""
     return _switch("TREEVERIFY_FEED_RING", "1")
+
+
+def prefill_replays() -> bool:
+    """TREEVERIFY_PREFILL_REPLAYS: 1 (default) runs a step of up to 8 short prefill chunks as
+    one (1, n) prefill graph replay per chunk (engine/model_runner.py); 0, one eager forward
+    (A/B). Read when an engine is built."""
+    return _switch("TREEVERIFY_PREFILL_REPLAYS", "1")
 
 
 def ring_projection() -> bool:

@@ -5,8 +5,10 @@ It owns the model, the paged KV cache and the attention plans; the scheduler and
 `StepBatch` (engine/step_batch.py) lays out prefill chunks, decodes and speculative trees alike.
 A step whose chunks are all decodes (or all speculative trees of one size) replays a captured
 CUDA graph of its bucket when graphs were captured (`capture_graphs`); so does a step that is one
-request's prefill chunk of at most 512 tokens, padded to its token bucket (`_run_prefill`); any
-other step (mixed, longer prefills) runs eagerly over the same attention seam.
+request's prefill chunk of at most 512 tokens, padded to its token bucket (`_run_prefill`), and a
+step of up to MAX_PREFILL_REPLAYS such chunks (requests arriving together), one replay each
+(`_run_prefills`; TREEVERIFY_PREFILL_REPLAYS); any other step (mixed, longer prefills) runs
+eagerly over the same attention seam.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treeverify import env
 from treeverify.engine.cuda_graphs import CudaGraphs
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.paged_attention import PagedAttention
@@ -24,6 +27,13 @@ from treeverify.kernels.staging import to_device
 
 if TYPE_CHECKING:
     from treeverify.engine.speculative import TreeBatch
+
+
+# A step of this many short prefill chunks at most runs as one (1, n) graph replay per chunk: the
+# eager forward of a batch of prefills is host-bound (8 prompts of ~150 tokens, 1200 rows: 5.3 ms
+# on the H100 in either engine, forty-first session), a replay is ~0.3 ms of device with its
+# staging overlapped; beyond ~16 chunks the replays' device time would pass the eager step's.
+MAX_PREFILL_REPLAYS = 8
 
 
 class ModelRunner:
@@ -46,6 +56,8 @@ class ModelRunner:
         # Token buckets n of one request's prefill chunk run as a padded chain (1, n) through
         # the bucket's graph or plans (set on a GPU: EngineConfig.prefill_graph_sizes).
         self.prefill_sizes: list[int] = []
+        # a step of several such chunks: one padded replay each (TREEVERIFY_PREFILL_REPLAYS)
+        self.prefill_replays = env.prefill_replays()
         self.hidden: torch.Tensor | None = None  # (T, F) of the last step, when captured
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}  # see `run`
         self._moe_layers = [m for m in model.modules() if hasattr(m, "n_experts")]
@@ -103,16 +115,43 @@ class ModelRunner:
             return None
         return (b, n)
 
-    def _prefill_size(self, batch: ScheduledBatch, tb: TreeBatch | None,
-                      prompt_from: dict[str, int] | None) -> int | None:  # fmt: skip
-        """The token bucket n of a step that is one request's prefill chunk of 2..n tokens
-        (no prompt logprobs asked: those need every row), else None."""
-        if tb is not None or not self.prefill_sizes or len(batch.chunks) != 1:
+    def _prefill_sizes(self, batch: ScheduledBatch, tb: TreeBatch | None,
+                       prompt_from: dict[str, int] | None) -> list[int] | None:  # fmt: skip
+        """Per chunk its token bucket n, for a step whose every chunk is a prefill chunk of
+        2..n tokens (no prompt logprobs asked: those need every row; no decodes or trees) and
+        that has one chunk, or up to MAX_PREFILL_REPLAYS with `prefill_replays`; else None."""
+        chunks = batch.chunks
+        if tb is not None or not self.prefill_sizes or not chunks:
             return None
-        c = batch.chunks[0]
-        if c.num_tokens < 2 or (prompt_from and c.seq.request_id in prompt_from):
+        if len(chunks) > (MAX_PREFILL_REPLAYS if self.prefill_replays else 1):
             return None
-        return next((n for n in self.prefill_sizes if n >= c.num_tokens), None)
+        sizes = []
+        for c in chunks:
+            if c.num_tokens < 2 or (prompt_from and c.seq.request_id in prompt_from):
+                return None
+            n = next((n for n in self.prefill_sizes if n >= c.num_tokens), None)
+            if n is None:
+                return None
+            sizes.append(n)
+        return sizes
+
+    def _run_prefills(self, chunks: list[ScheduledChunk], sizes: list[int]) -> StepLogits:
+        """Prefill chunks one padded chain each (`_run_prefill`, in the step's order): each
+        replay's logits row and hidden rows copied out before the next replay reuses the graph's
+        buffers; `hidden` then holds every chunk's real rows in order, as one forward's would."""
+        if len(chunks) == 1:
+            return self._run_prefill(chunks[0], sizes[0])
+        rows, spans, hidden = [], [], []
+        for c, n in zip(chunks, sizes, strict=True):
+            out = self._run_prefill(c, n)  # (1, V) logits, or (0, V) for a chunk that samples not
+            if c.samples:
+                spans.append((len(rows), 1))
+                rows.append(out.logits.clone())  # (1, V)
+            if self.hidden is not None:
+                hidden.append(self.hidden.clone())  # (P, F)
+        self.hidden = torch.cat(hidden) if hidden else None  # (T, F)
+        logits = torch.cat(rows) if rows else out.logits[:0]  # (sampled, V)
+        return StepLogits(logits, spans)
 
     def _run_prefill(self, c: ScheduledChunk, n: int) -> StepLogits:
         """One request's prefill chunk of P <= n tokens as a chain of n rows, padded (see
@@ -218,9 +257,9 @@ class ModelRunner:
         (M, V) logits)}.
         """
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
-        n = self._prefill_size(batch, tb, prompt_from)
-        if n is not None:
-            return self._run_prefill(batch.chunks[0], n)
+        sizes = self._prefill_sizes(batch, tb, prompt_from)
+        if sizes is not None:
+            return self._run_prefills(batch.chunks, sizes)
         if self.graphs is not None:
             staged = self._replay_decodes(batch) if tb is None else self._replay_round(batch, tb)
             if staged is not None:
