@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         result[name] = {
             "same_outputs": sum(a == b for a, b in zip(outs, ref_outs, strict=True)),
             "first_divergence": [
-                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
                 for a, b in zip(outs, ref_outs, strict=True)
             ],  # fmt: skip
             "max_abs_logit_diff": [
