@@ -43,6 +43,12 @@ def run(name: str, replays: str, prompts: list[str], sp: SamplingParams):
         outs = [llm.generate([p], sp)[0].token_ids for p in prompts]
     else:
         outs = [o.token_ids for o in llm.generate(prompts, sp)]
+        if rows[0].shape[0] != len(prompts):  # the comparison is of one step of all prefills
+            raise SystemExit(
+                f"{name}: the first step prefilled {rows[0].shape[0]} of "
+                f"{len(prompts)} prompts (the step's token budget split them)"
+            )
+        rows[1:] = []  # later prefill-only steps: none expected
     del llm
     torch.cuda.empty_cache()
     return outs, torch.cat(rows)

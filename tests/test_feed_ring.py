@@ -27,6 +27,8 @@ def drafter():
 
 def test_writes_stay_contiguous_and_gathers_refuse_overwritten_rows():
     ring = FeedRing(10, 3, torch.float32, torch.device("cpu"))
+    # zeroed, not empty: a captured projection's padding rows read row 0 before any write
+    assert bool((ring.buf == 0).all())
     a = torch.randn(4, 3)
     assert ring.write(a) == 0 and ring.head == 4
     b = torch.randn(4, 3)

@@ -48,9 +48,11 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   18477 / 19748 -> 19797 / 20520 tok/s (+4-7%: the plain steps read first after a round
   610-808 -> 520-525 us), b=1 +0.7%, plain steps alone equal.
 - ``TREEVERIFY_PREFILL_REPLAYS``: ``1`` (default, forty-first session) runs a step of up to 8
-  short prefill chunks (requests arriving together, each <= 512 tokens) as one padded (1, n)
-  prefill graph replay per chunk (engine/model_runner.py); ``0``: such a step runs one eager
-  forward (A/B). Read when an engine is built.
+  short prefill chunks (requests arriving together, each within the largest prefill graph
+  size, 512 by default) as one padded (1, n) prefill graph replay per chunk
+  (engine/model_runner.py; with graphs off the same padded chains run eagerly, so graphs on and
+  off give the same numbers, as for one prefill); ``0``: such a step runs one eager forward
+  (A/B). Read when an engine is built.
 - ``TREEVERIFY_RING_PROJECTION``: ``1`` (default, forty-first session) projects the feed ring's
   pending rows into the DFlash context by one captured replay per chunk that gathers them from
   the ring itself (engine/ring_projection.py: one upload of ring row, position and store row per

@@ -28,7 +28,9 @@ class FeedRing:
         if rows < 1:
             raise ValueError(f"rows: expected >= 1, got {rows}")
         self.rows = rows
-        self.buf = torch.empty((rows, features), dtype=dtype, device=device)  # (rows, F)
+        # zeroed: a captured projection's padding rows read row 0, maybe before any write
+        # (the capture's warm-up): garbage there became the scratch ring's keys (a review)
+        self.buf = torch.zeros((rows, features), dtype=dtype, device=device)  # (rows, F)
         self.head = 0  # ids handed out so far: the next write starts here (or at the next lap)
         self.writes = 0
 
