@@ -203,3 +203,27 @@ def test_steady_plain_steps_never_spill(drafter):
             pos, in_flight = pos + 1, nxt
     assert cache._ring.head > 4 * cache._ring.rows  # it lapped
     assert cache.ring_spills == 0
+
+
+def test_ring_refuses_rows_of_another_width_or_type(drafter):
+    """The ring is made once (at the first write, or before capture with the engine's dtype):
+    rows of another type or width are refused by name, never silently converted."""
+    feats = drafter.config.context_features
+    cache = DraftContextCache(drafter, 16)
+    cache.enable_ring(2)
+    cache.ring_write(torch.randn(2, feats))  # fp32 rows size the ring
+    with pytest.raises(RuntimeError, match="ring_write: rows \\(2, .*bfloat16"):
+        cache.ring_write(torch.randn(2, feats).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=f"the ring holds \\(, {feats}\\)"):
+        cache.ring_write(torch.randn(1, feats + 1))
+
+
+def test_capturing_the_ring_projection_needs_a_fixed_store_and_an_enabled_ring(drafter):
+    cache = DraftContextCache(drafter, 16)
+    with pytest.raises(RuntimeError, match="fix the store and enable the ring first"):
+        cache.capture_ring_projection(drafter.config.context_features, torch.float32,
+                                      torch.device("cpu"))  # fmt: skip
+    cache.fix(2, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="enable the ring first"):
+        cache.capture_ring_projection(drafter.config.context_features, torch.float32,
+                                      torch.device("cpu"))  # fmt: skip
