@@ -85,9 +85,11 @@ def replay(traces: list[dict], tokens: int, costs: dict[int, float], policy,
             slow = bursts is not None and step_no % bursts[0] < bursts[1]
             cost = costs[budget] * (bursts[2] if slow else 1.0)
             step_no += 1
-            seconds += cost
             if last is not None and (last == 0) != (budget == 0):
-                seconds += switch_seconds
+                cost += switch_seconds  # (the step's wall, as the engine's controller sees it)
+            seconds += cost
+            if isinstance(policy, BudgetController):
+                policy.observe_wall(1, budget, cost)
             run, last = (run + 1 if budget == last else 1), budget
             if feedback and run >= 3 and isinstance(policy, BudgetController):
                 policy.observe_step(1, budget, cost)
@@ -188,9 +190,12 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
                         ctl.observe_round(rid, b, walk)
             now: list[tuple[str, int, list[int]]] = []
             steps[budget] = steps.get(budget, 0) + 1
-            seconds += costs.estimate(len(rids), budget)
+            wall = costs.estimate(len(rids), budget)
             if last is not None and (last == 0) != (budget == 0):
-                seconds += switch_seconds
+                wall += switch_seconds
+            seconds += wall
+            if ctl:  # every step's wall, as the engine's controller sees it
+                ctl.observe_wall(len(rids), budget, wall)
             last = budget
             for rid in rids:
                 state = live[rid]

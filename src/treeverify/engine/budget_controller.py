@@ -95,6 +95,7 @@ from dataclasses import dataclass, field
 from treeverify.engine import budget_events as ev
 from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_costs import CostModel
+from treeverify.engine.budget_excursions import Excursions
 from treeverify.engine.budget_probes import Probes
 from treeverify.engine.cost_bursts import BurstGaps, BurstHold
 from treeverify.engine.plain_trials import PlainTrials
@@ -199,6 +200,9 @@ class BudgetController:
         self.pinned: int | None = None  # calibration: every step at this budget
         self.clock = time.perf_counter  # what step costs are measured with (see CLOCKS)
         self.classes: dict[str, str] = {}  # request -> acceptance class (`note_request`)
+        # what a round entered from plain decoding and left at once costs beyond two plain
+        # steps (a measurement, like the cost table: it outlives `reset`)
+        self.excursions = Excursions()
         self.reset()
 
     def reset(self) -> None:
@@ -675,6 +679,13 @@ class BudgetController:
         (its table; the path decisions read stays as it is)."""
         self._costs_of(path).cost.observe(n, budget, seconds, at=self.step_index)
 
+    def observe_wall(self, n: int, budget: int, seconds: float, mixed: bool = False) -> None:
+        """Wall seconds of every step of n decoding requests at `budget` (0: plain), steady or
+        not (`mixed`: prefill chunks ran too): what a round entered from plain decoding and
+        left at once costs (engine/budget_excursions.py)."""
+        plain = self.cost.estimate(n, 0) if n > 0 else None
+        self.excursions.observe(n, budget, seconds, plain, mixed)
+
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._awaiting.pop(request_id, None)
@@ -711,6 +722,9 @@ class BudgetController:
                 for cls in self.class_curves
             },  # fmt: skip
             "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
+            # batch size -> what a round entered from plain decoding and left at once cost
+            # beyond two plain steps (median of the last few): a probe's real price
+            "excursion_extra_seconds": {str(n): s for n, s in self.excursions.info().items()},
             "cost_path": self.path,  # the step path of the last decision (whose costs above)
             "cost_seconds_batch1_by_path": {
                 p: {str(b): s for b, s in c.cost.curve(1).items()} for p, c in self.paths.items()

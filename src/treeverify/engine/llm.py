@@ -492,11 +492,16 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         clock = self.controller.clock if self.controller is not None else time.perf_counter
         t0 = clock()
         tokens = self.run_batch(batch)
-        if self.controller is not None and self._step_budget is not None and self._step_steady:
-            # a decode-only step at its budget's steady cost (a switch's steps would teach the
-            # controller a read-first round's cost, or a taken round's remainder)
-            self.controller.observe_step(len(batch.decodes), self._step_budget, clock() - t0,
-                                         self._step_path)  # fmt: skip
+        if self.controller is not None:
+            wall = clock() - t0
+            if self._step_budget is not None and self._step_steady:
+                # a decode-only step at its budget's steady cost (a switch's steps would teach
+                # the controller a read-first round's cost, or a taken round's remainder)
+                self.controller.observe_step(len(batch.decodes), self._step_budget, wall,
+                                             self._step_path)  # fmt: skip
+            # every step, steady or not: what leaving plain decoding for one round costs
+            self.controller.observe_wall(len(batch.decodes), self.last_budget or 0, wall,
+                                         mixed=bool(batch.prefills))  # fmt: skip
         # a round's accepted nodes (all its tokens but the bonus) have their K/V in place
         ahead = [len(t) - 1 if isinstance(t, list) else 0 for t in tokens]
         finished = self.scheduler.postprocess(batch, tokens, ahead)

@@ -1,0 +1,62 @@
+"""What a round entered from plain decoding and left at once really costs (a probe, or a switch
+undone): a helper of the adaptive controller (engine/budget_controller.py). Torch-free.
+
+The cost table holds steady steps only (a round launched ahead and taken, a plain step launched
+ahead), so a probe from plain decoding is priced there at a steady round's cost: ~3x a plain step
+at b=8 on the H100. Its real price is larger: the plain step before it launches nothing, the
+round is staged, launched and read with nothing overlapped (and projects the context rows pending
+since the last round), and the plain step after it is read first: 1.3-2.9 ms for the round and
+~0.6 ms for the step after, against ~0.26 ms a plain step (forty-first session,
+`step_kinds --warm`, b=8), i.e. ~8-13 plain steps. `Excursions` watches every decode step's wall
+time and, for each plain -> round -> plain pattern, keeps what the round's step and the plain
+step after it cost beyond two plain steps, per batch size, for /server_info
+(`adaptive.excursion_extra_seconds`): what the controller's probes from plain decoding cost.
+Spacing those probes by this price instead of the steady table's was tried in the replay and
+dropped (forty-first session: sampled groups at b=8 gained, predictable text at b=1 lost up to
+0.93 -> 0.69 of the best fixed budget; docs/ddtree.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class Excursions:
+    KEEP = 5  # the median of the last this many excursions per batch size
+
+    def __init__(self) -> None:
+        self._last_plain = False  # the previous decode step was plain
+        self._round: tuple[int, float] | None = None  # a round entered from plain: (n, seconds)
+        self._extra: dict[int, deque[float]] = {}  # batch size -> extra seconds, newest last
+        self.count = 0
+
+    def observe(self, n: int, budget: int, seconds: float, plain_cost: float | None,
+                mixed: bool = False) -> None:  # fmt: skip
+        """One step: `n` decoding requests at `budget` (0: plain) for `seconds` of wall time;
+        `plain_cost`: the table's plain step at n (None: unknown yet); `mixed`: the step also ran
+        prefill chunks (not a decode step: the pattern starts over)."""
+        if mixed or n <= 0:
+            self._last_plain, self._round = False, None
+            return
+        if budget == 0:
+            if self._round is not None and plain_cost:
+                rn, rsec = self._round
+                if rn == n:  # the same requests' excursion (a batch change: not comparable)
+                    self._extra.setdefault(n, deque(maxlen=self.KEEP)).append(
+                        max(0.0, rsec + seconds - 2 * plain_cost)
+                    )
+                    self.count += 1
+            self._round, self._last_plain = None, True
+            return
+        self._round = (n, seconds) if self._last_plain else None
+        self._last_plain = False
+
+    def extra(self, n: int) -> float | None:
+        """The median extra seconds of the last excursions at batch size n (None: none yet)."""
+        kept = self._extra.get(n)
+        return statistics.median(kept) if kept else None
+
+    def info(self) -> dict[int, float]:
+        """Batch size -> median extra seconds an excursion costs (/server_info)."""
+        return {n: round(statistics.median(d), 6) for n, d in sorted(self._extra.items()) if d}

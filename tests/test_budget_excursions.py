@@ -1,0 +1,71 @@
+"""engine/budget_excursions.py: what a round entered from plain decoding and left at once costs
+beyond two plain steps (a probe's real price, /server_info's `excursion_extra_seconds`), from
+every decode step's wall time; and the engine feeding it every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treeverify.engine.budget_excursions import Excursions
+from treeverify.engine.llm import LLM
+from treeverify.engine.sampling_params import SamplingParams
+
+
+def test_a_plain_round_plain_pattern_is_priced_beyond_two_plain_steps():
+    ex = Excursions()
+    plain = 0.25e-3
+    for _ in range(3):
+        ex.observe(8, 0, plain, plain)
+    ex.observe(8, 64, 2.0e-3, plain)  # the probe's round, read first
+    assert ex.extra(8) is None  # not priced until the step after it is seen
+    ex.observe(8, 0, 0.6e-3, plain)  # the plain step after it, read first
+    assert ex.extra(8) == pytest.approx(2.0e-3 + 0.6e-3 - 2 * plain)
+    assert ex.count == 1 and ex.info() == {8: pytest.approx(2.1e-3)}
+
+
+def test_only_a_round_between_plain_steps_of_the_same_batch_counts():
+    ex, plain = Excursions(), 1e-3
+    ex.observe(1, 16, 5e-3, plain)  # a round with no plain step before it
+    ex.observe(1, 0, 1e-3, plain)
+    ex.observe(1, 16, 5e-3, plain)
+    ex.observe(1, 16, 5e-3, plain)  # two rounds in a row: a switch, not an excursion
+    ex.observe(1, 0, 1e-3, plain)
+    ex.observe(1, 8, 5e-3, plain)
+    ex.observe(1, 0, 1e-3, plain, mixed=True)  # a prefill joined: not comparable
+    ex.observe(2, 8, 5e-3, plain)  # after a mixed step nothing was plain before it
+    ex.observe(2, 0, 1e-3, plain)
+    ex.observe(2, 8, 5e-3, plain)
+    ex.observe(3, 0, 1e-3, plain)  # the batch changed during it
+    ex.observe(3, 8, 5e-3, None)
+    ex.observe(3, 0, 1e-3, None)  # plain's cost unknown yet: nothing priced
+    assert ex.count == 0 and ex.extra(1) is None and ex.info() == {}
+
+
+def test_the_price_is_the_median_of_the_last_few():
+    ex, plain = Excursions(), 1.0
+    for extra in (1.0, 9.0, 2.0, 3.0, 100.0, 4.0, 5.0):  # seconds beyond two plain steps
+        ex.observe(1, 0, plain, plain)
+        ex.observe(1, 4, plain + extra, plain)
+        ex.observe(1, 0, plain, plain)
+    assert ex.count == 7
+    assert ex.extra(1) == pytest.approx(4.0)  # median of the last KEEP = 5: 2, 3, 100, 4, 5
+
+
+def test_the_engine_reports_every_steps_wall_to_it():
+    """A real CPU engine at plain decoding with probes every few decisions: each probe from
+    plain decoding and back is priced, and /server_info shows it by batch size."""
+    seed = random.randrange(1 << 30)
+    llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+              speculative_num_draft_tokens=6,
+              speculative_cost_seconds={0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0},
+              speculative_controller=("explore_every=4", "explore_max=8"))  # fmt: skip
+    ctl = llm.controller
+    sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=60, ignore_eos=True)
+    llm.generate(["the quick brown fox"], sp)
+    probes_from_plain = [e for e in ctl.events.since(0) if e["kind"] == "probe" and e["from"] == 0]
+    assert probes_from_plain, f"seed {seed}: no probe ran"
+    assert ctl.excursions.count >= 1, seed
+    info = llm.spec_stats["adaptive"]["excursion_extra_seconds"]
+    assert set(info) == {"1"} and info["1"] >= 0.0, (seed, info)
