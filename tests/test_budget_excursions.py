@@ -69,3 +69,30 @@ def test_the_engine_reports_every_steps_wall_to_it():
     assert ctl.excursions.count >= 1, seed
     info = llm.spec_stats["adaptive"]["excursion_extra_seconds"]
     assert set(info) == {"1"} and info["1"] >= 0.0, (seed, info)
+
+
+def test_a_probe_chosen_but_never_run_is_not_priced(monkeypatch):
+    """Pages short at every round (no bucket holds it, nothing drafted): the controller still
+    chooses probes from plain decoding, but those steps decode plainly, so no excursion is
+    priced (a phantom one read as a round costing a plain step dragged the median down: a
+    helper's review)."""
+    llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+              speculative_num_draft_tokens=6,
+              speculative_cost_seconds={0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0},
+              speculative_controller=("explore_every=4", "explore_max=8"))  # fmt: skip
+    ctl = llm.controller
+    bucket_for, draft_batch = llm.rounds.bucket_for, llm.spec.draft_batch
+
+    def short(real):  # once at plain decoding, no round finds its pages
+        return lambda *a, **k: None if ctl.switches else real(*a, **k)
+
+    monkeypatch.setattr(llm.rounds, "bucket_for", short(bucket_for))
+    monkeypatch.setattr(llm.spec, "draft_batch", short(draft_batch))
+    sp = SamplingParams(temperature=1.0, seed=random.randrange(1 << 30), max_tokens=60,
+                        ignore_eos=True)  # fmt: skip
+    llm.generate(["the quick brown fox"], sp)
+    probes = [e for e in ctl.events.since(0) if e["kind"] == "probe" and e["from"] == 0]
+    assert probes, ctl.events.since(0)  # chosen from plain decoding ...
+    # ... and never run (the one round: the first decision's, at the top)
+    assert llm.spec.stats.rounds <= 1
+    assert ctl.excursions.count == 0 and ctl.excursions.info() == {}
