@@ -314,14 +314,20 @@ class DraftContextCache:
         if not (self.fixed and self._ring_batch):
             raise RuntimeError("DraftContextCache.capture_ring_projection: fix the store and "
                                "enable the ring first")  # fmt: skip
-        if self._ring is None:
-            self._ring = FeedRing(self._ring_rows(), features, dtype, device)
+        self._make_ring(features, dtype, device)
         w = self.width
         store = self.kv.view(-1, *self.kv.shape[2:])
         scratch = range(self.scratch_slot * w, (self.scratch_slot + 1) * w)
         self._ring_proj = RingProjection(self.drafter, self._ring.buf, store, scratch,
                                          buckets_up_to(self._ring.rows))  # fmt: skip
         return {"ring_rows": self._ring.rows, "buckets": self._ring_proj.buckets}
+
+    def _make_ring(self, features: int, dtype: torch.dtype, device: torch.device) -> FeedRing:
+        """The feed ring, made on first use (before capture, or at the first write) and sized
+        then (`_ring_rows`)."""
+        if self._ring is None:
+            self._ring = FeedRing(self._ring_rows(), features, dtype, device)
+        return self._ring
 
     def _ring_rows(self) -> int:
         """The ring's size: what the batch flush lets pend (CHUNKED_REPLAYS buckets) plus four
@@ -338,9 +344,7 @@ class DraftContextCache:
         if n > self._ring_batch:
             raise RuntimeError(f"DraftContextCache.ring_write: {n} rows, enabled for "
                                f"{self._ring_batch}")  # fmt: skip
-        if self._ring is None:
-            self._ring = FeedRing(self._ring_rows(), hidden.shape[1], hidden.dtype, hidden.device)
-        ring = self._ring
+        ring = self._make_ring(hidden.shape[1], hidden.dtype, hidden.device)
         if hidden.dtype != ring.buf.dtype or hidden.shape[1] != ring.buf.shape[1]:
             raise RuntimeError(f"DraftContextCache.ring_write: rows {tuple(hidden.shape)} "
                                f"{hidden.dtype}, the ring holds (, {ring.buf.shape[1]}) "
@@ -426,7 +430,6 @@ class DraftContextCache:
         `_project_ring` when it is on (gathered inside the graph), the rest (chunks of copied
         rows: prompts, steps read first) by one general projection."""
         by_ring = self.ring_projection and self._ring is not None
-        dev = self._ring.buf.device if by_ring else None
         keep = {rid for rid, _ in todo}
         pieces, positions, dests = [], [], []  # the general path's rows, in order
         ring_ids, ring_pos, ring_dest = [], [], []  # feed-ring rows gathered in the graph
@@ -455,7 +458,7 @@ class DraftContextCache:
                 at += n
         if ring_ids:
             self._project_ring(np.concatenate(ring_ids), np.concatenate(ring_pos),
-                               np.concatenate(ring_dest), dev)  # fmt: skip
+                               np.concatenate(ring_dest))  # fmt: skip
         if pieces:
             self._project_general(pieces, np.concatenate(positions), np.concatenate(dests))
         for (_, ctx), (begin, n) in zip(todo, spans, strict=True):
@@ -463,23 +466,18 @@ class DraftContextCache:
             held = ctx.count if begin == ctx.end else 0  # rows skipped: the ring starts over
             ctx.end, ctx.count = begin + n, min(self.width, held + n)
 
-    def _project_ring(self, ids: np.ndarray, pos: np.ndarray, dest: np.ndarray,
-                      dev: torch.device) -> None:  # fmt: skip
+    def _project_ring(self, ids: np.ndarray, pos: np.ndarray, dest: np.ndarray) -> None:
         """Feed-ring rows (ids, their positions and flat store rows, each (R,)) projected by a
         replay that gathers them in the graph (engine/ring_projection.py); uncaptured (the CPU),
         the same gather, projection and scatter eagerly. RuntimeError on an overwritten id."""
         ring = self._ring
-        lo, hi = int(ids.min()), int(ids.max())
-        if not ring.live(lo) or hi >= ring.head:
-            raise RuntimeError(f"FeedRing: row {lo} requested, the ring holds ids "
-                               f"{max(0, ring.head - ring.rows)}..{ring.head - 1}")  # fmt: skip
-        rows = ids % ring.rows  # (R,) rows of the ring's buffer
+        rows = ring.rows_of(ids)  # (R,) rows of the ring's buffer
         self.ring_projected += len(rows)
         if self._ring_proj is not None:
             self._ring_proj(rows, pos, dest)
             return
         store = self.kv.view(-1, *self.kv.shape[2:])
-        block = to_device(torch.from_numpy(np.stack([rows, pos, dest])), dev)  # (3, R)
+        block = to_device(torch.from_numpy(np.stack([rows, pos, dest])), ring.buf.device)  # (3, R)
         project_from_ring(self.drafter, ring.buf, store, block)
 
     def _project_general(self, pieces: list, pos_host: np.ndarray, dest: np.ndarray) -> None:

@@ -18,6 +18,7 @@ before a write would reach it (`DraftContextCache.ring_write`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from treeverify.kernels.staging import to_device
@@ -57,12 +58,18 @@ class FeedRing:
         """Whether a row is still in the ring (not yet overwritten)."""
         return 0 <= row_id < self.head and self.head - row_id <= self.rows
 
-    def gather(self, ids: list[int]) -> torch.Tensor:
-        """(len(ids), F): a copy of those rows, in order (one pinned upload, no sync).
-        RuntimeError when one was overwritten (the context's floor failed: a bug)."""
-        lo = min(ids)
-        if not self.live(lo) or max(ids) >= self.head:
+    def rows_of(self, ids) -> np.ndarray:
+        """(n,) int64: where ids (a list or an array) live in `buf`. RuntimeError when one was
+        overwritten or not yet written (the context's floor failed: a bug)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        lo, hi = int(ids.min()), int(ids.max())
+        if not self.live(lo) or hi >= self.head:
             raise RuntimeError(f"FeedRing: row {lo} requested, the ring holds ids "
                                f"{max(0, self.head - self.rows)}..{self.head - 1}")  # fmt: skip
-        index = torch.tensor(ids, dtype=torch.int64) % self.rows  # (n,)
+        return ids % self.rows
+
+    def gather(self, ids: list[int]) -> torch.Tensor:
+        """(len(ids), F): a copy of those rows, in order (one pinned upload, no sync);
+        RuntimeError as `rows_of`."""
+        index = torch.from_numpy(self.rows_of(ids))  # (n,)
         return self.buf.index_select(0, to_device(index, self.buf.device))
