@@ -33,7 +33,7 @@ def test_only_a_round_between_plain_steps_of_the_same_batch_counts():
     ex.observe(1, 16, 5e-3, plain)  # two rounds in a row: a switch, not an excursion
     ex.observe(1, 0, 1e-3, plain)
     ex.observe(1, 8, 5e-3, plain)
-    ex.observe(1, 0, 1e-3, plain, mixed=True)  # a prefill joined: not comparable
+    ex.observe(1, None, 1e-3, plain)  # a prefill joined: not comparable
     ex.observe(2, 8, 5e-3, plain)  # after a mixed step nothing was plain before it
     ex.observe(2, 0, 1e-3, plain)
     ex.observe(2, 8, 5e-3, plain)

@@ -679,12 +679,12 @@ class BudgetController:
         (its table; the path decisions read stays as it is)."""
         self._costs_of(path).cost.observe(n, budget, seconds, at=self.step_index)
 
-    def observe_wall(self, n: int, budget: int, seconds: float, mixed: bool = False) -> None:
-        """Wall seconds of every step of n decoding requests at `budget` (0: plain), steady or
-        not (`mixed`: prefill chunks ran too): what a round entered from plain decoding and
-        left at once costs (engine/budget_excursions.py)."""
+    def observe_wall(self, n: int, budget: int | None, seconds: float) -> None:
+        """Wall seconds of every step of n decoding requests, steady or not, at `budget` (0:
+        plain; None: not every decode at one budget, or prefills beside them): what a round
+        entered from plain decoding and left at once costs (engine/budget_excursions.py)."""
         plain = self.cost.estimate(n, 0) if n > 0 else None
-        self.excursions.observe(n, budget, seconds, plain, mixed)
+        self.excursions.observe(n, budget, seconds, plain)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

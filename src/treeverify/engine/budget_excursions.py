@@ -31,12 +31,12 @@ class Excursions:
         self._extra: dict[int, deque[float]] = {}  # batch size -> extra seconds, newest last
         self.count = 0
 
-    def observe(self, n: int, budget: int, seconds: float, plain_cost: float | None,
-                mixed: bool = False) -> None:  # fmt: skip
-        """One step: `n` decoding requests at `budget` (0: plain) for `seconds` of wall time;
-        `plain_cost`: the table's plain step at n (None: unknown yet); `mixed`: the step also ran
-        prefill chunks (not a decode step: the pattern starts over)."""
-        if mixed or n <= 0:
+    def observe(self, n: int, budget: int | None, seconds: float,
+                plain_cost: float | None) -> None:  # fmt: skip
+        """One step: `n` decoding requests at `budget` (0: plain; None: not one budget for
+        every decode, or prefill chunks beside them: the pattern starts over) for `seconds` of
+        wall time; `plain_cost`: the table's plain step at n (None: unknown yet)."""
+        if budget is None or n <= 0:
             self._last_plain, self._round = False, None
             return
         if budget == 0:

@@ -384,9 +384,6 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         self._step_steady = True
         self._step_path = FAST  # the controller's step path (spec_step.py's _cost_path)
         self.last_budget = None  # this step's budget for its speculating requests, if any
-        # whether rounds really ran, and for every decode ("all") or some ("some"): a budget
-        # chosen is no round run (pages short, nothing drafted)
-        self._rounds_ran: str | None = None
         if self.spec is not None:  # (a step with rounds discards a plain step launched ahead)
             out, tb = self._speculative_step(batch)  # engine/spec_step.py
             if out is not None:
@@ -502,11 +499,9 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
                 # the controller a read-first round's cost, or a taken round's remainder)
                 self.controller.observe_step(len(batch.decodes), self._step_budget, wall,
                                              self._step_path)  # fmt: skip
-            # every step, steady or not: what leaving plain decoding for one round costs (a step
-            # with prefills, or rounds for some decodes only, is no step of either kind)
-            ran = self._rounds_ran
-            self.controller.observe_wall(len(batch.decodes), self.last_budget if ran else 0, wall,
-                                         mixed=bool(batch.prefills) or ran == "some")  # fmt: skip
+            # every step, steady or not: what leaving plain decoding for one round costs
+            # (`_step_budget`: None unless every decode ran at one budget, no prefill beside)
+            self.controller.observe_wall(len(batch.decodes), self._step_budget, wall)
         # a round's accepted nodes (all its tokens but the bonus) have their K/V in place
         ahead = [len(t) - 1 if isinstance(t, list) else 0 for t in tokens]
         finished = self.scheduler.postprocess(batch, tokens, ahead)

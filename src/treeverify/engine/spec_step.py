@@ -67,7 +67,6 @@ class SpeculativeSteps:
                 ahead = nxt > 0  # (plain decoding next: nothing to launch)
             out = self._whole_round(want, budget, ahead, nxt)  # every decode: one replay
             if out is not None:
-                self._rounds_ran = "all"
                 if not batch.prefills:
                     self._step_budget = budget
                     return out, None
@@ -77,8 +76,6 @@ class SpeculativeSteps:
         if self.rounds is not None:
             self.rounds.discard()  # no whole round this step: a round launched ahead is moot
         tb = self.spec.draft_batch(want, self.device, budget) if want and budget else None
-        if tb is not None:  # its trees run in this step's forward
-            self._rounds_ran = "all" if len(tb.seqs) == len(batch.decodes) else "some"
         if not batch.prefills and (budget == 0 or (tb and len(tb.seqs) == len(want))):
             decoding = len(want) == len(batch.decodes)  # every sequence at this budget
             self._step_budget = budget if decoding else None
