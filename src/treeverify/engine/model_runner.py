@@ -141,16 +141,23 @@ class ModelRunner:
         buffers; `hidden` then holds every chunk's real rows in order, as one forward's would."""
         if len(chunks) == 1:
             return self._run_prefill(chunks[0], sizes[0])
-        rows, spans, hidden = [], [], []
+        sampled = sum(c.samples for c in chunks)
+        logits = hidden = None  # (sampled, V), (T, F): made at the first replay's shapes
+        spans, at = [], 0
         for c, n in zip(chunks, sizes, strict=True):
             out = self._run_prefill(c, n)  # (1, V) logits, or (0, V) for a chunk that samples not
+            if logits is None:
+                logits = out.logits.new_empty(sampled, out.logits.shape[-1])
             if c.samples:
-                spans.append((len(rows), 1))
-                rows.append(out.logits.clone())  # (1, V)
-            if self.hidden is not None:
-                hidden.append(self.hidden.clone())  # (P, F)
-        self.hidden = torch.cat(hidden) if hidden else None  # (T, F)
-        logits = torch.cat(rows) if rows else out.logits[:0]  # (sampled, V)
+                logits[len(spans)].copy_(out.logits[0])
+                spans.append((len(spans), 1))
+            if self.hidden is not None:  # (P, F): a view of the graph's buffer
+                if hidden is None:
+                    total = sum(x.num_tokens for x in chunks)
+                    hidden = self.hidden.new_empty(total, self.hidden.shape[-1])
+                hidden[at : at + c.num_tokens].copy_(self.hidden)
+                at += c.num_tokens
+        self.hidden = hidden
         return StepLogits(logits, spans)
 
     def _run_prefill(self, c: ScheduledChunk, n: int) -> StepLogits:
