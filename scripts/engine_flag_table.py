@@ -10,10 +10,11 @@ import json
 import sys
 from pathlib import Path
 
-# suite -> (the row's key fields, its time field)
+# row label -> (the JSON suite, the row's key fields, its time field)
 TIMED = {
-    "decode": (("model", "batch"), "step_ms"),
-    "verify": (("model", "batch", "budget"), "verify_forward_ms"),
+    "decode": ("decode", ("model", "batch"), "step_ms"),
+    "decode forward": ("decode", ("model", "batch"), "forward_ms"),
+    "verify": ("verify", ("model", "batch", "budget"), "verify_forward_ms"),
 }
 
 
@@ -22,11 +23,11 @@ def best_times(files: list[str]) -> dict[tuple, float]:
     best: dict[tuple, float] = {}
     for f in files:
         data = json.loads(Path(f).read_text())
-        for suite, (keys, field) in TIMED.items():
+        for label, (suite, keys, field) in TIMED.items():
             for row in data.get(suite, []):
                 if row.get(field) is None:
                     continue
-                key = (suite, *(row[k] for k in keys))
+                key = (label, *(row[k] for k in keys))
                 best[key] = min(best.get(key, float("inf")), row[field])
     return best
 

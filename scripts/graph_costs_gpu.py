@@ -59,6 +59,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--kernels", type=int, default=0, metavar="K",
+                    help="also profile each graph's kernels (torch.profiler) and print the K "
+                         "costliest per replay")  # fmt: skip
     args = ap.parse_args()
     llm = LLM("tiny-code", device="cuda", num_pages=4096, max_num_seqs=args.batch,
               cuda_graph_max_bs=args.batch, speculative_algorithm="DDTREE",
@@ -82,6 +85,14 @@ def main() -> int:
         print(f"{name:32s} GPU {r['gpu_ms_per_replay']:.4f} ms/replay"
               f"  host {r['host_ms_per_launch_median']:.4f} ms/launch"
               f" ({r['host_ms_per_launch_behind_itself']:.4f} behind itself)")  # fmt: skip
+        if args.kernels:
+            from profile_decode_gpu import _kernels, _table  # scripts/ is sys.path[0]
+
+            r["kernels"] = _table(_kernels(g, 50))
+            r["launches_per_replay"] = round(sum(k["per_replay"] for k in r["kernels"]), 1)
+            print(f"    {r['launches_per_replay']} launches a replay; costliest:")
+            for k in r["kernels"][: args.kernels]:
+                print(f"    {k['us_per_replay']:7.2f} us  x{k['per_replay']:<5} {k['name'][:90]}")
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "commit": _git_commit(),
             "command": " ".join(sys.argv)}  # fmt: skip
