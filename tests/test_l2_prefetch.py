@@ -96,3 +96,20 @@ def test_the_llama_layers_name_what_they_read_next():
         o, gate_up, down = layer.self_attn.l2_next
         assert o is layer.self_attn.o_proj.weight and down is layer.mlp.down_proj.weight
         assert gate_up is layer.mlp.gate_up[0] and gate_up.is_contiguous()
+
+
+def test_the_mla_layers_name_what_they_read_next():
+    """DeepSeek-V3 layers: kv_b (the absorbed einsums) and o after attention, then a dense
+    layer's gate|up; a MoE layer's routed experts are not known before routing."""
+    from treeverify.models.tiny import build_tiny
+
+    _, model, _ = build_tiny("tiny-kimi")
+    model.fuse_for_inference()
+    assert any(layer.is_moe for layer in model.model.layers)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        want = [attn.kv_b_proj.weight, attn.o_proj.weight]
+        if not layer.is_moe:
+            want.append(layer.mlp.gate_up[0])
+        assert len(attn.l2_next) == len(want)
+        assert all(a is b for a, b in zip(attn.l2_next, want, strict=True))
