@@ -101,8 +101,9 @@ def test_cta_trace_phase_table_recovers_a_known_tile_cost(capsys):
 
 
 def test_engine_flag_table_compares_each_value_with_the_baseline(tmp_path):
-    """scripts/engine_flag_table.py (engine_flag_ab's table): per row each value's best time
-    over the passes and its ratio to the first value's; rows missing in a value show '-'; no
+    """scripts/engine_flag_table.py (engine_flag_ab's table): per row (engine step, captured
+    forward, verify forward) each value's best time over the passes and its ratio to the first
+    value's; rows missing in a value show '-'; no
     baseline files is an error naming the directory."""
     import importlib.util
     import json
@@ -115,11 +116,13 @@ def test_engine_flag_table_compares_each_value_with_the_baseline(tmp_path):
         for p, d in ((1, d1), (2, d2)):
             verify = [] if v is None else [
                 {"model": "m", "batch": 1, "budget": 16, "verify_forward_ms": v}]  # fmt: skip
-            data = {"decode": [{"model": "m", "batch": 1, "step_ms": d}], "verify": verify}
+            decode = [{"model": "m", "batch": 1, "step_ms": d, "forward_ms": d - 0.1}]
+            data = {"decode": decode, "verify": verify}
             (tmp_path / f"engine_v{i}_pass{p}.json").write_text(json.dumps(data))
     lines = eft.table(str(tmp_path), ["A=0", "A=1"])
     assert lines[0] == "row | A=0 | A=1"
     assert "decode m 1 | 2.040 ms | 1.720 ms (x1.186)" in lines
+    assert "decode forward m 1 | 1.940 ms | 1.620 ms (x1.198)" in lines  # the captured forward
     assert "verify m 1 16 | 2.300 ms | -" in lines
     with pytest.raises(ValueError, match="out_dir"):
         eft.table(str(tmp_path / "none"), ["A=0"])

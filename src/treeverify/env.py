@@ -58,10 +58,6 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   the ring itself (engine/ring_projection.py: one upload of ring row, position and store row per
   row); ``0``: the general path (a host-built gather, per-request index tensors, the captured
   projection's input copies per bucket), A/B. Read when an engine is built.
-- ``TREEVERIFY_L2_PREFETCH``: megabytes of the next GEMVs' weights a captured decode or verify
-  step (at most 64 tokens) pulls into L2 per layer on a side branch while attention runs
-  (models/l2_prefetch.py: the o projection, then gate|up, then down, in the order the layer
-  reads them); ``0`` or unset: off (default until measured). Read once per process.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -199,8 +195,6 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_RING_PROJECTION": "1 (default): the feed ring's pending rows projected by one "
     "replay a chunk that gathers them in the graph (engine/ring_projection.py); 0: the general "
     "path (A/B).",
-    "TREEVERIFY_L2_PREFETCH": "MB of the next GEMVs' weights a captured decode or verify step "
-    "pulls into L2 per layer while attention runs (models/l2_prefetch.py); 0 (default): off.",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -455,17 +449,6 @@ def cuda_max_splits() -> int | None:
         return None
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"TREEVERIFY_CUDA_MAX_SPLITS: expected an integer in 1..64, got {value!r}")
-    return int(value)
-
-
-def l2_prefetch_mb() -> int:
-    """TREEVERIFY_L2_PREFETCH: megabytes of weights a captured step pulls into L2 per layer
-    ahead of its GEMVs (models/l2_prefetch.py); 0 (default) off."""
-    value = os.environ.get("TREEVERIFY_L2_PREFETCH", "").strip()
-    if not value:
-        return 0
-    if not value.isdigit() or int(value) > 1024:
-        raise ValueError(f"TREEVERIFY_L2_PREFETCH: expected megabytes in 0..1024, got {value!r}")
     return int(value)
 
 

@@ -51,7 +51,7 @@ from treeverify.engine.scheduler import ScheduledBatch, Scheduler
 from treeverify.engine.sequence import Sequence
 from treeverify.engine.spec_step import SpeculativeSteps
 from treeverify.engine.speculative import SpeculativeDecoder
-from treeverify.models import fused_routing, gemv, l2_prefetch, pdl
+from treeverify.models import fused_routing, gemv, pdl
 from treeverify.models.moe import DeepseekMoE, Router
 
 log = logging.getLogger("treeverify.engine")
@@ -127,8 +127,6 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             log.info("%s", self.startup["decode_gemv"])
             self.startup["pdl"] = pdl.describe()
             log.info("%s", self.startup["pdl"])
-            self.startup["l2_prefetch"] = l2_prefetch.describe()
-            log.info("%s", self.startup["l2_prefetch"])
             if routers := [m for m in self.model.modules() if isinstance(m, Router)]:
                 self.startup["moe_routing"] = fused_routing.describe(all(r.fused for r in routers))
                 log.info("%s", self.startup["moe_routing"])

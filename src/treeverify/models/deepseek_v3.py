@@ -20,7 +20,7 @@ from torch import nn
 
 from treeverify import env
 from treeverify.kernels.api import triton_available
-from treeverify.models import fused_mla, l2_prefetch
+from treeverify.models import fused_mla
 from treeverify.models.config import DeepseekV3Config
 from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rmsnorm, rmsnorm_pair
 from treeverify.models.gemv import Linear, linear
@@ -60,9 +60,6 @@ class MLAttention(nn.Module):
         self.fused_rope = env.fused_mla_rope() and triton_available()
         # q_a_proj | kv_a_proj_with_mqa as one weight after `fuse()` (both read the same x)
         self.qkv_a: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        # Weights read after q_a|kv_a, in order (set by fuse_for_inference): what a captured
-        # decode step prefetches into L2 while the norms and attention run (models/l2_prefetch.py)
-        self.l2_next: tuple[torch.Tensor, ...] = ()
 
     def fuse(self) -> None:
         """q_a_proj and kv_a_proj_with_mqa as one (Q + L + R, h) GEMM (inference; the Linears
@@ -76,7 +73,6 @@ class MLAttention(nn.Module):
         n, r, lat, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
         if self.qkv_a is not None:  # one GEMM, then both norms in one launch, read in place
             fused_a = linear(x, *self.qkv_a)  # (T, Q + L + R)
-            l2_prefetch.issue(x, self.l2_next)
             q_a, ckv = rmsnorm_pair(fused_a, self.q_a_layernorm, self.kv_a_layernorm)
             q = self.q_b_proj(q_a)
             k_pe = fused_a[:, -r:]  # (T, R) strided
@@ -181,18 +177,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         """q_a|kv_a as one GEMM in the attention, gate|up as one in the dense MLPs and shared
         experts (routed experts are stacked separately, see DeepseekMoE.stack_experts)."""
         for layer in self.model.layers:
-            attn = layer.self_attn
-            attn.fuse()
+            layer.self_attn.fuse()
             if not layer.is_moe:
                 layer.mlp.fuse()
             elif layer.mlp.shared_experts is not None:
                 layer.mlp.shared_experts.fuse()
-            # q_b's GEMV reads its own weights at once (PDL); kv_b (the absorbed einsums) and
-            # o come after attention; a dense layer's gate|up after that (routed experts: not
-            # known before routing)
-            attn.l2_next = (attn.kv_b_proj.weight, attn.o_proj.weight)
-            if not layer.is_moe:
-                attn.l2_next += (layer.mlp.gate_up[0],)
         return self
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
@@ -246,6 +235,4 @@ class DeepseekV3ForCausalLM(nn.Module):
         )  # fmt: skip
         if logits_indices is not None:
             h = h[logits_indices]
-        logits = self.lm_head(h).float()
-        l2_prefetch.join(logits)  # the side branch of a captured step, if one was forked
-        return logits
+        return self.lm_head(h).float()

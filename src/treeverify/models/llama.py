@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treeverify.models import l2_prefetch
 from treeverify.models.config import LlamaConfig
 from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rope_qk
 from treeverify.models.gemv import Linear, linear
@@ -43,9 +42,6 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        # The weights this layer reads after qkv, in order (set by fuse_for_inference): what a
-        # captured decode step prefetches into L2 while attention runs (models/l2_prefetch.py).
-        self.l2_next: tuple[torch.Tensor, ...] = ()
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -58,7 +54,6 @@ class LlamaAttention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         if self.qkv is not None:
             qkv = linear(x, *self.qkv).view(t, hq + 2 * hkv, d)  # (T, Hq+2Hkv, D)
-            l2_prefetch.issue(x, self.l2_next)
             v = qkv[:, hq + hkv :]
             if self.q_norm is not None:
                 qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), 1)
@@ -129,8 +124,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-            attn = layer.self_attn
-            attn.l2_next = (attn.o_proj.weight, layer.mlp.gate_up[0], layer.mlp.down_proj.weight)
         self.fused = True
         return self
 
@@ -162,6 +155,4 @@ class LlamaForCausalLM(nn.Module):
         )  # fmt: skip
         if logits_indices is not None:
             h = h[logits_indices]
-        logits = self.lm_head(h).float()
-        l2_prefetch.join(logits)  # the side branch of a captured step, if one was forked
-        return logits
+        return self.lm_head(h).float()

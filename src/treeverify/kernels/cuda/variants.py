@@ -461,20 +461,6 @@ class DecodeGemvVariant:
         return f"treeverify::decode_gemv<{self.m},{'true' if self.dtype == 'bf16' else 'false'}>"
 
 
-@dataclass(frozen=True)
-class L2PrefetchVariant:
-    """l2_prefetch (l2_prefetch.cu): up to three byte ranges pulled into L2, nothing read into
-    registers or written (models/l2_prefetch.py)."""
-
-    name: str = "l2_prefetch"
-    expr: str = "treeverify::l2_prefetch"
-    threads: int = 128  # kPrefetchThreads
-    smem_bytes: int = 0
-    defines: tuple[str, ...] = ()
-    source_file: str = "l2_prefetch.cu"
-    fast_math: bool = False
-
-
 Variant = (
     FwdVariant
     | MlaSm90Variant
@@ -486,7 +472,6 @@ Variant = (
     | DDTreeTopkVariant
     | RoundStateVariant
     | DecodeGemvVariant
-    | L2PrefetchVariant
 )
 
 
@@ -589,5 +574,4 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
     out += [DecodeGemvVariant(1, dtype) for dtype in DTYPES]  # models/gemv.py GEMV_MAX_ROWS
-    out.append(L2PrefetchVariant())
     return out
