@@ -44,9 +44,13 @@ def _assert_same(a_llm, a, b_llm, b, msg: str) -> None:
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=msg)
 
 
+@pytest.mark.parametrize("holes", ["1", "0"], ids=["holes", "no-holes"])
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
-def test_steps_launched_ahead_equal_read_first_step_by_step(chunk):
-    """`chunk`: the late prompt's prefill over several steps, beside decodes launched ahead."""
+def test_steps_launched_ahead_equal_read_first_step_by_step(monkeypatch, chunk, holes):
+    """`chunk`: the late prompt's prefill over several steps, beside decodes launched ahead.
+    `holes` (TREEVERIFY_AHEAD_HOLES): a finished request's row becomes a hole and the next step
+    is launched ahead at once, or that step is staged and read first."""
+    monkeypatch.setenv("TREEVERIFY_AHEAD_HOLES", holes)
     knobs = dict(chunked_prefill_size=chunk)
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
     assert ahead.ahead is not None and first.ahead is None
@@ -74,7 +78,31 @@ def test_steps_launched_ahead_equal_read_first_step_by_step(chunk):
     info = ahead.ahead.info
     assert taken_beside_prefill
     assert info["ahead_used"] > 10 and info["ahead_partial"] >= 2 and info["ahead_discarded"] == 0
+    assert info["holes"] == (holes == "1") and (info["holed_rows"] >= 2) == (holes == "1")
     assert ahead.block_manager.num_free_pages == ahead.block_manager.num_pages  # nothing leaked
+
+
+def test_holes_keep_steps_launched_ahead_through_finishes(monkeypatch):
+    """Four requests finishing one by one: with holes every step after the first is taken from
+    a step launched ahead (each finish makes one hole), where without them each finish costs a
+    step staged and read first; the tokens are plain greedy decoding's either way."""
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 20, 5)]
+    want = [o.token_ids for o in _engine().generate(CODE, sp)]
+    used = {}
+    for holes in ("0", "1"):
+        monkeypatch.setenv("TREEVERIFY_AHEAD_HOLES", holes)
+        llm = _engine(decode_lookahead=True)
+        seqs = [llm.add_request(p, s) for p, s in zip(CODE, sp, strict=True)]
+        while llm.has_unfinished():
+            llm.step()
+            llm.block_manager.check(llm.scheduler.running)
+        assert [llm.output(s).token_ids for s in seqs] == want
+        info = llm.ahead.info
+        used[holes] = info["ahead_used"]
+        assert info["holed_rows"] == (3 if holes == "1" else 0)  # the last one ends the batch
+        assert llm.block_manager.num_free_pages == llm.block_manager.num_pages
+    # 19 decode steps after the prefill; the read-first path loses one a finish (3)
+    assert used["1"] == used["0"] + 3
 
 
 def test_steps_launched_ahead_through_preemption_equal_plain_greedy():
@@ -150,8 +178,10 @@ def test_ngram_engines_launch_their_plain_steps_ahead():
     assert llm.ahead.ahead_discarded == 0
 
 
+@pytest.mark.parametrize("holes", ["1", "0"], ids=["holes", "no-holes"])
 @pytest.mark.parametrize("ring", ["1", "0"], ids=["feed-ring", "copies"])
-def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkeypatch, ring):
+def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkeypatch, ring,
+                                                                         holes):  # fmt: skip
     """The drafter conditions on the target's hidden states of every committed token: a plain
     step launched ahead hands it the same rows as one read first (the drafter's context rings
     equal after every step), through switches between plain steps and rounds, and when a
@@ -159,6 +189,7 @@ def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkey
     pick that is no leading run, its rows gathered). `ring`: the rows go through the context's
     feed ring as ids (TREEVERIFY_FEED_RING=1, the default) or as a copy a step (0)."""
     monkeypatch.setenv("TREEVERIFY_FEED_RING", ring)
+    monkeypatch.setenv("TREEVERIFY_AHEAD_HOLES", holes)
     knobs = dict(speculative_algorithm="DDTREE", num_pages=128)  # tiny-code's own DFlash drafter
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
     cycle_budgets(ahead, [0, 0, 0, 16, 0, 0, 8, 0, 0, 0, 0, 0])

@@ -40,8 +40,11 @@ def _engine(model: str = "tiny-code", **kw) -> LLM:
     return LLM(model, device="cuda", cuda_graph_max_bs=4, max_num_seqs=4, **kw)
 
 
-def test_steps_launched_ahead_equal_read_first_step_by_step():
-    """Equal token for token, except at a bf16 near-tie that the late arrival's step may
+@pytest.mark.parametrize("holes", ["1", "0"], ids=["holes", "no-holes"])
+def test_steps_launched_ahead_equal_read_first_step_by_step(monkeypatch, holes):
+    """`holes` (TREEVERIFY_AHEAD_HOLES): a finished request's row a hole of the next steps
+    launched ahead (its K/V to the scratch slot, its prefix 0), or the step after a finish read
+    first. Equal token for token, except at a bf16 near-tie that the late arrival's step may
     make: the read-first engine runs its prefill in one forward with the three decodes (GEMMs
     over more rows: another tiling, other roundings), the engine launching ahead runs it alone
     after the step it took (on the H100, seed 172712899 parted the arrival at its 4th token, at
@@ -52,6 +55,7 @@ def test_steps_launched_ahead_equal_read_first_step_by_step():
     print(f"seed {seed}")  # shown with a failure: the same prompts again
     rng = random.Random(seed)
     prompts = heldout_prompts(rng, 4)
+    monkeypatch.setenv("TREEVERIFY_AHEAD_HOLES", holes)
     ahead, first = _engine(decode_lookahead=True), _engine(decode_lookahead=False)
     assert ahead.ahead is not None and ahead.ahead.captured and first.ahead is None
     pairs = []
@@ -81,12 +85,17 @@ def test_steps_launched_ahead_equal_read_first_step_by_step():
     info = ahead.ahead.info
     # the arrival's prefill runs beside the step launched ahead (taken), the abort drops a row
     assert info["ahead_used"] > 20 and info["ahead_partial"] >= 1 and info["ahead_discarded"] == 0
+    assert (info["holed_rows"] > 0) == (holes == "1")
     assert ahead.block_manager.num_free_pages == ahead.block_manager.num_pages
     assert ahead.cuda_graph_info["decode_ahead"]["replays"] == info["replays"]
 
 
-def test_steps_launched_ahead_on_mla_moe_equal_read_first():
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+@pytest.mark.parametrize("holes", ["1", "0"], ids=["holes", "no-holes"])
+def test_steps_launched_ahead_on_mla_moe_equal_read_first(monkeypatch, holes):
+    """Requests of three lengths: with holes the finished ones' rows stay in the launched
+    steps, invalid (the MoE's token_valid drops them from the expert counts)."""
+    monkeypatch.setenv("TREEVERIFY_AHEAD_HOLES", holes)
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 11, 17)]
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(40 + 9 * i)] for i in range(3)]
     outs = {}
     for on in (True, False):
@@ -94,6 +103,7 @@ def test_steps_launched_ahead_on_mla_moe_equal_read_first():
         outs[on] = [o.token_ids for o in llm.generate(prompts, sp)]
         if on:
             assert llm.ahead.ahead_used > 10
+            assert (llm.ahead.holed_rows > 0) == (holes == "1")
         del llm
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
@@ -138,6 +148,41 @@ def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(mo
         torch.cuda.set_sync_debug_mode("default")
     assert len(waits) == 40
     assert llm.ahead.ahead_used == used + 40  # every one of them taken from the step before
+
+
+def test_a_finish_with_holes_costs_no_step_read_first_and_no_sync(monkeypatch):
+    """TREEVERIFY_AHEAD_HOLES=1: one of three requests finishes inside 40 steady steps; its row
+    becomes a hole (three fills queued, no upload) and every one of the 40 steps is still taken
+    from a step launched ahead, with one wait a step, as steps without a finish."""
+    monkeypatch.setenv("TREEVERIFY_AHEAD_HOLES", "1")
+    llm = _engine(decode_lookahead=True)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (200, 20, 200)]
+    seqs = [llm.add_request(p, sp) for p, sp in zip(heldout_prompts(random.Random(6), 3), sps,
+                                                      strict=True)]  # fmt: skip
+    while any(s.num_output_tokens < 4 for s in seqs):
+        llm.step()
+    waits = []
+    wait = torch.cuda.Event.synchronize
+
+    def wait_once(event):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            waits.append(1)
+            return wait(event)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", wait_once)
+    used = llm.ahead.ahead_used
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(40):
+            llm.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert seqs[1].is_finished and not seqs[0].is_finished
+    assert llm.ahead.holed_rows == 1
+    assert len(waits) == 40 and llm.ahead.ahead_used == used + 40
 
 
 def test_dflash_plain_steps_launched_ahead_feed_the_drafter_the_same_rows():

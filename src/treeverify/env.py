@@ -58,6 +58,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   the ring itself (engine/ring_projection.py: one upload of ring row, position and store row per
   row); ``0``: the general path (a host-built gather, per-request index tensors, the captured
   projection's input copies per bucket), A/B. Read when an engine is built.
+- ``TREEVERIFY_AHEAD_HOLES``: ``1`` lets a plain decode step launched ahead keep going when some
+  of its requests finish: their rows become holes of the bucket and the next step is launched
+  ahead at once (engine/decode_ahead.py); ``0`` (default until measured): the step after a
+  finish is staged by the host and read first. Read when an engine is built.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -195,6 +199,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_RING_PROJECTION": "1 (default): the feed ring's pending rows projected by one "
     "replay a chunk that gathers them in the graph (engine/ring_projection.py); 0: the general "
     "path (A/B).",
+    "TREEVERIFY_AHEAD_HOLES": "1: rows of requests that finish become holes and the next plain "
+    "step is still launched ahead (engine/decode_ahead.py); 0 (default): read first (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -533,6 +539,14 @@ def prefill_replays() -> bool:
     one (1, n) prefill graph replay per chunk (engine/model_runner.py); 0, one eager forward
     (A/B). Read when an engine is built."""
     return _switch("TREEVERIFY_PREFILL_REPLAYS", "1")
+
+
+def ahead_holes() -> bool:
+    """TREEVERIFY_AHEAD_HOLES: 1 makes the rows of requests that finish holes of a plain decode
+    step launched ahead, the next step launched ahead at once (engine/decode_ahead.py); 0
+    (default until measured), that step is staged and read first. Read when an engine is
+    built."""
+    return _switch("TREEVERIFY_AHEAD_HOLES", "0")
 
 
 def ring_projection() -> bool:

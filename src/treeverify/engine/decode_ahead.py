@@ -25,8 +25,18 @@ the K/V of the token greedy decoding puts there (or of a request that has finish
 slot past every committed position, which the next step overwrites or nothing reads; stream order
 puts it before any later step's writes, so there is nothing to undo but the hold. A request that
 finished at step k wastes one step of GPU work; when some requests of the launched step are still
-running, their rows are taken and the next step is staged by the host (read first), as a
-whole round's partial take is (engine/round_graphs.py, whose lookahead this mirrors).
+running, their rows are taken. What the next step does then:
+
+- holes (TREEVERIFY_AHEAD_HOLES=1): the dropped rows become holes of the bucket: their rows in
+  the stage's device twin are marked invalid (no advance), their K/V goes to the scratch slot
+  and their prefix length is 0 (their attention reads nothing), three small fills queued after
+  the step in flight; the next step is launched ahead at once over the same rows, the holes'
+  outputs ignored. Requests finishing one by one (rounds left them at different lengths; EOS in
+  real traffic) then cost nothing beyond their rows' idle work, where each finish used to cost
+  one step staged and read first (the GPU idle while the host stages it). An arrival or any
+  other schedule discards the step as before, and the next one is staged compact;
+- otherwise (0): the next step is staged by the host (read first), as a whole round's partial
+  take is (engine/round_graphs.py, whose lookahead this mirrors).
 
 Eligible steps (the engine decides, `LLM._plain_ahead`): only plain decodes without logprobs,
 penalties or logit_bias, all greedy or, where the step's end is the fused Triton pick
@@ -54,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify import env
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.decode_step_end import end_step, end_step_torch
@@ -72,10 +83,13 @@ log = logging.getLogger("treeverify.engine")
 class _InFlight:
     """A step launched ahead: these sequences' next tokens, at positions `starts`."""
 
-    seqs: list[Sequence]
+    seqs: list[Sequence | None]  # its rows in order; None: a hole (a request that finished)
     batch: int  # its bucket
-    starts: list[int]  # each token's position, as the previous step predicts
+    starts: list[int]  # each row's token position, as the previous step predicts (holes: -1)
     launched: Launched
+
+
+HOLE: list[int] = []  # a hole's page list in a staged table: one object, so table_current holds
 
 
 class DecodeAhead(LaunchAhead):
@@ -110,6 +124,8 @@ class DecodeAhead(LaunchAhead):
         # with a feed ring (`sink`: DraftContextCache.ring_write): those rows' ids there instead
         self.sink = None
         self.hidden_ids: list[int] | None = None
+        self.holes = env.ahead_holes()  # finished rows become holes (module docstring)
+        self.holed_rows = 0  # rows made holes so far
         t0 = time.perf_counter()
         if capture:
             previous = moe_impl("graph") if moe_impl is not None else None
@@ -222,23 +238,45 @@ class DecodeAhead(LaunchAhead):
         else:
             fl, pick = taken
             b, now, width = fl.batch, fl.launched, len(fl.seqs)
-            ahead = ahead and len(pick) == width  # else its twin still has the dropped rows
+        # the next step's rows: this step's sequences where `now` has them, holes elsewhere
+        rows: list[Sequence | None] = [None] * width if taken else list(seqs)
+        next_starts = [-1] * width if taken else [q + 1 for q in starts]
+        for seq, q, i in zip(seqs, starts, pick or (), strict=False):
+            rows[i], next_starts[i] = seq, q + 1
+        dropped = [i for i, s in enumerate(fl.seqs) if s is not None and rows[i] is None
+                   ] if taken else []  # fmt: skip
+        if dropped and not self.holes:
+            ahead = False  # its twin still has the dropped rows: the next step is staged
         if ahead:  # the next step's advance looks up q + 2: hold that page, restage the table
             ahead = self._hold(seqs, [q + 3 for q in starts], self.graphs.max_pages)
-            tables = [s.block_table for s in seqs]
+            tables = [HOLE if s is None else s.block_table for s in rows]
             if ahead and not self._stage(b).table_current(tables):  # a page was added
                 self._stage(b).write_table(tables)  # after `now`
         if not ahead:  # nothing launched ahead: held pages without a slot go back
             for seq in seqs:
                 self.bm.release_hold(seq)
             return self._read(now, width, pick)
+        if dropped:
+            self._make_holes(b, dropped)  # after `now`, whose advance wrote the twin
         nxt = self._launch(b) if self.captured else None  # before reading `now`
         tokens = self._read(now, width, pick)
         if nxt is None:  # eager: `now` ran, its advance staged the next step
             nxt = self._launch(b)
-        self._in_flight = _InFlight(seqs, b, [q + 1 for q in starts], nxt)
+        self._in_flight = _InFlight(rows, b, next_starts, nxt)
         self.steady = taken is not None
         return tokens
+
+    def _make_holes(self, b: int, dropped: list[int]) -> None:
+        """Bucket b's twin rows `dropped` made holes for the steps launched from it: invalid
+        (the step's end leaves them as they are), K/V to the scratch slot, no prefix to read.
+        Three fills a row, queued on the stream (no upload, no sync)."""
+        stage = self._stage(b)
+        v = stage.views
+        for i in dropped:
+            v["valid"][i : i + 1].fill_(0)
+            v["slots"][i : i + 1].fill_(stage.scratch_slot)
+            v["prefix"][i : i + 1].fill_(0)
+        self.holed_rows += len(dropped)
 
     def _read(self, launched: Launched, width: int, pick: list[int] | None) -> list[int]:
         """The step's tokens (waits for that step only), those of `pick` when some of its
@@ -298,6 +336,8 @@ class DecodeAhead(LaunchAhead):
             "ahead_used": self.ahead_used,
             "ahead_discarded": self.ahead_discarded,
             "ahead_partial": self.ahead_partial,
+            "holes": self.holes,
+            "holed_rows": self.holed_rows,
             "fused_step_end": self.fused_end,
             "sampled_steps": self.sampling,
         }

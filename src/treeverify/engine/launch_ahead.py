@@ -46,7 +46,8 @@ def positions_in(launched: list[Sequence], seqs: list[Sequence]) -> list[int] | 
 
 
 class LaunchAhead:
-    """The one step in flight (any object with `seqs`) and its counters; `bm` holds its pages."""
+    """The one step in flight (any object with `seqs`, a row's sequence or None for a hole,
+    engine/decode_ahead.py) and its counters; `bm` holds its pages."""
 
     bm: BlockManager
 
@@ -69,7 +70,8 @@ class LaunchAhead:
             return
         self.ahead_discarded += 1
         for seq in fl.seqs:
-            self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
+            if seq is not None:  # (a hole: engine/decode_ahead.py's rows of finished requests)
+                self.bm.release_hold(seq)  # (a finished or aborted one was freed whole already)
 
     def _hold(self, seqs: list[Sequence], upto: list[int], max_pages: int) -> bool:
         """Hold each sequence's pages for positions below upto[i] (where a step launched ahead
@@ -93,8 +95,8 @@ class LaunchAhead:
         by the scheduler's token budget, would keep its page until its next launched step)."""
         self._in_flight = None
         self.ahead_used += 1
-        self.ahead_partial += len(pick) < len(fl.seqs)
+        self.ahead_partial += len(pick) < sum(s is not None for s in fl.seqs)
         kept = set(pick)
         for i, seq in enumerate(fl.seqs):
-            if i not in kept:
+            if i not in kept and seq is not None:
                 self.bm.release_hold(seq)
