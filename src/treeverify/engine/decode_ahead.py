@@ -27,14 +27,17 @@ puts it before any later step's writes, so there is nothing to undo but the hold
 finished at step k wastes one step of GPU work; when some requests of the launched step are still
 running, their rows are taken. What the next step does then:
 
-- holes (TREEVERIFY_AHEAD_HOLES=1): the dropped rows become holes of the bucket: their rows in
-  the stage's device twin are marked invalid (no advance), their K/V goes to the scratch slot
-  and their prefix length is 0 (their attention reads nothing), three small fills queued after
-  the step in flight; the next step is launched ahead at once over the same rows, the holes'
-  outputs ignored. Requests finishing one by one (rounds left them at different lengths; EOS in
-  real traffic) then cost nothing beyond their rows' idle work, where each finish used to cost
-  one step staged and read first (the GPU idle while the host stages it). An arrival or any
-  other schedule discards the step as before, and the next one is staged compact;
+- holes (TREEVERIFY_AHEAD_HOLES=1): while the requests left still need the same bucket, the
+  dropped rows become holes of it: their rows in the stage's device twin are marked invalid (no
+  advance), their K/V goes to the scratch slot and their prefix length is 0 (their attention
+  reads one key of page 0), three small fills queued after the step in flight (and the page
+  table restaged once, one non-blocking copy, the holes' columns empty); the next step is
+  launched ahead at once over the same rows, the holes' outputs ignored. Requests finishing one
+  by one (rounds left them at different lengths; EOS in real traffic) then cost their rows'
+  idle work (the bucket's M rows through every GEMM; a MoE's hole rows routed to experts too)
+  where each finish cost one step staged and read first (the GPU idle while the host stages
+  it). Once the requests left fit a smaller bucket, the next step is staged compact into it
+  (read first) instead. An arrival or any other schedule discards the step as before;
 - otherwise (0): the next step is staged by the host (read first), as a whole round's partial
   take is (engine/round_graphs.py, whose lookahead this mirrors).
 
@@ -245,8 +248,10 @@ class DecodeAhead(LaunchAhead):
             rows[i], next_starts[i] = seq, q + 1
         dropped = [i for i, s in enumerate(fl.seqs) if s is not None and rows[i] is None
                    ] if taken else []  # fmt: skip
-        if dropped and not self.holes:
-            ahead = False  # its twin still has the dropped rows: the next step is staged
+        if dropped and (not self.holes or self._fits_smaller(len(seqs), b)):
+            # its twin still has the dropped rows: the next step is staged (read first), into
+            # the smaller bucket the requests left now fit when holes are on
+            ahead = False
         if ahead:  # the next step's advance looks up q + 2: hold that page, restage the table
             ahead = self._hold(seqs, [q + 3 for q in starts], self.graphs.max_pages)
             tables = [HOLE if s is None else s.block_table for s in rows]
@@ -265,6 +270,12 @@ class DecodeAhead(LaunchAhead):
         self._in_flight = _InFlight(rows, b, next_starts, nxt)
         self.steady = taken is not None
         return tokens
+
+    def _fits_smaller(self, live: int, b: int) -> bool:
+        """Whether `live` requests fit a bucket smaller than b: a hole would keep running b
+        rows (cuBLAS at M = b instead of the one-row GEMV, a MoE's holes routed to experts)
+        for every step left, where one step staged compact costs one read first."""
+        return next((s for s in self.batch_sizes if s >= live), b) < b
 
     def _make_holes(self, b: int, dropped: list[int]) -> None:
         """Bucket b's twin rows `dropped` made holes for the steps launched from it: invalid
