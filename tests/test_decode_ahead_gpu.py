@@ -149,14 +149,15 @@ def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(mo
 
 
 def test_a_finish_with_holes_costs_no_step_read_first_and_no_sync(monkeypatch):
-    """TREEVERIFY_AHEAD_HOLES=1: one of three requests (bucket 4) finishes inside 40 steady
-    steps; its row becomes a hole (three fills and one non-blocking table copy queued, no sync)
-    and every one of the 40 steps is still taken from a step launched ahead, with one wait a
-    step, as steps without a finish."""
+    """TREEVERIFY_AHEAD_HOLES=1: one of four requests (bucket 4; the three left still need it)
+    finishes inside 40 steady steps; its row becomes a hole (three fills and one non-blocking
+    table copy queued, no sync) and every one of the 40 steps is still taken from a step
+    launched ahead, with one wait a step, as steps without a finish."""
     monkeypatch.setenv("TREEVERIFY_AHEAD_HOLES", "1")
     llm = _engine(decode_lookahead=True)
-    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (200, 20, 200)]
-    seqs = [llm.add_request(p, sp) for p, sp in zip(heldout_prompts(random.Random(6), 3), sps,
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+           for n in (200, 20, 200, 200)]  # fmt: skip
+    seqs = [llm.add_request(p, sp) for p, sp in zip(heldout_prompts(random.Random(6), 4), sps,
                                                       strict=True)]  # fmt: skip
     while any(s.num_output_tokens < 4 for s in seqs):
         llm.step()
