@@ -178,6 +178,24 @@ def test_ngram_engines_launch_their_plain_steps_ahead():
     assert llm.ahead.ahead_discarded == 0
 
 
+def _dflash_lockstep(ahead: LLM, first: LLM, prompts: list[str], lens) -> None:
+    """The same greedy requests (max_tokens `lens`) through both engines step by step: equal
+    tokens, K/V and drafter context after every step."""
+    pairs = []
+    for p, n in zip(prompts, lens, strict=True):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        pairs.append((ahead.add_request(p, sp), first.add_request(p, sp)))
+    steps = 0
+    while ahead.has_unfinished() or first.has_unfinished():
+        ahead.step()
+        first.step()
+        steps += 1
+        for a, b in pairs:
+            _assert_same(ahead, a, first, b, f"step {steps}")
+            if not a.is_finished:
+                assert_same_state(ahead, a, first, b, f"step {steps}")
+
+
 @pytest.mark.parametrize("ring", ["1", "0"], ids=["feed-ring", "copies"])
 def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkeypatch, ring):
     """The drafter conditions on the target's hidden states of every committed token: a plain
@@ -191,19 +209,7 @@ def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkey
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
     cycle_budgets(ahead, [0, 0, 0, 16, 0, 0, 8, 0, 0, 0, 0, 0])
     replay_budgets(first, record_budgets(ahead))  # the budgets ahead ran, step for step
-    pairs = []
-    for p, n in zip(CODE[:3], (48, 9, 40), strict=True):  # the 9's finish leaves bucket 4 full
-        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        pairs.append((ahead.add_request(p, sp), first.add_request(p, sp)))
-    steps = 0
-    while ahead.has_unfinished() or first.has_unfinished():
-        ahead.step()
-        first.step()
-        steps += 1
-        for a, b in pairs:
-            _assert_same(ahead, a, first, b, f"step {steps}")
-            if not a.is_finished:
-                assert_same_state(ahead, a, first, b, f"step {steps}")
+    _dflash_lockstep(ahead, first, CODE[:3], (48, 9, 40))
     assert ahead.ahead.ahead_used > 5 and ahead.spec_stats["rounds"] > 0
     assert ahead.ahead.ahead_partial >= 1  # a step taken without one of its requests
     ring_of = ahead.spec.source.context._ring
@@ -222,19 +228,7 @@ def test_dflash_hidden_rows_of_steps_launched_over_a_hole(monkeypatch, ring):
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
     cycle_budgets(ahead, [0])
     cycle_budgets(first, [0])
-    pairs = []
-    for p, n in zip(CODE, (30, 9, 25, 28), strict=True):
-        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        pairs.append((ahead.add_request(p, sp), first.add_request(p, sp)))
-    steps = 0
-    while ahead.has_unfinished() or first.has_unfinished():
-        ahead.step()
-        first.step()
-        steps += 1
-        for a, b in pairs:
-            _assert_same(ahead, a, first, b, f"step {steps}")
-            if not a.is_finished:
-                assert_same_state(ahead, a, first, b, f"step {steps}")
+    _dflash_lockstep(ahead, first, CODE, (30, 9, 25, 28))
     assert ahead.ahead.holed_rows == 1 and ahead.spec_stats["rounds"] == 0
 
 

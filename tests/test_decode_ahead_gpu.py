@@ -107,6 +107,32 @@ def test_steps_launched_ahead_on_mla_moe_equal_read_first():
     assert outs[True] == outs[False]
 
 
+def steps_under_sync_error(monkeypatch, llm: LLM, n: int) -> tuple[int, int]:
+    """Run n engine steps under torch.cuda.set_sync_debug_mode("error") (a sync PyTorch issues
+    raises), the one intended wait (Event.synchronize, a step's own tokens) let through and
+    counted: (waits, steps taken from a step launched ahead)."""
+    waits = []
+    wait = torch.cuda.Event.synchronize
+
+    def wait_once(event):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            waits.append(1)
+            return wait(event)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", wait_once)
+    used = llm.ahead.ahead_used
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n):
+            llm.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return len(waits), llm.ahead.ahead_used - used
+
+
 @pytest.mark.parametrize("drafter", [None, "dflash"], ids=["plain", "dflash-budget-0"])
 def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(monkeypatch, drafter):
     """Under torch.cuda.set_sync_debug_mode("error") (a sync PyTorch issues raises), a steady
@@ -125,27 +151,8 @@ def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(mo
     seqs = [llm.add_request(p, sp) for p in heldout_prompts(random.Random(5), 2)]
     while any(s.num_output_tokens < 4 for s in seqs):
         llm.step()  # prefills and the first steps, read first
-    waits = []
-    wait = torch.cuda.Event.synchronize
-
-    def wait_once(event):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            waits.append(1)
-            return wait(event)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", wait_once)
-    used = llm.ahead.ahead_used
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(40):
-            llm.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert len(waits) == 40
-    assert llm.ahead.ahead_used == used + 40  # every one of them taken from the step before
+    waits, taken = steps_under_sync_error(monkeypatch, llm, 40)
+    assert waits == 40 and taken == 40  # every one of them taken from the step before
 
 
 def test_a_finish_with_holes_costs_no_step_read_first_and_no_sync(monkeypatch):
@@ -161,28 +168,10 @@ def test_a_finish_with_holes_costs_no_step_read_first_and_no_sync(monkeypatch):
                                                       strict=True)]  # fmt: skip
     while any(s.num_output_tokens < 4 for s in seqs):
         llm.step()
-    waits = []
-    wait = torch.cuda.Event.synchronize
-
-    def wait_once(event):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            waits.append(1)
-            return wait(event)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", wait_once)
-    used = llm.ahead.ahead_used
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(40):
-            llm.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    waits, taken = steps_under_sync_error(monkeypatch, llm, 40)
     assert seqs[1].is_finished and not seqs[0].is_finished
     assert llm.ahead.holed_rows == 1
-    assert len(waits) == 40 and llm.ahead.ahead_used == used + 40
+    assert waits == 40 and taken == 40
 
 
 def test_dflash_plain_steps_launched_ahead_feed_the_drafter_the_same_rows():
