@@ -96,3 +96,39 @@ def test_a_probe_chosen_but_never_run_is_not_priced(monkeypatch):
     # ... and never run (the one round: the first decision's, at the top)
     assert llm.spec.stats.rounds <= 1
     assert ctl.excursions.count == 0 and ctl.excursions.info() == {}
+
+
+def test_probes_from_plain_decoding_are_spaced_by_the_price_from_the_gate_on():
+    """ControllerConfig.excursion_min_batch: from plain decoding with at least that many
+    requests, a probe is due after the interval times (the probe's steady cost + the measured
+    excursion extra) / plain's cost; below the gate, or with no price yet, the steady ratio as
+    before; 0 (the default) never. Values that make no sense name the knob."""
+    from treeverify.engine.budget_controller import BudgetController, ControllerConfig, CostModel
+
+    costs = {0: 1.0, 4: 2.0, 8: 3.0}
+
+    def ctl(gate: int) -> BudgetController:
+        c = BudgetController((0, 4, 8), CostModel.given(costs),
+                             ControllerConfig(excursion_min_batch=gate))  # fmt: skip
+        for _ in range(4):  # an excursion at 8 requests: 3 + 1 - 2 x 1 = 2 beyond two plain
+            c.excursions.observe(8, 0, 1.0, 1.0)
+        c.excursions.observe(8, 8, 3.0, 1.0)
+        c.excursions.observe(8, 0, 1.0, 1.0)
+        assert c.excursions.extra(8) == pytest.approx(2.0)
+        c.current = 0  # at plain decoding (a controller starts at its largest bucket)
+        assert c.probes.interval == 16
+        return c
+
+    def first_due(c: BudgetController, n: int) -> int:
+        for since in range(1, 400):
+            c.probes.since = since
+            if c.probes.due(c, n, 8):
+                return since
+        raise AssertionError("never due")
+
+    assert first_due(ctl(0), 8) == 48  # 16 x 3 / 1: the steady table
+    assert first_due(ctl(4), 8) == 80  # 16 x (3 + 2) / 1: the price
+    assert first_due(ctl(4), 2) == 48  # below the gate (and no price measured at 2 anyway)
+    assert first_due(ctl(9), 8) == 48
+    with pytest.raises(ValueError, match="excursion_min_batch"):
+        ControllerConfig(excursion_min_batch=-1)

@@ -24,6 +24,10 @@ class ControllerConfig:
     # rate is under arrival_probe_factor of plain's (replay: unpredictable text 0.962 -> 0.968x
     # plain at the H100 table, every predictable row and the code after unpredictable text
     # unchanged; 1: as before)
+    excursion_min_batch: int = 0  # > 0: from plain decoding with at least this many requests,
+    # a probe is spaced by its measured price (the round and the plain step after it, read
+    # first: engine/budget_excursions.py), not the steady table's; 0: off (the replay, forty-
+    # first session: everywhere, b=8 sampled groups up and b=1 code down to 0.69 of fixed)
     arrival_probe_factor: float = 0.6  # a request without rounds of its own restarts the probe
     # interval only when some bucket's rate on its class's prior is within this factor of plain
     # decoding's (0: always, as before)
@@ -80,6 +84,8 @@ class ControllerConfig:
             raise ValueError(
                 f"explore_far_factor: expected a finite number >= 1, got {self.explore_far_factor}"
             )
+        if self.excursion_min_batch < 0:
+            raise ValueError(f"excursion_min_batch: expected >= 0, got {self.excursion_min_batch}")
         if self.cost_fresh_steps < 1:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.trial_steady_batch < 0:

@@ -74,10 +74,14 @@ class Probes:
 
     def due(self, c: BudgetController, n: int, up: int, far: bool = False) -> bool:
         """Whether a probe at `up` is due for n requests: the interval times the probe's cost
-        against a step here (the steady table's: a probe from plain decoding really costs more,
-        engine/budget_excursions.py, but spacing probes by that price lost in the replay: see
-        docs/ddtree.md), at most `cap(far)` decisions."""
+        against a step here, at most `cap(far)` decisions. The cost is the steady table's; a
+        probe from plain decoding really costs more (engine/budget_excursions.py), and with
+        `excursion_min_batch` (> 0) at least that many requests add the measured excursion's
+        extra to it (spacing every batch size by it lost at b=1 in the replay: docs/ddtree.md)."""
         here, there = c.cost.estimate(n, c.current), c.cost.estimate(n, up)
+        gate = c.cfg.excursion_min_batch
+        if there and c.current == 0 and gate and n >= gate:
+            there += c.excursions.extra(n) or 0.0
         ratio = max(1.0, there / here) if here and there else 1.0
         return self.since >= min(self.cap(c, far), self.interval * ratio)
 
