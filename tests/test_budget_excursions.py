@@ -102,7 +102,7 @@ def test_probes_from_plain_decoding_are_spaced_by_the_price_from_the_gate_on():
     """ControllerConfig.excursion_min_batch: from plain decoding with at least that many
     requests, a probe is due after the interval times (the probe's steady cost + the measured
     excursion extra) / plain's cost; below the gate, or with no price yet, the steady ratio as
-    before; 0 (the default) never. Values that make no sense name the knob."""
+    before; 0 never (the default is 2). Values that make no sense name the knob."""
     from treeverify.engine.budget_controller import BudgetController, ControllerConfig, CostModel
 
     costs = {0: 1.0, 4: 2.0, 8: 3.0}
@@ -130,5 +130,6 @@ def test_probes_from_plain_decoding_are_spaced_by_the_price_from_the_gate_on():
     assert first_due(ctl(4), 8) == 80  # 16 x (3 + 2) / 1: the price
     assert first_due(ctl(4), 2) == 48  # below the gate (and no price measured at 2 anyway)
     assert first_due(ctl(9), 8) == 48
+    assert ControllerConfig().excursion_min_batch == 2
     with pytest.raises(ValueError, match="excursion_min_batch"):
         ControllerConfig(excursion_min_batch=-1)

@@ -24,10 +24,11 @@ class ControllerConfig:
     # rate is under arrival_probe_factor of plain's (replay: unpredictable text 0.962 -> 0.968x
     # plain at the H100 table, every predictable row and the code after unpredictable text
     # unchanged; 1: as before)
-    excursion_min_batch: int = 0  # > 0: from plain decoding with at least this many requests,
-    # a probe is spaced by its measured price (the round and the plain step after it, read
-    # first: engine/budget_excursions.py), not the steady table's; 0: off (the replay, forty-
-    # first session: everywhere, b=8 sampled groups up and b=1 code down to 0.69 of fixed)
+    excursion_min_batch: int = 2  # from plain decoding with at least this many requests, a
+    # probe is spaced by its measured price (the round and the plain step after it, read first:
+    # engine/budget_excursions.py), not the steady table's (H100, forty-second session: b=8
+    # prose sampled 0.866-0.871x -> 0.933-0.958x plain, code b=8 1.17-1.19x -> 1.19-1.24x; b=1
+    # untouched: spacing it too lost predictable text in the replay); 0: off
     arrival_probe_factor: float = 0.6  # a request without rounds of its own restarts the probe
     # interval only when some bucket's rate on its class's prior is within this factor of plain
     # decoding's (0: always, as before)

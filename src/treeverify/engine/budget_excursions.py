@@ -11,9 +11,11 @@ since the last round), and the plain step after it is read first: 1.3-2.9 ms for
 time and, for each plain -> round -> plain pattern, keeps what the round's step and the plain
 step after it cost beyond two plain steps, per batch size, for /server_info
 (`adaptive.excursion_extra_seconds`): what the controller's probes from plain decoding cost.
-Spacing those probes by this price instead of the steady table's was tried in the replay and
-dropped (forty-first session: sampled groups at b=8 gained, predictable text at b=1 lost up to
-0.93 -> 0.69 of the best fixed budget; docs/ddtree.md).
+The controller spaces its probes from plain decoding by this price from
+`ControllerConfig.excursion_min_batch` requests up (2 by default; engine/budget_probes.py `due`):
+everywhere, the replay lost predictable text at b=1 (0.93 -> 0.69 of the best fixed budget,
+forty-first session); from 2 requests up every b=1 row is unchanged and the H100 ran b=8 prose
+sampled at 0.866-0.871x -> 0.933-0.958x plain decoding (forty-second session; docs/ddtree.md).
 """
 
 from __future__ import annotations

@@ -75,9 +75,9 @@ class Probes:
     def due(self, c: BudgetController, n: int, up: int, far: bool = False) -> bool:
         """Whether a probe at `up` is due for n requests: the interval times the probe's cost
         against a step here, at most `cap(far)` decisions. The cost is the steady table's; a
-        probe from plain decoding really costs more (engine/budget_excursions.py), and with
-        `excursion_min_batch` (> 0) at least that many requests add the measured excursion's
-        extra to it (spacing every batch size by it lost at b=1 in the replay: docs/ddtree.md)."""
+        probe from plain decoding really costs more (engine/budget_excursions.py), and from
+        `excursion_min_batch` requests up (2 by default) the measured excursion's extra is
+        added to it (spacing b=1 by it too lost predictable text in the replay: docs/ddtree.md)."""
         here, there = c.cost.estimate(n, c.current), c.cost.estimate(n, up)
         gate = c.cfg.excursion_min_batch
         if there and c.current == 0 and gate and n >= gate:
