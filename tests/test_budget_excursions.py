@@ -43,6 +43,21 @@ def test_only_a_round_between_plain_steps_of_the_same_batch_counts():
     assert ex.count == 0 and ex.extra(1) is None and ex.info() == {}
 
 
+def test_a_batch_size_without_a_price_takes_the_largest_one_below():
+    """Batch sizes move with a server's traffic: a size with no excursion of its own is priced
+    at the largest size below it that has one (an underestimate: probes spaced no further than
+    measured), and sizes below every measured one have no price."""
+    ex, plain = Excursions(), 1.0
+    for n, extra in ((2, 1.0), (6, 3.0)):
+        ex.observe(n, 0, plain, plain)
+        ex.observe(n, 8, plain + extra, plain)
+        ex.observe(n, 0, plain, plain)
+    assert ex.extra(2) == pytest.approx(1.0) and ex.extra(6) == pytest.approx(3.0)
+    assert ex.extra(4) == pytest.approx(1.0) and ex.extra(8) == pytest.approx(3.0)
+    assert ex.extra(1) is None
+    assert ex.info() == {2: pytest.approx(1.0), 6: pytest.approx(3.0)}  # only what was measured
+
+
 def test_the_price_is_the_median_of_the_last_few():
     ex, plain = Excursions(), 1.0
     for extra in (1.0, 9.0, 2.0, 3.0, 100.0, 4.0, 5.0):  # seconds beyond two plain steps

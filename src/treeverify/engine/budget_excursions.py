@@ -55,8 +55,15 @@ class Excursions:
         self._last_plain = False
 
     def extra(self, n: int) -> float | None:
-        """The median extra seconds of the last excursions at batch size n (None: none yet)."""
+        """The median extra seconds of the last excursions at batch size n or, none measured
+        there, at the largest batch size below n that has some (a smaller batch's excursion
+        costs no more: an underestimate, so probes are spaced no further than measured; a
+        server's batch size moves with its traffic and seldom repeats an excursion at one
+        size). None: none at n or below."""
         kept = self._extra.get(n)
+        if not kept:
+            below = [m for m, d in self._extra.items() if m < n and d]
+            kept = self._extra[max(below)] if below else None
         return statistics.median(kept) if kept else None
 
     def info(self) -> dict[int, float]:
