@@ -27,7 +27,9 @@ puts it before any later step's writes, so there is nothing to undo but the hold
 finished at step k wastes one step of GPU work; when some requests of the launched step are still
 running, their rows are taken. What the next step does then:
 
-- holes (TREEVERIFY_AHEAD_HOLES=1): while the requests left still need the same bucket, the
+- holes (TREEVERIFY_AHEAD_HOLES=1; off by default: on the H100 tiny-code's staggered batch ran
+  1-6% faster with them and the 1B shape's 2.6% slower, unexplained, docs/performance.md,
+  forty-second session): while the requests left still need the same bucket, the
   dropped rows become holes of it: their rows in the stage's device twin are marked invalid (no
   advance), their K/V goes to the scratch slot and their prefix length is 0 (their attention
   reads one key of page 0), three small fills queued after the step in flight (and the page
