@@ -148,3 +148,7 @@ def test_probes_from_plain_decoding_are_spaced_by_the_price_from_the_gate_on():
     assert ControllerConfig().excursion_min_batch == 2
     with pytest.raises(ValueError, match="excursion_min_batch"):
         ControllerConfig(excursion_min_batch=-1)
+    # as a server sets it (--speculative-controller KNOB=VALUE): the knob and the type named
+    assert ControllerConfig().with_settings(["excursion_min_batch=0"]).excursion_min_batch == 0
+    with pytest.raises(ValueError, match="excursion_min_batch: expected an integer, got 'two'"):
+        ControllerConfig().with_settings(["excursion_min_batch=two"])

@@ -123,7 +123,8 @@ class ControllerConfig:
             try:
                 knobs[name] = kind(value)
             except ValueError:
-                raise ValueError(f"{name}: expected a {kind.__name__}, got {value!r}") from None
+                what = {int: "an integer", float: "a number"}.get(kind, f"a {kind.__name__}")
+                raise ValueError(f"{name}: expected {what}, got {value!r}") from None
             if kind is float and not math.isfinite(knobs[name]):  # nan passes every `<` check
                 raise ValueError(f"{name}: expected a finite number, got {value!r}")
         return dataclasses.replace(self, **knobs)
