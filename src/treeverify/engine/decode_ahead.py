@@ -204,10 +204,14 @@ class DecodeAhead(LaunchAhead):
         self._taken(fl, pick)
         return fl, pick
 
+    def _bucket(self, n: int) -> int | None:
+        """The smallest batch bucket made that holds n requests (None: none does)."""
+        return next((s for s in self.batch_sizes if s >= n), None)
+
     def bucket_for(self, chunks: list[ScheduledChunk]) -> int | None:
         """The batch bucket a step of these decodes replays, when one was made and the staged
         page table holds their pages (those held for the next step too)."""
-        b = next((s for s in self.batch_sizes if s >= len(chunks)), None)
+        b = self._bucket(len(chunks))
         if b is None:
             return None
         if any(self.bm.pages_for(c.start + 3) > self.graphs.max_pages for c in chunks):
@@ -244,15 +248,17 @@ class DecodeAhead(LaunchAhead):
             fl, pick = taken
             b, now, width = fl.batch, fl.launched, len(fl.seqs)
         # the next step's rows: this step's sequences where `now` has them, holes elsewhere
-        rows: list[Sequence | None] = [None] * width if taken else list(seqs)
-        next_starts = [-1] * width if taken else [q + 1 for q in starts]
-        for seq, q, i in zip(seqs, starts, pick or (), strict=False):
-            rows[i], next_starts[i] = seq, q + 1
-        dropped = [i for i, s in enumerate(fl.seqs) if s is not None and rows[i] is None
-                   ] if taken else []  # fmt: skip
-        if dropped and (not self.holes or self._fits_smaller(len(seqs), b)):
+        rows: list[Sequence | None] = seqs
+        next_starts, dropped = [q + 1 for q in starts], []
+        if taken is not None and len(pick) < width:  # some of `now`'s rows are holes or dropped
+            rows, next_starts = [None] * width, [-1] * width
+            for seq, q, i in zip(seqs, starts, pick, strict=True):
+                rows[i], next_starts[i] = seq, q + 1
+            dropped = [i for i, s in enumerate(fl.seqs) if s is not None and rows[i] is None]
+        if dropped and (not self.holes or self._bucket(len(seqs)) < b):
             # its twin still has the dropped rows: the next step is staged (read first), into
-            # the smaller bucket the requests left now fit when holes are on
+            # the smaller bucket the requests left now fit when holes are on (a hole would keep
+            # b rows through every GEMM for every step left, a MoE's routed to experts too)
             ahead = False
         if ahead:  # the next step's advance looks up q + 2: hold that page, restage the table
             ahead = self._hold(seqs, [q + 3 for q in starts], self.graphs.max_pages)
@@ -272,12 +278,6 @@ class DecodeAhead(LaunchAhead):
         self._in_flight = _InFlight(rows, b, next_starts, nxt)
         self.steady = taken is not None
         return tokens
-
-    def _fits_smaller(self, live: int, b: int) -> bool:
-        """Whether `live` requests fit a bucket smaller than b: a hole would keep running b
-        rows (cuBLAS at M = b instead of the one-row GEMV, a MoE's holes routed to experts)
-        for every step left, where one step staged compact costs one read first."""
-        return next((s for s in self.batch_sizes if s >= live), b) < b
 
     def _make_holes(self, b: int, dropped: list[int]) -> None:
         """Bucket b's twin rows `dropped` made holes for the steps launched from it: invalid
