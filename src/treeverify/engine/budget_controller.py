@@ -683,8 +683,9 @@ class BudgetController:
         """Wall seconds of every step of n decoding requests, steady or not, at `budget` (0:
         plain; None: not every decode at one budget, or prefills beside them): what a round
         entered from plain decoding and left at once costs (engine/budget_excursions.py)."""
-        plain = self.cost.estimate(n, 0) if n > 0 else None
-        self.excursions.observe(n, budget, seconds, plain)
+        # plain's cost only where an excursion is priced: this runs every engine step
+        pricing = budget == 0 and n > 0 and self.excursions.pricing
+        self.excursions.observe(n, budget, seconds, self.cost.estimate(n, 0) if pricing else None)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -54,6 +54,12 @@ class Excursions:
         self._round = (n, seconds) if self._last_plain else None
         self._last_plain = False
 
+    @property
+    def pricing(self) -> bool:
+        """A round entered from plain decoding was seen: the next plain step prices it (the
+        only time `observe` reads plain's cost)."""
+        return self._round is not None
+
     def extra(self, n: int) -> float | None:
         """The median extra seconds of the last excursions at batch size n or, none measured
         there, at the largest batch size below n that has some (a smaller batch's excursion
