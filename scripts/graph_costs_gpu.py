@@ -20,6 +20,9 @@ import torch
 from treeverify.bench.kernel import _git_commit
 from treeverify.engine.llm import LLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_decode_gpu import _kernels, _table  # noqa: E402
+
 
 def cost(graph: torch.cuda.CUDAGraph, reps: int = 200) -> dict:
     for _ in range(5):
@@ -86,8 +89,6 @@ def main() -> int:
               f"  host {r['host_ms_per_launch_median']:.4f} ms/launch"
               f" ({r['host_ms_per_launch_behind_itself']:.4f} behind itself)")  # fmt: skip
         if args.kernels:
-            from profile_decode_gpu import _kernels, _table  # scripts/ is sys.path[0]
-
             r["kernels"] = _table(_kernels(g, 50))
             r["launches_per_replay"] = round(sum(k["per_replay"] for k in r["kernels"]), 1)
             print(f"    {r['launches_per_replay']} launches a replay; costliest:")
