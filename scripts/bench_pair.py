@@ -112,7 +112,7 @@ def speed_texts(args) -> dict[str, tuple[list[str], float]]:
 def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
           clock=time.perf_counter, queue: bool = False, temperature: float = 0.0,
           at_pass_start: Callable[[], None] | None = None, greedy_warmup: bool = False,
-          ) -> tuple[list, float, float]:  # fmt: skip
+          step_walls: dict | None = None) -> tuple[list, float, float]:  # fmt: skip
     """Greedy outputs (or, at `temperature` > 0, seeded samples) of all prompts, at most
     `batch` running at once, the seconds it took (the best of `repeat` passes: host-bound steps
     jitter; each pass starts with fresh requests) and the batch occupancy (running requests per
@@ -128,7 +128,9 @@ def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
     a greedy warm-up before a sampled pass made the pass open with a greedy-to-sampled batch
     change, which restarts an adaptive controller's probes (b=1: 5-6 probes a pass instead of
     ~2, fortieth session) — something a server with steady sampled traffic never sees.
-    `greedy_warmup`: the warm-up greedy whatever the pass (before the forty-first session)."""
+    `greedy_warmup`: the warm-up greedy whatever the pass (before the forty-first session).
+    `step_walls`: filled with where the last pass's wall time went (`step_wall_summary`): a pass
+    slower than its steps' costs suggest says whether a few steps or every step grew."""
     sp = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True,
                         seed=2026 if temperature else None)  # fmt: skip
     warm_t = 0.0 if greedy_warmup else temperature
@@ -143,23 +145,40 @@ def timed(llm: LLM, prompts: list, batch: int, tokens: int, repeat: int = 1,
         sync()
         t0 = clock()
         seqs, running, steps, busy = [None] * len(prompts), [], 0, 0
-        nxt = 0
+        nxt, walls = 0, []
         while nxt < len(prompts) or running:
             if queue or not running:  # refill: at once (queue), or when the group is done
                 while nxt < len(prompts) and len(running) < batch:
                     seqs[nxt] = llm.add_request(prompts[nxt], sp)
                     running.append(seqs[nxt])
                     nxt += 1
+            s0 = clock()
             llm.step()
+            walls.append(clock() - s0)
             steps += 1
             busy += len(running)
             running = [q for q in running if not q.is_finished]
         sync()
         secs = clock() - t0
+        if step_walls is not None:
+            step_walls.clear()
+            step_walls.update(step_wall_summary(walls, secs))
         outs = [llm.output(q).token_ids for q in seqs]
         if secs < best:
             best, occupancy = secs, busy / (steps * batch)
     return outs, best, occupancy
+
+
+def step_wall_summary(walls: list[float], secs: float) -> dict:
+    """A pass's wall time split: its engine steps (host clock around each `step()`: a step
+    launched ahead includes its wait for the one before) and the rest (requests added, the final
+    sync); the median step and the five slowest with their index in the pass (ms)."""
+    ms = [w * 1e3 for w in walls]
+    slow = sorted(range(len(ms)), key=ms.__getitem__, reverse=True)[:5]
+    return {"steps": len(ms), "step_ms_sum": round(sum(ms), 3),
+            "outside_ms": round(secs * 1e3 - sum(ms), 3),
+            "step_ms_median": round(statistics.median(ms), 4) if ms else None,
+            "slowest_steps_ms": [[i, round(ms[i], 3)] for i in slow]}  # fmt: skip
 
 
 def row(llm: LLM, name: str, outs, secs: float, plain) -> dict:
@@ -411,6 +430,7 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
         for b in batches:
             secs = {c[0]: [] for c in cfgs}
             passes = {c[0]: [] for c in cfgs}  # an adaptive engine's decisions, pass by pass
+            walls = {c[0]: [] for c in cfgs}  # where each pass's wall time went
             last = {}
             pairs = list(zip(cfgs, engines, strict=True))
             for p in range(args.repeat):
@@ -421,9 +441,11 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
                     def mark(llm=llm, before=before) -> None:
                         before.update(_decision_counts(llm) or {})
 
+                    walls[name].append({})
                     outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
                                                 CLOCKS[args.clock], args.queue, temp,
-                                                mark, args.greedy_warmup)  # fmt: skip
+                                                mark, args.greedy_warmup,
+                                                walls[name][-1])  # fmt: skip
                     secs[name].append(s_)
                     last[name] = (outs, occupancy)
                     if before:
@@ -438,6 +460,7 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
                              prompts)  # fmt: skip
                 toks = r["tokens"]
                 r["passes_tokens_per_s"] = [round(toks / x, 1) for x in secs[name]]
+                r["passes_step_walls"] = walls[name]
                 if passes[name]:  # the median pass's speed may come from another pass's
                     r["passes_decisions"] = passes[name]  # budgets than the last pass's
                 r["speedup_vs_plain"] = round(

@@ -36,6 +36,16 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
     greedy_spec = [r for r in rows if r["text"] != "prose-sampled" and r["config"] != "none"]
     assert greedy_spec and all(r["identical_to_plain"] for r in greedy_spec)
     assert not any("identical_to_plain" in r for r in rows if r["text"] == "prose-sampled")
+    for r in rows:  # where each pass's wall time went: its steps and the rest, per pass
+        assert len(r["passes_step_walls"]) == 2
+        for w, tps in zip(r["passes_step_walls"], r["passes_tokens_per_s"], strict=True):
+            assert w["steps"] >= 1 and 0 < w["step_ms_median"] <= max(
+                s for _, s in w["slowest_steps_ms"]
+            )
+            pass_ms = r["tokens"] / tps * 1e3
+            assert w["outside_ms"] >= 0 and w["step_ms_sum"] + w["outside_ms"] == pytest.approx(
+                pass_ms, rel=0.02
+            )
     for r in rows:  # an adaptive engine's decisions per pass (the median's may not be the last)
         if "adaptive" in r["config"]:
             passes = r["passes_decisions"]
