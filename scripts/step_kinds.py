@@ -144,17 +144,22 @@ def run_pass(llm: LLM, prompts: list[str], batch: int, params: list[SamplingPara
 
 class StepProfiles:
     """Per kind of step ("round", "after round": the step that follows one, "plain": every
-    other plain step; prefills left out), the steps' cProfiles added up, and their count."""
+    other plain step; prefills left out), the steps' cProfiles added up, and their count.
+    `alone`: indexes of steps in the pass kept apart ("step i"): a step that is slow at the same
+    index in every pass (a batch flush of the DFlash context, a request's last step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, alone: frozenset[int] = frozenset()) -> None:
         self.stats: dict[str, pstats.Stats] = {}
         self.steps: dict[str, int] = defaultdict(int)
+        self.alone = alone
 
     def keep(self, kind: str, trace: list, prof: cProfile.Profile) -> None:
         """One step's profile (`kind` as run_pass names it; `trace`: the steps before it)."""
-        if kind == "prefill":
+        if len(trace) in self.alone:
+            key = f"step {len(trace)} ({kind})"
+        elif kind == "prefill":
             return
-        if kind.startswith("round"):
+        elif kind.startswith("round"):
             key = "round"
         else:
             key = "after round" if trace and trace[-1][0].startswith("round") else "plain"
@@ -215,6 +220,12 @@ def main(argv=None) -> int:
         "cumulative stats of rounds, of the steps right after them and of other plain steps "
         "written to this text file (where a probe's host time goes)",
     )
+    ap.add_argument(
+        "--profile-steps",
+        default="",
+        help="with --profile-rounds: these step indexes of the pass (comma list; 0 is the "
+        "prefill) profiled each on its own, e.g. the steps every pass finds slow",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -248,7 +259,8 @@ def main(argv=None) -> int:
             gc.enable()
             gc.unfreeze()
         if args.profile_rounds is not None:  # after the timed passes: their figures unprofiled
-            profiles = StepProfiles()
+            alone = frozenset(int(i) for i in args.profile_steps.split(",") if i.strip())
+            profiles = StepProfiles(alone)
             for texts in warm:
                 run_pass(llm, texts, args.batch, greedy)
             run_pass(llm, prompts, args.batch, params, profiles)

@@ -60,3 +60,22 @@ def test_step_profiles_keep_each_step_by_kind(tmp_path: Path, monkeypatch) -> No
     text = path.read_text()
     for key, n in (("round", 2), ("after round", 2), ("plain", 1)):
         assert f"===== x: {key} steps ({n} of them)" in text
+
+
+def test_step_profiles_keep_named_steps_alone(monkeypatch) -> None:
+    """`alone` step indexes get a profile each (the prefill too), the others stay by kind."""
+    import cProfile
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from step_kinds import StepProfiles
+
+    profiles, trace = StepProfiles(frozenset({0, 3})), []
+    for kind in ("prefill", "plain steady", "plain steady", "plain steady", "round b=4"):
+        prof = cProfile.Profile()
+        prof.enable()
+        sum(range(100))
+        prof.disable()
+        profiles.keep(kind, trace, prof)
+        trace.append((kind, 1.0, 0.0))
+    assert dict(profiles.steps) == {"step 0 (prefill)": 1, "plain": 2,
+                                    "step 3 (plain steady)": 1, "round": 1}  # fmt: skip
