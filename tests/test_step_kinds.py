@@ -34,7 +34,7 @@ def test_step_kinds_rows_and_the_rounds_profile(tmp_path: Path) -> None:
     text = prof.read_text()  # (the profiled pass, after the timed one, may hold no round)
     assert "===== none: plain steps" in text
     assert "===== DDTREE(dflash) adaptive<=64: plain steps" in text
-    assert "cumulative" in text  # pstats' header: each kind's functions, by cumulative time
+    assert "cumulative us" in text  # the header: each kind's functions, by cumulative time
 
 
 def test_step_profiles_keep_each_step_by_kind(tmp_path: Path, monkeypatch) -> None:
