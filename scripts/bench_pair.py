@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -68,8 +69,11 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
     elif adaptive == "ngram-general":
         kw["ngram_whole_rounds"], adaptive = False, False
     extra: tuple[str, ...] = ()
+    env_set: dict[str, str] = {}  # TREEVERIFY_* switches set while this engine is built
     if isinstance(adaptive, tuple):
-        extra, adaptive = adaptive, True
+        env_set = dict(k.split("=", 1) for k in adaptive if k.startswith("TREEVERIFY_"))
+        extra = tuple(k for k in adaptive if not k.startswith("TREEVERIFY_"))
+        adaptive = True
     trials, accept_trials = adaptive != "no-trials", adaptive != "no-accept-trials"
     adaptive = bool(adaptive)
     if algo:
@@ -86,9 +90,18 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
             kw["speculative_controller"] = (f"cost_trials={trials}",
                                             f"accept_trials={accept_trials}",
                                             *args.controller_set, *extra)  # fmt: skip
-    llm = LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
-              cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
-              max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env_set}
+    os.environ.update(env_set)  # switches are read when an engine is built
+    try:
+        llm = LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
+                  cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
+                  max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return llm
 
 
@@ -570,7 +583,8 @@ def main(argv=None) -> int:
         default=[],
         metavar="KNOB=VALUE",
         help="with --adaptive: one more adaptive config with these controller knobs (repeatable), "
-        "in the same passes: e.g. plain_margin=0.05, the rule before 5a4c446",
+        "in the same passes: e.g. plain_margin=0.05, the rule before 5a4c446; a TREEVERIFY_* "
+        "switch (e.g. TREEVERIFY_CONTEXT_LAZY=1) is set while that engine is built instead",
     )
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--no-graphs", action="store_true")

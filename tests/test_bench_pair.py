@@ -99,3 +99,21 @@ def test_warmup_samples_as_the_pass_does(greedy_warmup: bool) -> None:
     assert warm.max_tokens == 4
     assert warm.temperature == (0.0 if greedy_warmup else 1.0)
     assert (warm.seed is None) == greedy_warmup  # a sampled warm-up is seeded (repeatable)
+
+
+def test_an_adaptive_ab_switch_is_set_only_while_its_engine_is_built(monkeypatch) -> None:
+    """`--adaptive-ab TREEVERIFY_X=V`: that engine is built with the switch (read at build),
+    knobs beside it still reach the controller, and the environment is as it was after."""
+    import argparse
+
+    monkeypatch.delenv("TREEVERIFY_CONTEXT_LAZY", raising=False)
+    mod = _bench_pair_module()
+    args = argparse.Namespace(cpu=True, clock="wall", controller_set=[], target="tiny-code",
+                              num_pages=64, no_graphs=False)  # fmt: skip
+    llm = mod.engine(args, "DDTREE", str(mod.DATA / "tiny-code-dflash"), 16, 15, 2,
+                     ("TREEVERIFY_CONTEXT_LAZY=1", "plain_margin=0.05"))  # fmt: skip
+    assert llm.spec.source.context.lazy
+    assert llm.controller.cfg.plain_margin == 0.05
+    assert "TREEVERIFY_CONTEXT_LAZY" not in __import__("os").environ
+    plain = mod.engine(args, "DDTREE", str(mod.DATA / "tiny-code-dflash"), 16, 15, 2, True)
+    assert not plain.spec.source.context.lazy

@@ -232,6 +232,39 @@ def test_dflash_hidden_rows_of_steps_launched_over_a_hole(monkeypatch, ring):
     assert ahead.ahead.holed_rows == 1 and ahead.spec_stats["rounds"] == 0
 
 
+def test_lazy_context_rows_draft_what_eagerly_projected_rows_draft(monkeypatch):
+    """TREEVERIFY_CONTEXT_LAZY=1: a DFlash engine's plain steps leave their feed-ring rows
+    pending until a round reads them. Against the same engine projecting every 64 rows (the
+    CPU's flush), step by step: equal tokens, and every round accepts as many (a draft from a
+    wrong context would accept other lengths); the request that finishes before any round
+    has its rows dropped unprojected, so fewer rows are projected in all."""
+    knobs = dict(speculative_algorithm="DDTREE", num_pages=160, decode_lookahead=True)
+    engines = {}
+    for lazy in ("1", "0"):
+        monkeypatch.setenv("TREEVERIFY_CONTEXT_LAZY", lazy)
+        engines[lazy] = _engine(**knobs)
+        assert engines[lazy].spec.source.context.lazy == (lazy == "1")
+        cycle_budgets(engines[lazy], [0] * 45 + [16, 0, 0, 8])
+    lazy, eager = engines["1"], engines["0"]
+    pairs = []
+    for p, n in zip(CODE[:3], (110, 44, 95), strict=True):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        pairs.append((lazy.add_request(p, sp), eager.add_request(p, sp)))
+    steps = 0
+    while lazy.has_unfinished() or eager.has_unfinished():
+        lazy.step()
+        eager.step()
+        steps += 1
+        for a, b in pairs:
+            _assert_same(lazy, a, eager, b, f"step {steps}")
+        assert lazy.spec_stats["rounds"] == eager.spec_stats["rounds"], f"step {steps}"
+        assert lazy.spec_stats["avg_spec_accept_length"] == eager.spec_stats[
+            "avg_spec_accept_length"], f"step {steps}"  # fmt: skip
+    assert lazy.spec_stats["rounds"] >= 4 and lazy.ahead.ahead_used > 50
+    projected = [e.spec.source.context.ring_projected for e in (lazy, eager)]
+    assert 0 < projected[0] < projected[1], projected
+
+
 def test_taken_rows_are_views_for_a_leading_run_and_gathered_otherwise():
     """staging.take_rows, as a launched step takes the rows of its tapped hidden states: the
     first `width` (the bucket's padding dropped), or those of `pick` when some requests are

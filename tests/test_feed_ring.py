@@ -73,16 +73,18 @@ def _steps(seed: int, feats: int):
             yield "step", items, torch.randn(len(items) + pad, feats, generator=gen)
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager-flush", "lazy"])
 @pytest.mark.parametrize("by_ring", [True, False], ids=["ring-projection", "general-projection"])
 @pytest.mark.parametrize("bucket", [None, 8], ids=["cpu-flush", "bucketed-flush"])
-def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket, by_ring):
+def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket, by_ring, lazy):
     """Two caches fed the same random history, one every plain step's rows as copies
     (`observe`), one as ring ids (`ring_write` + `observe_ring`): after every read their rings
     hold the same keys/values, equal to a projection from scratch. `bucket`: a captured
     projection's largest bucket (batch flushes at 3 x 8 rows) or the CPU's flush every
     MAX_PENDING rows; the ring is small, so it spills before it laps. `by_ring`: the ids
     projected by engine/ring_projection.py's gather-project-scatter (TREEVERIFY_RING_PROJECTION,
-    eager here) or gathered for the general projection."""
+    eager here) or gathered for the general projection. `lazy` (TREEVERIFY_CONTEXT_LAZY): the
+    ids stay pending until a read or the ring's pressure projects them."""
     from test_draft_context import _BucketedProjection, _expected
 
     seed = random.randrange(2**32)
@@ -93,6 +95,7 @@ def test_ring_ids_give_the_rows_that_copies_give(drafter, bucket, by_ring):
             c._captured = _BucketedProjection(drafter, [bucket])
     ringed.enable_ring(6)
     ringed.ring_projection = by_ring
+    ringed.lazy = lazy
     truth: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         for kind, items, rows in _steps(seed, feats):
@@ -203,6 +206,54 @@ def test_steady_plain_steps_never_spill(drafter):
             pos, in_flight = pos + 1, nxt
     assert cache._ring.head > 4 * cache._ring.rows  # it lapped
     assert cache.ring_spills == 0
+
+
+def test_lazy_plain_steps_are_projected_only_when_read_or_when_the_ring_needs_room(drafter):
+    """TREEVERIFY_CONTEXT_LAZY: b=8 plain steps launched ahead, a largest bucket of 256 rows (the
+    eager rule projects a request's every 256 rows, the batch's every 768): no row is projected
+    while the ring has room, a read projects the request's pending rows (equal to a projection
+    from scratch), and a run past the ring's size projects at the ring's pressure, never
+    spilling; a finished request's rows are dropped unprojected."""
+    from test_draft_context import _BucketedProjection, _expected
+
+    b, feats, window = 8, drafter.config.context_features, 512
+    cache = DraftContextCache(drafter, window)
+    cache.lazy = True
+    cache._captured = _BucketedProjection(drafter, [16, 32, 64, 128, 256])
+    cache.enable_ring(b)
+    rids = [f"r{i}" for i in range(b)]
+    g = torch.Generator().manual_seed(8)
+    truth = {rid: torch.randn(4, feats, generator=g) for rid in rids}
+    with torch.inference_mode():
+        for rid in rids:
+            cache.observe(rid, 0, truth[rid])
+        pos = 4
+
+        def steps(n: int) -> None:
+            nonlocal pos
+            for _ in range(n):  # each written, then observed (the read-ahead order is tested above)
+                rows = torch.randn(b, feats, generator=g)
+                first = cache.ring_write(rows)
+                cache.observe_ring([(rid, pos, first + i) for i, rid in enumerate(rids)])
+                for i, rid in enumerate(rids):
+                    truth[rid] = torch.cat([truth[rid], rows[i : i + 1]])
+                pos += 1
+
+        steps(100)  # 800 rows: under the ring's 4 x 256 + 4 x 8
+        assert cache.ring_projected == 0 and cache.ring_pressure_projections == 0
+        kv, first = cache.keys_values("r3")  # a read (a round's draft_meta does the same)
+        torch.testing.assert_close(kv, _expected(drafter, truth["r3"], window)[0],
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        assert cache.ring_projected == 100  # r3's rows only
+        cache.forget("r5")  # finished: its 100 pending rows dropped unprojected
+        rids.remove("r5")
+        steps(200)  # laps the ring: projected at its pressure
+        assert cache.ring_pressure_projections >= 1 and cache.ring_spills == 0
+        for rid in rids:
+            kv, first = cache.keys_values(rid)
+            want, want_first = _expected(drafter, truth[rid], window)
+            assert first == want_first
+            torch.testing.assert_close(kv, want, rtol=1e-5, atol=1e-5)
 
 
 def test_ring_refuses_rows_of_another_width_or_type(drafter):

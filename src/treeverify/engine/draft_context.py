@@ -73,6 +73,11 @@ class _Context:
         self.pending_rows = sum(len(c) for c in chunks)  # a tensor's len: its rows
 
 
+def _copied_rows(pieces: list) -> int:
+    """Rows of the pending pieces held as copies (tensors), not as feed-ring ids."""
+    return sum(p.shape[0] for p in pieces if isinstance(p, torch.Tensor))
+
+
 def _head(pieces: list, keep: int) -> list:
     """The first `keep` rows of pending pieces (tensors sliced, id runs cut)."""
     out = []
@@ -144,6 +149,11 @@ class DraftContextCache:
         self.ring_projection = env.ring_projection()
         self._ring_proj: RingProjection | None = None  # its graphs (a GPU, after capture)
         self.ring_projected = 0  # rows projected that way (the rest by the general path)
+        # lazy (TREEVERIFY_CONTEXT_LAZY): feed-ring rows stay pending until a round needs them
+        # or a ring write would reach them (then projected, not copied out): on text where no
+        # round pays, a request's plain steps are never projected (`_ring_pressure`)
+        self.lazy = env.context_lazy()
+        self.ring_pressure_projections = 0
 
     # ---- the store -----------------------------------------------------------------------------
     @property
@@ -240,7 +250,8 @@ class DraftContextCache:
         ctx.pending_rows += hidden.shape[0]
         self._pending_total += hidden.shape[0]
         flush = self.flush_rows
-        full = ctx.pending_rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING
+        rows = _copied_rows(ctx.pending) if self.lazy else ctx.pending_rows  # lazy: copies only
+        full = rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING
         if full:  # captured: a bucket's rows; the CPU: MAX_PENDING chunks
             self.project([request_id])
         self._flush_batch()
@@ -279,9 +290,12 @@ class DraftContextCache:
                 ctx.pending.append([row_id])
             ctx.pending_rows += 1
             self._pending_total += 1
+            if self.lazy:  # held by the ring until a round or a ring write needs them
+                continue
             if ctx.pending_rows >= (flush or self.MAX_PENDING):  # the CPU: rows, not chunks
                 self.project([request_id])
-        self._flush_batch()
+        if not self.lazy:
+            self._flush_batch()
 
     def _flush_batch(self) -> None:
         """Project the batch's pending rows once they fill CHUNKED_REPLAYS - 1 buckets (replays,
@@ -290,12 +304,20 @@ class DraftContextCache:
         request outside this flush, maybe a running one; a preempted request's rows stay
         pending)."""
         flush = self.flush_rows
-        if flush and self._pending_total - self._pending_left >= (self.CHUNKED_REPLAYS - 1) * flush:
+        total = self._batch_pending()
+        if flush and total - self._pending_left >= (self.CHUNKED_REPLAYS - 1) * flush:
             self.project([r for r, c in self._ctx.items()
                           if c.pending and (c.slot is not None or not self.fixed)])  # fmt: skip
             # what it could not take (ringless requests' rows, each below `flush`): without
             # this every later observe flushed again, a replay a step (a helper's review)
-            self._pending_left = self._pending_total
+            self._pending_left = self._batch_pending()
+
+    def _batch_pending(self) -> int:
+        """Rows pending across requests that the batch flush counts: every row, or lazy, the
+        copies' rows only (ring ids wait for a round or for the ring's pressure)."""
+        if not self.lazy:
+            return self._pending_total
+        return sum(_copied_rows(c.pending) for c in self._ctx.values())
 
     # ---- the feed ring (engine/feed_ring.py) ---------------------------------------------------
     def enable_ring(self, max_batch: int) -> None:
@@ -356,11 +378,27 @@ class DraftContextCache:
             # (a helper's review; tests/test_feed_ring.py's steady b=8 run: 7 spills in 1000
             # steps, none needed). Ids written but not
             # yet observed lower it again when they are, as after a spill.
-            self._ring_floor = min((p[0] for c in self._ctx.values() for p in c.pending
-                                    if isinstance(p, list) and p), default=ring.head)  # fmt: skip
+            self._raise_floor()
+            if self.lazy and first + n - self._ring_floor > ring.rows:
+                self._ring_pressure()
             if first + n - self._ring_floor > ring.rows:
                 self._spill_ring()
         return ring.write(hidden, first)
+
+    def _raise_floor(self) -> None:
+        """The floor raised to the oldest ring id still pending (a run's ids ascend)."""
+        self._ring_floor = min((p[0] for c in self._ctx.values() for p in c.pending
+                                if isinstance(p, list) and p), default=self._ring.head)  # fmt: skip
+
+    def _ring_pressure(self) -> None:
+        """Lazy: a ring write would reach pending ids: every request holding ring ids (and a ring
+        of its own in the store, as the batch flush asks) has them projected now, queued before
+        the write; what is left (ringless requests' ids) is spilled by the caller."""
+        self.project([r for r, c in self._ctx.items()
+                      if any(isinstance(p, list) for p in c.pending)
+                      and (c.slot is not None or not self.fixed)])  # fmt: skip
+        self.ring_pressure_projections += 1
+        self._raise_floor()
 
     def _spill_ring(self) -> None:
         """Every pending run of ring ids copied out of the ring (rare: the batch flush projects
