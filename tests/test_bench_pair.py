@@ -111,9 +111,9 @@ def test_an_adaptive_ab_switch_is_set_only_while_its_engine_is_built(monkeypatch
     args = argparse.Namespace(cpu=True, clock="wall", controller_set=[], target="tiny-code",
                               num_pages=64, no_graphs=False)  # fmt: skip
     llm = mod.engine(args, "DDTREE", str(mod.DATA / "tiny-code-dflash"), 16, 15, 2,
-                     ("TREEVERIFY_CONTEXT_LAZY=1", "plain_margin=0.05"))  # fmt: skip
-    assert llm.spec.source.context.lazy
+                     ("TREEVERIFY_CONTEXT_LAZY=0", "plain_margin=0.05"))  # fmt: skip
+    assert not llm.spec.source.context.lazy  # the switch against its default
     assert llm.controller.cfg.plain_margin == 0.05
     assert "TREEVERIFY_CONTEXT_LAZY" not in __import__("os").environ
     plain = mod.engine(args, "DDTREE", str(mod.DATA / "tiny-code-dflash"), 16, 15, 2, True)
-    assert not plain.spec.source.context.lazy
+    assert plain.spec.source.context.lazy

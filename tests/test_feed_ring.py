@@ -131,6 +131,7 @@ def test_a_write_that_would_reach_pending_ids_spills_them_first(drafter):
 
     feats = drafter.config.context_features
     cache = DraftContextCache(drafter, 1024)
+    cache.lazy = False  # the eager rule's spill (lazy projects at the ring's pressure instead)
     cache.enable_ring(2)
     rows = cache._ring_rows()
     g = torch.Generator().manual_seed(5)
@@ -165,6 +166,7 @@ def test_rows_written_before_a_spill_and_observed_after_it_are_kept(drafter):
 
     feats = drafter.config.context_features
     cache = DraftContextCache(drafter, 1024)
+    cache.lazy = False  # the eager rule's spill (lazy projects at the ring's pressure instead)
     cache.enable_ring(1)
     g = torch.Generator().manual_seed(6)
     truth = torch.randn(3 * (cache._ring_rows() + 8), feats, generator=g)
@@ -192,6 +194,7 @@ def test_steady_plain_steps_never_spill(drafter):
 
     b, feats = 8, drafter.config.context_features
     cache = DraftContextCache(drafter, 64)
+    cache.lazy = False  # the eager rule (the lazy one's ring pressure: the test below)
     cache._captured = _BucketedProjection(drafter, [16, 32, 64, 128, 256])
     cache.enable_ring(b)
     rids = [f"r{i}" for i in range(b)]

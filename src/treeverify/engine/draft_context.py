@@ -30,7 +30,13 @@ requests into keys/values in ONE drafter call (rows are independent: one flat (R
 requests; captured: up to CHUNKED_REPLAYS replays of the largest bucket, a longer run eagerly) and
 scatters them into the rings; pending feed-ring ids (plain steps launched ahead) go instead to
 one replay per chunk that gathers them inside the graph (engine/ring_projection.py,
-TREEVERIFY_RING_PROJECTION). Rows older than W are never projected. SLACK rows beyond the window
+TREEVERIFY_RING_PROJECTION). Lazy (TREEVERIFY_CONTEXT_LAZY, the default): feed-ring ids are
+not projected by those flushes at all, only when a round reads them or when a ring write would
+reach them (`_ring_pressure`): on text where no round pays, the adaptive budget's plain steps
+never pay for a projection, and a request that finishes before any round drops its rows
+unprojected (H100, b=8 prose sampled at T=1: the flush steps, ~0.6-0.9 ms each, 2-3 a pass,
+were 4% of the pass); the flushes still bound the rows held as copies (prompts, steps read
+first). Rows older than W are never projected. SLACK rows beyond the window
 let a few rejected or recomputed rows at the end be dropped and still leave a full window.
 
 The store grows by slots while requests come (CPU, before capture); `fix` sizes it once for
