@@ -403,3 +403,33 @@ def test_trials_wait_for_a_batch_size_that_holds(steady):
     assert ctl.cost_trials >= 1
     with pytest.raises(ValueError, match="trial_steady_batch"):
         ControllerConfig(trial_steady_batch=-1)
+
+
+def _serve_batch(ctl: BudgetController, ids: list[str], steps: int) -> list[int]:
+    """`steps` decisions for the requests `ids` (rounds accept 1 draft: 2 tokens per 1.3,
+    within 2x plain's 1 per 1.0), steady steps feeding back the true cost at len(ids)."""
+    chosen, run, last = [], 0, None
+    for _ in range(steps):
+        b = ctl.choose(ids)
+        chosen.append(b)
+        if b:
+            for r in ids:
+                ctl.observe_round(r, b, path_for({4: 1, 8: 1, 16: 1}, b))
+        run, last = (run + 1 if b == last else 1), b
+        if run >= 3:
+            ctl.observe_step(len(ids), b, CALIBRATED[b])
+    return chosen
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["engine", "per-batch-size"])
+def test_a_plain_trial_answers_for_every_batch_size(per_batch):
+    """A group's draining tail (3 requests, then 2: batch sizes without a plain cost of their
+    own) had a trial at each size. One trial answers for the engine (a stall overstates every
+    batch size alike): after a trial at 3 requests, 2 requests get none within the gap; with
+    `plain_trials_per_batch` (as before) they get their own."""
+    ctl = calibrated(min_dwell=4, cost_fresh_steps=100, plain_trials_per_batch=per_batch)
+    chosen = _serve_batch(ctl, ["a", "b", "c"], 60)
+    (start,) = plain_trials(chosen)  # the first trial, at 3 requests
+    assert chosen[start : start + PLAIN_TRIAL_STEPS] == [0] * PLAIN_TRIAL_STEPS
+    later = _serve_batch(ctl, ["a", "b"], 40)  # within 100 decisions of that trial
+    assert (plain_trials([4] + later) != []) == per_batch, later
