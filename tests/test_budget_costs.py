@@ -424,12 +424,15 @@ def _serve_batch(ctl: BudgetController, ids: list[str], steps: int) -> list[int]
 @pytest.mark.parametrize("per_batch", [False, True], ids=["engine", "per-batch-size"])
 def test_a_plain_trial_answers_for_every_batch_size(per_batch):
     """A group's draining tail (3 requests, then 2: batch sizes without a plain cost of their
-    own) had a trial at each size. One trial answers for the engine (a stall overstates every
-    batch size alike): after a trial at 3 requests, 2 requests get none within the gap; with
-    `plain_trials_per_batch` (as before) they get their own."""
+    own, derived from calibration's size 1) had a trial at each size. A derived estimate waits
+    out the engine's last trial: after a trial at 3 requests, 2 requests get none within the
+    gap; with `plain_trials_per_batch` (as before) they get their own. A size with its own cost
+    (1: calibration's) keeps its own spacing."""
     ctl = calibrated(min_dwell=4, cost_fresh_steps=100, plain_trials_per_batch=per_batch)
     chosen = _serve_batch(ctl, ["a", "b", "c"], 60)
     (start,) = plain_trials(chosen)  # the first trial, at 3 requests
     assert chosen[start : start + PLAIN_TRIAL_STEPS] == [0] * PLAIN_TRIAL_STEPS
     later = _serve_batch(ctl, ["a", "b"], 40)  # within 100 decisions of that trial
     assert (plain_trials([4] + later) != []) == per_batch, later
+    alone = _serve_batch(ctl, ["a"], 30)  # size 1: calibrated, stale, its own spacing
+    assert plain_trials([4] + alone) != [], alone

@@ -61,8 +61,9 @@ class ControllerConfig:
     # fraction of itself: when plain decoding at that cost would beat the rounds, a plain
     # trial (a few plain steps, then back) measures it (a stall while calibrating held a CPU
     # engine in rounds on text no drafter predicts at 0.66x plain; docs/ddtree.md)
-    plain_trials_per_batch: bool = False  # plain trials spaced per batch size (True, before
-    # the forty-third session) or once per cost_fresh_steps in the engine (engine/plain_trials.py)
+    plain_trials_per_batch: bool = False  # True: every batch size spaces its own plain trials
+    # (before the forty-third session); False: a size with no plain cost of its own (derived
+    # from other sizes') waits out the engine's last trial (engine/plain_trials.py)
     plain_halflife: float = 16.0  # ... halving every this many decisions plain keeps winning,
     # down to switch_margin (CPU replay over 3 trace sets: docs/ddtree.md, "Leaving the rounds")
 

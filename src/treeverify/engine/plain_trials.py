@@ -9,12 +9,13 @@ decoding's stale cost at `stale_plain_floor` of itself would beat the rounds' ra
 margin included) on PLAIN_TRIAL_PATIENCE trial checks in a row, PLAIN_TRIAL_STEPS plain steps
 measure it and the controller resumes the decision state it had (the trial only measures; the
 usual rule then decides on the fresh cost). At most one trial per `cost_fresh_steps` decisions
-in the engine, whatever the batch size (`plain_trials_per_batch`: per batch size, as before
-the forty-third session, when a b=8 group's draining tail, 7, 6, 5 requests, each a batch
-size without a fresh plain cost, had a trial in four of five passes on the H100: 6 plain steps
-each, ~2% of a pass of code; a stall overstates every batch size alike), the gap doubling after
-each trial that confirmed the estimate (within PLAIN_TRIAL_CONFIRMED of it), up to
-PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`.
+per batch size with a plain cost measured at it; a batch size whose estimate is derived from
+other sizes' costs (interpolated, or scaled from the nearest) has none within the gap of the
+engine's last trial at any size (a b=8 group's draining tail, 7, 6, 5 requests, each a size
+never measured, had a trial in four of five passes on the H100: 6 plain steps each, ~2% of a
+pass of code; `plain_trials_per_batch`: every size its own, as before the forty-third
+session). The gap doubles after each trial that confirmed the estimate (within
+PLAIN_TRIAL_CONFIRMED of it), up to PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`.
 
 A burst of slow host steps overstates plain decoding's cost by far more than 2x (medians of
 0.5-1.7 ms for 0.18 on the H100 at 869825f, where the DFlash engine then ran no plain step in
@@ -94,8 +95,9 @@ class PlainTrials:
             return
         gap = c._bursts.gap(n, 0) if over else self.gap.get(n, float(fresh))
         last = c._tried.get((n, 0), -gap - 1)
-        if not over and not c.cfg.plain_trials_per_batch and self.last_started is not None:
-            # one trial answers for the engine: any batch size's, its gap the widest earned
+        own = (n, 0) in c.cost.table  # a cost measured at n (maybe stale), not derived
+        if not (own or over or c.cfg.plain_trials_per_batch) and self.last_started is not None:
+            # an estimate derived from other sizes' costs: the engine's last trial answers
             gap, last = max([gap, *self.gap.values()]), max(last, self.last_started)
         if now - last <= gap:
             return
