@@ -261,8 +261,12 @@ def test_lazy_context_rows_draft_what_eagerly_projected_rows_draft(monkeypatch):
         assert lazy.spec_stats["avg_spec_accept_length"] == eager.spec_stats[
             "avg_spec_accept_length"], f"step {steps}"  # fmt: skip
     assert lazy.spec_stats["rounds"] >= 4 and lazy.ahead.ahead_used > 50
-    projected = [e.spec.source.context.ring_projected for e in (lazy, eager)]
-    assert 0 < projected[0] < projected[1], projected
+    projected = [e.spec_stats["draft_context"]["rows_projected_from_ring"] for e in (lazy, eager)]
+    assert 0 < projected[0] < projected[1], projected  # (/server_info's speculative stats)
+    assert (
+        lazy.spec_stats["draft_context"]["lazy"] and not eager.spec_stats["draft_context"]["lazy"]
+    )
+    assert lazy.spec_stats["draft_context"]["ring_spills"] == 0
 
 
 def test_taken_rows_are_views_for_a_leading_run_and_gathered_otherwise():

@@ -325,6 +325,15 @@ class DraftContextCache:
             return self._pending_total
         return sum(_copied_rows(c.pending) for c in self._ctx.values())
 
+    @property
+    def info(self) -> dict:
+        """For /server_info: the projection rule and how rows reached the store."""
+        return {"lazy": self.lazy, "ring": self._ring is not None,
+                "ring_rows": None if self._ring is None else self._ring.rows,
+                "rows_projected_from_ring": self.ring_projected,
+                "ring_pressure_projections": self.ring_pressure_projections,
+                "ring_spills": self.ring_spills, "evictions": self.evictions}  # fmt: skip
+
     # ---- the feed ring (engine/feed_ring.py) ---------------------------------------------------
     def enable_ring(self, max_batch: int) -> None:
         """Plain steps of up to `max_batch` rows will write through `ring_write` (the ring is

@@ -107,6 +107,8 @@ class Introspection:
             "outside_forward_share": round(1 - st.forward_seconds / st.round_seconds, 4)
             if st.round_seconds
             else None,
+            # a DFlash drafter's context: lazy projection, rows from the feed ring, spills
+            "draft_context": getattr(getattr(self.spec.source, "context", None), "info", None),
         }
 
     @property
