@@ -155,6 +155,43 @@ def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(mo
     assert waits == 40 and taken == 40  # every one of them taken from the step before
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_mapped_readback_gives_the_tokens_the_copy_to_the_host_gives(monkeypatch, temperature):
+    """TREEVERIFY_MAPPED_READBACK=1: each step graph's last kernel writes its tokens into pinned
+    host rows (engine/mapped_readback.py), two a bucket by a device flip the host mirrors.
+    Against an engine copying them to the host after each replay (the same graphs otherwise):
+    equal tokens after every step, greedy or sampled, through finishes at different steps (a
+    step taken without its finished rows, buckets 4 -> 2 -> 1, each bucket's flip its own);
+    then its steady steps wait once a step and never sync otherwise."""
+    monkeypatch.setenv("TREEVERIFY_MAPPED_READBACK", "1")
+    mapped = _engine(decode_lookahead=True)
+    monkeypatch.setenv("TREEVERIFY_MAPPED_READBACK", "0")
+    copied = _engine(decode_lookahead=True)
+    assert mapped.ahead.mapped and not copied.ahead.mapped
+    assert mapped.ahead.info["mapped_readback"]
+    prompts = heldout_prompts(random.Random(11), 4)
+    pairs = []
+    for i, (p, n) in enumerate(zip(prompts, (61, 13, 37, 48), strict=True)):
+        sp = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                            seed=i if temperature else None)  # fmt: skip
+        pairs.append((mapped.add_request(p, sp), copied.add_request(p, sp)))
+    steps = 0
+    while mapped.has_unfinished() or copied.has_unfinished():
+        mapped.step()
+        copied.step()
+        steps += 1
+        for a, b in pairs:
+            assert a.output_token_ids == b.output_token_ids, f"step {steps}: {a.request_id}"
+    assert mapped.ahead.ahead_used > 40 and len(mapped.ahead.mapped) >= 3
+    sp = SamplingParams(temperature=temperature, max_tokens=200, ignore_eos=True,
+                        seed=7 if temperature else None)  # fmt: skip
+    seqs = [mapped.add_request(p, sp) for p in prompts[:2]]
+    while any(s.num_output_tokens < 4 for s in seqs):
+        mapped.step()
+    waits, taken = steps_under_sync_error(monkeypatch, mapped, 30)
+    assert waits == 30 and taken == 30
+
+
 def test_a_finish_with_holes_costs_no_step_read_first_and_no_sync(monkeypatch):
     """TREEVERIFY_AHEAD_HOLES=1: one of four requests (bucket 4; the three left still need it)
     finishes inside 40 steady steps; its row becomes a hole (three fills and one non-blocking

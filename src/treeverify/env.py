@@ -68,6 +68,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   projected (H100, b=8 prose sampled at T=1: 0.910x -> 0.984x plain, code 1.167x -> 1.228x);
   ``0``: a request's rows are projected every 256 (a batch's every 768), A/B. Read when an
   engine is built.
+- ``TREEVERIFY_MAPPED_READBACK``: ``1`` has a plain decode step launched ahead write its tokens
+  into pinned host memory from its graph's last kernel (engine/mapped_readback.py) instead of a
+  copy to the host after each replay (14-20 us a step on the H100); ``0`` (default until
+  measured on a GPU). Read when an engine is built.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -210,6 +214,9 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CONTEXT_LAZY": "1 (default): the DFlash context's feed-ring rows stay pending "
     "until a round needs them or the ring would overwrite them (engine/draft_context.py); 0: "
     "projected every 256 rows a request, 768 a batch (A/B).",
+    "TREEVERIFY_MAPPED_READBACK": "1: a plain step launched ahead writes its tokens into "
+    "pinned host memory from its graph (engine/mapped_readback.py); 0 (default): a copy to the "
+    "host after each replay (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -571,6 +578,14 @@ def context_lazy() -> bool:
     (engine/draft_context.py); 0, projected every flush bucket a request, three a batch (A/B).
     Read when an engine is built."""
     return _switch("TREEVERIFY_CONTEXT_LAZY", "1")
+
+
+def mapped_readback() -> bool:
+    """TREEVERIFY_MAPPED_READBACK: 1 has a plain decode step launched ahead write its tokens
+    into pinned host memory from its graph's last kernel (engine/mapped_readback.py) instead of
+    a copy to the host after each replay; 0 (default until measured on a GPU). Read when an
+    engine is built."""
+    return _switch("TREEVERIFY_MAPPED_READBACK", "0")
 
 
 def fused_decode_step() -> bool:

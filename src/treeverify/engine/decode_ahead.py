@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from treeverify import env
+from treeverify.engine import mapped_readback
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.decode_step_end import end_step, end_step_torch
@@ -121,6 +122,10 @@ class DecodeAhead(LaunchAhead):
         # copies into the one its predecessor's read has already released
         self._readback: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._flip = 0
+        # TREEVERIFY_MAPPED_READBACK: per bucket the graph's last kernel writes its tokens into
+        # pinned host rows (engine/mapped_readback.py) instead of a copy queued after the replay
+        self.use_mapped = capture and self.fused_end and mapped_readback.enabled()
+        self.mapped: dict[int, mapped_readback.MappedRows] = {}
         self._init_in_flight()  # the step launched ahead (an _InFlight) and its counters
         self.pool = None
         self.replays = 0
@@ -170,18 +175,26 @@ class DecodeAhead(LaunchAhead):
             self.graphs.attention.select((b, 1))  # the decode bucket's plans (its graph's)
             stage = self.graphs.stages[(b, 1)]
             saved = stage.dev.clone()  # the warmup and capture advance the twin: put it back
+            rows = mapped_readback.MappedRows(b, self.device) if self.use_mapped else None
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warmup: lazy kernels, cuBLAS handles, allocator
-                self._body(b)
+                warm = self._body(b)
+                if rows is not None:  # (its kernel compiled before the capture)
+                    rows.write(warm)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.pool):
                 tokens = self._body(b)
+                if rows is not None:  # the graph's last node: the tokens to the host rows
+                    rows.write(tokens)
             self.pool = graph.pool()
             hidden = getattr(self.graphs.model, "captured", None)  # (b, F) written by a replay
             stage.dev.copy_(saved)
             torch.cuda.synchronize()
+            if rows is not None:
+                rows.reset()
+                self.mapped[b] = rows
         except Exception as exc:
             raise GraphCaptureError(f"CUDA graph capture failed for the greedy decode step "
                                     f"launched ahead, batch={b}: {type(exc).__name__}: {exc}"
@@ -314,7 +327,11 @@ class DecodeAhead(LaunchAhead):
             kept, first = self._keep(hidden)  # before the next replay's
             host, done = self._readback[b][self._flip]
             self._flip ^= 1
-            host.copy_(tokens, non_blocking=True)
+            rows = self.mapped.get(b)
+            if rows is not None:  # the graph wrote them: the row of this launch's parity
+                host = rows.launched()
+            else:
+                host.copy_(tokens, non_blocking=True)
             done.record()
             return Launched(host, done, kept, first)
         self.graphs.attention.select((b, 1))
@@ -353,4 +370,5 @@ class DecodeAhead(LaunchAhead):
             "holed_rows": self.holed_rows,
             "fused_step_end": self.fused_end,
             "sampled_steps": self.sampling,
+            "mapped_readback": bool(self.mapped),
         }
