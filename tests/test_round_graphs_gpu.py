@@ -98,6 +98,29 @@ def test_sampled_whole_rounds_captured_equal_the_general_path(monkeypatch):
     assert outs["ahead"] == outs["whole"] == outs["general"]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_mapped_readback_of_whole_rounds_equals_the_copy_to_the_host(monkeypatch, temperature):
+    """TREEVERIFY_MAPPED_READBACK=1: each whole round's graph writes its packed rows into pinned
+    host rows (two a bucket, a device flip the host mirrors) instead of a copy after the
+    replay; rounds launched ahead at budgets switching every few steps (each bucket's flip its
+    own), plain steps between them the same way: the same tokens as an engine copying."""
+    prompts = heldout_prompts(random.Random(31), 3)
+    params = [SamplingParams(temperature=temperature, seed=s if temperature else None,
+                             max_tokens=60, ignore_eos=True) for s in (1, 2, 3)]  # fmt: skip
+    outs = {}
+    for m in ("1", "0"):
+        monkeypatch.setenv("TREEVERIFY_MAPPED_READBACK", m)
+        llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=4,
+                  speculative_algorithm="DDTREE", speculative_ddtree_budget=16)  # fmt: skip
+        cycle_budgets(llm, [16, 16, 8, 0, 16, 4, 4, 0, 0])
+        outs[m] = [o.token_ids for o in llm.generate(prompts, params)]
+        info = llm.cuda_graph_info["rounds"]
+        assert info["mapped_readback"] == (m == "1") and info["ahead_used"] > 0, info
+        assert llm.ahead.info["mapped_readback"] == (m == "1")
+        del llm
+    assert outs["1"] == outs["0"]
+
+
 def test_ngram_whole_rounds_captured_equal_the_general_path():
     """The n-gram drafter's whole rounds (ngram_whole_rounds, the default) captured, read first
     and launched ahead: the same greedy tokens as its general path (host votes,

@@ -68,8 +68,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   projected (H100, b=8 prose sampled at T=1: 0.910x -> 0.984x plain, code 1.167x -> 1.228x);
   ``0``: a request's rows are projected every 256 (a batch's every 768), A/B. Read when an
   engine is built.
-- ``TREEVERIFY_MAPPED_READBACK``: ``1`` has a plain decode step launched ahead write its tokens
-  into pinned host memory from its graph's last kernel (engine/mapped_readback.py) instead of a
+- ``TREEVERIFY_MAPPED_READBACK``: ``1`` has a plain decode step launched ahead and a whole round
+  write their result into pinned host memory from the graph's last kernel (engine/mapped_readback.py) instead of a
   copy to the host after each replay (14-20 us a step on the H100); ``0`` (default until
   measured on a GPU). Read when an engine is built.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
@@ -214,8 +214,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CONTEXT_LAZY": "1 (default): the DFlash context's feed-ring rows stay pending "
     "until a round needs them or the ring would overwrite them (engine/draft_context.py); 0: "
     "projected every 256 rows a request, 768 a batch (A/B).",
-    "TREEVERIFY_MAPPED_READBACK": "1: a plain step launched ahead writes its tokens into "
-    "pinned host memory from its graph (engine/mapped_readback.py); 0 (default): a copy to the "
+    "TREEVERIFY_MAPPED_READBACK": "1: plain steps launched ahead and whole rounds write their "
+    "result into pinned host memory from the graph (engine/mapped_readback.py); 0 (default): a copy to the "
     "host after each replay (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
@@ -581,10 +581,10 @@ def context_lazy() -> bool:
 
 
 def mapped_readback() -> bool:
-    """TREEVERIFY_MAPPED_READBACK: 1 has a plain decode step launched ahead write its tokens
-    into pinned host memory from its graph's last kernel (engine/mapped_readback.py) instead of
-    a copy to the host after each replay; 0 (default until measured on a GPU). Read when an
-    engine is built."""
+    """TREEVERIFY_MAPPED_READBACK: 1 has a plain decode step launched ahead (its tokens) and a
+    whole round (its packed rows) write their result into pinned host memory from the graph's
+    last kernel (engine/mapped_readback.py) instead of a copy to the host after each replay; 0
+    (default until measured on a GPU). Read when an engine is built."""
     return _switch("TREEVERIFY_MAPPED_READBACK", "0")
 
 

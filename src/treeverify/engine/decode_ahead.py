@@ -175,7 +175,7 @@ class DecodeAhead(LaunchAhead):
             self.graphs.attention.select((b, 1))  # the decode bucket's plans (its graph's)
             stage = self.graphs.stages[(b, 1)]
             saved = stage.dev.clone()  # the warmup and capture advance the twin: put it back
-            rows = mapped_readback.MappedRows(b, self.device) if self.use_mapped else None
+            rows = mapped_readback.MappedRows((b,), self.device) if self.use_mapped else None
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warmup: lazy kernels, cuBLAS handles, allocator

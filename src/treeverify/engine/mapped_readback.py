@@ -1,6 +1,7 @@
-"""A captured step's tokens written straight into pinned host memory by the graph's last kernel,
+"""A captured step's result written straight into pinned host memory by the graph's last kernel,
 instead of a copy to the host queued after each replay (TREEVERIFY_MAPPED_READBACK; off by
-default until measured).
+default until measured): a plain step's (b,) tokens (engine/decode_ahead.py), a whole round's
+packed (b, 2 + 2K) rows (engine/round_graphs.py).
 
 Why: on the H100 the copy of a plain step's (b,) tokens to pinned memory, a DMA on a copy
 engine between two replays on the compute engine, costs 14-20 us of a step back to back
@@ -15,8 +16,8 @@ kernel writes row `flip` and turns it over; the host, which counts the replays i
 reads the row of each launch's parity. A launch's row is written again two launches later,
 and the engine launches step k + 2 only after it has read step k.
 
-    put_rows   grid (1,): rows[flip] = values; flip = 1 - flip (one program: the flip is read
-               before it is written)
+    put_rows   grid (1,): rows[flip] = values; flip = 1 - flip (one program, a loop over
+               BLOCK-wide pieces: the flip is read before it is written)
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def _kernel():
 
     @triton.jit
     def put_rows(Values, Rows, Flip, n, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)  # (BLOCK,)
-        m = offs < n
         f = tl.load(Flip)
-        vals = tl.load(Values + offs, mask=m)
-        tl.store(Rows + f * n + offs, vals, mask=m)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)  # (BLOCK,)
+            m = offs < n
+            vals = tl.load(Values + offs, mask=m)
+            tl.store(Rows + f * n + offs, vals, mask=m)
         tl.store(Flip, 1 - f)
 
     return put_rows
@@ -52,29 +54,36 @@ def _kernel():
 
 def put_rows(values: torch.Tensor, rows: torch.Tensor, flip: torch.Tensor) -> None:
     """rows[flip] = values and flip turned over, in one launch (capture-safe). values (n,)
-    int64 on the device; rows (2, n) int64, pinned host memory on a GPU; flip (1,) int64 on the
-    device. Under TRITON_INTERPRET every tensor may be on the CPU (the tests')."""
+    int64 on the device, contiguous; rows (2, n) int64, pinned host memory on a GPU; flip (1,)
+    int64 on the device. Under TRITON_INTERPRET every tensor may be on the CPU (the tests')."""
     n = values.shape[0]
-    if rows.shape != (2, n) or flip.shape != (1,):
-        raise ValueError(f"put_rows: rows {tuple(rows.shape)}, flip {tuple(flip.shape)}; "
-                         f"expected (2, {n}) and (1,)")  # fmt: skip
+    if values.dim() != 1 or rows.shape != (2, n) or flip.shape != (1,):
+        raise ValueError(f"put_rows: values {tuple(values.shape)}, rows {tuple(rows.shape)}, "
+                         f"flip {tuple(flip.shape)}; expected (n,), (2, n) and (1,)")  # fmt: skip
     import triton
 
-    _kernel()[(1,)](values, rows, flip, n, BLOCK=triton.next_power_of_2(max(n, 16)))
+    block = min(1024, triton.next_power_of_2(max(n, 16)))
+    _kernel()[(1,)](values, rows, flip, n, BLOCK=block)
 
 
 class MappedRows:
-    """One bucket's two host rows, its device flip, and the host's count of its launches."""
+    """One bucket's two host rows of a result's shape, its device flip, and the host's mirror."""
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, shape: tuple[int, ...], device: torch.device):
         pinned = device.type == "cuda"
-        self.rows = torch.zeros((2, n), dtype=torch.int64, pin_memory=pinned)  # (2, n) host
+        # (2, *shape) int64, host (pinned on a GPU: the kernel stores to it through unified
+        # addressing)
+        self.rows = torch.zeros((2, *shape), dtype=torch.int64, pin_memory=pinned)
         self.flip = torch.zeros(1, dtype=torch.int64, device=device)  # (1,) the row written next
         self.parity = 0  # the row the next launch's kernel writes (the host's mirror of flip)
 
     def write(self, values: torch.Tensor) -> None:
-        """Queue the kernel (inside a capture: the graph's last node)."""
-        put_rows(values, self.rows, self.flip)
+        """Queue the kernel (inside a capture: the graph's last node); values of the rows'
+        shape, int64, contiguous."""
+        if tuple(values.shape) != tuple(self.rows.shape[1:]) or not values.is_contiguous():
+            raise ValueError(f"MappedRows.write: values {tuple(values.shape)}, expected "
+                             f"{tuple(self.rows.shape[1:])} contiguous")  # fmt: skip
+        put_rows(values.view(-1), self.rows.view(2, -1), self.flip)
 
     def reset(self) -> None:
         """After capture (a warm-up may have run the kernel): the flip and its mirror at 0."""
@@ -82,8 +91,8 @@ class MappedRows:
         self.parity = 0
 
     def launched(self) -> torch.Tensor:
-        """A replay was just launched: the host row its kernel writes, (n,) (read after its
-        event); the mirror turned over with the device's flip."""
+        """A replay was just launched: the host row its kernel writes, of the result's shape
+        (read after its event); the mirror turned over with the device's flip."""
         row = self.rows[self.parity]
         self.parity ^= 1
         return row

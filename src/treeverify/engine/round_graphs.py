@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify.engine import mapped_readback
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.draft_graphs import DraftMeta
@@ -115,6 +116,10 @@ class RoundGraphs(LaunchAhead):
         # copies into the one its predecessor's read has already released
         self._readback: dict[tuple[int, int], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._flip = 0
+        # TREEVERIFY_MAPPED_READBACK: per bucket the graph's last kernel writes the packed
+        # result into pinned host rows (engine/mapped_readback.py), no copy after the replay
+        self.use_mapped = capture and fused_picks() and mapped_readback.enabled()
+        self.mapped: dict[tuple[int, int], mapped_readback.MappedRows] = {}
         self._init_in_flight()  # the round launched ahead (an _InFlight) and its counters
         self.pool = None
         self.replays = 0
@@ -213,14 +218,23 @@ class RoundGraphs(LaunchAhead):
             self.graphs.attention.select((b, n))  # the verify bucket's plans (its graph's)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
+            rows = None
             with torch.cuda.stream(side):  # warmup: lazy kernels, cuBLAS handles, allocator
-                self._body(b, budget)
+                warm = self._body(b, budget)
+                if self.use_mapped:  # (its kernel compiled before the capture)
+                    rows = mapped_readback.MappedRows(tuple(warm.shape), warm.device)
+                    rows.write(warm)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.pool):
                 packed = self._body(b, budget)
+                if rows is not None:  # the graph's last node: the result to the host rows
+                    rows.write(packed)
             self.pool = graph.pool()
             torch.cuda.synchronize()
+            if rows is not None:
+                rows.reset()
+                self.mapped[(b, budget)] = rows
         except Exception as exc:
             raise GraphCaptureError(f"CUDA graph capture failed for the whole-round bucket "
                                     f"batch={b} budget={budget}: {type(exc).__name__}: {exc}"
@@ -371,7 +385,11 @@ class RoundGraphs(LaunchAhead):
             graph.replay()
             host, done = self._readback[(b, budget)][self._flip]
             self._flip ^= 1
-            host.copy_(packed, non_blocking=True)
+            rows = self.mapped.get((b, budget))
+            if rows is not None:  # the graph wrote it: the row of this launch's parity
+                host = rows.launched()
+            else:
+                host.copy_(packed, non_blocking=True)
             done.record()
             return Launched(host, done)
         n = self.spec.nodes_for(budget)
@@ -394,4 +412,5 @@ class RoundGraphs(LaunchAhead):
             "ahead_discarded": self.ahead_discarded,
             "ahead_partial": self.ahead_partial,
             "ahead_switched": self.ahead_switched,
+            "mapped_readback": bool(self.mapped),
         }
