@@ -69,9 +69,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   ``0``: a request's rows are projected every 256 (a batch's every 768), A/B. Read when an
   engine is built.
 - ``TREEVERIFY_MAPPED_READBACK``: ``1`` has a plain decode step launched ahead and a whole round
-  write their result into pinned host memory from the graph's last kernel (engine/mapped_readback.py) instead of a
-  copy to the host after each replay (14-20 us a step on the H100); ``0`` (default until
-  measured on a GPU). Read when an engine is built.
+  write their result into pinned host memory from the graph's last kernel
+  (engine/mapped_readback.py) instead of a copy to the host after each replay (14-20 us a step
+  on the H100); ``0`` (default until measured on a GPU). Read when an engine is built.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -215,8 +215,8 @@ VARIABLES: dict[str, str] = {
     "until a round needs them or the ring would overwrite them (engine/draft_context.py); 0: "
     "projected every 256 rows a request, 768 a batch (A/B).",
     "TREEVERIFY_MAPPED_READBACK": "1: plain steps launched ahead and whole rounds write their "
-    "result into pinned host memory from the graph (engine/mapped_readback.py); 0 (default): a copy to the "
-    "host after each replay (A/B).",
+    "result into pinned host memory from the graph (engine/mapped_readback.py); 0 (default): "
+    "a copy to the host after each replay (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
