@@ -324,12 +324,15 @@ class DecodeAhead(LaunchAhead):
         if self.captured:
             graph, tokens, hidden = self.steps[b]
             graph.replay()
+            rows = self.mapped.get(b)
+            # the graph turned its flip: mirrored at once, so a raise below (the feed ring's
+            # write may project or spill) cannot part host and device (a review)
+            written = rows.launched() if rows is not None else None
             kept, first = self._keep(hidden)  # before the next replay's
             host, done = self._readback[b][self._flip]
             self._flip ^= 1
-            rows = self.mapped.get(b)
-            if rows is not None:  # the graph wrote them: the row of this launch's parity
-                host = rows.launched()
+            if written is not None:  # the graph wrote them: the row of this launch's parity
+                host = written
             else:
                 host.copy_(tokens, non_blocking=True)
             done.record()

@@ -67,6 +67,7 @@ class _Context:
     # in order: (rows_i, F) copies, or runs of row ids in the feed ring (engine/feed_ring.py)
     pending: list[torch.Tensor | list[int]] = field(default_factory=list)
     pending_rows: int = 0  # sum of the pending chunks' rows (read every step: kept, not summed)
+    copied_rows: int = 0  # ... of those held as copies (tensors), not as feed-ring ids
     evicted: bool = False  # lost its ring (and rows): the next chunk may start anywhere
 
     @property
@@ -77,6 +78,7 @@ class _Context:
     def set_pending(self, chunks: list[torch.Tensor | list[int]]) -> None:
         self.pending = chunks
         self.pending_rows = sum(len(c) for c in chunks)  # a tensor's len: its rows
+        self.copied_rows = _copied_rows(chunks)
 
 
 def _copied_rows(pieces: list) -> int:
@@ -141,6 +143,7 @@ class DraftContextCache:
         self.evictions = 0
         self._captured = None  # CapturedFn of drafter.context_kv by row count, on a GPU
         self._pending_total = 0  # rows pending across requests (`_set_pending` keeps it)
+        self._copied_total = 0  # ... of them held as copies (lazy: what the batch flush counts)
         # rows the last batch flush left pending (requests without a ring in a fixed store):
         # the next batch flush waits for as many new rows again, not for one more row
         self._pending_left = 0
@@ -254,9 +257,11 @@ class DraftContextCache:
         ctx = self._context_at(request_id, start)
         ctx.pending.append(hidden)
         ctx.pending_rows += hidden.shape[0]
+        ctx.copied_rows += hidden.shape[0]
         self._pending_total += hidden.shape[0]
+        self._copied_total += hidden.shape[0]
         flush = self.flush_rows
-        rows = _copied_rows(ctx.pending) if self.lazy else ctx.pending_rows  # lazy: copies only
+        rows = ctx.copied_rows if self.lazy else ctx.pending_rows  # lazy: copies only
         full = rows >= flush if flush else len(ctx.pending) >= self.MAX_PENDING
         if full:  # captured: a bucket's rows; the CPU: MAX_PENDING chunks
             self.project([request_id])
@@ -321,9 +326,7 @@ class DraftContextCache:
     def _batch_pending(self) -> int:
         """Rows pending across requests that the batch flush counts: every row, or lazy, the
         copies' rows only (ring ids wait for a round or for the ring's pressure)."""
-        if not self.lazy:
-            return self._pending_total
-        return sum(_copied_rows(c.pending) for c in self._ctx.values())
+        return self._copied_total if self.lazy else self._pending_total
 
     @property
     def info(self) -> dict:
@@ -444,9 +447,12 @@ class DraftContextCache:
     def _set_pending(self, ctx: _Context, chunks: list) -> None:
         """A request's pending chunks replaced (the total across requests kept)."""
         self._pending_total -= ctx.pending_rows
+        self._copied_total -= ctx.copied_rows
         ctx.set_pending(chunks)
         self._pending_total += ctx.pending_rows
-        self._pending_left = min(self._pending_left, self._pending_total)
+        self._copied_total += ctx.copied_rows
+        # (in the batch flush's own units: lazy, copies only; a review found the two mixed)
+        self._pending_left = min(self._pending_left, self._batch_pending())
 
     @property
     def flush_rows(self) -> int | None:

@@ -47,6 +47,7 @@ def _kernel():
             m = offs < n
             vals = tl.load(Values + offs, mask=m)
             tl.store(Rows + f * n + offs, vals, mask=m)
+        tl.debug_barrier()  # every thread has read the flip before one thread turns it
         tl.store(Flip, 1 - f)
 
     return put_rows
@@ -63,7 +64,7 @@ def put_rows(values: torch.Tensor, rows: torch.Tensor, flip: torch.Tensor) -> No
     import triton
 
     block = min(1024, triton.next_power_of_2(max(n, 16)))
-    _kernel()[(1,)](values, rows, flip, n, BLOCK=block)
+    _kernel()[(1,)](values, rows, flip, n, BLOCK=block, num_warps=1)
 
 
 class MappedRows:

@@ -11,10 +11,10 @@ measure it and the controller resumes the decision state it had (the trial only 
 usual rule then decides on the fresh cost). At most one trial per `cost_fresh_steps` decisions
 per batch size with a plain cost measured at it; a batch size whose estimate is derived from
 other sizes' costs (interpolated, or scaled from the nearest) has none within the gap of the
-engine's last trial at any size (a b=8 group's draining tail, 7, 6, 5 requests, each a size
-never measured, had a trial in four of five passes on the H100: 6 plain steps each, ~2% of a
-pass of code; `plain_trials_per_batch`: every size its own, as before the forty-third
-session). The gap doubles after each trial that confirmed the estimate (within
+engine's last trial at any size (that size's gap): a b=8 group's draining tail, 7, 6, 5
+requests, each a size never measured, had a trial in four of five passes on the H100 (6 plain
+steps each, ~2% of a pass of code; `plain_trials_per_batch`: every size its own, as before the
+forty-third session). The gap doubles after each trial that confirmed the estimate (within
 PLAIN_TRIAL_CONFIRMED of it), up to PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`.
 
 A burst of slow host steps overstates plain decoding's cost by far more than 2x (medians of
@@ -66,6 +66,7 @@ class PlainTrials:
         self.gap: dict[int, float] = {}  # per batch size: decisions between trials
         self.gate = 0  # trial checks in a row that a trial's case held
         self.last_started: int | None = None  # the decision the engine's last trial started at
+        self.last_n = 0  # ... and its batch size
 
     @property
     def running(self) -> bool:
@@ -96,9 +97,11 @@ class PlainTrials:
         gap = c._bursts.gap(n, 0) if over else self.gap.get(n, float(fresh))
         last = c._tried.get((n, 0), -gap - 1)
         own = (n, 0) in c.cost.table  # a cost measured at n (maybe stale), not derived
-        if not (own or over or c.cfg.plain_trials_per_batch) and self.last_started is not None:
-            # an estimate derived from other sizes' costs: the engine's last trial answers
-            gap, last = max([gap, *self.gap.values()]), max(last, self.last_started)
+        if not (own or c.cfg.plain_trials_per_batch) and self.last_started is not None:
+            # an estimate derived from other sizes' costs: the engine's last trial answers,
+            # for as long as that trial's own size waits for its next
+            gap = max(gap, self.gap.get(self.last_n, float(fresh)))
+            last = max(last, self.last_started)
         if now - last <= gap:
             return
         est = c.cost.estimate(n, 0)
@@ -110,7 +113,7 @@ class PlainTrials:
         if over or self.gate >= PLAIN_TRIAL_PATIENCE:
             self.gate = 0
             c._tried[(n, 0)] = now
-            self.last_started = now
+            self.last_started, self.last_n = now, n
             c._bursts.tried(c.cost, n, 0, fresh)
             self.trial = _Trial(PLAIN_TRIAL_STEPS, n, est, c.since_switch, c._pending, now)
             c.events.add(now, PLAIN_TRIAL, c.current, 0, n,
