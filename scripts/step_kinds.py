@@ -1,7 +1,8 @@
 """Where an engine's wall time goes, by kind of step: prefill steps, plain steps taken from the
 step launched ahead (steady), plain steps read first, speculative rounds. bench_pair's tokens/s
 is the sum; this splits it, for plain decoding and the adaptive DDTREE engines (DFlash and n-gram)
-side by side, so a per-step or per-request loss shows where it is.
+side by side, so a per-step or per-request loss shows where it is (`--code`: held-out code
+prompts; fixed budgets 16 and 32 by name in `--configs`: a round's cost at each, step by step).
 
     PYTHONPATH=src python3 scripts/step_kinds.py [--batch 1] [--temperature 1] --json P.json
 
@@ -52,6 +53,12 @@ CONFIGS = {
                                        speculative_draft_model_path="ngram"),
     "DDTREE(dflash) budget 0": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
                                     speculative_cost_seconds={0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}),
+    # fixed budgets: what a round at each costs step by step, beside the costs the adaptive
+    # engine is taught for them (its `observed_costs`)
+    "DDTREE(dflash) b=16": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+                                speculative_adaptive=False),
+    "DDTREE(dflash) b=32": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=32,
+                                speculative_adaptive=False),
 }  # fmt: skip
 DEFAULT_CONFIGS = list(CONFIGS)[:3]
 WAITED = [0.0]  # seconds the host spent blocked on launched steps' results (all steps so far)
@@ -188,6 +195,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny-code")
     ap.add_argument("--prose", type=Path, default=PROSE)
+    ap.add_argument(
+        "--code", action="store_true", help="held-out code prompts instead of prose (predictable)"
+    )
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
@@ -239,7 +249,8 @@ def main(argv=None) -> int:
     if unknown or not names:
         ap.error(f"--configs: unknown {unknown}; expected some of {list(CONFIGS)}")
     Launched.rows = _timed_rows  # the wait counted (the same read)
-    prompts = prose_prompts(args.prose, args.n)
+    prompts = (code_prompts(DATA / "tiny-code" / "heldout.json", args.n) if args.code
+               else prose_prompts(args.prose, args.n))  # fmt: skip
     params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.tokens,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
     dev = "cuda" if torch.cuda.is_available() else "cpu"
