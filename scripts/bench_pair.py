@@ -414,16 +414,20 @@ def _brief(row: dict) -> dict:
 
 def speed_table(rows: list[dict]) -> str:
     """The speed rows as one short table, printed last: text, batch, config, tokens/s, x plain,
-    accept length, and an adaptive engine's probes and switches per pass."""
-    lines = [f"{'text':<14} {'b':>2} {'config':<52} {'tok/s':>9} {'x plain':>7} {'tau':>5}  "
-             "probes/switches a pass"]  # fmt: skip
+    accept length, the median step (ms, the median pass's: interleaved runs), and an adaptive
+    engine's probes and switches per pass."""
+    lines = [f"{'text':<14} {'b':>2} {'config':<62} {'tok/s':>9} {'x plain':>7} {'tau':>5} "
+             f"{'step ms':>7}  probes/switches a pass"]  # fmt: skip
     for r in rows:
         passes = r.get("passes_decisions") or []
         ps = " ".join(f"{p['explorations']}/{p['switches']}" for p in passes)
         tau = r.get("accept_length")
-        lines.append(f"{r['text']:<14} {r['batch']:>2} {r['config'][:52]:<52} "
+        meds = sorted(w["step_ms_median"] for w in r.get("passes_step_walls") or []
+                      if w.get("step_ms_median") is not None)  # fmt: skip
+        step = f"{meds[len(meds) // 2]:.3f}" if meds else "-"
+        lines.append(f"{r['text']:<14} {r['batch']:>2} {r['config'][:62]:<62} "
                      f"{r['tokens_per_s']:>9.1f} {r.get('speedup_vs_plain', 1.0):>7.3f} "
-                     f"{'-' if tau is None else f'{tau:.2f}':>5}  {ps}")  # fmt: skip
+                     f"{'-' if tau is None else f'{tau:.2f}':>5} {step:>7}  {ps}")  # fmt: skip
     return "\n".join(lines)
 
 
