@@ -254,3 +254,30 @@ def test_steps_read_first_teach_the_general_paths_costs_not_the_fast_ones():
     info = llm.controller.info()
     assert info["cost_path"] == "general"
     assert set(info["cost_seconds_batch1_by_path"]) == {"fast", "general"}
+
+
+@pytest.mark.parametrize("whole", ["1", "0"], ids=["whole-step", "run-batch"])
+def test_a_steady_steps_cost_spans_what_calibration_times(monkeypatch, whole):
+    """TREEVERIFY_COST_WHOLE_STEP=1: the cost a steady step teaches the controller spans the
+    whole engine step (schedule, run, postprocess), as calibration times one; 0: `run_batch`
+    alone. A 20 ms postprocess (a stand-in for the host's bookkeeping; the real one is far
+    quicker) shows in the taught cost only with the whole step."""
+    import time
+
+    monkeypatch.setenv("TREEVERIFY_COST_WHOLE_STEP", whole)
+    llm = adaptive_llm()
+    taught = []
+    observe = llm.controller.observe_step
+    llm.controller.observe_step = lambda n, b, s, path="fast": (taught.append(s),
+                                                                observe(n, b, s, path))  # fmt: skip
+    slow = llm.scheduler.postprocess
+
+    def postprocess(*a, **k):
+        time.sleep(0.02)
+        return slow(*a, **k)
+
+    llm.scheduler.postprocess = postprocess
+    llm.generate(["the cat sat on the mat"], SamplingParams(temperature=0, max_tokens=12,
+                                                             ignore_eos=True))  # fmt: skip
+    assert taught, "no steady step"
+    assert (min(taught) >= 0.02) == (whole == "1"), taught

@@ -72,6 +72,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   write their result into pinned host memory from the graph's last kernel
   (engine/mapped_readback.py) instead of a copy to the host after each replay (14-20 us a step
   on the H100); ``0`` (default until measured on a GPU). Read when an engine is built.
+- ``TREEVERIFY_COST_WHOLE_STEP``: ``1`` teaches the adaptive controller a steady step's cost as
+  the whole engine step (schedule, run, postprocess), the span calibration times; ``0`` (default
+  until measured on a GPU): `run_batch` alone, so live entries run ~50 us (b=8, H100) under the
+  calibrated ones they are compared with. Read when an engine is built.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -217,6 +221,9 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_MAPPED_READBACK": "1: plain steps launched ahead and whole rounds write their "
     "result into pinned host memory from the graph (engine/mapped_readback.py); 0 (default): "
     "a copy to the host after each replay (A/B).",
+    "TREEVERIFY_COST_WHOLE_STEP": "1: a steady step's cost taught to the adaptive controller "
+    "is the whole engine step, as calibration times it (engine/llm.py); 0 (default): "
+    "run_batch alone (A/B).",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -586,6 +593,14 @@ def mapped_readback() -> bool:
     last kernel (engine/mapped_readback.py) instead of a copy to the host after each replay; 0
     (default until measured on a GPU). Read when an engine is built."""
     return _switch("TREEVERIFY_MAPPED_READBACK", "0")
+
+
+def cost_whole_step() -> bool:
+    """TREEVERIFY_COST_WHOLE_STEP: 1 teaches the adaptive controller each steady step's cost
+    as the whole engine step (schedule, run, postprocess: the span calibration times, and the
+    loop's period); 0 (default until measured on a GPU), `run_batch` alone, ~50 us less at b=8
+    on the H100 than calibration's entries (engine/llm.py). Read when an engine is built."""
+    return _switch("TREEVERIFY_COST_WHOLE_STEP", "0")
 
 
 def fused_decode_step() -> bool:

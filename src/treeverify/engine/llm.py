@@ -185,6 +185,10 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         # first, or one launched ahead and taken without launching the next (a budget switch)
         self._step_steady = True
         self._step_path = FAST  # the step path of the controller's last choice (its costs')
+        # a steady step's cost taught to the controller: the whole engine step (schedule, run,
+        # postprocess: what calibration times and what the loop's period is) or, by default
+        # until measured on a GPU, `run_batch` alone (TREEVERIFY_COST_WHOLE_STEP)
+        self._cost_whole_step = env.cost_whole_step()
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
@@ -486,14 +490,21 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             )
 
     def step(self) -> list[Sequence]:
+        clock = self.controller.clock if self.controller is not None else time.perf_counter
+        t_step = clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        clock = self.controller.clock if self.controller is not None else time.perf_counter
         t0 = clock()
         tokens = self.run_batch(batch)
+        wall = clock() - t0
+        # a round's accepted nodes (all its tokens but the bonus) have their K/V in place
+        ahead = [len(t) - 1 if isinstance(t, list) else 0 for t in tokens]
+        finished = self.scheduler.postprocess(batch, tokens, ahead)
+        self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.controller is not None:
-            wall = clock() - t0
+            if self._cost_whole_step:  # as calibration times a step (engine/budget_calibration)
+                wall = clock() - t_step
             if self._step_budget is not None and self._step_steady:
                 # a decode-only step at its budget's steady cost (a switch's steps would teach
                 # the controller a read-first round's cost, or a taken round's remainder)
@@ -502,10 +513,6 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             # every step, steady or not: what leaving plain decoding for one round costs
             # (`_step_budget`: None unless every decode ran at one budget, no prefill beside)
             self.controller.observe_wall(len(batch.decodes), self._step_budget, wall)
-        # a round's accepted nodes (all its tokens but the bonus) have their K/V in place
-        ahead = [len(t) - 1 if isinstance(t, list) else 0 for t in tokens]
-        finished = self.scheduler.postprocess(batch, tokens, ahead)
-        self.processor.commit()  # count the committed tokens; free finished requests' rows
         if self.spec is not None:
             for seq in finished:
                 self.spec.source.forget(seq.request_id)
