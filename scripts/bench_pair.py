@@ -303,8 +303,11 @@ def speed_configs(args, block: int) -> list[tuple]:
         if args.no_accept_trials_too:
             cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} no acceptance trials", "DDTREE",
                          args.drafter, args.adaptive, block - 1, "no-accept-trials"))  # fmt: skip
-        if args.adaptive_ab:  # the same controller with other knobs, in the same passes
-            knobs = tuple(args.adaptive_ab)
+        # the same controller with other knobs (or switches), in the same passes: one config
+        # of every --adaptive-ab, one more per --ab-config
+        sets = ([tuple(args.adaptive_ab)] if args.adaptive_ab else []) + [
+            tuple(k for k in c.split(",") if k) for c in args.ab_config]  # fmt: skip
+        for knobs in sets:
             cfgs.append((f"DDTREE(dflash) adaptive<={args.adaptive} [{','.join(knobs)}]",
                          "DDTREE", args.drafter, args.adaptive, block - 1, knobs))  # fmt: skip
         if args.ngram_adaptive:  # the n-gram drafter's (whole) rounds under the controller
@@ -589,6 +592,14 @@ def main(argv=None) -> int:
         help="with --adaptive: one more adaptive config with these controller knobs (repeatable), "
         "in the same passes: e.g. plain_margin=0.05, the rule before 5a4c446; a TREEVERIFY_* "
         "switch (e.g. TREEVERIFY_CONTEXT_LAZY=1) is set while that engine is built instead",
+    )
+    p.add_argument(
+        "--ab-config",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE[,KNOB=VALUE]",
+        help="with --adaptive: one more adaptive config per use (repeatable), its knobs or "
+        "TREEVERIFY_* switches comma-separated: several A/Bs in the same passes",
     )
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--no-graphs", action="store_true")

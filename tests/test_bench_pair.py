@@ -22,13 +22,19 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_pair.py"), "speed", "--cpu",
            "--n", "1", "--tokens", "12", "--batches", "1", "--budget", "8", "--adaptive", "8",
            "--sampled", "--interleave", "--repeat", "2", "--no-judge",
+           "--ab-config", "plain_margin=0.05,TREEVERIFY_CONTEXT_LAZY=0",
            "--json", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     configs = {r["config"] for r in rows}
-    assert {"none", "DDTREE(dflash) b=8", "DDTREE(dflash) adaptive<=8"} <= configs
+    assert {
+        "none",
+        "DDTREE(dflash) b=8",
+        "DDTREE(dflash) adaptive<=8",
+        "DDTREE(dflash) adaptive<=8 [plain_margin=0.05,TREEVERIFY_CONTEXT_LAZY=0]",
+    } <= configs
     for text in ("code", "prose", "prose-sampled"):
         mine = [r for r in rows if r["text"] == text]
         assert {r["config"] for r in mine} == configs, text
