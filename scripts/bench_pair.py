@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from treeverify import env
 from treeverify.bench.kernel import _git_commit
 from treeverify.engine.budget_controller import CLOCKS
 from treeverify.engine.llm import LLM
@@ -90,19 +90,10 @@ def engine(args, algo: str | None, drafter: str, budget: int, depth: int, max_se
             kw["speculative_controller"] = (f"cost_trials={trials}",
                                             f"accept_trials={accept_trials}",
                                             *args.controller_set, *extra)  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env_set}
-    os.environ.update(env_set)  # switches are read when an engine is built
-    try:
-        llm = LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
-                  cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
-                  max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return llm
+    with env.set_while(env_set):  # switches are read when an engine is built
+        return LLM(args.target, device=dev, num_pages=args.num_pages, max_num_seqs=max_seqs,
+                   cuda_graph_max_bs=max_seqs, disable_cuda_graph=args.no_graphs,
+                   max_num_batched_tokens=max(2048, max_seqs * (budget + 1)), **kw)  # fmt: skip
 
 
 def speed_texts(args) -> dict[str, tuple[list[str], float]]:

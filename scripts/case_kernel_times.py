@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
+from treeverify import env
 from treeverify.bench.cases import load_grid, make_inputs
 from treeverify.bench.kernel import back_to_back_replay_seconds, capture_plan, replay_kernel_times
 
@@ -23,16 +23,8 @@ from treeverify.bench.kernel import back_to_back_replay_seconds, capture_plan, r
 def profile(case, inp: dict, assignments: dict[str, str], replays: int) -> dict:
     """One plan made and captured under `assignments` (the grid's own capture_plan, one launch
     a replay), replayed: replay time and kernels."""
-    saved = {k: os.environ.get(k) for k in assignments}
-    os.environ.update(assignments)
-    try:
+    with env.set_while(assignments):
         _plan, graph, _out = capture_plan(case, inp, 16, reps=1)  # _out lives with the graph
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     kernels = replay_kernel_times(graph, replays)
     return {
         "set": assignments,

@@ -173,9 +173,11 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 VARIABLES: dict[str, str] = {
@@ -361,6 +363,22 @@ def cuda_split_share() -> float | None:
     if not 1.0 <= share <= 4.0:
         raise ValueError(f"TREEVERIFY_CUDA_SPLIT_SHARE: expected a number in 1..4, got {value!r}")
     return share
+
+
+@contextlib.contextmanager
+def set_while(assignments: dict[str, str]) -> Iterator[None]:
+    """These variables set for the block and restored after it (unset where they were unset):
+    switches are read when an engine or a plan is built, so an A/B builds its variant inside."""
+    saved = {k: os.environ.get(k) for k in assignments}
+    os.environ.update(assignments)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _choice(name: str, choices: tuple[str, ...]) -> str:
