@@ -15,35 +15,22 @@ slower than a plain engine's at b=8 with the same GPU kernels (scripts/profile_b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from treeverify.bench.kernel import _git_commit
+from treeverify.bench.kernel import back_to_back_seconds
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from raw_json import write_rows  # noqa: E402
+
 BUDGET0 = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
                speculative_cost_seconds={0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0})  # fmt: skip
-
-
-def per_iteration_us(body, reps: int = 300) -> float:
-    """GPU time per call of `body` (queued back to back, events around the loop)."""
-    for _ in range(10):
-        body()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        body()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
 
 
 def copies_in(body, reps: int = 50) -> dict[str, float]:
@@ -89,7 +76,8 @@ def measure(name: str, kw: dict, b: int) -> list[dict]:
                 "+ ring write (copy kernel)": launch_kernel}  # fmt: skip
     rows = []
     for v, fn in variants.items():
-        r = {"engine": name, "variant": v, "us_per_step": round(per_iteration_us(fn), 2),
+        us = back_to_back_seconds(fn, 300) * 1e6  # (each queues its work back to back)
+        r = {"engine": name, "variant": v, "us_per_step": round(us, 2),
              "copies": copies_in(fn)}  # fmt: skip
         rows.append(r)
         print(f"{name:16s} {v:28s} {r['us_per_step']:8.2f} us  {r['copies']}", flush=True)
@@ -105,10 +93,7 @@ def main() -> int:
     for name, kw in (("plain", {}), ("dflash budget 0", BUDGET0)):
         rows += measure(name, kw, args.batch)
         torch.cuda.empty_cache()
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(), "commit": _git_commit(),
-            "command": " ".join(sys.argv), "batch": args.batch}  # fmt: skip
-    args.json.write_text(json.dumps(meta | {"rows": rows}, indent=1))
+    write_rows(args.json, "step_copies_gpu.py", None, rows)
     return 0
 
 

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -142,16 +143,23 @@ def back_to_back_replay_seconds(
     host's graph launch overlaps the previous replay, as one layer among a model's captured
     forward; median_replay_seconds (each replay alone, synchronised) also counts the GPU's
     wait for the launch."""
+    return back_to_back_seconds(graph.replay, replays, passes)
+
+
+def back_to_back_seconds(queue: Callable[[], object], calls: int, passes: int = 5) -> float:
+    """Device time a call of `queue` (work it queues on the current stream: a replay, or a
+    replay and the copies beside it) when `calls` are queued back to back, the best of
+    `passes`."""
     best = float("inf")
     for _ in range(passes):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()  # the queue is busy before the start event
+        queue()  # the queue is busy before the start event
         start.record()
-        for _ in range(replays):
-            graph.replay()
+        for _ in range(calls):
+            queue()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / replays)
+        best = min(best, start.elapsed_time(end) / 1e3 / calls)
     return best
 
 

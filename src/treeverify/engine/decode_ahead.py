@@ -124,7 +124,7 @@ class DecodeAhead(LaunchAhead):
         self._flip = 0
         # TREEVERIFY_MAPPED_READBACK: per bucket the graph's last kernel writes its tokens into
         # pinned host rows (engine/mapped_readback.py) instead of a copy queued after the replay
-        self.use_mapped = capture and self.fused_end and mapped_readback.enabled()
+        self.use_mapped = capture and self.fused_end and env.mapped_readback()
         self.mapped: dict[int, mapped_readback.MappedRows] = {}
         self._init_in_flight()  # the step launched ahead (an _InFlight) and its counters
         self.pool = None

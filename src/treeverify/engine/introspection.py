@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treeverify.engine.drafters import DFlashSource
+
 if TYPE_CHECKING:
     from treeverify.engine.block_manager import BlockManager
     from treeverify.engine.budget_controller import BudgetController
@@ -108,7 +110,9 @@ class Introspection:
             if st.round_seconds
             else None,
             # a DFlash drafter's context: lazy projection, rows from the feed ring, spills
-            "draft_context": getattr(getattr(self.spec.source, "context", None), "info", None),
+            "draft_context": self.spec.source.context.info
+            if isinstance(self.spec.source, DFlashSource)
+            else None,
         }
 
     @property

@@ -26,13 +26,6 @@ import functools
 
 import torch
 
-from treeverify import env
-
-
-def enabled() -> bool:
-    """TREEVERIFY_MAPPED_READBACK (read when an engine is built)."""
-    return env.mapped_readback()
-
 
 @functools.cache
 def _kernel():

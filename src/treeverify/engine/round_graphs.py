@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeverify import env
 from treeverify.engine import mapped_readback
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.draft_context import DraftContextCache
@@ -118,7 +119,7 @@ class RoundGraphs(LaunchAhead):
         self._flip = 0
         # TREEVERIFY_MAPPED_READBACK: per bucket the graph's last kernel writes the packed
         # result into pinned host rows (engine/mapped_readback.py), no copy after the replay
-        self.use_mapped = capture and fused_picks() and mapped_readback.enabled()
+        self.use_mapped = capture and fused_picks() and env.mapped_readback()
         self.mapped: dict[tuple[int, int], mapped_readback.MappedRows] = {}
         self._init_in_flight()  # the round launched ahead (an _InFlight) and its counters
         self.pool = None
