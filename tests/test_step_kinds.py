@@ -37,23 +37,29 @@ def test_step_kinds_rows_and_the_rounds_profile(tmp_path: Path) -> None:
     assert "cumulative us" in text  # the header: each kind's functions, by cumulative time
 
 
-def test_step_profiles_keep_each_step_by_kind(tmp_path: Path, monkeypatch) -> None:
-    """A round's profile, the next step's ("after round") and other plain steps' go apart;
-    prefills are left out."""
+def _kept(profiles, kinds: tuple[str, ...]):
+    """`profiles` after keeping one small cProfile per step of these kinds, in order."""
     import cProfile
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    from step_kinds import StepProfiles
-
-    profiles, trace = StepProfiles(), []
-    for kind in ("prefill", "round b=64", "plain read-first", "plain steady", "round b=4",
-                 "plain read-first"):  # fmt: skip
+    trace = []
+    for kind in kinds:
         prof = cProfile.Profile()
         prof.enable()
         sum(range(100))
         prof.disable()
         profiles.keep(kind, trace, prof)
         trace.append((kind, 1.0, 0.0))
+    return profiles
+
+
+def test_step_profiles_keep_each_step_by_kind(tmp_path: Path, monkeypatch) -> None:
+    """A round's profile, the next step's ("after round") and other plain steps' go apart;
+    prefills are left out."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from step_kinds import StepProfiles
+
+    profiles = _kept(StepProfiles(), ("prefill", "round b=64", "plain read-first",
+                                      "plain steady", "round b=4", "plain read-first"))  # fmt: skip
     assert dict(profiles.steps) == {"round": 2, "after round": 2, "plain": 1}
     path = tmp_path / "p.txt"
     profiles.write(path, "x")
@@ -64,18 +70,12 @@ def test_step_profiles_keep_each_step_by_kind(tmp_path: Path, monkeypatch) -> No
 
 def test_step_profiles_keep_named_steps_alone(monkeypatch) -> None:
     """`alone` step indexes get a profile each (the prefill too), the others stay by kind."""
-    import cProfile
-
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from step_kinds import StepProfiles
 
-    profiles, trace = StepProfiles(frozenset({0, 3})), []
-    for kind in ("prefill", "plain steady", "plain steady", "plain steady", "round b=4"):
-        prof = cProfile.Profile()
-        prof.enable()
-        sum(range(100))
-        prof.disable()
-        profiles.keep(kind, trace, prof)
-        trace.append((kind, 1.0, 0.0))
+    profiles = _kept(
+        StepProfiles(frozenset({0, 3})),
+        ("prefill", "plain steady", "plain steady", "plain steady", "round b=4"),
+    )
     assert dict(profiles.steps) == {"step 0 (prefill)": 1, "plain": 2,
                                     "step 3 (plain steady)": 1, "round": 1}  # fmt: skip
