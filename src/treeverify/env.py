@@ -70,8 +70,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   engine is built.
 - ``TREEVERIFY_MAPPED_READBACK``: ``1`` has a plain decode step launched ahead and a whole round
   write their result into pinned host memory from the graph's last kernel
-  (engine/mapped_readback.py) instead of a copy to the host after each replay (14-20 us a step
-  on the H100); ``0`` (default until measured on a GPU). Read when an engine is built.
+  (engine/mapped_readback.py) instead of a copy to the host after each replay; default since
+  the forty-fourth session (H100: tiny-code's plain step b=1 0.187 -> 0.179 ms); ``0``: the copy
+  (A/B). Read when an engine is built.
 - ``TREEVERIFY_COST_WHOLE_STEP``: ``1`` teaches the adaptive controller a steady step's cost as
   the whole engine step (schedule, run, postprocess), the span calibration times; ``0`` (default
   until measured on a GPU): `run_batch` alone, so live entries run ~50 us (b=8, H100) under the
@@ -221,7 +222,7 @@ VARIABLES: dict[str, str] = {
     "until a round needs them or the ring would overwrite them (engine/draft_context.py); 0: "
     "projected every 256 rows a request, 768 a batch (A/B).",
     "TREEVERIFY_MAPPED_READBACK": "1: plain steps launched ahead and whole rounds write their "
-    "result into pinned host memory from the graph (engine/mapped_readback.py); 0 (default): "
+    "result into pinned host memory from the graph (engine/mapped_readback.py) (default); 0: "
     "a copy to the host after each replay (A/B).",
     "TREEVERIFY_COST_WHOLE_STEP": "1: a steady step's cost taught to the adaptive controller "
     "is the whole engine step, as calibration times it (engine/llm.py); 0 (default): "
@@ -608,9 +609,10 @@ def context_lazy() -> bool:
 def mapped_readback() -> bool:
     """TREEVERIFY_MAPPED_READBACK: 1 has a plain decode step launched ahead (its tokens) and a
     whole round (its packed rows) write their result into pinned host memory from the graph's
-    last kernel (engine/mapped_readback.py) instead of a copy to the host after each replay; 0
-    (default until measured on a GPU). Read when an engine is built."""
-    return _switch("TREEVERIFY_MAPPED_READBACK", "0")
+    last kernel (engine/mapped_readback.py) instead of a copy to the host after each replay
+    (default: measured faster on the H100, forty-fourth session); 0, the copy. Read when an
+    engine is built."""
+    return _switch("TREEVERIFY_MAPPED_READBACK", "1")
 
 
 def cost_whole_step() -> bool:

@@ -1,6 +1,6 @@
 """A captured step's result written straight into pinned host memory by the graph's last kernel,
-instead of a copy to the host queued after each replay (TREEVERIFY_MAPPED_READBACK; off by
-default until measured): a plain step's (b,) tokens (engine/decode_ahead.py), a whole round's
+instead of a copy to the host queued after each replay (TREEVERIFY_MAPPED_READBACK; on by
+default since the forty-fourth session's H100 A/B, 0 for the copy): a plain step's (b,) tokens (engine/decode_ahead.py), a whole round's
 packed (b, 2 + 2K) rows (engine/round_graphs.py).
 
 Why: on the H100 the copy of a plain step's (b,) tokens to pinned memory, a DMA on a copy
