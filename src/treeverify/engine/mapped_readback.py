@@ -1,7 +1,8 @@
 """A captured step's result written straight into pinned host memory by the graph's last kernel,
 instead of a copy to the host queued after each replay (TREEVERIFY_MAPPED_READBACK; on by
-default since the forty-fourth session's H100 A/B, 0 for the copy): a plain step's (b,) tokens (engine/decode_ahead.py), a whole round's
-packed (b, 2 + 2K) rows (engine/round_graphs.py).
+default since the forty-fourth session's H100 A/B, 0 for the copy): a plain step's (b,)
+tokens (engine/decode_ahead.py), a whole round's packed (b, 2 + 2K) rows
+(engine/round_graphs.py).
 
 Why: on the H100 the copy of a plain step's (b,) tokens to pinned memory, a DMA on a copy
 engine between two replays on the compute engine, costs 14-20 us of a step back to back
