@@ -133,14 +133,19 @@ def steps_under_sync_error(monkeypatch, llm: LLM, n: int) -> tuple[int, int]:
     return len(waits), llm.ahead.ahead_used - used
 
 
-@pytest.mark.parametrize("drafter", [None, "dflash"], ids=["plain", "dflash-budget-0"])
+@pytest.mark.parametrize("drafter", [None, "dflash", "dflash-ring-in-graph"],
+                         ids=["plain", "dflash-budget-0", "dflash-ring-in-graph"])  # fmt: skip
 def test_steady_steps_launched_ahead_read_the_device_once_and_never_else_sync(monkeypatch, drafter):
     """Under torch.cuda.set_sync_debug_mode("error") (a sync PyTorch issues raises), a steady
     step's only wait is the one intended: for the copy of its own tokens into pinned memory,
     the next step already queued behind it; counted, exactly one a step. With tiny-code's DFlash
     drafter at budget 0 too: the step's hidden rows go to the drafter (and are projected into
     its rings once 32 are pending) without a sync (a Python-list index of the rows did sync:
-    most of that engine's plain step, thirty-fourth session)."""
+    most of that engine's plain step, thirty-fourth session); with the step graphs writing
+    those rows into the feed ring themselves (TREEVERIFY_RING_IN_GRAPH=1) too."""
+    monkeypatch.setenv(
+        "TREEVERIFY_RING_IN_GRAPH", "1" if drafter == "dflash-ring-in-graph" else "0"
+    )
     if drafter is None:
         llm = _engine(decode_lookahead=True)
     else:
@@ -209,6 +214,48 @@ def test_a_finish_with_holes_costs_no_step_read_first_and_no_sync(monkeypatch):
     assert seqs[1].is_finished and not seqs[0].is_finished
     assert llm.ahead.holed_rows == 1
     assert waits == 40 and taken == 40
+
+
+def test_step_graphs_writing_the_feed_ring_give_the_drafter_the_copys_rows(monkeypatch):
+    """TREEVERIFY_RING_IN_GRAPH=1: each plain step graph writes its tapped rows into the DFlash
+    context's feed ring itself (engine/ring_put.py, the ring's head on the device too). Against
+    the engine copying them after each replay, with the same budgets step for step (plain runs
+    that lap the ring, rounds that read it, requests finishing at different steps): equal tokens
+    and equal acceptance after every step (a row written to the wrong place drafts otherwise),
+    and the device head still the host's at the end."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")  # shown with a failure: the same prompts again
+    prompts = heldout_prompts(random.Random(seed), 4)
+    knobs = dict(
+        speculative_algorithm="DDTREE",
+        speculative_ddtree_budget=16,
+        decode_lookahead=True,
+        num_pages=512,
+    )
+    engines = {}
+    for m in ("1", "0"):
+        monkeypatch.setenv("TREEVERIFY_RING_IN_GRAPH", m)
+        engines[m] = _engine(**knobs)
+        cycle_budgets(engines[m], [0] * 30 + [16, 0, 0, 8])
+    graphed, copied = engines["1"], engines["0"]
+    assert graphed.ahead.info["ring_in_graph"] and not copied.ahead.info["ring_in_graph"]
+    pairs = []
+    for p, n in zip(prompts, (700, 41, 600, 650), strict=True):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        pairs.append((graphed.add_request(p, sp), copied.add_request(p, sp)))
+    steps = 0
+    while graphed.has_unfinished() or copied.has_unfinished():
+        graphed.step()
+        copied.step()
+        steps += 1
+        for a, b in pairs:
+            assert a.output_token_ids == b.output_token_ids, f"step {steps}: {a.request_id}"
+        hist = [e.spec_stats["accept_length_histogram"] for e in (graphed, copied)]
+        assert hist[0] == hist[1], f"step {steps}"
+    ring = graphed.spec.source.context._ring
+    assert graphed.ahead.ahead_used > 50 and graphed.spec_stats["rounds"] >= 4
+    assert ring.head > ring.rows, f"the ring must have lapped: {ring.head} ids, {ring.rows} rows"
+    assert int(ring.device_head) == ring.head
 
 
 def test_dflash_plain_steps_launched_ahead_feed_the_drafter_the_same_rows():

@@ -52,7 +52,10 @@ position (engine/sample_noise.py), the same draw the sampler makes, so the token
 first path's. A DFlash drafter conditions on the target's hidden states of
 every committed token, plain steps' too: each launch copies the graph's tapped rows right after
 its replay (stream order puts the copy before the next step overwrites them), and the engine
-hands them to the drafter once the step is read (`hidden`), as the read-first path does.
+hands them to the drafter once the step is read (`hidden`), as the read-first path does. With
+the context's feed ring the copy goes into the ring and the drafter gets ids (`hidden_ids`);
+with TREEVERIFY_RING_IN_GRAPH the graph itself writes them there (engine/ring_put.py), the ids
+taken before each replay.
 On by default where graphs are captured (`EngineConfig.decode_lookahead`, --decode-lookahead,
 TREEVERIFY_DECODE_LOOKAHEAD). On the CPU the same body runs eagerly over stages made for it when
 asked (nothing overlaps there; the tests check the bookkeeping that way). Measured on the H200
@@ -74,8 +77,10 @@ from treeverify.engine import mapped_readback
 from treeverify.engine.block_manager import BlockManager
 from treeverify.engine.cuda_graphs import CudaGraphs, GraphCaptureError, capturing
 from treeverify.engine.decode_step_end import end_step, end_step_torch
+from treeverify.engine.feed_ring import FeedRing
 from treeverify.engine.launch_ahead import LaunchAhead, Launched, positions_in
 from treeverify.engine.pick_kernels import fused_picks
+from treeverify.engine.ring_put import ring_put
 from treeverify.engine.round_state import RoundState
 from treeverify.engine.sampler import drawable, staged_draws
 from treeverify.engine.scheduler import ScheduledChunk
@@ -100,10 +105,12 @@ HOLE: list[int] = []  # a hole's page list in a staged table: one object, so tab
 
 class DecodeAhead(LaunchAhead):
     def __init__(self, graphs: CudaGraphs, bm: BlockManager, batch_sizes: list[int], *,
-                 capture: bool = True, moe_impl=None):  # fmt: skip
+                 capture: bool = True, moe_impl=None, ring: FeedRing | None = None):  # fmt: skip
         """`graphs`: the engine's decode buckets (b, 1) (their stages, plans and forward are
         reused; on the CPU staged buckets, never captured); `moe_impl`: the runner's MoE-impl
-        setter (sync-free routing while capturing)."""
+        setter (sync-free routing while capturing); `ring`: a DFlash context's feed ring that
+        the captured steps write their tapped rows into themselves (engine/ring_put.py; set
+        `reserve` to the context's `ring_reserve` before the first step)."""
         self.graphs, self.bm = graphs, bm
         self.device = graphs.attention.cache.device
         self.state = RoundState(self.device, bm.page_size)
@@ -134,6 +141,10 @@ class DecodeAhead(LaunchAhead):
         # with a feed ring (`sink`: DraftContextCache.ring_write): those rows' ids there instead
         self.sink = None
         self.hidden_ids: list[int] | None = None
+        # TREEVERIFY_RING_IN_GRAPH: the graphs write the rows into `ring` (ring_put), and each
+        # launch first takes their ids from `reserve` (DraftContextCache.ring_reserve)
+        self.ring = ring if capture else None
+        self.reserve = None
         self.holes = env.ahead_holes()  # finished rows become holes (module docstring)
         self.holed_rows = 0  # rows made holes so far
         t0 = time.perf_counter()
@@ -148,6 +159,8 @@ class DecodeAhead(LaunchAhead):
                 if moe_impl is not None:
                     moe_impl(previous)
                 graphs.attention.select(None)
+            if self.ring is not None:  # the warm-ups' and captures' writes undone
+                self.ring.graphs_captured()
             log.info("greedy decode steps launched ahead: captured batch %s in %.2f s",
                      self.batch_sizes, time.perf_counter() - t0)  # fmt: skip
         self.capture_seconds = time.perf_counter() - t0
@@ -180,12 +193,14 @@ class DecodeAhead(LaunchAhead):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warmup: lazy kernels, cuBLAS handles, allocator
                 warm = self._body(b)
-                if rows is not None:  # (its kernel compiled before the capture)
+                self._put_in_ring(b)  # (its kernel compiled before the capture)
+                if rows is not None:
                     rows.write(warm)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.pool):
                 tokens = self._body(b)
+                self._put_in_ring(b)
                 if rows is not None:  # the graph's last node: the tokens to the host rows
                     rows.write(tokens)
             self.pool = graph.pool()
@@ -200,6 +215,11 @@ class DecodeAhead(LaunchAhead):
                                     f"launched ahead, batch={b}: {type(exc).__name__}: {exc}"
                                     ) from exc  # fmt: skip
         return graph, tokens, hidden
+
+    def _put_in_ring(self, b: int) -> None:
+        """With a ring: the step's (b, F) tapped rows into it at the device head (ring_put)."""
+        if self.ring is not None:
+            ring_put(self.graphs.model.captured, self.ring.buf, self.ring.device_head)
 
     # ---- a step --------------------------------------------------------------------------------
     def _take(self, chunks: list[ScheduledChunk]) -> tuple[_InFlight, list[int]] | None:
@@ -323,12 +343,17 @@ class DecodeAhead(LaunchAhead):
         self.replays += 1
         if self.captured:
             graph, tokens, hidden = self.steps[b]
+            # the rows' ids taken before the replay writes them into the ring: what makes room
+            # (spills, projections of rows it would overwrite) is queued ahead of it
+            first = None if self.ring is None else self.reserve(b)
             graph.replay()
             rows = self.mapped.get(b)
             # the graph turned its flip: mirrored at once, so a raise below (the feed ring's
             # write may project or spill) cannot part host and device (a review)
             written = rows.launched() if rows is not None else None
-            kept, first = self._keep(hidden)  # before the next replay's
+            kept = None
+            if first is None:
+                kept, first = self._keep(hidden)  # before the next replay's
             host, done = self._readback[b][self._flip]
             self._flip ^= 1
             if written is not None:  # the graph wrote them: the row of this launch's parity
@@ -374,4 +399,5 @@ class DecodeAhead(LaunchAhead):
             "fused_step_end": self.fused_end,
             "sampled_steps": self.sampling,
             "mapped_readback": bool(self.mapped),
+            "ring_in_graph": self.ring is not None,
         }

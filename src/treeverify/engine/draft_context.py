@@ -377,18 +377,41 @@ class DraftContextCache:
         bucket = self.flush_rows or self.MAX_PENDING
         return self.CHUNKED_REPLAYS * bucket + 4 * self._ring_batch
 
+    def ring_for_graphs(self, features: int, dtype: torch.dtype,
+                        device: torch.device) -> FeedRing:  # fmt: skip
+        """The feed ring made now (after `enable_ring`), for step graphs that write their rows
+        into it themselves (engine/ring_put.py, TREEVERIFY_RING_IN_GRAPH); each launch of one
+        then calls `ring_reserve` first."""
+        if not self._ring_batch:
+            raise RuntimeError("DraftContextCache.ring_for_graphs: enable the ring first")
+        ring = self._make_ring(features, dtype, device)
+        ring.written_by_graphs()
+        return ring
+
     def ring_write(self, hidden: torch.Tensor) -> int:
         """Copy a plain step's (n, F) tapped rows into the feed ring; returns the first row's
         id. Pending ids the write would overwrite are copied out first (`_spill_ring`)."""
         n = hidden.shape[0]
-        if n > self._ring_batch:
-            raise RuntimeError(f"DraftContextCache.ring_write: {n} rows, enabled for "
-                               f"{self._ring_batch}")  # fmt: skip
         ring = self._make_ring(hidden.shape[1], hidden.dtype, hidden.device)
         if hidden.dtype != ring.buf.dtype or hidden.shape[1] != ring.buf.shape[1]:
             raise RuntimeError(f"DraftContextCache.ring_write: rows {tuple(hidden.shape)} "
                                f"{hidden.dtype}, the ring holds (, {ring.buf.shape[1]}) "
                                f"{ring.buf.dtype}")  # fmt: skip
+        return ring.write(hidden, self._make_room(n, "ring_write"))
+
+    def ring_reserve(self, n: int) -> int:
+        """The ids of a plain step's n rows that its graph is about to write into the feed
+        ring (ring_put), as `ring_write` would give them; called before the replay, so the
+        spills and projections that make room are queued before the graph overwrites rows."""
+        return self._ring.advance(n, self._make_room(n, "ring_reserve"))
+
+    def _make_room(self, n: int, caller: str) -> int:
+        """The first id of a write of n rows, pending ids it would overwrite projected (lazy)
+        or copied out first."""
+        if n > self._ring_batch:
+            raise RuntimeError(f"DraftContextCache.{caller}: {n} rows, enabled for "
+                               f"{self._ring_batch}")  # fmt: skip
+        ring = self._ring
         first = ring.start_of(n)
         if first + n - self._ring_floor > ring.rows:
             # the floor only falls as ids are observed: raise it to the oldest id still pending
@@ -401,7 +424,7 @@ class DraftContextCache:
                 self._ring_pressure()
             if first + n - self._ring_floor > ring.rows:
                 self._spill_ring()
-        return ring.write(hidden, first)
+        return first
 
     def _raise_floor(self) -> None:
         """The floor raised to the oldest ring id still pending (a run's ids ascend)."""

@@ -14,6 +14,10 @@ Ids grow without bound; a write of b rows that would cross the ring's end starts
 lap instead (rows stay contiguous: one copy). The ring overwrites a row `rows` ids later; the
 context keeps a floor under every id it still holds and spills (copies out) what is pending
 before a write would reach it (`DraftContextCache.ring_write`).
+
+With TREEVERIFY_RING_IN_GRAPH the step graphs write the rows themselves (engine/ring_put.py):
+the ring then keeps its head on the device as well (`device_head`), moved by each replay by the
+rule `start_of` gives, and the host only advances its own (`advance`) before each replay.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class FeedRing:
         self.buf = torch.zeros((rows, features), dtype=dtype, device=device)  # (rows, F)
         self.head = 0  # ids handed out so far: the next write starts here (or at the next lap)
         self.writes = 0
+        # (1,) int64 on the device, the same head, when step graphs write the rows (ring_put)
+        self.device_head: torch.Tensor | None = None
 
     def start_of(self, n: int) -> int:
         """The first id a write of n rows would take (contiguous in `buf`)."""
@@ -45,14 +51,36 @@ class FeedRing:
     def write(self, hidden: torch.Tensor, first: int | None = None) -> int:
         """Copy (n, F) rows in (queued on the current stream: after the step that made them);
         returns the first row's id (row j is id + j). `first`: `start_of(n)`, when known."""
-        n = hidden.shape[0]
+        if self.device_head is not None:  # the device's head would fall behind the host's
+            raise RuntimeError("FeedRing.write: step graphs write this ring (ring_put)")
+        first = self.advance(hidden.shape[0], first)
+        at = first % self.rows
+        self.buf[at : at + hidden.shape[0]].copy_(hidden)
+        return first
+
+    def advance(self, n: int, first: int | None = None) -> int:
+        """The host's head moved past a write of n rows, without copying (a step graph's
+        ring_put writes them, by the same rule); returns their first id."""
         if first is None:
             first = self.start_of(n)
-        at = first % self.rows
-        self.buf[at : at + n].copy_(hidden)
         self.head = first + n
         self.writes += 1
         return first
+
+    def written_by_graphs(self) -> torch.Tensor:
+        """The device head step graphs' ring_put reads and moves ((1,) int64, made now at the
+        host's head); from then on only `advance`, never `write`."""
+        if self.device_head is None:
+            self.device_head = torch.full((1,), self.head, dtype=torch.int64,
+                                          device=self.buf.device)  # fmt: skip
+        return self.device_head
+
+    def graphs_captured(self) -> None:
+        """After the step graphs' warm-ups and captures (each ran ring_put once): their rows
+        zeroed (no id names them; a projection's padding rows read row 0) and the device head
+        put back at the host's."""
+        self.buf.zero_()
+        self.device_head.fill_(self.head)
 
     def live(self, row_id: int) -> bool:
         """Whether a row is still in the ring (not yet overwritten)."""

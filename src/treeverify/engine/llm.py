@@ -264,13 +264,25 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         if graphs is None:
             buckets = [(b, 1) for b in cfg.graph_batch_sizes]
             graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
-        self.ahead = DecodeAhead(graphs, self.block_manager, list(cfg.graph_batch_sizes),
-                                 capture=capture, moe_impl=self.runner._moe_impl)  # fmt: skip
         source = None if self.spec is None else self.spec.source
-        if isinstance(source, DFlashSource) and self.ahead.batch_sizes and env.feed_ring():
+        feed = isinstance(source, DFlashSource) and env.feed_ring()
+        ring = None
+        sizes = [b for b in cfg.graph_batch_sizes if not capture or (b, 1) in graphs.steps]
+        if feed and capture and sizes and env.ring_in_graph():
+            # the step graphs write the rows into the ring themselves (engine/ring_put.py)
+            source.context.enable_ring(max(sizes))
+            ring = source.context.ring_for_graphs(
+                source.drafter.config.context_features, self.config.dtype, self.device
+            )
+        self.ahead = DecodeAhead(graphs, self.block_manager, list(cfg.graph_batch_sizes),
+                                 capture=capture, moe_impl=self.runner._moe_impl,
+                                 ring=ring)  # fmt: skip
+        if feed and self.ahead.batch_sizes:
             # its plain steps' tapped rows go into the context's feed ring (ids, not copies)
             source.context.enable_ring(max(self.ahead.batch_sizes))
             self.ahead.sink = source.context.ring_write
+            if ring is not None:
+                self.ahead.reserve = source.context.ring_reserve
             if capture and source.context.ring_projection:  # its rows projected by replays
                 self.startup["ring_projection"] = source.context.capture_ring_projection(
                     source.drafter.config.context_features, self.config.dtype, self.device
