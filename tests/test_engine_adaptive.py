@@ -281,3 +281,30 @@ def test_a_steady_steps_cost_spans_what_calibration_times(monkeypatch, whole):
                                                              ignore_eos=True))  # fmt: skip
     assert taught, "no steady step"
     assert (min(taught) >= 0.02) == (whole == "1"), taught
+
+
+@pytest.mark.parametrize("span", ["1", "0"], ids=["taught-span", "whole-step"])
+def test_calibration_times_the_span_serving_teaches(monkeypatch, span):
+    """TREEVERIFY_CALIBRATE_RUN_BATCH=1: calibration times each step by the span a steady step
+    teaches the controller (`run_batch` alone by default), so its entries and the live ones
+    share one unit; 0: the whole step (schedule, run, postprocess). A 20 ms postprocess (a
+    stand-in for the host's bookkeeping) shows in every calibrated cost only with the whole
+    step; with the taught span every cost stays under it, as the live ones do."""
+    import time
+
+    from treeverify.engine.budget_calibration import calibrate
+
+    monkeypatch.setenv("TREEVERIFY_CALIBRATE_RUN_BATCH", span)
+    llm = LLM("tiny-llama", speculative_algorithm="DDTREE", speculative_ddtree_budget=8,
+              speculative_num_draft_tokens=4)  # fmt: skip
+    slow = llm.scheduler.postprocess
+
+    def postprocess(*a, **k):
+        time.sleep(0.02)
+        return slow(*a, **k)
+
+    llm.scheduler.postprocess = postprocess
+    calibrate(llm, batch_sizes=(1,))
+    measured = llm.startup["budget_cost_seconds_measured"]["1"]
+    assert set(measured) == {"0", "4", "8"}
+    assert all((s >= 0.02) == (span == "0") for s in measured.values()), measured

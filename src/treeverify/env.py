@@ -81,6 +81,11 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   the whole engine step (schedule, run, postprocess), the span calibration times; ``0`` (default
   until measured on a GPU): `run_batch` alone, so live entries run ~50 us (b=8, H100) under the
   calibrated ones they are compared with. Read when an engine is built.
+- ``TREEVERIFY_CALIBRATE_RUN_BATCH``: ``1`` has calibration time each step by the span a steady
+  step teaches the controller (`run_batch` alone, or the whole step with
+  ``TREEVERIFY_COST_WHOLE_STEP=1``), so calibrated and live entries share one unit; ``0``
+  (default until measured on a GPU): calibration times the whole step. Read when an engine is
+  built.
 - ``TREEVERIFY_MOE_GEMV_SHARED``: ``1`` runs the shared experts on the expert-GEMV path as
   more pairs of the same two GEMVs; default ``1`` (measured 1.03x on random:mla-moe's decode,
   H200); ``0`` their own GEMM + GEMV (A/B runs).
@@ -233,6 +238,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_COST_WHOLE_STEP": "1: a steady step's cost taught to the adaptive controller "
     "is the whole engine step, as calibration times it (engine/llm.py); 0 (default): "
     "run_batch alone (A/B).",
+    "TREEVERIFY_CALIBRATE_RUN_BATCH": "1: calibration times each step by the span a steady "
+    "step teaches the controller (engine/budget_calibration.py); 0 (default): the whole step.",
     "TREEVERIFY_MOE_GEMV_SHARED": "1: the shared experts as more pairs of the expert GEMVs "
     "(models/moe_gemv.py) instead of their own GEMM + GEMV; default 1; 0: A/B.",
     "TREEVERIFY_CUDA_SPLIT_ORDER": "Balanced plans' later splits in grid order: longest "
@@ -634,6 +641,14 @@ def cost_whole_step() -> bool:
     loop's period); 0 (default until measured on a GPU), `run_batch` alone, ~50 us less at b=8
     on the H100 than calibration's entries (engine/llm.py). Read when an engine is built."""
     return _switch("TREEVERIFY_COST_WHOLE_STEP", "0")
+
+
+def calibrate_run_batch() -> bool:
+    """TREEVERIFY_CALIBRATE_RUN_BATCH: 1 has calibration time each step by the span a steady
+    step teaches the controller (`run_batch`, or the whole step with COST_WHOLE_STEP=1): one
+    unit for calibrated and live costs; 0 (default until measured on a GPU), the whole step.
+    Read when an engine is built."""
+    return _switch("TREEVERIFY_CALIBRATE_RUN_BATCH", "0")
 
 
 def fused_decode_step() -> bool:

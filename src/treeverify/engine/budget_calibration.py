@@ -136,7 +136,11 @@ def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams,
     (engine/round_graphs.py) the first step at a new budget takes the round launched at the
     old one and the second is read first; serving at a budget runs overlapped steps, the third
     on. (Timing the first step at each budget put budget 16 at its read-first 0.83 ms on the
-    H200 where its overlapped rounds take ~0.65 ms, and the controller ran budget 8.)"""
+    H200 where its overlapped rounds take ~0.65 ms, and the controller ran budget 8.)
+    TREEVERIFY_CALIBRATE_RUN_BATCH=1: each step timed by the span it teaches the controller
+    (`LLM.taught_seconds`: `run_batch` alone unless TREEVERIFY_COST_WHOLE_STEP=1), where the
+    whole step put a stale budget 16 above a live 32 at b=8 on the H100 (~50-60 us of
+    schedule and postprocess in one, not the other; docs/performance.md)."""
     ctl = llm.controller
     times: dict[int, list[float]] = {b: [] for b in ctl.buckets}
     live: list = []
@@ -155,6 +159,8 @@ def _time_buckets(llm: LLM, n: int, prompt: list[int], params: SamplingParams,
                 t0 = ctl.clock()
                 llm.step()
                 seconds = ctl.clock() - t0
+                if llm.calibrate_taught_span:  # the span a steady step teaches (one unit)
+                    seconds = llm.taught_seconds
                 # a decode-only step of them all at this budget, at its steady cost
                 if llm._step_budget == budget and llm._step_steady:
                     if timed:

@@ -189,6 +189,10 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         # postprocess: what calibration times and what the loop's period is) or, by default
         # until measured on a GPU, `run_batch` alone (TREEVERIFY_COST_WHOLE_STEP)
         self._cost_whole_step = env.cost_whole_step()
+        # the span the last step taught (or would have): what calibration times with
+        # TREEVERIFY_CALIBRATE_RUN_BATCH, so calibrated and live entries share one unit
+        self.calibrate_taught_span = env.calibrate_run_batch()
+        self.taught_seconds: float | None = None
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._next_id = 0
@@ -517,6 +521,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         if self.controller is not None:
             if self._cost_whole_step:  # as calibration times a step (engine/budget_calibration)
                 wall = clock() - t_step
+            self.taught_seconds = wall
             if self._step_budget is not None and self._step_steady:
                 # a decode-only step at its budget's steady cost (a switch's steps would teach
                 # the controller a read-first round's cost, or a taken round's remainder)
