@@ -50,7 +50,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_RING_IN_GRAPH``: ``1`` has those steps' graphs write the rows into the feed ring
   themselves (engine/ring_put.py: one more kernel in the graph, the ring's head kept on the
   device too) instead of a copy after each replay (~22 us a step back to back at b=8 on the
-  H100); ``0`` (default until measured on a GPU). Read when an engine is built.
+  H100); default since the forty-fourth session (H100: the DFlash engine's plain step at b=1
+  as fast as plain decoding's); ``0``: the copy (A/B). Read when an engine is built.
 - ``TREEVERIFY_PREFILL_REPLAYS``: ``1`` (default, forty-first session) runs a step of up to 8
   short prefill chunks (requests arriving together, each within the largest prefill graph
   size, 512 by default) as one padded (1, n) prefill graph replay per chunk
@@ -221,7 +222,7 @@ VARIABLES: dict[str, str] = {
     "their tapped rows into one device ring and hand the drafter row ids (engine/feed_ring.py); "
     "0: a clone a step, a view a request (A/B).",
     "TREEVERIFY_RING_IN_GRAPH": "1: those steps' graphs write the rows into the feed ring "
-    "themselves (engine/ring_put.py); 0 (default): a copy after each replay (A/B).",
+    "themselves (engine/ring_put.py) (default); 0: a copy after each replay (A/B).",
     "TREEVERIFY_PREFILL_REPLAYS": "1 (default): a step of up to 8 short prefill chunks runs as "
     "one prefill graph replay per chunk (engine/model_runner.py); 0: one eager forward (A/B).",
     "TREEVERIFY_RING_PROJECTION": "1 (default): the feed ring's pending rows projected by one "
@@ -591,9 +592,9 @@ def feed_ring() -> bool:
 
 def ring_in_graph() -> bool:
     """TREEVERIFY_RING_IN_GRAPH: 1 has the feed ring's plain steps write their tapped rows into
-    it from inside their graphs (engine/ring_put.py); 0 (default until measured on a GPU), a
-    copy after each replay. Read when an engine is built."""
-    return _switch("TREEVERIFY_RING_IN_GRAPH", "0")
+    it from inside their graphs (engine/ring_put.py; default, measured on the H100 in the
+    forty-fourth session); 0, a copy after each replay. Read when an engine is built."""
+    return _switch("TREEVERIFY_RING_IN_GRAPH", "1")
 
 
 def prefill_replays() -> bool:
