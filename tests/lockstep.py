@@ -2,8 +2,9 @@
 an adaptive engine ran, step for step, for another engine to replay.
 
 Shared by the whole-round tests (test_round_graphs.py: whole rounds vs the general path), the
-lookahead tests (test_round_lookahead.py: rounds launched ahead vs read first) and their GPU
-version (test_round_graphs_gpu.py).
+lookahead tests (test_round_lookahead.py: rounds launched ahead vs read first), their GPU
+version (test_round_graphs_gpu.py) and the plain steps launched ahead on a GPU
+(test_decode_ahead_gpu.py: `add_pairs` / `step_in_lockstep`).
 """
 
 from __future__ import annotations
@@ -95,3 +96,31 @@ def parted_at_near_tie(got: list[int], want: list[int], want_logprobs: list, msg
     gap = top[want[at]] - top[got[at]]
     assert gap <= NEAR_TIE_NATS, f"{msg}: parts at {at} by {gap:.3f} nats: not a near-tie"
     return True
+
+
+def add_pairs(llm_a, llm_b, prompts: list[str], lens, temperature: float = 0.0) -> list:
+    """The same requests (max_tokens `lens`, EOS ignored; sampled ones seeded by their index)
+    added to both engines: [(seq in a, seq in b)]."""
+    from treeverify.engine.sampling_params import SamplingParams
+
+    pairs = []
+    for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
+        sp = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                            seed=i if temperature else None)  # fmt: skip
+        pairs.append((llm_a.add_request(p, sp), llm_b.add_request(p, sp)))
+    return pairs
+
+
+def step_in_lockstep(llm_a, llm_b, pairs, each_step=None) -> int:
+    """Both engines stepped until both finish, each pair's tokens equal after every step
+    (`each_step(step)` then checks more); returns the steps taken."""
+    steps = 0
+    while llm_a.has_unfinished() or llm_b.has_unfinished():
+        llm_a.step()
+        llm_b.step()
+        steps += 1
+        for a, b in pairs:
+            assert a.output_token_ids == b.output_token_ids, f"step {steps}: {a.request_id}"
+        if each_step is not None:
+            each_step(steps)
+    return steps

@@ -20,11 +20,13 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 from lockstep import (  # noqa: E402
+    add_pairs,
     cycle_budgets,
     heldout_prompts,
     parted_at_near_tie,
     record_budgets,
     replay_budgets,
+    step_in_lockstep,
 )
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
@@ -175,18 +177,8 @@ def test_mapped_readback_gives_the_tokens_the_copy_to_the_host_gives(monkeypatch
     assert mapped.ahead.mapped and not copied.ahead.mapped
     assert mapped.ahead.info["mapped_readback"]
     prompts = heldout_prompts(random.Random(11), 4)
-    pairs = []
-    for i, (p, n) in enumerate(zip(prompts, (61, 13, 37, 48), strict=True)):
-        sp = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
-                            seed=i if temperature else None)  # fmt: skip
-        pairs.append((mapped.add_request(p, sp), copied.add_request(p, sp)))
-    steps = 0
-    while mapped.has_unfinished() or copied.has_unfinished():
-        mapped.step()
-        copied.step()
-        steps += 1
-        for a, b in pairs:
-            assert a.output_token_ids == b.output_token_ids, f"step {steps}: {a.request_id}"
+    pairs = add_pairs(mapped, copied, prompts, (61, 13, 37, 48), temperature)
+    step_in_lockstep(mapped, copied, pairs)
     assert mapped.ahead.ahead_used > 40 and len(mapped.ahead.mapped) >= 3
     sp = SamplingParams(temperature=temperature, max_tokens=200, ignore_eos=True,
                         seed=7 if temperature else None)  # fmt: skip
@@ -239,19 +231,13 @@ def test_step_graphs_writing_the_feed_ring_give_the_drafter_the_copys_rows(monke
         cycle_budgets(engines[m], [0] * 30 + [16, 0, 0, 8])
     graphed, copied = engines["1"], engines["0"]
     assert graphed.ahead.info["ring_in_graph"] and not copied.ahead.info["ring_in_graph"]
-    pairs = []
-    for p, n in zip(prompts, (700, 41, 600, 650), strict=True):
-        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        pairs.append((graphed.add_request(p, sp), copied.add_request(p, sp)))
-    steps = 0
-    while graphed.has_unfinished() or copied.has_unfinished():
-        graphed.step()
-        copied.step()
-        steps += 1
-        for a, b in pairs:
-            assert a.output_token_ids == b.output_token_ids, f"step {steps}: {a.request_id}"
+    pairs = add_pairs(graphed, copied, prompts, (700, 41, 600, 650))
+
+    def same_acceptance(step: int) -> None:
         hist = [e.spec_stats["accept_length_histogram"] for e in (graphed, copied)]
-        assert hist[0] == hist[1], f"step {steps}"
+        assert hist[0] == hist[1], f"step {step}"
+
+    step_in_lockstep(graphed, copied, pairs, same_acceptance)
     ring = graphed.spec.source.context._ring
     assert graphed.ahead.ahead_used > 50 and graphed.spec_stats["rounds"] >= 4
     assert ring.head > ring.rows, f"the ring must have lapped: {ring.head} ids, {ring.rows} rows"
