@@ -9,7 +9,11 @@ graph replays on the compute engine it adds two cross-engine waits; a copy kerne
 
 The question it answers (forty-third session): a DFlash engine's plain step measured ~14 us
 slower than a plain engine's at b=8 with the same GPU kernels (scripts/profile_budget0.py
---trace): is it the ring write's DMA between replays?
+--trace): is it the ring write's DMA between replays? (Yes: ~22 us at b=8 on the H100; since
+the forty-fourth session the DFlash engine's step graph writes the ring itself,
+TREEVERIFY_RING_IN_GRAPH, default 1. With it a DFlash engine's "replay" row includes that write
+and its "+ ring write" rows write twice: each row says which (`ring_in_graph`); gpu-round runs
+this script with the switch at 0, the question's form.)
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def measure(name: str, kw: dict, b: int) -> list[dict]:
     for v, fn in variants.items():
         us = back_to_back_seconds(fn, 300) * 1e6  # (each queues its work back to back)
         r = {"engine": name, "variant": v, "us_per_step": round(us, 2),
-             "copies": copies_in(fn)}  # fmt: skip
+             "copies": copies_in(fn), "ring_in_graph": llm.ahead.info["ring_in_graph"]}  # fmt: skip
         rows.append(r)
         print(f"{name:16s} {v:28s} {r['us_per_step']:8.2f} us  {r['copies']}", flush=True)
     return rows

@@ -21,13 +21,15 @@ from treeverify.engine.draft_context import DraftContextCache  # noqa: E402
 from treeverify.engine.feed_ring import FeedRing  # noqa: E402
 from treeverify.engine.ring_put import ring_put  # noqa: E402
 
-interpreted_kernels = cache_cleared(ring_put_module._kernel)
+interpreted_kernels = cache_cleared(ring_put_module._kernels)
 
 
-def test_device_head_and_rows_follow_the_hosts_lap_rule():
+@pytest.mark.parametrize("block", [1024, 8, 4], ids=["one-program", "programs-8", "programs-4"])
+def test_device_head_and_rows_follow_the_hosts_lap_rule(block):
     """Writes of 1..rows rows (some cross the ring's end and start at the next lap): the rows
     land where the copy puts them, the other rows keep what they held, and the device head equals
-    the host's after every write."""
+    the host's after every write; `block`: values a program copies (8 or 4 of a write's up to 55:
+    several programs, all reading the head before the second kernel moves it)."""
     rows, feats = 11, 5
     g = torch.Generator().manual_seed(3)
     copied, graphed = (FeedRing(rows, feats, torch.float32, torch.device("cpu")) for _ in "ab")
@@ -41,7 +43,7 @@ def test_device_head_and_rows_follow_the_hosts_lap_rule():
         lapped += copied.start_of(n) != copied.head
         want = copied.write(hidden)
         got = graphed.advance(n)  # the host's ids, taken before the "replay"
-        ring_put(hidden, graphed.buf, head)
+        ring_put(hidden, graphed.buf, head, block=block)
         assert got == want and int(head) == graphed.head == copied.head
         assert torch.equal(graphed.buf, copied.buf)
     assert lapped >= 3
@@ -69,6 +71,27 @@ def test_shapes_are_checked_by_name():
         ring_put(torch.zeros(3, 2).t(), ring.buf, head)
     with pytest.raises(ValueError, match="head \\(1,\\) torch.int32"):
         ring_put(torch.zeros(2, 3), ring.buf, torch.zeros(1, dtype=torch.int32))
+
+
+def test_graphs_write_the_ring_only_with_the_switch_and_triton(monkeypatch):
+    """Without Triton (an optional extra) the step graphs keep the copy, as every Triton kernel
+    here keeps its PyTorch path: a review found the engine refusing to start there."""
+    import sys
+
+    from treeverify.engine import ring_put as module
+    from treeverify.engine.ring_put import graphs_write_ring
+
+    monkeypatch.delenv("TREEVERIFY_RING_IN_GRAPH", raising=False)
+    assert graphs_write_ring()  # the default, Triton here
+    monkeypatch.setenv("TREEVERIFY_RING_IN_GRAPH", "0")
+    assert not graphs_write_ring()
+    monkeypatch.setenv("TREEVERIFY_RING_IN_GRAPH", "1")
+    monkeypatch.setitem(sys.modules, "triton", None)  # as where it is not installed
+    module.triton_available.cache_clear()  # (cached: asked once a process)
+    try:
+        assert not graphs_write_ring()
+    finally:
+        module.triton_available.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +131,7 @@ def test_rows_written_by_the_graph_give_the_context_the_copys_rows(drafter, lazy
             elif kind == "step":
                 want = copied.ring_write(rows)
                 got = graphed.ring_reserve(rows.shape[0])
-                ring_put(rows, ring.buf, ring.device_head)
+                ring_put(rows, ring.buf, ring.device_head, block=256)
                 assert got == want, seed
                 for c in (copied, graphed):
                     c.observe_ring([(rid, s, got + i) for i, (rid, s) in enumerate(items)])

@@ -216,6 +216,14 @@ class DecodeAhead(LaunchAhead):
                                     ) from exc  # fmt: skip
         return graph, tokens, hidden
 
+    def _reserve(self, b: int) -> int:
+        """The ids of the b rows the next replay writes into the ring (`reserve`, which the
+        engine sets with the ring: DraftContextCache.ring_reserve)."""
+        if self.reserve is None:
+            raise RuntimeError("DecodeAhead: the graphs write the feed ring, but nothing "
+                               "reserves their ids (set `reserve` with the ring)")  # fmt: skip
+        return self.reserve(b)
+
     def _put_in_ring(self, b: int) -> None:
         """With a ring: the step's (b, F) tapped rows into it at the device head (ring_put)."""
         if self.ring is not None:
@@ -345,11 +353,11 @@ class DecodeAhead(LaunchAhead):
             graph, tokens, hidden = self.steps[b]
             # the rows' ids taken before the replay writes them into the ring: what makes room
             # (spills, projections of rows it would overwrite) is queued ahead of it
-            first = None if self.ring is None else self.reserve(b)
+            first = None if self.ring is None else self._reserve(b)
             graph.replay()
             rows = self.mapped.get(b)
             # the graph turned its flip: mirrored at once, so a raise below (the feed ring's
-            # write may project or spill) cannot part host and device (a review)
+            # copy may project or spill) cannot part host and device (a review)
             written = rows.launched() if rows is not None else None
             kept = None
             if first is None:

@@ -44,6 +44,7 @@ from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
 from treeverify.engine.memory import check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
+from treeverify.engine.ring_put import graphs_write_ring
 from treeverify.engine.round_graphs import RoundGraphs
 from treeverify.engine.sampler import TokenLogprobs, sample, token_logprobs
 from treeverify.engine.sampling_params import SamplingParams
@@ -272,7 +273,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         feed = isinstance(source, DFlashSource) and env.feed_ring()
         ring = None
         sizes = [b for b in cfg.graph_batch_sizes if not capture or (b, 1) in graphs.steps]
-        if feed and capture and sizes and env.ring_in_graph():
+        if feed and capture and sizes and graphs_write_ring():
             # the step graphs write the rows into the ring themselves (engine/ring_put.py)
             source.context.enable_ring(max(sizes))
             ring = source.context.ring_for_graphs(
