@@ -16,7 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep import assert_same_state, cycle_budgets, kv_rows, record_budgets, replay_budgets
+from lockstep import (
+    add_pairs,
+    assert_same_state,
+    cycle_budgets,
+    kv_rows,
+    record_budgets,
+    replay_budgets,
+    step_in_lockstep,
+)
 from treeverify.engine.config import EngineConfig
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
@@ -184,21 +192,17 @@ def _dflash_lockstep(ahead: LLM, first: LLM, prompts: list[str], lens, *,
     tokens after every step, and the same round counts and accept lengths; with `same_state`,
     K/V and drafter context too (reading the context projects its pending rows: a test of the
     lazy projection compares rounds, whose drafts read the context, instead)."""
-    pairs = []
-    for p, n in zip(prompts, lens, strict=True):
-        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        pairs.append((ahead.add_request(p, sp), first.add_request(p, sp)))
-    steps = 0
-    while ahead.has_unfinished() or first.has_unfinished():
-        ahead.step()
-        first.step()
-        steps += 1
+    pairs = add_pairs(ahead, first, prompts, lens)
+
+    def same(steps: int) -> None:
         for a, b in pairs:
             _assert_same(ahead, a, first, b, f"step {steps}")
             if same_state and not a.is_finished:
                 assert_same_state(ahead, a, first, b, f"step {steps}")
         for k in ("rounds", "avg_spec_accept_length"):  # a draft from another context differs
             assert ahead.spec_stats[k] == first.spec_stats[k], f"step {steps}: {k}"
+
+    step_in_lockstep(ahead, first, pairs, same)
 
 
 @pytest.mark.parametrize("ring", ["1", "0"], ids=["feed-ring", "copies"])
@@ -339,3 +343,17 @@ def test_a_partial_take_gives_back_the_holds_of_the_sequences_it_leaves():
     assert steps.in_flight is None and steps.ahead_used == 1 and steps.ahead_partial == 1
     assert bm.num_held_slots(seqs[1]) == 0 and bm.num_free_pages > free  # B's page back
     assert bm.num_held_slots(seqs[0]) and bm.num_held_slots(seqs[2])
+
+
+def test_a_ring_the_graphs_write_needs_what_reserves_its_ids():
+    """A DecodeAhead whose captured steps write the feed ring (TREEVERIFY_RING_IN_GRAPH) is
+    refused without the context's `ring_reserve`: its launches would write rows no id names."""
+    import torch
+
+    from treeverify.engine.decode_ahead import DecodeAhead
+    from treeverify.engine.feed_ring import FeedRing
+
+    llm = _engine(decode_lookahead=True)
+    ring = FeedRing(16, 4, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="reserve: required"):
+        DecodeAhead(llm.ahead.graphs, llm.block_manager, [1], capture=True, ring=ring)

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,12 +106,16 @@ HOLE: list[int] = []  # a hole's page list in a staged table: one object, so tab
 
 class DecodeAhead(LaunchAhead):
     def __init__(self, graphs: CudaGraphs, bm: BlockManager, batch_sizes: list[int], *,
-                 capture: bool = True, moe_impl=None, ring: FeedRing | None = None):  # fmt: skip
+                 capture: bool = True, moe_impl=None, ring: FeedRing | None = None,
+                 reserve: Callable[[int], int] | None = None):  # fmt: skip
         """`graphs`: the engine's decode buckets (b, 1) (their stages, plans and forward are
         reused; on the CPU staged buckets, never captured); `moe_impl`: the runner's MoE-impl
-        setter (sync-free routing while capturing); `ring`: a DFlash context's feed ring that
-        the captured steps write their tapped rows into themselves (engine/ring_put.py; set
-        `reserve` to the context's `ring_reserve` before the first step)."""
+        setter (sync-free routing while capturing); `ring` and `reserve`: a DFlash context's
+        feed ring that the captured steps write their tapped rows into themselves
+        (engine/ring_put.py) and what gives each launch its rows' ids first
+        (DraftContextCache.ring_reserve)."""
+        if capture and ring is not None and reserve is None:
+            raise ValueError("reserve: required with a ring the step graphs write")
         self.graphs, self.bm = graphs, bm
         self.device = graphs.attention.cache.device
         self.state = RoundState(self.device, bm.page_size)
@@ -121,8 +126,7 @@ class DecodeAhead(LaunchAhead):
         # the fused end, or eagerly on the CPU; a captured PyTorch end takes greedy steps only
         self.sampling = self.fused_end or not capture
         self._sampled_now = False  # (eager: whether the staged requests sample)
-        self.batch_sizes = sorted(b for b in set(batch_sizes) if not capture
-                                  or (b, 1) in graphs.steps)  # fmt: skip
+        self.batch_sizes = self.sizes_made(graphs, batch_sizes, capture)
         # per bucket: the graph, its (b,) tokens and its (b, F) tapped hidden states (or None)
         self.steps: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         # per bucket two pinned token buffers + events, alternating: a step launched ahead
@@ -144,7 +148,7 @@ class DecodeAhead(LaunchAhead):
         # TREEVERIFY_RING_IN_GRAPH: the graphs write the rows into `ring` (ring_put), and each
         # launch first takes their ids from `reserve` (DraftContextCache.ring_reserve)
         self.ring = ring if capture else None
-        self.reserve = None
+        self.reserve = reserve
         self.holes = env.ahead_holes()  # finished rows become holes (module docstring)
         self.holed_rows = 0  # rows made holes so far
         t0 = time.perf_counter()
@@ -164,6 +168,12 @@ class DecodeAhead(LaunchAhead):
             log.info("greedy decode steps launched ahead: captured batch %s in %.2f s",
                      self.batch_sizes, time.perf_counter() - t0)  # fmt: skip
         self.capture_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def sizes_made(graphs: CudaGraphs, batch_sizes: list[int], capture: bool) -> list[int]:
+        """The batch buckets a DecodeAhead over `graphs` makes steps for: captured, those
+        whose decode bucket (b, 1) was captured; eager, all."""
+        return sorted(b for b in set(batch_sizes) if not capture or (b, 1) in graphs.steps)
 
     # ---- the step's device work ----------------------------------------------------------------
     def _body(self, b: int) -> torch.Tensor:
@@ -215,14 +225,6 @@ class DecodeAhead(LaunchAhead):
                                     f"launched ahead, batch={b}: {type(exc).__name__}: {exc}"
                                     ) from exc  # fmt: skip
         return graph, tokens, hidden
-
-    def _reserve(self, b: int) -> int:
-        """The ids of the b rows the next replay writes into the ring (`reserve`, which the
-        engine sets with the ring: DraftContextCache.ring_reserve)."""
-        if self.reserve is None:
-            raise RuntimeError("DecodeAhead: the graphs write the feed ring, but nothing "
-                               "reserves their ids (set `reserve` with the ring)")  # fmt: skip
-        return self.reserve(b)
 
     def _put_in_ring(self, b: int) -> None:
         """With a ring: the step's (b, F) tapped rows into it at the device head (ring_put)."""
@@ -353,7 +355,7 @@ class DecodeAhead(LaunchAhead):
             graph, tokens, hidden = self.steps[b]
             # the rows' ids taken before the replay writes them into the ring: what makes room
             # (spills, projections of rows it would overwrite) is queued ahead of it
-            first = None if self.ring is None else self._reserve(b)
+            first = None if self.ring is None else self.reserve(b)
             graph.replay()
             rows = self.mapped.get(b)
             # the graph turned its flip: mirrored at once, so a raise below (the feed ring's

@@ -270,24 +270,22 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             buckets = [(b, 1) for b in cfg.graph_batch_sizes]
             graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
         source = None if self.spec is None else self.spec.source
-        feed = isinstance(source, DFlashSource) and env.feed_ring()
-        ring = None
-        sizes = [b for b in cfg.graph_batch_sizes if not capture or (b, 1) in graphs.steps]
-        if feed and capture and sizes and graphs_write_ring():
-            # the step graphs write the rows into the ring themselves (engine/ring_put.py)
+        sizes = DecodeAhead.sizes_made(graphs, cfg.graph_batch_sizes, capture)
+        # its plain steps' tapped rows go into the context's feed ring (ids, not copies)
+        feed = isinstance(source, DFlashSource) and env.feed_ring() and bool(sizes)
+        ring = reserve = None
+        if feed:
             source.context.enable_ring(max(sizes))
-            ring = source.context.ring_for_graphs(
-                source.drafter.config.context_features, self.config.dtype, self.device
-            )
+            if capture and graphs_write_ring():  # written by the step graphs (ring_put)
+                ring = source.context.ring_for_graphs(
+                    source.drafter.config.context_features, self.config.dtype, self.device
+                )
+                reserve = source.context.ring_reserve
         self.ahead = DecodeAhead(graphs, self.block_manager, list(cfg.graph_batch_sizes),
-                                 capture=capture, moe_impl=self.runner._moe_impl,
-                                 ring=ring)  # fmt: skip
-        if feed and self.ahead.batch_sizes:
-            # its plain steps' tapped rows go into the context's feed ring (ids, not copies)
-            source.context.enable_ring(max(self.ahead.batch_sizes))
+                                 capture=capture, moe_impl=self.runner._moe_impl, ring=ring,
+                                 reserve=reserve)  # fmt: skip
+        if feed:
             self.ahead.sink = source.context.ring_write
-            if ring is not None:
-                self.ahead.reserve = source.context.ring_reserve
             if capture and source.context.ring_projection:  # its rows projected by replays
                 self.startup["ring_projection"] = source.context.capture_ring_projection(
                     source.drafter.config.context_features, self.config.dtype, self.device

@@ -88,12 +88,10 @@ def ring_put(hidden: torch.Tensor, buf: torch.Tensor, head: torch.Tensor,
         raise ValueError(f"ring_put: head {tuple(head.shape)} {head.dtype}; expected (1,) int64")
     if block < 1 or block & (block - 1):
         raise ValueError(f"block: expected a power of 2, got {block}")
+    import triton
+
     n, width = hidden.shape
     put_rows, advance = _kernels()
-    put_rows[(_cdiv(n * width, block),)](hidden, buf, head, n, width, buf.shape[0],
+    put_rows[(triton.cdiv(n * width, block),)](hidden, buf, head, n, width, buf.shape[0],
                                                BLOCK=block, num_warps=4)  # fmt: skip
     advance[(1,)](head, n, buf.shape[0], num_warps=1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
