@@ -225,6 +225,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_SPLIT_ORDER",
         "TREEVERIFY_CUDA_PDL",
         "TREEVERIFY_DECODE_GEMV_PDL",
+        "TREEVERIFY_SKINNY_GEMM",
         "TREEVERIFY_MOE_GEMV_SHARED",
         "TREEVERIFY_TRITON_PDL",
         "TREEVERIFY_DECODE_LOOKAHEAD",

@@ -27,6 +27,22 @@ def test_every_instance_compiles_without_spills(arch):
             assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_few_row_instance_compiles_without_spills(arch):
+    """skinny_gemm.cu's two row-tile counts, both dtypes: prebuilt by `treeverify kernels build`,
+    no spills, registers for 128-thread CTAs at full occupancy's reach."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from treeverify.kernels.cuda.jit import compile_variant
+    from treeverify.kernels.cuda.variants import DTYPES, SkinnyGemmVariant, all_variants
+
+    for dtype in DTYPES:
+        for mt in (1, 2):
+            v = SkinnyGemmVariant(mt, dtype)
+            assert v in all_variants(arch)
+            compiled = compile_variant(v, arch)
+            assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
+
+
 def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():
     w = torch.randn(8, 64).to(torch.bfloat16)
     x = torch.randn(3, 64).to(torch.bfloat16)
@@ -56,6 +72,53 @@ def test_launch_arguments_match_the_kernel_signature():
         if not is_ptr:
             assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
     assert [a.value for a in args[-2:]] == [8, 64]  # n, k
+
+
+def test_few_row_launch_arguments_match_the_kernel_signature():
+    """One argument per parameter of skinny_gemm, in order, of the declared C types."""
+    import re
+    from pathlib import Path
+
+    src = (Path(gemv_mod.__file__).parents[1] / "kernels" / "cuda" / "skinny_gemm.cu").read_text()
+    params = re.search(r"skinny_gemm\(([^)]*)\)", src).group(1).split(",")
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    args = gemv_mod.skinny_launch_args(x, w, None, torch.empty(5, 8, dtype=torch.bfloat16))
+    assert len(args) == len(params)
+    for a, p in zip(args, params, strict=True):
+        assert ("*" in p) == isinstance(a, ctypes.c_void_p), p
+        if "*" not in p:
+            assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
+    assert [args[2].value, args[-2].value, args[-1].value] == [5, 8, 64]  # m, n, k
+
+
+def test_few_row_dispatch_off_the_gpu_and_its_bad_operands():
+    x = torch.randn(17, 256).to(torch.bfloat16)
+    w = torch.randn(512, 256).to(torch.bfloat16)
+    assert not gemv_mod.uses_skinny(x, w)  # the CPU: F.linear
+    torch.testing.assert_close(gemv_mod.linear(x, w), torch.nn.functional.linear(x, w))
+    with pytest.raises(ValueError, match="x: expected"):
+        gemv_mod.skinny(torch.randn(1, 256).to(torch.bfloat16), w)  # one row: the GEMV's
+    with pytest.raises(ValueError, match="x: expected"):
+        gemv_mod.skinny(torch.randn(33, 256).to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="x: expected"):
+        gemv_mod.skinny(torch.randn(4, 48).to(torch.bfloat16), torch.randn(8, 48).bfloat16())
+    with pytest.raises(ValueError, match="weight: expected"):
+        gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), torch.randn(12, 64).bfloat16())
+    with pytest.raises(ValueError, match="bias: expected"):
+        gemv_mod.skinny(x, w, torch.randn(4).to(torch.bfloat16))
+
+
+def test_the_few_row_switch_is_read_and_checked(monkeypatch):
+    from treeverify import env
+
+    monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM", raising=False)
+    assert env.skinny_gemm() is False  # off until measured on a GPU
+    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "1")
+    assert env.skinny_gemm() is True
+    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "sometimes")
+    with pytest.raises(ValueError, match="TREEVERIFY_SKINNY_GEMM"):
+        env.skinny_gemm()
 
 
 def test_bad_operands_name_the_argument():

@@ -100,3 +100,130 @@ def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
         out.fill_(float("nan"))
         graph.replay()
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+# The few-row kernel (skinny_gemm.cu): tiny-code's layers, its drafter's fc, an odd size and the
+# 1B qkv past the dispatch's cap, at the row counts a verify forward and a drafter block run.
+SKINNY_SHAPES = [(512, 256), (256, 256), (1280, 256), (256, 640), (8192, 256), (256, 768),
+                 (1000, 96), (3072, 2048)]  # fmt: skip
+SKINNY_ROWS = [2, 5, 9, 16, 17, 32]
+
+
+@pytest.fixture
+def skinny_on(monkeypatch):
+    """TREEVERIFY_SKINNY_GEMM=1 for this test (the switch is read once a process: cache reset)."""
+    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "1")
+    gemv_mod.skinny_enabled.cache_clear()
+    yield
+    monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM")
+    gemv_mod.skinny_enabled.cache_clear()
+
+
+@pytest.mark.parametrize("n,k", SKINNY_SHAPES)
+@pytest.mark.parametrize("m", SKINNY_ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_few_row_kernel_matches_fp32_reference(n, k, m, dtype):
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if n % 3 == 0 else None
+    got = gemv_mod.skinny(x, w, b)
+    want = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    err = (got.float() - want).abs().max()
+    ref = (torch.nn.functional.linear(x, w, b).float() - want).abs().max()
+    assert err <= 2 * ref + 1e-3  # as close to fp32 as cuBLAS's own result
+    torch.testing.assert_close(gemv_mod.skinny(x, w, b), got, rtol=0, atol=0)  # deterministic
+
+
+def test_few_row_kernel_reads_only_its_rows_of_a_strided_x():
+    """x a view of every other row of a wider buffer (rows past M and between them hold NaN):
+    the result depends only on x's M rows."""
+    m, n, k = 17, 512, 256
+    buf = torch.full((2 * m + 8, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    x = buf[: 2 * m : 2]  # (M, K), row stride 2K
+    x.copy_(torch.randn(m, k, device="cuda").to(torch.bfloat16))
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    got = gemv_mod.skinny(x, w)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, gemv_mod.skinny(x.contiguous(), w), rtol=0, atol=0)
+
+
+def test_few_row_dispatch_and_graph_replay(skinny_on):
+    """`linear` takes the few-row kernel for 2..32 rows on small weights (cuBLAS past the cap,
+    past 32 rows, on K not a multiple of 32), and a captured call replays new inputs bit-equal
+    to the eager call."""
+    w = (torch.randn(512, 256, device="cuda") / 16).to(torch.bfloat16)
+    big = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)  # 16 MB > the cap
+    assert gemv_mod.uses_skinny(torch.randn(17, 256, device="cuda").bfloat16(), w)
+    assert not gemv_mod.uses_skinny(torch.randn(1, 256, device="cuda").bfloat16(), w)  # GEMV
+    assert not gemv_mod.uses_skinny(torch.randn(33, 256, device="cuda").bfloat16(), w)
+    assert not gemv_mod.uses_skinny(torch.randn(17, 4096, device="cuda").bfloat16(), big)
+    w48 = torch.randn(64, 48, device="cuda").bfloat16()
+    assert not gemv_mod.uses_skinny(torch.randn(4, 48, device="cuda").bfloat16(), w48)
+    x = torch.randn(17, 256, device="cuda").to(torch.bfloat16)
+    gemv_mod.linear(x, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv_mod.linear(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(17, 256, device="cuda").to(torch.bfloat16))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(y, gemv_mod.skinny(x, w), rtol=0, atol=0)
+
+
+def test_norm_then_few_row_chain_by_pdl_in_a_graph_reads_the_finished_norm(skinny_on):
+    """As the GEMV's chain test, for 17 rows through the few-row kernel (launched by PDL on
+    sm_90+, its weights loaded before it waits for the norm)."""
+    from treeverify.models.fused_ops import add_rmsnorm
+    from treeverify.models.layers import RMSNorm
+
+    h, m = 256, 17
+    norms = [RMSNorm(h, 1e-6).cuda().to(torch.bfloat16) for _ in range(2)]
+    for nm in norms:
+        nm.weight.data.uniform_(0.5, 1.5)
+    ws = [(torch.randn(h, h, device="cuda") / h**0.5).bfloat16() for _ in range(2)]
+    x = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+    res = torch.empty_like(x)
+
+    def chain():
+        y, r = add_rmsnorm(x, res, norms[0])
+        y = gemv_mod.linear(y, ws[0])
+        y, _ = add_rmsnorm(y, r, norms[1])
+        return gemv_mod.linear(y, ws[1])
+
+    x.normal_(), res.normal_()
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(5):
+        x.normal_(), res.normal_()
+        want = chain().clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_tiny_code_forward_with_the_few_row_kernel_matches_cublas(skinny_on, monkeypatch):
+    """tiny-code's 17-row forward (a budget-16 verify's row count), fused as the engine runs it,
+    with every linear on the few-row kernel against the same forward on cuBLAS: logits within
+    bf16 rounding, the same argmax where cuBLAS's top two logits are apart."""
+    from treeverify.models import load_model
+
+    _, model, _ = load_model("tiny-code", dtype=torch.bfloat16, device="cuda")
+    model.fuse_for_inference()
+    ids = torch.randint(3, model.config.vocab_size, (17,), device="cuda")
+    pos = torch.arange(17, device="cuda")
+    with torch.no_grad():
+        assert gemv_mod.skinny_enabled()
+        got = model(ids, pos)
+        monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "0")
+        gemv_mod.skinny_enabled.cache_clear()
+        want = model(ids, pos)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert clear.any()
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])

@@ -21,6 +21,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   launch on sm_90+: ``auto`` (default; where the forward grid fits in one wave, v13b: 1.04-1.09x
   on the small cases, while on multi-wave grids the merge's early CTAs took SM slots from the
   forward, 0.93x), ``1`` (always) or ``0`` (never).
+- ``TREEVERIFY_SKINNY_GEMM``: ``1`` runs linear layers of 2..32 rows on small weights with the
+  few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu) instead of cuBLAS;
+  default ``0`` until measured.
 - ``TREEVERIFY_DECODE_GEMV_PDL``: the decode GEMV (models/gemv.py) by programmatic dependent
   launch on sm_90+, its weight loads overlapping the kernel before it: ``auto`` (default, on),
   ``1`` or ``0`` (plain launches, A/B runs).
@@ -209,6 +212,9 @@ VARIABLES: dict[str, str] = {
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
+    "TREEVERIFY_SKINNY_GEMM": "1: linear layers of 2..32 rows on weights <= 8 MB (a batch-1 "
+    "verify forward, a drafter's block) by the few-row tensor-core kernel instead of cuBLAS; "
+    "default 0 (off until measured).",
     "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "
     "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
     "TREEVERIFY_TRITON_PDL": "1: the decode path's Triton kernels by programmatic dependent "
@@ -533,6 +539,14 @@ def decode_gemv() -> bool:
     """TREEVERIFY_DECODE_GEMV: 0 turns the decode GEMV (models/gemv.py) off, every linear layer
     back on cuBLAS (an A/B, or an escape hatch); default on. Read once per process."""
     return _switch("TREEVERIFY_DECODE_GEMV", "1")
+
+
+def skinny_gemm() -> bool:
+    """TREEVERIFY_SKINNY_GEMM: 1 runs linear layers of 2..32 rows on small weights with the
+    few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu: a batch-1 verify
+    forward's 17 rows, a drafter's 16) instead of cuBLAS; default 0 until measured on a GPU.
+    Read once per process."""
+    return _switch("TREEVERIFY_SKINNY_GEMM", "0")
 
 
 def decode_gemv_pdl() -> str:

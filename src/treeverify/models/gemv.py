@@ -13,6 +13,14 @@ deterministic order per shape, the same eager and inside a CUDA graph). Anything
 more rows, a larger weight, fp32, an unaligned or strided operand, no cuda-python) is F.linear,
 as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 
+Rows 2..SKINNY_MAX_ROWS (32) against a weight of at most SKINNY_MAX_BYTES, with
+TREEVERIFY_SKINNY_GEMM=1 (off by default until measured), run kernels/cuda/skinny_gemm.cu
+instead: a batch-1 verify forward (a budget-16 tree is 17 rows) and a DFlash drafter's block
+(16 rows) multiply a few rows by small weights, where cuBLAS takes ~2.7-3.2 us a call on
+tiny-code's 0.1-4 MB weights against the one-row GEMV's ~1.7-2.2 (H200, 173907b's bench): launch
+and latency, not bytes. One CTA per eight outputs, its four warps splitting K over tensor-core
+MMAs, fp32 sums added in a fixed order.
+
 On sm_90+ the kernel goes out by programmatic dependent launch (models/pdl.py `decode_gemv`,
 TREEVERIFY_DECODE_GEMV_PDL): its weights depend on no earlier kernel, so it loads its first
 weight tile while the kernel in front of it (a Triton norm or activation, which signals its
@@ -39,6 +47,11 @@ from treeverify.models import pdl
 GEMV_MAX_ROWS = 1
 GEMV_MAX_BYTES = 16 << 20
 ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
+# The few-row kernel (skinny_gemm.cu): up to two m16 tiles of rows; one CTA per 8 outputs.
+SKINNY_MAX_ROWS = 32
+SKINNY_MAX_BYTES = 8 << 20
+SKINNY_OUTPUTS_PER_CTA = 8
+SKINNY_K_MULTIPLE = 32  # a lane's 16-byte vector of each 32-column chunk
 
 
 @functools.cache
@@ -48,6 +61,24 @@ def enabled() -> bool:
     from treeverify.kernels.api import cuda_backend_available
 
     return env.decode_gemv() and torch.cuda.is_available() and cuda_backend_available()
+
+
+@functools.cache
+def skinny_enabled() -> bool:
+    """TREEVERIFY_SKINNY_GEMM on, a GPU, and cuda-python (read once a process)."""
+    from treeverify import env
+    from treeverify.kernels.api import cuda_backend_available
+
+    return env.skinny_gemm() and torch.cuda.is_available() and cuda_backend_available()
+
+
+@functools.cache
+def _skinny_kernel(device_index: int, mt: int, dtype: torch.dtype):
+    from treeverify.kernels.cuda.launch import load
+    from treeverify.kernels.cuda.variants import SkinnyGemmVariant
+
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return load(SkinnyGemmVariant(mt, name), torch.device("cuda", device_index))
 
 
 @functools.cache
@@ -80,11 +111,31 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs the few-row kernel for this input (see the module docstring)."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2):
+        return False
+    return (
+        2 <= x.shape[0] <= SKINNY_MAX_ROWS
+        and weight.numel() * weight.element_size() <= SKINNY_MAX_BYTES
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.shape[1] % SKINNY_K_MULTIPLE == 0
+        and weight.shape[0] % SKINNY_OUTPUTS_PER_CTA == 0
+        and _aligned(x)
+        and _aligned(weight)
+        and skinny_enabled()
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): (M, K) x (N, K) -> (M, N), by the GEMV for decode-sized M."""
-    if not uses_gemv(x, weight):
-        return F.linear(x, weight, bias)
-    return gemv(x, weight, bias)
+    """F.linear(x, weight, bias): (M, K) x (N, K) -> (M, N), by the GEMV for decode-sized M
+    and the few-row kernel for 2..32 rows where switched on."""
+    if uses_gemv(x, weight):
+        return gemv(x, weight, bias)
+    if uses_skinny(x, weight):
+        return skinny(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,6 +162,44 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The few-row kernel itself: x (2..SKINNY_MAX_ROWS, K) and weight (N, K) aligned as
+    `uses_skinny` requires (K a multiple of 32, N of 8), bias (N,) or None -> y (M, N) on the
+    current stream (no sync; allocates y). Any weight size: the benchmark times it past the
+    dispatch's cap."""
+    m, k = x.shape
+    if not 2 <= m <= SKINNY_MAX_ROWS or weight.shape[1] != k or k % SKINNY_K_MULTIPLE:
+        raise ValueError(f"x: expected (M in 2..{SKINNY_MAX_ROWS}, {weight.shape[1]}) with K a "
+                         f"multiple of {SKINNY_K_MULTIPLE}, got {tuple(x.shape)}")  # fmt: skip
+    n = weight.shape[0]
+    if n % SKINNY_OUTPUTS_PER_CTA:
+        raise ValueError(f"weight: expected N a multiple of {SKINNY_OUTPUTS_PER_CTA}, got {n}")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias: expected ({n},) contiguous, got {tuple(bias.shape)}")
+    y = x.new_empty(m, n)
+    args = skinny_launch_args(x, weight, bias, y)
+    dev = x.device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    kernel = _skinny_kernel(index, 1 if m <= 16 else 2, x.dtype)
+    grid = (n // SKINNY_OUTPUTS_PER_CTA, 1, 1)
+    with torch.cuda.device(dev):
+        kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,
+                      programmatic=pdl.decode_gemv(index))  # fmt: skip
+    return y
+
+
+def skinny_launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       y: torch.Tensor) -> list:  # fmt: skip
+    """skinny_gemm's parameters in its signature's order (tests/test_gemv.py counts them)."""
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+    return [
+        ptr(x.data_ptr()), i64(x.stride(0)), i32(x.shape[0]),
+        ptr(weight.data_ptr()), i64(weight.stride(0)),
+        ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i64(y.stride(0)),
+        i32(weight.shape[0]), i32(x.shape[1]),
+    ]  # fmt: skip
+
+
 def launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 y: torch.Tensor) -> list:  # fmt: skip
     """decode_gemv's parameters in its signature's order (tests/test_gemv.py counts them)."""
@@ -126,8 +215,10 @@ def describe() -> str:
     """One line for the startup log and /server_info: which linear path decode rows take."""
     if not enabled():
         return "decode GEMV off (TREEVERIFY_DECODE_GEMV=0, no GPU or no cuda-python): cuBLAS"
+    few = (f"2-{SKINNY_MAX_ROWS} rows x weights <= {SKINNY_MAX_BYTES >> 20} MB few-row kernel"
+           if skinny_enabled() else "few-row kernel off (TREEVERIFY_SKINNY_GEMM=0)")  # fmt: skip
     return (f"decode GEMV on: {GEMV_MAX_ROWS} row x weights <= {GEMV_MAX_BYTES >> 20} MB; "
-            "other linears cuBLAS")  # fmt: skip
+            f"{few}; other linears cuBLAS")  # fmt: skip
 
 
 class Linear(nn.Linear):

@@ -461,6 +461,28 @@ class DecodeGemvVariant:
         return f"treeverify::decode_gemv<{self.m},{'true' if self.dtype == 'bf16' else 'false'}>"
 
 
+@dataclass(frozen=True)
+class SkinnyGemmVariant:
+    """skinny_gemm<MT, BF16> (skinny_gemm.cu): y = x W^T for 2..16*MT rows, one CTA per eight
+    outputs, its four warps splitting K over m16n8k16 MMAs (models/gemv.py)."""
+
+    mt: int  # m16 tiles of rows: 1 (M <= 16) or 2 (M <= 32)
+    dtype: str  # "bf16" | "fp16"
+    threads: int = 128  # kSkinnyWarps x 32
+    smem_bytes: int = 0  # static: the warps' partial tiles
+    defines: tuple[str, ...] = ()
+    source_file: str = "skinny_gemm.cu"
+    fast_math: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"skinny_gemm_mt{self.mt}_{self.dtype}"
+
+    @property
+    def expr(self) -> str:
+        return f"treeverify::skinny_gemm<{self.mt},{'true' if self.dtype == 'bf16' else 'false'}>"
+
+
 Variant = (
     FwdVariant
     | MlaSm90Variant
@@ -472,6 +494,7 @@ Variant = (
     | DDTreeTopkVariant
     | RoundStateVariant
     | DecodeGemvVariant
+    | SkinnyGemmVariant
 )
 
 
@@ -574,4 +597,5 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
     out += [DecodeGemvVariant(1, dtype) for dtype in DTYPES]  # models/gemv.py GEMV_MAX_ROWS
+    out += [SkinnyGemmVariant(mt, dtype) for mt in (1, 2) for dtype in DTYPES]  # SKINNY_MAX_ROWS
     return out
