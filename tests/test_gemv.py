@@ -107,6 +107,8 @@ def test_few_row_dispatch_off_the_gpu_and_its_bad_operands():
         gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), torch.randn(12, 64).bfloat16())
     with pytest.raises(ValueError, match="bias: expected"):
         gemv_mod.skinny(x, w, torch.randn(4).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="x: expected 16-byte"):
+        gemv_mod.skinny(torch.randn(17, 264).to(torch.bfloat16)[:, 4:260], w)
 
 
 def test_the_few_row_switch_is_read_and_checked(monkeypatch):

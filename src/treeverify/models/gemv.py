@@ -174,6 +174,9 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = weight.shape[0]
     if n % SKINNY_OUTPUTS_PER_CTA:
         raise ValueError(f"weight: expected N a multiple of {SKINNY_OUTPUTS_PER_CTA}, got {n}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not _aligned(t):  # the kernel's 16-byte loads
+            raise ValueError(f"{name}: expected 16-byte aligned rows with contiguous columns")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias: expected ({n},) contiguous, got {tuple(bias.shape)}")
     y = x.new_empty(m, n)
