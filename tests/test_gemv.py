@@ -29,15 +29,16 @@ def test_every_instance_compiles_without_spills(arch):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_few_row_instance_compiles_without_spills(arch):
-    """skinny_gemm.cu's two row-tile counts, both dtypes: prebuilt by `treeverify kernels build`,
-    no spills, registers for 128-thread CTAs at full occupancy's reach."""
+    """skinny_gemm.cu's four row-tile counts, both dtypes: prebuilt by `treeverify kernels
+    build`, no spills, at most 128 registers (the first version's 92 at 32 rows halved the CTAs
+    an SM held: the 1024-CTA lm_head ran two waves)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from treeverify.kernels.cuda.jit import compile_variant
     from treeverify.kernels.cuda.variants import DTYPES, SkinnyGemmVariant, all_variants
 
     for dtype in DTYPES:
-        for mt in (1, 2):
-            v = SkinnyGemmVariant(mt, dtype)
+        for nt in (1, 2, 3, 4):
+            v = SkinnyGemmVariant(nt, dtype)
             assert v in all_variants(arch)
             compiled = compile_variant(v, arch)
             assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
@@ -82,14 +83,14 @@ def test_few_row_launch_arguments_match_the_kernel_signature():
     src = (Path(gemv_mod.__file__).parents[1] / "kernels" / "cuda" / "skinny_gemm.cu").read_text()
     params = re.search(r"skinny_gemm\(([^)]*)\)", src).group(1).split(",")
     x = torch.randn(5, 64).to(torch.bfloat16)
-    w = torch.randn(8, 64).to(torch.bfloat16)
-    args = gemv_mod.skinny_launch_args(x, w, None, torch.empty(5, 8, dtype=torch.bfloat16))
+    w = torch.randn(16, 64).to(torch.bfloat16)
+    args = gemv_mod.skinny_launch_args(x, w, None, torch.empty(5, 16, dtype=torch.bfloat16))
     assert len(args) == len(params)
     for a, p in zip(args, params, strict=True):
         assert ("*" in p) == isinstance(a, ctypes.c_void_p), p
         if "*" not in p:
             assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
-    assert [args[2].value, args[-2].value, args[-1].value] == [5, 8, 64]  # m, n, k
+    assert [args[2].value, args[-2].value, args[-1].value] == [5, 16, 64]  # m, n, k
 
 
 def test_few_row_dispatch_off_the_gpu_and_its_bad_operands():
@@ -102,9 +103,9 @@ def test_few_row_dispatch_off_the_gpu_and_its_bad_operands():
     with pytest.raises(ValueError, match="x: expected"):
         gemv_mod.skinny(torch.randn(33, 256).to(torch.bfloat16), w)
     with pytest.raises(ValueError, match="x: expected"):
-        gemv_mod.skinny(torch.randn(4, 48).to(torch.bfloat16), torch.randn(8, 48).bfloat16())
+        gemv_mod.skinny(torch.randn(4, 48).to(torch.bfloat16), torch.randn(16, 48).bfloat16())
     with pytest.raises(ValueError, match="weight: expected"):
-        gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), torch.randn(12, 64).bfloat16())
+        gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), torch.randn(24, 64).bfloat16())
     with pytest.raises(ValueError, match="bias: expected"):
         gemv_mod.skinny(x, w, torch.randn(4).to(torch.bfloat16))
     with pytest.raises(ValueError, match="x: expected 16-byte"):

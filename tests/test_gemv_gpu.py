@@ -105,8 +105,8 @@ def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
 # The few-row kernel (skinny_gemm.cu): tiny-code's layers, its drafter's fc, an odd size and the
 # 1B qkv past the dispatch's cap, at the row counts a verify forward and a drafter block run.
 SKINNY_SHAPES = [(512, 256), (256, 256), (1280, 256), (256, 640), (8192, 256), (256, 768),
-                 (1000, 96), (3072, 2048)]  # fmt: skip
-SKINNY_ROWS = [2, 5, 9, 16, 17, 32]
+                 (1008, 96), (3072, 2048)]  # fmt: skip
+SKINNY_ROWS = [2, 5, 8, 9, 16, 17, 24, 25, 32]
 
 
 @pytest.fixture
@@ -153,11 +153,13 @@ def test_few_row_dispatch_and_graph_replay(skinny_on):
     past 32 rows, on K not a multiple of 32), and a captured call replays new inputs bit-equal
     to the eager call."""
     w = (torch.randn(512, 256, device="cuda") / 16).to(torch.bfloat16)
-    big = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)  # 16 MB > the cap
+    big = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16)  # 4 MB > the cap
     assert gemv_mod.uses_skinny(torch.randn(17, 256, device="cuda").bfloat16(), w)
     assert not gemv_mod.uses_skinny(torch.randn(1, 256, device="cuda").bfloat16(), w)  # GEMV
     assert not gemv_mod.uses_skinny(torch.randn(33, 256, device="cuda").bfloat16(), w)
-    assert not gemv_mod.uses_skinny(torch.randn(17, 4096, device="cuda").bfloat16(), big)
+    assert not gemv_mod.uses_skinny(torch.randn(17, 1024, device="cuda").bfloat16(), big)
+    w24 = torch.randn(24, 256, device="cuda").bfloat16()  # N not a multiple of 16
+    assert not gemv_mod.uses_skinny(torch.randn(4, 256, device="cuda").bfloat16(), w24)
     w48 = torch.randn(64, 48, device="cuda").bfloat16()
     assert not gemv_mod.uses_skinny(torch.randn(4, 48, device="cuda").bfloat16(), w48)
     x = torch.randn(17, 256, device="cuda").to(torch.bfloat16)

@@ -18,8 +18,9 @@ TREEVERIFY_SKINNY_GEMM=1 (off by default until measured), run kernels/cuda/skinn
 instead: a batch-1 verify forward (a budget-16 tree is 17 rows) and a DFlash drafter's block
 (16 rows) multiply a few rows by small weights, where cuBLAS takes ~2.7-3.2 us a call on
 tiny-code's 0.1-4 MB weights against the one-row GEMV's ~1.7-2.2 (H200, 173907b's bench): launch
-and latency, not bytes. One CTA per eight outputs, its four warps splitting K over tensor-core
-MMAs, fp32 sums added in a fixed order.
+and latency, not bytes. One CTA per sixteen outputs, its four warps splitting K over
+tensor-core MMAs (x's rows the MMA's n dimension, in tiles of 8), fp32 sums added in a fixed
+order.
 
 On sm_90+ the kernel goes out by programmatic dependent launch (models/pdl.py `decode_gemv`,
 TREEVERIFY_DECODE_GEMV_PDL): its weights depend on no earlier kernel, so it loads its first
@@ -47,10 +48,12 @@ from treeverify.models import pdl
 GEMV_MAX_ROWS = 1
 GEMV_MAX_BYTES = 16 << 20
 ROWS_PER_CTA = 8  # kGemvWarps in decode_gemv.cu: one warp per weight row
-# The few-row kernel (skinny_gemm.cu): up to two m16 tiles of rows; one CTA per 8 outputs.
+# The few-row kernel (skinny_gemm.cu): up to four n8 tiles of rows; one CTA per 16 outputs.
+# Its first version beat cuBLAS on tiny-code's <= 0.7 MB weights at 2-16 rows and lost on the
+# 4.2 MB lm_head (0.6-0.99x) and on the 1B / 8B shapes (0.27-0.88x; H100, e3f2922).
 SKINNY_MAX_ROWS = 32
-SKINNY_MAX_BYTES = 8 << 20
-SKINNY_OUTPUTS_PER_CTA = 8
+SKINNY_MAX_BYTES = 2 << 20
+SKINNY_OUTPUTS_PER_CTA = 16
 SKINNY_K_MULTIPLE = 32  # a lane's 16-byte vector of each 32-column chunk
 
 
@@ -73,12 +76,12 @@ def skinny_enabled() -> bool:
 
 
 @functools.cache
-def _skinny_kernel(device_index: int, mt: int, dtype: torch.dtype):
+def _skinny_kernel(device_index: int, nt: int, dtype: torch.dtype):
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import SkinnyGemmVariant
 
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    return load(SkinnyGemmVariant(mt, name), torch.device("cuda", device_index))
+    return load(SkinnyGemmVariant(nt, name), torch.device("cuda", device_index))
 
 
 @functools.cache
@@ -183,7 +186,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     args = skinny_launch_args(x, weight, bias, y)
     dev = x.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = _skinny_kernel(index, 1 if m <= 16 else 2, x.dtype)
+    kernel = _skinny_kernel(index, -(-m // 8), x.dtype)  # n8 tiles of rows
     grid = (n // SKINNY_OUTPUTS_PER_CTA, 1, 1)
     with torch.cuda.device(dev):
         kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,

@@ -4,9 +4,12 @@
 // multiply a handful of rows by small weights (tiny-code: 0.1-4 MB). cuBLAS takes ~2.7-3.2 us a
 // call there on the H200 (scripts/gemv_bench.py), ~1 us more than the one-row GEMV: the work is
 // a few hundred ns of tensor-core time, so the call is launch and latency. Here one CTA owns
-// eight outputs (an n8 tile of W's rows) for every row of x: its four warps split K, each runs
-// m16n8k16 MMAs (mma.sync: sm_80 and up) over its share, and warp 0 adds the four partial tiles
-// in a fixed order (deterministic; no atomics; the same eager and inside a CUDA graph).
+// sixteen outputs (W's rows as the MMA's m dimension) for every row of x (its n dimension, in
+// n8 tiles): its four warps split K, each runs m16n8k16 MMAs (mma.sync: sm_80 and up) over its
+// share, and warp 0 adds the four partial tiles in a fixed order (deterministic; no atomics; the
+// same eager and inside a CUDA graph). A first version with x's rows as the m dimension (m16
+// tiles, eight outputs a CTA) lost to cuBLAS from 17 rows on (two m16 tiles: 32 rows padded,
+// 92 registers; H100, e3f2922).
 //
 // Fragments without ldmatrix or shared memory: the MMA sums over its 16 k indices in any order,
 // so a k-step need not take 16 consecutive columns, only the same 16 for x and W. For a 32-column
@@ -14,7 +17,7 @@
 // rows, columns [32c + 8q, 32c + 8q + 8): words 0-1 feed the chunk's first k-step (its k pairs
 // 2q and 2q + 8), words 2-3 the second. Both operands use that mapping, so the products pair up.
 //
-// Requires K % 32 == 0, N % 8 == 0 and 16-byte aligned rows (the launcher checks). Rows of x past
+// Requires K % 32 == 0, N % 16 == 0 and 16-byte aligned rows (the launcher checks). Rows of x past
 // M are read as zeros and never stored.
 
 #include <cuda_bf16.h>
@@ -54,13 +57,13 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a
 }
 
 template <bool BF16>
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+__device__ __forceinline__ unsigned short to_bits(float f) {
   if constexpr (BF16) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
+    __nv_bfloat16 h = __float2bfloat16_rn(f);
+    return *reinterpret_cast<unsigned short*>(&h);
   } else {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
+    __half h = __float2half_rn(f);
+    return *reinterpret_cast<unsigned short*>(&h);
   }
 }
 
@@ -74,64 +77,70 @@ __device__ __forceinline__ float bias_at(const unsigned short* bias, int col) {
   }
 }
 
-// MT m16 tiles of x rows (M <= 16 * MT).
-template <int MT, bool BF16>
+// NT n8 tiles of x rows (M <= 8 * NT). The MMA's m dimension is the CTA's 16 outputs (weight
+// rows o0 + g and o0 + g + 8), its n dimension x's rows: a 17-row verify pads to 24, not 32, and
+// a CTA of 16 outputs loads each chunk of x once for twice the outputs.
+template <int NT, bool BF16>
 __global__ void __launch_bounds__(kSkinnyWarps * 32)
     skinny_gemm(const unsigned short* __restrict__ x, long long x_stride, int m,
                 const unsigned short* __restrict__ w, long long w_stride,
                 const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
                 long long y_stride, int n, int k) {
-  __shared__ float partials[kSkinnyWarps - 1][MT][4][32];  // warps 1.. -> warp 0
+  constexpr int U = NT <= 2 ? 4 : 2;  // chunks in flight a warp (registers: W 8U, x 4U NT)
+  __shared__ float partials[kSkinnyWarps - 1][NT][4][32];  // warps 1.. -> warp 0
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int q = lane & 3, g = lane >> 2;  // k-group; row within 8 (of W's tile and of x's)
-  const int n0 = blockIdx.x * 8;
+  const int q = lane & 3, g = lane >> 2;  // k-group; row within 8
+  const int o0 = blockIdx.x * 16;
   const int chunks = k >> 5;
-  // lane's vector of chunk c: W row n0 + g, x row r, at vector index 4c + q
-  const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<long long>(n0 + g) * w_stride);
-  float acc[MT][4];
+  // lane's vector of chunk c: W rows o0 + g and o0 + g + 8, x rows 8t + g, at index 4c + q
+  const uint4* wlo = reinterpret_cast<const uint4*>(w + static_cast<long long>(o0 + g) * w_stride);
+  const uint4* whi = wlo + w_stride;  // 8 rows on: 8 * w_stride elements = w_stride vectors
+  float acc[NT][4];
 #pragma unroll
-  for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 
   // The weights depend on no earlier kernel: the first chunks' loads go out before the
   // programmatic-launch wait (models/gemv.py); x is read after it.
-  uint4 wv[kSkinnyUnroll];
+  uint4 wa[U], wb[U];
   const uint4 zero = make_uint4(0, 0, 0, 0);
   int c0 = warp;
 #pragma unroll
-  for (int u = 0; u < kSkinnyUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int c = c0 + u * kSkinnyWarps;
-    wv[u] = c < chunks ? skinny_ld_stream(wr + 4 * c + q) : zero;
+    wa[u] = c < chunks ? skinny_ld_stream(wlo + 4 * c + q) : zero;
+    wb[u] = c < chunks ? skinny_ld_stream(whi + 4 * c + q) : zero;
   }
   pdl_wait();
   pdl_trigger();
-  for (; c0 < chunks; c0 += kSkinnyUnroll * kSkinnyWarps) {
+  for (; c0 < chunks; c0 += U * kSkinnyWarps) {
     if (c0 != warp) {
 #pragma unroll
-      for (int u = 0; u < kSkinnyUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int c = c0 + u * kSkinnyWarps;
-        wv[u] = c < chunks ? skinny_ld_stream(wr + 4 * c + q) : zero;
+        wa[u] = c < chunks ? skinny_ld_stream(wlo + 4 * c + q) : zero;
+        wb[u] = c < chunks ? skinny_ld_stream(whi + 4 * c + q) : zero;
       }
     }
-    uint4 xv[kSkinnyUnroll][2 * MT];  // rows g + 8j of x, j = 0 .. 2MT-1
+    uint4 xv[U][NT];  // x row 8t + g
 #pragma unroll
-    for (int u = 0; u < kSkinnyUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = c0 + u * kSkinnyWarps;
 #pragma unroll
-      for (int j = 0; j < 2 * MT; ++j) {
-        const int r = g + 8 * j;
-        xv[u][j] = (c < chunks && r < m)
+      for (int t = 0; t < NT; ++t) {
+        const int r = 8 * t + g;
+        xv[u][t] = (c < chunks && r < m)
                        ? __ldg(reinterpret_cast<const uint4*>(x + r * x_stride) + 4 * c + q)
                        : zero;
       }
     }
 #pragma unroll
-    for (int u = 0; u < kSkinnyUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (c0 + u * kSkinnyWarps < chunks) {
+        const uint4 lo = wa[u], hi = wb[u];  // outputs o0 + g and o0 + g + 8
 #pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          const uint4 lo = xv[u][2 * t], hi = xv[u][2 * t + 1];  // rows g and g + 8 of tile t
-          mma_16816<BF16>(acc[t], lo.x, hi.x, lo.y, hi.y, wv[u].x, wv[u].y);  // first k-step
-          mma_16816<BF16>(acc[t], lo.z, hi.z, lo.w, hi.w, wv[u].z, wv[u].w);  // second
+        for (int t = 0; t < NT; ++t) {
+          mma_16816<BF16>(acc[t], lo.x, hi.x, lo.y, hi.y, xv[u][t].x, xv[u][t].y);  // k-step 1
+          mma_16816<BF16>(acc[t], lo.z, hi.z, lo.w, hi.w, xv[u][t].z, xv[u][t].w);  // k-step 2
         }
       }
     }
@@ -139,7 +148,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
 
   if (warp > 0) {
 #pragma unroll
-    for (int t = 0; t < MT; ++t)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int i = 0; i < 4; ++i) partials[warp - 1][t][i][lane] = acc[t][i];
   }
@@ -148,25 +157,26 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
 #pragma unroll
   for (int p = 0; p < kSkinnyWarps - 1; ++p)
 #pragma unroll
-    for (int t = 0; t < MT; ++t)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][i] += partials[p][t][i][lane];
-  // C fragment: c0, c1 at row g, columns 2q, 2q + 1 of the tile; c2, c3 at row g + 8
-  const int col = n0 + 2 * q;
-  float b0 = 0.f, b1 = 0.f;
+  // D fragment: d0, d1 at output o0 + g, x rows 8t + 2q and 8t + 2q + 1; d2, d3 at o0 + g + 8
+  float b_lo = 0.f, b_hi = 0.f;
   if (bias != nullptr) {
-    b0 = bias_at<BF16>(bias, col);
-    b1 = bias_at<BF16>(bias, col + 1);
+    b_lo = bias_at<BF16>(bias, o0 + g);
+    b_hi = bias_at<BF16>(bias, o0 + g + 8);
   }
 #pragma unroll
-  for (int t = 0; t < MT; ++t) {
-    const int r0 = 16 * t + g, r1 = r0 + 8;
-    if (r0 < m)
-      *reinterpret_cast<unsigned*>(y + r0 * y_stride + col) =
-          pack2<BF16>(acc[t][0] + b0, acc[t][1] + b1);
-    if (r1 < m)
-      *reinterpret_cast<unsigned*>(y + r1 * y_stride + col) =
-          pack2<BF16>(acc[t][2] + b0, acc[t][3] + b1);
+  for (int t = 0; t < NT; ++t) {
+    const int r0 = 8 * t + 2 * q, r1 = r0 + 1;
+    if (r0 < m) {
+      y[r0 * y_stride + o0 + g] = to_bits<BF16>(acc[t][0] + b_lo);
+      y[r0 * y_stride + o0 + g + 8] = to_bits<BF16>(acc[t][2] + b_hi);
+    }
+    if (r1 < m) {
+      y[r1 * y_stride + o0 + g] = to_bits<BF16>(acc[t][1] + b_lo);
+      y[r1 * y_stride + o0 + g + 8] = to_bits<BF16>(acc[t][3] + b_hi);
+    }
   }
 }
 

@@ -463,10 +463,10 @@ class DecodeGemvVariant:
 
 @dataclass(frozen=True)
 class SkinnyGemmVariant:
-    """skinny_gemm<MT, BF16> (skinny_gemm.cu): y = x W^T for 2..16*MT rows, one CTA per eight
+    """skinny_gemm<NT, BF16> (skinny_gemm.cu): y = x W^T for 2..8*NT rows, one CTA per sixteen
     outputs, its four warps splitting K over m16n8k16 MMAs (models/gemv.py)."""
 
-    mt: int  # m16 tiles of rows: 1 (M <= 16) or 2 (M <= 32)
+    nt: int  # n8 tiles of x rows: 1..4 (M <= 8 NT)
     dtype: str  # "bf16" | "fp16"
     threads: int = 128  # kSkinnyWarps x 32
     smem_bytes: int = 0  # static: the warps' partial tiles
@@ -476,11 +476,11 @@ class SkinnyGemmVariant:
 
     @property
     def name(self) -> str:
-        return f"skinny_gemm_mt{self.mt}_{self.dtype}"
+        return f"skinny_gemm_nt{self.nt}_{self.dtype}"
 
     @property
     def expr(self) -> str:
-        return f"treeverify::skinny_gemm<{self.mt},{'true' if self.dtype == 'bf16' else 'false'}>"
+        return f"treeverify::skinny_gemm<{self.nt},{'true' if self.dtype == 'bf16' else 'false'}>"
 
 
 Variant = (
@@ -597,5 +597,5 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
     out += [DecodeGemvVariant(1, dtype) for dtype in DTYPES]  # models/gemv.py GEMV_MAX_ROWS
-    out += [SkinnyGemmVariant(mt, dtype) for mt in (1, 2) for dtype in DTYPES]  # SKINNY_MAX_ROWS
+    out += [SkinnyGemmVariant(nt, dtype) for nt in (1, 2, 3, 4) for dtype in DTYPES]  # 32 rows
     return out
