@@ -55,41 +55,37 @@ def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():
                                                                            lin.bias))  # fmt: skip
 
 
-def test_launch_arguments_match_the_kernel_signature():
-    """One argument per parameter of decode_gemv, in order (a missing one is
-    CUDA_ERROR_INVALID_VALUE or a crash on the GPU: f06ab93 launched 9 of 10)."""
+def _assert_matches_signature(source: str, kernel: str, args: list) -> None:
+    """One ctypes argument per parameter of `kernel` in kernels/cuda/`source`, in order, of the
+    declared C type (pointer, long long or int)."""
     import re
     from pathlib import Path
 
-    src = (Path(gemv_mod.__file__).parents[1] / "kernels" / "cuda" / "decode_gemv.cu").read_text()
-    params = re.search(r"decode_gemv\(([^)]*)\)", src).group(1).split(",")
-    x = torch.randn(1, 64).to(torch.bfloat16)
-    w = torch.randn(8, 64).to(torch.bfloat16)
-    args = gemv_mod.launch_args(x, w, None, torch.empty(1, 8, dtype=torch.bfloat16))
+    src = (Path(gemv_mod.__file__).parents[1] / "kernels" / "cuda" / source).read_text()
+    params = re.search(kernel + r"\(([^)]*)\)", src).group(1).split(",")
     assert len(args) == len(params)
     for a, p in zip(args, params, strict=True):
         is_ptr = "*" in p
         assert is_ptr == isinstance(a, ctypes.c_void_p), p
         if not is_ptr:
             assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
+
+
+def test_launch_arguments_match_the_kernel_signature():
+    """One argument per parameter of decode_gemv, in order (a missing one is
+    CUDA_ERROR_INVALID_VALUE or a crash on the GPU: f06ab93 launched 9 of 10)."""
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    args = gemv_mod.launch_args(x, w, None, torch.empty(1, 8, dtype=torch.bfloat16))
+    _assert_matches_signature("decode_gemv.cu", "decode_gemv", args)
     assert [a.value for a in args[-2:]] == [8, 64]  # n, k
 
 
 def test_few_row_launch_arguments_match_the_kernel_signature():
-    """One argument per parameter of skinny_gemm, in order, of the declared C types."""
-    import re
-    from pathlib import Path
-
-    src = (Path(gemv_mod.__file__).parents[1] / "kernels" / "cuda" / "skinny_gemm.cu").read_text()
-    params = re.search(r"skinny_gemm\(([^)]*)\)", src).group(1).split(",")
     x = torch.randn(5, 64).to(torch.bfloat16)
     w = torch.randn(16, 64).to(torch.bfloat16)
     args = gemv_mod.skinny_launch_args(x, w, None, torch.empty(5, 16, dtype=torch.bfloat16))
-    assert len(args) == len(params)
-    for a, p in zip(args, params, strict=True):
-        assert ("*" in p) == isinstance(a, ctypes.c_void_p), p
-        if "*" not in p:
-            assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
+    _assert_matches_signature("skinny_gemm.cu", "skinny_gemm", args)
     assert [args[2].value, args[-2].value, args[-1].value] == [5, 16, 64]  # m, n, k
 
 

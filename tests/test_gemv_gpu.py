@@ -34,20 +34,27 @@ def test_gemv_matches_fp32_reference(n, k, m, dtype):
     assert err <= 2 * ref + 1e-3
 
 
-def test_gemv_in_a_cuda_graph_replays_new_inputs():
-    n, k = 3072, 2048
-    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
-    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+def _assert_graph_replays_new_inputs(x: torch.Tensor, w: torch.Tensor, eager) -> None:
+    """`linear(x, w)` captured once, replayed on fresh x (its output poisoned before each
+    replay), bit-equal to `eager(x, w)` (the same kernel called directly)."""
     gemv_mod.linear(x, w)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = gemv_mod.linear(x, w)
     for _ in range(3):
-        x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+        x.copy_(torch.randn(x.shape, device="cuda").to(x.dtype))
         y.fill_(float("nan"))
         graph.replay()
-        torch.testing.assert_close(y, gemv_mod.linear(x, w), rtol=0, atol=0)  # same kernel
+        torch.testing.assert_close(y, eager(x, w), rtol=0, atol=0)
+
+
+def test_gemv_in_a_cuda_graph_replays_new_inputs():
+    n, k = 3072, 2048
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    assert gemv_mod.uses_gemv(x, w)
+    _assert_graph_replays_new_inputs(x, w, gemv_mod.gemv)
 
 
 def test_unaligned_operands_take_cublas():
@@ -64,30 +71,25 @@ def test_more_rows_than_the_gemv_take_cublas():
     torch.testing.assert_close(gemv_mod.linear(x, w), torch.nn.functional.linear(x, w))
 
 
-def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
-    """The GEMV by programmatic dependent launch starts while the Triton norm before it runs
-    (TREEVERIFY_DECODE_GEMV_PDL auto on sm_90+): it must still read the norm's finished output.
-    A captured chain norm -> GEMV -> norm -> GEMV, each replay on fresh inputs (a stale or
-    half-written x would show), against the same chain run eagerly with PDL's launches too."""
-    from treeverify.models import pdl
+def _assert_norm_chain_replays(rows: int, h: int) -> None:
+    """A captured chain norm -> linear -> norm -> linear over `rows` rows, each replay on fresh
+    inputs, bit-equal to the same chain run eagerly (with PDL's launches too): a linear kernel
+    launched by PDL that read x before the norm finished would show a stale or half-written x."""
     from treeverify.models.fused_ops import add_rmsnorm
     from treeverify.models.layers import RMSNorm
 
-    index = torch.cuda.current_device()
-    assert pdl.decode_gemv(index) == (torch.cuda.get_device_capability(index)[0] >= 9)
-    h = 2048
     norms = [RMSNorm(h, 1e-6).cuda().to(torch.bfloat16) for _ in range(2)]
     for nm in norms:
         nm.weight.data.uniform_(0.5, 1.5)
     ws = [(torch.randn(h, h, device="cuda") / h**0.5).bfloat16() for _ in range(2)]
-    x = torch.empty(1, h, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(rows, h, device="cuda", dtype=torch.bfloat16)
     res = torch.empty_like(x)
 
     def chain():
         y, r = add_rmsnorm(x, res, norms[0])
-        y = gemv_mod.gemv(y, ws[0])
+        y = gemv_mod.linear(y, ws[0])
         y, _ = add_rmsnorm(y, r, norms[1])
-        return gemv_mod.gemv(y, ws[1])
+        return gemv_mod.linear(y, ws[1])
 
     x.normal_(), res.normal_()
     chain()  # compile outside the capture
@@ -100,6 +102,18 @@ def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
         out.fill_(float("nan"))
         graph.replay()
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
+    """The GEMV by programmatic dependent launch starts while the Triton norm before it runs
+    (TREEVERIFY_DECODE_GEMV_PDL auto on sm_90+): it must still read the norm's finished output."""
+    from treeverify.models import pdl
+
+    index = torch.cuda.current_device()
+    assert pdl.decode_gemv(index) == (torch.cuda.get_device_capability(index)[0] >= 9)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    assert gemv_mod.uses_gemv(torch.empty(1, 2048, **bf16), torch.empty(2048, 2048, **bf16))
+    _assert_norm_chain_replays(1, 2048)
 
 
 # The few-row kernel (skinny_gemm.cu): tiny-code's layers, its drafter's fc, an odd size and the
@@ -162,50 +176,16 @@ def test_few_row_dispatch_and_graph_replay(skinny_on):
     assert not gemv_mod.uses_skinny(torch.randn(4, 256, device="cuda").bfloat16(), w24)
     w48 = torch.randn(64, 48, device="cuda").bfloat16()
     assert not gemv_mod.uses_skinny(torch.randn(4, 48, device="cuda").bfloat16(), w48)
-    x = torch.randn(17, 256, device="cuda").to(torch.bfloat16)
-    gemv_mod.linear(x, w)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = gemv_mod.linear(x, w)
-    for _ in range(3):
-        x.copy_(torch.randn(17, 256, device="cuda").to(torch.bfloat16))
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(y, gemv_mod.skinny(x, w), rtol=0, atol=0)
+    _assert_graph_replays_new_inputs(torch.randn(17, 256, device="cuda").bfloat16(), w,
+                                     gemv_mod.skinny)  # fmt: skip
 
 
 def test_norm_then_few_row_chain_by_pdl_in_a_graph_reads_the_finished_norm(skinny_on):
     """As the GEMV's chain test, for 17 rows through the few-row kernel (launched by PDL on
     sm_90+, its weights loaded before it waits for the norm)."""
-    from treeverify.models.fused_ops import add_rmsnorm
-    from treeverify.models.layers import RMSNorm
-
-    h, m = 256, 17
-    norms = [RMSNorm(h, 1e-6).cuda().to(torch.bfloat16) for _ in range(2)]
-    for nm in norms:
-        nm.weight.data.uniform_(0.5, 1.5)
-    ws = [(torch.randn(h, h, device="cuda") / h**0.5).bfloat16() for _ in range(2)]
-    x = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-    res = torch.empty_like(x)
-
-    def chain():
-        y, r = add_rmsnorm(x, res, norms[0])
-        y = gemv_mod.linear(y, ws[0])
-        y, _ = add_rmsnorm(y, r, norms[1])
-        return gemv_mod.linear(y, ws[1])
-
-    x.normal_(), res.normal_()
-    chain()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    for _ in range(5):
-        x.normal_(), res.normal_()
-        want = chain().clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    assert gemv_mod.uses_skinny(torch.empty(17, 256, **bf16), torch.empty(256, 256, **bf16))
+    _assert_norm_chain_replays(17, 256)
 
 
 def test_tiny_code_forward_with_the_few_row_kernel_matches_cublas(skinny_on, monkeypatch):

@@ -212,7 +212,7 @@ VARIABLES: dict[str, str] = {
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
-    "TREEVERIFY_SKINNY_GEMM": "1: linear layers of 2..32 rows on weights <= 8 MB (a batch-1 "
+    "TREEVERIFY_SKINNY_GEMM": "1: linear layers of 2..32 rows on weights <= 2 MB (a batch-1 "
     "verify forward, a drafter's block) by the few-row tensor-core kernel instead of cuBLAS; "
     "default 0 (off until measured).",
     "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "

@@ -12,31 +12,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "linear_common.cuh"
 #include "pdl.cuh"
 
 namespace treeverify {
 
 constexpr int kGemvWarps = 8;
 constexpr int kGemvUnroll = 8;  // 16-byte loads in flight per lane: 4 KB per warp
-
-// Streamed once: don't displace x (and whatever else lives in L1) with weight lines.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-template <bool BF16>
-__device__ __forceinline__ float2 to_float2(unsigned u) {
-  if constexpr (BF16) {
-    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-  } else {
-    __half2 h = *reinterpret_cast<__half2*>(&u);
-    return __half22float2(h);
-  }
-}
 
 template <bool BF16>
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
@@ -49,17 +31,6 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
     acc = fmaf(fa.y, fb.y, acc);
   }
   return acc;
-}
-
-template <bool BF16>
-__device__ __forceinline__ unsigned short from_float(float f) {
-  if constexpr (BF16) {
-    __nv_bfloat16 h = __float2bfloat16_rn(f);
-    return *reinterpret_cast<unsigned short*>(&h);
-  } else {
-    __half h = __float2half_rn(f);
-    return *reinterpret_cast<unsigned short*>(&h);
-  }
 }
 
 // One tile of a weight row: UNROLL 16-byte loads a lane, all in flight before any is used.

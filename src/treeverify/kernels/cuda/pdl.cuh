@@ -2,7 +2,7 @@
 // kernel before it on the stream still runs. pdl_wait blocks until that kernel has finished and
 // its writes are visible; pdl_trigger lets the kernel after this one start early. Both are
 // no-ops where the launch did not ask for PDL, and compiled out below sm_90.
-// Included by device_common.cuh (the tree-verify kernels) and decode_gemv.cu.
+// Included by device_common.cuh (the tree-verify kernels), decode_gemv.cu and skinny_gemm.cu.
 #pragma once
 
 namespace treeverify {

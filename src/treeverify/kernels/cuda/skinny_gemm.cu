@@ -23,20 +23,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "linear_common.cuh"
 #include "pdl.cuh"
 
 namespace treeverify {
 
 constexpr int kSkinnyWarps = 4;  // warps of a CTA, splitting K
 constexpr int kSkinnyUnroll = 4;  // chunks a warp loads before it multiplies
-
-__device__ __forceinline__ uint4 skinny_ld_stream(const uint4* p) {  // W: read once
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 template <bool BF16>
 __device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
@@ -53,27 +46,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-template <bool BF16>
-__device__ __forceinline__ unsigned short to_bits(float f) {
-  if constexpr (BF16) {
-    __nv_bfloat16 h = __float2bfloat16_rn(f);
-    return *reinterpret_cast<unsigned short*>(&h);
-  } else {
-    __half h = __float2half_rn(f);
-    return *reinterpret_cast<unsigned short*>(&h);
-  }
-}
-
-template <bool BF16>
-__device__ __forceinline__ float bias_at(const unsigned short* bias, int col) {
-  const unsigned short b = bias[col];
-  if constexpr (BF16) {
-    return __uint_as_float(static_cast<unsigned>(b) << 16);
-  } else {
-    return __half2float(*reinterpret_cast<const __half*>(&b));
   }
 }
 
@@ -107,8 +79,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = c0 + u * kSkinnyWarps;
-    wa[u] = c < chunks ? skinny_ld_stream(wlo + 4 * c + q) : zero;
-    wb[u] = c < chunks ? skinny_ld_stream(whi + 4 * c + q) : zero;
+    wa[u] = c < chunks ? ld_stream(wlo + 4 * c + q) : zero;
+    wb[u] = c < chunks ? ld_stream(whi + 4 * c + q) : zero;
   }
   pdl_wait();
   pdl_trigger();
@@ -117,8 +89,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c0 + u * kSkinnyWarps;
-        wa[u] = c < chunks ? skinny_ld_stream(wlo + 4 * c + q) : zero;
-        wb[u] = c < chunks ? skinny_ld_stream(whi + 4 * c + q) : zero;
+        wa[u] = c < chunks ? ld_stream(wlo + 4 * c + q) : zero;
+        wb[u] = c < chunks ? ld_stream(whi + 4 * c + q) : zero;
       }
     }
     uint4 xv[U][NT];  // x row 8t + g
@@ -163,19 +135,19 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
   // D fragment: d0, d1 at output o0 + g, x rows 8t + 2q and 8t + 2q + 1; d2, d3 at o0 + g + 8
   float b_lo = 0.f, b_hi = 0.f;
   if (bias != nullptr) {
-    b_lo = bias_at<BF16>(bias, o0 + g);
-    b_hi = bias_at<BF16>(bias, o0 + g + 8);
+    b_lo = to_float2<BF16>(static_cast<unsigned>(bias[o0 + g])).x;
+    b_hi = to_float2<BF16>(static_cast<unsigned>(bias[o0 + g + 8])).x;
   }
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const int r0 = 8 * t + 2 * q, r1 = r0 + 1;
     if (r0 < m) {
-      y[r0 * y_stride + o0 + g] = to_bits<BF16>(acc[t][0] + b_lo);
-      y[r0 * y_stride + o0 + g + 8] = to_bits<BF16>(acc[t][2] + b_hi);
+      y[r0 * y_stride + o0 + g] = from_float<BF16>(acc[t][0] + b_lo);
+      y[r0 * y_stride + o0 + g + 8] = from_float<BF16>(acc[t][2] + b_hi);
     }
     if (r1 < m) {
-      y[r1 * y_stride + o0 + g] = to_bits<BF16>(acc[t][1] + b_lo);
-      y[r1 * y_stride + o0 + g + 8] = to_bits<BF16>(acc[t][3] + b_hi);
+      y[r1 * y_stride + o0 + g] = from_float<BF16>(acc[t][1] + b_lo);
+      y[r1 * y_stride + o0 + g + 8] = from_float<BF16>(acc[t][3] + b_hi);
     }
   }
 }
