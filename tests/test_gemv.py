@@ -106,6 +106,16 @@ def test_few_row_dispatch_off_the_gpu_and_its_bad_operands():
         gemv_mod.skinny(x, w, torch.randn(4).to(torch.bfloat16))
     with pytest.raises(ValueError, match="x: expected 16-byte"):
         gemv_mod.skinny(torch.randn(17, 264).to(torch.bfloat16)[:, 4:260], w)
+    with pytest.raises(ValueError, match="x: expected a 2-D bf16 or fp16"):
+        gemv_mod.skinny(x.float(), w)  # fp32 would be read as 16-bit elements
+    with pytest.raises(ValueError, match="weight: expected 2-D torch.bfloat16"):
+        gemv_mod.skinny(x, w.half())
+    with pytest.raises(ValueError, match="bias: expected torch.bfloat16"):
+        gemv_mod.skinny(x, w, torch.randn(512))
+    with pytest.raises(ValueError, match="weight: expected N a positive multiple"):
+        gemv_mod.skinny(x, w[:0])
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        gemv_mod.skinny(x, w)  # every other rule met: the CPU
 
 
 def test_the_few_row_switch_is_read_and_checked(monkeypatch):

@@ -91,17 +91,18 @@ def _assert_norm_chain_replays(rows: int, h: int) -> None:
         y, _ = add_rmsnorm(y, r, norms[1])
         return gemv_mod.linear(y, ws[1])
 
-    x.normal_(), res.normal_()
-    chain()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    for _ in range(5):
+    with torch.no_grad():  # the norms' weights require grad: the kernels run without autograd
         x.normal_(), res.normal_()
-        want = chain().clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        chain()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        for _ in range(5):
+            x.normal_(), res.normal_()
+            want = chain().clone()
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_norm_then_gemv_chain_by_pdl_in_a_graph_reads_the_finished_norm():
@@ -149,17 +150,22 @@ def test_few_row_kernel_matches_fp32_reference(n, k, m, dtype):
     torch.testing.assert_close(gemv_mod.skinny(x, w, b), got, rtol=0, atol=0)  # deterministic
 
 
-def test_few_row_kernel_reads_only_its_rows_of_a_strided_x():
-    """x a view of every other row of a wider buffer (rows past M and between them hold NaN):
-    the result depends only on x's M rows."""
-    m, n, k = 17, 512, 256
+@pytest.mark.parametrize("m", [9, 17, 32])
+def test_few_row_kernel_reads_only_its_rows_and_columns_of_strided_operands(m):
+    """x a view of every other row of a wider buffer and W the first K columns of a wider one
+    (row stride K + 24: the kernel's second weight row block sits 8 strides on); everything
+    outside the views holds NaN: the result depends only on the views."""
+    n, k = 512, 256
     buf = torch.full((2 * m + 8, k), float("nan"), device="cuda", dtype=torch.bfloat16)
     x = buf[: 2 * m : 2]  # (M, K), row stride 2K
     x.copy_(torch.randn(m, k, device="cuda").to(torch.bfloat16))
-    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    wbuf = torch.full((n, k + 24), float("nan"), device="cuda", dtype=torch.bfloat16)
+    w = wbuf[:, :k]  # (N, K), row stride K + 24
+    w.copy_((torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16))
     got = gemv_mod.skinny(x, w)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, gemv_mod.skinny(x.contiguous(), w), rtol=0, atol=0)
+    want = gemv_mod.skinny(x.contiguous(), w.contiguous())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_few_row_dispatch_and_graph_replay(skinny_on):
@@ -172,6 +178,13 @@ def test_few_row_dispatch_and_graph_replay(skinny_on):
     assert not gemv_mod.uses_skinny(torch.randn(1, 256, device="cuda").bfloat16(), w)  # GEMV
     assert not gemv_mod.uses_skinny(torch.randn(33, 256, device="cuda").bfloat16(), w)
     assert not gemv_mod.uses_skinny(torch.randn(17, 1024, device="cuda").bfloat16(), big)
+    x17 = torch.randn(17, 256, device="cuda").bfloat16()
+    assert not gemv_mod.uses_skinny(x17, w, torch.randn(512, device="cuda"))  # fp32 bias
+    assert gemv_mod.uses_skinny(x17, w, torch.randn(512, device="cuda").bfloat16())
+    wg = w.clone().requires_grad_(True)
+    assert not gemv_mod.uses_skinny(x17, wg)  # autograd: F.linear
+    with torch.no_grad():
+        assert gemv_mod.uses_skinny(x17, wg)
     w24 = torch.randn(24, 256, device="cuda").bfloat16()  # N not a multiple of 16
     assert not gemv_mod.uses_skinny(torch.randn(4, 256, device="cuda").bfloat16(), w24)
     w48 = torch.randn(64, 48, device="cuda").bfloat16()

@@ -98,35 +98,44 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` runs the decode GEMV for this input (see the module docstring)."""
-    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2):
+def _kernel_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What both kernels need besides their size rules: 2-D CUDA operands on one device, bf16
+    or fp16 alike, rows 16-byte aligned; a bias (N,) contiguous of the same dtype and device;
+    and no autograd to record (the kernels have no backward: under grad mode with an operand
+    that requires grad, F.linear)."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and weight.device == x.device):
         return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    if bias is not None and not (bias.dtype == x.dtype and bias.device == x.device
+                                 and bias.shape == (weight.shape[0],)
+                                 and bias.stride(0) == 1):  # fmt: skip
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):  # fmt: skip
+        return False
+    return weight.shape[0] > 0 and _aligned(x) and _aligned(weight)
+
+
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear` runs the decode GEMV for this input (see the module docstring)."""
     return (
-        x.shape[0] <= GEMV_MAX_ROWS
+        _kernel_operands(x, weight, bias)
+        and x.shape[0] <= GEMV_MAX_ROWS
         and weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
         and x.shape[1] % 8 == 0
-        and _aligned(x)
-        and _aligned(weight)
         and enabled()
     )
 
 
-def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def uses_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` runs the few-row kernel for this input (see the module docstring)."""
-    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2):
-        return False
     return (
-        2 <= x.shape[0] <= SKINNY_MAX_ROWS
+        _kernel_operands(x, weight, bias)
+        and 2 <= x.shape[0] <= SKINNY_MAX_ROWS
         and weight.numel() * weight.element_size() <= SKINNY_MAX_BYTES
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
         and x.shape[1] % SKINNY_K_MULTIPLE == 0
         and weight.shape[0] % SKINNY_OUTPUTS_PER_CTA == 0
-        and _aligned(x)
-        and _aligned(weight)
         and skinny_enabled()
     )
 
@@ -134,9 +143,9 @@ def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): (M, K) x (N, K) -> (M, N), by the GEMV for decode-sized M
     and the few-row kernel for 2..32 rows where switched on."""
-    if uses_gemv(x, weight):
+    if uses_gemv(x, weight, bias):
         return gemv(x, weight, bias)
-    if uses_skinny(x, weight):
+    if uses_skinny(x, weight, bias):
         return skinny(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -167,21 +176,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The few-row kernel itself: x (2..SKINNY_MAX_ROWS, K) and weight (N, K) aligned as
-    `uses_skinny` requires (K a multiple of 32, N of 8), bias (N,) or None -> y (M, N) on the
-    current stream (no sync; allocates y). Any weight size: the benchmark times it past the
-    dispatch's cap."""
+    `uses_skinny` requires (K a multiple of 32, N of 16), bias (N,) or None -> y (M, N) on
+    the current stream (no sync; allocates y; no autograd). Any weight size: the benchmark
+    times it past the dispatch's cap."""
+    if not (x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
+        raise ValueError(f"x: expected a 2-D bf16 or fp16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device or weight.dim() != 2:
+        raise ValueError(f"weight: expected 2-D {x.dtype} on {x.device}, got {weight.dtype} on "
+                         f"{weight.device}")  # fmt: skip
+    if bias is not None and (bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias: expected {x.dtype} on {x.device}, got {bias.dtype} on "
+                         f"{bias.device}")  # fmt: skip
     m, k = x.shape
     if not 2 <= m <= SKINNY_MAX_ROWS or weight.shape[1] != k or k % SKINNY_K_MULTIPLE:
         raise ValueError(f"x: expected (M in 2..{SKINNY_MAX_ROWS}, {weight.shape[1]}) with K a "
                          f"multiple of {SKINNY_K_MULTIPLE}, got {tuple(x.shape)}")  # fmt: skip
     n = weight.shape[0]
-    if n % SKINNY_OUTPUTS_PER_CTA:
-        raise ValueError(f"weight: expected N a multiple of {SKINNY_OUTPUTS_PER_CTA}, got {n}")
+    if n <= 0 or n % SKINNY_OUTPUTS_PER_CTA:
+        raise ValueError(f"weight: expected N a positive multiple of {SKINNY_OUTPUTS_PER_CTA}, "
+                         f"got {n}")  # fmt: skip
     for name, t in (("x", x), ("weight", weight)):
         if not _aligned(t):  # the kernel's 16-byte loads
             raise ValueError(f"{name}: expected 16-byte aligned rows with contiguous columns")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias: expected ({n},) contiguous, got {tuple(bias.shape)}")
+    if not x.is_cuda:
+        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
     y = x.new_empty(m, n)
     args = skinny_launch_args(x, weight, bias, y)
     dev = x.device

@@ -72,15 +72,18 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 
   // The weights depend on no earlier kernel: the first chunks' loads go out before the
-  // programmatic-launch wait (models/gemv.py); x is read after it.
+  // programmatic-launch wait (models/gemv.py); x is read after it. Without the branch around
+  // them ptxas hoisted the wait above the loads (SASS: ACQBULK first), so nothing overlapped.
   uint4 wa[U], wb[U];
   const uint4 zero = make_uint4(0, 0, 0, 0);
   int c0 = warp;
+  if (c0 < chunks) {
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c = c0 + u * kSkinnyWarps;
-    wa[u] = c < chunks ? ld_stream(wlo + 4 * c + q) : zero;
-    wb[u] = c < chunks ? ld_stream(whi + 4 * c + q) : zero;
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * kSkinnyWarps;
+      wa[u] = c < chunks ? ld_stream(wlo + 4 * c + q) : zero;
+      wb[u] = c < chunks ? ld_stream(whi + 4 * c + q) : zero;
+    }
   }
   pdl_wait();
   pdl_trigger();
