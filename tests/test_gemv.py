@@ -44,6 +44,53 @@ def test_every_few_row_instance_compiles_without_spills(arch):
             assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
 
 
+def _cuobjdump() -> str | None:
+    import shutil
+    from pathlib import Path
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:  # triton ships one with its NVIDIA backend
+        import triton
+
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        return str(bundled) if bundled.exists() else None
+    except ImportError:
+        return None
+
+
+def test_weight_loads_go_out_before_the_programmatic_launch_wait():
+    """Both linear kernels load their first weight vectors before griddepcontrol.wait (SASS
+    ACQBULK), so under programmatic dependent launch the loads overlap the kernel before them.
+    ptxas may hoist the wait above plain predicated loads: the few-row kernel's first version
+    waited first in every variant (found in its SASS) until its loads were put under a branch."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from treeverify.kernels.cuda.jit import compile_variant
+    from treeverify.kernels.cuda.variants import DecodeGemvVariant, SkinnyGemmVariant
+
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton's bundled one)")
+    variants = [DecodeGemvVariant(1, "bf16")] + [
+        SkinnyGemmVariant(nt, "bf16") for nt in (1, 2, 3, 4)
+    ]
+    for v in variants:
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / f"{v.name}.cubin"
+            cubin.write_bytes(compile_variant(v, "sm_90a").cubin)
+            sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
+                                  check=True).stdout  # fmt: skip
+        lines = sass.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
+        first_stream_load = next(i for i, line in enumerate(lines) if "LDG.E.NA" in line)
+        assert first_stream_load < wait, v.name
+
+
 def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():
     w = torch.randn(8, 64).to(torch.bfloat16)
     x = torch.randn(3, 64).to(torch.bfloat16)

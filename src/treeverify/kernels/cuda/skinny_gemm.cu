@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
                 const unsigned short* __restrict__ w, long long w_stride,
                 const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
                 long long y_stride, int n, int k) {
-  constexpr int U = NT <= 2 ? 4 : 2;  // chunks in flight a warp (registers: W 8U, x 4U NT)
+  constexpr int U = NT <= 3 ? 4 : 2;  // chunks in flight a warp (registers: W 8U, x 4U NT)
   __shared__ float partials[kSkinnyWarps - 1][NT][4][32];  // warps 1.. -> warp 0
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int q = lane & 3, g = lane >> 2;  // k-group; row within 8
