@@ -20,8 +20,9 @@ def test_every_instance_compiles_without_spills(arch):
     from treeverify.kernels.cuda.variants import DTYPES, DecodeGemvVariant, all_variants
 
     for dtype in DTYPES:
-        for m in range(1, gemv_mod.GEMV_MAX_ROWS + 1):
-            v = DecodeGemvVariant(m, dtype)
+        for m, act in [(m, act) for m in range(1, gemv_mod.GEMV_MAX_ROWS + 1)
+                       for act in (False, True)]:  # fmt: skip
+            v = DecodeGemvVariant(m, dtype, act)
             assert v in all_variants(arch)  # `treeverify kernels build` prebuilds it
             compiled = compile_variant(v, arch)
             assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
@@ -37,8 +38,8 @@ def test_every_few_row_instance_compiles_without_spills(arch):
     from treeverify.kernels.cuda.variants import DTYPES, SkinnyGemmVariant, all_variants
 
     for dtype in DTYPES:
-        for nt in (1, 2, 3, 4):
-            v = SkinnyGemmVariant(nt, dtype)
+        for nt, act in [(nt, act) for nt in (1, 2, 3, 4) for act in (False, True)]:
+            v = SkinnyGemmVariant(nt, dtype, act)
             assert v in all_variants(arch)
             compiled = compile_variant(v, arch)
             assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
@@ -76,8 +77,8 @@ def test_weight_loads_go_out_before_the_programmatic_launch_wait():
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton's bundled one)")
-    variants = [DecodeGemvVariant(1, "bf16")] + [
-        SkinnyGemmVariant(nt, "bf16") for nt in (1, 2, 3, 4)
+    variants = [DecodeGemvVariant(1, "bf16", act) for act in (False, True)] + [
+        SkinnyGemmVariant(nt, "bf16", act) for nt in (1, 2, 3, 4) for act in (False, True)
     ]
     for v in variants:
         with tempfile.TemporaryDirectory() as tmp:
@@ -163,6 +164,33 @@ def test_few_row_dispatch_off_the_gpu_and_its_bad_operands():
         gemv_mod.skinny(x, w[:0])
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
         gemv_mod.skinny(x, w)  # every other rule met: the CPU
+
+
+def test_down_of_silu_off_the_gpu_is_silu_mul_then_linear():
+    """The CPU (and anything the kernels do not take): fused_ops.silu_mul, then F.linear."""
+    from treeverify.models.fused_ops import silu_mul
+
+    gu = torch.randn(3, 128).to(torch.bfloat16)
+    w = torch.randn(16, 64).to(torch.bfloat16)
+    b = torch.randn(16).to(torch.bfloat16)
+    torch.testing.assert_close(gemv_mod.down_of_silu(gu, w, b),
+                               torch.nn.functional.linear(silu_mul(gu), w, b))  # fmt: skip
+    with pytest.raises(ValueError, match=r"x: expected \(M in 1..1, 128\)"):
+        gemv_mod.gemv(torch.randn(1, 64).to(torch.bfloat16), w, act=True)  # not a gate|up
+    with pytest.raises(ValueError, match=r"x: expected \(M in 2..32, 128\)"):
+        gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), w, act=True)
+
+
+def test_the_fused_silu_switch_is_read_and_checked(monkeypatch):
+    from treeverify import env
+
+    monkeypatch.delenv("TREEVERIFY_FUSED_SILU_DOWN", raising=False)
+    assert env.fused_silu_down() is False  # off until measured on a GPU
+    monkeypatch.setenv("TREEVERIFY_FUSED_SILU_DOWN", "1")
+    assert env.fused_silu_down() is True
+    monkeypatch.setenv("TREEVERIFY_FUSED_SILU_DOWN", "fused")
+    with pytest.raises(ValueError, match="TREEVERIFY_FUSED_SILU_DOWN"):
+        env.fused_silu_down()
 
 
 def test_the_few_row_switch_is_read_and_checked(monkeypatch):

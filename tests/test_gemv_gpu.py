@@ -125,6 +125,20 @@ SKINNY_ROWS = [2, 5, 8, 9, 16, 17, 24, 25, 32]
 
 
 @pytest.fixture
+def fused_silu_on(monkeypatch):
+    """TREEVERIFY_FUSED_SILU_DOWN=1 (and the few-row kernel on) for this test."""
+    monkeypatch.setenv("TREEVERIFY_FUSED_SILU_DOWN", "1")
+    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "1")
+    gemv_mod.fused_silu_enabled.cache_clear()
+    gemv_mod.skinny_enabled.cache_clear()
+    yield
+    monkeypatch.delenv("TREEVERIFY_FUSED_SILU_DOWN")
+    monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM")
+    gemv_mod.fused_silu_enabled.cache_clear()
+    gemv_mod.skinny_enabled.cache_clear()
+
+
+@pytest.fixture
 def skinny_on(monkeypatch):
     """TREEVERIFY_SKINNY_GEMM=1 for this test (the switch is read once a process: cache reset)."""
     monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "1")
@@ -222,3 +236,51 @@ def test_tiny_code_forward_with_the_few_row_kernel_matches_cublas(skinny_on, mon
     clear = (top2[:, 0] - top2[:, 1]) > 0.1
     assert clear.any()
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("n,i", [(256, 640), (2048, 2048), (1008, 1024)])
+@pytest.mark.parametrize("m", [1, 2, 9, 17, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_on_the_load_matches_silu_mul_then_the_kernel(n, i, m, dtype):
+    """act=True (the down projection's input silu(gate) * up made on the kernel's load) against
+    fused_ops.silu_mul then the same kernel: within 16-bit roundings of each other (CUDA's
+    __expf and division against Triton's may round silu to the other neighbour), and as close
+    to fp32 as the unfused pair."""
+    from treeverify.models.fused_ops import silu_mul
+
+    if m > 1 and n * i * 2 > gemv_mod.SKINNY_MAX_BYTES:
+        pytest.skip("past the few-row kernel's cap (the dispatch never sends it)")
+    gu = (torch.randn(m, 2 * i, device="cuda") * 2).to(dtype)
+    w = (torch.randn(n, i, device="cuda") / i**0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype)
+    kernel = gemv_mod.gemv if m == 1 else gemv_mod.skinny
+    got = kernel(gu, w, b, act=True)
+    want = kernel(silu_mul(gu), w, b)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    ref = torch.nn.functional.linear(silu_mul(gu).float(), w.float(), b.float())
+    err, ref_err = (got.float() - ref).abs().max(), (want.float() - ref).abs().max()
+    assert err <= 2 * ref_err + 1e-2
+
+
+def test_down_of_silu_dispatch_and_a_fused_mlp(fused_silu_on):
+    """down_of_silu takes the GEMV for one row, the few-row kernel for 2..32, both kernels'
+    act instances, and silu_mul then cuBLAS past them; tiny-code's MLPs (fused, as the engine
+    runs them) with it match them without it."""
+    from treeverify.models import load_model
+    from treeverify.models.fused_ops import silu_mul
+
+    w = (torch.randn(256, 640, device="cuda") / 640**0.5).bfloat16()
+    for m in (1, 17, 40):
+        gu = torch.randn(m, 1280, device="cuda").bfloat16()
+        got = gemv_mod.down_of_silu(gu, w)
+        torch.testing.assert_close(got, gemv_mod.linear(silu_mul(gu), w), rtol=2e-2, atol=2e-2)
+    _, model, _ = load_model("tiny-code", dtype=torch.bfloat16, device="cuda")
+    model.fuse_for_inference()
+    mlp = model.model.layers[3].mlp
+    for m in (1, 17):
+        x = torch.randn(m, 256, device="cuda").bfloat16()
+        with torch.no_grad():
+            got = mlp(x)
+            want = gemv_mod.linear(silu_mul(gemv_mod.linear(x, *mlp.gate_up)),
+                                   mlp.down_proj.weight)  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

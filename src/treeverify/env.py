@@ -24,6 +24,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_SKINNY_GEMM``: ``1`` runs linear layers of 2..32 rows on small weights with the
   few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu) instead of cuBLAS;
   default ``0`` until measured.
+- ``TREEVERIFY_FUSED_SILU_DOWN``: ``1`` makes a SwiGLU MLP's activation on the load of its
+  down projection where the decode GEMV or the few-row kernel runs it (models/gemv.py
+  ``down_of_silu``); default ``0`` until measured.
 - ``TREEVERIFY_DECODE_GEMV_PDL``: the decode GEMV (models/gemv.py) by programmatic dependent
   launch on sm_90+, its weight loads overlapping the kernel before it: ``auto`` (default, on),
   ``1`` or ``0`` (plain launches, A/B runs).
@@ -214,6 +217,9 @@ VARIABLES: dict[str, str] = {
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
     "TREEVERIFY_SKINNY_GEMM": "1: linear layers of 2..32 rows on weights <= 2 MB (a batch-1 "
     "verify forward, a drafter's block) by the few-row tensor-core kernel instead of cuBLAS; "
+    "default 0 (off until measured).",
+    "TREEVERIFY_FUSED_SILU_DOWN": "1: a SwiGLU MLP's activation made on the load of its down "
+    "projection where the decode GEMV or the few-row kernel runs it (one kernel fewer a layer); "
     "default 0 (off until measured).",
     "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "
     "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
@@ -547,6 +553,14 @@ def skinny_gemm() -> bool:
     forward's 17 rows, a drafter's 16) instead of cuBLAS; default 0 until measured on a GPU.
     Read once per process."""
     return _switch("TREEVERIFY_SKINNY_GEMM", "0")
+
+
+def fused_silu_down() -> bool:
+    """TREEVERIFY_FUSED_SILU_DOWN: 1 makes a SwiGLU MLP's activation on the load of its down
+    projection where the decode GEMV or the few-row kernel runs it (models/gemv.py
+    down_of_silu: one kernel fewer a layer); default 0 until measured on a GPU. Read once per
+    process."""
+    return _switch("TREEVERIFY_FUSED_SILU_DOWN", "0")
 
 
 def decode_gemv_pdl() -> str:

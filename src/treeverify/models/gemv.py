@@ -76,21 +76,29 @@ def skinny_enabled() -> bool:
 
 
 @functools.cache
-def _skinny_kernel(device_index: int, nt: int, dtype: torch.dtype):
+def fused_silu_enabled() -> bool:
+    """TREEVERIFY_FUSED_SILU_DOWN on (read once a process; `down_of_silu`)."""
+    from treeverify import env
+
+    return env.fused_silu_down()
+
+
+@functools.cache
+def _skinny_kernel(device_index: int, nt: int, dtype: torch.dtype, act: bool = False):
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import SkinnyGemmVariant
 
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    return load(SkinnyGemmVariant(nt, name), torch.device("cuda", device_index))
+    return load(SkinnyGemmVariant(nt, name, act), torch.device("cuda", device_index))
 
 
 @functools.cache
-def _kernel(device_index: int, m: int, dtype: torch.dtype):
+def _kernel(device_index: int, m: int, dtype: torch.dtype, act: bool = False):
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DecodeGemvVariant
 
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    return load(DecodeGemvVariant(m, name), torch.device("cuda", device_index))
+    return load(DecodeGemvVariant(m, name, act), torch.device("cuda", device_index))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -150,15 +158,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def down_of_silu(gate_up: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """linear(silu_mul(gate_up), weight, bias): a SwiGLU MLP's down projection of its gate|up
+    output (M, 2I) with weight (N, I). With TREEVERIFY_FUSED_SILU_DOWN=1, where the GEMV or the
+    few-row kernel takes the (M, I) input, the activation is made on that kernel's load, as
+    fused_ops.silu_mul rounds it (silu to the dtype, then the product): the activation's own
+    launch is gone. Elsewhere the two steps."""
+    from treeverify.models.fused_ops import silu_mul
+
+    if fused_silu_enabled() and gate_up.dim() == 2 and gate_up.shape[1] == 2 * weight.shape[1]:
+        gate = gate_up[:, : weight.shape[1]]  # (M, I): the rows, stride and alignment it reads
+        if uses_gemv(gate, weight, bias):
+            return gemv(gate_up, weight, bias, act=True)
+        if uses_skinny(gate, weight, bias):
+            return skinny(gate_up, weight, bias, act=True)
+    return linear(silu_mul(gate_up), weight, bias)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         act: bool = False) -> torch.Tensor:  # fmt: skip
     """The GEMV kernel itself: x (M <= GEMV_MAX_ROWS, K) and weight (N, K) aligned as
     `uses_gemv` requires, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates
-    y). Any weight size: the benchmark times it past the dispatch's cap."""
-    m, k = x.shape
-    if not 0 < m <= GEMV_MAX_ROWS or weight.shape[1] != k:
-        raise ValueError(
-            f"x: expected (M in 1..{GEMV_MAX_ROWS}, {weight.shape[1]}), got {tuple(x.shape)}"
-        )
+    y). Any weight size: the benchmark times it past the dispatch's cap. `act`: x is a gate|up
+    output (M, 2K) and the input silu(gate) * up, made on the kernel's load (`down_of_silu`)."""
+    m, k = x.shape[0], weight.shape[1]
+    if not 0 < m <= GEMV_MAX_ROWS or x.shape[1] != (2 * k if act else k):
+        raise ValueError(f"x: expected (M in 1..{GEMV_MAX_ROWS}, {2 * k if act else k}), got "
+                         f"{tuple(x.shape)}")  # fmt: skip
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias: expected ({weight.shape[0]},) contiguous, got {tuple(bias.shape)}")
     n = weight.shape[0]
@@ -166,7 +193,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = launch_args(x, weight, bias, y)
     dev = x.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = _kernel(index, m, x.dtype)
+    kernel = _kernel(index, m, x.dtype, act)
     grid = (-(-n // ROWS_PER_CTA), 1, 1)
     with torch.cuda.device(dev):  # the launch goes to the current context's device
         kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,
@@ -174,11 +201,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
-def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           act: bool = False) -> torch.Tensor:  # fmt: skip
     """The few-row kernel itself: x (2..SKINNY_MAX_ROWS, K) and weight (N, K) aligned as
     `uses_skinny` requires (K a multiple of 32, N of 16), bias (N,) or None -> y (M, N) on
     the current stream (no sync; allocates y; no autograd). Any weight size: the benchmark
-    times it past the dispatch's cap."""
+    times it past the dispatch's cap. `act`: as `gemv`'s (x (M, 2K), gate|up)."""
     if not (x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
         raise ValueError(f"x: expected a 2-D bf16 or fp16 tensor, got {x.dtype} {tuple(x.shape)}")
     if weight.dtype != x.dtype or weight.device != x.device or weight.dim() != 2:
@@ -187,10 +215,11 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None and (bias.dtype != x.dtype or bias.device != x.device):
         raise ValueError(f"bias: expected {x.dtype} on {x.device}, got {bias.dtype} on "
                          f"{bias.device}")  # fmt: skip
-    m, k = x.shape
-    if not 2 <= m <= SKINNY_MAX_ROWS or weight.shape[1] != k or k % SKINNY_K_MULTIPLE:
-        raise ValueError(f"x: expected (M in 2..{SKINNY_MAX_ROWS}, {weight.shape[1]}) with K a "
-                         f"multiple of {SKINNY_K_MULTIPLE}, got {tuple(x.shape)}")  # fmt: skip
+    m, k = x.shape[0], weight.shape[1]
+    cols = 2 * k if act else k
+    if not 2 <= m <= SKINNY_MAX_ROWS or x.shape[1] != cols or k % SKINNY_K_MULTIPLE:
+        raise ValueError(f"x: expected (M in 2..{SKINNY_MAX_ROWS}, {cols}) with K a multiple of "
+                         f"{SKINNY_K_MULTIPLE}, got {tuple(x.shape)}")  # fmt: skip
     n = weight.shape[0]
     if n <= 0 or n % SKINNY_OUTPUTS_PER_CTA:
         raise ValueError(f"weight: expected N a positive multiple of {SKINNY_OUTPUTS_PER_CTA}, "
@@ -206,7 +235,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     args = skinny_launch_args(x, weight, bias, y)
     dev = x.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = _skinny_kernel(index, -(-m // 8), x.dtype)  # n8 tiles of rows
+    kernel = _skinny_kernel(index, -(-m // 8), x.dtype, act)  # n8 tiles of rows
     grid = (n // SKINNY_OUTPUTS_PER_CTA, 1, 1)
     with torch.cuda.device(dev):
         kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,
@@ -222,7 +251,7 @@ def skinny_launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         ptr(x.data_ptr()), i64(x.stride(0)), i32(x.shape[0]),
         ptr(weight.data_ptr()), i64(weight.stride(0)),
         ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i64(y.stride(0)),
-        i32(weight.shape[0]), i32(x.shape[1]),
+        i32(weight.shape[0]), i32(weight.shape[1]),
     ]  # fmt: skip
 
 
@@ -233,7 +262,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return [
         ptr(x.data_ptr()), i64(x.stride(0)), ptr(weight.data_ptr()), i64(weight.stride(0)),
         ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i64(y.stride(0)),
-        i32(weight.shape[0]), i32(x.shape[1]),
+        i32(weight.shape[0]), i32(weight.shape[1]),
     ]  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeverify.models.config import RopeConfig
-from treeverify.models.gemv import Linear, linear
+from treeverify.models.gemv import Linear, down_of_silu, linear
 
 
 class Attention(Protocol):
@@ -137,9 +137,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        from treeverify.models.fused_ops import silu_mul
-
-        return self.down_proj(silu_mul(linear(x, *self.gate_up)))  # (T, 2I) -> (T, I)
+        # (T, 2I) -> (T, H): silu(gate) * up, then down (in one kernel where it applies)
+        return down_of_silu(linear(x, *self.gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 def rope_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:

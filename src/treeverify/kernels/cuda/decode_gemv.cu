@@ -43,7 +43,10 @@ __device__ __forceinline__ void load_weights(const uint4* wr, int base, int kv,
   }
 }
 
-template <int M, bool BF16>
+// ACT: x holds M rows of a gate|up output (2K columns, x_stride apart) and the GEMV's input is
+// silu(gate) * up, made on the load (linear_common.cuh silu_mul8; models/gemv.py
+// down_of_silu): the MLP's activation kernel is gone.
+template <int M, bool BF16, bool ACT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     decode_gemv(const unsigned short* __restrict__ x, long long x_stride,
                 const unsigned short* __restrict__ w, long long w_stride,
@@ -74,7 +77,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       if (i < kv) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + i);
+          const uint4* xr = reinterpret_cast<const uint4*>(x + m * x_stride);
+          uint4 xv;
+          if constexpr (ACT) {
+            xv = silu_mul8<BF16>(__ldg(xr + i), __ldg(xr + kv + i));  // up: k columns on
+          } else {
+            xv = __ldg(xr + i);
+          }
           acc[m] = dot8<BF16>(wv[u], xv, acc[m]);
         }
       }

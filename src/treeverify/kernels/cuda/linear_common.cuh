@@ -1,5 +1,6 @@
 // 16-bit element helpers of the linear-layer kernels (decode_gemv.cu, skinny_gemm.cu): a
-// streaming weight load, a packed pair of bf16 / fp16 to fp32, and fp32 back to bits.
+// streaming weight load, a packed pair of bf16 / fp16 to fp32, fp32 back to bits, and the
+// SwiGLU activation of eight elements.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,6 +36,32 @@ __device__ __forceinline__ unsigned short from_float(float f) {
     __half h = __float2half_rn(f);
     return *reinterpret_cast<unsigned short*>(&h);
   }
+}
+
+// x = silu(gate) * up for eight elements (ACT kernels: the down projection's input computed on
+// its load from the gate|up output, one kernel fewer a MLP), rounded as fused_ops.silu_mul
+// rounds: silu(g) to the dtype, then the product to the dtype.
+template <bool BF16>
+__device__ __forceinline__ float round16(float f) {
+  const unsigned short b = from_float<BF16>(f);
+  return to_float2<BF16>(static_cast<unsigned>(b)).x;
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint4 silu_mul8(const uint4& g, const uint4& u) {
+  const unsigned* pg = reinterpret_cast<const unsigned*>(&g);
+  const unsigned* pu = reinterpret_cast<const unsigned*>(&u);
+  uint4 out;
+  unsigned* po = reinterpret_cast<unsigned*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 gf = to_float2<BF16>(pg[i]), uf = to_float2<BF16>(pu[i]);
+    const float a0 = round16<BF16>(gf.x / (1.f + __expf(-gf.x)));
+    const float a1 = round16<BF16>(gf.y / (1.f + __expf(-gf.y)));
+    po[i] = static_cast<unsigned>(from_float<BF16>(a0 * uf.x)) |
+            (static_cast<unsigned>(from_float<BF16>(a1 * uf.y)) << 16);
+  }
+  return out;
 }
 
 }  // namespace treeverify

@@ -52,13 +52,15 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a
 // NT n8 tiles of x rows (M <= 8 * NT). The MMA's m dimension is the CTA's 16 outputs (weight
 // rows o0 + g and o0 + g + 8), its n dimension x's rows: a 17-row verify pads to 24, not 32, and
 // a CTA of 16 outputs loads each chunk of x once for twice the outputs.
-template <int NT, bool BF16>
+// ACT: as decode_gemv's, x holds a gate|up output and the input is silu(gate) * up.
+template <int NT, bool BF16, bool ACT>
 __global__ void __launch_bounds__(kSkinnyWarps * 32)
     skinny_gemm(const unsigned short* __restrict__ x, long long x_stride, int m,
                 const unsigned short* __restrict__ w, long long w_stride,
                 const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
                 long long y_stride, int n, int k) {
-  constexpr int U = NT <= 3 ? 4 : 2;  // chunks in flight a warp (registers: W 8U, x 4U NT)
+  // chunks in flight a warp (registers: W 8U, x 4U NT; ACT holds gate and up: 8U NT)
+  constexpr int U = (NT <= 3 && !ACT) ? 4 : 2;
   __shared__ float partials[kSkinnyWarps - 1][NT][4][32];  // warps 1.. -> warp 0
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int q = lane & 3, g = lane >> 2;  // k-group; row within 8
@@ -103,9 +105,16 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const int r = 8 * t + g;
-        xv[u][t] = (c < chunks && r < m)
-                       ? __ldg(reinterpret_cast<const uint4*>(x + r * x_stride) + 4 * c + q)
-                       : zero;
+        const uint4* xr = reinterpret_cast<const uint4*>(x + r * x_stride) + 4 * c + q;
+        if (c < chunks && r < m) {
+          if constexpr (ACT) {
+            xv[u][t] = silu_mul8<BF16>(__ldg(xr), __ldg(xr + (k >> 3)));  // up: k columns on
+          } else {
+            xv[u][t] = __ldg(xr);
+          }
+        } else {
+          xv[u][t] = zero;
+        }
       }
     }
 #pragma unroll

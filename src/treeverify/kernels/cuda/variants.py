@@ -446,6 +446,7 @@ class DecodeGemvVariant:
 
     m: int
     dtype: str  # "bf16" | "fp16"
+    act: bool = False  # x is a gate|up output, the input silu(gate) * up (models/gemv.py)
     threads: int = 256  # kGemvWarps x 32
     smem_bytes: int = 0
     defines: tuple[str, ...] = ()
@@ -454,11 +455,12 @@ class DecodeGemvVariant:
 
     @property
     def name(self) -> str:
-        return f"decode_gemv_m{self.m}_{self.dtype}"
+        return f"decode_gemv_m{self.m}_{self.dtype}" + ("_silu" if self.act else "")
 
     @property
     def expr(self) -> str:
-        return f"treeverify::decode_gemv<{self.m},{'true' if self.dtype == 'bf16' else 'false'}>"
+        bf16, act = _cpp_bool(self.dtype == "bf16"), _cpp_bool(self.act)
+        return f"treeverify::decode_gemv<{self.m},{bf16},{act}>"
 
 
 @dataclass(frozen=True)
@@ -468,6 +470,7 @@ class SkinnyGemmVariant:
 
     nt: int  # n8 tiles of x rows: 1..4 (M <= 8 NT)
     dtype: str  # "bf16" | "fp16"
+    act: bool = False  # x is a gate|up output, the input silu(gate) * up (models/gemv.py)
     threads: int = 128  # kSkinnyWarps x 32
     smem_bytes: int = 0  # static: the warps' partial tiles
     defines: tuple[str, ...] = ()
@@ -476,11 +479,16 @@ class SkinnyGemmVariant:
 
     @property
     def name(self) -> str:
-        return f"skinny_gemm_nt{self.nt}_{self.dtype}"
+        return f"skinny_gemm_nt{self.nt}_{self.dtype}" + ("_silu" if self.act else "")
 
     @property
     def expr(self) -> str:
-        return f"treeverify::skinny_gemm<{self.nt},{'true' if self.dtype == 'bf16' else 'false'}>"
+        bf16, act = _cpp_bool(self.dtype == "bf16"), _cpp_bool(self.act)
+        return f"treeverify::skinny_gemm<{self.nt},{bf16},{act}>"
+
+
+def _cpp_bool(value: bool) -> str:
+    return "true" if value else "false"
 
 
 Variant = (
@@ -596,6 +604,7 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeWalkVariant())
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
-    out += [DecodeGemvVariant(1, dtype) for dtype in DTYPES]  # models/gemv.py GEMV_MAX_ROWS
-    out += [SkinnyGemmVariant(nt, dtype) for nt in (1, 2, 3, 4) for dtype in DTYPES]  # 32 rows
+    for act in (False, True):  # models/gemv.py: GEMV_MAX_ROWS; 32 rows in n8 tiles
+        out += [DecodeGemvVariant(1, dtype, act) for dtype in DTYPES]
+        out += [SkinnyGemmVariant(nt, dtype, act) for nt in (1, 2, 3, 4) for dtype in DTYPES]
     return out
