@@ -262,6 +262,21 @@ def test_activation_on_the_load_matches_silu_mul_then_the_kernel(n, i, m, dtype)
     assert err <= 2 * ref_err + 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 17])
+def test_activation_on_the_load_of_a_strided_gate_up(m):
+    """gate|up a view of a wider buffer (row stride 2I + 64, NaN outside the view): the up half
+    is read I columns after each row's start, whatever the stride."""
+    n, i = 256, 640
+    buf = torch.full((m, 2 * i + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gu = buf[:, : 2 * i]  # (M, 2I)
+    gu.copy_(torch.randn(m, 2 * i, device="cuda").to(torch.bfloat16))
+    w = (torch.randn(n, i, device="cuda") / i**0.5).to(torch.bfloat16)
+    kernel = gemv_mod.gemv if m == 1 else gemv_mod.skinny
+    got = kernel(gu, w, act=True)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, kernel(gu.contiguous(), w, act=True), rtol=0, atol=0)
+
+
 def test_down_of_silu_dispatch_and_a_fused_mlp(fused_silu_on):
     """down_of_silu takes the GEMV for one row, the few-row kernel for 2..32, both kernels'
     act instances, and silu_mul then cuBLAS past them; tiny-code's MLPs (fused, as the engine

@@ -129,7 +129,7 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     """Whether `linear` runs the decode GEMV for this input (see the module docstring)."""
     return (
         _kernel_operands(x, weight, bias)
-        and x.shape[0] <= GEMV_MAX_ROWS
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
         and weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         and x.shape[1] % 8 == 0
         and enabled()
