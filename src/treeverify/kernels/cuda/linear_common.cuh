@@ -47,21 +47,21 @@ __device__ __forceinline__ float round16(float f) {
   return to_float2<BF16>(static_cast<unsigned>(b)).x;
 }
 
+// One 32-bit word: two elements. By value, not through a pointer into a uint4 (taking a local
+// vector's address put it in local memory on sm_120: 16-24 spill bytes).
+template <bool BF16>
+__device__ __forceinline__ unsigned silu_mul2(unsigned g, unsigned u) {
+  const float2 gf = to_float2<BF16>(g), uf = to_float2<BF16>(u);
+  const float a0 = round16<BF16>(gf.x / (1.f + __expf(-gf.x)));
+  const float a1 = round16<BF16>(gf.y / (1.f + __expf(-gf.y)));
+  return static_cast<unsigned>(from_float<BF16>(a0 * uf.x)) |
+         (static_cast<unsigned>(from_float<BF16>(a1 * uf.y)) << 16);
+}
+
 template <bool BF16>
 __device__ __forceinline__ uint4 silu_mul8(const uint4& g, const uint4& u) {
-  const unsigned* pg = reinterpret_cast<const unsigned*>(&g);
-  const unsigned* pu = reinterpret_cast<const unsigned*>(&u);
-  uint4 out;
-  unsigned* po = reinterpret_cast<unsigned*>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 gf = to_float2<BF16>(pg[i]), uf = to_float2<BF16>(pu[i]);
-    const float a0 = round16<BF16>(gf.x / (1.f + __expf(-gf.x)));
-    const float a1 = round16<BF16>(gf.y / (1.f + __expf(-gf.y)));
-    po[i] = static_cast<unsigned>(from_float<BF16>(a0 * uf.x)) |
-            (static_cast<unsigned>(from_float<BF16>(a1 * uf.y)) << 16);
-  }
-  return out;
+  return make_uint4(silu_mul2<BF16>(g.x, u.x), silu_mul2<BF16>(g.y, u.y),
+                    silu_mul2<BF16>(g.z, u.z), silu_mul2<BF16>(g.w, u.w));
 }
 
 }  // namespace treeverify
