@@ -181,32 +181,29 @@ def test_down_of_silu_off_the_gpu_is_silu_mul_then_linear():
         gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), w, act=True)
 
 
-def test_the_fused_silu_switch_is_read_and_checked(monkeypatch):
+@pytest.mark.parametrize("name,read", [("TREEVERIFY_FUSED_SILU_DOWN", "fused_silu_down"),
+                                       ("TREEVERIFY_SKINNY_GEMM", "skinny_gemm")])  # fmt: skip
+def test_the_new_kernel_switches_are_read_and_checked(monkeypatch, name, read):
+    """Both off until measured on a GPU, 1 on, anything else an error naming the variable."""
     from treeverify import env
 
-    monkeypatch.delenv("TREEVERIFY_FUSED_SILU_DOWN", raising=False)
-    assert env.fused_silu_down() is False  # off until measured on a GPU
-    monkeypatch.setenv("TREEVERIFY_FUSED_SILU_DOWN", "1")
-    assert env.fused_silu_down() is True
-    monkeypatch.setenv("TREEVERIFY_FUSED_SILU_DOWN", "fused")
-    with pytest.raises(ValueError, match="TREEVERIFY_FUSED_SILU_DOWN"):
-        env.fused_silu_down()
-
-
-def test_the_few_row_switch_is_read_and_checked(monkeypatch):
-    from treeverify import env
-
-    monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM", raising=False)
-    assert env.skinny_gemm() is False  # off until measured on a GPU
-    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "1")
-    assert env.skinny_gemm() is True
-    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "sometimes")
-    with pytest.raises(ValueError, match="TREEVERIFY_SKINNY_GEMM"):
-        env.skinny_gemm()
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(env, read)() is False
+    monkeypatch.setenv(name, "1")
+    assert getattr(env, read)() is True
+    monkeypatch.setenv(name, "sometimes")
+    with pytest.raises(ValueError, match=name):
+        getattr(env, read)()
 
 
 def test_bad_operands_name_the_argument():
     w = torch.randn(8, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x: expected a 2-D bf16 or fp16"):
+        gemv_mod.gemv(torch.randn(1, 64), w)  # fp32 would be read as 16-bit elements
+    with pytest.raises(ValueError, match="weight: expected 2-D torch.bfloat16"):
+        gemv_mod.gemv(torch.randn(1, 64).to(torch.bfloat16), w.half())
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        gemv_mod.gemv(torch.randn(1, 64).to(torch.bfloat16), w)  # every other rule met
     with pytest.raises(ValueError, match="x: expected"):
         gemv_mod.gemv(torch.randn(gemv_mod.GEMV_MAX_ROWS + 1, 64).to(torch.bfloat16), w)
     with pytest.raises(ValueError, match="x: expected"):

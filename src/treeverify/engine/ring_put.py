@@ -10,7 +10,9 @@ same passes, H100): the DFlash engine's plain step at b=1 on sampled prose 0.171
 copy's 0.192-0.202 (plain decoding 0.170); adaptive there 0.91x plain against 0.77-0.81x.
 (Measured with the copy in one program, a loop; a review found that would take ~0.2-0.4 ms a
 step at a large drafter's widths, so the copy is now spread over programs and the head moved by
-a second kernel: one more graph node, ~1-2 us, not yet measured on a GPU.)
+a second kernel: one more graph node. That form passed its GPU tests on the H100 (e3f2922, the
+forty-fifth session) and ran in that lease's pair runs, b=1 sampled prose adaptive 0.962x
+plain; its own cost against the one-program form was not measured.)
 
 A graph writes the same addresses on every replay, but each step's rows need the ring's next
 free rows. So the ring keeps its head on the device too: the kernel reads it, applies the host's

@@ -125,37 +125,36 @@ def _kernel_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return weight.shape[0] > 0 and _aligned(x) and _aligned(weight)
 
 
+def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The kernel `linear` runs for x (M, K) against weight (N, K): `gemv`, `skinny` or None
+    (F.linear). The operands checked once, then each kernel's size rules."""
+    if not _kernel_operands(x, weight, bias):
+        return None
+    m, k = x.shape
+    nbytes = weight.numel() * weight.element_size()
+    if 0 < m <= GEMV_MAX_ROWS and nbytes <= GEMV_MAX_BYTES and k % 8 == 0 and enabled():
+        return gemv
+    if (2 <= m <= SKINNY_MAX_ROWS and nbytes <= SKINNY_MAX_BYTES and k % SKINNY_K_MULTIPLE == 0
+            and weight.shape[0] % SKINNY_OUTPUTS_PER_CTA == 0 and skinny_enabled()):  # fmt: skip
+        return skinny
+    return None
+
+
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` runs the decode GEMV for this input (see the module docstring)."""
-    return (
-        _kernel_operands(x, weight, bias)
-        and 0 < x.shape[0] <= GEMV_MAX_ROWS
-        and weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
-        and x.shape[1] % 8 == 0
-        and enabled()
-    )
+    return _route(x, weight, bias) is gemv
 
 
 def uses_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` runs the few-row kernel for this input (see the module docstring)."""
-    return (
-        _kernel_operands(x, weight, bias)
-        and 2 <= x.shape[0] <= SKINNY_MAX_ROWS
-        and weight.numel() * weight.element_size() <= SKINNY_MAX_BYTES
-        and x.shape[1] % SKINNY_K_MULTIPLE == 0
-        and weight.shape[0] % SKINNY_OUTPUTS_PER_CTA == 0
-        and skinny_enabled()
-    )
+    return _route(x, weight, bias) is skinny
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): (M, K) x (N, K) -> (M, N), by the GEMV for decode-sized M
     and the few-row kernel for 2..32 rows where switched on."""
-    if uses_gemv(x, weight, bias):
-        return gemv(x, weight, bias)
-    if uses_skinny(x, weight, bias):
-        return skinny(x, weight, bias)
-    return F.linear(x, weight, bias)
+    kernel = _route(x, weight, bias)
+    return kernel(x, weight, bias) if kernel is not None else F.linear(x, weight, bias)
 
 
 def down_of_silu(gate_up: torch.Tensor, weight: torch.Tensor,
@@ -168,36 +167,74 @@ def down_of_silu(gate_up: torch.Tensor, weight: torch.Tensor,
     from treeverify.models.fused_ops import silu_mul
 
     if fused_silu_enabled() and gate_up.dim() == 2 and gate_up.shape[1] == 2 * weight.shape[1]:
-        gate = gate_up[:, : weight.shape[1]]  # (M, I): the rows, stride and alignment it reads
-        if uses_gemv(gate, weight, bias):
-            return gemv(gate_up, weight, bias, act=True)
-        if uses_skinny(gate, weight, bias):
-            return skinny(gate_up, weight, bias, act=True)
+        # the (M, I) gate half: the rows, stride and alignment the kernel reads
+        kernel = _route(gate_up[:, : weight.shape[1]], weight, bias)
+        if kernel is not None:
+            return kernel(gate_up, weight, bias, act=True)
     return linear(silu_mul(gate_up), weight, bias)
+
+
+def _checked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    act: bool,
+    rows: tuple[int, int],
+    k_multiple: int,
+    n_multiple: int,
+) -> tuple[int, int]:
+    """(M, N) of a direct kernel call, or a ValueError naming the operand it cannot take: x
+    (M in rows, K or 2K with `act`) and weight (N, K) bf16 / fp16 alike on one CUDA device, K
+    and N multiples of k_multiple and n_multiple, rows 16-byte aligned, bias (N,) contiguous
+    of the same dtype and device. (The CPU is checked last, so every rule is testable there.)"""
+    if not (x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
+        raise ValueError(f"x: expected a 2-D bf16 or fp16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device or weight.dim() != 2:
+        raise ValueError(f"weight: expected 2-D {x.dtype} on {x.device}, got {weight.dtype} on "
+                         f"{weight.device}")  # fmt: skip
+    if bias is not None and (bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias: expected {x.dtype} on {x.device}, got {bias.dtype} on "
+                         f"{bias.device}")  # fmt: skip
+    (m, n), k = (x.shape[0], weight.shape[0]), weight.shape[1]
+    cols = 2 * k if act else k
+    if not rows[0] <= m <= rows[1] or x.shape[1] != cols or k % k_multiple:
+        raise ValueError(f"x: expected (M in {rows[0]}..{rows[1]}, {cols}) with K a multiple of "
+                         f"{k_multiple}, got {tuple(x.shape)}")  # fmt: skip
+    if n <= 0 or n % n_multiple:
+        raise ValueError(f"weight: expected N a positive multiple of {n_multiple}, got {n}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not _aligned(t):  # the kernels' 16-byte loads
+            raise ValueError(f"{name}: expected 16-byte aligned rows with contiguous columns")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias: expected ({n},) contiguous, got {tuple(bias.shape)}")
+    if not x.is_cuda:
+        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
+    return m, n
+
+
+def _launch(kernel, grid: tuple[int, int, int], args: list, x: torch.Tensor) -> None:
+    """On x's device and current stream, by programmatic dependent launch where the decode
+    GEMV's switch and the device allow it (models/pdl.py)."""
+    with torch.cuda.device(x.device):  # the launch goes to the current context's device
+        kernel.launch(grid, args, torch.cuda.current_stream(x.device).cuda_stream,
+                      programmatic=pdl.decode_gemv(_index(x)))  # fmt: skip
+
+
+def _index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          act: bool = False) -> torch.Tensor:  # fmt: skip
     """The GEMV kernel itself: x (M <= GEMV_MAX_ROWS, K) and weight (N, K) aligned as
     `uses_gemv` requires, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates
-    y). Any weight size: the benchmark times it past the dispatch's cap. `act`: x is a gate|up
-    output (M, 2K) and the input silu(gate) * up, made on the kernel's load (`down_of_silu`)."""
-    m, k = x.shape[0], weight.shape[1]
-    if not 0 < m <= GEMV_MAX_ROWS or x.shape[1] != (2 * k if act else k):
-        raise ValueError(f"x: expected (M in 1..{GEMV_MAX_ROWS}, {2 * k if act else k}), got "
-                         f"{tuple(x.shape)}")  # fmt: skip
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
-        raise ValueError(f"bias: expected ({weight.shape[0]},) contiguous, got {tuple(bias.shape)}")
-    n = weight.shape[0]
+    y; no autograd). Any weight size: the benchmark times it past the dispatch's cap. `act`: x
+    is a gate|up output (M, 2K) and the input silu(gate) * up, made on the kernel's load
+    (`down_of_silu`)."""
+    m, n = _checked(x, weight, bias, act, (1, GEMV_MAX_ROWS), 8, 1)
     y = x.new_empty(m, n)
-    args = launch_args(x, weight, bias, y)
-    dev = x.device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = _kernel(index, m, x.dtype, act)
-    grid = (-(-n // ROWS_PER_CTA), 1, 1)
-    with torch.cuda.device(dev):  # the launch goes to the current context's device
-        kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,
-                      programmatic=pdl.decode_gemv(index))  # fmt: skip
+    kernel = _kernel(_index(x), m, x.dtype, act)
+    _launch(kernel, (-(-n // ROWS_PER_CTA), 1, 1), launch_args(x, weight, bias, y), x)
     return y
 
 
@@ -207,39 +244,11 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `uses_skinny` requires (K a multiple of 32, N of 16), bias (N,) or None -> y (M, N) on
     the current stream (no sync; allocates y; no autograd). Any weight size: the benchmark
     times it past the dispatch's cap. `act`: as `gemv`'s (x (M, 2K), gate|up)."""
-    if not (x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
-        raise ValueError(f"x: expected a 2-D bf16 or fp16 tensor, got {x.dtype} {tuple(x.shape)}")
-    if weight.dtype != x.dtype or weight.device != x.device or weight.dim() != 2:
-        raise ValueError(f"weight: expected 2-D {x.dtype} on {x.device}, got {weight.dtype} on "
-                         f"{weight.device}")  # fmt: skip
-    if bias is not None and (bias.dtype != x.dtype or bias.device != x.device):
-        raise ValueError(f"bias: expected {x.dtype} on {x.device}, got {bias.dtype} on "
-                         f"{bias.device}")  # fmt: skip
-    m, k = x.shape[0], weight.shape[1]
-    cols = 2 * k if act else k
-    if not 2 <= m <= SKINNY_MAX_ROWS or x.shape[1] != cols or k % SKINNY_K_MULTIPLE:
-        raise ValueError(f"x: expected (M in 2..{SKINNY_MAX_ROWS}, {cols}) with K a multiple of "
-                         f"{SKINNY_K_MULTIPLE}, got {tuple(x.shape)}")  # fmt: skip
-    n = weight.shape[0]
-    if n <= 0 or n % SKINNY_OUTPUTS_PER_CTA:
-        raise ValueError(f"weight: expected N a positive multiple of {SKINNY_OUTPUTS_PER_CTA}, "
-                         f"got {n}")  # fmt: skip
-    for name, t in (("x", x), ("weight", weight)):
-        if not _aligned(t):  # the kernel's 16-byte loads
-            raise ValueError(f"{name}: expected 16-byte aligned rows with contiguous columns")
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias: expected ({n},) contiguous, got {tuple(bias.shape)}")
-    if not x.is_cuda:
-        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
+    m, n = _checked(x, weight, bias, act, (2, SKINNY_MAX_ROWS), SKINNY_K_MULTIPLE,
+                    SKINNY_OUTPUTS_PER_CTA)  # fmt: skip
     y = x.new_empty(m, n)
-    args = skinny_launch_args(x, weight, bias, y)
-    dev = x.device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = _skinny_kernel(index, -(-m // 8), x.dtype, act)  # n8 tiles of rows
-    grid = (n // SKINNY_OUTPUTS_PER_CTA, 1, 1)
-    with torch.cuda.device(dev):
-        kernel.launch(grid, args, torch.cuda.current_stream(dev).cuda_stream,
-                      programmatic=pdl.decode_gemv(index))  # fmt: skip
+    kernel = _skinny_kernel(_index(x), -(-m // 8), x.dtype, act)  # n8 tiles of rows
+    _launch(kernel, (n // SKINNY_OUTPUTS_PER_CTA, 1, 1), skinny_launch_args(x, weight, bias, y), x)
     return y
 
 
