@@ -43,11 +43,6 @@ def test_kernels_build_every_arch_from_the_cli(tmp_path):
         assert "error" not in row, row
         # the 256-row CTA (v21) keeps a few floats of softmax state in local memory (L1)
         spill_ok = 160 if "_pp2_d128" in row["variant"] else 0
-        if row["variant"].endswith("_silu") and row["arch"] == "sm_120":
-            # the few-row kernel's act instances: ptxas for sm_120 keeps one or two words in
-            # local memory at 56-72 registers (16-24 bytes, stores and loads; 0 on every other
-            # arch, whatever the chunks in flight)
-            spill_ok = 24
         assert row["registers"] > 0 and row["spill_bytes"] <= spill_ok, row
         assert row["smem_bytes"] <= SMEM_LIMIT[row["arch"]], row
         if re.search(r"_pp([dstap]|t2)?q?_", row["variant"]):  # setmaxnreg 56 + 2 x 224: 168

@@ -92,6 +92,7 @@ def test_engine_greedy_equal_with_the_cache_write_in_the_pack_kernel(monkeypatch
 
 
 @pytest.mark.parametrize("t", [1, 5])
+@torch.no_grad()  # the engine's mode: under grad, linear() routes to F.linear (no backward)
 def test_q_a_and_kv_a_as_one_product_equal_the_two(t):
     """MLAttention.fuse: one GEMV over q_a_proj | kv_a_proj_with_mqa equals the two
     projections (bit for bit at one row: the decode GEMV sums each output row alone), the two

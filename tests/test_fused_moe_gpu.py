@@ -109,6 +109,7 @@ def test_moe_layer_routed_experts_as_gemvs(monkeypatch, tokens):
 
 @pytest.mark.parametrize("n_shared", [1, 2])
 @pytest.mark.parametrize("tokens", [1, 2])
+@torch.no_grad()  # the engine's mode: under grad, linear() routes to F.linear (no backward)
 def test_shared_experts_as_gemv_pairs_equal_their_own_mlp(monkeypatch, n_shared, tokens):
     """TREEVERIFY_MOE_GEMV_SHARED=1: the shared experts stacked after the routed ones and run as
     n_shared more pairs a token of the expert GEMVs equal the layer with their own MLP (bf16

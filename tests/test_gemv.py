@@ -63,7 +63,8 @@ def _cuobjdump() -> str | None:
 
 def test_weight_loads_go_out_before_the_programmatic_launch_wait():
     """Both linear kernels load their first weight vectors before griddepcontrol.wait (SASS
-    ACQBULK), so under programmatic dependent launch the loads overlap the kernel before them.
+    ACQBULK), so under programmatic dependent launch the loads overlap the kernel before them;
+    and call no subroutine (the act instances' division inline).
     ptxas may hoist the wait above plain predicated loads: the few-row kernel's first version
     waited first in every variant (found in its SASS) until its loads were put under a branch."""
     pytest.importorskip("cuda.bindings.nvrtc")
@@ -90,6 +91,10 @@ def test_weight_loads_go_out_before_the_programmatic_launch_wait():
         wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
         first_stream_load = next(i for i, line in enumerate(lines) if "LDG.E.NA" in line)
         assert first_stream_load < wait, v.name
+        # The act instances' silu divides with div.full.f32 (Triton's, linear_common.cuh): an
+        # IEEE division compiles to a slow-path subroutine call per element, which serialised
+        # the activations (the few-row act instance ~4x slower than the plain one, H100).
+        assert not any(" CALL." in line for line in lines), v.name
 
 
 def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():
@@ -181,13 +186,17 @@ def test_down_of_silu_off_the_gpu_is_silu_mul_then_linear():
         gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), w, act=True)
 
 
-@pytest.mark.parametrize("name,read", [("TREEVERIFY_FUSED_SILU_DOWN", "fused_silu_down"),
-                                       ("TREEVERIFY_SKINNY_GEMM", "skinny_gemm")])  # fmt: skip
-def test_the_new_kernel_switches_are_read_and_checked(monkeypatch, name, read):
-    """Both off until measured on a GPU, 1 on, anything else an error naming the variable."""
+@pytest.mark.parametrize("name,read,default",
+                         [("TREEVERIFY_FUSED_SILU_DOWN", "fused_silu_down", False),
+                          ("TREEVERIFY_SKINNY_GEMM", "skinny_gemm", True)])  # fmt: skip
+def test_the_new_kernel_switches_are_read_and_checked(monkeypatch, name, read, default):
+    """The few-row kernel on by default (measured on the H100), the fused activation off until
+    it wins there; 1 on, 0 off, anything else an error naming the variable."""
     from treeverify import env
 
     monkeypatch.delenv(name, raising=False)
+    assert getattr(env, read)() is default
+    monkeypatch.setenv(name, "0")
     assert getattr(env, read)() is False
     monkeypatch.setenv(name, "1")
     assert getattr(env, read)() is True

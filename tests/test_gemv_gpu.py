@@ -243,9 +243,9 @@ def test_tiny_code_forward_with_the_few_row_kernel_matches_cublas(skinny_on, mon
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_activation_on_the_load_matches_silu_mul_then_the_kernel(n, i, m, dtype):
     """act=True (the down projection's input silu(gate) * up made on the kernel's load) against
-    fused_ops.silu_mul then the same kernel: within 16-bit roundings of each other (CUDA's
-    __expf and division against Triton's may round silu to the other neighbour), and as close
-    to fp32 as the unfused pair."""
+    fused_ops.silu_mul then the same kernel: equal (the same inputs summed in the same order;
+    the activation itself is checked bit for bit below), and as close to fp32 as the unfused
+    pair."""
     from treeverify.models.fused_ops import silu_mul
 
     if m > 1 and n * i * 2 > gemv_mod.SKINNY_MAX_BYTES:
@@ -256,10 +256,33 @@ def test_activation_on_the_load_matches_silu_mul_then_the_kernel(n, i, m, dtype)
     kernel = gemv_mod.gemv if m == 1 else gemv_mod.skinny
     got = kernel(gu, w, b, act=True)
     want = kernel(silu_mul(gu), w, b)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(got, want), (got != want).sum().item()
     ref = torch.nn.functional.linear(silu_mul(gu).float(), w.float(), b.float())
     err, ref_err = (got.float() - ref).abs().max(), (want.float() - ref).abs().max()
     assert err <= 2 * ref_err + 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 5, 17, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_on_the_load_is_bit_equal_to_silu_mul(m, dtype):
+    """Through an identity weight (each output one exact product, no sum rounds) the act
+    instances' input is fused_ops.silu_mul's output bit for bit: the same operations as its
+    Triton kernel (ex2.approx of g * -log2 e, div.full), the same two roundings. The gate values
+    sweep -30..30 (silu's negative tail, its bend and its linear part)."""
+    from treeverify.models.fused_ops import silu_mul
+
+    i = 640
+    g = torch.Generator(device="cuda").manual_seed(m)
+    gate = torch.linspace(-30, 30, m * i, device="cuda").reshape(m, i)  # (M, I)
+    gate = gate + torch.randn(m, i, device="cuda", generator=g) * 1e-3
+    up = torch.randn(m, i, device="cuda", generator=g) * 3
+    gu = torch.cat((gate, up), 1).to(dtype)  # (M, 2I)
+    eye = torch.eye(i, device="cuda", dtype=dtype)
+    kernel = gemv_mod.gemv if m == 1 else gemv_mod.skinny
+    got = kernel(gu, eye, act=True)
+    want = silu_mul(gu)
+    assert torch.isfinite(want).all()
+    assert torch.equal(got, want), (got != want).sum().item()
 
 
 @pytest.mark.parametrize("m", [1, 17])
