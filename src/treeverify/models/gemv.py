@@ -13,15 +13,15 @@ deterministic order per shape, the same eager and inside a CUDA graph). Anything
 more rows, a larger weight, fp32, an unaligned or strided operand, no cuda-python) is F.linear,
 as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 
-Rows 2..SKINNY_MAX_ROWS (32) against a weight of at most SKINNY_MAX_BYTES, with
-run kernels/cuda/skinny_gemm.cu instead (TREEVERIFY_SKINNY_GEMM, default on since the H100
-measured it in the forty-sixth session: the b=1 round's GPU time -6.5%, DDTREE 1.48x -> 1.58x
-plain at b=1 on code; =0 turns it off): a batch-1 verify forward (a budget-16 tree is 17 rows) and a DFlash drafter's block
-(16 rows) multiply a few rows by small weights, where cuBLAS takes ~2.7-3.2 us a call on
-tiny-code's 0.1-4 MB weights against the one-row GEMV's ~1.7-2.2 (H200, 173907b's bench): launch
-and latency, not bytes. One CTA per sixteen outputs, its four warps splitting K over
-tensor-core MMAs (x's rows the MMA's n dimension, in tiles of 8), fp32 sums added in a fixed
-order.
+Rows 2..SKINNY_MAX_ROWS (32) against a weight of at most SKINNY_MAX_BYTES, with run
+kernels/cuda/skinny_gemm.cu instead (TREEVERIFY_SKINNY_GEMM, default on since the H100 measured
+it in the forty-sixth session: the b=1 round's GPU time -6.5%, DDTREE 1.48x -> 1.58x plain at
+b=1 on code; =0 turns it off): a batch-1 verify forward (a budget-16 tree is 17 rows) and a
+DFlash drafter's block (16 rows) multiply a few rows by small weights, where cuBLAS takes
+~2.7-3.2 us a call on tiny-code's 0.1-4 MB weights against the one-row GEMV's ~1.7-2.2 (H200,
+173907b's bench): launch and latency, not bytes. One CTA per sixteen outputs, its four warps
+splitting K over tensor-core MMAs (x's rows the MMA's n dimension, in tiles of 8), fp32 sums
+added in a fixed order.
 
 On sm_90+ the kernel goes out by programmatic dependent launch (models/pdl.py `decode_gemv`,
 TREEVERIFY_DECODE_GEMV_PDL): its weights depend on no earlier kernel, so it loads its first
