@@ -13,7 +13,7 @@ deterministic order per shape, the same eager and inside a CUDA graph). Anything
 more rows, a larger weight, fp32, an unaligned or strided operand, no cuda-python) is F.linear,
 as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 
-Rows 2..SKINNY_MAX_ROWS (32) against a weight of at most SKINNY_MAX_BYTES, with run
+Rows 2..SKINNY_MAX_ROWS (32) against a weight of at most SKINNY_MAX_BYTES run
 kernels/cuda/skinny_gemm.cu instead (TREEVERIFY_SKINNY_GEMM, default on since the H100 measured
 it in the forty-sixth session: the b=1 round's GPU time -6.5%, DDTREE 1.48x -> 1.58x plain at
 b=1 on code; =0 turns it off): a batch-1 verify forward (a budget-16 tree is 17 rows) and a
