@@ -165,3 +165,65 @@ def test_moe_grouped_mm_equals_grouped():
     got, counts = moe(x)
     assert torch.equal(counts, want_counts)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("d,theta", [(64, 10000.0), (128, 500000.0), (32, 1000000.0)])
+def test_rope_table_rows_equal_the_computed_ones(d, theta):
+    """Rope.tabulate's rows, read by rope_rows (one kernel, eager and in a CUDA graph), are the
+    tables rotate_half_tables computes for the same positions, bit for bit; positions past the
+    table read its last row."""
+    from treeverify.models.config import RopeConfig
+    from treeverify.models.layers import Rope
+
+    rope = Rope(RopeConfig(theta=theta), d).cuda()
+    limit = 5000
+    g = torch.Generator(device="cuda").manual_seed(d)
+    pos = torch.randint(0, limit, (37,), device="cuda", generator=g)  # (T,)
+    pos[:3] = torch.tensor([0, limit - 1, 1])
+    want = rope.rotate_half_tables(pos, BF16)  # no tables yet: computed
+    rope.tabulate(limit, BF16, "cuda")
+    assert rope.tables is not None and rope.tables[0].shape == (limit, d)
+    got = rope.rotate_half_tables(pos, BF16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(rope.rotate_half_tables(pos.int(), BF16)[0], want[0])
+    static = pos.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cos2, sin2 = rope.rotate_half_tables(static, BF16)
+    fresh = torch.randint(0, limit, (37,), device="cuda", generator=g)
+    static.copy_(fresh)
+    cos2.fill_(float("nan"))
+    graph.replay()
+    rope_off = Rope(RopeConfig(theta=theta), d).cuda()
+    want2 = rope_off.rotate_half_tables(fresh, BF16)
+    assert torch.equal(cos2, want2[0]) and torch.equal(sin2, want2[1])
+    past = torch.tensor([limit + 5], device="cuda")
+    assert torch.equal(rope.rotate_half_tables(past, BF16)[0][0], rope.tables[0][limit - 1])
+    assert rope.rotate_half_tables(pos, torch.float16)[0].dtype == torch.float16  # computed
+
+
+def test_tiny_code_and_its_drafter_read_their_rope_tables(monkeypatch):
+    """fuse_for_inference tabulates tiny-code's rotary tables (the engine's drafter too, past the
+    target's context), and the model's logits are the same bits with the tables or without."""
+    from treeverify.engine.llm import LLM
+    from treeverify.models import load_model
+
+    _, model, _ = load_model("tiny-code", dtype=BF16, device="cuda")
+    model.eval().fuse_for_inference()
+    assert model.rope.tables is not None
+    assert model.rope.tables[0].shape[0] > model.config.max_position_embeddings
+    ids = torch.randint(3, model.config.vocab_size, (24,), device="cuda")
+    pos = torch.arange(100, 124, device="cuda")
+    with torch.no_grad():
+        got = model(ids, pos)
+        model.rope.tables = None  # computed each forward, as before
+        want = model(ids, pos)
+    assert torch.equal(got, want)
+    monkeypatch.setenv("TREEVERIFY_ROPE_TABLE", "0")
+    model.fuse_for_inference()
+    assert model.rope.tables is None
+    monkeypatch.delenv("TREEVERIFY_ROPE_TABLE")
+    llm = LLM("tiny-code", device="cuda", num_pages=256, max_num_seqs=1, cuda_graph_max_bs=1,
+              speculative_algorithm="DDTREE", speculative_ddtree_budget=4)  # fmt: skip
+    assert llm.model.rope.tables is not None
+    assert llm.spec.source.drafter.rope.tables is not None

@@ -111,3 +111,34 @@ def test_rmsnorm_pair_norms_both_ranges_of_a_strided_row():
         torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
     a, b = fused_ops.rmsnorm_pair(x, *norms)  # the CPU: PyTorch's two norms
     assert torch.equal(a, norms[0](x[:, :48])) and torch.equal(b, norms[1](x[:, 48:80]))
+
+
+def test_rope_rows_copies_the_tables_rows_and_clamps_past_them():
+    """rope_rows' kernel: row t of each output is the tables' row at positions[t] exactly
+    (int32 or int64 positions), a position past the table its last row, before 0 its first."""
+    g = torch.Generator().manual_seed(31)
+    for d in (32, 64, 48):  # 48: a head size that is not a power of two (masked lanes)
+        cos_t = torch.randn(40, d, generator=g).to(BF16)  # (L, D)
+        sin_t = torch.randn(40, d, generator=g).to(BF16)
+        for dtype in (torch.int64, torch.int32):
+            pos = torch.tensor([0, 39, 7, 7, 41, -3, 12], dtype=dtype)
+            cos2 = torch.full((7, d), float("nan"), dtype=BF16)  # (T, D), poisoned
+            sin2 = torch.full((7, d), float("nan"), dtype=BF16)
+            fused_ops._triton()[4][(7,)](pos, cos_t, sin_t, cos2, sin2, 40, D=d,
+                                     BLOCK=64, PDL=False)  # fmt: skip
+            idx = pos.long().clamp(0, 39)
+            assert torch.equal(cos2, cos_t[idx]) and torch.equal(sin2, sin_t[idx])
+            # the public function off the GPU: the same rows by index
+            c, s = fused_ops.rope_rows(cos_t, sin_t, pos)
+            assert torch.equal(c, cos_t[idx]) and torch.equal(s, sin_t[idx])
+
+
+def test_rope_tabulate_keeps_nothing_off_the_gpu():
+    """Rope.tabulate on the CPU keeps no tables (the rows stay computed each forward, as the
+    CPU's vectorised cos of a long row may differ from a short row's in a last bit)."""
+    rope = Rope(RopeConfig(theta=10000.0), 64)
+    rope.tabulate(128, BF16, "cpu")
+    assert rope.tables is None
+    pos = torch.tensor([3, 100])
+    cos2, sin2 = rope.rotate_half_tables(pos, BF16)
+    assert cos2.shape == (2, 64) and sin2.shape == (2, 64)

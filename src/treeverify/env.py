@@ -24,6 +24,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_SKINNY_GEMM``: ``1`` runs linear layers of 2..32 rows on small weights with the
   few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu) instead of cuBLAS
   (default; measured on the H100: the b=1 round -6.5%); ``0`` keeps cuBLAS.
+- ``TREEVERIFY_ROPE_TABLE``: ``1`` (default) keeps a GPU model's rotary tables for every
+  position and reads a forward's rows from them by one kernel (models/layers.py
+  ``Rope.tabulate``); ``0`` computes them each forward (~10 small kernels).
 - ``TREEVERIFY_FUSED_SILU_DOWN``: ``1`` makes a SwiGLU MLP's activation on the load of its
   down projection where the decode GEMV or the few-row kernel runs it (models/gemv.py
   ``down_of_silu``); default ``0`` until measured.
@@ -218,6 +221,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_SKINNY_GEMM": "1 (default): linear layers of 2..32 rows on weights <= 2 MB (a "
     "batch-1 verify forward, a drafter's block) by the few-row tensor-core kernel instead of "
     "cuBLAS; 0: cuBLAS.",
+    "TREEVERIFY_ROPE_TABLE": "1 (default): a GPU model's rotary tables kept for every position, "
+    "a forward's rows read by one kernel; 0: computed each forward (~10 small kernels).",
     "TREEVERIFY_FUSED_SILU_DOWN": "1: a SwiGLU MLP's activation made on the load of its down "
     "projection where the decode GEMV or the few-row kernel runs it (one kernel fewer a layer); "
     "default 0 (off until measured).",
@@ -554,6 +559,13 @@ def skinny_gemm() -> bool:
     session: the b=1 round's GPU time 0.438 -> 0.410 ms), 0 keeps cuBLAS. Read once per
     process."""
     return _switch("TREEVERIFY_SKINNY_GEMM", "1")
+
+
+def rope_table() -> bool:
+    """TREEVERIFY_ROPE_TABLE: 1 (default) keeps a GPU model's rotary tables for every position
+    (models/layers.py Rope.tabulate: the rows bit-equal to those computed each forward), 0
+    computes them each forward. Read when a model is prepared for inference."""
+    return _switch("TREEVERIFY_ROPE_TABLE", "1")
 
 
 def fused_silu_down() -> bool:

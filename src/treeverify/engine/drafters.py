@@ -26,6 +26,7 @@ from treeverify.engine.draft_context import DraftContextCache
 from treeverify.engine.ngram_rings import NgramTokenRings
 from treeverify.engine.sequence import Sequence
 from treeverify.kernels.staging import to_device
+from treeverify.models.layers import ROPE_TABLE_SLACK
 from treeverify.models.shipped import SHIPPED_DRAFTERS, own_drafter, shipped_dir
 from treeverify.spec.ngram import NgramDrafter
 
@@ -140,7 +141,10 @@ def make_source(
     if bad:
         raise ValueError(f"speculative_draft_model_path: the drafter taps target layers {bad} "
                          f"outside 0..{config.num_hidden_layers - 1}")  # fmt: skip
-    return DFlashSource(drafter.eval().fuse_for_inference())
+    drafter = drafter.eval().fuse_for_inference()
+    # its block and context rows sit where the target's positions do (models/layers.py)
+    drafter.rope.tabulate(config.max_position_embeddings + ROPE_TABLE_SLACK, dtype, device)
+    return DFlashSource(drafter)
 
 
 def resolve_drafter(path: str | None, model: str) -> str:

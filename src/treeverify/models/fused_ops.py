@@ -16,6 +16,9 @@ fuse the per-layer chains:
                                   rope_qk + the step's K/V written to their cache slots
                                   (engine/kv_store.py's kernel)    (2 kernels -> 1; the same
                                   Triton kernel as rope_qk's, STORE specialised)
+  rope_rows(cos_table, sin_table, positions)
+                                  a forward's rotate-half tables read from Rope.tabulate's at
+                                  its positions                   (~10 kernels -> 1; a copy)
 
 Each rounds to the activation dtype where the PyTorch sequence it replaces rounds, so results
 match the unfused ops to the last bit of a bf16 value (the residual add exactly; measured on the
@@ -154,7 +157,23 @@ def _build_kernels():
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu rounds, then the product
         tl.store(Y + row * n + cols, (a * u).to(dt), mask=m)
 
-    return add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel, rmsnorm_pair_kernel
+    @triton.jit
+    def rope_rows_kernel(POS, TC, TS, C, S, limit, D: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+        # Program t: the rows of the (limit, D) tables at position POS[t], copied (clamped to
+        # the table: the engine's positions stay inside it, see Rope.tabulate).
+        if PDL:  # as in add_rmsnorm_kernel: the positions come from the step's copy
+            gdc_wait()
+            gdc_launch_dependents()
+        t = tl.program_id(0).to(tl.int64)
+        p = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), limit - 1)
+        d = tl.arange(0, BLOCK)
+        m = d < D
+        tl.store(C + t * D + d, tl.load(TC + p * D + d, mask=m), mask=m)
+        tl.store(S + t * D + d, tl.load(TS + p * D + d, mask=m), mask=m)
+
+    return (add_rmsnorm_kernel, rope_qk_kernel, silu_mul_kernel, rmsnorm_pair_kernel,
+            rope_rows_kernel)  # fmt: skip
 
 
 def add_rmsnorm(
@@ -318,6 +337,29 @@ def _rope_fits(qkv: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> boo
         _use_triton(qkv) and qkv.is_contiguous() and d & (d - 1) == 0
         and cos2.dtype == qkv.dtype and sin2.dtype == qkv.dtype
     )  # fmt: skip
+
+
+def rope_rows(
+    cos_table: torch.Tensor,  # (L, D) Rope.tabulate's
+    sin_table: torch.Tensor,  # (L, D)
+    positions: torch.Tensor,  # (T,) int, on the tables' device
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos2, sin2 (T, D): the tables' rows at `positions`
+    """Both tables' rows at `positions` by one kernel (Triton, CUDA) in place of the ~10 small
+    kernels that compute them each forward (models/layers.py Rope.rotate_half_tables);
+    elsewhere by index. Positions past the table read its last row (the engine never asks)."""
+    t, (limit, d) = positions.shape[0], cos_table.shape
+    if not (_use_triton(cos_table) and positions.is_cuda and cos_table.is_contiguous()
+            and sin_table.is_contiguous()):  # fmt: skip
+        idx = positions.long().clamp(0, limit - 1)
+        return cos_table[idx], sin_table[idx]
+    import triton
+
+    cos2, sin2 = cos_table.new_empty(t, d), sin_table.new_empty(t, d)
+    if t:
+        _triton()[4][(t,)](positions, cos_table, sin_table, cos2, sin2, limit, D=d,
+                           BLOCK=triton.next_power_of_2(d), num_warps=1,
+                           **pdl.flags(cos_table))  # fmt: skip
+    return cos2, sin2
 
 
 def _launch_rope(qkv, cos2, sin2, hq: int, hkv: int, k_out, slots=None, v_cache=None):

@@ -179,6 +179,11 @@ def rope_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
     return inv
 
 
+# Positions a tabulated Rope covers past the model's context: a verified tree's deepest node
+# (<= 1024 below its root) and a drafter's block (<= 64 rows) sit past the last committed one.
+ROPE_TABLE_SLACK = 2048
+
+
 class Rope(nn.Module):
     """cos/sin (T, dim/2) for positions; YaRN's cos/sin factor folded in."""
 
@@ -186,6 +191,30 @@ class Rope(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg, dim), persistent=False)
         self.scale = cfg.yarn_cos_sin_factor()
+        # (cos2, sin2) (L, dim) for positions 0..L-1 (`tabulate`; not module state: no state
+        # dict entry, and a move of the module leaves them behind, where they are not used)
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tabulate(self, positions: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Precompute `rotate_half_tables` for positions 0..positions-1 on a GPU, so a forward
+        reads its rows (fused_ops.rope_rows: one kernel) instead of computing them (~10 small
+        kernels: the positions' cast, the products, cos, sin, the scale, cats, negation, casts;
+        ~10 us a forward inside a graph). The same ops over all positions: rows bit-equal to the
+        per-forward ones. The engine sizes it past every position it can ask (ROPE_TABLE_SLACK);
+        a position past it would read the last row. Off the GPU, or with
+        TREEVERIFY_ROPE_TABLE=0, nothing is kept."""
+        from treeverify import env
+
+        if torch.device(device).type != "cuda" or not env.rope_table():
+            self.tables = None
+            return
+        idx = torch.arange(positions, device=device)
+        self.tables = self._compute_tables(idx, dtype)
+
+    def _compute_tables(self, positions: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        cos, sin = self(positions)  # (T, dim/2) each
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, dim/2)
@@ -194,9 +223,16 @@ class Rope(nn.Module):
     def rotate_half_tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos|cos, -sin|sin) (T, dim) in `dtype`, once per forward, for `apply_rope_tables`."""
-        cos, sin = self(positions)  # (T, dim/2) each
-        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+        """(cos|cos, -sin|sin) (T, dim) in `dtype`, once per forward, for `apply_rope_tables`:
+        the rows of `tabulate`'s tables where they are kept on the positions' GPU, in `dtype`;
+        else computed."""
+        tables = self.tables
+        if (tables is not None and positions.is_cuda and tables[0].dtype == dtype
+                and tables[0].device == positions.device):  # fmt: skip
+            from treeverify.models.fused_ops import rope_rows
+
+            return rope_rows(tables[0], tables[1], positions)
+        return self._compute_tables(positions, dtype)
 
 
 def apply_rope_tables(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:

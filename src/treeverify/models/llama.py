@@ -14,6 +14,7 @@ from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rope_qk
 from treeverify.models.gemv import Linear, linear
 from treeverify.models.layers import (
     MLP,
+    ROPE_TABLE_SLACK,
     Attention,
     RMSNorm,
     Rope,
@@ -124,6 +125,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        w = self.model.embed_tokens.weight
+        self.rope.tabulate(self.config.max_position_embeddings + ROPE_TABLE_SLACK, w.dtype,
+                           w.device)  # fmt: skip
         self.fused = True
         return self
 
