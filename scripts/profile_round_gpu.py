@@ -70,9 +70,11 @@ CONFIGS = {
 def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: int,
                    pinned: int | None = None) -> dict:  # fmt: skip
     llm = build(algo, batch, budget, pinned)
-    sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
-    for p in prompts(batch):
-        llm.add_request(p, sp)
+    seqs = []
+    for p in prompts(batch):  # as long as the model's context allows (tiny-code: 1024 positions)
+        room = llm.model_config.max_position_embeddings - len(llm.tokenizer.encode(p)) - 64
+        sp = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
+        seqs.append(llm.add_request(p, sp))
     for _ in range(20):  # prefill + warm rounds
         llm.step()
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
@@ -87,6 +89,9 @@ def profile_config(name: str, algo: str | None, batch: int, budget: int, steps: 
             llm.step()
         sync()
         wall = time.perf_counter() - t0
+    if any(s.is_finished for s in seqs):  # the steps above ran short of work: say so
+        print(f"!!! {name} b={batch}: a request reached the context's end within the steps; "
+              f"fewer --steps ({steps}) measure full steps")  # fmt: skip
     events = prof.key_averages()
     gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.self_device_time_total for e in gpu)
@@ -166,7 +171,13 @@ def python_hotspots(llm: LLM, steps: int, sync, top: int = 30) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=40,
+        help="steps each of three passes times (after 20 warm-up steps); a request "
+        "holds at most the model's context (tiny-code: 1024 positions)",
+    )
     ap.add_argument("--batches", default="1,8")
     ap.add_argument(
         "--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS)
