@@ -176,7 +176,9 @@ def test_uncaptured_cases_fall_back(setup):
 
 
 @pytest.mark.parametrize("algorithm,budget,depth", [("DDTREE", 16, 15), ("CHAIN", 8, 8)])
-def test_tiny_code_engine_drafts_through_the_graphs_same_tokens(algorithm, budget, depth):
+def test_tiny_code_engine_drafts_through_the_graphs_same_tokens(
+    algorithm, budget, depth, same_kernels_at_any_padding
+):
     """tiny-code + its DFlash drafter at a fixed budget: greedy tokens with CUDA graphs (the
     draft replayed) equal those without (`disable_cuda_graph`), batched and alone. DDTREE drafts
     the whole block's 15 positions; CHAIN of budget 8 drafts 8 (its chain's length)."""

@@ -121,7 +121,7 @@ def test_mapped_readback_of_whole_rounds_equals_the_copy_to_the_host(monkeypatch
     assert outs["1"] == outs["0"]
 
 
-def test_ngram_whole_rounds_captured_equal_the_general_path():
+def test_ngram_whole_rounds_captured_equal_the_general_path(same_kernels_at_any_padding):
     """The n-gram drafter's whole rounds (ngram_whole_rounds, the default) captured, read first
     and launched ahead: the same greedy tokens as its general path (host votes,
     ngram_whole_rounds=False), batched and alone."""
