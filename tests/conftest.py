@@ -14,16 +14,21 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def same_kernels_at_any_padding(monkeypatch):
-    """TREEVERIFY_SKINNY_GEMM=0 for a test comparing two engine paths token for token where one
-    pads a batch to its graph bucket and the other does not (eager steps, or another step
-    path): the few-row kernel takes a linear of <= 32 rows and cuBLAS a larger one, and the two
-    sum in different orders, so 27 real rows (eager) and 36 padded ones (a graph) would round
-    differently and part at a near-tie (seen on the H100: CHAIN-8 at batch 3 in bucket 4). The
-    few-row kernel has its own graph-vs-eager tests at equal row counts."""
+    """Every linear layer on cuBLAS (TREEVERIFY_SKINNY_GEMM=0, TREEVERIFY_DECODE_GEMV=0) for a
+    test comparing two engine paths token for token where one pads a batch (or the drafter's
+    context rows) to its graph bucket and the other does not (eager steps, or another step
+    path): the GEMV takes one row, the few-row kernel 2..32 and cuBLAS more, each summing in its
+    own order, so 27 real rows (eager) and 36 padded ones (a graph) round differently and part
+    at a near-tie (seen on the H100: CHAIN-8 at batch 3 in bucket 4). Both kernels have their
+    own graph-vs-eager tests at equal row counts."""
     from treeverify.models import gemv
 
     monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "0")
+    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV", "0")
     gemv.skinny_enabled.cache_clear()
+    gemv.enabled.cache_clear()
     yield
     monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM")
+    monkeypatch.delenv("TREEVERIFY_DECODE_GEMV")
     gemv.skinny_enabled.cache_clear()
+    gemv.enabled.cache_clear()

@@ -227,6 +227,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_DECODE_GEMV_PDL",
         "TREEVERIFY_SKINNY_GEMM",
         "TREEVERIFY_ROPE_TABLE",
+        "TREEVERIFY_FUSED_ACCEPT",
         "TREEVERIFY_FUSED_SILU_DOWN",
         "TREEVERIFY_MOE_GEMV_SHARED",
         "TREEVERIFY_TRITON_PDL",

@@ -5,11 +5,10 @@ runs the kernel against an fp32 reference, eager and in a CUDA graph."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
+from kernel_signature import assert_matches_signature
 from treeverify.models import gemv as gemv_mod
 
 
@@ -108,29 +107,13 @@ def test_off_the_gpu_linear_is_f_linear_and_layers_keep_their_state_dict():
                                                                            lin.bias))  # fmt: skip
 
 
-def _assert_matches_signature(source: str, kernel: str, args: list) -> None:
-    """One ctypes argument per parameter of `kernel` in kernels/cuda/`source`, in order, of the
-    declared C type (pointer, long long or int)."""
-    import re
-    from pathlib import Path
-
-    src = (Path(gemv_mod.__file__).parents[1] / "kernels" / "cuda" / source).read_text()
-    params = re.search(kernel + r"\(([^)]*)\)", src).group(1).split(",")
-    assert len(args) == len(params)
-    for a, p in zip(args, params, strict=True):
-        is_ptr = "*" in p
-        assert is_ptr == isinstance(a, ctypes.c_void_p), p
-        if not is_ptr:
-            assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
-
-
 def test_launch_arguments_match_the_kernel_signature():
     """One argument per parameter of decode_gemv, in order (a missing one is
     CUDA_ERROR_INVALID_VALUE or a crash on the GPU: f06ab93 launched 9 of 10)."""
     x = torch.randn(1, 64).to(torch.bfloat16)
     w = torch.randn(8, 64).to(torch.bfloat16)
     args = gemv_mod.launch_args(x, w, None, torch.empty(1, 8, dtype=torch.bfloat16))
-    _assert_matches_signature("decode_gemv.cu", "decode_gemv", args)
+    assert_matches_signature("decode_gemv.cu", "decode_gemv", args)
     assert [a.value for a in args[-2:]] == [8, 64]  # n, k
 
 
@@ -138,7 +121,7 @@ def test_few_row_launch_arguments_match_the_kernel_signature():
     x = torch.randn(5, 64).to(torch.bfloat16)
     w = torch.randn(16, 64).to(torch.bfloat16)
     args = gemv_mod.skinny_launch_args(x, w, None, torch.empty(5, 16, dtype=torch.bfloat16))
-    _assert_matches_signature("skinny_gemm.cu", "skinny_gemm", args)
+    assert_matches_signature("skinny_gemm.cu", "skinny_gemm", args)
     assert [args[2].value, args[-2].value, args[-1].value] == [5, 16, 64]  # m, n, k
 
 
@@ -250,3 +233,14 @@ def test_describe_says_which_path_decode_rows_take(monkeypatch):
     )
     assert gemv_mod.describe().startswith(want)
     gemv_mod.enabled.cache_clear()
+
+
+def test_few_row_instances_by_row_count():
+    """1-8 rows one n8 tile, 9-24 three (two tiles measured slower than three on the H100),
+    25-32 four; nothing outside 1..32."""
+    assert [gemv_mod.skinny_tiles(m) for m in (1, 2, 8, 9, 16, 17, 24, 25, 32)] == [
+        1, 1, 1, 3, 3, 3, 3, 4, 4,
+    ]  # fmt: skip
+    for m in (0, 33):
+        with pytest.raises(ValueError, match="m: expected 1..32"):
+            gemv_mod.skinny_tiles(m)

@@ -24,6 +24,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_SKINNY_GEMM``: ``1`` runs linear layers of 2..32 rows on small weights with the
   few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu) instead of cuBLAS
   (default; measured on the H100: the b=1 round -6.5%); ``0`` keeps cuBLAS.
+- ``TREEVERIFY_FUSED_ACCEPT``: ``1`` runs a round's greedy walk, its packed result and the K/V
+  move's indices as one kernel and the K/V move as one kernel a cache tensor (engine/
+  speculative.py, kernels/cuda/ddtree_walk.cu and kv_move.cu; ~12 launches -> 3); default
+  ``0`` until measured.
 - ``TREEVERIFY_ROPE_TABLE``: ``1`` (default) keeps a GPU model's rotary tables for every
   position and reads a forward's rows from them by one kernel (models/layers.py
   ``Rope.tabulate``); ``0`` computes them each forward (~10 small kernels).
@@ -221,6 +225,9 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_SKINNY_GEMM": "1 (default): linear layers of 2..32 rows on weights <= 2 MB (a "
     "batch-1 verify forward, a drafter's block) by the few-row tensor-core kernel instead of "
     "cuBLAS; 0: cuBLAS.",
+    "TREEVERIFY_FUSED_ACCEPT": "1: a round's greedy walk, packed result and K/V move indices by "
+    "one kernel and the K/V move by one kernel a cache tensor (~12 launches -> 3); default 0 "
+    "(off until measured).",
     "TREEVERIFY_ROPE_TABLE": "1 (default): a GPU model's rotary tables kept for every position, "
     "a forward's rows read by one kernel; 0: computed each forward (~10 small kernels).",
     "TREEVERIFY_FUSED_SILU_DOWN": "1: a SwiGLU MLP's activation made on the load of its down "
@@ -559,6 +566,13 @@ def skinny_gemm() -> bool:
     session: the b=1 round's GPU time 0.438 -> 0.410 ms), 0 keeps cuBLAS. Read once per
     process."""
     return _switch("TREEVERIFY_SKINNY_GEMM", "1")
+
+
+def fused_accept() -> bool:
+    """TREEVERIFY_FUSED_ACCEPT: 1 runs a round's greedy walk, its packed result and the K/V
+    move's indices as one kernel (kernels/cuda/ddtree_walk.cu ddtree_walk_pack) and the K/V move
+    as one kernel a stacked cache tensor (kv_move.cu); default 0 until measured on a GPU."""
+    return _switch("TREEVERIFY_FUSED_ACCEPT", "0")
 
 
 def rope_table() -> bool:

@@ -11,6 +11,7 @@ of a captured step write their K/V there.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -118,7 +119,63 @@ class KVCache:
                 vflat = vc.view(-1, *vc.shape[2:])
                 vflat[dst] = vflat[src]
 
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """`move_slots` for (B, K) pairs, request by request (each request's slots its own): with
+        TREEVERIFY_FUSED_ACCEPT on a GPU and a stacked cache, one kernel a cache tensor for all
+        layers (kernels/cuda/kv_move.cu: every source of a request read before any write), else
+        `move_slots` of the flattened pairs."""
+        launches = self._move_launches(src)
+        if launches is None:
+            self.move_slots(src.reshape(-1), dst.reshape(-1))
+            return
+        from treeverify.kernels.cuda.launch import load
+        from treeverify.kernels.cuda.variants import KvMoveVariant
+
+        dev = src.device
+        kernel = load(KvMoveVariant(), dev)
+        bsz, k = src.shape
+        src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        for whole, row_vecs in launches:
+            args = kv_move_args(whole, row_vecs, src, dst)
+            with torch.cuda.device(dev):
+                kernel.launch((bsz, whole.shape[0], 1), args, stream,
+                              smem_bytes=k * row_vecs * 16)  # fmt: skip
+
+    def _move_launches(self, src: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
+        """(cache tensor, 16-byte vectors a row) for each kv_move launch, or None where the
+        kernel does not apply (switch off, not a GPU, no stacked cache, a row not a multiple of
+        16 bytes, a request's rows past 48 KiB of shared memory)."""
+        from treeverify import env
+
+        if not (env.fused_accept() and self._stacked is not None and src.is_cuda
+                and src.dim() == 2 and self.device.type == "cuda"):  # fmt: skip
+            return None
+        from treeverify.kernels.api import cuda_backend_available
+
+        if not cuda_backend_available():
+            return None
+        out = []
+        for whole in self._stacked:
+            if whole is None:
+                continue
+            row_bytes = whole[0, 0, 0].numel() * whole.element_size()
+            if (not whole.is_contiguous() or row_bytes % 16
+                    or src.shape[1] * row_bytes > 48 * 1024):  # fmt: skip
+                return None
+            out.append((whole, row_bytes // 16))
+        return out
+
     @property
     def bytes(self) -> int:
         tensors = [t for t in (*self.k.values(), *self.v.values()) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_move_args(whole: torch.Tensor, row_vecs: int, src: torch.Tensor,
+                 dst: torch.Tensor) -> list:  # fmt: skip
+    """kv_move_rows' parameters in its signature's order (tests count them): a stacked cache
+    (L, ...) contiguous, its rows' 16-byte vectors, the (B, K) int64 pairs."""
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+    return [ptr(whole.data_ptr()), i64(whole.stride(0) * whole.element_size()), i32(row_vecs),
+            ptr(src.data_ptr()), ptr(dst.data_ptr()), i32(src.shape[1])]  # fmt: skip

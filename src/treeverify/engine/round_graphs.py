@@ -71,7 +71,6 @@ from treeverify.engine.pick_kernels import fused_picks, pick_tokens, pick_tokens
 from treeverify.engine.round_state import RoundState
 from treeverify.engine.sampler import drawable, staged_draws
 from treeverify.engine.sequence import Sequence
-from treeverify.spec import accept_greedy
 
 log = logging.getLogger("treeverify.engine")
 
@@ -179,17 +178,17 @@ class RoundGraphs(LaunchAhead):
         out = graphs.forward_rows(rows)  # (rows, V)
         hidden = getattr(self.model, "captured", None)  # (rows, F) DFlash's tapped layers
         post = self._posterior(out, v, rows).view(b, n)  # each node's token: argmax or draw
-        acc = accept_greedy(tokens, parents, post, max_depth=depth)
         slots = v["slots"][:rows].view(b, n)  # (b, n) node i at position P + i
-        packed = spec._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus)
+        packed, length, bonus = spec.accept_move_pack(tokens, parents, post, slots, depth)
         # The accepted rows (root first) are the next context rows: position P + d of the path.
-        k = (packed.shape[1] - 2) // 2
-        node = acc.path[:, :k].clamp(min=0)  # (b, k)
-        keep = torch.arange(k, device=self.device)[None, :] < acc.length[:, None]  # (b, k)
+        k = (packed.shape[1] - 2) // 2  # packed (b, 2 + 2k)
+        path = packed[:, 2 + k :]  # (b, k) -1 past the end
+        node = path.clamp(min=0)  # (b, k)
+        keep = path >= 0  # (b, k): the path's nodes, exactly d < length
         ctx.write_path(meta, node, keep, tokens, hidden)  # DFlash: their keys/values; n-gram: ids
         # the next round's inputs (what a round launched ahead replays with; a round the host
         # stages overwrites them)
-        self.state.advance(self.meta.dev, b, acc.length, acc.bonus, v, ctx.window)
+        self.state.advance(self.meta.dev, b, length, bonus, v, ctx.window)
         return packed
 
     def _posterior(self, out: torch.Tensor, v: dict[str, torch.Tensor], rows: int) -> torch.Tensor:

@@ -249,9 +249,29 @@ class SpeculativeDecoder:
         committed = tokens.gather(1, node)  # (B, K)
         return torch.cat((length[:, None], bonus[:, None], committed, path), dim=1)
 
+    def accept_move_pack(
+        self, tokens, parents, posterior, slots, max_depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The greedy walk of (B, N) verified trees (posterior: each node's target token), the
+        accepted K/V moved, the result packed as `_move_and_pack` packs it; returns (packed,
+        length, bonus), the last two (B,) contiguous. With
+        TREEVERIFY_FUSED_ACCEPT on a GPU: one kernel for the walk, the pack and the move's
+        indices, one kernel a cache tensor for the move (~12 launches -> 3); else the walk, then
+        `_move_and_pack`. Capture-safe either way."""
+        from treeverify import env
+        from treeverify.spec import walk_cuda
+
+        if env.fused_accept() and walk_cuda.usable(tokens):
+            packed, src, dst, length, bonus = walk_cuda.walk_pack_cuda(
+                tokens, parents, posterior, slots, max_depth)  # fmt: skip
+            self.cache.move_rows(src, dst)
+            return packed, length, bonus
+        acc = accept_greedy(tokens, parents, posterior, max_depth=max_depth)
+        packed = self._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus)
+        return packed, acc.length, acc.bonus
+
     def _greedy_accept_move(self, tokens, parents, posterior, slots):
-        acc = accept_greedy(tokens, parents, posterior, max_depth=self._max_depth)
-        return (self._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus),)
+        return (self.accept_move_pack(tokens, parents, posterior, slots, self._max_depth)[0],)
 
     def commit_rows(self, seqs: list[Sequence], rows: list[list[int]],
                     paths: list[list[int]]) -> list[list[int]]:  # fmt: skip
@@ -314,10 +334,8 @@ class SpeculativeDecoder:
             # every node's own draw (a sampled request's node at depth d: plain decoding's draw
             # for the token d places on), then one walk for the whole batch
             posterior = draw_nodes(logits, tb.depths, tb.max_depth, tb.seqs)  # (B, N)
-            acc = accept_greedy(tb.tokens, tb.parents, posterior, max_depth=tb.max_depth)
-            path, length, bonus = acc.path, acc.length, acc.bonus
-            packed = self._move_and_pack(tb.tokens, tb.parents, tb.device_slots(), path, length,
-                                         bonus)  # fmt: skip
+            packed = self.accept_move_pack(tb.tokens, tb.parents, posterior, tb.device_slots(),
+                                           tb.max_depth)[0]  # fmt: skip
         t0 = self._time("accept", t0)
         out = self.commit_rows(tb.seqs, packed.tolist(), tb.paths)  # the round's one read
         tb.logprobs.extend(self._round_logprobs(tb, logits, out))

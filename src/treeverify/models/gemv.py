@@ -248,9 +248,19 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, n = _checked(x, weight, bias, act, (2, SKINNY_MAX_ROWS), SKINNY_K_MULTIPLE,
                     SKINNY_OUTPUTS_PER_CTA)  # fmt: skip
     y = x.new_empty(m, n)
-    kernel = _skinny_kernel(_index(x), -(-m // 8), x.dtype, act)  # n8 tiles of rows
+    kernel = _skinny_kernel(_index(x), skinny_tiles(m), x.dtype, act)
     _launch(kernel, (n // SKINNY_OUTPUTS_PER_CTA, 1, 1), skinny_launch_args(x, weight, bias, y), x)
     return y
+
+
+def skinny_tiles(m: int) -> int:
+    """The few-row kernel's instance for m rows: its n8 tiles of x rows (rows past m read as
+    zeros). 9..16 rows take the three-tile instance, not two: on the H100 (21feabf's
+    gemv_bench) two tiles ran 2.2-2.4 us a call on tiny-code's shapes at 9 and 16 rows where
+    three ran 1.85-2.0 at 17 (lm_head 2.9-3.1 both), on every weight measured."""
+    if not 1 <= m <= SKINNY_MAX_ROWS:
+        raise ValueError(f"m: expected 1..{SKINNY_MAX_ROWS} rows, got {m}")
+    return 1 if m <= 8 else 3 if m <= 24 else 4
 
 
 def skinny_launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeverify.models.gemv import Linear, linear
 from treeverify.models.layers import (
     MLP,
     RMSNorm,
@@ -70,7 +71,7 @@ class DFlashAttention(nn.Module):
         self.q_proj = nn.Linear(h, self.hq * self.d, bias=bias)
         self.k_proj = nn.Linear(h, self.hkv * self.d, bias=bias)
         self.v_proj = nn.Linear(h, self.hkv * self.d, bias=bias)
-        self.o_proj = nn.Linear(self.hq * self.d, h, bias=bias)
+        self.o_proj = Linear(self.hq * self.d, h, bias=bias)  # nn.Linear's state, linear()
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after fuse()
@@ -96,7 +97,7 @@ class DFlashAttention(nn.Module):
         from treeverify.spec import dflash_fused
 
         b, t, _ = x.shape
-        qkv = F.linear(x.reshape(b * t, -1), *self.qkv).view(b * t, -1, self.d)  # (B*T, Hq+2Hkv, D)
+        qkv = linear(x.reshape(b * t, -1), *self.qkv).view(b * t, -1, self.d)  # (B*T, Hq+2Hkv, D)
         q, blk_kv = dflash_fused.qk_norm_rope(qkv, self.q_norm, self.k_norm, cos2, sin2,
                                               self.hq, self.hkv, b)  # fmt: skip
         o = dflash_fused.ring_attention(q, store, layer, meta, rows, blk_kv, self.sm_scale)
@@ -188,7 +189,7 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id: int = cfg.mask_token_id
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fc = nn.Linear(cfg.context_features, cfg.hidden_size, bias=False)
+        self.fc = Linear(cfg.context_features, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = Rope(cfg.rope, cfg.head_dim)  # inv_freq: a non-persistent fp32 buffer
         # A plain tuple, not submodules: the target owns these, and they must stay out of this

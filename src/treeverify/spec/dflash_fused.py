@@ -238,7 +238,7 @@ def context_keys_values(
 ) -> torch.Tensor:  # (R, n_layers, 2, Hkv, D): every layer's rotated keys and values
     """What `DFlashAttention.keys_values` gives per layer, stacked: per layer one GEMM over the
     fused weight's k|v rows and one kernel (k normed and rotated, v copied) writing its slice."""
-    import torch.nn.functional as F
+    from treeverify.models.gemv import linear
 
     attn = layers[0].self_attn
     r, hq, hkv, d = ctx.shape[0], attn.hq, attn.hkv, attn.d
@@ -248,7 +248,7 @@ def context_keys_values(
         a = layer.self_attn
         weight, bias = a.qkv
         kv_w = weight[hq * d :]  # (2 Hkv D, H): the k and v rows, a view
-        kv = F.linear(ctx, kv_w, None if bias is None else bias[hq * d :]).view(r, 2 * hkv, d)
+        kv = linear(ctx, kv_w, None if bias is None else bias[hq * d :]).view(r, 2 * hkv, d)
         kernel[(r, 2 * hkv)](kv, a.k_norm.weight, a.k_norm.weight, cos2, sin2, kv, out[:, i],
                              len(layers) * 2 * hkv * d, 0, hkv, a.k_norm.eps, D=d, HALF=d // 2,
                              IB=_interp_bf16(ctx), num_warps=1)  # fmt: skip

@@ -58,3 +58,46 @@ def greedy_walk_cuda(tokens: Tensor, parents: Tensor, posterior: Tensor,
         with torch.cuda.device(dev):
             kernel.launch((bsz, 1, 1), args, torch.cuda.current_stream(dev).cuda_stream)
     return Acceptance(path=path, length=length, bonus=bonus, last=last)
+
+
+def walk_pack_cuda(tokens: Tensor, parents: Tensor, posterior: Tensor, slots: Tensor,
+                   max_depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The walk plus what engine/speculative.py `_move_and_pack` makes of it, in one launch
+    (kernels/cuda/ddtree_walk.cu `ddtree_walk_pack`): (B, T) int64 trees, `slots` (B, T) each
+    node's KV slot -> packed (B, 2 + 2K) [length, bonus, committed K, path K], src and dst
+    (B, K) (the accepted nodes' slots and their positions' slots; src == dst past the path's
+    end), K = min(max_depth + 1, T); and length, bonus (B,) as `greedy_walk_cuda` gives them."""
+    from treeverify.kernels.cuda.launch import load
+    from treeverify.kernels.cuda.variants import DDTreeWalkPackVariant
+
+    shapes = {tuple(x.shape) for x in (tokens, parents, posterior, slots)}
+    if len(shapes) != 1 or parents.dim() != 2:
+        raise ValueError(f"tokens, parents, posterior, slots must all be (B, T); got {shapes}")
+    bsz, t = parents.shape
+    if not 1 <= t <= MAX_NODES or max_depth < 0:
+        raise ValueError(f"T: expected 1..{MAX_NODES} and max_depth >= 0, got {t}, {max_depth}")
+    dev, k = parents.device, min(max_depth + 1, t)
+    tokens, parents, posterior, slots = (x.to(torch.int64).contiguous()
+                                         for x in (tokens, parents, posterior, slots))  # fmt: skip
+    packed = torch.empty(bsz, 2 + 2 * k, dtype=torch.int64, device=dev)
+    src = torch.empty(bsz, k, dtype=torch.int64, device=dev)
+    dst = torch.empty(bsz, k, dtype=torch.int64, device=dev)
+    length = torch.empty(bsz, dtype=torch.int64, device=dev)
+    bonus = torch.empty(bsz, dtype=torch.int64, device=dev)
+    if bsz:
+        kernel = load(DDTreeWalkPackVariant(), dev)
+        args = walk_pack_args(tokens, parents, posterior, slots, max_depth,
+                              (packed, src, dst, length, bonus))  # fmt: skip
+        with torch.cuda.device(dev):
+            kernel.launch((bsz, 1, 1), args, torch.cuda.current_stream(dev).cuda_stream)
+    return packed, src, dst, length, bonus
+
+
+def walk_pack_args(tokens: Tensor, parents: Tensor, posterior: Tensor, slots: Tensor,
+                   max_depth: int, outs: tuple[Tensor, ...]) -> list:  # fmt: skip
+    """ddtree_walk_pack's parameters in its signature's order (tests count them); `outs`:
+    packed, src, dst, length, bonus."""
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    t, k = parents.shape[1], outs[1].shape[1]
+    return [ptr(x.data_ptr()) for x in (tokens, parents, posterior, slots)] + [
+        i32(t), i32(max_depth), i32(k)] + [ptr(x.data_ptr()) for x in outs]  # fmt: skip

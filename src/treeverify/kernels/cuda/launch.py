@@ -154,13 +154,19 @@ class LoadedKernel:
         *,
         programmatic: bool = False,
         cluster: int = 1,
+        smem_bytes: int | None = None,
     ) -> None:
         """Launch on `stream`. `programmatic`: programmatic dependent launch (sm_90+): the
         kernel may start once every CTA of the kernel before it on the stream has executed
         `griddepcontrol.launch_dependents` (or exited), and must `griddepcontrol.wait` before
         reading what that kernel writes (device_common.cuh: pdl_trigger / pdl_wait).
-        `cluster` > 1: thread-block clusters of that many CTAs along x (grid[0] a multiple)."""
+        `cluster` > 1: thread-block clusters of that many CTAs along x (grid[0] a multiple).
+        `smem_bytes`: this launch's dynamic shared memory (at most 48 KiB) in place of the
+        variant's (a kernel sized by its arguments: kv_move.cu)."""
         drv = _drv()
+        smem = self.compiled.smem_bytes if smem_bytes is None else smem_bytes
+        if smem_bytes is not None and not 0 <= smem_bytes <= 48 * 1024:
+            raise ValueError(f"smem_bytes: expected 0..49152, got {smem_bytes}")
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         if programmatic or cluster > 1:
             attrs = [_programmatic_attr()] if programmatic else []
@@ -171,7 +177,7 @@ class LoadedKernel:
             config = drv.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX, config.blockDimY, config.blockDimZ = self.threads, 1, 1
-            config.sharedMemBytes = self.compiled.smem_bytes
+            config.sharedMemBytes = smem
             config.hStream = drv.CUstream(stream)
             config.attrs, config.numAttrs = attrs, len(attrs)
             res = drv.cuLaunchKernelEx(config, self._fn, ctypes.addressof(ptrs), 0)
@@ -186,7 +192,7 @@ class LoadedKernel:
             self.threads,
             1,
             1,
-            self.compiled.smem_bytes,
+            smem,
             drv.CUstream(stream),
             ctypes.addressof(ptrs),
             0,

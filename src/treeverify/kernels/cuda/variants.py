@@ -412,6 +412,34 @@ class DDTreeWalkVariant:
 
 
 @dataclass(frozen=True)
+class DDTreeWalkPackVariant:
+    """ddtree_walk_pack (ddtree_walk.cu): the greedy walk, the round's packed result and the
+    K/V move's indices in one launch, one CTA per request (TREEVERIFY_FUSED_ACCEPT)."""
+
+    name: str = "ddtree_walk_pack"
+    expr: str = "treeverify::ddtree_walk_pack"
+    threads: int = 128
+    smem_bytes: int = 0  # static shared memory only
+    defines: tuple[str, ...] = ()
+    source_file: str = "ddtree_walk.cu"
+    fast_math: bool = False
+
+
+@dataclass(frozen=True)
+class KvMoveVariant:
+    """kv_move_rows (kv_move.cu): a round's accepted K/V rows moved for every layer of a stacked
+    cache, one CTA per (request, layer); its shared memory is sized per launch."""
+
+    name: str = "kv_move_rows"
+    expr: str = "treeverify::kv_move_rows"
+    threads: int = 128
+    smem_bytes: int = 0  # dynamic, given at launch (<= 48 KiB)
+    defines: tuple[str, ...] = ()
+    source_file: str = "kv_move.cu"
+    fast_math: bool = False
+
+
+@dataclass(frozen=True)
 class DDTreeTopkVariant:
     """ddtree_topk (ddtree_topk.cu): the draft table (log-softmax + top-k) for small k, one CTA
     per (request, depth) row. No fast math: expf/logf as precise as torch's."""
@@ -499,6 +527,8 @@ Variant = (
     | MaskVariant
     | DDTreeHeapVariant
     | DDTreeWalkVariant
+    | DDTreeWalkPackVariant
+    | KvMoveVariant
     | DDTreeTopkVariant
     | RoundStateVariant
     | DecodeGemvVariant
@@ -602,6 +632,8 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(MaskVariant())
     out.append(DDTreeHeapVariant())
     out.append(DDTreeWalkVariant())
+    out.append(DDTreeWalkPackVariant())
+    out.append(KvMoveVariant())
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
     for act in (False, True):  # models/gemv.py: GEMV_MAX_ROWS; 32 rows in n8 tiles
