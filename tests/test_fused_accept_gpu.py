@@ -50,19 +50,26 @@ def test_walk_pack_equals_the_walk_and_the_pack():
             follow = (tree.parents.gather(1, kids) == torch.arange(t, device=dev)) & (kids > 0)
             post = torch.where(follow, tree.tokens.gather(1, kids), post)  # walks go deep
             slots = torch.randperm(bsz * t * 3, generator=gen)[: bsz * t].view(bsz, t).to(dev)
-            for cap in {n_depth, max(0, n_depth - 2), t - 1}:
+            for cap in {0, 1, n_depth, max(0, n_depth - 2), t - 1, t + 5, 1100}:
                 want = _pack_reference(tree.tokens, post, tree.parents, slots, cap)
                 got = walk_pack_cuda(tree.tokens, tree.parents, post, slots, cap)
                 for name, g, w in zip(("packed", "src", "dst", "length", "bonus"), got, want,
                                       strict=True):  # fmt: skip
                     assert torch.equal(g, w), (name, budget, bsz, cap)
+    one = torch.tensor([[7]], device=dev)  # a lone root (T = 1): length 1, the bonus its token
+    packed, src, dst, length, bonus = walk_pack_cuda(one, one * 0 - 1, one + 1, one * 0 + 4, 5)
+    assert packed.tolist() == [[1, 8, 7, 0]] and src.tolist() == dst.tolist() == [[4]]
+    assert length.tolist() == [1] and bonus.tolist() == [8]
+    with pytest.raises(ValueError, match="tokens, parents, posterior, slots"):
+        walk_pack_cuda(one, one, one, torch.zeros(1, 2, dtype=torch.int64, device=dev), 3)
 
 
 @pytest.mark.parametrize("v_row", [(2, 64), None])  # GQA's K and V; MLA's latent only
 def test_kv_move_rows_equals_the_gather_scatter(monkeypatch, v_row):
-    """Random stacked caches (poisoned nowhere: every row random), pairs as walks make them
-    (each request's own slots, a path's sources at or after their positions, src == dst past
-    its end), some requests' K past the shared-memory limit (the gather/scatter then)."""
+    """Random stacked caches (every row random), pairs as walks make them (each request's own
+    slots, a path's sources at or after their positions, src == dst past its end, a padding
+    row at the scratch slot), some requests' K past the shared-memory limit (the gather /
+    scatter then)."""
     pytest.importorskip("cuda.bindings.driver")
     from treeverify.engine.kv_cache import KVCache
 
@@ -89,7 +96,8 @@ def test_kv_move_rows_equals_the_gather_scatter(monkeypatch, v_row):
             sv[:length] = path + s0
             src.append(sv)
             dst.append(d)
-        src, dst = torch.stack(src).cuda(), torch.stack(dst).cuda()
+        pad = torch.full((k,), a.scratch_slot)  # a graph bucket's padding row: nothing moves
+        src, dst = torch.stack([*src, pad]).cuda(), torch.stack([*dst, pad]).cuda()
         launches = a._move_launches(src)
         assert (launches is not None) == (k * k_row[0] * k_row[1] * 2 <= 48 * 1024), (k, launches)
         a.move_rows(src, dst)

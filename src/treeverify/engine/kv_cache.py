@@ -125,6 +125,8 @@ class KVCache:
         layers (kernels/cuda/kv_move.cu: every source of a request read before any write), else
         `move_slots` of the flattened pairs."""
         launches = self._move_launches(src)
+        if src.numel() == 0:  # no request (an empty grid is not a launch)
+            return
         if launches is None:
             self.move_slots(src.reshape(-1), dst.reshape(-1))
             return

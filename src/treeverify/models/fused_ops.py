@@ -354,6 +354,7 @@ def rope_rows(
         return cos_table[idx], sin_table[idx]
     import triton
 
+    positions = positions.contiguous()  # the kernel reads POS + t
     cos2, sin2 = cos_table.new_empty(t, d), sin_table.new_empty(t, d)
     if t:
         _triton()[4][(t,)](positions, cos_table, sin_table, cos2, sin2, limit, D=d,

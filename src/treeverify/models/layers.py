@@ -208,8 +208,15 @@ class Rope(nn.Module):
         if torch.device(device).type != "cuda" or not env.rope_table():
             self.tables = None
             return
-        idx = torch.arange(positions, device=device)
-        self.tables = self._compute_tables(idx, dtype)
+        dim = 2 * self.inv_freq.shape[0]
+        cos2 = torch.empty(positions, dim, dtype=dtype, device=device)  # (L, dim)
+        sin2 = torch.empty(positions, dim, dtype=dtype, device=device)
+        step = 16384  # in pieces: the fp32 temporaries stay small at long contexts
+        for start in range(0, positions, step):
+            idx = torch.arange(start, min(start + step, positions), device=device)
+            c, s = self._compute_tables(idx, dtype)  # (n, dim) each
+            cos2[start : start + step], sin2[start : start + step] = c, s
+        self.tables = (cos2, sin2)
 
     def _compute_tables(self, positions: torch.Tensor,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

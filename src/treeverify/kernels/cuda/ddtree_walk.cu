@@ -83,10 +83,12 @@ __global__ void ddtree_walk_pack(const int64_t* __restrict__ tokens,
   const int64_t* tok = tokens + static_cast<int64_t>(b) * T;
   const int64_t* post = posterior + static_cast<int64_t>(b) * T;
   const int64_t* slot = slots + static_cast<int64_t>(b) * T;
-  for (int k = threadIdx.x; k <= max_depth; k += blockDim.x) path[k] = -1;
+  // The walk writes depths <= min(max_depth, T - 1) = K - 1, and only path[0..K) is read: a
+  // max_depth past the shared array (<= kWalkMaxNodes entries) never indexes it.
+  for (int k = threadIdx.x; k < K; k += blockDim.x) path[k] = -1;
   __syncthreads();
-  const int depth = walk_tree(tok, parents + static_cast<int64_t>(b) * T, post, T, max_depth,
-                              first, path);
+  const int depth = walk_tree(tok, parents + static_cast<int64_t>(b) * T, post, T,
+                              max_depth < K - 1 ? max_depth : K - 1, first, path);
   int64_t* row = packed + static_cast<int64_t>(b) * (2 + 2 * K);
   if (threadIdx.x == 0) {
     length = depth + 1;
