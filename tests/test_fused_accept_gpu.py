@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from treeverify import spec
+from walk_trees import tree_and_posterior
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -39,16 +39,8 @@ def test_walk_pack_equals_the_walk_and_the_pack():
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     for budget in (1, 4, 16, 17, 64, 300, 1024):
         for bsz in (1, 5):
-            n_depth = int(torch.randint(1, 16, (1,), generator=gen))
-            vocab = int(torch.randint(2, 50, (1,), generator=gen))
-            logits = (torch.randn(bsz, n_depth, vocab, generator=gen) * 2).to(dev)
-            roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
-            tree = spec.build_tree(logits, budget, roots)
+            tree, post, n_depth = tree_and_posterior(gen, budget, bsz, dev)
             t = tree.tokens.shape[1]
-            post = torch.randint(0, vocab, (bsz, t), generator=gen).to(dev)
-            kids = torch.randint(0, t, (bsz, t), generator=gen).to(dev)
-            follow = (tree.parents.gather(1, kids) == torch.arange(t, device=dev)) & (kids > 0)
-            post = torch.where(follow, tree.tokens.gather(1, kids), post)  # walks go deep
             slots = torch.randperm(bsz * t * 3, generator=gen)[: bsz * t].view(bsz, t).to(dev)
             for cap in {0, 1, n_depth, max(0, n_depth - 2), t - 1, t + 5, 1100}:
                 want = _pack_reference(tree.tokens, post, tree.parents, slots, cap)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import treeverify.spec as spec
+from walk_trees import tree_and_posterior
 
 SPEC_DIR = Path(spec.__file__).resolve().parent
 # Modules that must run inside CUDA graphs (tree_oracle.py is the host test oracle).
@@ -224,18 +225,8 @@ def test_walk_kernel_equals_walk_tree() -> None:
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     for budget in (1, 4, 16, 17, 64, 300, 1024):
         for bsz in (1, 5):
-            n_depth = int(torch.randint(1, 16, (1,), generator=gen))
-            vocab = int(torch.randint(2, 50, (1,), generator=gen))
-            logits = (torch.randn(bsz, n_depth, vocab, generator=gen) * 2).to(dev)
-            roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
-            tree = spec.build_tree(logits, budget, roots)
+            tree, post, n_depth = tree_and_posterior(gen, budget, bsz, dev)  # walks go deep
             t = tree.tokens.shape[1]
-            # a posterior that names a random child of each node (else a random token): walks go
-            # deep; padding nodes (parent -1) never match
-            post = torch.randint(0, vocab, (bsz, t), generator=gen).to(dev)
-            kids = torch.randint(0, t, (bsz, t), generator=gen).to(dev)
-            follow = (tree.parents.gather(1, kids) == torch.arange(t, device=dev)) & (kids > 0)
-            post = torch.where(follow, tree.tokens.gather(1, kids), post)
             for cap in {n_depth, max(0, n_depth - 2), t - 1}:
                 want = walk_tree(tree.tokens, tree.parents, post, cap)
                 got = greedy_walk_cuda(tree.tokens, tree.parents, post, cap)
