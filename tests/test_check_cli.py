@@ -228,6 +228,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_SKINNY_GEMM",
         "TREEVERIFY_ROPE_TABLE",
         "TREEVERIFY_FUSED_ACCEPT",
+        "TREEVERIFY_DDTREE_WARP_HEAP",
         "TREEVERIFY_FUSED_SILU_DOWN",
         "TREEVERIFY_MOE_GEMV_SHARED",
         "TREEVERIFY_TRITON_PDL",

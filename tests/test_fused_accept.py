@@ -57,3 +57,16 @@ def test_move_rows_off_the_gpu_is_the_gather_scatter(monkeypatch):
     assert torch.equal(after[1], before[2])  # slot 2's row, read before slot 2 was written
     assert torch.equal(after[2], before[3]) and torch.equal(after[10], before[11])
     assert torch.equal(after[9], before[9]) and torch.equal(after[3], before[3])
+
+
+def test_heap_arguments_match_the_kernel_signature():
+    """ddtree_heap_build's launch, the warp switch last (spec/tree_heap.py heap_args)."""
+    from treeverify.spec.tree_heap import heap_args
+
+    lp = torch.zeros(2, 15, 16)
+    ids = torch.zeros(2, 15, 16, dtype=torch.int64)
+    outs = tuple(torch.zeros(2, 17) for _ in range(5))
+    args = heap_args(lp, ids, torch.zeros(2, dtype=torch.int64), 16, outs, None, 1,
+                     warp_pops=True)  # fmt: skip
+    assert_matches_signature("ddtree_heap.cu", "ddtree_heap_build", args)
+    assert [a.value for a in args[3:6]] == [15, 16, 16] and args[-1].value == 1

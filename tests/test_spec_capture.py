@@ -212,6 +212,41 @@ def test_heap_kernel_matches_host_heap_and_beam() -> None:
 
 @needs_cuda
 @pytest.mark.gpu
+def test_warp_heap_matches_the_heap(monkeypatch) -> None:
+    """TREEVERIFY_DDTREE_WARP_HEAP: budgets <= 32 popped by the whole warp, node for node the
+    host heap's: distinct logits, integer logits (ties on logw, settled by the ranks tuples),
+    one-token vocabularies (fewer rank paths than the budget), depth 1; budgets past 32 the
+    thread-0 heap; the mask from the same launch."""
+    pytest.importorskip("cuda.bindings.driver")
+    from treeverify.spec.tree_heap import build_tree_heap
+
+    monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_HEAP", "1")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cases = [(1, 15, 8192, 16), (8, 15, 8192, 32), (3, 4, 3, 31), (2, 1, 50, 7), (1, 8, 1, 32),
+             (4, 16, 700, 33), (2, 15, 2, 1)]  # fmt: skip
+    for _ in range(24):
+        cases.append((int(torch.randint(1, 9, (1,), generator=gen)),
+                      int(torch.randint(1, 17, (1,), generator=gen)),
+                      int(torch.randint(1, 3000, (1,), generator=gen)),
+                      int(torch.randint(1, 33, (1,), generator=gen))))  # fmt: skip
+    for i, (bsz, n_depth, vocab, budget) in enumerate(cases):
+        if i % 2:
+            logits = torch.randint(0, 3, (bsz, n_depth, vocab), generator=gen).float()
+        else:
+            logits = torch.randn(bsz, n_depth, vocab, generator=gen) * 3
+        logits = logits.to(dev)
+        roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
+        lp, ids = spec.draft_topk(logits, min(budget, vocab))
+        got = build_tree_heap(lp, ids, budget, roots, with_mask=True)
+        host = spec.build_tree_host_from_topk(lp, ids, budget, roots)
+        for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
+            assert torch.equal(getattr(got, f), getattr(host, f)), (f, bsz, n_depth, vocab, budget)
+        assert torch.equal(got.mask, spec.parents_to_tree_mask(got.parents)), (bsz, budget)
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_walk_kernel_equals_walk_tree() -> None:
     """The one-launch greedy walk (kernels/cuda/ddtree_walk.cu) against the vectorized
     `walk_tree`, on DDTree trees of budgets 1..1024 whose posteriors follow the tree for a random

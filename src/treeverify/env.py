@@ -24,6 +24,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_SKINNY_GEMM``: ``1`` runs linear layers of 2..32 rows on small weights with the
   few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu) instead of cuBLAS
   (default; measured on the H100: the b=1 round -6.5%); ``0`` keeps cuBLAS.
+- ``TREEVERIFY_DDTREE_WARP_HEAP``: ``1`` pops a DDTree of budget <= 32 by the whole warp (one
+  candidate a lane, a pop one warp maximum) instead of thread 0's shared-memory heap
+  (kernels/cuda/ddtree_heap.cu); the same trees; default ``0`` until measured.
 - ``TREEVERIFY_FUSED_ACCEPT``: ``1`` runs a round's greedy walk, its packed result and the K/V
   move's indices as one kernel and the K/V move as one kernel a cache tensor (engine/
   speculative.py, kernels/cuda/ddtree_walk.cu and kv_move.cu; ~12 launches -> 3); default
@@ -225,6 +228,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_SKINNY_GEMM": "1 (default): linear layers of 2..32 rows on weights <= 2 MB (a "
     "batch-1 verify forward, a drafter's block) by the few-row tensor-core kernel instead of "
     "cuBLAS; 0: cuBLAS.",
+    "TREEVERIFY_DDTREE_WARP_HEAP": "1: DDTree budgets <= 32 popped by the whole warp instead of "
+    "one thread's heap (the same trees); default 0 (off until measured).",
     "TREEVERIFY_FUSED_ACCEPT": "1: a round's greedy walk, packed result and K/V move indices by "
     "one kernel and the K/V move by one kernel a cache tensor (~12 launches -> 3); default 0 "
     "(off until measured).",
@@ -566,6 +571,13 @@ def skinny_gemm() -> bool:
     session: the b=1 round's GPU time 0.438 -> 0.410 ms), 0 keeps cuBLAS. Read once per
     process."""
     return _switch("TREEVERIFY_SKINNY_GEMM", "1")
+
+
+def ddtree_warp_heap() -> bool:
+    """TREEVERIFY_DDTREE_WARP_HEAP: 1 pops a DDTree of budget <= 32 by the whole warp
+    (kernels/cuda/ddtree_heap.cu warp_build) instead of thread 0's heap; the same trees; default
+    0 until measured on a GPU."""
+    return _switch("TREEVERIFY_DDTREE_WARP_HEAP", "0")
 
 
 def fused_accept() -> bool:

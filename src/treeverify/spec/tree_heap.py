@@ -68,13 +68,29 @@ def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *
     if bsz == 0:
         return DraftTree(tokens, parents, depths, num_nodes, scores, mask)
     kernel = load(DDTreeHeapVariant(), dev)
-    ptr = ctypes.c_void_p
-    args = [ptr(lp.data_ptr()), ptr(ids.data_ptr()), ptr(roots.data_ptr()),
-            ctypes.c_int(n_depth), ctypes.c_int(k), ctypes.c_int(budget),
-            ptr(tokens.data_ptr()), ptr(parents.data_ptr()), ptr(depths.data_ptr()),
-            ptr(scores.data_ptr()), ptr(num_nodes.data_ptr()),
-            ptr(0 if mask is None else mask.data_ptr()), ctypes.c_int(words)]  # fmt: skip
+    args = heap_args(lp, ids, roots, budget, (tokens, parents, depths, scores, num_nodes), mask,
+                     words, warp_pops=warp_heap())  # fmt: skip
     with torch.cuda.device(dev):
         kernel.launch((bsz, 1, 1), args, torch.cuda.current_stream(dev).cuda_stream)
     return DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes,
                      scores=scores, mask=mask)  # fmt: skip
+
+
+def warp_heap() -> bool:
+    """TREEVERIFY_DDTREE_WARP_HEAP: budgets <= 32 popped by the whole warp (ddtree_heap.cu
+    `warp_build`) instead of thread 0's heap; the same trees."""
+    from treeverify import env
+
+    return env.ddtree_warp_heap()
+
+
+def heap_args(lp: Tensor, ids: Tensor, roots: Tensor, budget: int, outs: tuple[Tensor, ...],
+              mask: Tensor | None, words: int, *, warp_pops: bool) -> list:  # fmt: skip
+    """ddtree_heap_build's parameters in its signature's order (tests count them); `outs`:
+    tokens, parents, depths, scores, num_nodes."""
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    _, n_depth, k = lp.shape
+    return [ptr(lp.data_ptr()), ptr(ids.data_ptr()), ptr(roots.data_ptr()), i32(n_depth), i32(k),
+            i32(budget), *(ptr(x.data_ptr()) for x in outs),
+            ptr(0 if mask is None else mask.data_ptr()), i32(words),
+            i32(1 if warp_pops else 0)]  # fmt: skip

@@ -127,6 +127,85 @@ __device__ int heap_build(const float* tab, int L, int K, int budget, HeapEntry*
   return n;
 }
 
+// The same pops by the whole warp for budget <= kWarpMaxBudget (TREEVERIFY_DDTREE_WARP_HEAP):
+// before pop n the frontier holds at most n candidates (each pop takes one and pushes at most
+// two; nothing is pushed after the last pop), so one candidate a lane fits. A pop is the warp's
+// maximum of an order-preserving integer key of logw (__reduce_max_sync, sm_80+); lanes tied on
+// logw (flat n-gram distributions) are settled by `ranks_less`, each tied lane against every
+// other, so the winner is the heap's. Pops are ~10x fewer dependent steps than the shared-
+// memory heap's sift-down and sift-up (measured there: ~0.7-1.3 us a pop).
+constexpr int kWarpMaxBudget = 32;
+
+// logw's order as unsigned keys: larger logw, larger key; -0 and +0 one key; every finite or
+// infinite logw above 0 (the empty lane's key).
+__device__ __forceinline__ unsigned order_key(float f) {
+  const unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ int warp_build(const float* tab, int L, int K, int budget, HeapTree& tree) {
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) {
+    tree.parent[0] = -1;
+    tree.rank[0] = 0;
+    tree.depth[0] = 0;
+    tree.logw[0] = 0.0f;
+  }
+  bool valid = lane == 0;  // this lane's candidate: the seed at first, lp[0][0] exactly
+  HeapEntry mine{valid ? tab[0] : 0.0f, 0, 0, 1};
+  int n = 0;
+  __syncwarp();
+  while (n < budget) {
+    const unsigned key = valid ? order_key(mine.logw) : 0u;
+    const unsigned top = __reduce_max_sync(0xffffffffu, key);
+    if (top == 0u) break;  // the frontier is empty
+    const unsigned tied = __ballot_sync(0xffffffffu, valid && key == top);
+    int w = __ffs(tied) - 1;
+    if (__popc(tied) > 1) {  // equal logw: the smaller ranks tuple pops first
+      bool first = (tied >> lane) & 1u;
+      for (unsigned rest = tied; rest; rest &= rest - 1) {
+        const int j = __ffs(rest) - 1;
+        const HeapEntry other{__shfl_sync(0xffffffffu, mine.logw, j),
+                              static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.parent, j)),
+                              static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.rank, j)),
+                              static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.depth, j))};
+        if (first && j != lane && !ranks_less(tree, mine, other)) first = false;
+      }
+      w = __ffs(__ballot_sync(0xffffffffu, first)) - 1;
+    }
+    const HeapEntry e{__shfl_sync(0xffffffffu, mine.logw, w),
+                      static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.parent, w)),
+                      static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.rank, w)),
+                      static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.depth, w))};
+    ++n;
+    if (lane == 0) {
+      tree.parent[n] = e.parent;
+      tree.rank[n] = e.rank;
+      tree.depth[n] = e.depth;
+      tree.logw[n] = e.logw;
+    }
+    __syncwarp();  // ranks_less reads the popped nodes
+    if (n == budget) break;  // the heap's last pushes are never popped
+    const float* row = tab + (e.depth - 1) * K;
+    if (lane == w) {  // the popped lane takes the sibling, or empties
+      valid = e.rank + 1 < K;
+      if (valid) {
+        mine = HeapEntry{__fadd_rn(__fsub_rn(e.logw, row[e.rank]), row[e.rank + 1]), e.parent,
+                         static_cast<int16_t>(e.rank + 1), e.depth};
+      }
+    }
+    if (e.depth < L) {  // the first child to the lowest empty lane (one exists: see above)
+      const int f = __ffs(__ballot_sync(0xffffffffu, !valid)) - 1;
+      if (lane == f) {
+        valid = true;
+        mine = HeapEntry{__fadd_rn(e.logw, tab[e.depth * K]), static_cast<int16_t>(n), 0,
+                         static_cast<int16_t>(e.depth + 1)};
+      }
+    }
+  }
+  return n;
+}
+
 // lp (B, L, K) fp32 sorted descending per (b, depth), ids (B, L, K) int64, roots (B,) int64.
 // Outputs (B, budget + 1): tokens, parents (-1 root/padding), depths, scores (-inf padding);
 // num_nodes (B,) = 1 + popped nodes; mask (B * (budget + 1), words) ancestor-or-self bits when
@@ -136,7 +215,7 @@ __global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* _
                                   int64_t* __restrict__ tokens, int64_t* __restrict__ parents,
                                   int64_t* __restrict__ depths, float* __restrict__ scores,
                                   int64_t* __restrict__ num_nodes, uint32_t* __restrict__ mask,
-                                  int words) {
+                                  int words, int warp_pops) {
   __shared__ HeapEntry heap[kHeapMaxBudget + 2];
   __shared__ HeapTree tree;
   __shared__ float staged[kHeapStage];
@@ -155,7 +234,14 @@ __global__ void ddtree_heap_build(const float* __restrict__ lp, const int64_t* _
     for (int i = threadIdx.x; i < L * K; i += blockDim.x) staged[i] = tab[i];
   }
   __syncthreads();
-  if (threadIdx.x == 0) popped = heap_build(stage ? staged : tab, L, K, budget, heap, tree);
+  if (warp_pops && budget <= kWarpMaxBudget) {  // the first warp, all its lanes
+    if (threadIdx.x < 32) {
+      const int got = warp_build(stage ? staged : tab, L, K, budget, tree);
+      if (threadIdx.x == 0) popped = got;
+    }
+  } else if (threadIdx.x == 0) {
+    popped = heap_build(stage ? staged : tab, L, K, budget, heap, tree);
+  }
   __syncthreads();
   const int n = popped;
   for (int i = threadIdx.x; i < slots; i += blockDim.x) {  // nodes 0..n, then padding
