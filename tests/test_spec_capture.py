@@ -218,13 +218,17 @@ def test_warp_heap_matches_the_heap(monkeypatch) -> None:
     one-token vocabularies (fewer rank paths than the budget), depth 1; budgets past 32 the
     thread-0 heap; the mask from the same launch."""
     pytest.importorskip("cuda.bindings.driver")
+    from treeverify.spec import tree_heap
     from treeverify.spec.tree_heap import build_tree_heap
 
     monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_HEAP", "1")
+    assert tree_heap.warp_heap()  # what build_tree_heap passes the kernel
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    # (1, 200, 64, 32): L x K past the kernel's shared-memory stage (the table read in place)
     cases = [(1, 15, 8192, 16), (8, 15, 8192, 32), (3, 4, 3, 31), (2, 1, 50, 7), (1, 8, 1, 32),
-             (4, 16, 700, 33), (2, 15, 2, 1)]  # fmt: skip
+             (4, 16, 700, 33), (2, 15, 2, 1), (1, 200, 64, 32)]  # fmt: skip
     for _ in range(24):
         cases.append((int(torch.randint(1, 9, (1,), generator=gen)),
                       int(torch.randint(1, 17, (1,), generator=gen)),
@@ -241,8 +245,8 @@ def test_warp_heap_matches_the_heap(monkeypatch) -> None:
         got = build_tree_heap(lp, ids, budget, roots, with_mask=True)
         host = spec.build_tree_host_from_topk(lp, ids, budget, roots)
         for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
-            assert torch.equal(getattr(got, f), getattr(host, f)), (f, bsz, n_depth, vocab, budget)
-        assert torch.equal(got.mask, spec.parents_to_tree_mask(got.parents)), (bsz, budget)
+            assert torch.equal(getattr(got, f), getattr(host, f)), (f, i, budget, seed)
+        assert torch.equal(got.mask, spec.parents_to_tree_mask(got.parents)), (i, budget, seed)
 
 
 @needs_cuda

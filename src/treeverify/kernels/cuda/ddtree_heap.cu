@@ -161,17 +161,26 @@ __device__ int warp_build(const float* tab, int L, int K, int budget, HeapTree& 
     if (top == 0u) break;  // the frontier is empty
     const unsigned tied = __ballot_sync(0xffffffffu, valid && key == top);
     int w = __ffs(tied) - 1;
-    if (__popc(tied) > 1) {  // equal logw: the smaller ranks tuple pops first
-      bool first = (tied >> lane) & 1u;
-      for (unsigned rest = tied; rest; rest &= rest - 1) {
-        const int j = __ffs(rest) - 1;
-        const HeapEntry other{__shfl_sync(0xffffffffu, mine.logw, j),
-                              static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.parent, j)),
-                              static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.rank, j)),
-                              static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.depth, j))};
-        if (first && j != lane && !ranks_less(tree, mine, other)) first = false;
+    if (__popc(tied) > 1) {  // equal logw: the smallest ranks tuple pops first, found by a
+      // butterfly minimum (ranks_less is a strict total order on the distinct tuples, so every
+      // lane ends with the same one: 5 rounds however many tie, n-gram drafts tie often)
+      bool have = (tied >> lane) & 1u;
+      HeapEntry best = mine;
+      int best_lane = lane;
+      for (int o = 16; o > 0; o >>= 1) {
+        const HeapEntry other{__shfl_xor_sync(0xffffffffu, best.logw, o),
+                              static_cast<int16_t>(__shfl_xor_sync(0xffffffffu, best.parent, o)),
+                              static_cast<int16_t>(__shfl_xor_sync(0xffffffffu, best.rank, o)),
+                              static_cast<int16_t>(__shfl_xor_sync(0xffffffffu, best.depth, o))};
+        const int other_lane = __shfl_xor_sync(0xffffffffu, best_lane, o);
+        const bool other_has = __shfl_xor_sync(0xffffffffu, have, o);
+        if (other_has && (!have || ranks_less(tree, other, best))) {
+          best = other;
+          best_lane = other_lane;
+          have = true;
+        }
       }
-      w = __ffs(__ballot_sync(0xffffffffu, first)) - 1;
+      w = best_lane;
     }
     const HeapEntry e{__shfl_sync(0xffffffffu, mine.logw, w),
                       static_cast<int16_t>(__shfl_sync(0xffffffffu, mine.parent, w)),
