@@ -91,8 +91,9 @@ def test_speculative_server_matches_plain_server():
         # leaves the start (the top bucket)
         log = adaptive["recent_decisions"]
         assert all(e["from"] in (0, 4, 8) and e["to"] in (0, 4, 8) for e in log), log
-        steps_seen = [e["step"] for e in log]
-        assert steps_seen == sorted(steps_seen) and steps_seen[-1] <= adaptive["decision_index"]
+        steps_seen = [e["step"] for e in log]  # empty when the controller never left the top
+        assert steps_seen == sorted(steps_seen)  # (its costs are timed: a busy machine moves them)
+        assert all(s <= adaptive["decision_index"] for s in steps_seen)
         # (a plain trial measures plain decoding for a few steps; `current` stays)
         moves = [e for e in log if e["kind"] not in ("probe", "interval_restart", "plain_trial")]
         assert sum(e["kind"] == "probe" for e in log) <= probes
