@@ -166,6 +166,28 @@ def test_triton_chain_matches_torch_and_heap() -> None:
             assert torch.equal(getattr(a, f), getattr(c, f)), f
 
 
+def _heap_tables(gen: torch.Generator, cases: list, extra: int, vocab_lo: int, budget_hi: int):
+    """The heap tests' tables: `cases` (batch, depth L, vocab, budget) plus `extra` random ones
+    (vocab vocab_lo..2999, budget 1..budget_hi - 1); every other case integer logits (ties),
+    the rest distinct. Yields (batch, L, vocab, budget, logits, roots, lp, ids) on the GPU."""
+    dev = torch.device("cuda")
+    cases = list(cases)
+    for _ in range(extra):
+        cases.append((int(torch.randint(1, 9, (1,), generator=gen)),
+                      int(torch.randint(1, 17, (1,), generator=gen)),
+                      int(torch.randint(vocab_lo, 3000, (1,), generator=gen)),
+                      int(torch.randint(1, budget_hi, (1,), generator=gen))))  # fmt: skip
+    for i, (bsz, n_depth, vocab, budget) in enumerate(cases):
+        if i % 2:
+            logits = torch.randint(0, 3, (bsz, n_depth, vocab), generator=gen).float()
+        else:
+            logits = torch.randn(bsz, n_depth, vocab, generator=gen) * 3
+        logits = logits.to(dev)  # (B, L, V)
+        roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
+        lp, ids = spec.draft_topk(logits, min(budget, vocab))
+        yield bsz, n_depth, vocab, budget, logits, roots, lp, ids
+
+
 @needs_cuda
 @pytest.mark.gpu
 def test_heap_kernel_matches_host_heap_and_beam() -> None:
@@ -175,24 +197,12 @@ def test_heap_kernel_matches_host_heap_and_beam() -> None:
     pytest.importorskip("cuda.bindings.driver")
     from treeverify.spec.tree_heap import build_tree_heap
 
-    dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(11)
     cases = [(1, 15, 8192, 16), (8, 15, 8192, 64), (3, 4, 3, 40), (2, 1, 50, 7), (4, 16, 700, 1024),
              (1, 8, 2, 1024)]  # fmt: skip
-    for _ in range(10):
-        cases.append((int(torch.randint(1, 9, (1,), generator=gen)),
-                      int(torch.randint(1, 17, (1,), generator=gen)),
-                      int(torch.randint(2, 3000, (1,), generator=gen)),
-                      int(torch.randint(1, 400, (1,), generator=gen))))  # fmt: skip
-    for i, (bsz, n_depth, vocab, budget) in enumerate(cases):
-        if i % 2:
-            logits = torch.randint(0, 3, (bsz, n_depth, vocab), generator=gen).float()
-        else:
-            logits = torch.randn(bsz, n_depth, vocab, generator=gen) * 3
-        logits = logits.to(dev)
-        roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
-        lp, ids = spec.draft_topk(logits, min(budget, vocab))
-        heap = build_tree_heap(lp, ids, budget, roots)
+    tables = _heap_tables(gen, cases, 10, 2, 400)
+    for bsz, n_depth, vocab, budget, logits, roots, lp, ids in tables:  # noqa: B007 (the last
+        heap = build_tree_heap(lp, ids, budget, roots)  # case's logits are used after the loop)
         host = spec.build_tree_host_from_topk(lp, ids, budget, roots)
         beam = spec.build_tree_from_topk(lp, ids, budget, roots, backend="torch")
         masked = build_tree_heap(lp, ids, budget, roots, with_mask=True)
@@ -223,30 +233,17 @@ def test_warp_heap_matches_the_heap(monkeypatch) -> None:
 
     monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_HEAP", "1")
     assert tree_heap.warp_heap()  # what build_tree_heap passes the kernel
-    dev = torch.device("cuda")
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     # (1, 200, 64, 32): L x K past the kernel's shared-memory stage (the table read in place)
     cases = [(1, 15, 8192, 16), (8, 15, 8192, 32), (3, 4, 3, 31), (2, 1, 50, 7), (1, 8, 1, 32),
              (4, 16, 700, 33), (2, 15, 2, 1), (1, 200, 64, 32)]  # fmt: skip
-    for _ in range(24):
-        cases.append((int(torch.randint(1, 9, (1,), generator=gen)),
-                      int(torch.randint(1, 17, (1,), generator=gen)),
-                      int(torch.randint(1, 3000, (1,), generator=gen)),
-                      int(torch.randint(1, 33, (1,), generator=gen))))  # fmt: skip
-    for i, (bsz, n_depth, vocab, budget) in enumerate(cases):
-        if i % 2:
-            logits = torch.randint(0, 3, (bsz, n_depth, vocab), generator=gen).float()
-        else:
-            logits = torch.randn(bsz, n_depth, vocab, generator=gen) * 3
-        logits = logits.to(dev)
-        roots = torch.randint(0, vocab, (bsz,), generator=gen).to(dev)
-        lp, ids = spec.draft_topk(logits, min(budget, vocab))
+    for bsz, _, vocab, budget, _, roots, lp, ids in _heap_tables(gen, cases, 24, 1, 33):
         got = build_tree_heap(lp, ids, budget, roots, with_mask=True)
         host = spec.build_tree_host_from_topk(lp, ids, budget, roots)
         for f in ("tokens", "parents", "depths", "num_nodes", "scores"):
-            assert torch.equal(getattr(got, f), getattr(host, f)), (f, i, budget, seed)
-        assert torch.equal(got.mask, spec.parents_to_tree_mask(got.parents)), (i, budget, seed)
+            assert torch.equal(getattr(got, f), getattr(host, f)), (f, bsz, vocab, budget, seed)
+        assert torch.equal(got.mask, spec.parents_to_tree_mask(got.parents)), (budget, seed)
 
 
 @needs_cuda
