@@ -29,15 +29,20 @@ def test_every_instance_compiles_without_spills(arch):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_few_row_instance_compiles_without_spills(arch):
-    """skinny_gemm.cu's four row-tile counts, both dtypes: prebuilt by `treeverify kernels
-    build`, no spills, at most 128 registers (the first version's 92 at 32 rows halved the CTAs
-    an SM held: the 1024-CTA lm_head ran two waves)."""
+    """skinny_gemm.cu's built row-tile counts, both dtypes and their act instances: prebuilt by
+    `treeverify kernels build`, no spills, at most 128 registers (the first version's 92 at 32
+    rows halved the CTAs an SM held: the 1024-CTA lm_head ran two waves)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from treeverify.kernels.cuda.jit import compile_variant
-    from treeverify.kernels.cuda.variants import DTYPES, SkinnyGemmVariant, all_variants
+    from treeverify.kernels.cuda.variants import (
+        DTYPES,
+        SKINNY_TILE_COUNTS,
+        SkinnyGemmVariant,
+        all_variants,
+    )
 
     for dtype in DTYPES:
-        for nt, act in [(nt, act) for nt in (1, 2, 3, 4) for act in (False, True)]:
+        for nt, act in [(nt, act) for nt in SKINNY_TILE_COUNTS for act in (False, True)]:
             v = SkinnyGemmVariant(nt, dtype, act)
             assert v in all_variants(arch)
             compiled = compile_variant(v, arch)
@@ -72,13 +77,17 @@ def test_weight_loads_go_out_before_the_programmatic_launch_wait():
     from pathlib import Path
 
     from treeverify.kernels.cuda.jit import compile_variant
-    from treeverify.kernels.cuda.variants import DecodeGemvVariant, SkinnyGemmVariant
+    from treeverify.kernels.cuda.variants import (
+        SKINNY_TILE_COUNTS,
+        DecodeGemvVariant,
+        SkinnyGemmVariant,
+    )
 
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton's bundled one)")
     variants = [DecodeGemvVariant(1, "bf16", act) for act in (False, True)] + [
-        SkinnyGemmVariant(nt, "bf16", act) for nt in (1, 2, 3, 4) for act in (False, True)
+        SkinnyGemmVariant(nt, "bf16", act) for nt in SKINNY_TILE_COUNTS for act in (False, True)
     ]
     for v in variants:
         with tempfile.TemporaryDirectory() as tmp:

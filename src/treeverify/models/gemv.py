@@ -15,8 +15,8 @@ as before; TREEVERIFY_DECODE_GEMV=0 turns it off.
 
 Rows 2..SKINNY_MAX_ROWS (32) against a weight of at most SKINNY_MAX_BYTES run
 kernels/cuda/skinny_gemm.cu instead (TREEVERIFY_SKINNY_GEMM, default on since the H100 measured
-it in the forty-sixth session: the b=1 round's GPU time -6.5%, DDTREE 1.48x -> 1.58x plain at
-b=1 on code; =0 turns it off): a batch-1 verify forward (a budget-16 tree is 17 rows) and a
+it in the forty-sixth session: the b=1 round's GPU time -6.5%, DDTREE b=16 1.525x -> 1.619x
+plain at b=1 on code; =0 turns it off): a batch-1 verify forward (a budget-16 tree is 17 rows) and a
 DFlash drafter's block (16 rows) multiply a few rows by small weights, where cuBLAS takes
 ~2.7-3.2 us a call on tiny-code's 0.1-4 MB weights against the one-row GEMV's ~1.7-2.2 (H200,
 173907b's bench): launch and latency, not bytes. One CTA per sixteen outputs, its four warps
@@ -254,13 +254,16 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def skinny_tiles(m: int) -> int:
-    """The few-row kernel's instance for m rows: its n8 tiles of x rows (rows past m read as
-    zeros). 9..16 rows take the three-tile instance, not two: on the H100 (21feabf's
-    gemv_bench) two tiles ran 2.2-2.4 us a call on tiny-code's shapes at 9 and 16 rows where
-    three ran 1.85-2.0 at 17 (lm_head 2.9-3.1 both), on every weight measured."""
+    """The few-row kernel's instance for m rows: the fewest n8 tiles of x rows among the built
+    ones (kernels/cuda/variants.py SKINNY_TILE_COUNTS; rows past m read as zeros). 9..16 rows
+    take three tiles, not two: on the H100 (21feabf's gemv_bench) two tiles ran 2.2-2.4 us a
+    call on tiny-code's shapes at 9 and 16 rows where three ran 1.85-2.0 at 17 (lm_head 2.9-3.1
+    both), on every weight measured."""
+    from treeverify.kernels.cuda.variants import SKINNY_TILE_COUNTS
+
     if not 1 <= m <= SKINNY_MAX_ROWS:
         raise ValueError(f"m: expected 1..{SKINNY_MAX_ROWS} rows, got {m}")
-    return 1 if m <= 8 else 3 if m <= 24 else 4
+    return next(nt for nt in SKINNY_TILE_COUNTS if m <= 8 * nt)
 
 
 def skinny_launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

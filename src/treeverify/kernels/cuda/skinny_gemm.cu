@@ -53,10 +53,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a
 // rows o0 + g and o0 + g + 8), its n dimension x's rows: a 17-row verify pads to 24, not 32, and
 // a CTA of 16 outputs loads each chunk of x once for twice the outputs.
 // ACT: as decode_gemv's, x holds a gate|up output and the input is silu(gate) * up.
-// ACT's launch bound names one CTA an SM: ptxas otherwise held the act instances to 64 registers
-// and spilled (32 B, fp16 NT = 2 on sm_80-89); the plain instances keep their (measured) code.
 template <int NT, bool BF16, bool ACT>
-__global__ void __launch_bounds__(kSkinnyWarps * 32, ACT ? 1 : 0)
+__global__ void __launch_bounds__(kSkinnyWarps * 32)
     skinny_gemm(const unsigned short* __restrict__ x, long long x_stride, int m,
                 const unsigned short* __restrict__ w, long long w_stride,
                 const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,

@@ -21,6 +21,9 @@ SMEM_LIMIT = {
 }
 ALL_ARCHES = tuple(SMEM_LIMIT)
 GQA_HEAD_DIMS = (64, 128, 256)
+# The few-row kernel's instances (n8 tiles of x rows) that models/gemv.py `skinny_tiles` picks:
+# 9..16 rows take three tiles, two measured slower (H100, 21feabf), so two are not built.
+SKINNY_TILE_COUNTS = (1, 3, 4)
 MLA_DIMS = (576, 512)
 DTYPES = ("bf16", "fp16")
 
@@ -385,86 +388,78 @@ class MaskVariant:
 
 
 @dataclass(frozen=True)
-class DDTreeHeapVariant:
+class _OneKernel:
+    """A kernel with one instance (no template parameters): static shared memory only, no
+    defines, no fast math (these kernels' roundings or integer work are contracts)."""
+
+    smem_bytes: int = 0
+    defines: tuple[str, ...] = ()
+    fast_math: bool = False
+
+
+@dataclass(frozen=True)
+class DDTreeHeapVariant(_OneKernel):
     """ddtree_heap_build (ddtree_heap.cu, not tree_attention.cu): DDTree's best-first heap, one
     CTA per request. Exact fp32 rounding, so no fast math (no FMA, no flush-to-zero)."""
 
     name: str = "ddtree_heap"
     expr: str = "treeverify::ddtree_heap_build"
     threads: int = 32
-    smem_bytes: int = 0  # static shared memory only
-    defines: tuple[str, ...] = ()
     source_file: str = "ddtree_heap.cu"
-    fast_math: bool = False
 
 
 @dataclass(frozen=True)
-class DDTreeWalkVariant:
+class DDTreeWalkVariant(_OneKernel):
     """ddtree_greedy_walk (ddtree_walk.cu): the greedy acceptance walk, one CTA per request."""
 
     name: str = "ddtree_walk"
     expr: str = "treeverify::ddtree_greedy_walk"
     threads: int = 128
-    smem_bytes: int = 0  # static shared memory only
-    defines: tuple[str, ...] = ()
     source_file: str = "ddtree_walk.cu"
-    fast_math: bool = False
 
 
 @dataclass(frozen=True)
-class DDTreeWalkPackVariant:
+class DDTreeWalkPackVariant(_OneKernel):
     """ddtree_walk_pack (ddtree_walk.cu): the greedy walk, the round's packed result and the
     K/V move's indices in one launch, one CTA per request (TREEVERIFY_FUSED_ACCEPT)."""
 
     name: str = "ddtree_walk_pack"
     expr: str = "treeverify::ddtree_walk_pack"
     threads: int = 128
-    smem_bytes: int = 0  # static shared memory only
-    defines: tuple[str, ...] = ()
     source_file: str = "ddtree_walk.cu"
-    fast_math: bool = False
 
 
 @dataclass(frozen=True)
-class KvMoveVariant:
+class KvMoveVariant(_OneKernel):
     """kv_move_rows (kv_move.cu): a round's accepted K/V rows moved for every layer of a stacked
-    cache, one CTA per (request, layer); its shared memory is sized per launch."""
+    cache, one CTA per (request, layer); its (dynamic) shared memory is sized per launch."""
 
     name: str = "kv_move_rows"
     expr: str = "treeverify::kv_move_rows"
     threads: int = 128
-    smem_bytes: int = 0  # dynamic, given at launch (<= 48 KiB)
-    defines: tuple[str, ...] = ()
     source_file: str = "kv_move.cu"
-    fast_math: bool = False
 
 
 @dataclass(frozen=True)
-class DDTreeTopkVariant:
+class DDTreeTopkVariant(_OneKernel):
     """ddtree_topk (ddtree_topk.cu): the draft table (log-softmax + top-k) for small k, one CTA
     per (request, depth) row. No fast math: expf/logf as precise as torch's."""
 
     name: str = "ddtree_topk"
     expr: str = "treeverify::ddtree_topk"
     threads: int = 256  # kTopkThreads
-    smem_bytes: int = 0  # static shared memory only
-    defines: tuple[str, ...] = ()
     source_file: str = "ddtree_topk.cu"
-    fast_math: bool = False
 
 
 @dataclass(frozen=True)
-class RoundStateVariant:
+class RoundStateVariant(_OneKernel):
     """whole_round_state (round_state.cu): a whole round's node slots (phase 0) and the next
     round's inputs (phase 1), one CTA per request."""
 
     name: str = "round_state"
     expr: str = "treeverify::whole_round_state"
     threads: int = 64
-    smem_bytes: int = 0
-    defines: tuple[str, ...] = ()
     source_file: str = "round_state.cu"
-    fast_math: bool = False
 
 
 @dataclass(frozen=True)
@@ -496,7 +491,7 @@ class SkinnyGemmVariant:
     """skinny_gemm<NT, BF16> (skinny_gemm.cu): y = x W^T for 2..8*NT rows, one CTA per sixteen
     outputs, its four warps splitting K over m16n8k16 MMAs (models/gemv.py)."""
 
-    nt: int  # n8 tiles of x rows: 1..4 (M <= 8 NT)
+    nt: int  # n8 tiles of x rows, one of SKINNY_TILE_COUNTS (M <= 8 NT)
     dtype: str  # "bf16" | "fp16"
     act: bool = False  # x is a gate|up output, the input silu(gate) * up (models/gemv.py)
     threads: int = 128  # kSkinnyWarps x 32
@@ -638,5 +633,5 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(RoundStateVariant())
     for act in (False, True):  # models/gemv.py: GEMV_MAX_ROWS; 32 rows in n8 tiles
         out += [DecodeGemvVariant(1, dtype, act) for dtype in DTYPES]
-        out += [SkinnyGemmVariant(nt, dtype, act) for nt in (1, 2, 3, 4) for dtype in DTYPES]
+        out += [SkinnyGemmVariant(nt, dtype, act) for nt in SKINNY_TILE_COUNTS for dtype in DTYPES]
     return out
