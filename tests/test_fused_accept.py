@@ -31,10 +31,9 @@ def test_kv_move_arguments_match_the_kernel_signature():
     assert args[1].value == 9 * 16 * 2 * 64 * 2 and args[-1].value == 16  # layer bytes, K
 
 
-def test_move_rows_off_the_gpu_is_the_gather_scatter(monkeypatch):
-    """With the switch on, the CPU's move_rows moves exactly what move_slots moves (every
-    source read before any write: one pair's source is another's destination)."""
-    monkeypatch.setenv("TREEVERIFY_FUSED_ACCEPT", "1")
+def test_move_rows_off_the_gpu_is_the_gather_scatter():
+    """The CPU's move_rows moves exactly what move_slots moves (every source read before any
+    write: one pair's source is another's destination)."""
     spec = [((2, 8), (2, 8))] * 3
     g = torch.Generator().manual_seed(5)
     a = KVCache(4, 4, spec=spec, dtype=torch.float32)

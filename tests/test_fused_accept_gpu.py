@@ -57,7 +57,7 @@ def test_walk_pack_equals_the_walk_and_the_pack():
 
 
 @pytest.mark.parametrize("v_row", [(2, 64), None])  # GQA's K and V; MLA's latent only
-def test_kv_move_rows_equals_the_gather_scatter(monkeypatch, v_row):
+def test_kv_move_rows_equals_the_gather_scatter(v_row):
     """Random stacked caches (every row random), pairs as walks make them (each request's own
     slots, a path's sources at or after their positions, src == dst past its end, a padding
     row at the scratch slot), some requests' K past the shared-memory limit (the gather /
@@ -65,7 +65,6 @@ def test_kv_move_rows_equals_the_gather_scatter(monkeypatch, v_row):
     pytest.importorskip("cuda.bindings.driver")
     from treeverify.engine.kv_cache import KVCache
 
-    monkeypatch.setenv("TREEVERIFY_FUSED_ACCEPT", "1")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     k_row = (2, 64) if v_row is not None else (1, 576)
     spec_ = [(k_row, v_row)] * 5

@@ -228,11 +228,11 @@ def test_warp_heap_matches_the_heap(monkeypatch) -> None:
     one-token vocabularies (fewer rank paths than the budget), depth 1; budgets past 32 the
     thread-0 heap; the mask from the same launch."""
     pytest.importorskip("cuda.bindings.driver")
-    from treeverify.spec import tree_heap
+    from treeverify import env
     from treeverify.spec.tree_heap import build_tree_heap
 
     monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_HEAP", "1")
-    assert tree_heap.warp_heap()  # what build_tree_heap passes the kernel
+    assert env.ddtree_warp_heap()  # what build_tree_heap passes the kernel
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     # (1, 200, 64, 32): L x K past the kernel's shared-memory stage (the table read in place)

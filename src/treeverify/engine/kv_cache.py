@@ -120,13 +120,14 @@ class KVCache:
                 vflat[dst] = vflat[src]
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """`move_slots` for (B, K) pairs, request by request (each request's slots its own): with
-        TREEVERIFY_FUSED_ACCEPT on a GPU and a stacked cache, one kernel a cache tensor for all
-        layers (kernels/cuda/kv_move.cu: every source of a request read before any write), else
-        `move_slots` of the flattened pairs."""
-        launches = self._move_launches(src)
+        """`move_slots` for (B, K) pairs, request by request (each request's slots its own): on a
+        GPU with a stacked cache, one kernel a cache tensor for all layers (kernels/cuda/
+        kv_move.cu: every source of a request read before any write), else `move_slots` of the
+        flattened pairs. (engine/speculative.py `accept_move_pack` calls it where
+        TREEVERIFY_FUSED_ACCEPT is on.)"""
         if src.numel() == 0:  # no request (an empty grid is not a launch)
             return
+        launches = self._move_launches(src)
         if launches is None:
             self.move_slots(src.reshape(-1), dst.reshape(-1))
             return
@@ -146,16 +147,11 @@ class KVCache:
 
     def _move_launches(self, src: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
         """(cache tensor, 16-byte vectors a row) for each kv_move launch, or None where the
-        kernel does not apply (switch off, not a GPU, no stacked cache, a row not a multiple of
-        16 bytes, a request's rows past 48 KiB of shared memory)."""
-        from treeverify import env
-
-        if not (env.fused_accept() and self._stacked is not None and src.is_cuda
-                and src.dim() == 2 and self.device.type == "cuda"):  # fmt: skip
-            return None
+        kernel does not apply (not a GPU, no stacked cache, a row not a multiple of 16 bytes, a
+        request's rows past 48 KiB of shared memory)."""
         from treeverify.kernels.api import cuda_backend_available
 
-        if not cuda_backend_available():
+        if not (self._stacked is not None and src.is_cuda and cuda_backend_available()):
             return None
         out = []
         for whole in self._stacked:

@@ -41,6 +41,7 @@ def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *
     descending, ``<= 0`` and finite; ``ids (B, L, K)`` int64; ``root_tokens (B,)``.
     ``with_mask``: the same launch also writes the trees' ancestor-or-self masks
     (``DraftTree.mask``, what ``parents_to_tree_mask`` gives)."""
+    from treeverify import env
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DDTreeHeapVariant
 
@@ -68,20 +69,13 @@ def build_tree_heap(lp: Tensor, ids: Tensor, budget: int, root_tokens: Tensor, *
     if bsz == 0:
         return DraftTree(tokens, parents, depths, num_nodes, scores, mask)
     kernel = load(DDTreeHeapVariant(), dev)
+    # TREEVERIFY_DDTREE_WARP_HEAP: budgets <= 32 popped by the whole warp (the same trees)
     args = heap_args(lp, ids, roots, budget, (tokens, parents, depths, scores, num_nodes), mask,
-                     words, warp_pops=warp_heap())  # fmt: skip
+                     words, warp_pops=env.ddtree_warp_heap())  # fmt: skip
     with torch.cuda.device(dev):
         kernel.launch((bsz, 1, 1), args, torch.cuda.current_stream(dev).cuda_stream)
     return DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes,
                      scores=scores, mask=mask)  # fmt: skip
-
-
-def warp_heap() -> bool:
-    """TREEVERIFY_DDTREE_WARP_HEAP: budgets <= 32 popped by the whole warp (ddtree_heap.cu
-    `warp_build`) instead of thread 0's heap; the same trees."""
-    from treeverify import env
-
-    return env.ddtree_warp_heap()
 
 
 def heap_args(lp: Tensor, ids: Tensor, roots: Tensor, budget: int, outs: tuple[Tensor, ...],

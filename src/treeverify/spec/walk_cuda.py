@@ -28,23 +28,28 @@ def usable(tokens: Tensor) -> bool:
     return tokens.is_cuda and tokens.shape[1] <= MAX_NODES and available(tokens.device)
 
 
+def _trees(named: dict[str, Tensor], max_depth: int) -> list[Tensor]:
+    """The walk kernels' (B, T) operands as contiguous int64, or a ValueError naming them: all
+    one shape, T within the kernels' shared-memory tables, max_depth >= 0."""
+    shapes = [tuple(x.shape) for x in named.values()]
+    if len(set(shapes)) != 1 or len(shapes[0]) != 2:
+        raise ValueError(f"{', '.join(named)} must all be (B, T); got "
+                         f"{', '.join(map(str, shapes))}")  # fmt: skip
+    t = shapes[0][1]
+    if not 1 <= t <= MAX_NODES or max_depth < 0:
+        raise ValueError(f"T: expected 1..{MAX_NODES} and max_depth >= 0, got {t}, {max_depth}")
+    return [x.to(torch.int64).contiguous() for x in named.values()]
+
+
 def greedy_walk_cuda(tokens: Tensor, parents: Tensor, posterior: Tensor,
                      max_depth: int) -> Acceptance:  # fmt: skip
     """`walk_tree(tokens, parents, posterior, max_depth)` in one launch: (B, T) int64 each."""
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DDTreeWalkVariant
 
-    if tokens.shape != parents.shape or posterior.shape != parents.shape or parents.dim() != 2:
-        raise ValueError(
-            "tokens, parents, posterior must all be (B, T); got "
-            f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(posterior.shape)}"
-        )
-    bsz, t = parents.shape
-    if not 1 <= t <= MAX_NODES or max_depth < 0:
-        raise ValueError(f"T: expected 1..{MAX_NODES} and max_depth >= 0, got {t}, {max_depth}")
-    dev = parents.device
-    tokens, parents, posterior = (x.to(torch.int64).contiguous()
-                                  for x in (tokens, parents, posterior))  # fmt: skip
+    tokens, parents, posterior = _trees(
+        {"tokens": tokens, "parents": parents, "posterior": posterior}, max_depth)  # fmt: skip
+    (bsz, t), dev = parents.shape, parents.device
     path = torch.empty(bsz, max_depth + 1, dtype=torch.int64, device=dev)
     length = torch.empty(bsz, dtype=torch.int64, device=dev)
     bonus = torch.empty(bsz, dtype=torch.int64, device=dev)
@@ -70,15 +75,11 @@ def walk_pack_cuda(tokens: Tensor, parents: Tensor, posterior: Tensor, slots: Te
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DDTreeWalkPackVariant
 
-    shapes = {tuple(x.shape) for x in (tokens, parents, posterior, slots)}
-    if len(shapes) != 1 or parents.dim() != 2:
-        raise ValueError(f"tokens, parents, posterior, slots must all be (B, T); got {shapes}")
-    bsz, t = parents.shape
-    if not 1 <= t <= MAX_NODES or max_depth < 0:
-        raise ValueError(f"T: expected 1..{MAX_NODES} and max_depth >= 0, got {t}, {max_depth}")
-    dev, k = parents.device, min(max_depth + 1, t)
-    tokens, parents, posterior, slots = (x.to(torch.int64).contiguous()
-                                         for x in (tokens, parents, posterior, slots))  # fmt: skip
+    tokens, parents, posterior, slots = _trees(
+        {"tokens": tokens, "parents": parents, "posterior": posterior, "slots": slots},
+        max_depth)  # fmt: skip
+    (bsz, t), dev = parents.shape, parents.device
+    k = min(max_depth + 1, t)
     packed = torch.empty(bsz, 2 + 2 * k, dtype=torch.int64, device=dev)
     src = torch.empty(bsz, k, dtype=torch.int64, device=dev)
     dst = torch.empty(bsz, k, dtype=torch.int64, device=dev)
