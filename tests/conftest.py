@@ -21,14 +21,6 @@ def same_kernels_at_any_padding(monkeypatch):
     own order, so 27 real rows (eager) and 36 padded ones (a graph) round differently and part
     at a near-tie (seen on the H100: CHAIN-8 at batch 3 in bucket 4). Both kernels have their
     own graph-vs-eager tests at equal row counts."""
-    from treeverify.models import gemv
+    from linear_switches import linear_switches
 
-    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "0")
-    monkeypatch.setenv("TREEVERIFY_DECODE_GEMV", "0")
-    gemv.skinny_enabled.cache_clear()
-    gemv.enabled.cache_clear()
-    yield
-    monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM")
-    monkeypatch.delenv("TREEVERIFY_DECODE_GEMV")
-    gemv.skinny_enabled.cache_clear()
-    gemv.enabled.cache_clear()
+    yield from linear_switches(monkeypatch, TREEVERIFY_SKINNY_GEMM="0", TREEVERIFY_DECODE_GEMV="0")

@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from linear_switches import linear_switches  # noqa: E402
 from treeverify.models import gemv as gemv_mod  # noqa: E402
 
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1000, 1000), (24, 64)]
@@ -127,25 +128,14 @@ SKINNY_ROWS = [2, 5, 8, 9, 16, 17, 24, 25, 32]
 @pytest.fixture
 def fused_silu_on(monkeypatch):
     """TREEVERIFY_FUSED_SILU_DOWN=1 (and the few-row kernel on) for this test."""
-    monkeypatch.setenv("TREEVERIFY_FUSED_SILU_DOWN", "1")
-    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "1")
-    gemv_mod.fused_silu_enabled.cache_clear()
-    gemv_mod.skinny_enabled.cache_clear()
-    yield
-    monkeypatch.delenv("TREEVERIFY_FUSED_SILU_DOWN")
-    monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM")
-    gemv_mod.fused_silu_enabled.cache_clear()
-    gemv_mod.skinny_enabled.cache_clear()
+    yield from linear_switches(monkeypatch, TREEVERIFY_FUSED_SILU_DOWN="1",
+                               TREEVERIFY_SKINNY_GEMM="1")  # fmt: skip
 
 
 @pytest.fixture
 def skinny_on(monkeypatch):
-    """TREEVERIFY_SKINNY_GEMM=1 for this test (the switch is read once a process: cache reset)."""
-    monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "1")
-    gemv_mod.skinny_enabled.cache_clear()
-    yield
-    monkeypatch.delenv("TREEVERIFY_SKINNY_GEMM")
-    gemv_mod.skinny_enabled.cache_clear()
+    """TREEVERIFY_SKINNY_GEMM=1 for this test (whatever the process's environment says)."""
+    yield from linear_switches(monkeypatch, TREEVERIFY_SKINNY_GEMM="1")
 
 
 @pytest.mark.parametrize("n,k", SKINNY_SHAPES)
