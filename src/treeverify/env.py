@@ -68,6 +68,11 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   device too) instead of a copy after each replay (~22 us a step back to back at b=8 on the
   H100); default since the forty-fourth session (H100: the DFlash engine's plain step at b=1
   as fast as plain decoding's); ``0``: the copy (A/B). Read when an engine is built.
+- ``TREEVERIFY_STAGE_UNPACK``: ``1`` has every graph bucket unpack its staged inputs (ids,
+  positions, slots, valid rows, each attention plan's metadata) with one kernel at the start of
+  the graph (engine/stage_unpack.py) instead of a copy node per buffer (9 for a one-plan model,
+  ~11 us of a tiny-code decode forward on the H100); ``0`` (default until measured): the copies.
+  Read when a graph is captured.
 - ``TREEVERIFY_PREFILL_REPLAYS``: ``1`` (default, forty-first session) runs a step of up to 8
   short prefill chunks (requests arriving together, each within the largest prefill graph
   size, 512 by default) as one padded (1, n) prefill graph replay per chunk
@@ -252,6 +257,8 @@ VARIABLES: dict[str, str] = {
     "0: a clone a step, a view a request (A/B).",
     "TREEVERIFY_RING_IN_GRAPH": "1: those steps' graphs write the rows into the feed ring "
     "themselves (engine/ring_put.py) (default); 0: a copy after each replay (A/B).",
+    "TREEVERIFY_STAGE_UNPACK": "1: graphs unpack their staged inputs with one kernel "
+    "(engine/stage_unpack.py); 0 (default): a copy per buffer (A/B).",
     "TREEVERIFY_PREFILL_REPLAYS": "1 (default): a step of up to 8 short prefill chunks runs as "
     "one prefill graph replay per chunk (engine/model_runner.py); 0: one eager forward (A/B).",
     "TREEVERIFY_RING_PROJECTION": "1 (default): the feed ring's pending rows projected by one "
@@ -662,6 +669,13 @@ def ring_in_graph() -> bool:
     it from inside their graphs (engine/ring_put.py; default, measured on the H100 in the
     forty-fourth session); 0, a copy after each replay. Read when an engine is built."""
     return _switch("TREEVERIFY_RING_IN_GRAPH", "1")
+
+
+def stage_unpack() -> bool:
+    """TREEVERIFY_STAGE_UNPACK: 1 has graph buckets unpack their staged inputs with one kernel
+    (engine/stage_unpack.py); 0 (default until measured on a GPU), a torch copy per buffer.
+    Read when a graph is captured."""
+    return _switch("TREEVERIFY_STAGE_UNPACK", "0")
 
 
 def prefill_replays() -> bool:

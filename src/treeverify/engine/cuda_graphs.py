@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from treeverify.engine.paged_attention import PagedAttention
+from treeverify.engine.stage_unpack import kernel_unpacks, unpack_stage
 from treeverify.engine.step_stage import StepStage
 from treeverify.progress import progress
 
@@ -197,7 +198,16 @@ class CudaGraphs:
         return stage
 
     def _unpack(self, stage: StepStage, batch: int, n: int) -> None:
-        """Captured at the start of the bucket's graph: the staged inputs into their buffers."""
+        """Captured at the start of the bucket's graph: the staged inputs into their buffers,
+        by one kernel (engine/stage_unpack.py, TREEVERIFY_STAGE_UNPACK, on a GPU) or a copy
+        per buffer."""
+        if stage.dev.is_cuda and kernel_unpacks():
+            rows = batch * n
+            common = {"ids": self.ids[:rows], "pos": self.pos[:rows],
+                      "valid": self.valid[:rows], "slots": self.attention.slots[:rows]}  # fmt: skip
+            unpack_stage(stage.views, common, self.attention.plans_for((batch, n)),
+                         self.max_pages)  # fmt: skip
+            return
         for field, buf in self._targets(batch, n):
             buf.copy_(stage.views[field])
 
