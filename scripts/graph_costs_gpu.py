@@ -57,6 +57,27 @@ def cost(graph: torch.cuda.CUDAGraph, reps: int = 200) -> dict:
             }  # fmt: skip
 
 
+def _drop_norms() -> None:
+    """add_rmsnorm and rmsnorm return their input: no norm kernel (the residual is x)."""
+    from treeverify.models import fused_ops, llama
+
+    def add_rmsnorm(x, residual, norm, tap=None):
+        return x, x
+
+    fused_ops.add_rmsnorm = llama.add_rmsnorm = add_rmsnorm
+    fused_ops.rmsnorm = lambda x, norm: x
+
+
+def _drop_unpack() -> None:
+    """A graph's staged inputs never unpacked: the buffers keep what the capture left."""
+    from treeverify.engine.cuda_graphs import CudaGraphs
+
+    CudaGraphs._unpack = lambda self, stage, batch, n: None
+
+
+DROPS = {"norm": _drop_norms, "unpack": _drop_unpack}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, required=True)
@@ -65,7 +86,12 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=0, metavar="K",
                     help="also profile each graph's kernels (torch.profiler) and print the K "
                          "costliest per replay")  # fmt: skip
+    ap.add_argument("--drop", choices=sorted(DROPS), action="append", default=[],
+                    help="a what-if: leave this op's kernels out of every graph (wrong outputs; "
+                         "the forwards' times bound what fusing it away could save)")  # fmt: skip
     args = ap.parse_args()
+    for what in args.drop:
+        DROPS[what]()
     llm = LLM("tiny-code", device="cuda", num_pages=4096, max_num_seqs=args.batch,
               cuda_graph_max_bs=args.batch, speculative_algorithm="DDTREE",
               speculative_ddtree_budget=args.budget)  # fmt: skip
@@ -96,7 +122,7 @@ def main() -> int:
                 print(f"    {k['us_per_replay']:7.2f} us  x{k['per_replay']:<5} {k['name'][:90]}")
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "commit": _git_commit(),
-            "command": " ".join(sys.argv)}  # fmt: skip
+            "command": " ".join(sys.argv), "dropped": args.drop}  # fmt: skip
     args.json.write_text(json.dumps(meta | {"batch": b, "budget": args.budget, "rows": rows},
                                     indent=1))  # fmt: skip
     return 0
