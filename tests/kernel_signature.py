@@ -20,4 +20,6 @@ def assert_matches_signature(source: str, kernel: str, args: list) -> None:
         is_ptr = "*" in p
         assert is_ptr == isinstance(a, ctypes.c_void_p), p
         if not is_ptr:
-            assert isinstance(a, ctypes.c_longlong if "long long" in p else ctypes.c_int), p
+            want = (ctypes.c_longlong if "long long" in p
+                    else ctypes.c_float if "float" in p else ctypes.c_int)  # fmt: skip
+            assert isinstance(a, want), p

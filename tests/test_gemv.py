@@ -11,6 +11,8 @@ import torch
 from kernel_signature import assert_matches_signature
 from treeverify.models import gemv as gemv_mod
 
+PROLOGUES = ((False, False), (True, False), (False, True))  # (act, norm): plain, silu, norm
+
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_instance_compiles_without_spills(arch):
@@ -19,9 +21,9 @@ def test_every_instance_compiles_without_spills(arch):
     from treeverify.kernels.cuda.variants import DTYPES, DecodeGemvVariant, all_variants
 
     for dtype in DTYPES:
-        for m, act in [(m, act) for m in range(1, gemv_mod.GEMV_MAX_ROWS + 1)
-                       for act in (False, True)]:  # fmt: skip
-            v = DecodeGemvVariant(m, dtype, act)
+        for m, (act, norm) in [(m, p) for m in range(1, gemv_mod.GEMV_MAX_ROWS + 1)
+                               for p in PROLOGUES]:  # fmt: skip
+            v = DecodeGemvVariant(m, dtype, act, norm)
             assert v in all_variants(arch)  # `treeverify kernels build` prebuilds it
             compiled = compile_variant(v, arch)
             assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
@@ -29,9 +31,9 @@ def test_every_instance_compiles_without_spills(arch):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_few_row_instance_compiles_without_spills(arch):
-    """skinny_gemm.cu's built row-tile counts, both dtypes and their act instances: prebuilt by
-    `treeverify kernels build`, no spills, at most 128 registers (the first version's 92 at 32
-    rows halved the CTAs an SM held: the 1024-CTA lm_head ran two waves)."""
+    """skinny_gemm.cu's built row-tile counts, both dtypes and their act and norm instances:
+    prebuilt by `treeverify kernels build`, no spills, at most 128 registers (the first
+    version's 92 at 32 rows halved the CTAs an SM held: the 1024-CTA lm_head ran two waves)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from treeverify.kernels.cuda.jit import compile_variant
     from treeverify.kernels.cuda.variants import (
@@ -42,8 +44,8 @@ def test_every_few_row_instance_compiles_without_spills(arch):
     )
 
     for dtype in DTYPES:
-        for nt, act in [(nt, act) for nt in SKINNY_TILE_COUNTS for act in (False, True)]:
-            v = SkinnyGemmVariant(nt, dtype, act)
+        for nt, (act, norm) in [(nt, p) for nt in SKINNY_TILE_COUNTS for p in PROLOGUES]:
+            v = SkinnyGemmVariant(nt, dtype, act, norm)
             assert v in all_variants(arch)
             compiled = compile_variant(v, arch)
             assert compiled.spill_bytes == 0 and 0 < compiled.registers <= 128, v.name
@@ -86,8 +88,8 @@ def test_weight_loads_go_out_before_the_programmatic_launch_wait():
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton's bundled one)")
-    variants = [DecodeGemvVariant(1, "bf16", act) for act in (False, True)] + [
-        SkinnyGemmVariant(nt, "bf16", act) for nt in SKINNY_TILE_COUNTS for act in (False, True)
+    variants = [DecodeGemvVariant(1, "bf16", *p) for p in PROLOGUES] + [
+        SkinnyGemmVariant(nt, "bf16", *p) for nt in SKINNY_TILE_COUNTS for p in PROLOGUES
     ]
     for v in variants:
         with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +125,27 @@ def test_launch_arguments_match_the_kernel_signature():
     w = torch.randn(8, 64).to(torch.bfloat16)
     args = gemv_mod.launch_args(x, w, None, torch.empty(1, 8, dtype=torch.bfloat16))
     assert_matches_signature("decode_gemv.cu", "decode_gemv", args)
-    assert [a.value for a in args[-2:]] == [8, 64]  # n, k
+    assert [a.value for a in args[7:9]] == [8, 64]  # n, k
+    assert [a.value for a in args[9:]] == [None, None, None, 0, None, 0.0]  # no norm operands
+    norm = _norm_operands(1, 64)
+    args = gemv_mod.launch_args(x, w, None, torch.empty(1, 8, dtype=torch.bfloat16), norm)
+    assert_matches_signature("decode_gemv.cu", "decode_gemv", args)
+    _assert_norm_args(args[9:], norm)
+
+
+def _norm_operands(m: int, k: int) -> gemv_mod.NormOperands:
+    t = torch.randn(m, 3 * k).to(torch.bfloat16)
+    return gemv_mod.NormOperands(torch.randn(m, k).to(torch.bfloat16),
+                                 torch.empty(m, k, dtype=torch.bfloat16), t[:, k : 2 * k],
+                                 torch.randn(k).to(torch.bfloat16), 1e-5)  # fmt: skip
+
+
+def _assert_norm_args(args: list, norm: gemv_mod.NormOperands) -> None:
+    """residual, r_out, tap, tap's row stride, gamma, eps: the kernels' six trailing params."""
+    want = [norm.residual.data_ptr(), norm.r_out.data_ptr(), norm.tap.data_ptr(),
+            norm.tap.stride(0), norm.gamma.data_ptr()]  # fmt: skip
+    assert [a.value for a in args[:5]] == want
+    assert args[5].value == pytest.approx(norm.eps)
 
 
 def test_few_row_launch_arguments_match_the_kernel_signature():
@@ -131,7 +153,11 @@ def test_few_row_launch_arguments_match_the_kernel_signature():
     w = torch.randn(16, 64).to(torch.bfloat16)
     args = gemv_mod.skinny_launch_args(x, w, None, torch.empty(5, 16, dtype=torch.bfloat16))
     assert_matches_signature("skinny_gemm.cu", "skinny_gemm", args)
-    assert [args[2].value, args[-2].value, args[-1].value] == [5, 16, 64]  # m, n, k
+    assert [args[2].value, args[8].value, args[9].value] == [5, 16, 64]  # m, n, k
+    norm = _norm_operands(5, 64)
+    args = gemv_mod.skinny_launch_args(x, w, None, torch.empty(5, 16, dtype=torch.bfloat16), norm)
+    assert_matches_signature("skinny_gemm.cu", "skinny_gemm", args)
+    _assert_norm_args(args[10:], norm)
 
 
 def test_few_row_dispatch_off_the_gpu_and_its_bad_operands():

@@ -24,6 +24,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_SKINNY_GEMM``: ``1`` runs linear layers of 2..32 rows on small weights with the
   few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu) instead of cuBLAS
   (default; measured on the H100: the b=1 round -6.5%); ``0`` keeps cuBLAS.
+- ``TREEVERIFY_NORM_LINEAR``: ``1`` folds a Llama layer's two residual adds + RMSNorms into
+  the projections after them (qkv, gate|up) where the decode GEMV or the few-row kernel takes
+  them (models/norm_linear.py: the norm made on the kernel's load, 16 launches fewer a tiny-code
+  forward); default ``0`` until measured. Read when a model is fused for inference.
 - ``TREEVERIFY_DDTREE_WARP_HEAP``: ``1`` pops a DDTree of budget <= 32 by the whole warp (one
   candidate a lane, a pop one warp maximum) instead of thread 0's shared-memory heap
   (kernels/cuda/ddtree_heap.cu); the same trees; default ``0`` until measured.
@@ -233,6 +237,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_SKINNY_GEMM": "1 (default): linear layers of 2..32 rows on weights <= 2 MB (a "
     "batch-1 verify forward, a drafter's block) by the few-row tensor-core kernel instead of "
     "cuBLAS; 0: cuBLAS.",
+    "TREEVERIFY_NORM_LINEAR": "1: a Llama layer's adds + RMSNorms made on the load of the "
+    "projections after them (models/norm_linear.py); default 0 (off until measured).",
     "TREEVERIFY_DDTREE_WARP_HEAP": "1: DDTree budgets <= 32 popped by the whole warp instead of "
     "one thread's heap (the same trees); default 0 (off until measured).",
     "TREEVERIFY_FUSED_ACCEPT": "1: a round's greedy walk, packed result and K/V move indices by "
@@ -563,6 +569,14 @@ def cuda_merge_max_ctas() -> int | None:
             f"TREEVERIFY_CUDA_MERGE_MAX_CTAS: expected an integer in 64..1048576, got {value!r}"
         )
     return int(value)
+
+
+def norm_linear() -> bool:
+    """TREEVERIFY_NORM_LINEAR: 1 folds a Llama layer's residual adds + RMSNorms into the
+    projections after them where the decode GEMV or the few-row kernel takes them
+    (models/norm_linear.py); default 0 until measured on a GPU. Read when a model is fused
+    for inference (and once a process by norm_linear.enabled)."""
+    return _switch("TREEVERIFY_NORM_LINEAR", "0")
 
 
 def decode_gemv() -> bool:

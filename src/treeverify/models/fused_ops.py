@@ -245,6 +245,21 @@ def _launch_norm(x, residual, r_out, norm, tap=None) -> torch.Tensor:
     return y
 
 
+def tap_columns(
+    x: torch.Tensor,  # (T, H)
+    layers: int,
+    taps: Collection[int],
+) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    """The forward's tapped rows (T, len(taps) * H), or None without taps, and each tapped
+    layer's columns of them (T, H), rows len(taps) * H apart, in layer order."""
+    order = sorted(set(taps))  # the columns follow the layers' order
+    if order and not 0 <= order[0] <= order[-1] < layers:
+        raise ValueError(f"taps: expected layer indices in [0, {layers}), got {order}")
+    hidden = x.shape[-1]
+    tapped = x.new_empty(x.shape[0], len(order) * hidden) if order else None  # (T, k * H)
+    return tapped, {i: tapped[:, j * hidden : (j + 1) * hidden] for j, i in enumerate(order)}
+
+
 def residual_stream(
     x: torch.Tensor,  # (T, H) the embedded tokens
     layers,  # pre-norm layers, each with an `input_layernorm`
@@ -259,14 +274,8 @@ def residual_stream(
     side, in layer order: each one's output (the residual after its add), written into its
     columns by the add's own kernel (a torch.cat after the forward was one more kernel of every
     DFlash engine's step: ~2-3 us of a ~180 us plain step on the H100); None without taps."""
-    order = sorted(set(taps))  # the columns follow the layers' order
-    if order and not 0 <= order[0] <= order[-1] < len(layers):
-        raise ValueError(f"taps: expected layer indices in [0, {len(layers)}), got {order}")
+    tapped, cols = tap_columns(x, len(layers), taps)
     residual, h = x, rmsnorm(x, layers[0].input_layernorm)
-    hidden = x.shape[-1]
-    tapped = x.new_empty(x.shape[0], len(order) * hidden) if order else None  # (T, k * H)
-    # layer -> its columns (T, H), rows k * H apart
-    cols = {i: tapped[:, j * hidden : (j + 1) * hidden] for j, i in enumerate(order)}
     for i, layer in enumerate(layers):
         m, residual = body(i, layer, h, residual)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm

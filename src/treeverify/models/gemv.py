@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -85,21 +86,23 @@ def fused_silu_enabled() -> bool:
 
 
 @functools.cache
-def _skinny_kernel(device_index: int, nt: int, dtype: torch.dtype, act: bool = False):
+def _skinny_kernel(device_index: int, nt: int, dtype: torch.dtype, act: bool = False,
+                   norm: bool = False):  # fmt: skip
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import SkinnyGemmVariant
 
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    return load(SkinnyGemmVariant(nt, name, act), torch.device("cuda", device_index))
+    return load(SkinnyGemmVariant(nt, name, act, norm), torch.device("cuda", device_index))
 
 
 @functools.cache
-def _kernel(device_index: int, m: int, dtype: torch.dtype, act: bool = False):
+def _kernel(device_index: int, m: int, dtype: torch.dtype, act: bool = False,
+            norm: bool = False):  # fmt: skip
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DecodeGemvVariant
 
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    return load(DecodeGemvVariant(m, name, act), torch.device("cuda", device_index))
+    return load(DecodeGemvVariant(m, name, act, norm), torch.device("cuda", device_index))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -226,30 +229,32 @@ def _index(x: torch.Tensor) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         act: bool = False) -> torch.Tensor:  # fmt: skip
+         act: bool = False, norm: NormOperands | None = None) -> torch.Tensor:  # fmt: skip
     """The GEMV kernel itself: x (M <= GEMV_MAX_ROWS, K) and weight (N, K) aligned as
     `uses_gemv` requires, bias (N,) or None -> y (M, N) on the current stream (no sync; allocates
     y; no autograd). Any weight size: the benchmark times it past the dispatch's cap. `act`: x
     is a gate|up output (M, 2K) and the input silu(gate) * up, made on the kernel's load
-    (`down_of_silu`)."""
+    (`down_of_silu`). `norm`: the input is rmsnorm(x + residual) (models/norm_linear.py, which
+    checks its operands)."""
     m, n = _checked(x, weight, bias, act, (1, GEMV_MAX_ROWS), 8, 1)
     y = x.new_empty(m, n)
-    kernel = _kernel(_index(x), m, x.dtype, act)
-    _launch(kernel, (-(-n // ROWS_PER_CTA), 1, 1), launch_args(x, weight, bias, y), x)
+    kernel = _kernel(_index(x), m, x.dtype, act, norm is not None)
+    _launch(kernel, (-(-n // ROWS_PER_CTA), 1, 1), launch_args(x, weight, bias, y, norm), x)
     return y
 
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           act: bool = False) -> torch.Tensor:  # fmt: skip
+           act: bool = False, norm: NormOperands | None = None) -> torch.Tensor:  # fmt: skip
     """The few-row kernel itself: x (2..SKINNY_MAX_ROWS, K) and weight (N, K) aligned as
     `uses_skinny` requires (K a multiple of 32, N of 16), bias (N,) or None -> y (M, N) on
     the current stream (no sync; allocates y; no autograd). Any weight size: the benchmark
-    times it past the dispatch's cap. `act`: as `gemv`'s (x (M, 2K), gate|up)."""
+    times it past the dispatch's cap. `act`, `norm`: as `gemv`'s (x (M, 2K), gate|up)."""
     m, n = _checked(x, weight, bias, act, (2, SKINNY_MAX_ROWS), SKINNY_K_MULTIPLE,
                     SKINNY_OUTPUTS_PER_CTA)  # fmt: skip
     y = x.new_empty(m, n)
-    kernel = _skinny_kernel(_index(x), skinny_tiles(m), x.dtype, act)
-    _launch(kernel, (n // SKINNY_OUTPUTS_PER_CTA, 1, 1), skinny_launch_args(x, weight, bias, y), x)
+    kernel = _skinny_kernel(_index(x), skinny_tiles(m), x.dtype, act, norm is not None)
+    args = skinny_launch_args(x, weight, bias, y, norm)
+    _launch(kernel, (n // SKINNY_OUTPUTS_PER_CTA, 1, 1), args, x)
     return y
 
 
@@ -267,26 +272,54 @@ def skinny_tiles(m: int) -> int:
 
 
 def skinny_launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       y: torch.Tensor) -> list:  # fmt: skip
+                       y: torch.Tensor, norm: NormOperands | None = None) -> list:  # fmt: skip
     """skinny_gemm's parameters in its signature's order (tests/test_gemv.py counts them)."""
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     return [
         ptr(x.data_ptr()), i64(x.stride(0)), i32(x.shape[0]),
         ptr(weight.data_ptr()), i64(weight.stride(0)),
         ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i64(y.stride(0)),
-        i32(weight.shape[0]), i32(weight.shape[1]),
+        i32(weight.shape[0]), i32(weight.shape[1]), *_norm_args(norm),
     ]  # fmt: skip
 
 
 def launch_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                y: torch.Tensor) -> list:  # fmt: skip
+                y: torch.Tensor, norm: NormOperands | None = None) -> list:  # fmt: skip
     """decode_gemv's parameters in its signature's order (tests/test_gemv.py counts them)."""
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     return [
         ptr(x.data_ptr()), i64(x.stride(0)), ptr(weight.data_ptr()), i64(weight.stride(0)),
         ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i64(y.stride(0)),
-        i32(weight.shape[0]), i32(weight.shape[1]),
+        i32(weight.shape[0]), i32(weight.shape[1]), *_norm_args(norm),
     ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NormOperands:
+    """What a NORM instance reads and writes besides x and the weight (linear_common.cuh
+    NormArgs; models/norm_linear.py checks them): the input is rmsnorm(x + residual) by
+    `gamma`; with a residual the sum goes to r_out (and tap's rows, `tap.stride(0)` apart)."""
+
+    residual: torch.Tensor | None  # (M, K) contiguous, or None: the input is rmsnorm(x)
+    r_out: torch.Tensor | None  # (M, K) contiguous, with a residual
+    tap: torch.Tensor | None  # (M, K) rows strided, columns contiguous
+    gamma: torch.Tensor  # (K,) contiguous
+    eps: float
+
+
+def _norm_args(norm: NormOperands | None) -> list:
+    """The six trailing parameters of both kernels (zeros but eps's 0.0 for the plain and
+    activation instances, which never read them)."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_longlong
+    if norm is None:
+        return [ptr(0), ptr(0), ptr(0), i64(0), ptr(0), ctypes.c_float(0.0)]
+
+    def addr(t: torch.Tensor | None) -> int:
+        return t.data_ptr() if t is not None else 0
+
+    return [ptr(addr(norm.residual)), ptr(addr(norm.r_out)), ptr(addr(norm.tap)),
+            i64(norm.tap.stride(0) if norm.tap is not None else 0), ptr(norm.gamma.data_ptr()),
+            ctypes.c_float(norm.eps)]  # fmt: skip
 
 
 def describe() -> str:

@@ -11,7 +11,7 @@ from torch import nn
 
 from treeverify.models.config import LlamaConfig
 from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rope_qk
-from treeverify.models.gemv import Linear, linear
+from treeverify.models.gemv import Linear, down_of_silu, linear
 from treeverify.models.layers import (
     MLP,
     ROPE_TABLE_SLACK,
@@ -24,6 +24,7 @@ from treeverify.models.layers import (
     check_flat_batch,
     fuse_linears,
 )
+from treeverify.models.norm_linear import add_norm_linear, folded_residual_stream
 
 
 class LlamaAttention(nn.Module):
@@ -52,29 +53,36 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, attention: Attention):
         """cos/sin: Rope's (T, D/2) tables, or with `fuse()` the (T, D) rotate-half tables."""
-        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         if self.qkv is not None:
-            qkv = linear(x, *self.qkv).view(t, hq + 2 * hkv, d)  # (T, Hq+2Hkv, D)
-            v = qkv[:, hq + hkv :]
-            if self.q_norm is not None:
-                qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), 1)
-                qk = apply_rope_tables(qk, cos, sin)  # (T, Hq+Hkv, D)
-                q, k = qk[:, :hq].contiguous(), qk[:, hq:]
-            else:
-                # The engine's paged attention on a GPU: q, k rotated and k, v written to the KV
-                # cache in one kernel, then attention; elsewhere (None) rope_qk, then attention.
-                fused = getattr(attention, "rope_store_attend", None)
-                o = fused(self.layer, qkv, cos, sin, hq, hkv, self.sm_scale) if fused else None
-                if o is not None:
-                    return self.o_proj(o.reshape(t, hq * d))
-                q, k = rope_qk(qkv, cos, sin, hq, hkv)  # one kernel on a GPU, q contiguous
+            return self.attend(linear(x, *self.qkv), cos, sin, attention)
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        q = self.q_proj(x).view(t, hq, d)  # (T, Hq, D)
+        k = self.k_proj(x).view(t, hkv, d)  # (T, Hkv, D)
+        v = self.v_proj(x).view(t, hkv, d)  # (T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention(self.layer, q, k, v, self.sm_scale)  # (T, Hq, D)
+        return self.o_proj(o.reshape(t, hq * d))
+
+    def attend(self, qkv, cos, sin, attention: Attention):
+        """The rest of a fused layer's attention after its qkv projection (T, (Hq+2Hkv) D):
+        rotary, attention, o_proj. cos/sin: the (T, D) rotate-half tables."""
+        t, hq, hkv, d = qkv.shape[0], self.hq, self.hkv, self.d
+        qkv = qkv.view(t, hq + 2 * hkv, d)  # (T, Hq+2Hkv, D)
+        v = qkv[:, hq + hkv :]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), 1)
+            qk = apply_rope_tables(qk, cos, sin)  # (T, Hq+Hkv, D)
+            q, k = qk[:, :hq].contiguous(), qk[:, hq:]
         else:
-            q = self.q_proj(x).view(t, hq, d)  # (T, Hq, D)
-            k = self.k_proj(x).view(t, hkv, d)  # (T, Hkv, D)
-            v = self.v_proj(x).view(t, hkv, d)  # (T, Hkv, D)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            # The engine's paged attention on a GPU: q, k rotated and k, v written to the KV
+            # cache in one kernel, then attention; elsewhere (None) rope_qk, then attention.
+            fused = getattr(attention, "rope_store_attend", None)
+            o = fused(self.layer, qkv, cos, sin, hq, hkv, self.sm_scale) if fused else None
+            if o is not None:
+                return self.o_proj(o.reshape(t, hq * d))
+            q, k = rope_qk(qkv, cos, sin, hq, hkv)  # one kernel on a GPU, q contiguous
         o = attention(self.layer, q, k, v, self.sm_scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, hq * d))
 
@@ -93,6 +101,18 @@ class LlamaDecoderLayer(nn.Module):
         a = self.self_attn(h, cos, sin, attention)
         h, residual = add_rmsnorm(a, residual, self.post_attention_layernorm)
         return self.mlp(h), residual
+
+    def forward_folded(self, m, residual, cos, sin, attention, tap=None):
+        """A fused layer with both adds + norms made on its projections' loads
+        (models/norm_linear.py): m is what the layer before added (residual None: m is the
+        embedding, normed with no add); `tap` takes that add's sum (the layer before's
+        output). Returns (mlp output, residual after attention), as `forward`."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = add_norm_linear(m, residual, self.input_layernorm, *attn.qkv, tap=tap)
+        a = attn.attend(qkv, cos, sin, attention)
+        gate_up, residual = add_norm_linear(a, residual, self.post_attention_layernorm,
+                                            *mlp.gate_up)  # fmt: skip
+        return down_of_silu(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class LlamaModel(nn.Module):
@@ -118,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused = False
+        self.fold_norms = False
 
     def fuse_for_inference(self) -> LlamaForCausalLM:
         """Fewer, larger kernels per layer (qkv and gate|up GEMMs, q and k rotated together);
@@ -129,6 +150,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope.tabulate(self.config.max_position_embeddings + ROPE_TABLE_SLACK, w.dtype,
                            w.device)  # fmt: skip
         self.fused = True
+        from treeverify import env
+
+        self.fold_norms = env.norm_linear()  # the layers' norms on their projections' loads
         return self
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
@@ -152,11 +176,19 @@ class LlamaForCausalLM(nn.Module):
         else:
             cos, sin = self.rope(positions)  # (T, D/2) each
         # captured: the tapped layers' outputs side by side (T, len(taps) * hidden), or None
-        h, self.captured = residual_stream(
-            x, self.model.layers, self.model.norm,
-            lambda i, layer, h, residual: layer(h, residual, cos, sin, attention),
-            self.capture_layers,
-        )  # fmt: skip
+        if self.fold_norms:
+            h, self.captured = folded_residual_stream(
+                x, self.model.layers, self.model.norm,
+                lambda i, layer, m, residual, tap: layer.forward_folded(m, residual, cos, sin,
+                                                                        attention, tap),
+                self.capture_layers,
+            )  # fmt: skip
+        else:
+            h, self.captured = residual_stream(
+                x, self.model.layers, self.model.norm,
+                lambda i, layer, h, residual: layer(h, residual, cos, sin, attention),
+                self.capture_layers,
+            )  # fmt: skip
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(h).float()

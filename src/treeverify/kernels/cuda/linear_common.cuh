@@ -79,4 +79,81 @@ __device__ __forceinline__ uint4 silu_mul8(const uint4& g, const uint4& u) {
                     silu_mul2<BF16>(g.z, u.z), silu_mul2<BF16>(g.w, u.w));
 }
 
+// NORM kernels (models/norm_linear.py): the input is rmsnorm(x + residual) made on the load.
+// s = x + r rounded to the dtype (as fused_ops.add_rmsnorm rounds the residual add), its
+// square summed for the row's rms, and s * gamma (rounded) fed to the product; the row's
+// 1 / rms scales the sum at the end: rstd * sum_k (s_k gamma_k) w_k.
+template <bool BF16>
+__device__ __forceinline__ unsigned add2(unsigned a, unsigned b) {
+  const float2 fa = to_float2<BF16>(a), fb = to_float2<BF16>(b);
+  return static_cast<unsigned>(from_float<BF16>(fa.x + fb.x)) |
+         (static_cast<unsigned>(from_float<BF16>(fa.y + fb.y)) << 16);
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint4 add8(const uint4& a, const uint4& b) {
+  return make_uint4(add2<BF16>(a.x, b.x), add2<BF16>(a.y, b.y), add2<BF16>(a.z, b.z),
+                    add2<BF16>(a.w, b.w));
+}
+
+template <bool BF16>
+__device__ __forceinline__ float sumsq2(unsigned a, float acc) {
+  const float2 f = to_float2<BF16>(a);
+  return fmaf(f.y, f.y, fmaf(f.x, f.x, acc));
+}
+
+template <bool BF16>
+__device__ __forceinline__ float sumsq8(const uint4& s, float acc) {
+  return sumsq2<BF16>(s.w, sumsq2<BF16>(s.z, sumsq2<BF16>(s.y, sumsq2<BF16>(s.x, acc))));
+}
+
+template <bool BF16>
+__device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {
+  const float2 fa = to_float2<BF16>(a), fb = to_float2<BF16>(b);
+  return static_cast<unsigned>(from_float<BF16>(fa.x * fb.x)) |
+         (static_cast<unsigned>(from_float<BF16>(fa.y * fb.y)) << 16);
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint4 mul8(const uint4& a, const uint4& b) {
+  return make_uint4(mul2<BF16>(a.x, b.x), mul2<BF16>(a.y, b.y), mul2<BF16>(a.z, b.z),
+                    mul2<BF16>(a.w, b.w));
+}
+
+// The operands a NORM kernel reads and writes besides x and W (contiguous (M, K) rows but the
+// tap's, `tap_stride` apart). residual null: s = x (a stack's first norm, no add). r_out
+// null: nothing written; else CTA 0 writes s there (and to tap, unless null): the residual
+// stream after the add, as add_rmsnorm's r_out.
+struct NormArgs {
+  const unsigned short* residual;
+  unsigned short* r_out;
+  unsigned short* tap;
+  long long tap_stride;
+  const unsigned short* gamma;  // (K,) the norm's weight
+  float eps;
+};
+
+// s for vector i (8 elements) of row m: x's vector plus the residual's, written out by CTA 0.
+template <bool BF16>
+__device__ __forceinline__ uint4 norm_input(const uint4& xv, const NormArgs& na, int m, int i,
+                                            int k, bool write) {
+  if (na.residual == nullptr) return xv;
+  const long long at = static_cast<long long>(m) * (k >> 3) + i;  // 16-byte vectors
+  const uint4 s = add8<BF16>(xv, __ldg(reinterpret_cast<const uint4*>(na.residual) + at));
+  if (write && na.r_out != nullptr) {
+    reinterpret_cast<uint4*>(na.r_out)[at] = s;
+    if (na.tap != nullptr) {
+      reinterpret_cast<uint4*>(na.tap + m * na.tap_stride)[i] = s;
+    }
+  }
+  return s;
+}
+
+// 1 / rms of a row from its sum of squares over k columns (fused_ops' 1 / sqrt(mean + eps)) by
+// the fast reciprocal square root and division: once a row, and no IEEE slow-path subroutine
+// (the summation order differs from Triton's reduction anyway: not the same bits).
+__device__ __forceinline__ float norm_rstd(float sumsq, int k, float eps) {
+  return rsqrtf(__fdividef(sumsq, static_cast<float>(k)) + eps);
+}
+
 }  // namespace treeverify

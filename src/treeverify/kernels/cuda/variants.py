@@ -470,6 +470,7 @@ class DecodeGemvVariant:
     m: int
     dtype: str  # "bf16" | "fp16"
     act: bool = False  # x is a gate|up output, the input silu(gate) * up (models/gemv.py)
+    norm: bool = False  # the input rmsnorm(x + residual) (models/norm_linear.py)
     threads: int = 256  # kGemvWarps x 32
     smem_bytes: int = 0
     defines: tuple[str, ...] = ()
@@ -478,12 +479,12 @@ class DecodeGemvVariant:
 
     @property
     def name(self) -> str:
-        return f"decode_gemv_m{self.m}_{self.dtype}" + ("_silu" if self.act else "")
+        return f"decode_gemv_m{self.m}_{self.dtype}" + _prologue(self.act, self.norm)
 
     @property
     def expr(self) -> str:
-        bf16, act = _cpp_bool(self.dtype == "bf16"), _cpp_bool(self.act)
-        return f"treeverify::decode_gemv<{self.m},{bf16},{act}>"
+        bf16, act, norm = (_cpp_bool(b) for b in (self.dtype == "bf16", self.act, self.norm))
+        return f"treeverify::decode_gemv<{self.m},{bf16},{act},{norm}>"
 
 
 @dataclass(frozen=True)
@@ -494,6 +495,7 @@ class SkinnyGemmVariant:
     nt: int  # n8 tiles of x rows, one of SKINNY_TILE_COUNTS (M <= 8 NT)
     dtype: str  # "bf16" | "fp16"
     act: bool = False  # x is a gate|up output, the input silu(gate) * up (models/gemv.py)
+    norm: bool = False  # the input rmsnorm(x + residual) (models/norm_linear.py)
     threads: int = 128  # kSkinnyWarps x 32
     smem_bytes: int = 0  # static: the warps' partial tiles
     defines: tuple[str, ...] = ()
@@ -502,16 +504,23 @@ class SkinnyGemmVariant:
 
     @property
     def name(self) -> str:
-        return f"skinny_gemm_nt{self.nt}_{self.dtype}" + ("_silu" if self.act else "")
+        return f"skinny_gemm_nt{self.nt}_{self.dtype}" + _prologue(self.act, self.norm)
 
     @property
     def expr(self) -> str:
-        bf16, act = _cpp_bool(self.dtype == "bf16"), _cpp_bool(self.act)
-        return f"treeverify::skinny_gemm<{self.nt},{bf16},{act}>"
+        bf16, act, norm = (_cpp_bool(b) for b in (self.dtype == "bf16", self.act, self.norm))
+        return f"treeverify::skinny_gemm<{self.nt},{bf16},{act},{norm}>"
 
 
 def _cpp_bool(value: bool) -> str:
     return "true" if value else "false"
+
+
+def _prologue(act: bool, norm: bool) -> str:
+    """A linear kernel's name suffix for what it makes of x on the load (one at most)."""
+    if act and norm:
+        raise ValueError("act, norm: a linear kernel takes one prologue, not both")
+    return "_silu" if act else "_norm" if norm else ""
 
 
 Variant = (
@@ -631,7 +640,9 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(KvMoveVariant())
     out.append(DDTreeTopkVariant())
     out.append(RoundStateVariant())
-    for act in (False, True):  # models/gemv.py: GEMV_MAX_ROWS; 32 rows in n8 tiles
-        out += [DecodeGemvVariant(1, dtype, act) for dtype in DTYPES]
-        out += [SkinnyGemmVariant(nt, dtype, act) for nt in SKINNY_TILE_COUNTS for dtype in DTYPES]
+    # models/gemv.py: GEMV_MAX_ROWS; 32 rows in n8 tiles; plain, activation and norm prologues
+    for act, norm in ((False, False), (True, False), (False, True)):
+        out += [DecodeGemvVariant(1, dtype, act, norm) for dtype in DTYPES]
+        out += [SkinnyGemmVariant(nt, dtype, act, norm) for nt in SKINNY_TILE_COUNTS
+                for dtype in DTYPES]  # fmt: skip
     return out
