@@ -156,6 +156,7 @@ class CudaGraphs:
                 self.forward_rows(rows, last_row)
             torch.cuda.current_stream().wait_stream(side)
             stage = self._stage(batch, n)  # holds the scratch plan just made
+            self._unpack(stage, batch, n)  # (a no-op's values: the unpack kernel compiled here)
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.pool):
                 self._unpack(stage, batch, n)

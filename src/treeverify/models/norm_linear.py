@@ -53,7 +53,9 @@ def fused_kernel(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: t
     """The linear kernel (`gemv.gemv` / `gemv.skinny`) that takes this add + norm + projection
     on its load, or None (then the two steps)."""
     kernel = gemv._route(x, weight, bias)
-    if kernel is None or not enabled():
+    # bf16 only: the kernel rounds s * gamma before the 1 / rms, which fp16's range can overflow
+    # (|s * gamma| > 65504) where the two steps, scaling first, stay finite
+    if kernel is None or x.dtype != torch.bfloat16 or not enabled():
         return None
     g = norm.weight
     if not (g.dtype == x.dtype and g.device == x.device and g.shape == (x.shape[1],)
