@@ -190,11 +190,14 @@ def _heap_tables(gen: torch.Generator, cases: list, extra: int, vocab_lo: int, b
 
 @needs_cuda
 @pytest.mark.gpu
-def test_heap_kernel_matches_host_heap_and_beam() -> None:
+@pytest.mark.parametrize("warp", ["0", "1"], ids=["thread-heap", "warp-heap-default"])
+def test_heap_kernel_matches_host_heap_and_beam(monkeypatch, warp) -> None:
     """The one-launch heap (kernels/cuda/ddtree_heap.cu) against the host heap and the beam
     search, node for node: ties (integer logits), full budgets (1024), fewer rank paths than the
-    budget (padding slots), deep and shallow drafts; outputs poisoned first."""
+    budget (padding slots), deep and shallow drafts; outputs poisoned first. Budgets <= 32 by
+    thread 0's heap (TREEVERIFY_DDTREE_WARP_HEAP=0) or the warp's (the default)."""
     pytest.importorskip("cuda.bindings.driver")
+    monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_HEAP", warp)
     from treeverify.spec.tree_heap import build_tree_heap
 
     gen = torch.Generator().manual_seed(11)

@@ -30,11 +30,13 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   forward); default ``0`` until measured. Read when a model is fused for inference.
 - ``TREEVERIFY_DDTREE_WARP_HEAP``: ``1`` pops a DDTree of budget <= 32 by the whole warp (one
   candidate a lane, a pop one warp maximum) instead of thread 0's shared-memory heap
-  (kernels/cuda/ddtree_heap.cu); the same trees; default ``0`` until measured.
+  (kernels/cuda/ddtree_heap.cu); the same trees; default since the forty-seventh session (H200:
+  the b=1 round's tree build 36.8 -> 21.9 us with the fused accept); ``0``: the thread's heap.
 - ``TREEVERIFY_FUSED_ACCEPT``: ``1`` runs a round's greedy walk, its packed result and the K/V
   move's indices as one kernel and the K/V move as one kernel a cache tensor (engine/
   speculative.py, kernels/cuda/ddtree_walk.cu and kv_move.cu; ~12 launches -> 3); default
-  ``0`` until measured.
+  since the forty-seventh session (H200: the b=1 accept graph 24.0 -> 6.5 us, the whole round
+  0.363 -> 0.336 ms with the warp heap); ``0``: the PyTorch ops.
 - ``TREEVERIFY_ROPE_TABLE``: ``1`` (default) keeps a GPU model's rotary tables for every
   position and reads a forward's rows from them by one kernel (models/layers.py
   ``Rope.tabulate``); ``0`` computes them each forward (~10 small kernels).
@@ -240,10 +242,10 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_NORM_LINEAR": "1: a Llama layer's adds + RMSNorms made on the load of the "
     "projections after them (models/norm_linear.py); default 0 (off until measured).",
     "TREEVERIFY_DDTREE_WARP_HEAP": "1: DDTree budgets <= 32 popped by the whole warp instead of "
-    "one thread's heap (the same trees); default 0 (off until measured).",
+    "one thread's heap (the same trees) (default); 0: the thread's heap.",
     "TREEVERIFY_FUSED_ACCEPT": "1: a round's greedy walk, packed result and K/V move indices by "
-    "one kernel and the K/V move by one kernel a cache tensor (~12 launches -> 3); default 0 "
-    "(off until measured).",
+    "one kernel and the K/V move by one kernel a cache tensor (~12 launches -> 3) (default); 0: "
+    "the PyTorch ops.",
     "TREEVERIFY_ROPE_TABLE": "1 (default): a GPU model's rotary tables kept for every position, "
     "a forward's rows read by one kernel; 0: computed each forward (~10 small kernels).",
     "TREEVERIFY_FUSED_SILU_DOWN": "1: a SwiGLU MLP's activation made on the load of its down "
@@ -597,15 +599,16 @@ def skinny_gemm() -> bool:
 def ddtree_warp_heap() -> bool:
     """TREEVERIFY_DDTREE_WARP_HEAP: 1 pops a DDTree of budget <= 32 by the whole warp
     (kernels/cuda/ddtree_heap.cu warp_build) instead of thread 0's heap; the same trees; default
-    0 until measured on a GPU."""
-    return _switch("TREEVERIFY_DDTREE_WARP_HEAP", "0")
+    1 since the forty-seventh session's H200 measurement."""
+    return _switch("TREEVERIFY_DDTREE_WARP_HEAP", "1")
 
 
 def fused_accept() -> bool:
     """TREEVERIFY_FUSED_ACCEPT: 1 runs a round's greedy walk, its packed result and the K/V
     move's indices as one kernel (kernels/cuda/ddtree_walk.cu ddtree_walk_pack) and the K/V move
-    as one kernel a stacked cache tensor (kv_move.cu); default 0 until measured on a GPU."""
-    return _switch("TREEVERIFY_FUSED_ACCEPT", "0")
+    as one kernel a stacked cache tensor (kv_move.cu); default 1 since the forty-seventh
+    session's H200 measurement."""
+    return _switch("TREEVERIFY_FUSED_ACCEPT", "1")
 
 
 def rope_table() -> bool:
