@@ -216,12 +216,27 @@ def _checked(
     return m, n
 
 
-def _launch(kernel, grid: tuple[int, int, int], args: list, x: torch.Tensor) -> None:
+def _launch(kernel, grid: tuple[int, int, int], args: list, x: torch.Tensor,
+            smem_bytes: int = 0) -> None:  # fmt: skip
     """On x's device and current stream, by programmatic dependent launch where the decode
-    GEMV's switch and the device allow it (models/pdl.py)."""
+    GEMV's switch and the device allow it (models/pdl.py); `smem_bytes`: a norm instance's
+    dynamic shared memory (`norm_smem_bytes`)."""
     with torch.cuda.device(x.device):  # the launch goes to the current context's device
         kernel.launch(grid, args, torch.cuda.current_stream(x.device).cuda_stream,
-                      programmatic=pdl.decode_gemv(_index(x)))  # fmt: skip
+                      programmatic=pdl.decode_gemv(_index(x)), smem_bytes=smem_bytes)  # fmt: skip
+
+
+# A norm instance's rows of normalized input in dynamic shared memory: at most this much (the
+# static partials and sums take the rest of the 48 KiB a launch may use without opting in).
+NORM_SMEM_MAX_BYTES = 40 << 10
+
+
+def norm_smem_bytes(m: int, k: int) -> int:
+    """The dynamic shared memory a norm instance needs for m rows of k columns: the GEMV's
+    m rows of k / 8 vectors, the few-row kernel's 8 NT rows of k / 8 + 1 (a pad vector)."""
+    if m <= GEMV_MAX_ROWS:
+        return m * k * 2
+    return 8 * skinny_tiles(m) * (k // 8 + 1) * 16
 
 
 def _index(x: torch.Tensor) -> int:
@@ -239,7 +254,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     m, n = _checked(x, weight, bias, act, (1, GEMV_MAX_ROWS), 8, 1)
     y = x.new_empty(m, n)
     kernel = _kernel(_index(x), m, x.dtype, act, norm is not None)
-    _launch(kernel, (-(-n // ROWS_PER_CTA), 1, 1), launch_args(x, weight, bias, y, norm), x)
+    smem = norm_smem_bytes(m, weight.shape[1]) if norm is not None else 0
+    _launch(kernel, (-(-n // ROWS_PER_CTA), 1, 1), launch_args(x, weight, bias, y, norm), x, smem)
     return y
 
 
@@ -254,7 +270,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = x.new_empty(m, n)
     kernel = _skinny_kernel(_index(x), skinny_tiles(m), x.dtype, act, norm is not None)
     args = skinny_launch_args(x, weight, bias, y, norm)
-    _launch(kernel, (n // SKINNY_OUTPUTS_PER_CTA, 1, 1), args, x)
+    smem = norm_smem_bytes(m, weight.shape[1]) if norm is not None else 0
+    _launch(kernel, (n // SKINNY_OUTPUTS_PER_CTA, 1, 1), args, x, smem)
     return y
 
 

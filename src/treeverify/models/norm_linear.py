@@ -57,6 +57,8 @@ def fused_kernel(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: t
     # (|s * gamma| > 65504) where the two steps, scaling first, stay finite
     if kernel is None or x.dtype != torch.bfloat16 or not enabled():
         return None
+    if gemv.norm_smem_bytes(x.shape[0], x.shape[1]) > gemv.NORM_SMEM_MAX_BYTES:
+        return None  # the rows' inputs would not fit the CTA's shared memory
     g = norm.weight
     if not (g.dtype == x.dtype and g.device == x.device and g.shape == (x.shape[1],)
             and g.is_contiguous() and g.data_ptr() % 16 == 0 and not g.requires_grad):  # fmt: skip

@@ -46,9 +46,10 @@ __device__ __forceinline__ void load_weights(const uint4* wr, int base, int kv,
 // ACT: x holds M rows of a gate|up output (2K columns, x_stride apart) and the GEMV's input is
 // silu(gate) * up, made on the load (linear_common.cuh silu_mul8; models/gemv.py
 // down_of_silu): the MLP's activation kernel is gone.
-// NORM: the input is rmsnorm(x + residual) by gamma (linear_common.cuh NormArgs; x contiguous,
-// models/norm_linear.py): the add and norm kernel in front of the projection is gone. Warp 0 of
-// CTA 0 writes the residual stream's sum; every warp sums its row's squares as it streams x.
+// NORM: the input is rmsnorm(x + residual) by gamma (linear_common.cuh NormArgs, norm_stage;
+// models/norm_linear.py): the add and norm kernel in front of the projection is gone. The CTA
+// makes the M rows' inputs into dynamic shared memory (M K 2 bytes) after the PDL wait and
+// scales each sum by its row's 1 / rms; CTA 0 writes the residual stream's sum.
 template <int M, bool BF16, bool ACT, bool NORM>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     decode_gemv(const unsigned short* __restrict__ x, long long x_stride,
@@ -58,11 +59,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                 unsigned short* __restrict__ r_out, unsigned short* __restrict__ tap,
                 long long tap_stride, const unsigned short* __restrict__ gamma, float eps) {
   static_assert(!(ACT && NORM), "one prologue a kernel");
-  const NormArgs na{residual, r_out, tap, tap_stride, gamma, eps};
-  const bool writer = NORM && blockIdx.x == 0 && threadIdx.x < 32;  // CTA 0, warp 0
-  float sumsq[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) sumsq[m] = 0.f;
+  extern __shared__ uint4 norm_xs[];  // NORM: (M, K / 8) the rows' normalized inputs
+  __shared__ float norm_rstd_rows[NORM ? M : 1];
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
   const uint4* wr = reinterpret_cast<const uint4*>(w + row * w_stride);  // read where row < n
@@ -78,6 +76,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   uint4 wv[kGemvUnroll];
   if (row < n) load_weights(wr, lane, kv, wv);
   pdl_wait();
+  if constexpr (NORM) {  // every thread, those past the last row too (two barriers inside)
+    const NormArgs na{residual, r_out, tap, tap_stride, gamma, eps};
+    norm_stage<BF16, M, kGemvWarps>(x, x_stride, M, k, na, norm_xs, kv, norm_rstd_rows);
+  }
   if (row >= n) return;
   pdl_trigger();
   for (int base = lane; base < kv; base += 32 * kGemvUnroll) {
@@ -93,9 +95,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
           if constexpr (ACT) {
             xv = silu_mul8<BF16>(__ldg(xr + i), __ldg(xr + kv + i));  // up: k columns on
           } else if constexpr (NORM) {
-            const uint4 sv = norm_input<BF16>(__ldg(xr + i), na, m, i, k, writer);
-            sumsq[m] = sumsq8<BF16>(sv, sumsq[m]);
-            xv = mul8<BF16>(sv, __ldg(reinterpret_cast<const uint4*>(gamma) + i));
+            xv = norm_xs[m * kv + i];
           } else {
             xv = __ldg(xr + i);
           }
@@ -108,13 +108,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
-    if constexpr (NORM) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        sumsq[m] += __shfl_xor_sync(0xffffffffu, sumsq[m], off);
-      }
-      acc[m] *= norm_rstd(sumsq[m], k, eps);
-    }
+    if constexpr (NORM) acc[m] *= norm_rstd_rows[m];
   }
   if (lane == 0) {
     float b = 0.f;

@@ -53,9 +53,9 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a
 // rows o0 + g and o0 + g + 8), its n dimension x's rows: a 17-row verify pads to 24, not 32, and
 // a CTA of 16 outputs loads each chunk of x once for twice the outputs.
 // ACT: as decode_gemv's, x holds a gate|up output and the input is silu(gate) * up.
-// NORM: as decode_gemv's, the input is rmsnorm(x + residual) by gamma; CTA 0 writes the sum.
-// A lane sums the squares of its rows' vectors; the four k-group lanes and the four warps'
-// sums meet in shared memory for warp 0's epilogue.
+// NORM: as decode_gemv's, the input is rmsnorm(x + residual) by gamma, made once a CTA into
+// dynamic shared memory (8 NT rows of K / 8 + 1 vectors: the pad vector spreads a warp's eight
+// rows over the banks); CTA 0 writes the sum; warp 0 scales its sums by the rows' 1 / rms.
 template <int NT, bool BF16, bool ACT, bool NORM>
 __global__ void __launch_bounds__(kSkinnyWarps * 32)
     skinny_gemm(const unsigned short* __restrict__ x, long long x_stride, int m,
@@ -65,15 +65,12 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
                 unsigned short* __restrict__ r_out, unsigned short* __restrict__ tap,
                 long long tap_stride, const unsigned short* __restrict__ gamma, float eps) {
   static_assert(!(ACT && NORM), "one prologue a kernel");
-  // chunks in flight a warp (registers: W 8U, x 4U NT; ACT holds gate and up: 8U NT; NORM
-  // x and the residual)
-  constexpr int U = (NT <= 3 && !ACT && !NORM) ? 4 : 2;
+  // chunks in flight a warp (registers: W 8U, x 4U NT; ACT holds gate and up: 8U NT)
+  constexpr int U = (NT <= 3 && !ACT) ? 4 : 2;
   __shared__ float partials[kSkinnyWarps - 1][NT][4][32];  // warps 1.. -> warp 0
-  __shared__ float row_sumsq[kSkinnyWarps][NORM ? 8 * NT : 1];  // NORM: each warp's, per row
-  const NormArgs na{residual, r_out, tap, tap_stride, gamma, eps};
-  float sumsq[NT];
-#pragma unroll
-  for (int t = 0; t < NT; ++t) sumsq[t] = 0.f;
+  extern __shared__ uint4 norm_xs[];  // NORM: (8 NT, K / 8 + 1) the rows' normalized inputs
+  __shared__ float norm_rstd_rows[NORM ? 8 * NT : 1];
+  const int norm_pitch = (k >> 3) + 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int q = lane & 3, g = lane >> 2;  // k-group; row within 8
   const int o0 = blockIdx.x * 16;
@@ -100,6 +97,11 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
     }
   }
   pdl_wait();
+  if constexpr (NORM) {
+    const NormArgs na{residual, r_out, tap, tap_stride, gamma, eps};
+    norm_stage<BF16, 8 * NT, kSkinnyWarps>(x, x_stride, m, k, na, norm_xs, norm_pitch,
+                                           norm_rstd_rows);
+  }
   pdl_trigger();
   for (; c0 < chunks; c0 += U * kSkinnyWarps) {
     if (c0 != warp) {
@@ -122,9 +124,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
           if constexpr (ACT) {
             xv[u][t] = silu_mul8<BF16>(__ldg(xr), __ldg(xr + (k >> 3)));  // up: k columns on
           } else if constexpr (NORM) {
-            const uint4 sv = norm_input<BF16>(__ldg(xr), na, r, 4 * c + q, k, blockIdx.x == 0);
-            sumsq[t] = sumsq8<BF16>(sv, sumsq[t]);
-            xv[u][t] = mul8<BF16>(sv, __ldg(reinterpret_cast<const uint4*>(gamma) + 4 * c + q));
+            xv[u][t] = norm_xs[r * norm_pitch + 4 * c + q];
           } else {
             xv[u][t] = __ldg(xr);
           }
@@ -152,14 +152,6 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) partials[warp - 1][t][i][lane] = acc[t][i];
   }
-  if constexpr (NORM) {  // row 8t + g's squares: over the four k-group lanes, then the warps
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      sumsq[t] += __shfl_xor_sync(0xffffffffu, sumsq[t], 1);
-      sumsq[t] += __shfl_xor_sync(0xffffffffu, sumsq[t], 2);
-      if (q == 0) row_sumsq[warp][8 * t + g] = sumsq[t];
-    }
-  }
   __syncthreads();
   if (warp != 0) return;
 #pragma unroll
@@ -172,13 +164,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
   if constexpr (NORM) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int p = 0; p < kSkinnyWarps; ++p) {  // a fixed order: deterministic
-        s0 += row_sumsq[p][8 * t + 2 * q];
-        s1 += row_sumsq[p][8 * t + 2 * q + 1];
-      }
-      const float r0 = norm_rstd(s0, k, eps), r1 = norm_rstd(s1, k, eps);
+      const float r0 = norm_rstd_rows[8 * t + 2 * q], r1 = norm_rstd_rows[8 * t + 2 * q + 1];
       acc[t][0] *= r0;
       acc[t][2] *= r0;
       acc[t][1] *= r1;
