@@ -74,6 +74,21 @@ def test_propose_from_ring_fused_equals_the_torch_path():
     assert agree >= 0.9, agree
 
 
+def test_folded_norms_draft_the_same_off_the_gpu():
+    """The drafter's norms folded into its projections (TREEVERIFY_NORM_LINEAR: the layers'
+    `forward_ring_folded`, models/norm_linear.py): off the GPU each fold is the add + norm and
+    the projection it replaced, so the interpreted draft is bit-equal.
+    (tests/test_norm_linear_gpu.py runs the folded kernels.)"""
+    d = drafter()
+    store, meta = rings(d, 96, [0, 40, 96, 17], [0, 150, 96, 17], seed=12)
+    depth = d.block_size - 1
+    assert not d.fold_norms
+    want = d.propose_from_ring(store, meta, 96, depth, interpret=True)  # (B, L, V)
+    d.fold_norms = True
+    got = d.propose_from_ring(store, meta, 96, depth, interpret=True)
+    assert torch.equal(got, want)
+
+
 def test_context_kv_fused_equals_the_torch_path():
     """A committed row's keys/values for every layer: one GEMM + one kernel per layer vs the
     per-layer PyTorch ops, at positions past a long context."""

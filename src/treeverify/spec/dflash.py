@@ -94,14 +94,20 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:  # (B, T, H)
         """`forward` over keys/values read from the rings in place, by the Triton kernels of
         spec/dflash_fused.py (after `fuse()`; `dflash_fused.supported` says where)."""
+        b, t, _ = x.shape
+        qkv = linear(x.reshape(b * t, -1), *self.qkv)  # (B*T, (Hq+2Hkv) D)
+        return self.attend_ring(qkv, store, layer, meta, rows, cos2, sin2, b)
+
+    def attend_ring(self, qkv, store, layer, meta, rows, cos2, sin2, b: int) -> torch.Tensor:
+        """`forward_ring` after its qkv projection (B*T, (Hq+2Hkv) D) of b blocks: the q / k
+        norms and rotary, the ring attention, o_proj. Returns (B, T, H)."""
         from treeverify.spec import dflash_fused
 
-        b, t, _ = x.shape
-        qkv = linear(x.reshape(b * t, -1), *self.qkv).view(b * t, -1, self.d)  # (B*T, Hq+2Hkv, D)
+        qkv = qkv.view(qkv.shape[0], -1, self.d)  # (B*T, Hq+2Hkv, D)
         q, blk_kv = dflash_fused.qk_norm_rope(qkv, self.q_norm, self.k_norm, cos2, sin2,
                                               self.hq, self.hkv, b)  # fmt: skip
         o = dflash_fused.ring_attention(q, store, layer, meta, rows, blk_kv, self.sm_scale)
-        return self.o_proj(o).view(b, t, -1)  # (B*T, Hq*D) -> (B, T, H)
+        return self.o_proj(o).view(b, qkv.shape[0] // b, -1)  # (B*T, Hq*D) -> (B, T, H)
 
     def keys_values(
         self,
@@ -168,6 +174,21 @@ class DFlashDecoderLayer(nn.Module):
         normed, residual = add_rmsnorm(a.view(b * t, hid), residual, self.post_attention_layernorm)
         return self.mlp(normed), residual
 
+    def forward_ring_folded(self, m, residual, store, layer, meta, rows, cos2, sin2, b: int):
+        """`forward_ring` with both adds + norms made on its projections' loads
+        (models/norm_linear.py; the drafter's `fold_norms`): m (B*T, H) is what the layer
+        before added (residual None: the embedded block, normed with no add). Returns (the
+        MLP's output, the residual after attention), both (B*T, H)."""
+        from treeverify.models.gemv import down_of_silu
+        from treeverify.models.norm_linear import add_norm_linear
+
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = add_norm_linear(m, residual, self.input_layernorm, *attn.qkv)
+        a = attn.attend_ring(qkv, store, layer, meta, rows, cos2, sin2, b)  # (B, T, H)
+        post = self.post_attention_layernorm
+        gate_up, residual = add_norm_linear(a.view(m.shape), residual, post, *mlp.gate_up)
+        return down_of_silu(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
 
 class DFlashDrafter(nn.Module):
     """The DFlash drafter; borrows the target's embedding table and lm_head (not its own params).
@@ -195,6 +216,7 @@ class DFlashDrafter(nn.Module):
         # A plain tuple, not submodules: the target owns these, and they must stay out of this
         # module's state_dict (the published checkpoint has neither).
         self._target: tuple[nn.Embedding, nn.Linear] | None = None
+        self.fold_norms = False  # fuse_for_inference reads TREEVERIFY_NORM_LINEAR
         if target_embed is not None or target_lm_head is not None:
             if target_embed is None or target_lm_head is None:
                 raise ValueError("target_embed/target_lm_head: give both or neither")
@@ -335,9 +357,12 @@ class DFlashDrafter(nn.Module):
 
     def fuse_for_inference(self) -> DFlashDrafter:
         """q|k|v and gate|up as one GEMM each: what `propose_from_ring`'s fused path needs."""
+        from treeverify import env
+
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.fold_norms = env.norm_linear()  # the layers' norms on their projections' loads
         return self
 
     def ring_fused(self, x: torch.Tensor, interpret: bool = False) -> bool:
@@ -366,10 +391,18 @@ class DFlashDrafter(nn.Module):
             valid = ring_valid(counts, ends, store.shape[1], rows)  # (B, rows)
             return self.propose_from_kv(ctx, counts, roots, ends, depth, context_valid=valid)
         from treeverify.models.fused_ops import residual_stream
+        from treeverify.models.norm_linear import folded_residual_stream
 
         self._check_round(depth)
         x, cos2, sin2 = self._block(roots, ends)  # (B, T, H), (B*T, D) x2
         b, t, hid = x.shape
+        if self.fold_norms:
+            h, _ = folded_residual_stream(
+                x.reshape(b * t, hid), self.layers, self.norm,
+                lambda i, layer, m, residual, tap: layer.forward_ring_folded(
+                    m, residual, store, i, meta, rows, cos2, sin2, b),
+            )  # fmt: skip
+            return self._logits(h.view(b, t, hid), depth, normed=True)
         h, _ = residual_stream(
             x.reshape(b * t, hid), self.layers, self.norm,
             lambda i, layer, h, residual: layer.forward_ring(h.view(b, t, hid), residual, store,
