@@ -279,3 +279,16 @@ def test_few_row_instances_by_row_count():
     for m in (0, 33):
         with pytest.raises(ValueError, match="m: expected 1..32"):
             gemv_mod.skinny_tiles(m)
+
+
+def test_norm_shared_memory_sizes_and_cap():
+    """A norm instance's staged rows: the GEMV's m K 2 bytes, the few-row kernel's m rows of
+    K/8 vectors padded to 4 mod 8 (skinny_gemm.cu norm_pitch); past the cap a direct call names
+    `norm` (the dispatch, models/norm_linear.py, takes the two steps there instead)."""
+    assert gemv_mod.norm_smem_bytes(1, 2048) == 4096
+    assert gemv_mod.norm_smem_bytes(17, 256) == 17 * 36 * 16  # 32 vectors -> pitch 36
+    assert gemv_mod.norm_smem_bytes(17, 288) == 17 * 36 * 16  # 36 is 4 mod 8 already
+    assert gemv_mod.norm_smem_bytes(32, 512) <= gemv_mod.NORM_SMEM_MAX_BYTES
+    assert gemv_mod._norm_smem(5, 64, None) == 0
+    with pytest.raises(ValueError, match="norm"):
+        gemv_mod._norm_smem(32, 1024, _norm_operands(32, 1024))

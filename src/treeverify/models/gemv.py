@@ -233,10 +233,22 @@ NORM_SMEM_MAX_BYTES = 40 << 10
 
 def norm_smem_bytes(m: int, k: int) -> int:
     """The dynamic shared memory a norm instance needs for m rows of k columns: the GEMV's
-    m rows of k / 8 vectors, the few-row kernel's 8 NT rows of k / 8 + 1 (a pad vector)."""
+    m rows of k / 8 16-byte vectors, the few-row kernel's m rows of k / 8 padded to 4 mod 8
+    (skinny_gemm.cu's norm_pitch: conflict-free quarter-warp loads)."""
     if m <= GEMV_MAX_ROWS:
         return m * k * 2
-    return 8 * skinny_tiles(m) * (k // 8 + 1) * 16
+    return m * ((k // 8) | 4) * 16
+
+
+def _norm_smem(m: int, k: int, norm: NormOperands | None) -> int:
+    """A launch's dynamic shared memory (0 without a norm), or a ValueError past the cap."""
+    if norm is None:
+        return 0
+    smem = norm_smem_bytes(m, k)
+    if smem > NORM_SMEM_MAX_BYTES:
+        raise ValueError(f"norm: {m} rows of {k} columns need {smem} bytes of shared memory, "
+                         f"past the norm instances' {NORM_SMEM_MAX_BYTES}")  # fmt: skip
+    return smem
 
 
 def _index(x: torch.Tensor) -> int:
@@ -254,7 +266,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     m, n = _checked(x, weight, bias, act, (1, GEMV_MAX_ROWS), 8, 1)
     y = x.new_empty(m, n)
     kernel = _kernel(_index(x), m, x.dtype, act, norm is not None)
-    smem = norm_smem_bytes(m, weight.shape[1]) if norm is not None else 0
+    smem = _norm_smem(m, weight.shape[1], norm)
     _launch(kernel, (-(-n // ROWS_PER_CTA), 1, 1), launch_args(x, weight, bias, y, norm), x, smem)
     return y
 
@@ -270,7 +282,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = x.new_empty(m, n)
     kernel = _skinny_kernel(_index(x), skinny_tiles(m), x.dtype, act, norm is not None)
     args = skinny_launch_args(x, weight, bias, y, norm)
-    smem = norm_smem_bytes(m, weight.shape[1]) if norm is not None else 0
+    smem = _norm_smem(m, weight.shape[1], norm)
     _launch(kernel, (n // SKINNY_OUTPUTS_PER_CTA, 1, 1), args, x, smem)
     return y
 

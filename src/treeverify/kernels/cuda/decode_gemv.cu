@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   uint4 wv[kGemvUnroll];
   if (row < n) load_weights(wr, lane, kv, wv);
   pdl_wait();
-  if constexpr (NORM) {  // every thread, those past the last row too (two barriers inside)
+  if constexpr (NORM) {  // every thread, those past the last row too (a barrier inside)
     const NormArgs na{residual, r_out, tap, tap_stride, gamma, eps};
     norm_stage<BF16, M, kGemvWarps>(x, x_stride, M, k, na, norm_xs, kv, norm_rstd_rows);
   }

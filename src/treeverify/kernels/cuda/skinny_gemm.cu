@@ -54,8 +54,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a
 // a CTA of 16 outputs loads each chunk of x once for twice the outputs.
 // ACT: as decode_gemv's, x holds a gate|up output and the input is silu(gate) * up.
 // NORM: as decode_gemv's, the input is rmsnorm(x + residual) by gamma, made once a CTA into
-// dynamic shared memory (8 NT rows of K / 8 + 1 vectors: the pad vector spreads a warp's eight
-// rows over the banks); CTA 0 writes the sum; warp 0 scales its sums by the rows' 1 / rms.
+// dynamic shared memory (M rows of K / 8 vectors padded to 4 mod 8); CTA 0 writes the sum;
+// warp 0 scales its sums by the rows' 1 / rms.
 template <int NT, bool BF16, bool ACT, bool NORM>
 __global__ void __launch_bounds__(kSkinnyWarps * 32)
     skinny_gemm(const unsigned short* __restrict__ x, long long x_stride, int m,
@@ -68,9 +68,12 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32)
   // chunks in flight a warp (registers: W 8U, x 4U NT; ACT holds gate and up: 8U NT)
   constexpr int U = (NT <= 3 && !ACT) ? 4 : 2;
   __shared__ float partials[kSkinnyWarps - 1][NT][4][32];  // warps 1.. -> warp 0
-  extern __shared__ uint4 norm_xs[];  // NORM: (8 NT, K / 8 + 1) the rows' normalized inputs
+  extern __shared__ uint4 norm_xs[];  // NORM: (M, pitch) the rows' normalized inputs
   __shared__ float norm_rstd_rows[NORM ? 8 * NT : 1];
-  const int norm_pitch = (k >> 3) + 1;
+  // rows of K / 8 vectors padded to 4 mod 8: a 16-byte load is served a quarter-warp at a time,
+  // and its eight lanes (rows g, g + 1 x k-groups 0..3) then fall on eight distinct 16-byte
+  // bank groups (K / 8 + 1 put rows g and g + 1 on overlapping ones: 8 wavefronts, not 4)
+  const int norm_pitch = (k >> 3) | 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int q = lane & 3, g = lane >> 2;  // k-group; row within 8
   const int o0 = blockIdx.x * 16;
