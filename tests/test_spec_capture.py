@@ -278,12 +278,15 @@ def test_walk_kernel_equals_walk_tree() -> None:
 
 @needs_cuda
 @pytest.mark.gpu
-def test_topk_kernel_equals_log_softmax_topk() -> None:
+@pytest.mark.parametrize("warp", ["0", "1"], ids=["block-rounds", "warps-first"])
+def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
     """The one-launch draft table (kernels/cuda/ddtree_topk.cu) against fp32 log_softmax +
     torch.topk: the same values (to fp32 rounding of the log-sum-exp) and ids on distinct logits;
     on integer logits (ties) the same values, distinct ids naming entries of those values, the
-    smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K."""
+    smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K. By block-wide
+    rounds, or (TREEVERIFY_DDTREE_WARP_TOPK=1, vocabularies <= 8192) by warps first."""
     pytest.importorskip("cuda.bindings.driver")
+    monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_TOPK", warp)
     from treeverify.spec.topk_cuda import MAX_K, draft_topk_cuda
     from treeverify.spec.tree import LOGPROB_FLOOR
 

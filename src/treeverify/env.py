@@ -28,6 +28,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   the projections after them (qkv, gate|up) where the decode GEMV or the few-row kernel takes
   them (models/norm_linear.py: the norm made on the kernel's load, 16 launches fewer a tiny-code
   forward); default ``0`` until measured. Read when a model is fused for inference.
+- ``TREEVERIFY_DDTREE_WARP_TOPK``: ``1`` takes DDTree's draft table (vocabularies <= 8192) by
+  warps first, shuffle-only rounds with no block barrier (kernels/cuda/ddtree_topk.cu
+  ddtree_topk_warp; the block-wide rounds took ~12.6 us of the b=1 round on the H200); the same
+  table; default ``0`` until measured.
 - ``TREEVERIFY_DDTREE_WARP_HEAP``: ``1`` pops a DDTree of budget <= 32 by the whole warp (one
   candidate a lane, a pop one warp maximum) instead of thread 0's shared-memory heap
   (kernels/cuda/ddtree_heap.cu); the same trees; default since the forty-seventh session (H200:
@@ -241,6 +245,8 @@ VARIABLES: dict[str, str] = {
     "cuBLAS; 0: cuBLAS.",
     "TREEVERIFY_NORM_LINEAR": "1: a Llama layer's adds + RMSNorms made on the load of the "
     "projections after them (models/norm_linear.py); default 0 (off until measured).",
+    "TREEVERIFY_DDTREE_WARP_TOPK": "1: DDTree's draft table (vocabularies <= 8192) by warps "
+    "first instead of block-wide rounds (the same table); default 0 (off until measured).",
     "TREEVERIFY_DDTREE_WARP_HEAP": "1: DDTree budgets <= 32 popped by the whole warp instead of "
     "one thread's heap (the same trees) (default); 0: the thread's heap.",
     "TREEVERIFY_FUSED_ACCEPT": "1: a round's greedy walk, packed result and K/V move indices by "
@@ -594,6 +600,14 @@ def skinny_gemm() -> bool:
     session: the b=1 round's GPU time 0.438 -> 0.410 ms), 0 keeps cuBLAS. Read once per
     process."""
     return _switch("TREEVERIFY_SKINNY_GEMM", "1")
+
+
+def ddtree_warp_topk() -> bool:
+    """TREEVERIFY_DDTREE_WARP_TOPK: 1 takes DDTree's draft table (vocabularies <= 8192) by warps
+    first (kernels/cuda/ddtree_topk.cu ddtree_topk_warp: shuffle-only rounds a warp, then one
+    warp over the candidates) instead of block-wide rounds; the same table; default 0 until
+    measured on a GPU."""
+    return _switch("TREEVERIFY_DDTREE_WARP_TOPK", "0")
 
 
 def ddtree_warp_heap() -> bool:

@@ -72,6 +72,113 @@ __device__ __forceinline__ void block_best(float& bv, int& bi, float* win_v, int
   __syncthreads();
 }
 
+// The warp's best (value, index) pair by shuffles alone; every lane gets it.
+__device__ __forceinline__ void warp_best(float& bv, int& bi) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ranks_before(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
+// k rounds over each lane's n entries (vals[j], index idx(j), -inf / INT_MAX past the row):
+// round r's winner is the best entry ranked after round r - 1's, found by one warp reduction;
+// only the winner's lane rescans its registers. Lane 0 hands each winner to `out(r, v, i)`.
+template <int N, typename Index, typename Out>
+__device__ __forceinline__ void warp_rounds(const float (&vals)[N], Index idx, int k, Out out) {
+  const float inf = __int_as_float(0x7f800000);
+  float pv = inf;  // the previous winner: every entry ranks after it at first
+  int pi = -1;
+  float cv = -inf;
+  int ci = 0x7fffffff;
+  bool mine = true;
+  for (int r = 0; r < k; ++r) {
+    if (mine) {
+      cv = -inf;
+      ci = 0x7fffffff;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int i = idx(j);
+        if (ranks_before(pv, pi, vals[j], i) && ranks_before(vals[j], i, cv, ci)) {
+          cv = vals[j];
+          ci = i;
+        }
+      }
+    }
+    float bv = cv;
+    int bi = ci;
+    warp_best(bv, bi);
+    mine = bi == ci;
+    pv = bv;
+    pi = bi;
+    if ((threadIdx.x & 31) == 0) out(r, bv, bi);
+  }
+}
+
+// ddtree_topk's register path by warps first (TREEVERIFY_DDTREE_WARP_TOPK; V <= kTopkThreads x
+// kTopkPer, k <= kTopkMaxK): each warp takes its own 1024 entries' k best in k shuffle-only
+// rounds (no barrier), then warp 0 takes the k best of the warps' k x 8 candidates the same
+// way. The block-wide rounds above cost two barriers each: ~12.6 us for 15 rows of 8192, k = 16,
+// on the H200 (61224e3's kernel lists), the tree build's larger half. The same table: every
+// entry of the row's top k is among its warp's top k, and ranks (value, then the smaller id)
+// are total, so the two stages pick what the block-wide rounds pick.
+constexpr int kTopkMaxK = 32;  // spec/topk_cuda.py MAX_K
+
+__global__ void ddtree_topk_warp(const float* __restrict__ logits, int V, int k, float floor_lp,
+                                 float* __restrict__ lp, int64_t* __restrict__ ids) {
+  __shared__ float red[kTopkWarps];
+  __shared__ float cand_v[kTopkWarps * kTopkMaxK];
+  __shared__ int cand_i[kTopkWarps * kTopkMaxK];
+  const int64_t row = blockIdx.x;
+  const float* x = logits + row * V;
+  const float inf = __int_as_float(0x7f800000);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  float vals[kTopkPer];
+  float m = -inf;
+#pragma unroll
+  for (int j = 0; j < kTopkPer; ++j) {
+    const int i = threadIdx.x + j * kTopkThreads;
+    vals[j] = i < V ? x[i] : -inf;
+    m = fmaxf(m, vals[j]);
+  }
+  m = block_max(m, red);
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kTopkPer; ++j) s += expf(vals[j] - m);  // padding: exp(-inf) = 0
+  const float logz = logf(block_sum(s, red));
+
+  // Stage 1: the warp's k best (entries past the row are -inf at index INT_MAX: last).
+  const int base = threadIdx.x;
+  warp_rounds(
+      vals, [&](int j) { const int i = base + j * kTopkThreads; return i < V ? i : 0x7fffffff; },
+      k, [&](int r, float v, int i) {
+        cand_v[warp * kTopkMaxK + r] = v;
+        cand_i[warp * kTopkMaxK + r] = i;
+      });
+  __syncthreads();
+  if (warp != 0) return;
+  // Stage 2: warp 0 over the kTopkWarps x k candidates, lane-strided.
+  constexpr int kCand = kTopkWarps * kTopkMaxK / 32;
+  float cv[kCand];
+  int ci[kCand];
+#pragma unroll
+  for (int j = 0; j < kCand; ++j) {
+    const int e = lane + 32 * j;  // candidate e: warp e / k's round e % k
+    const bool real = e < kTopkWarps * k;
+    cv[j] = real ? cand_v[(e / k) * kTopkMaxK + e % k] : -inf;
+    ci[j] = real ? cand_i[(e / k) * kTopkMaxK + e % k] : 0x7fffffff;
+  }
+  warp_rounds(
+      cv, [&](int j) { return ci[j]; }, k, [&](int r, float v, int i) {
+        lp[row * k + r] = fminf(fmaxf((v - m) - logz, floor_lp), 0.0f);
+        ids[row * k + r] = i;
+      });
+}
+
 // logits (R, V) fp32 rows; lp (R, k) fp32, ids (R, k) int64.
 __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, float floor_lp,
                             float* __restrict__ lp, int64_t* __restrict__ ids) {

@@ -452,6 +452,18 @@ class DDTreeTopkVariant(_OneKernel):
 
 
 @dataclass(frozen=True)
+class DDTreeTopkWarpVariant(_OneKernel):
+    """ddtree_topk_warp (ddtree_topk.cu): the same table for V <= 8192 by warps first (each
+    warp's k best by shuffles, then warp 0 over their candidates; TREEVERIFY_DDTREE_WARP_TOPK).
+    No fast math, as ddtree_topk."""
+
+    name: str = "ddtree_topk_warp"
+    expr: str = "treeverify::ddtree_topk_warp"
+    threads: int = 256  # kTopkThreads
+    source_file: str = "ddtree_topk.cu"
+
+
+@dataclass(frozen=True)
 class RoundStateVariant(_OneKernel):
     """whole_round_state (round_state.cu): a whole round's node slots (phase 0) and the next
     round's inputs (phase 1), one CTA per request."""
@@ -534,6 +546,7 @@ Variant = (
     | DDTreeWalkPackVariant
     | KvMoveVariant
     | DDTreeTopkVariant
+    | DDTreeTopkWarpVariant
     | RoundStateVariant
     | DecodeGemvVariant
     | SkinnyGemmVariant
@@ -639,6 +652,7 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeWalkPackVariant())
     out.append(KvMoveVariant())
     out.append(DDTreeTopkVariant())
+    out.append(DDTreeTopkWarpVariant())
     out.append(RoundStateVariant())
     # models/gemv.py: GEMV_MAX_ROWS; 32 rows in n8 tiles; plain, activation and norm prologues
     for act, norm in ((False, False), (True, False), (False, True)):
