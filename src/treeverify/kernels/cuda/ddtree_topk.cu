@@ -125,7 +125,7 @@ __device__ __forceinline__ void warp_rounds(const float (&vals)[N], Index idx, i
 // on the H200 (61224e3's kernel lists), the tree build's larger half. The same table: every
 // entry of the row's top k is among its warp's top k, and ranks (value, then the smaller id)
 // are total, so the two stages pick what the block-wide rounds pick.
-constexpr int kTopkMaxK = 32;  // spec/topk_cuda.py MAX_K
+constexpr int kTopkMaxK = 32;  // spec/topk_cuda.py MAX_K (the launcher checks 1 <= k <= it, V)
 
 __global__ void ddtree_topk_warp(const float* __restrict__ logits, int V, int k, float floor_lp,
                                  float* __restrict__ lp, int64_t* __restrict__ ids) {
@@ -163,17 +163,17 @@ __global__ void ddtree_topk_warp(const float* __restrict__ logits, int V, int k,
   if (warp != 0) return;
   // Stage 2: warp 0 over the kTopkWarps x k candidates, lane-strided.
   constexpr int kCand = kTopkWarps * kTopkMaxK / 32;
-  float cv[kCand];
-  int ci[kCand];
+  float cand_vals[kCand];
+  int cand_ids[kCand];
 #pragma unroll
   for (int j = 0; j < kCand; ++j) {
     const int e = lane + 32 * j;  // candidate e: warp e / k's round e % k
     const bool real = e < kTopkWarps * k;
-    cv[j] = real ? cand_v[(e / k) * kTopkMaxK + e % k] : -inf;
-    ci[j] = real ? cand_i[(e / k) * kTopkMaxK + e % k] : 0x7fffffff;
+    cand_vals[j] = real ? cand_v[(e / k) * kTopkMaxK + e % k] : -inf;
+    cand_ids[j] = real ? cand_i[(e / k) * kTopkMaxK + e % k] : 0x7fffffff;
   }
   warp_rounds(
-      cv, [&](int j) { return ci[j]; }, k, [&](int r, float v, int i) {
+      cand_vals, [&](int j) { return cand_ids[j]; }, k, [&](int r, float v, int i) {
         lp[row * k + r] = fminf(fmaxf((v - m) - logz, floor_lp), 0.0f);
         ids[row * k + r] = i;
       });
