@@ -72,6 +72,26 @@ __device__ __forceinline__ void block_best(float& bv, int& bi, float* win_v, int
   __syncthreads();
 }
 
+// A row of V <= kTopkThreads x kTopkPer logits into the threads' registers (strided; -inf past
+// V), with its max m and log-sum-exp logz (a log-softmax entry is (v - m) - logz).
+__device__ __forceinline__ void row_in_registers(const float* __restrict__ x, int V, float* red,
+                                                 float (&vals)[kTopkPer], float& m,
+                                                 float& logz) {
+  const float inf = __int_as_float(0x7f800000);
+  m = -inf;
+#pragma unroll
+  for (int j = 0; j < kTopkPer; ++j) {
+    const int i = threadIdx.x + j * kTopkThreads;
+    vals[j] = i < V ? x[i] : -inf;
+    m = fmaxf(m, vals[j]);
+  }
+  m = block_max(m, red);
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kTopkPer; ++j) s += expf(vals[j] - m);  // padding: exp(-inf) = 0
+  logz = logf(block_sum(s, red));
+}
+
 // The warp's best (value, index) pair by shuffles alone; every lane gets it.
 __device__ __forceinline__ void warp_best(float& bv, int& bi) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -137,19 +157,8 @@ __global__ void ddtree_topk_warp(const float* __restrict__ logits, int V, int k,
   const float inf = __int_as_float(0x7f800000);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-  float vals[kTopkPer];
-  float m = -inf;
-#pragma unroll
-  for (int j = 0; j < kTopkPer; ++j) {
-    const int i = threadIdx.x + j * kTopkThreads;
-    vals[j] = i < V ? x[i] : -inf;
-    m = fmaxf(m, vals[j]);
-  }
-  m = block_max(m, red);
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kTopkPer; ++j) s += expf(vals[j] - m);  // padding: exp(-inf) = 0
-  const float logz = logf(block_sum(s, red));
+  float vals[kTopkPer], m, logz;
+  row_in_registers(x, V, red, vals, m, logz);
 
   // Stage 1: the warp's k best (entries past the row are -inf at index INT_MAX: last).
   const int base = threadIdx.x;
@@ -190,19 +199,8 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
   const float inf = __int_as_float(0x7f800000);
 
   if (V <= kTopkThreads * kTopkPer) {  // registers: a round is a reduction + one scan
-    float vals[kTopkPer];
-    float m = -inf;
-#pragma unroll
-    for (int j = 0; j < kTopkPer; ++j) {
-      const int i = threadIdx.x + j * kTopkThreads;
-      vals[j] = i < V ? x[i] : -inf;
-      m = fmaxf(m, vals[j]);
-    }
-    m = block_max(m, red);
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kTopkPer; ++j) s += expf(vals[j] - m);  // padding: exp(-inf) = 0
-    const float logz = logf(block_sum(s, red));
+    float vals[kTopkPer], m, logz;
+    row_in_registers(x, V, red, vals, m, logz);
     float pv = inf;  // the previous winner: every entry ranks after it at first
     int pi = -1;
     float cv = -inf;  // this thread's best entry ranked after the previous winner
