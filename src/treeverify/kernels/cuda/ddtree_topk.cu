@@ -46,8 +46,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return v;
 }
 
-// The block's best (value, index) pair; every thread gets it.
-__device__ __forceinline__ void block_best(float& bv, int& bi, float* win_v, int* win_i) {
+// The warp's best (value, index) pair by shuffles alone; every lane gets it.
+__device__ __forceinline__ void warp_best(float& bv, int& bi) {
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
     const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
@@ -56,6 +56,11 @@ __device__ __forceinline__ void block_best(float& bv, int& bi, float* win_v, int
       bi = oi;
     }
   }
+}
+
+// The block's best (value, index) pair; every thread gets it.
+__device__ __forceinline__ void block_best(float& bv, int& bi, float* win_v, int* win_i) {
+  warp_best(bv, bi);
   if ((threadIdx.x & 31) == 0) {
     win_v[threadIdx.x >> 5] = bv;
     win_i[threadIdx.x >> 5] = bi;
@@ -90,18 +95,6 @@ __device__ __forceinline__ void row_in_registers(const float* __restrict__ x, in
 #pragma unroll
   for (int j = 0; j < kTopkPer; ++j) s += expf(vals[j] - m);  // padding: exp(-inf) = 0
   logz = logf(block_sum(s, red));
-}
-
-// The warp's best (value, index) pair by shuffles alone; every lane gets it.
-__device__ __forceinline__ void warp_best(float& bv, int& bi) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ranks_before(ov, oi, bv, bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
 }
 
 // k rounds over each lane's n entries (vals[j], index idx(j), -inf / INT_MAX past the row):
