@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 def linear_switches(monkeypatch, **values: str) -> Iterator[None]:
     """Set TREEVERIFY_* switches (e.g. TREEVERIFY_SKINNY_GEMM="0") for a fixture's test."""
-    from treeverify.models import gemv, norm_linear
+    from treeverify.models import gemv
 
-    readers = (gemv.enabled, gemv.skinny_enabled, gemv.fused_silu_enabled, norm_linear.enabled)
+    readers = (gemv.enabled, gemv.skinny_enabled, gemv.fused_silu_enabled)
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     for read in readers:

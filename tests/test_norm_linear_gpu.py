@@ -24,8 +24,7 @@ pytestmark = [
 
 @pytest.fixture
 def folded(monkeypatch):
-    yield from linear_switches(monkeypatch, TREEVERIFY_NORM_LINEAR="1", TREEVERIFY_DECODE_GEMV="1",
-                               TREEVERIFY_SKINNY_GEMM="1")  # fmt: skip
+    yield from linear_switches(monkeypatch, TREEVERIFY_DECODE_GEMV="1", TREEVERIFY_SKINNY_GEMM="1")
 
 
 def _case(m: int, k: int, n: int, seed: int, dtype=torch.bfloat16):
@@ -108,7 +107,6 @@ def test_folded_engine_logits_track_the_unfolded(monkeypatch):
     pos = torch.arange(24, device="cuda")
     for flag in ("0", "1"):
         monkeypatch.setenv("TREEVERIFY_NORM_LINEAR", flag)
-        norm_linear.enabled.cache_clear()
         llm = LLM("tiny-code", device="cuda", num_pages=64, disable_cuda_graph=True)
         model = llm.runner.model
         assert model.fold_norms == (flag == "1")
@@ -118,7 +116,6 @@ def test_folded_engine_logits_track_the_unfolded(monkeypatch):
             )  # (24, V) one row each
             logits[(flag, 17)] = model(ids[:17], pos[:17]).float()  # (17, V)
         del llm
-    norm_linear.enabled.cache_clear()
     for rows in (1, 17):
         a, b = logits[("0", rows)], logits[("1", rows)]
         assert (a - b).abs().max() <= 0.05 * a.abs().max(), rows

@@ -98,6 +98,11 @@ def test_mismatched_buffers_are_refused_by_name():
         unpack_stage(stage.views, {**common, "valid": common["valid"].int()}, plans, 4)
     with pytest.raises(ValueError, match="max_pages"):
         unpack_stage(stage.views, common, plans, 5)
+    narrow = plans[0].block_table
+    plans[0].block_table = narrow[:, :3]  # fewer columns than the stage's 4 pages
+    with pytest.raises(ValueError, match="block_table"):
+        unpack_stage(stage.views, common, plans, 4)
+    plans[0].block_table = narrow
     plans[0].tree_mask = plans[0].tree_mask[:, :0]
     with pytest.raises(ValueError, match="tree_mask"):
         unpack_stage(stage.views, common, plans, 4)

@@ -583,7 +583,7 @@ def norm_linear() -> bool:
     """TREEVERIFY_NORM_LINEAR: 1 folds a Llama layer's residual adds + RMSNorms into the
     projections after them where the decode GEMV or the few-row kernel takes them
     (models/norm_linear.py); default 0 until measured on a GPU. Read when a model is fused
-    for inference (and once a process by norm_linear.enabled)."""
+    for inference (the model's `fold_norms`)."""
     return _switch("TREEVERIFY_NORM_LINEAR", "0")
 
 

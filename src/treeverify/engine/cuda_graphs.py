@@ -156,7 +156,8 @@ class CudaGraphs:
                 self.forward_rows(rows, last_row)
             torch.cuda.current_stream().wait_stream(side)
             stage = self._stage(batch, n)  # holds the scratch plan just made
-            self._unpack(stage, batch, n)  # (a no-op's values: the unpack kernel compiled here)
+            if kernel_unpacks():  # the same values again: the unpack kernel compiled here,
+                self._unpack(stage, batch, n)  # outside stream capture
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.pool):
                 self._unpack(stage, batch, n)
@@ -202,14 +203,13 @@ class CudaGraphs:
         """Captured at the start of the bucket's graph: the staged inputs into their buffers,
         by one kernel (engine/stage_unpack.py, TREEVERIFY_STAGE_UNPACK, on a GPU) or a copy
         per buffer."""
+        targets = self._targets(batch, n)
         if stage.dev.is_cuda and kernel_unpacks():
-            rows = batch * n
-            common = {"ids": self.ids[:rows], "pos": self.pos[:rows],
-                      "valid": self.valid[:rows], "slots": self.attention.slots[:rows]}  # fmt: skip
+            common = dict(targets[:4])  # ids, pos, valid, slots; the plans' fields follow
             unpack_stage(stage.views, common, self.attention.plans_for((batch, n)),
                          self.max_pages)  # fmt: skip
             return
-        for field, buf in self._targets(batch, n):
+        for field, buf in targets:
             buf.copy_(stage.views[field])
 
     # ---- replay --------------------------------------------------------------------------------

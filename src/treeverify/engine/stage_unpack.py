@@ -118,6 +118,9 @@ def unpack_stage(views: dict[str, torch.Tensor], common: dict[str, torch.Tensor]
             if p.prefix_lens.shape != (batch,) or p.block_table.stride(1) != 1:
                 raise ValueError(f"unpack_stage: a plan of batch {p.prefix_lens.shape[0]} "
                                  f"for a stage of {batch}")  # fmt: skip
+            if p.block_table.shape[1] < pages:  # the kernel writes pages columns a request
+                raise ValueError(f"unpack_stage: block_table {tuple(p.block_table.shape)} "
+                                 f"holds fewer than the stage's {pages} pages")  # fmt: skip
             plan_src = (views["prefix"], views["qo"], views["mask"], views["table"])
             plan_dst = (p.prefix_lens, p.qo_indptr, mask, p.block_table)
             mask_values, table_values = mask.numel(), pages * batch

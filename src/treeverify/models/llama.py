@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from treeverify import env
 from treeverify.models.config import LlamaConfig
 from treeverify.models.fused_ops import add_rmsnorm, residual_stream, rope_qk
 from treeverify.models.gemv import Linear, down_of_silu, linear
@@ -150,8 +151,6 @@ class LlamaForCausalLM(nn.Module):
         self.rope.tabulate(self.config.max_position_embeddings + ROPE_TABLE_SLACK, w.dtype,
                            w.device)  # fmt: skip
         self.fused = True
-        from treeverify import env
-
         self.fold_norms = env.norm_linear()  # the layers' norms on their projections' loads
         return self
 

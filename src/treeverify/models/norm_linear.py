@@ -7,11 +7,11 @@ Why: a Llama layer runs two adds + norms (before qkv and before gate|up), each a
 of its own between two linear kernels: tiny-code's decode and verify forwards launch 17 of them
 (the forty-sixth session's kernel lists), each ~1.5-2.5 us of latency on the critical path (its
 row must be read, reduced and written before the projection reads it; PDL overlaps only the
-projection's weight loads). Each CTA of the projection streams every column of its rows anyway,
-so it can add the residual, sum the squares and scale by gamma as it loads (NORM instances of
-decode_gemv.cu / skinny_gemm.cu; linear_common.cuh NormArgs), and scale its sums by the row's
-1 / rms at the end: rstd * sum_k (s_k gamma_k) w_k. CTA 0 writes the residual stream's sum (and
-a drafter's tap), which the next add reads.
+projection's weight loads). Each CTA of the projection reads every column of its rows anyway,
+so it can add the residual, sum the squares and scale by gamma itself (NORM instances of
+decode_gemv.cu / skinny_gemm.cu; linear_common.cuh NormArgs, norm_stage), and scale its sums by
+the row's 1 / rms at the end: rstd * sum_k (s_k gamma_k) w_k. CTA 0 writes the residual stream's
+sum (and a drafter's tap), which the next add reads.
 
 Rounding: the unfused path feeds the product round(s_k * rstd * gamma_k); the fused one
 round(s_k * gamma_k), scaling after the sum: the same bf16 error class, not the same bits
@@ -33,7 +33,6 @@ the 1B's b=1 decode forward x0.951 (H200, 61224e3); the staged one is not yet me
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -43,14 +42,6 @@ from treeverify.models import gemv
 from treeverify.models.fused_ops import add_rmsnorm, rmsnorm, tap_columns
 
 
-@functools.cache
-def enabled() -> bool:
-    """TREEVERIFY_NORM_LINEAR on (read once a process; tests clear the cache)."""
-    from treeverify import env
-
-    return env.norm_linear()
-
-
 def _aligned_rows(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
@@ -58,11 +49,12 @@ def _aligned_rows(t: torch.Tensor) -> bool:
 def fused_kernel(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: torch.Tensor,
                  bias: torch.Tensor | None = None, tap: torch.Tensor | None = None):  # fmt: skip
     """The linear kernel (`gemv.gemv` / `gemv.skinny`) that takes this add + norm + projection
-    on its load, or None (then the two steps)."""
+    on its load, or None (then the two steps). (Whether to fold at all is the model's choice,
+    TREEVERIFY_NORM_LINEAR read once when it is fused for inference: its `fold_norms`.)"""
     kernel = gemv._route(x, weight, bias)
     # bf16 only: the kernel rounds s * gamma before the 1 / rms, which fp16's range can overflow
     # (|s * gamma| > 65504) where the two steps, scaling first, stay finite
-    if kernel is None or x.dtype != torch.bfloat16 or not enabled():
+    if kernel is None or x.dtype != torch.bfloat16:
         return None
     if gemv.norm_smem_bytes(x.shape[0], x.shape[1]) > gemv.NORM_SMEM_MAX_BYTES:
         return None  # the rows' inputs would not fit the CTA's shared memory

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeverify import env
 from treeverify.models.gemv import Linear, linear
 from treeverify.models.layers import (
     MLP,
@@ -357,8 +358,6 @@ class DFlashDrafter(nn.Module):
 
     def fuse_for_inference(self) -> DFlashDrafter:
         """q|k|v and gate|up as one GEMM each: what `propose_from_ring`'s fused path needs."""
-        from treeverify import env
-
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()

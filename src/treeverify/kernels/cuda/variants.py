@@ -452,15 +452,13 @@ class DDTreeTopkVariant(_OneKernel):
 
 
 @dataclass(frozen=True)
-class DDTreeTopkWarpVariant(_OneKernel):
+class DDTreeTopkWarpVariant(DDTreeTopkVariant):
     """ddtree_topk_warp (ddtree_topk.cu): the same table for V <= 8192 by warps first (each
     warp's k best by shuffles, then warp 0 over their candidates; TREEVERIFY_DDTREE_WARP_TOPK).
-    No fast math, as ddtree_topk."""
+    ddtree_topk's launch shape and file."""
 
     name: str = "ddtree_topk_warp"
     expr: str = "treeverify::ddtree_topk_warp"
-    threads: int = 256  # kTopkThreads
-    source_file: str = "ddtree_topk.cu"
 
 
 @dataclass(frozen=True)
