@@ -8,7 +8,8 @@ of its own between two linear kernels: tiny-code's decode and verify forwards la
 (the forty-sixth session's kernel lists), each on the critical path (its row must be read,
 reduced and written before the projection reads it; PDL overlaps only the projection's weight
 loads; the lists' ~2.5-6 us a norm include that overlap, so the saving was estimated at
-~1.5-2 us a norm and measured at 10.5 us a tiny-code decode forward by the first version). Each CTA of the projection reads every column of its rows anyway,
+~1.5-2 us a norm and measured at 10.5 us a tiny-code decode forward by the first version).
+Each CTA of the projection reads every column of its rows anyway,
 so it can add the residual, sum the squares and scale by gamma itself (NORM instances of
 decode_gemv.cu / skinny_gemm.cu; linear_common.cuh NormArgs, norm_stage), and scale its sums by
 the row's 1 / rms at the end: rstd * sum_k (s_k gamma_k) w_k. CTA 0 writes the residual stream's
