@@ -20,6 +20,6 @@ def assert_matches_signature(source: str, kernel: str, args: list) -> None:
         is_ptr = "*" in p
         assert is_ptr == isinstance(a, ctypes.c_void_p), p
         if not is_ptr:
-            want = (ctypes.c_longlong if "long long" in p
+            want = (ctypes.c_longlong if "long long" in p or "int64_t" in p
                     else ctypes.c_float if "float" in p else ctypes.c_int)  # fmt: skip
             assert isinstance(a, want), p

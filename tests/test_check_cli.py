@@ -239,6 +239,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_STAGE_UNPACK",
         "TREEVERIFY_NORM_LINEAR",
         "TREEVERIFY_DDTREE_WARP_TOPK",
+        "TREEVERIFY_ROUND_GLUE",
         "TREEVERIFY_RING_PROJECTION",
         "TREEVERIFY_AHEAD_HOLES",
         "TREEVERIFY_CONTEXT_LAZY",

@@ -126,6 +126,14 @@ def test_ngram_whole_rounds_equal_the_general_path_step_by_step(algorithm, budge
     assert len(whole.spec.source.context) == 0  # finished requests gave their rings back
 
 
+def test_ngram_whole_rounds_with_the_round_glue(monkeypatch):
+    """TREEVERIFY_ROUND_GLUE=1: the n-gram rings written by `write_rows` from
+    RoundState.path_rows' indices (torch here; one kernel on a GPU): the same lockstep."""
+    monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "1")
+    assert _engine().rounds.state.glue
+    test_ngram_whole_rounds_equal_the_general_path_step_by_step("DDTREE", 16, True)
+
+
 @pytest.mark.parametrize("lookahead", [False, True], ids=["read-first", "lookahead"])
 def test_ngram_whole_rounds_with_adaptive_budgets_and_stops_equal_plain_greedy(lookahead):
     """The controller's budgets (switches and probes, budget 0 included) and stop strings / EOS

@@ -72,6 +72,19 @@ def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, lat
     assert mixed >= (3 if late else 0)  # steps whose rounds replayed beside prefill chunks
 
 
+@pytest.mark.parametrize(
+    "algorithm,budget,late,temperature", [("DDTREE", 16, True, 0), ("CHAIN", 6, False, 1.0)]
+)
+def test_the_round_glue_path_equals_the_general_path(monkeypatch, algorithm, budget, late,
+                                                     temperature):  # fmt: skip
+    """TREEVERIFY_ROUND_GLUE=1: the round's trees staged and its path rows made by
+    RoundState.stage_trees / path_rows (their torch reference here; one kernel each on a GPU,
+    test_round_graphs_gpu.py) and written by the context's `write_rows`: the same lockstep."""
+    monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "1")
+    assert _engine().rounds.state.glue
+    test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, late, temperature)
+
+
 def test_whole_rounds_equal_plain_greedy_decoding():
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in LLM("tiny-code", num_pages=96).generate(CODE, sp)]

@@ -213,6 +213,69 @@ def test_fused_round_state_equals_the_torch_ops():
     assert prefix[real].item() == 0
 
 
+def test_round_glue_kernels_equal_the_torch_ops():
+    """round_stage_trees and round_path_rows (TREEVERIFY_ROUND_GLUE, kernels/cuda/round_state.cu)
+    against RoundState's torch ops on random trees, masks narrower than the stage's words, paths
+    ending early, a padding request and window clipping: every stage field, each index and the
+    advanced meta and prefix lengths exactly equal; outputs poisoned first."""
+    from treeverify.engine.round_state import RoundState
+    from treeverify.engine.step_stage import StepStage
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda")
+    b, real, n, ps, pages, window, scratch, words = 4, 3, 17, 16, 12, 40, 999_983, 3
+    k, width, scratch_row = 9, 104, 7 * 104
+    starts = [rng.randrange(0, ps * pages - 2 * n) for _ in range(real)]
+    perm = list(range(real * pages))
+    rng.shuffle(perm)
+    tables = [perm[i * pages : (i + 1) * pages] for i in range(real)]
+    meta0 = torch.tensor([[rng.randrange(1, 60) for _ in range(real)] + [0] * 5,
+                          [rng.randrange(100) for _ in range(real)] + [7] * 5,
+                          starts + [0] * 5,
+                          list(range(real)) + [6] * 5], dtype=torch.int64, device=dev)  # fmt: skip
+    tokens = torch.randint(0, 5000, (b, n), generator=gen).to(dev)  # (b, n) int64
+    depths = torch.randint(0, 16, (b, n), generator=gen).to(dev)
+    tree = torch.randint(-(2**31), 2**31 - 1, (b * n, 2), generator=gen, dtype=torch.int32)
+    tree = tree.to(dev)  # (b * n, 2): narrower than the stage's 3 words
+    length = [rng.randrange(1, k + 1) for _ in range(b)]
+    packed = torch.full((b, 2 + 2 * k), -1, dtype=torch.int64)
+    for r, m in enumerate(length):
+        packed[r, 0], packed[r, 1] = m, rng.randrange(100, 200)
+        packed[r, 2 : 2 + k] = torch.randint(0, 5000, (k,), generator=gen)
+        packed[r, 2 + k : 2 + k + m] = torch.randint(0, n, (m,), generator=gen)
+    packed = packed.to(dev)
+    got = {}
+    for fused in (True, False):
+        state = RoundState(dev, ps, fused=fused, glue=True)
+        assert (state.stage_kernel is not None) == fused, "the kernels should load on this GPU"
+        stage = StepStage(b, n, words, pages, scratch, dev)
+        stage.write_round(tables, starts)
+        v = stage.views
+        for field in ("ids", "pos", "slots", "mask"):  # poisoned: every row must be written
+            v[field].fill_(-7)
+        meta = meta0.clone()
+        state.stage_trees(v, b, n, scratch, meta, tokens, depths, tree)
+        staged = [v[f][: b * n].clone() for f in ("ids", "pos", "slots", "mask")]
+        idx = state.path_rows(meta, b, n, packed, width, scratch_row, v, window)
+        torch.cuda.synchronize()
+        got[fused] = (*staged, *idx, meta, v["prefix"][:b].clone())
+    for name, x, y in zip(("ids", "pos", "slots", "mask", "rows", "pos", "ring", "meta",
+                           "prefix"), got[True], got[False], strict=True):  # fmt: skip
+        assert torch.equal(x, y), f"{name}, seed {seed}"
+    ids, pos, _, mask, rows, ppos, ring, meta, _ = got[True]
+    assert torch.equal(ids, tokens.reshape(-1)) and torch.equal(mask[:, :2], tree)
+    assert (mask[:, 2] == 0).all() and torch.equal(pos.view(b, n), depths + meta0[2, :b, None])
+    r0 = rows.view(b, k)[0, : length[0]]  # request 0's kept path rows by hand
+    assert torch.equal(r0, packed[0, 2 + k : 2 + k + length[0]])
+    want_ring = meta0[3, 0] * width + ppos.view(b, k)[0] % width
+    assert torch.equal(ring.view(b, k)[0, : length[0]], want_ring[: length[0]])
+    assert (ring.view(b, k)[0, length[0] :] == scratch_row).all(), f"seed {seed}"
+    assert meta[2, 0].item() == starts[0] + length[0]
+    assert meta[:, real:].tolist() == meta0[:, real:].tolist()  # padding keeps its inputs
+
+
 def test_rounds_launched_ahead_across_budget_switches():
     """Budgets switching every few steps (a cycle in place of the controller's choice, so the
     test does not hang on what the controller decides): each round launched ahead of a switch

@@ -600,6 +600,14 @@ class DraftContextCache:
         ring = torch.where(keep, meta[3][:b, None] * w + pos % w, self.scratch_slot * w)  # (b, k)
         self.kv.view(-1, *self.kv.shape[2:]).index_copy_(0, ring.reshape(-1), kv.to(self.kv.dtype))
 
+    def write_rows(self, rows: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor,
+                   tokens: torch.Tensor, hidden: torch.Tensor) -> None:  # fmt: skip
+        """`write_path` from indices made already (RoundState.path_rows): hidden's flat rows
+        `rows` at positions `pos` projected into ring rows `ring`; rows, pos, ring (R,) int64;
+        hidden (b * n, F)."""
+        kv = self.drafter.context_kv(hidden.index_select(0, rows), pos)  # (R, nl, 2, Hkv, D)
+        self.kv.view(-1, *self.kv.shape[2:]).index_copy_(0, ring, kv.to(self.kv.dtype))
+
     def advance(self, request_id: str, rows: int) -> None:
         """`rows` positions from `end` on were written into the ring on the device (a captured
         round's accepted rows); nothing may be pending."""

@@ -178,6 +178,12 @@ class NgramTokenRings:
         ring = torch.where(keep, meta[3][:b, None] * w + pos % w, self.scratch_slot * w)
         self.tokens.view(-1).index_copy_(0, ring.reshape(-1), tokens.gather(1, node).reshape(-1))
 
+    def write_rows(self, rows: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor,
+                   tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:  # fmt: skip
+        """`write_path` from indices made already (RoundState.path_rows): the tokens of flat
+        node rows `rows` into ring rows `ring`; rows, ring (R,) int64; tokens (b, n)."""
+        self.tokens.view(-1).index_copy_(0, ring, tokens.reshape(-1).index_select(0, rows))
+
     def advance(self, request_id: str, rows: int) -> None:
         """`rows` positions from `end` on were written by a round on the device."""
         ring = self._rings[request_id]

@@ -473,6 +473,24 @@ class RoundStateVariant(_OneKernel):
 
 
 @dataclass(frozen=True)
+class RoundStageVariant(RoundStateVariant):
+    """round_stage_trees (round_state.cu): a whole round's trees into its verify stage and its
+    node slots, one CTA per request (TREEVERIFY_ROUND_GLUE)."""
+
+    name: str = "round_stage"
+    expr: str = "treeverify::round_stage_trees"
+
+
+@dataclass(frozen=True)
+class RoundPathVariant(RoundStateVariant):
+    """round_path_rows (round_state.cu): a whole round's accepted rows for the drafter's
+    context and the next round's inputs, one CTA per request (TREEVERIFY_ROUND_GLUE)."""
+
+    name: str = "round_path"
+    expr: str = "treeverify::round_path_rows"
+
+
+@dataclass(frozen=True)
 class DecodeGemvVariant:
     """decode_gemv<M, BF16> (decode_gemv.cu): y = x W^T for M (1) rows, one warp per weight
     row (models/gemv.py). No fast math: plain FMAs, rounding like any fp32 accumulation."""
@@ -546,6 +564,8 @@ Variant = (
     | DDTreeTopkVariant
     | DDTreeTopkWarpVariant
     | RoundStateVariant
+    | RoundStageVariant
+    | RoundPathVariant
     | DecodeGemvVariant
     | SkinnyGemmVariant
 )
@@ -652,6 +672,8 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeTopkVariant())
     out.append(DDTreeTopkWarpVariant())
     out.append(RoundStateVariant())
+    out.append(RoundStageVariant())
+    out.append(RoundPathVariant())
     # models/gemv.py: GEMV_MAX_ROWS; 32 rows in n8 tiles; plain, activation and norm prologues
     for act, norm in ((False, False), (True, False), (False, True)):
         out += [DecodeGemvVariant(1, dtype, act, norm) for dtype in DTYPES]
