@@ -118,7 +118,7 @@ class DecodeAhead(LaunchAhead):
             raise ValueError("reserve: required with a ring the step graphs write")
         self.graphs, self.bm = graphs, bm
         self.device = graphs.attention.cache.device
-        self.state = RoundState(self.device, bm.page_size)
+        self.state = RoundState(self.device, bm.page_size, glue=False)  # (no round glue here)
         # the step's end (argmax + advance) in two Triton launches (engine/decode_step_end.py)
         self.fused_end = capture and fused_picks()
         self.captured = capture
