@@ -107,3 +107,34 @@ def test_propose_from_ring_fused_equals_the_torch_path_and_replays_from_a_graph(
         captured.fill_(float("nan"))
         graph.replay()
         assert torch.equal(captured, d.propose_from_ring(store, meta, width, depth))
+
+
+def test_block_rows_fused_equal_the_torch_ops_and_replay():
+    """TREEVERIFY_ROUND_GLUE's draft block (dflash_fused.block_rows): the drafter's `_block` by
+    one kernel bit-equal to its torch ops (embedding, fill, cat, table rows), eagerly and
+    replayed from a graph over new roots and ends written in place."""
+    d = drafter(block_size=16, device="cuda")
+    d.rope.tabulate(4096, BF16, "cuda")
+    assert d.rope.tables is not None
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    meta = torch.stack([torch.randint(0, 96, (4,), generator=g, device="cuda"),
+                        torch.randint(0, 4000, (4,), generator=g, device="cuda")])  # fmt: skip
+    outs = {}
+    for fused in (False, True):
+        d.block_fused = fused
+        outs[fused] = d._block(meta[0], meta[1])
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert torch.equal(a, b)
+    d.block_fused = True
+    d._block(meta[0], meta[1])  # warm up (Triton compiles) off the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = d._block(meta[0], meta[1])
+    meta.copy_(torch.stack([torch.randint(0, 96, (4,), generator=g, device="cuda"),
+                            torch.randint(0, 4000, (4,), generator=g, device="cuda")]))  # fmt: skip
+    for x in captured:
+        x.fill_(float("nan"))
+    graph.replay()
+    d.block_fused = False
+    for a, b in zip(captured, d._block(meta[0], meta[1]), strict=True):
+        assert torch.equal(a, b)

@@ -20,6 +20,26 @@ from dflash_rings import BF16, drafter, qk_fused_and_torch, reference_attention,
 from treeverify.spec import dflash_fused  # noqa: E402
 
 interpreted_kernels = cache_cleared(dflash_fused._kernels)  # decorated under the interpreter
+interpreted_block_kernel = cache_cleared(dflash_fused._block_kernel)
+
+
+def test_block_rows_equal_the_blocks_torch_ops():
+    """block_rows (TREEVERIFY_ROUND_GLUE): the block [root, MASK x (T-1)] embedded and the rotary
+    tables' rows at end + j, clamped to the tables, exactly as the fill / cat / embedding /
+    arange / add / table rows give them; outputs poisoned by the kernel's fresh buffers being
+    compared whole (every element written)."""
+    g = torch.Generator().manual_seed(11)
+    vocab, hidden, d, limit, t = 300, 48, 16, 40, 5
+    weight = torch.randn(vocab, hidden, generator=g).to(BF16)  # hidden not a power of two
+    cos_t = torch.randn(limit, d, generator=g).to(BF16)
+    sin_t = torch.randn(limit, d, generator=g).to(BF16)
+    meta = torch.tensor([[1, 2, 3], [17, 250, 5], [0, 12, 38], [0, 1, 2]])  # (4, B): 38 + j clamps
+    roots, ends, mask = meta[1], meta[2], 299
+    x, cos2, sin2 = dflash_fused.block_rows(weight, roots, ends, mask, cos_t, sin_t, t)
+    ids = torch.cat([roots[:, None], torch.full((3, t - 1), mask)], 1)  # (B, T)
+    assert torch.equal(x, torch.nn.functional.embedding(ids, weight))
+    pos = (ends[:, None] + torch.arange(t)).reshape(-1).clamp(0, limit - 1)  # (B*T,)
+    assert torch.equal(cos2, cos_t[pos]) and torch.equal(sin2, sin_t[pos])
 
 
 @pytest.mark.parametrize(

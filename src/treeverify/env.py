@@ -34,8 +34,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   table; default ``0`` until measured.
 - ``TREEVERIFY_ROUND_GLUE``: ``1`` stages a whole round's trees (ids, positions, mask, node
   slots) and makes its accepted rows' context indices plus the next round's inputs by one
-  kernel each (engine/round_state.py, kernels/cuda/round_state.cu: ~12 launches fewer a round);
-  the same values; default ``0`` until measured.
+  kernel each (engine/round_state.py, kernels/cuda/round_state.cu), and a DFlash draft's block
+  rows (embedding + rotary rows) by one (spec/dflash_fused.py block_rows): ~17 launches fewer a
+  round; the same values; default ``0`` until measured.
 - ``TREEVERIFY_DDTREE_WARP_HEAP``: ``1`` pops a DDTree of budget <= 32 by the whole warp (one
   candidate a lane, a pop one warp maximum) instead of thread 0's shared-memory heap
   (kernels/cuda/ddtree_heap.cu); the same trees; default since the forty-seventh session (H200:
@@ -251,9 +252,9 @@ VARIABLES: dict[str, str] = {
     "projections after them (models/norm_linear.py); default 0 (off until measured).",
     "TREEVERIFY_DDTREE_WARP_TOPK": "1: DDTree's draft table (vocabularies <= 8192) by warps "
     "first instead of block-wide rounds (the same table); default 0 (off until measured).",
-    "TREEVERIFY_ROUND_GLUE": "1: a whole round's tree staging and its path rows + next inputs by "
-    "one kernel each (~12 launches fewer a round, the same values); default 0 (off until "
-    "measured).",
+    "TREEVERIFY_ROUND_GLUE": "1: a whole round's tree staging, its path rows + next inputs and a "
+    "DFlash draft's block rows by one kernel each (~17 launches fewer a round, the same values); "
+    "default 0 (off until measured).",
     "TREEVERIFY_DDTREE_WARP_HEAP": "1: DDTree budgets <= 32 popped by the whole warp instead of "
     "one thread's heap (the same trees) (default); 0: the thread's heap.",
     "TREEVERIFY_FUSED_ACCEPT": "1: a round's greedy walk, packed result and K/V move indices by "
@@ -620,8 +621,10 @@ def ddtree_warp_topk() -> bool:
 def round_glue() -> bool:
     """TREEVERIFY_ROUND_GLUE: 1 stages a whole round's trees and makes its accepted rows'
     context indices and the next round's inputs by one kernel each (engine/round_state.py,
-    kernels/cuda/round_state.cu round_stage_trees / round_path_rows) instead of ~14 torch ops;
-    the same values; default 0 until measured on a GPU. Read when a round graph is captured."""
+    kernels/cuda/round_state.cu round_stage_trees / round_path_rows) instead of ~14 torch ops,
+    and a DFlash draft's block rows by one (spec/dflash_fused.py block_rows, ~6 -> 1); the same
+    values; default 0 until measured on a GPU. Read when an engine is built (RoundState) and
+    when the drafter is fused for inference."""
     return _switch("TREEVERIFY_ROUND_GLUE", "0")
 
 

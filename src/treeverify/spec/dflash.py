@@ -218,6 +218,7 @@ class DFlashDrafter(nn.Module):
         # module's state_dict (the published checkpoint has neither).
         self._target: tuple[nn.Embedding, nn.Linear] | None = None
         self.fold_norms = False  # fuse_for_inference reads TREEVERIFY_NORM_LINEAR
+        self.block_fused = False  # fuse_for_inference reads TREEVERIFY_ROUND_GLUE (GPU only)
         if target_embed is not None or target_lm_head is not None:
             if target_embed is None or target_lm_head is None:
                 raise ValueError("target_embed/target_lm_head: give both or neither")
@@ -362,6 +363,8 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.fold_norms = env.norm_linear()  # the layers' norms on their projections' loads
+        # the block's embedding and rotary rows by one kernel (spec/dflash_fused.block_rows)
+        self.block_fused = env.round_glue()
         return self
 
     def ring_fused(self, x: torch.Tensor, interpret: bool = False) -> bool:
@@ -426,6 +429,16 @@ class DFlashDrafter(nn.Module):
         embed, _ = self._target
         b, t = last_tokens.shape[0], self.block_size
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        tables = self.rope.tables
+        if (self.block_fused and device.type == "cuda" and tables is not None
+                and isinstance(embed, torch.nn.Embedding)
+                and embed.weight.dtype == dtype == tables[0].dtype
+                and self.config.input_embedding_scale == 1.0 and last_tokens.device == device
+                and tables[0].device == device):  # fmt: skip
+            from treeverify.spec import dflash_fused  # (TREEVERIFY_ROUND_GLUE, on a GPU)
+
+            return dflash_fused.block_rows(embed.weight, last_tokens, block_start,
+                                           self.mask_token_id, tables[0], tables[1], t)  # fmt: skip
         masks = torch.full((b, t - 1), self.mask_token_id, dtype=torch.long, device=device)
         ids = torch.cat([last_tokens.to(device=device, dtype=torch.long)[:, None], masks], 1)
         x = embed(ids).to(dtype)  # (B, T, H)

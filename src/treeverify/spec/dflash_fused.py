@@ -188,6 +188,64 @@ def build_kernels():
     return qk_norm_rope_kernel, ring_attention_kernel, ring_merge_kernel
 
 
+@functools.cache
+def _block_kernel():
+    """block_rows_kernel, decorated on first use (the interpreter's tests clear this cache)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def block_rows_kernel(ROOTS, ENDS, EMB, TC, TS, X, C, S, mask_id, hidden, limit,
+                          T: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                          BD: tl.constexpr):  # fmt: skip
+        # Program i = (request b, block row j): the embedding row of the root (j = 0) or the
+        # mask token into X's row i, and the rotary tables' rows at position end + j (clamped
+        # to the tables, as rope_rows reads them) into C and S: the block's glue in one launch.
+        i = tl.program_id(0).to(tl.int64)
+        b = i // T
+        j = i % T
+        tok = tl.where(j == 0, tl.load(ROOTS + b).to(tl.int64), mask_id)
+        h = tl.arange(0, BH)
+        mh = h < hidden
+        tl.store(X + i * hidden + h, tl.load(EMB + tok * hidden + h, mask=mh), mask=mh)
+        p = tl.minimum(tl.maximum(tl.load(ENDS + b).to(tl.int64) + j, 0), limit - 1)
+        d = tl.arange(0, BD)
+        md = d < D
+        tl.store(C + i * D + d, tl.load(TC + p * D + d, mask=md), mask=md)
+        tl.store(S + i * D + d, tl.load(TS + p * D + d, mask=md), mask=md)
+
+    return block_rows_kernel
+
+
+def block_rows(
+    weight: torch.Tensor,  # (V, H) the target's embedding table, in the drafter's dtype
+    roots: torch.Tensor,  # (B,) int: block position 0's token
+    ends: torch.Tensor,  # (B,) int: block position 0's position
+    mask_token: int,
+    cos_table: torch.Tensor,  # (L, D) Rope.tabulate's, in the drafter's dtype
+    sin_table: torch.Tensor,  # (L, D)
+    t: int,  # the block size T
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # x (B, T, H), cos2, sin2 (B*T, D)
+    """DFlashDrafter._block's outputs by one kernel: the block [root, MASK x (T-1)] embedded and
+    the rotary tables' rows at its positions (a fill, a cat, the embedding, an arange, an add and
+    rope_rows as torch ops). Copies only: bit-equal to them."""
+    import triton
+
+    bsz, (limit, d), hidden = roots.shape[0], cos_table.shape, weight.shape[1]
+    roots, ends = roots.contiguous(), ends.contiguous()  # the kernel reads ROOTS + b, ENDS + b
+    x = weight.new_empty(bsz, t, hidden)
+    cos2, sin2 = cos_table.new_empty(bsz * t, d), sin_table.new_empty(bsz * t, d)
+    if bsz:
+        _block_kernel()[(bsz * t,)](roots, ends, weight, cos_table, sin_table, x, cos2, sin2,
+                                    mask_token, hidden, limit, T=t, D=d,
+                                    BH=triton.next_power_of_2(hidden),
+                                    BD=triton.next_power_of_2(d), num_warps=1)  # fmt: skip
+    return x, cos2, sin2
+
+
 def _interp_bf16(x: torch.Tensor) -> bool:
     """bf16 on the CPU interpreter (the kernels were decorated with TRITON_INTERPRET=1)."""
     import triton
