@@ -109,10 +109,14 @@ def test_propose_from_ring_fused_equals_the_torch_path_and_replays_from_a_graph(
         assert torch.equal(captured, d.propose_from_ring(store, meta, width, depth))
 
 
-def test_block_rows_fused_equal_the_torch_ops_and_replay():
+def test_block_rows_fused_equal_the_torch_ops_and_replay(monkeypatch):
     """TREEVERIFY_ROUND_GLUE's draft block (dflash_fused.block_rows): the drafter's `_block` by
     one kernel bit-equal to its torch ops (embedding, fill, cat, table rows), eagerly and
-    replayed from a graph over new roots and ends written in place."""
+    replayed from a graph over new roots and ends written in place (the kernel's calls
+    counted: the fused branch ran)."""
+    calls = []
+    block_rows = dflash_fused.block_rows
+    monkeypatch.setattr(dflash_fused, "block_rows", lambda *a: calls.append(1) or block_rows(*a))
     d = drafter(block_size=16, device="cuda")
     d.rope.tabulate(4096, BF16, "cuda")
     assert d.rope.tables is not None
@@ -123,6 +127,7 @@ def test_block_rows_fused_equal_the_torch_ops_and_replay():
     for fused in (False, True):
         d.block_fused = fused
         outs[fused] = d._block(meta[0], meta[1])
+    assert len(calls) == 1
     for a, b in zip(outs[True], outs[False], strict=True):
         assert torch.equal(a, b)
     d.block_fused = True

@@ -276,6 +276,53 @@ def test_round_glue_kernels_equal_the_torch_ops():
     assert meta[:, real:].tolist() == meta0[:, real:].tolist()  # padding keeps its inputs
 
 
+@pytest.mark.parametrize("drafter", ["dflash", "ngram"])
+def test_whole_rounds_with_the_round_glue_equal_those_without(monkeypatch, drafter):
+    """TREEVERIFY_ROUND_GLUE=1 (the trees staged, the path rows made and the DFlash block's rows
+    by one kernel each, captured in every whole round): the same tokens as without, rounds
+    launched ahead at budgets switching every few steps, greedy and (DFlash) sampled requests.
+    The kernels' launches are counted at capture, so the glue's branches did run."""
+    from treeverify.engine import round_state
+    from treeverify.spec import dflash_fused
+
+    launched = {"block": 0, "stage": 0, "path": 0}
+
+    def counting(fn, key):
+        def wrapper(*args, **kw):
+            launched[key] += 1
+            return fn(*args, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(dflash_fused, "block_rows", counting(dflash_fused.block_rows, "block"))
+    for name in ("stage_trees", "path_rows"):
+        cls = round_state.RoundState
+        monkeypatch.setattr(cls, name, counting(getattr(cls, name), name.split("_")[0]))
+    prompts = heldout_prompts(random.Random(41), 3)
+    if drafter == "ngram":
+        prompts = [p * 2 for p in prompts]
+    temps = (0.0, 1.0, 0.0) if drafter == "dflash" else (0.0, 0.0, 0.0)
+    params = [SamplingParams(temperature=t, seed=i + 1 if t else None, max_tokens=60,
+                             ignore_eos=True) for i, t in enumerate(temps)]  # fmt: skip
+    extra = {"speculative_draft_model_path": "ngram"} if drafter == "ngram" else {}
+    outs = {}
+    for g in ("1", "0"):
+        monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", g)
+        llm = LLM("tiny-code", device="cuda", num_pages=256, cuda_graph_max_bs=4,
+                  speculative_algorithm="DDTREE", speculative_ddtree_budget=16,
+                  **extra)  # fmt: skip
+        state = llm.rounds.state
+        assert state.glue == (g == "1") and (state.path_kernel is not None) == (g == "1")
+        cycle_budgets(llm, [16, 16, 8, 0, 16, 4, 4, 0, 0])
+        outs[g] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.cuda_graph_info["rounds"]["ahead_used"] > 0
+        if g == "1":
+            assert launched["stage"] > 0 and launched["path"] > 0, launched
+            assert (launched["block"] > 0) == (drafter == "dflash"), launched
+        del llm
+    assert outs["1"] == outs["0"]
+
+
 def test_rounds_launched_ahead_across_budget_switches():
     """Budgets switching every few steps (a cycle in place of the controller's choice, so the
     test does not hang on what the controller decides): each round launched ahead of a switch

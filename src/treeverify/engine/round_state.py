@@ -84,6 +84,9 @@ class RoundState:
         rows clear, and the node slots (`node_slots`). tokens, depths (b, n) int64; mask
         (b * n, w) int32; meta the (4, >= b) int64 draft meta."""
         rows = b * n
+        if mask.shape[1] > v["mask"].shape[1]:
+            raise ValueError(f"mask: {mask.shape[1]} words a row exceed the stage's "
+                             f"{v['mask'].shape[1]}")  # fmt: skip
         if self.stage_kernel is not None:
             tokens, depths, mask = (x.contiguous() for x in (tokens, depths, mask))
             args = stage_trees_args(self.page_size, v, n, scratch, meta, tokens, depths, mask)
@@ -107,7 +110,8 @@ class RoundState:
         if self.path_kernel is not None:
             dev = packed.device
             rows, pos, ring = (torch.empty(b * k, dtype=torch.int64, device=dev) for _ in range(3))
-            args = path_rows_args(n, width, scratch_row, window, packed.contiguous(), meta, v,
+            packed = packed.contiguous()  # (held by name until the launch is queued)
+            args = path_rows_args(n, width, scratch_row, window, packed, meta, v,
                                   (rows, pos, ring))  # fmt: skip
             self._run(self.path_kernel, b, args)
             return rows, pos, ring

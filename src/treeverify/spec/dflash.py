@@ -364,7 +364,9 @@ class DFlashDrafter(nn.Module):
             layer.mlp.fuse()
         self.fold_norms = env.norm_linear()  # the layers' norms on their projections' loads
         # the block's embedding and rotary rows by one kernel (spec/dflash_fused.block_rows)
-        self.block_fused = env.round_glue()
+        from treeverify.spec import dflash_fused
+
+        self.block_fused = env.round_glue() and dflash_fused._block_kernel() is not None
         return self
 
     def ring_fused(self, x: torch.Tensor, interpret: bool = False) -> bool:
@@ -431,9 +433,10 @@ class DFlashDrafter(nn.Module):
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
         tables = self.rope.tables
         if (self.block_fused and device.type == "cuda" and tables is not None
-                and isinstance(embed, torch.nn.Embedding)
+                and isinstance(embed, torch.nn.Embedding) and embed.weight.is_contiguous()
                 and embed.weight.dtype == dtype == tables[0].dtype
-                and self.config.input_embedding_scale == 1.0 and last_tokens.device == device
+                and self.config.input_embedding_scale == 1.0
+                and last_tokens.device == block_start.device == embed.weight.device == device
                 and tables[0].device == device):  # fmt: skip
             from treeverify.spec import dflash_fused  # (TREEVERIFY_ROUND_GLUE, on a GPU)
 

@@ -242,7 +242,8 @@ def block_rows(
         _block_kernel()[(bsz * t,)](roots, ends, weight, cos_table, sin_table, x, cos2, sin2,
                                     mask_token, hidden, limit, T=t, D=d,
                                     BH=triton.next_power_of_2(hidden),
-                                    BD=triton.next_power_of_2(d), num_warps=1)  # fmt: skip
+                                    BD=triton.next_power_of_2(d),
+                                    num_warps=1 if hidden <= 1024 else 4)  # fmt: skip
     return x, cos2, sin2
 
 
