@@ -30,11 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({r["graph"]: r["gpu_ms_per_replay"] for r in rows})
     graphs = next((list(r) for r in runs if r), [])
     short = [g.split(" (")[0][:14] for g in graphs]
-    print(f"{'run':44s} " + " ".join(f"{s:>14s}" for s in short))
+    width = min(90, max(len(x) for x in [*labels, "run"]))  # labels whole: they name the flags
+    print(f"{'run':{width}s} " + " ".join(f"{s:>14s}" for s in short))
     base = runs[0]
     for label, r in zip(labels, runs, strict=True):
         if r is None:
-            print(f"{label[:44]:44s} (missing)")
+            print(f"{label[:width]:{width}s} (missing)")
             continue
         cells = []
         for g in graphs:
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{ms:.4f} {100 * (ms / base[g] - 1):+5.1f}%".rjust(14))
             else:
                 cells.append(f"{ms:.4f}".rjust(14))
-        print(f"{label[:44]:44s} " + " ".join(cells))
+        print(f"{label[:width]:{width}s} " + " ".join(cells))
     return 0
 
 

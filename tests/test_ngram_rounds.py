@@ -126,11 +126,12 @@ def test_ngram_whole_rounds_equal_the_general_path_step_by_step(algorithm, budge
     assert len(whole.spec.source.context) == 0  # finished requests gave their rings back
 
 
-def test_ngram_whole_rounds_with_the_round_glue(monkeypatch):
-    """TREEVERIFY_ROUND_GLUE=1: the n-gram rings written by `write_rows` from
-    RoundState.path_rows' indices (torch here; one kernel on a GPU): the same lockstep."""
-    monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "1")
-    assert _engine().rounds.state.glue
+def test_ngram_whole_rounds_without_the_round_glue(monkeypatch):
+    """TREEVERIFY_ROUND_GLUE=0 (the default 1 writes the rings by `write_rows` from
+    RoundState.path_rows' indices in the tests above): the context's `write_path` and the torch
+    ops, the same lockstep."""
+    monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "0")
+    assert not _engine().rounds.state.glue
     test_ngram_whole_rounds_equal_the_general_path_step_by_step("DDTREE", 16, True)
 
 

@@ -75,13 +75,15 @@ def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, lat
 @pytest.mark.parametrize(
     "algorithm,budget,late,temperature", [("DDTREE", 16, True, 0), ("CHAIN", 6, False, 1.0)]
 )
-def test_the_round_glue_path_equals_the_general_path(monkeypatch, algorithm, budget, late,
-                                                     temperature):  # fmt: skip
-    """TREEVERIFY_ROUND_GLUE=1: the round's trees staged and its path rows made by
-    RoundState.stage_trees / path_rows (their torch reference here; one kernel each on a GPU,
-    test_round_graphs_gpu.py) and written by the context's `write_rows`: the same lockstep."""
-    monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "1")
-    assert _engine().rounds.state.glue
+def test_whole_rounds_without_the_round_glue_equal_the_general_path(monkeypatch, algorithm,
+                                                                    budget, late,
+                                                                    temperature):  # fmt: skip
+    """TREEVERIFY_ROUND_GLUE=0 (the A/B's other side; the default 1 takes RoundState.stage_trees
+    / path_rows and the context's `write_rows` in every test above, their torch reference here
+    and one kernel each on a GPU, test_round_graphs_gpu.py): the torch ops of the round body
+    and the context's `write_path`, the same lockstep."""
+    monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "0")
+    assert not _engine().rounds.state.glue
     test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, late, temperature)
 
 

@@ -36,7 +36,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   slots) and makes its accepted rows' context indices plus the next round's inputs by one
   kernel each (engine/round_state.py, kernels/cuda/round_state.cu), and a DFlash draft's block
   rows (embedding + rotary rows) by one (spec/dflash_fused.py block_rows): ~17 launches fewer a
-  round; the same values; default ``0`` until measured.
+  round; the same values; default since the forty-eighth session (H100: the b=1 round graph
+  0.3385 -> 0.3169 ms, the DFlash draft 58.7 -> 48.8 us); ``0``: the torch ops (A/B).
 - ``TREEVERIFY_DDTREE_WARP_HEAP``: ``1`` pops a DDTree of budget <= 32 by the whole warp (one
   candidate a lane, a pop one warp maximum) instead of thread 0's shared-memory heap
   (kernels/cuda/ddtree_heap.cu); the same trees; default since the forty-seventh session (H200:
@@ -86,8 +87,9 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_STAGE_UNPACK``: ``1`` has every graph bucket unpack its staged inputs (ids,
   positions, slots, valid rows, each attention plan's metadata) with one kernel at the start of
   the graph (engine/stage_unpack.py) instead of a copy node per buffer (9 for a one-plan model,
-  ~11 us of a tiny-code decode forward on the H100); ``0`` (default until measured): the copies.
-  Read when a graph is captured.
+  ~11 us of a tiny-code decode forward on the H100); default since the forty-eighth session
+  (H100: decode forward -5.8%, verify forward -3.8%, plain decoding b=1 +6%); ``0``: the
+  copies (A/B). Read when a graph is captured.
 - ``TREEVERIFY_PREFILL_REPLAYS``: ``1`` (default, forty-first session) runs a step of up to 8
   short prefill chunks (requests arriving together, each within the largest prefill graph
   size, 512 by default) as one padded (1, n) prefill graph replay per chunk
@@ -253,8 +255,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_DDTREE_WARP_TOPK": "1: DDTree's draft table (vocabularies <= 8192) by warps "
     "first instead of block-wide rounds (the same table); default 0 (off until measured).",
     "TREEVERIFY_ROUND_GLUE": "1: a whole round's tree staging, its path rows + next inputs and a "
-    "DFlash draft's block rows by one kernel each (~17 launches fewer a round, the same values); "
-    "default 0 (off until measured).",
+    "DFlash draft's block rows by one kernel each (~17 launches fewer a round, the same values) "
+    "(default); 0: the torch ops (A/B).",
     "TREEVERIFY_DDTREE_WARP_HEAP": "1: DDTree budgets <= 32 popped by the whole warp instead of "
     "one thread's heap (the same trees) (default); 0: the thread's heap.",
     "TREEVERIFY_FUSED_ACCEPT": "1: a round's greedy walk, packed result and K/V move indices by "
@@ -280,7 +282,7 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_RING_IN_GRAPH": "1: those steps' graphs write the rows into the feed ring "
     "themselves (engine/ring_put.py) (default); 0: a copy after each replay (A/B).",
     "TREEVERIFY_STAGE_UNPACK": "1: graphs unpack their staged inputs with one kernel "
-    "(engine/stage_unpack.py); 0 (default): a copy per buffer (A/B).",
+    "(engine/stage_unpack.py) (default); 0: a copy per buffer (A/B).",
     "TREEVERIFY_PREFILL_REPLAYS": "1 (default): a step of up to 8 short prefill chunks runs as "
     "one prefill graph replay per chunk (engine/model_runner.py); 0: one eager forward (A/B).",
     "TREEVERIFY_RING_PROJECTION": "1 (default): the feed ring's pending rows projected by one "
@@ -623,9 +625,9 @@ def round_glue() -> bool:
     context indices and the next round's inputs by one kernel each (engine/round_state.py,
     kernels/cuda/round_state.cu round_stage_trees / round_path_rows) instead of ~14 torch ops,
     and a DFlash draft's block rows by one (spec/dflash_fused.py block_rows, ~6 -> 1); the same
-    values; default 0 until measured on a GPU. Read when an engine is built (RoundState) and
-    when the drafter is fused for inference."""
-    return _switch("TREEVERIFY_ROUND_GLUE", "0")
+    values; default 1 since the forty-eighth session's H100 measurement (the b=1 round -6.4%).
+    Read when an engine is built (RoundState) and when the drafter is fused for inference."""
+    return _switch("TREEVERIFY_ROUND_GLUE", "1")
 
 
 def ddtree_warp_heap() -> bool:
@@ -722,9 +724,9 @@ def ring_in_graph() -> bool:
 
 def stage_unpack() -> bool:
     """TREEVERIFY_STAGE_UNPACK: 1 has graph buckets unpack their staged inputs with one kernel
-    (engine/stage_unpack.py); 0 (default until measured on a GPU), a torch copy per buffer.
-    Read when a graph is captured."""
-    return _switch("TREEVERIFY_STAGE_UNPACK", "0")
+    (engine/stage_unpack.py), the default since the forty-eighth session's H100 measurement;
+    0, a torch copy per buffer. Read when a graph is captured."""
+    return _switch("TREEVERIFY_STAGE_UNPACK", "1")
 
 
 def prefill_replays() -> bool:
