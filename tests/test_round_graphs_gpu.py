@@ -66,7 +66,23 @@ def test_whole_rounds_equal_the_general_path(knobs):
             assert llm.spec_stats["whole_round_steps"] > 0  # (calibration's rounds: not counted)
             assert llm.spec_stats["avg_spec_accept_length"] > 1.5  # the trained pair drafts
         del llm
-    assert outs["ahead"] == outs["whole"] == outs["general"], f"seed {seed}"
+    assert outs["ahead"] == outs["whole"] == outs["general"], f"seed {seed}: {_parted(outs)}"
+
+
+def _parted(outs: dict[str, list[list[int]]]) -> str:
+    """Where each request's variants first part (position and each variant's token there): what
+    a failure report needs to tell a near-tie from a wrong input (tests/lockstep.py)."""
+    names = list(outs)
+    notes = []
+    for i, seqs in enumerate(zip(*(outs[n] for n in names), strict=True)):
+        at = next((j for j, toks in enumerate(zip(*seqs, strict=False)) if len(set(toks)) > 1),
+                  None)  # fmt: skip
+        if at is None and len({len(x) for x in seqs}) > 1:
+            at = min(len(x) for x in seqs)
+        if at is not None:
+            tokens = {n: (x[at] if at < len(x) else None) for n, x in zip(names, seqs, strict=True)}
+            notes.append(f"request {i} parts at {at}: {tokens}")
+    return "; ".join(notes) or "equal"
 
 
 def test_sampled_whole_rounds_captured_equal_the_general_path(monkeypatch):
