@@ -55,7 +55,7 @@ def _decode_ahead(srv) -> dict:
 def test_concurrent_clients_equal_a_server_reading_every_step_first(servers):
     ahead, first = servers
     expected = {p: _complete(_client(first), p) for p in PROMPTS}
-    used = _decode_ahead(ahead)["ahead_used"]
+    before = _decode_ahead(ahead)
     results: dict[int, str] = {}
 
     def worker(i: int) -> None:  # staggered: later ones arrive while earlier ones decode
@@ -71,7 +71,11 @@ def test_concurrent_clients_equal_a_server_reading_every_step_first(servers):
     for i, text in results.items():
         assert text == expected[PROMPTS[i % len(PROMPTS)]], i
     info = _decode_ahead(ahead)
-    assert info["ahead_used"] > used + 20, info  # most steps were taken from the step before
+    # Most steps were taken from the step launched before them: a share of the steps this run
+    # launched, not a count (CI's 2 loaded cores batch the 12 clients into fewer steps: 28 in
+    # one run, 20 taken ahead; arrivals and finishes discard a launched step, ~one each).
+    used, launched = (info[k] - before[k] for k in ("ahead_used", "replays"))
+    assert launched >= 23 and used > launched / 2, (info, before)
 
 
 def test_a_client_hanging_up_mid_stream_with_a_step_in_flight(servers):
