@@ -127,9 +127,8 @@ def test_ngram_whole_rounds_equal_the_general_path_step_by_step(algorithm, budge
 
 
 def test_ngram_whole_rounds_without_the_round_glue(monkeypatch):
-    """TREEVERIFY_ROUND_GLUE=0 (the default 1 writes the rings by `write_rows` from
-    RoundState.path_rows' indices in the tests above): the context's `write_path` and the torch
-    ops, the same lockstep."""
+    """TREEVERIFY_ROUND_GLUE=0: the switch reaches the engine's RoundState and the n-gram rings'
+    lockstep holds (on the CPU both settings run RoundState.path_rows as torch ops)."""
     monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "0")
     assert not _engine().rounds.state.glue
     test_ngram_whole_rounds_equal_the_general_path_step_by_step("DDTREE", 16, True)

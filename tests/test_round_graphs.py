@@ -78,10 +78,9 @@ def test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, lat
 def test_whole_rounds_without_the_round_glue_equal_the_general_path(monkeypatch, algorithm,
                                                                     budget, late,
                                                                     temperature):  # fmt: skip
-    """TREEVERIFY_ROUND_GLUE=0 (the A/B's other side; the default 1 takes RoundState.stage_trees
-    / path_rows and the context's `write_rows` in every test above, their torch reference here
-    and one kernel each on a GPU, test_round_graphs_gpu.py): the torch ops of the round body
-    and the context's `write_path`, the same lockstep."""
+    """TREEVERIFY_ROUND_GLUE=0 (the A/B's other side): the switch reaches the engine's
+    RoundState, and the lockstep holds. On the CPU both settings run stage_trees / path_rows as
+    torch ops; on a GPU 1 runs them as one kernel each (test_round_graphs_gpu.py compares)."""
     monkeypatch.setenv("TREEVERIFY_ROUND_GLUE", "0")
     assert not _engine().rounds.state.glue
     test_whole_rounds_equal_the_general_path_step_by_step(algorithm, budget, late, temperature)

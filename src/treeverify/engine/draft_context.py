@@ -586,25 +586,12 @@ class DraftContextCache:
         """Nothing to write before a round is staged: rows arrive by `observe` and `draft_meta`
         projects what is pending (engine/ngram_rings.py writes its tokens here)."""
 
-    def write_path(self, meta: torch.Tensor, node: torch.Tensor, keep: torch.Tensor,
-                   tokens: torch.Tensor, hidden: torch.Tensor) -> None:  # fmt: skip
-        """A captured round's accepted rows into the rings: path node d (root first) at position
-        end + d, its keys/values from the target's tapped hidden states; rows not kept go to the
-        scratch ring. meta (4, b); node, keep (b, k); hidden (b * n, F)."""
-        b, k = node.shape
-        f = hidden.shape[-1]
-        feats = hidden.view(b, -1, f).gather(1, node[..., None].expand(-1, -1, f))  # (b, k, F)
-        pos = meta[2][:b, None] + torch.arange(k, device=node.device)[None, :]  # (b, k)
-        kv = self.drafter.context_kv(feats.reshape(b * k, -1), pos.reshape(-1))  # (b*k, nl, ..)
-        w = self.width
-        ring = torch.where(keep, meta[3][:b, None] * w + pos % w, self.scratch_slot * w)  # (b, k)
-        self.kv.view(-1, *self.kv.shape[2:]).index_copy_(0, ring.reshape(-1), kv.to(self.kv.dtype))
-
     def write_rows(self, rows: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor,
                    tokens: torch.Tensor, hidden: torch.Tensor) -> None:  # fmt: skip
-        """`write_path` from indices made already (RoundState.path_rows): hidden's flat rows
-        `rows` at positions `pos` projected into ring rows `ring`; rows, pos, ring (R,) int64;
-        hidden (b * n, F)."""
+        """A captured round's accepted rows into the rings, at the indices RoundState.path_rows
+        made: the target's tapped hidden states' flat rows `rows` (path node d, root first)
+        projected at positions `pos` (end + d) into ring rows `ring` (the scratch ring's past
+        the path's end). rows, pos, ring (R,) int64; hidden (b * n, F)."""
         kv = self.drafter.context_kv(hidden.index_select(0, rows), pos)  # (R, nl, 2, Hkv, D)
         self.kv.view(-1, *self.kv.shape[2:]).index_copy_(0, ring, kv.to(self.kv.dtype))
 

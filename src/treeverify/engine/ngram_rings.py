@@ -168,20 +168,11 @@ class NgramTokenRings:
         history = torch.where(back[None, :] < meta[0][:, None], history, -1)  # (B, H)
         return ngram_logits(history, depth, self.vocab_size, self.max_n, self.floor)
 
-    def write_path(self, meta: torch.Tensor, node: torch.Tensor, keep: torch.Tensor,
-                   tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:  # fmt: skip
-        """A round's accepted tokens (path node d at position end + d, root first) into the
-        rings; rows not kept go to the scratch ring. node, keep (b, k); tokens (b, n)."""
-        b, k = node.shape
-        pos = meta[2][:b, None] + torch.arange(k, device=node.device)[None, :]  # (b, k)
-        w = self.width
-        ring = torch.where(keep, meta[3][:b, None] * w + pos % w, self.scratch_slot * w)
-        self.tokens.view(-1).index_copy_(0, ring.reshape(-1), tokens.gather(1, node).reshape(-1))
-
     def write_rows(self, rows: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor,
                    tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:  # fmt: skip
-        """`write_path` from indices made already (RoundState.path_rows): the tokens of flat
-        node rows `rows` into ring rows `ring`; rows, ring (R,) int64; tokens (b, n)."""
+        """A round's accepted tokens into the rings, at the indices RoundState.path_rows made:
+        the tokens of flat node rows `rows` (path node d, root first) into ring rows `ring` (the
+        scratch ring's past the path's end). rows, ring (R,) int64; tokens (b, n)."""
         self.tokens.view(-1).index_copy_(0, ring, tokens.reshape(-1).index_select(0, rows))
 
     def advance(self, request_id: str, rows: int) -> None:

@@ -169,36 +169,20 @@ class RoundGraphs(LaunchAhead):
         tokens, parents, depths, mask = spec.trees(logits, meta[1], budget)  # (b, n).., (rows, w)
         stage = graphs.stages[(b, n)]
         v = stage.views
-        glue = self.state.glue
-        if glue:  # ids, positions, mask and node slots (from the staged prefix + pages) at once
-            self.state.stage_trees(v, b, n, stage.scratch_slot, meta, tokens, depths, mask)
-        else:
-            self.state.node_slots(v, b, n, stage.scratch_slot)  # from the staged prefix + pages
-            v["ids"][:rows].copy_(tokens.reshape(-1))
-            torch.add(depths, meta[2][:, None], out=v["pos"][:rows].view(b, n))
-            v["mask"][:rows].zero_()
-            v["mask"][:rows, : mask.shape[1]].copy_(mask)
+        # ids, positions, mask and node slots (from the staged prefix + pages)
+        self.state.stage_trees(v, b, n, stage.scratch_slot, meta, tokens, depths, mask)
         graphs._unpack(stage, b, n)
         out = graphs.forward_rows(rows)  # (rows, V)
         hidden = getattr(self.model, "captured", None)  # (rows, F) DFlash's tapped layers
         post = self._posterior(out, v, rows).view(b, n)  # each node's token: argmax or draw
         slots = v["slots"][:rows].view(b, n)  # (b, n) node i at position P + i
-        packed, length, bonus = spec.accept_move_pack(tokens, parents, post, slots, depth)
-        # The accepted rows (root first) are the next context rows: position P + d of the path.
-        if glue:  # their indices and the next round's inputs (as `advance` below) at once
-            scratch_row = ctx.scratch_slot * ctx.width
-            idx = self.state.path_rows(self.meta.dev, b, n, packed, ctx.width, scratch_row, v,
-                                       ctx.window)  # fmt: skip
-            ctx.write_rows(*idx, tokens, hidden)
-            return packed
-        k = (packed.shape[1] - 2) // 2  # packed (b, 2 + 2k)
-        path = packed[:, 2 + k :]  # (b, k) -1 past the end
-        node = path.clamp(min=0)  # (b, k)
-        keep = path >= 0  # (b, k): the path's nodes, exactly d < length
-        ctx.write_path(meta, node, keep, tokens, hidden)  # DFlash: their keys/values; n-gram: ids
-        # the next round's inputs (what a round launched ahead replays with; a round the host
-        # stages overwrites them)
-        self.state.advance(self.meta.dev, b, length, bonus, v, ctx.window)
+        packed, _, _ = spec.accept_move_pack(tokens, parents, post, slots, depth)
+        # The accepted rows (root first) are the next context rows: position P + d of the path;
+        # their indices, then the next round's inputs (what a round launched ahead replays
+        # with; a round the host stages overwrites them)
+        idx = self.state.path_rows(self.meta.dev, b, n, packed, ctx.width,
+                                   ctx.scratch_slot * ctx.width, v, ctx.window)  # fmt: skip
+        ctx.write_rows(*idx, tokens, hidden)  # DFlash: their keys/values; n-gram: their ids
         return packed
 
     def _posterior(self, out: torch.Tensor, v: dict[str, torch.Tensor], rows: int) -> torch.Tensor:

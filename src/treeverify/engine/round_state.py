@@ -6,11 +6,12 @@ on the GPU (the whole round went 0.64 -> 0.69 ms on the H200 when they were adde
 is one launch of kernels/cuda/round_state.cu instead (integer arithmetic: the same values,
 tests/test_round_graphs_gpu.py). The torch versions run on the CPU and are the reference.
 
-With `glue` (TREEVERIFY_ROUND_GLUE, read when the engine is built) the round's glue around them
-goes too: `stage_trees` writes the trees into the verify stage with the node slots (five launches
--> one), `path_rows` makes the accepted rows' context indices and advances the inputs (~9 -> one);
-the draft context then writes those rows (`write_rows`). In the kernel lists of the b=1 round
-(H200, forty-seventh session) the glue was ~20 of the round graph's 132 launches.
+A whole round takes them through the round's glue: `stage_trees` writes the trees into the verify
+stage with the node slots, `path_rows` makes the accepted rows' context indices and advances the
+inputs; the draft context then writes those rows (`write_rows`). With `glue`
+(TREEVERIFY_ROUND_GLUE, read when the engine is built) each is one kernel of round_state.cu
+(five launches -> one, ~9 -> one; in the kernel lists of the b=1 round, H200, forty-seventh
+session, the glue was ~20 of the round graph's 132 launches); without, the torch ops.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _kernel(device: torch.device, variant: str = "RoundStateVariant"):
 
 class RoundState:
     """The state updates of one engine's whole rounds; `fused`: the CUDA kernels (a GPU with
-    cuda-python), else torch ops; `glue`: stage_trees / path_rows take the round's glue (default:
-    TREEVERIFY_ROUND_GLUE), one kernel each where `fused` loads them, torch ops otherwise."""
+    cuda-python), else torch ops; `glue`: stage_trees / path_rows by their kernels too (default:
+    TREEVERIFY_ROUND_GLUE; where `fused` loads them), else by torch ops."""
 
     def __init__(self, device: torch.device, page_size: int, fused: bool = True,
                  glue: bool | None = None):  # fmt: skip
@@ -143,8 +144,7 @@ class RoundState:
             ptr(v["prefix"].data_ptr()), ptr(table.data_ptr()), ptr(v["valid"].data_ptr()),
             ptr(v["slots"].data_ptr()),
         ]  # fmt: skip
-        with torch.cuda.device(self.device):
-            self.kernel.launch((b, 1, 1), args, torch.cuda.current_stream(self.device).cuda_stream)
+        self._run(self.kernel, b, args)
 
 
 def stage_trees_args(page_size: int, v: dict[str, torch.Tensor], n: int, scratch: int,
