@@ -40,7 +40,7 @@ from train_tiny_code import (  # noqa: E402
 from treeverify.models.config import RopeConfig  # noqa: E402
 from treeverify.spec.dflash import DFlashDrafter  # noqa: E402
 from treeverify.spec.dflash_config import DFlashConfig  # noqa: E402
-from treeverify.spec.dflash_io import save_dflash  # noqa: E402
+from treeverify.spec.dflash_io import read_dflash_config, save_dflash  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -169,6 +169,20 @@ def validate(drafter, target, val, taps, lo, gamma, g) -> tuple[float, float]:
     return round(sum(losses) / len(losses), 4), round(sum(taus) / len(taus), 3)
 
 
+def start_from(drafter: DFlashDrafter, directory: Path) -> None:
+    """Load a saved drafter's weights into `drafter` (fp32 for training); its config must be
+    the one this run builds (a different shape or tap set is a ValueError naming both)."""
+    from safetensors.torch import load_file
+
+    want = drafter.config.to_hf_dict(torch.bfloat16)
+    have = read_dflash_config(directory).to_hf_dict(torch.bfloat16)
+    if have != want:
+        diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        raise ValueError(f"--init {directory}: its config differs from this run's in {diff}")
+    state = load_file(str(directory / "model.safetensors"))
+    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, type=Path)
@@ -189,6 +203,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=48)
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this drafter's weights (a directory save_dflash wrote, the "
+                        "same config), e.g. the shipped one, and train on (with --seed: new "
+                        "continuations)")  # fmt: skip
     p.add_argument("--log-every", type=int, default=500)
     args = p.parse_args(argv)
     if args.smoke:
@@ -224,6 +242,9 @@ def main(argv=None) -> int:
     )  # fmt: skip
     torch.manual_seed(args.seed + 3)
     drafter = DFlashDrafter(cfg).to(dev)
+    if args.init is not None:
+        start_from(drafter, args.init)
+        log(f"started from {args.init}")
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {taps}, block {args.block}")
     embed_w = target.model.embed_tokens.weight  # frozen, shared
@@ -271,6 +292,7 @@ def main(argv=None) -> int:
                          "anchors": args.anchors, "batch": args.batch,
                          "stopped_by": "steps" if step >= args.steps else "max_seconds",
                          "curve": curve},
+               "init": None if args.init is None else str(args.init), "seed": args.seed,
                "weights_bytes": (args.out / "model.safetensors").stat().st_size}  # fmt: skip
     (args.out.parent / "tiny-code-dflash-train.json").write_text(json.dumps(summary, indent=1))
     log(f"saved {args.out} ({summary['weights_bytes']} bytes)")
