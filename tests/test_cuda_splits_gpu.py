@@ -121,6 +121,10 @@ def test_merge_kernel_launched_only_where_a_tile_can_exceed_the_limit(monkeypatc
     monkeypatch.delenv("TREEVERIFY_CUDA_SPLIT_MERGE", raising=False)
     assert not launcher(1, 32768).merge_kernel_needed  # tiny-code decode
     assert launcher(17, 32768).merge_kernel_needed  # DDTREE-16 verify, 64 splits
+    # tiny-code's verify bucket (1024 positions): 16 splits of 34 rows, 139 KB at most: a small
+    # plan merges every tile in the forward (kernels/splits.py, plan_merge_limit)
+    small = launcher(17, 1024)
+    assert small.splits.max_splits == 16 and not small.merge_kernel_needed
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "forward")
     assert not launcher(17, 32768).merge_kernel_needed
     monkeypatch.setenv("TREEVERIFY_CUDA_SPLIT_MERGE", "sideways")

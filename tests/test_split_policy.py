@@ -223,3 +223,36 @@ def test_later_splits_serve_the_longest_requests_first():
     wide = list(range(LONGEST_FIRST_MAX_BATCH + 1))
     assert split_request(wide, 0, 1, longest_first=True) == 0
     assert split_request(wide[:-1], 0, 1, longest_first=True) == LONGEST_FIRST_MAX_BATCH - 1
+
+
+def test_small_gqa_plans_merge_every_tile_in_the_forward():
+    """Under auto a GQA plan whose largest tile merge reads at most SMALL_PLAN_MERGE_BYTES merges
+    every tile in the forward (no merge kernel): tiny-code's 17-row verify over its 1024
+    positions (16 splits of 34 rows, 139 KB); a larger plan, an MLA plan, one split, or another
+    mode keeps the limit it had."""
+    from treeverify.kernels.splits import (
+        FUSED_MERGE_MAX_BYTES,
+        SMALL_PLAN_MERGE_BYTES,
+        fused_merge_limit,
+        merge_bytes,
+        merge_kernel_needed,
+        plan_merge_limit,
+    )
+
+    tiny = dict(max_splits=16, tile_rows=34, dv=64)
+    assert merge_bytes(16, 34, 64) == 139264 <= SMALL_PLAN_MERGE_BYTES
+    limit = plan_merge_limit("auto", **tiny, mla=False)
+    assert limit == 139264 and not merge_kernel_needed(**tiny, limit=limit)
+    # under the old rule the kernel ran every step (its tiles past 7 splits exceed 64 KB)
+    assert merge_kernel_needed(**tiny, limit=FUSED_MERGE_MAX_BYTES)
+    # the 1B decode's 4-row tiles: 64 splits x 4 x 128 x 4 = 128 KB, all in the forward
+    assert plan_merge_limit("auto", max_splits=64, tile_rows=4, dv=128, mla=False) == 131072
+    # left as they were: a long-context verify, MLA, one split, the explicit modes
+    big = dict(max_splits=64, tile_rows=34, dv=64)
+    assert plan_merge_limit("auto", **big, mla=False) == FUSED_MERGE_MAX_BYTES
+    assert plan_merge_limit("auto", max_splits=4, tile_rows=16, dv=512,
+                            mla=True) == FUSED_MERGE_MAX_BYTES  # fmt: skip
+    assert plan_merge_limit("auto", max_splits=1, tile_rows=34, dv=64,
+                            mla=False) == FUSED_MERGE_MAX_BYTES  # fmt: skip
+    for mode in ("kernel", "forward", "32"):
+        assert plan_merge_limit(mode, **tiny, mla=False) == fused_merge_limit(mode)

@@ -408,8 +408,9 @@ def cuda_portable() -> bool:
 
 
 def cuda_split_merge() -> str:
-    """TREEVERIFY_CUDA_SPLIT_MERGE: auto (default), forward, kernel, or a limit in KiB
-    (kernels/splits.py, fused_merge_limit)."""
+    """TREEVERIFY_CUDA_SPLIT_MERGE: auto (default: tiles of at most 64 KiB merged in the
+    forward, every tile of a small GQA plan), forward, kernel, or a limit in KiB
+    (kernels/splits.py, fused_merge_limit, plan_merge_limit)."""
     return os.environ.get("TREEVERIFY_CUDA_SPLIT_MERGE", "").strip().lower() or "auto"
 
 

@@ -172,6 +172,27 @@ def fused_merge_limit(mode: str = "auto") -> int:
     return {"auto": FUSED_MERGE_MAX_BYTES, "forward": 2**31 - 1, "kernel": 0}[mode]
 
 
+# GQA plans whose largest tile merge (every split of a row tile: max splits x tile rows x Dv x 4)
+# reads at most this merge every tile in the forward, whatever the context: no merge kernel is
+# launched, where under FUSED_MERGE_MAX_BYTES alone it ran every step with nothing to do at short
+# contexts. Measured (H200, forty-ninth session, tiny-code's 17-row verify: 16 splits x 34 rows
+# x 64 x 4 = 139 KB): the DDTREE-16 round step 0.315 -> 0.301 ms in the engine, DDTree 1.84x ->
+# 1.89-1.93x plain at b=1 on code; the 1B decode (4-row tiles) 1.037 -> 1.031 ms. MLA plans keep
+# the kernel (the twenty-ninth session: the forward merge 0.85-0.91x on random:mla-moe).
+SMALL_PLAN_MERGE_BYTES = 160 * 1024
+
+
+def plan_merge_limit(mode: str, *, max_splits: int, tile_rows: int, dv: int, mla: bool) -> int:
+    """The forward-merge byte limit a plan launches with: `fused_merge_limit(mode)`, raised under
+    `auto` to the plan's largest tile merge when that is at most SMALL_PLAN_MERGE_BYTES (a GQA
+    plan of small tiles: every tile merges in the forward, no merge kernel)."""
+    limit = fused_merge_limit(mode)
+    worst = merge_bytes(max_splits, tile_rows, dv)
+    if mode == "auto" and not mla and max_splits > 1 and worst <= SMALL_PLAN_MERGE_BYTES:
+        return max(limit, worst)
+    return limit
+
+
 def merge_bytes(splits: int, tile_rows: int, dv: int) -> int:
     """fp32 partial bytes one row tile's merge reads (the device rule's left side)."""
     return splits * tile_rows * dv * 4

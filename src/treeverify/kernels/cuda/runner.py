@@ -34,9 +34,9 @@ from treeverify.kernels.splits import (
     LONGEST_FIRST_MAX_BATCH,
     balance_pays,
     choose_splits,
-    fused_merge_limit,
     merge_heads_per_cta,
     merge_kernel_needed,
+    plan_merge_limit,
     split_lanes_pay,
 )
 
@@ -175,7 +175,11 @@ class Launcher:
             env.cuda_merge_wide(), split_lanes,
         )  # fmt: skip
         self.merge_kernel = load(self.merge, self.device)
-        self.fused_merge_bytes = fused_merge_limit(env.cuda_split_merge())
+        tile_rows = min(self.fwd.bm, max_tree * self.group)  # a row tile's packed rows
+        self.fused_merge_bytes = plan_merge_limit(
+            env.cuda_split_merge(), max_splits=self.splits.max_splits, tile_rows=tile_rows,
+            dv=dv, mla=mla,
+        )  # fmt: skip
         # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh). Auto:
         # only where the forward is one wave (v13b, measured 1.004x; the thought was that the
         # merge's early, waiting CTAs take SM slots from a forward's later waves, but the one
@@ -193,7 +197,7 @@ class Launcher:
         )
         self.merge_kernel_needed = not self.persist and merge_kernel_needed(
             max_splits=self.splits.max_splits,
-            tile_rows=min(self.fwd.bm, max_tree * self.group),
+            tile_rows=tile_rows,
             dv=dv,
             limit=self.fused_merge_bytes,
             shaped=self.fused_merge_ilp,
