@@ -97,8 +97,11 @@ def test_add_norm_linear_in_a_graph_reads_fresh_inputs(folded):
 
 def test_folded_engine_logits_track_the_unfolded(monkeypatch):
     """tiny-code's forwards folded or not (same weights): 24 one-row forwards (the GEMV) and a
-    17-row one (the few-row kernel): every row's logits within bf16 noise and the same argmax
-    on nearly every row (a near-tie may flip: the roundings differ)."""
+    17-row one (the few-row kernel): every row's logits within bf16 noise, and the same argmax
+    wherever the unfolded row's top-2 margin exceeds twice the row's largest difference (a flip
+    there needs a larger change than the roundings made; a near-tie may flip: on random tokens
+    the forty-eighth and forty-ninth sessions' runs agreed on 20 of 24 one-row argmaxes, which
+    the former "90% agree" check failed)."""
     pytest.importorskip("safetensors")
     from treeverify.engine.llm import LLM
 
@@ -119,8 +122,11 @@ def test_folded_engine_logits_track_the_unfolded(monkeypatch):
     for rows in (1, 17):
         a, b = logits[("0", rows)], logits[("1", rows)]
         assert (a - b).abs().max() <= 0.05 * a.abs().max(), rows
-        agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
-        assert agree >= 0.9, (rows, float(agree))
+        top2 = a.topk(2, dim=-1).values  # (rows, 2)
+        clear = top2[:, 0] - top2[:, 1] > 2 * (a - b).abs().amax(-1)  # (rows,)
+        assert bool(clear.any()), (rows, "no row with a clear top-1: the check saw nothing")
+        same = a.argmax(-1) == b.argmax(-1)
+        assert bool(same[clear].all()), (rows, same.tolist(), clear.tolist())
 
 
 def test_folded_drafter_tracks_the_unfolded(folded):
