@@ -19,16 +19,24 @@ import sys
 from pathlib import Path
 
 
-def passes(files: list[Path], text: str, config: str) -> list[dict]:
-    """One row per pass: file, pass index, probes, rounds, the adaptive engine's extra ms."""
+def passes(files: list[Path], text: str, config: str, batch: int = 1) -> list[dict]:
+    """One row per pass at `batch` requests: file, pass index, probes, rounds, the adaptive
+    engine's extra ms. Files without per-pass walls or decision logs (older bench_pair
+    versions) and passes the two rows do not both have are left out."""
     out = []
     for f in files:
-        rows = {r["config"]: r for r in json.loads(f.read_text())["rows"] if r.get("text") == text}
+        rows = {r["config"]: r for r in json.loads(f.read_text())["rows"]
+                if r.get("text") == text and r.get("batch", 1) == batch}  # fmt: skip
         ada, plain = rows.get(config), rows.get("none")
         if ada is None or plain is None or not ada.get("passes_decisions"):
             continue
-        for i, (wa, wp, dec) in enumerate(zip(ada["passes_step_walls"], plain["passes_step_walls"],
-                                               ada["passes_decisions"], strict=False)):  # fmt: skip
+        walls_a, walls_p = ada.get("passes_step_walls"), plain.get("passes_step_walls")
+        if not walls_a or not walls_p:
+            continue
+        decisions = ada["passes_decisions"]
+        n = min(len(walls_a), len(walls_p), len(decisions))
+        triples = zip(walls_a[:n], walls_p[:n], decisions[:n], strict=True)
+        for i, (wa, wp, dec) in enumerate(triples):
             extra = (wa["step_ms_sum"] + wa["outside_ms"]) - (wp["step_ms_sum"] + wp["outside_ms"])
             rounds = sum(v for k, v in dec["steps_by_budget"].items() if k != "0")
             out.append({"file": f.name, "pass": i, "probes": dec["explorations"],
@@ -53,11 +61,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--text", default="prose-sampled")
     ap.add_argument("--config", default="DDTREE(dflash) adaptive<=64")
+    ap.add_argument("--batch", type=int, default=1, help="the rows of this many requests")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    rows = passes(args.files, args.text, args.config)
+    rows = passes(args.files, args.text, args.config, args.batch)
     if len(rows) < 2:
-        print(f"fewer than two passes of {args.config!r} on {args.text!r} in these files")
+        print(f"fewer than two passes of {args.config!r} on {args.text!r} at b={args.batch} "
+              "in these files")  # fmt: skip
         return 1
     for r in rows:
         print(f"{r['file'][:48]:<48} pass {r['pass']}  probes {r['probes']:>2}  rounds "
@@ -67,6 +77,7 @@ def main(argv: list[str]) -> int:
           f"engine costs {b:.2f} ms a pass more")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"text": args.text, "config": args.config,
+                                         "batch": args.batch,
                                          "probe_ms": round(a, 3), "base_ms": round(b, 3),
                                          "passes": rows}, indent=1))  # fmt: skip
     return 0

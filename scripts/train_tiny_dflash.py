@@ -39,7 +39,10 @@ from train_tiny_code import (  # noqa: E402
 
 from treeverify.models.config import RopeConfig  # noqa: E402
 from treeverify.spec.dflash import DFlashDrafter  # noqa: E402
-from treeverify.spec.dflash_config import DFlashConfig  # noqa: E402
+from treeverify.spec.dflash_config import (
+    WEIGHTS_FILE,  # noqa: E402
+    DFlashConfig,  # noqa: E402
+)
 from treeverify.spec.dflash_io import read_dflash_config, save_dflash  # noqa: E402
 
 
@@ -179,7 +182,7 @@ def start_from(drafter: DFlashDrafter, directory: Path) -> None:
     if have != want:
         diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
         raise ValueError(f"--init {directory}: its config differs from this run's in {diff}")
-    state = load_file(str(directory / "model.safetensors"))
+    state = load_file(str(directory / WEIGHTS_FILE))
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
 
 

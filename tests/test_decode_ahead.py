@@ -218,11 +218,12 @@ def test_dflash_engines_hand_plain_steps_launched_ahead_their_hidden_rows(monkey
     ahead, first = _engine(decode_lookahead=True, **knobs), _engine(**knobs)
     cycle_budgets(ahead, [0, 0, 0, 16, 0, 0, 8, 0, 0, 0, 0, 0])
     replay_budgets(first, record_budgets(ahead))  # the budgets ahead ran, step for step
+    used = ahead.ahead.ahead_used  # (startup's calibration took steps launched ahead too)
     # the second request finishes at its second token, a plain step whatever the drafter
     # accepts in the rounds (with 9 tokens its finish fell in a round once the drafter was
     # retrained): the step launched ahead then is taken by the other two
     _dflash_lockstep(ahead, first, CODE[:3], (48, 2, 40))
-    assert ahead.ahead.ahead_used > 5 and ahead.spec_stats["rounds"] > 0
+    assert ahead.ahead.ahead_used - used > 5 and ahead.spec_stats["rounds"] > 0
     assert ahead.ahead.ahead_partial >= 1  # a step taken without one of its requests
     ring_of = ahead.spec.source.context._ring
     assert (ring_of is not None and ring_of.writes > 5) == (ring == "1")
