@@ -36,8 +36,8 @@ TRACE_SETS = {
     "set1": "2026-12-01-cpu-accept_traces-tiny-code.json",
     "set2": "2026-12-01-cpu-accept_traces-tiny-code-set2.json",
     "set3": "2026-12-04-cpu-accept_traces-tiny-code-set3.json",
-    # the shipped (retrained, 246e9db) drafter on set 1's prompts: replayed at every table,
-    # reported apart (the rule was tuned on sets 1-3, recorded with the drafter before)
+    # the retrained drafter (246e9db, shipped until 96071ab) on set 1's prompts: replayed at
+    # every table, reported apart (the rule was tuned on sets 1-3, recorded with the drafter before)
     "set4": "2026-12-05-cpu-accept_traces-tiny-code-retrained.json",
 }
 NEW_DRAFTER = "set4"
