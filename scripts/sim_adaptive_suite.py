@@ -39,8 +39,10 @@ TRACE_SETS = {
     # the retrained drafter (246e9db, shipped until 96071ab) on set 1's prompts: replayed at
     # every table, reported apart (the rule was tuned on sets 1-3, recorded with the drafter before)
     "set4": "2026-12-05-cpu-accept_traces-tiny-code-retrained.json",
+    # the drafter trained on from set 4's (shipped since 96071ab), set 1's prompts again
+    "set5": "2026-12-07-cpu-accept_traces-tiny-code-trained-on.json",
 }
-NEW_DRAFTER = "set4"
+NEW_DRAFTERS = ("set4", "set5")  # reported apart, each
 # Seconds per step at batch 1 (H200): plain decoding launched ahead (0.200 ms, e6a3f84), read
 # first (0.282 ms, cac6562), the tenth session's served table (0.404 ms); rounds as served.
 ROUNDS = {4: 0.00042, 8: 0.000438, 16: 0.000461, 32: 0.000506, 64: 0.000573}
@@ -114,7 +116,8 @@ def evaluate(cfg: ControllerConfig) -> dict:
     tuned = {
         k: v
         for k, v in rows.items()
-        if not k.startswith(tuple(f"{u} " for u in UNTUNED)) and NEW_DRAFTER not in k
+        if not k.startswith(tuple(f"{u} " for u in UNTUNED))
+        and not any(d in k for d in NEW_DRAFTERS)
     }
     grouped = groups(cfg)  # reported apart: the aggregates below stay those of earlier runs
     rows |= grouped
@@ -128,16 +131,17 @@ def evaluate(cfg: ControllerConfig) -> dict:
     }
     for u in UNTUNED:  # the newest costs, which the rule was not tuned on: reported apart
         out[f"{u}_min_of_best_fixed"] = min(
-            v for k, v in rows.items() if k.startswith(f"{u} set") and NEW_DRAFTER not in k
+            v
+            for k, v in rows.items()
+            if k.startswith(f"{u} set") and not any(d in k for d in NEW_DRAFTERS)
         )
         out[f"{u}_unpredictable"] = rows[f"{u} unpredictable"]
-    # the shipped drafter's traces (not tuned on): the worst over every table, and the H200's
-    out[f"{NEW_DRAFTER}_min_of_best_fixed"] = min(
-        v for k, v in rows.items() if f" {NEW_DRAFTER} " in k
-    )
-    out[f"{NEW_DRAFTER}_h200"] = {
-        k.rsplit(" ", 1)[1]: v for k, v in rows.items() if k.startswith(f"h200 {NEW_DRAFTER} ")
-    }
+    # the later drafters' traces (not tuned on): the worst over every table, and the H200's
+    for d in NEW_DRAFTERS:
+        out[f"{d}_min_of_best_fixed"] = min(v for k, v in rows.items() if f" {d} " in k)
+        out[f"{d}_h200"] = {
+            k.rsplit(" ", 1)[1]: v for k, v in rows.items() if k.startswith(f"h200 {d} ")
+        }
     # groups of 8 in turns at the H200's b=1 / b=8 costs (x plain): the worst of each text,
     # switches free (as tuned), charged as measured at b=8, and charged with rounds seen late
     worst = {}
@@ -243,8 +247,9 @@ def main() -> int:
                             f"{res[f'{u}_unpredictable']}" for u in UNTUNED)  # fmt: skip
         print(f"[{key}] {name}: mean {res['mean_of_best_fixed']} min {res['min_of_best_fixed']} "
               f"unpredictable min {res['unpredictable_min']}; untuned tables {untuned}; "
-              f"{NEW_DRAFTER} (shipped drafter): min {res[f'{NEW_DRAFTER}_min_of_best_fixed']}, "
-              f"at h200 {res[f'{NEW_DRAFTER}_h200']}; groups b=8: code min "
+              + "".join(f"{d}: min {res[f'{d}_min_of_best_fixed']}, at h200 {res[f'{d}_h200']}; "
+                        for d in NEW_DRAFTERS)
+              + f"groups b=8: code min "
               f"{res['groups_code_min']} unpredictable min "
               f"{res['groups_unpredictable_min']} (switches charged: code "
               f"{res['groups_charged_code_min']}, unpredictable "
