@@ -176,7 +176,7 @@ class RoundGraphs(LaunchAhead):
         hidden = getattr(self.model, "captured", None)  # (rows, F) DFlash's tapped layers
         post = self._posterior(out, v, rows).view(b, n)  # each node's token: argmax or draw
         slots = v["slots"][:rows].view(b, n)  # (b, n) node i at position P + i
-        packed, _, _ = spec.accept_move_pack(tokens, parents, post, slots, depth)
+        packed = spec.accept_move_pack(tokens, parents, post, slots, depth)  # (b, 2 + 2k)
         # The accepted rows (root first) are the next context rows: position P + d of the path;
         # their indices, then the next round's inputs (what a round launched ahead replays
         # with; a round the host stages overwrites them)

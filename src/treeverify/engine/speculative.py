@@ -249,12 +249,10 @@ class SpeculativeDecoder:
         committed = tokens.gather(1, node)  # (B, K)
         return torch.cat((length[:, None], bonus[:, None], committed, path), dim=1)
 
-    def accept_move_pack(
-        self, tokens, parents, posterior, slots, max_depth: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def accept_move_pack(self, tokens, parents, posterior, slots, max_depth: int) -> torch.Tensor:
         """The greedy walk of (B, N) verified trees (posterior: each node's target token), the
-        accepted K/V moved, the result packed as `_move_and_pack` packs it; returns (packed,
-        length, bonus), the last two (B,) contiguous. With
+        accepted K/V moved, the result packed as `_move_and_pack` packs it: (B, 2 + 2K) int64
+        [length, bonus, committed K, path K] (whole rounds read length and bonus from it). With
         TREEVERIFY_FUSED_ACCEPT on a GPU: one kernel for the walk, the pack and the move's
         indices, one kernel a cache tensor for the move (~12 launches -> 3); else the walk, then
         `_move_and_pack`. Capture-safe either way."""
@@ -262,16 +260,15 @@ class SpeculativeDecoder:
         from treeverify.spec import walk_cuda
 
         if env.fused_accept() and walk_cuda.usable(tokens):
-            packed, src, dst, length, bonus = walk_cuda.walk_pack_cuda(
+            packed, src, dst, _, _ = walk_cuda.walk_pack_cuda(
                 tokens, parents, posterior, slots, max_depth)  # fmt: skip
             self.cache.move_rows(src, dst)
-            return packed, length, bonus
+            return packed
         acc = accept_greedy(tokens, parents, posterior, max_depth=max_depth)
-        packed = self._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus)
-        return packed, acc.length, acc.bonus
+        return self._move_and_pack(tokens, parents, slots, acc.path, acc.length, acc.bonus)
 
     def _greedy_accept_move(self, tokens, parents, posterior, slots):
-        return (self.accept_move_pack(tokens, parents, posterior, slots, self._max_depth)[0],)
+        return (self.accept_move_pack(tokens, parents, posterior, slots, self._max_depth),)
 
     def commit_rows(self, seqs: list[Sequence], rows: list[list[int]],
                     paths: list[list[int]]) -> list[list[int]]:  # fmt: skip
@@ -335,7 +332,7 @@ class SpeculativeDecoder:
             # for the token d places on), then one walk for the whole batch
             posterior = draw_nodes(logits, tb.depths, tb.max_depth, tb.seqs)  # (B, N)
             packed = self.accept_move_pack(tb.tokens, tb.parents, posterior, tb.device_slots(),
-                                           tb.max_depth)[0]  # fmt: skip
+                                           tb.max_depth)  # fmt: skip
         t0 = self._time("accept", t0)
         out = self.commit_rows(tb.seqs, packed.tolist(), tb.paths)  # the round's one read
         tb.logprobs.extend(self._round_logprobs(tb, logits, out))
