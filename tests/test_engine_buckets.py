@@ -140,6 +140,57 @@ def test_prepare_plans_touches_only_the_scratch_page():
     assert {(2, 1), (1, 5)} <= buckets and llm.runner.attention.bucket is None
 
 
+def test_plans_size_their_split_grids_for_the_model_not_the_pool():
+    """A request holds at most the model's positions (LLM._prepare), so the engine's plans size
+    their split-KV grids for that (split_kv_len) while their capacity checks still cover the
+    pool. For tiny-code (1024 positions; 2048 pages x 16 in bench_pair) that is 16 splits, not
+    the 64 a 32768-key grid takes on a 132-SM GPU: its 17-row verify plan then merges every
+    tile in the forward (kernels/splits.py plan_merge_limit), as the forty-ninth session's
+    rule meant; sized by the pool, the merge kernel ran every step (measured on the H100 at
+    59f5feb: DDTREE 16 at 1.927x plain, 2.004x with every tile forced into the forward)."""
+    from treeverify.engine.llm import LLM
+    from treeverify.kernels.splits import (
+        choose_splits,
+        merge_bytes,
+        merge_kernel_needed,
+        plan_merge_limit,
+    )
+
+    llm = LLM("tiny-code", num_pages=2048)
+    assert llm.model_config.max_position_embeddings == 1024
+    llm.runner.prepare_plans([(1, 17)])
+    plans = [p for (bucket, _), p in llm.runner.attention._plans.items() if bucket == (1, 17)]
+    assert plans and all(p.split_kv_len == 1024 for p in plans)
+    assert all(p.max_kv_len == 2048 * llm.cache.page_size for p in plans)  # checks: the pool
+    hq, hkv, dv = plans[0].hq, plans[0].hkv, plans[0].dv
+    tile_rows = 17 * hq // hkv  # 34 packed rows: one 64-row tile
+    for ctas_per_sm in (1, 2):  # the H100's and H200's 132 SMs, either occupancy
+        grid = dict(batch=1, hkv=hkv, m_tiles=1, bn=64, num_sms=132, ctas_per_sm=ctas_per_sm)
+        s = choose_splits(**grid, max_kv=plans[0].split_kv_len).max_splits
+        assert s == 16 and merge_bytes(s, tile_rows, dv) == 139264
+        limit = plan_merge_limit("auto", max_splits=s, tile_rows=tile_rows, dv=dv, mla=False)
+        assert not merge_kernel_needed(max_splits=s, tile_rows=tile_rows, dv=dv, limit=limit)
+        # sized by the pool (the engine before): 64 splits, the merge kernel every step
+        s = choose_splits(**grid, max_kv=plans[0].max_kv_len).max_splits
+        limit = plan_merge_limit("auto", max_splits=s, tile_rows=tile_rows, dv=dv, mla=False)
+        assert s == 64 and merge_kernel_needed(max_splits=s, tile_rows=tile_rows, dv=dv,
+                                               limit=limit)  # fmt: skip
+
+
+def test_split_kv_len_is_checked_and_capped_by_max_kv_len():
+    from treeverify.kernels.plan import TreeAttentionPlan
+
+    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim_qk=16, page_size=4, max_batch=1,
+              max_tree=5, max_pages_per_request=8, sm_scale=0.25, dtype=torch.float32,
+              device="cpu", backend="torch")  # fmt: skip
+    assert TreeAttentionPlan(**kw).split_kv_len == 32
+    assert TreeAttentionPlan(**kw, split_kv_len=20).split_kv_len == 20
+    assert TreeAttentionPlan(**kw, split_kv_len=4096).split_kv_len == 32  # never past the pages
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="split_kv_len"):
+            TreeAttentionPlan(**kw, split_kv_len=bad)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-kimi"])
 def test_stacked_cache_moves_every_layer_like_per_layer_moves(name):
     """A spec whose layers share a row shape gets one tensor per K (V) for all layers; a round's

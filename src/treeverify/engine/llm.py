@@ -150,6 +150,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             self.model, self.cache, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_forward_tokens, max_chunk=config.max_chunk,
             attention_backend=config.attention_backend,
+            max_context=getattr(self.model_config, "max_position_embeddings", None),
         )  # fmt: skip
         self.spec = None
         if config.speculating:

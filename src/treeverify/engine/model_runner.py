@@ -46,6 +46,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_chunk: int,
         attention_backend: str = "torch",
+        max_context: int | None = None,
     ):
         self.model, self.cache = model, cache
         self.device = cache.device
@@ -65,6 +66,7 @@ class ModelRunner:
             cache, max_batch=max_num_seqs, max_chunk=max_chunk,
             max_total_q=max_num_batched_tokens,
             context_length=cache.num_pages * cache.page_size, backend=attention_backend,
+            split_context=max_context,  # the most tokens a request holds: the model's positions
         )  # fmt: skip
 
     def capture_graphs(self, buckets: list[tuple[int, int]],

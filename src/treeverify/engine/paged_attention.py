@@ -76,11 +76,15 @@ class PagedAttention:
         max_total_q: int,
         context_length: int,
         backend: str = "torch",
+        split_context: int | None = None,
     ):
         self.cache, self.backend = cache, backend
         self.max_batch, self.max_chunk = max_batch, max_chunk
         self.max_total_q = max_total_q
         self.context_length = context_length
+        # the longest request the engine admits (the model's positions): what the plans' split
+        # grids are sized for (TreeAttentionPlan split_kv_len); None: the whole pool
+        self.split_context = split_context
         self.max_pages = math.ceil(context_length / cache.page_size)
         self._plans: dict[tuple, TreeAttentionPlan] = {}  # (bucket, shape) -> plan
         self.bucket: tuple[int, int] | None = None
@@ -140,6 +144,7 @@ class PagedAttention:
                 page_size=self.cache.page_size, max_batch=batch,
                 max_tree=tree, max_pages_per_request=self.max_pages,
                 max_kv_len=self.context_length, max_total_q=total_q,
+                split_kv_len=self.split_context,
                 sm_scale=sm_scale, dtype=q.dtype, device=self.cache.device, backend=self.backend,
             )  # fmt: skip
             plan.plan(*self._meta)

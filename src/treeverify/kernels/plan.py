@@ -71,9 +71,15 @@ class TreeAttentionPlan:
         backend: str = "cuda",
         split_balance: int | None = None,
         split_arena: SplitArena | None = None,
+        split_kv_len: int | None = None,
     ):
         """`split_arena` (cuda backend): take the split partials from this shared arena
-        (kernels/split_arena.py) instead of allocating them: for plans never run at once."""
+        (kernels/split_arena.py) instead of allocating them: for plans never run at once.
+        `split_kv_len` (default and at most `max_kv_len`): the keys the split-KV grid is sized
+        for (kernels/splits.py choose_splits). A serving engine passes the model's context while
+        `max_kv_len` also covers a round's tree past its last position: such a step splits into
+        longer chunks by the same device rule (never wrong), and a grid sized for the model, not
+        the whole pool, launches no idle split CTAs and merges small plans in the forward."""
         for name, value in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
             ("head_dim_qk", head_dim_qk), ("page_size", page_size), ("max_batch", max_batch),
@@ -99,6 +105,9 @@ class TreeAttentionPlan:
         self.max_kv_len = (
             max_kv_len if max_kv_len is not None else max_pages_per_request * page_size
         )
+        if split_kv_len is not None and (not isinstance(split_kv_len, int) or split_kv_len < 1):
+            raise ValueError(f"split_kv_len: expected a positive int, got {split_kv_len!r}")
+        self.split_kv_len = min(split_kv_len or self.max_kv_len, self.max_kv_len)
         self.max_total_q = max_total_q if max_total_q is not None else max_batch * max_tree
         self.words = math.ceil(max_tree / 32)
         self.dtype, self.device, self.backend = dtype, torch.device(device), backend
@@ -116,7 +125,7 @@ class TreeAttentionPlan:
             from treeverify.kernels.triton import TritonTreeAttention
 
             self._triton = TritonTreeAttention(
-                self.hq, self.hkv, self.dqk, self.dv, mla, max_batch, max_tree, self.max_kv_len,
+                self.hq, self.hkv, self.dqk, self.dv, mla, max_batch, max_tree, self.split_kv_len,
                 self.max_total_q, dev, dtype,
             )  # fmt: skip
             o_shape, lse_shape = self._triton.workspace_shapes()
@@ -136,7 +145,7 @@ class TreeAttentionPlan:
                 mla=mla,
                 max_batch=max_batch,
                 max_tree=max_tree,
-                max_kv=self.max_kv_len,
+                max_kv=self.split_kv_len,
                 total_q_cap=self.max_total_q,
                 split_balance=split_balance,
                 page_size=page_size,

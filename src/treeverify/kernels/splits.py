@@ -179,6 +179,10 @@ def fused_merge_limit(mode: str = "auto") -> int:
 # x 64 x 4 = 139 KB): the DDTREE-16 round step 0.315 -> 0.301 ms in the engine, DDTree 1.84x ->
 # 1.89-1.93x plain at b=1 on code; the 1B decode (4-row tiles) 1.037 -> 1.031 ms. MLA plans keep
 # the kernel (the twenty-ninth session: the forward merge 0.85-0.91x on random:mla-moe).
+# The 16 splits hold because the engine sizes its plans' split grids for the model's positions
+# (TreeAttentionPlan split_kv_len, engine/paged_attention.py); sized by its KV pool (32768 keys in
+# bench_pair: 64 splits, 557 KB) the rule never fired (fiftieth session, H100: DDTREE 16 1.927x
+# plain as planned, 2.004x with every tile forced into the forward).
 SMALL_PLAN_MERGE_BYTES = 160 * 1024
 
 
