@@ -29,7 +29,7 @@ SHAPES = {  # name: (N, K)
     "8b down": (4096, 14336),
 }  # fmt: skip
 DRAFTER_SHAPES = {"dflash fc": (256, 768), "dflash qkv": (512, 256)}  # tiny-code-dflash's
-SKINNY_ROWS = (2, 5, 9, 16, 17, 32)
+SKINNY_ROWS = (2, 5, 9, 16, 17, 24, 25, 32)  # 24 | 25: the three- | four-tile instance
 CALLS, REPLAYS = 20, 20
 
 

@@ -10,7 +10,7 @@ def linear_switches(monkeypatch, **values: str) -> Iterator[None]:
     """Set TREEVERIFY_* switches (e.g. TREEVERIFY_SKINNY_GEMM="0") for a fixture's test."""
     from treeverify.models import gemv
 
-    readers = (gemv.enabled, gemv.skinny_enabled, gemv.fused_silu_enabled)
+    readers = (gemv.enabled, gemv.skinny_enabled, gemv.skinny_max_rows, gemv.fused_silu_enabled)
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     for read in readers:

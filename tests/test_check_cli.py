@@ -226,6 +226,7 @@ def test_cuda_home(monkeypatch, tmp_path):
         "TREEVERIFY_CUDA_PDL",
         "TREEVERIFY_DECODE_GEMV_PDL",
         "TREEVERIFY_SKINNY_GEMM",
+        "TREEVERIFY_SKINNY_MAX_ROWS",
         "TREEVERIFY_ROPE_TABLE",
         "TREEVERIFY_FUSED_ACCEPT",
         "TREEVERIFY_DDTREE_WARP_HEAP",

@@ -204,6 +204,27 @@ def test_down_of_silu_off_the_gpu_is_silu_mul_then_linear():
         gemv_mod.skinny(torch.randn(4, 64).to(torch.bfloat16), w, act=True)
 
 
+def test_skinny_max_rows_is_read_checked_and_caps_the_route(monkeypatch):
+    """TREEVERIFY_SKINNY_MAX_ROWS: 32 by default, 24 / 16 / 8 accepted, anything else an error
+    naming it; the route's cap follows it (read once a process: the cache cleared here)."""
+    from treeverify import env
+
+    monkeypatch.delenv("TREEVERIFY_SKINNY_MAX_ROWS", raising=False)
+    assert env.skinny_max_rows() == 32
+    for value in ("24", "16", "8"):
+        monkeypatch.setenv("TREEVERIFY_SKINNY_MAX_ROWS", value)
+        assert env.skinny_max_rows() == int(value)
+        gemv_mod.skinny_max_rows.cache_clear()
+        assert gemv_mod.skinny_max_rows() == int(value)
+    for bad in ("25", "64", "all"):
+        monkeypatch.setenv("TREEVERIFY_SKINNY_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="TREEVERIFY_SKINNY_MAX_ROWS"):
+            env.skinny_max_rows()
+    monkeypatch.delenv("TREEVERIFY_SKINNY_MAX_ROWS")
+    gemv_mod.skinny_max_rows.cache_clear()
+    assert gemv_mod.skinny_max_rows() == gemv_mod.SKINNY_MAX_ROWS
+
+
 @pytest.mark.parametrize("name,read,default",
                          [("TREEVERIFY_FUSED_SILU_DOWN", "fused_silu_down", False),
                           ("TREEVERIFY_SKINNY_GEMM", "skinny_gemm", True)])  # fmt: skip

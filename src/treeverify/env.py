@@ -26,6 +26,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_SKINNY_GEMM``: ``1`` runs linear layers of 2..32 rows on small weights with the
   few-row tensor-core kernel (models/gemv.py, kernels/cuda/skinny_gemm.cu) instead of cuBLAS
   (default; measured on the H100: the b=1 round -6.5%); ``0`` keeps cuBLAS.
+- ``TREEVERIFY_SKINNY_MAX_ROWS``: the most rows the few-row kernel takes, ``32`` (default),
+  ``24``, ``16`` or ``8``; more go to cuBLAS. An A/B knob: at 25-32 rows the kernel's four-tile
+  instance measured 0.54-0.90x cuBLAS per call (H100, forty-sixth session) and a budget-31
+  round dearer than a budget-32 one (fiftieth session); not changed until measured in the engine.
 - ``TREEVERIFY_NORM_LINEAR``: ``1`` folds a Llama layer's two residual adds + RMSNorms into
   the projections after them (qkv, gate|up) where the decode GEMV or the few-row kernel takes
   them (models/norm_linear.py: the norm made on the kernel's load, 16 launches fewer a tiny-code
@@ -253,6 +257,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_SKINNY_GEMM": "1 (default): linear layers of 2..32 rows on weights <= 2 MB (a "
     "batch-1 verify forward, a drafter's block) by the few-row tensor-core kernel instead of "
     "cuBLAS; 0: cuBLAS.",
+    "TREEVERIFY_SKINNY_MAX_ROWS": "The most rows the few-row kernel takes: 32 (default), 24, 16 "
+    "or 8; linears of more rows go to cuBLAS (an A/B knob, models/gemv.py).",
     "TREEVERIFY_NORM_LINEAR": "1: a Llama layer's adds + RMSNorms made on the load of the "
     "projections after them (models/norm_linear.py); default 0 (off until measured).",
     "TREEVERIFY_DDTREE_WARP_TOPK": "1: DDTree's draft table (vocabularies <= 8192) by warps "
@@ -614,6 +620,12 @@ def skinny_gemm() -> bool:
     session: the b=1 round's GPU time 0.438 -> 0.410 ms), 0 keeps cuBLAS. Read once per
     process."""
     return _switch("TREEVERIFY_SKINNY_GEMM", "1")
+
+
+def skinny_max_rows() -> int:
+    """TREEVERIFY_SKINNY_MAX_ROWS: the most rows of a linear the few-row kernel takes (32,
+    default; 24, 16 or 8: more rows go to cuBLAS). Read once per process (models/gemv.py)."""
+    return int(_choice("TREEVERIFY_SKINNY_MAX_ROWS", ("32", "24", "16", "8")))
 
 
 def ddtree_warp_topk() -> bool:

@@ -78,6 +78,15 @@ def skinny_enabled() -> bool:
 
 
 @functools.cache
+def skinny_max_rows() -> int:
+    """The most rows `linear` sends to the few-row kernel: TREEVERIFY_SKINNY_MAX_ROWS (at most
+    SKINNY_MAX_ROWS, the kernel's own limit; read once a process)."""
+    from treeverify import env
+
+    return min(env.skinny_max_rows(), SKINNY_MAX_ROWS)
+
+
+@functools.cache
 def fused_silu_enabled() -> bool:
     """TREEVERIFY_FUSED_SILU_DOWN on (read once a process; `down_of_silu`)."""
     from treeverify import env
@@ -138,7 +147,7 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     nbytes = weight.numel() * weight.element_size()
     if 0 < m <= GEMV_MAX_ROWS and nbytes <= GEMV_MAX_BYTES and k % 8 == 0 and enabled():
         return gemv
-    if (2 <= m <= SKINNY_MAX_ROWS and nbytes <= SKINNY_MAX_BYTES and k % SKINNY_K_MULTIPLE == 0
+    if (2 <= m <= skinny_max_rows() and nbytes <= SKINNY_MAX_BYTES and k % SKINNY_K_MULTIPLE == 0
             and weight.shape[0] % SKINNY_OUTPUTS_PER_CTA == 0 and skinny_enabled()):  # fmt: skip
         return skinny
     return None
@@ -156,7 +165,7 @@ def uses_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): (M, K) x (N, K) -> (M, N), by the GEMV for decode-sized M
-    and the few-row kernel for 2..32 rows where switched on."""
+    and the few-row kernel for 2..skinny_max_rows() rows where switched on."""
     kernel = _route(x, weight, bias)
     return kernel(x, weight, bias) if kernel is not None else F.linear(x, weight, bias)
 
@@ -355,7 +364,7 @@ def describe() -> str:
     """One line for the startup log and /server_info: which linear path decode rows take."""
     if not enabled():
         return "decode GEMV off (TREEVERIFY_DECODE_GEMV=0, no GPU or no cuda-python): cuBLAS"
-    few = (f"2-{SKINNY_MAX_ROWS} rows x weights <= {SKINNY_MAX_BYTES >> 20} MB few-row kernel"
+    few = (f"2-{skinny_max_rows()} rows x weights <= {SKINNY_MAX_BYTES >> 20} MB few-row kernel"
            if skinny_enabled() else "few-row kernel off (TREEVERIFY_SKINNY_GEMM=0)")  # fmt: skip
     return (f"decode GEMV on: {GEMV_MAX_ROWS} row x weights <= {GEMV_MAX_BYTES >> 20} MB; "
             f"{few}; other linears cuBLAS")  # fmt: skip
