@@ -186,7 +186,7 @@ def test_split_kv_len_is_checked_and_capped_by_max_kv_len():
     assert TreeAttentionPlan(**kw).split_kv_len == 32
     assert TreeAttentionPlan(**kw, split_kv_len=20).split_kv_len == 20
     assert TreeAttentionPlan(**kw, split_kv_len=4096).split_kv_len == 32  # never past the pages
-    for bad in (0, -3, 2.5):
+    for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="split_kv_len"):
             TreeAttentionPlan(**kw, split_kv_len=bad)
 

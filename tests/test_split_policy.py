@@ -256,3 +256,5 @@ def test_small_gqa_plans_merge_every_tile_in_the_forward():
                             mla=False) == FUSED_MERGE_MAX_BYTES  # fmt: skip
     for mode in ("kernel", "forward", "32"):
         assert plan_merge_limit(mode, **tiny, mla=False) == fused_merge_limit(mode)
+    # batch-1 plans only (measured there): a b=8 plan of the same tiles keeps the limit
+    assert plan_merge_limit("auto", **tiny, mla=False, batch=8) == FUSED_MERGE_MAX_BYTES

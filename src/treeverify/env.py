@@ -12,8 +12,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_CUDA_PORTABLE``: ``1`` runs the portable mma.sync CUDA kernels even where sm_90a
   wgmma ones exist (tests, comparisons).
 - ``TREEVERIFY_CUDA_SPLIT_MERGE``: where the CUDA backend merges split-KV partials: ``auto``
-  (default: in the forward when the read is small, and every tile of a GQA plan whose largest
-  tile merge reads <= 160 KiB, kernels/splits.py plan_merge_limit), ``forward``, ``kernel`` or a
+  (default: in the forward when the read is small, and every tile of a batch-1 GQA plan whose
+  largest tile merge reads <= 160 KiB, kernels/splits.py plan_merge_limit), ``forward``, ``kernel`` or a
   limit in KiB (tests, A/B runs).
 - ``TREEVERIFY_CUDA_SPLIT_BALANCE``: how many times a uniform batch's split count the CUDA
   backend's grid leaves room for, so the long requests of a batch of mixed lengths take more
@@ -248,7 +248,8 @@ VARIABLES: dict[str, str] = {
     "TREEVERIFY_CUDA_PORTABLE": "1: use the portable mma.sync CUDA kernels even on sm_90a (tests "
     "and comparisons).",
     "TREEVERIFY_CUDA_SPLIT_MERGE": "Where the CUDA backend merges split-KV partials: auto "
-    "(default; in the forward when small, every tile of a small GQA plan, else a merge kernel), "
+    "(default; in the forward when small, every tile of a small batch-1 GQA plan, else a merge "
+    "kernel), "
     "forward, kernel, or a limit in KiB (tests, A/B).",
     "TREEVERIFY_CUDA_SPLIT_BALANCE": "Room in the CUDA backend's grid for this many times a "
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",

@@ -105,7 +105,9 @@ class TreeAttentionPlan:
         self.max_kv_len = (
             max_kv_len if max_kv_len is not None else max_pages_per_request * page_size
         )
-        if split_kv_len is not None and (not isinstance(split_kv_len, int) or split_kv_len < 1):
+        if split_kv_len is not None and (
+            isinstance(split_kv_len, bool) or not isinstance(split_kv_len, int) or split_kv_len < 1
+        ):
             raise ValueError(f"split_kv_len: expected a positive int, got {split_kv_len!r}")
         self.split_kv_len = min(split_kv_len or self.max_kv_len, self.max_kv_len)
         self.max_total_q = max_total_q if max_total_q is not None else max_batch * max_tree

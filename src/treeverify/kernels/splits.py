@@ -186,13 +186,18 @@ def fused_merge_limit(mode: str = "auto") -> int:
 SMALL_PLAN_MERGE_BYTES = 160 * 1024
 
 
-def plan_merge_limit(mode: str, *, max_splits: int, tile_rows: int, dv: int, mla: bool) -> int:
+def plan_merge_limit(
+    mode: str, *, max_splits: int, tile_rows: int, dv: int, mla: bool, batch: int = 1
+) -> int:
     """The forward-merge byte limit a plan launches with: `fused_merge_limit(mode)`, raised under
     `auto` to the plan's largest tile merge when that is at most SMALL_PLAN_MERGE_BYTES (a GQA
-    plan of small tiles: every tile merges in the forward, no merge kernel)."""
+    plan of small tiles: every tile merges in the forward, no merge kernel). Batch-1 plans only:
+    the rule was measured at b=1; at b=8 the eighth session once measured a forward merge of 34
+    rows x up to 16 splits at 2x the attention time (an earlier merge code, not re-measured)."""
     limit = fused_merge_limit(mode)
     worst = merge_bytes(max_splits, tile_rows, dv)
-    if mode == "auto" and not mla and max_splits > 1 and worst <= SMALL_PLAN_MERGE_BYTES:
+    small = not mla and batch == 1 and max_splits > 1 and worst <= SMALL_PLAN_MERGE_BYTES
+    if mode == "auto" and small:
         return max(limit, worst)
     return limit
 

@@ -178,7 +178,7 @@ class Launcher:
         tile_rows = min(self.fwd.bm, max_tree * self.group)  # a row tile's packed rows
         self.fused_merge_bytes = plan_merge_limit(
             env.cuda_split_merge(), max_splits=self.splits.max_splits, tile_rows=tile_rows,
-            dv=dv, mla=mla,
+            dv=dv, mla=mla, batch=max_batch,
         )  # fmt: skip
         # The merge kernel by programmatic dependent launch (sm_90+; device_common.cuh). Auto:
         # only where the forward is one wave (v13b, measured 1.004x; the thought was that the
