@@ -13,8 +13,8 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
   wgmma ones exist (tests, comparisons).
 - ``TREEVERIFY_CUDA_SPLIT_MERGE``: where the CUDA backend merges split-KV partials: ``auto``
   (default: in the forward when the read is small, and every tile of a batch-1 GQA plan whose
-  largest tile merge reads <= 160 KiB, kernels/splits.py plan_merge_limit), ``forward``, ``kernel`` or a
-  limit in KiB (tests, A/B runs).
+  largest tile merge reads <= 160 KiB, kernels/splits.py plan_merge_limit), ``forward``,
+  ``kernel`` or a limit in KiB (tests, A/B runs).
 - ``TREEVERIFY_CUDA_SPLIT_BALANCE``: how many times a uniform batch's split count the CUDA
   backend's grid leaves room for, so the long requests of a batch of mixed lengths take more
   splits (kernels/splits.py; only plans where ``balance_pays``); default 2, ``1`` turns
