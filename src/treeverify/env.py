@@ -249,8 +249,7 @@ VARIABLES: dict[str, str] = {
     "and comparisons).",
     "TREEVERIFY_CUDA_SPLIT_MERGE": "Where the CUDA backend merges split-KV partials: auto "
     "(default; in the forward when small, every tile of a small batch-1 GQA plan, else a merge "
-    "kernel), "
-    "forward, kernel, or a limit in KiB (tests, A/B).",
+    "kernel), forward, kernel, or a limit in KiB (tests, A/B).",
     "TREEVERIFY_CUDA_SPLIT_BALANCE": "Room in the CUDA backend's grid for this many times a "
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "

@@ -210,9 +210,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             self.runner.prepare_plans(buckets)
         if on_gpu and not config.disable_cuda_graph:
             self.cuda_graph_buckets = buckets
-            self.startup["graphs"] = self.runner.capture_graphs(
-                self.cuda_graph_buckets, self.model_config.max_position_embeddings
-            )
+            self.startup["graphs"] = self.runner.capture_graphs(self.cuda_graph_buckets)
             if self.spec is not None:  # the round's draft (DFlash), build, accept per bucket
                 bs, budgets = list(config.graph_batch_sizes), list(config.spec_budgets)
                 self.spec.capture(bs, self.device, budgets)
@@ -252,7 +250,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         if graphs is None:  # the CPU: stages (and bucket-sized plans, made on first use)
             buckets = [(b, self.spec.nodes_for(u)) for b in cfg.graph_batch_sizes
                        for u in cfg.spec_budgets]  # fmt: skip
-            graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
+            graphs = self.runner.staged_buckets(buckets)
         self.rounds = RoundGraphs(graphs, self.spec, self.spec.source.context,
                                   list(cfg.graph_batch_sizes), list(cfg.spec_budgets),
                                   capture=capture, lookahead=cfg.lookahead,
@@ -269,7 +267,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         graphs = self.runner.graphs
         if graphs is None:
             buckets = [(b, 1) for b in cfg.graph_batch_sizes]
-            graphs = self.runner.staged_buckets(buckets, self.model_config.max_position_embeddings)
+            graphs = self.runner.staged_buckets(buckets)
         source = None if self.spec is None else self.spec.source
         sizes = DecodeAhead.sizes_made(graphs, cfg.graph_batch_sizes, capture)
         # its plain steps' tapped rows go into the context's feed ring (ids, not copies)

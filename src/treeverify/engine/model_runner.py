@@ -50,6 +50,9 @@ class ModelRunner:
     ):
         self.model, self.cache = model, cache
         self.device = cache.device
+        # the most tokens a request holds (the model's positions; None: the whole pool): what
+        # the attention plans' split grids and the graph stages' page tables are sized for
+        self.max_context = max_context
         self.graphs: CudaGraphs | None = None
         # Batch sizes whose bucket-sized attention plans decode-shaped steps use (set on a GPU
         # to the graph buckets, captured or not); empty: the engine's full-capacity plans.
@@ -66,30 +69,27 @@ class ModelRunner:
             cache, max_batch=max_num_seqs, max_chunk=max_chunk,
             max_total_q=max_num_batched_tokens,
             context_length=cache.num_pages * cache.page_size, backend=attention_backend,
-            split_context=max_context,  # the most tokens a request holds: the model's positions
+            split_context=max_context,
         )  # fmt: skip
 
-    def capture_graphs(self, buckets: list[tuple[int, int]],
-                       max_context: int | None = None) -> list[dict]:  # fmt: skip
-        """Capture the decode (and tree) forwards per (batch, tokens) bucket; GraphCaptureError
-        on failure. `max_context`: the most tokens a request holds (its pages bound the staged
-        page table; default: the whole pool)."""
-        self.graphs = self.staged_buckets(buckets, max_context)
+    def capture_graphs(self, buckets: list[tuple[int, int]]) -> list[dict]:
+        """Capture the decode (and tree) forwards per (batch, tokens) bucket (stages as
+        `staged_buckets` makes them); GraphCaptureError on failure."""
+        self.graphs = self.staged_buckets(buckets)
         moe = self._moe_impl("graph")  # sync-free MoE routing inside the graphs
         try:
             return self.graphs.capture()
         finally:
             self._moe_impl(moe)  # eager steps (prefill) route as before
 
-    def staged_buckets(self, buckets: list[tuple[int, int]],
-                       max_context: int | None = None) -> CudaGraphs:  # fmt: skip
+    def staged_buckets(self, buckets: list[tuple[int, int]]) -> CudaGraphs:
         """The buckets' CudaGraphs, nothing captured yet: each bucket's stage holds the pages a
-        request of `max_context` tokens can need (default: the whole pool). (The CPU's eager
-        whole rounds use its stages without ever capturing.)"""
+        request of `max_context` tokens can need (None: the whole pool). (The CPU's eager whole
+        rounds use its stages without ever capturing.)"""
         pages = None
-        if max_context is not None:
+        if self.max_context is not None:
             largest = max(n for _, n in buckets)  # a round reserves its tree past the context
-            pages = -(-(max_context + largest) // self.cache.page_size) + 1
+            pages = -(-(self.max_context + largest) // self.cache.page_size) + 1
         prefill = tuple(n for n in self.prefill_sizes if (1, n) in buckets)
         return CudaGraphs(self.model, self.attention, buckets=buckets, max_pages=pages,
                           prefill=prefill)  # fmt: skip
