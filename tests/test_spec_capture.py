@@ -315,6 +315,13 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
                 assert (ids[..., 1:] > ids[..., :-1])[same].all()
     via = spec.draft_topk(logits, MAX_K)
     assert torch.equal(via[1], draft_topk_cuda(logits, MAX_K, LOGPROB_FLOOR)[1])
+    # bf16 logits (the DFlash drafter's own, on CUDA) are read as they are: the same table as
+    # their fp32 upcast, bit for bit, on both paths (registers up to 8192, rescans past it)
+    for bsz, n_depth, vocab, k in ((2, 15, 8192, 16), (1, 3, 50000, 32), (3, 2, 100, 5)):
+        b16 = (torch.randn(bsz, n_depth, vocab, generator=gen) * 4).to(dev, torch.bfloat16)
+        lp, ids = draft_topk_cuda(b16, k, LOGPROB_FLOOR)
+        want_lp, want_ids = draft_topk_cuda(b16.float(), k, LOGPROB_FLOOR)
+        assert torch.equal(lp, want_lp) and torch.equal(ids, want_ids), (bsz, n_depth, vocab, k)
     # The register path selects by rank among the entries at or above the k-th best of its 256
     # threads' maxima: one thread holding all the winners (every 256th entry raised: the
     # candidate bound, k x 32) and masked (-inf) vocabularies; a row holding a NaN takes the

@@ -1,6 +1,7 @@
 """The drafters behind one interface: per-position distributions for the next L positions.
 
-    source.propose_batch(seqs, depth, device) -> (B, L, V) fp32 logits on the device
+    source.propose_batch(seqs, depth, device) -> (B, L, V) logits on the device
+                                                  (fp32; DFlash on CUDA: the lm_head's bf16)
     source.observe(request_id, start, hidden)   the target's hidden states of committed tokens
 
 `NgramSource` needs nothing from the target (its whole rounds keep each request's newest tokens

@@ -455,11 +455,17 @@ class DFlashDrafter(nn.Module):
     def _logits(self, x: torch.Tensor, depth: int,
                 normed: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, L, V)  # fmt: skip
         """Final norm (unless `normed`: x has had it) and the target's lm_head on block
-        positions 1 .. depth, fp32."""
+        positions 1 .. depth: fp32, or on CUDA the lm_head's own bf16 when nothing rescales
+        them (the tree build's top-k reads bf16 exactly, spec/topk_cuda.py; CHAIN's argmax is
+        the same on either: the upcast was a copy kernel a round for nothing)."""
         _, lm_head = self._target
         cfg = self.config
         h = x[:, 1 : 1 + depth] if normed else self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
-        logits = lm_head(h.to(lm_head.weight.dtype)).float()  # (B, L, V)
+        logits = lm_head(h.to(lm_head.weight.dtype))  # (B, L, V)
+        if (logits.is_cuda and logits.dtype == torch.bfloat16 and cfg.output_multiplier == 1.0
+                and not cfg.final_logit_softcapping):  # fmt: skip
+            return logits
+        logits = logits.float()
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping:

@@ -5,6 +5,10 @@
 forward's. The kernel computes the same table in one CTA per row: the row's max and log-sum-exp,
 then the k best entries in k block-wide rounds (k x V / 256 loads per thread, so it is used only
 for k <= MAX_K). Ties rank the smaller token id first. Capture-safe: no host sync.
+bf16 logits (the DFlash drafter's lm_head output on CUDA) are read as they are, each entry
+widened exactly: the same table as from their fp32 upcast, without that copy (one launch and
+15 x V x 6 bytes a request: ~2-3 us of a b=1 round at V = 8192, more at larger vocabularies);
+other dtypes are upcast first.
 
 With TREEVERIFY_DDTREE_WARP_TOPK=1 (vocabularies <= 8192) the same table by warps first:
 each warp's k best by shuffle-only rounds, then warp 0 over the 8 x k candidates
@@ -32,8 +36,8 @@ def usable(draft_logits: Tensor, k: int) -> bool:
 
 
 def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]:
-    """(B, L, V) logits -> (lp (B, L, k) fp32 sorted descending, clamped to [floor, 0],
-    ids (B, L, k) int64): `draft_topk`'s table."""
+    """(B, L, V) fp32 or bf16 logits (others upcast) -> (lp (B, L, k) fp32 sorted
+    descending, clamped to [floor, 0], ids (B, L, k) int64): `draft_topk`'s table."""
     from treeverify import env
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DDTreeTopkVariant, DDTreeTopkWarpVariant
@@ -42,13 +46,15 @@ def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor,
     if vocab >= 2**31 or not 1 <= k <= min(MAX_K, vocab):
         raise ValueError(f"k: expected 1..{min(MAX_K, vocab)}, got {k}")
     dev = draft_logits.device
-    x = draft_logits.float().contiguous()  # (B, L, V)
+    bf16 = draft_logits.dtype == torch.bfloat16  # read as is: exact, no upcast copy
+    x = (draft_logits if bf16 else draft_logits.float()).contiguous()  # (B, L, V)
     lp = torch.empty(bsz, n_depth, k, dtype=torch.float32, device=dev)
     ids = torch.empty(bsz, n_depth, k, dtype=torch.int64, device=dev)
     rows = bsz * n_depth
     if rows:
         warp = env.ddtree_warp_topk() and vocab <= WARP_MAX_VOCAB  # read when captured
-        kernel = load(DDTreeTopkWarpVariant() if warp else DDTreeTopkVariant(), dev)
+        dtype = "bf16" if bf16 else "fp32"
+        kernel = load(DDTreeTopkWarpVariant(dtype) if warp else DDTreeTopkVariant(dtype), dev)
         ptr = ctypes.c_void_p
         args = [ptr(x.data_ptr()), ctypes.c_int(vocab), ctypes.c_int(k), ctypes.c_float(floor),
                 ptr(lp.data_ptr()), ptr(ids.data_ptr())]  # fmt: skip

@@ -11,6 +11,9 @@
 //     k = 16, ~7% of a whole round.)
 //   * larger vocabularies: every thread rescans its entries from memory each round (the row
 //     stays in L1/L2 across the rounds; k is bounded by the caller: the scans are k x V / threads).
+// The logits come as fp32 or as bf16 bits (`In` = unsigned short: the drafter's lm_head output
+// as it is, each entry widened exactly, so the table equals the fp32 upcast's; the upcast was a
+// copy kernel of its own and twice the bytes read here).
 
 namespace treeverify {
 
@@ -20,6 +23,12 @@ static_assert(sizeof(int64_t) == 8, "fixed-width types");
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kTopkPer = 32;  // entries per thread held in registers (V <= 8192)
+
+// Entry i of a row: fp32 as is, bf16 bits widened (exact).
+__device__ __forceinline__ float logit_at(const float* __restrict__ x, int i) { return x[i]; }
+__device__ __forceinline__ float logit_at(const unsigned short* __restrict__ x, int i) {
+  return __uint_as_float(static_cast<unsigned>(x[i]) << 16);
+}
 
 // Does (va, ia) rank before (vb, ib)?
 __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
@@ -79,7 +88,8 @@ __device__ __forceinline__ void block_best(float& bv, int& bi, float* win_v, int
 
 // A row of V <= kTopkThreads x kTopkPer logits into the threads' registers (strided; -inf past
 // V), with its max m and log-sum-exp logz (a log-softmax entry is (v - m) - logz).
-__device__ __forceinline__ void row_in_registers(const float* __restrict__ x, int V, float* red,
+template <typename In>
+__device__ __forceinline__ void row_in_registers(const In* __restrict__ x, int V, float* red,
                                                  float (&vals)[kTopkPer], float& m,
                                                  float& logz) {
   const float inf = __int_as_float(0x7f800000);
@@ -87,7 +97,7 @@ __device__ __forceinline__ void row_in_registers(const float* __restrict__ x, in
 #pragma unroll
   for (int j = 0; j < kTopkPer; ++j) {
     const int i = threadIdx.x + j * kTopkThreads;
-    vals[j] = i < V ? x[i] : -inf;
+    vals[j] = i < V ? logit_at(x, i) : -inf;
     m = fmaxf(m, vals[j]);
   }
   m = block_max(m, red);
@@ -140,13 +150,14 @@ __device__ __forceinline__ void warp_rounds(const float (&vals)[N], Index idx, i
 // are total, so the two stages pick what the block-wide rounds pick.
 constexpr int kTopkMaxK = 32;  // spec/topk_cuda.py MAX_K (the launcher checks 1 <= k <= it, V)
 
-__global__ void ddtree_topk_warp(const float* __restrict__ logits, int V, int k, float floor_lp,
+template <typename In>
+__global__ void ddtree_topk_warp(const In* __restrict__ logits, int V, int k, float floor_lp,
                                  float* __restrict__ lp, int64_t* __restrict__ ids) {
   __shared__ float red[kTopkWarps];
   __shared__ float cand_v[kTopkWarps * kTopkMaxK];
   __shared__ int cand_i[kTopkWarps * kTopkMaxK];
   const int64_t row = blockIdx.x;
-  const float* x = logits + row * V;
+  const In* x = logits + row * V;
   const float inf = __int_as_float(0x7f800000);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -181,14 +192,15 @@ __global__ void ddtree_topk_warp(const float* __restrict__ logits, int V, int k,
       });
 }
 
-// logits (R, V) fp32 rows; lp (R, k) fp32, ids (R, k) int64.
-__global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, float floor_lp,
+// logits (R, V) fp32 or bf16 rows; lp (R, k) fp32, ids (R, k) int64.
+template <typename In>
+__global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float floor_lp,
                             float* __restrict__ lp, int64_t* __restrict__ ids) {
   __shared__ float red[kTopkWarps];
   __shared__ float win_v[kTopkWarps];
   __shared__ int win_i[kTopkWarps];
   const int64_t row = blockIdx.x;
-  const float* x = logits + row * V;
+  const In* x = logits + row * V;
   const float inf = __int_as_float(0x7f800000);
 
   if (V <= kTopkThreads * kTopkPer) {  // registers: a round is a reduction + one scan
@@ -227,10 +239,10 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
   }
 
   float m = -inf;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, x[i]);
+  for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, logit_at(x, i));
   m = block_max(m, red);
   float s = 0.0f;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(x[i] - m);
+  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(logit_at(x, i) - m);
   const float logz = logf(block_sum(s, red));
 
   float pv = inf;  // the previous winner: every entry ranks after it at first
@@ -239,7 +251,7 @@ __global__ void ddtree_topk(const float* __restrict__ logits, int V, int k, floa
     float bv = -inf;
     int bi = 0x7fffffff;
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
-      const float v = x[i];
+      const float v = logit_at(x, i);
       if (ranks_before(pv, pi, v, i) && ranks_before(v, i, bv, bi)) {
         bv = v;
         bi = i;

@@ -441,14 +441,31 @@ class KvMoveVariant(_OneKernel):
 
 
 @dataclass(frozen=True)
-class DDTreeTopkVariant(_OneKernel):
+class DDTreeTopkVariant:
     """ddtree_topk (ddtree_topk.cu): the draft table (log-softmax + top-k) for small k, one CTA
-    per (request, depth) row. No fast math: expf/logf as precise as torch's."""
+    per (request, depth) row, on fp32 or bf16 logits (`dtype` "fp32" / "bf16": the drafter's
+    lm_head output read as it is). No fast math: expf/logf as precise as torch's."""
 
-    name: str = "ddtree_topk"
-    expr: str = "treeverify::ddtree_topk"
+    dtype: str = "fp32"
+    kernel: str = "ddtree_topk"
     threads: int = 256  # kTopkThreads
     source_file: str = "ddtree_topk.cu"
+    smem_bytes: int = 0
+    defines: tuple[str, ...] = ()
+    fast_math: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
+
+    @property
+    def name(self) -> str:
+        return self.kernel if self.dtype == "fp32" else f"{self.kernel}_bf16"
+
+    @property
+    def expr(self) -> str:
+        element = "float" if self.dtype == "fp32" else "unsigned short"
+        return f"treeverify::{self.kernel}<{element}>"
 
 
 @dataclass(frozen=True)
@@ -457,8 +474,7 @@ class DDTreeTopkWarpVariant(DDTreeTopkVariant):
     warp's k best by shuffles, then warp 0 over their candidates; TREEVERIFY_DDTREE_WARP_TOPK).
     ddtree_topk's launch shape and file."""
 
-    name: str = "ddtree_topk_warp"
-    expr: str = "treeverify::ddtree_topk_warp"
+    kernel: str = "ddtree_topk_warp"
 
 
 @dataclass(frozen=True)
@@ -669,8 +685,8 @@ def all_variants(arch: str) -> list[Variant]:
     out.append(DDTreeWalkVariant())
     out.append(DDTreeWalkPackVariant())
     out.append(KvMoveVariant())
-    out.append(DDTreeTopkVariant())
-    out.append(DDTreeTopkWarpVariant())
+    out += [DDTreeTopkVariant(dt) for dt in ("fp32", "bf16")]
+    out += [DDTreeTopkWarpVariant(dt) for dt in ("fp32", "bf16")]
     out.append(RoundStateVariant())
     out.append(RoundStageVariant())
     out.append(RoundPathVariant())
