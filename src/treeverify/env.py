@@ -62,9 +62,10 @@ read here, at call time, so tests can set them with ``monkeypatch.setenv``.
 - ``TREEVERIFY_DECODE_GEMV_PDL``: the decode GEMV (models/gemv.py) by programmatic dependent
   launch on sm_90+, its weight loads overlapping the kernel before it: ``auto`` (default, on),
   ``1`` or ``0`` (plain launches, A/B runs).
-- ``TREEVERIFY_TRITON_PDL``: ``1`` launches the decode path's Triton kernels by programmatic
-  dependent launch on sm_90+ (models/pdl.py); default ``1`` (measured 1.04x on random:mla-moe's
-  decode, 1.02x on the 1B, H200); ``0`` plain launches (A/B runs).
+- ``TREEVERIFY_TRITON_PDL``: ``1`` launches the decode path's Triton kernels (and the DFlash
+  drafter's, spec/dflash_fused.py) by programmatic dependent launch on sm_90+ (models/pdl.py);
+  default ``1`` (measured 1.04x on random:mla-moe's decode, 1.02x on the 1B, H200); ``0``
+  plain launches (A/B runs).
 - ``TREEVERIFY_DECODE_LOOKAHEAD``: ``1`` launches each plain greedy decode step before the
   previous one is read, where graphs are captured (engine/decode_ahead.py); default ``1``
   (measured 1.09-1.45x at b=1 on the H200); ``0`` reads every step first (A/B runs).
@@ -278,8 +279,9 @@ VARIABLES: dict[str, str] = {
     "default 0 (off until measured).",
     "TREEVERIFY_DECODE_GEMV_PDL": "The decode GEMV by programmatic dependent launch on sm_90+ "
     "(its weights loaded while the kernel before it ends): auto (default, on), 1 or 0 (A/B).",
-    "TREEVERIFY_TRITON_PDL": "1: the decode path's Triton kernels by programmatic dependent "
-    "launch on sm_90+ (each waits for the kernel before it as it starts); default 1; 0: A/B.",
+    "TREEVERIFY_TRITON_PDL": "1: the decode path's and the DFlash drafter's Triton kernels by "
+    "programmatic dependent launch on sm_90+ (each waits for the kernel before it as it "
+    "starts); default 1; 0: A/B.",
     "TREEVERIFY_DECODE_LOOKAHEAD": "1: each plain greedy decode step launched before the "
     "previous one is read, where graphs are captured (engine/decode_ahead.py); default 1.",
     "TREEVERIFY_FUSED_DECODE_STEP": "1: a decode step launched ahead and a whole round pick their "
@@ -685,10 +687,11 @@ def decode_gemv_pdl() -> str:
 
 
 def triton_pdl() -> bool:
-    """TREEVERIFY_TRITON_PDL: 1 launches the decode path's Triton kernels by programmatic
-    dependent launch on sm_90+ (models/pdl.py: each waits for the kernel before it as it
-    starts); default 1 (measured 1.04x on random:mla-moe's decode step at b=1, 1.02x on the
-    1B, H200, 2026-12-04); 0 plain launches. Read once per process."""
+    """TREEVERIFY_TRITON_PDL: 1 launches the decode path's Triton kernels (and the DFlash
+    drafter's, spec/dflash_fused.py) by programmatic dependent launch on sm_90+ (models/pdl.py:
+    each waits for the kernel before it as it starts); default 1 (measured 1.04x on
+    random:mla-moe's decode step at b=1, 1.02x on the 1B, H200, 2026-12-04); 0 plain launches.
+    Read once per process."""
     return _switch("TREEVERIFY_TRITON_PDL", "1")
 
 

@@ -7,10 +7,11 @@ PDL lets a kernel start while the one before it on the stream still runs; the ke
   its weights before it waits (models/gemv.py); the Triton kernels in front of it signal their
   dependents as they start (griddepcontrol.launch_dependents), so those loads overlap them.
 - `TREEVERIFY_TRITON_PDL` (default on, sm_90+; 1.04x on random:mla-moe's decode): the Triton
-  kernels themselves go out by PDL: each program waits for the kernel before it as it starts
-  (every program, so that the kernel's completion still implies the previous kernel's: stream
-  order for what follows), then signals its own dependents. What overlaps is a kernel's launch
-  and scheduling.
+  kernels themselves (the decode path's, and since the fifty-first session the DFlash
+  drafter's, spec/dflash_fused.py) go out by PDL: each program waits for the kernel before it
+  as it starts (every program, so that the kernel's completion still implies the previous
+  kernel's: stream order for what follows), then signals its own dependents. What overlaps is a
+  kernel's launch and scheduling.
 
 A kernel takes `PDL: tl.constexpr`; when set its programs begin with `gdc_wait()` (a no-op in a
 normal launch) and `gdc_launch_dependents()`. `flags(x)` gives a launch's keyword arguments

@@ -15,6 +15,10 @@ round, cuDNN's SDPA alone 21 us a layer: 4 CTAs walking 2128 keys one after anot
                  count), the held rows split evenly by age so 8 CTAs per (request, KV head)
                  share the walk, then a merge writing (B*T, Hq*D) for o_proj     (~8 + SDPA -> 2)
 
+Every kernel here goes out by programmatic dependent launch where the Triton kernels do
+(models/pdl.py, TREEVERIFY_TRITON_PDL: each program waits for the kernel before it as it
+starts, then lets the next one launch), so a draft's launches overlap their predecessors' tails.
+
 Scores and softmax stay fp32 (acceptance fell 4.58 -> 3.93 on prose when the scores were
 rounded to bf16; see spec/dflash.py), probabilities meet V in bf16 as in SDPA's flash kernel.
 The draft's output only steers the tree: verification keeps decoding lossless whatever it
@@ -29,6 +33,8 @@ import functools
 import math
 
 import torch
+
+from treeverify.models import pdl
 
 SPLITS = 8  # CTAs sharing one (request, KV head)'s ring walk; the merge reads all of them
 BLOCK_N = 64  # ring rows per tile
@@ -54,6 +60,8 @@ def build_kernels():
     global _cast, _mma, _online_tile
     from treeverify.kernels.triton.tree_attention import _cast, _mma
 
+    gdc_wait, gdc_launch_dependents = pdl.gdc()  # PDL's two calls (models/pdl.py)
+
     @triton.jit
     def _online_tile(q, k, v, ok, m_i, l_i, acc, sm_scale, IB: tl.constexpr):
         # One tile of keys k / values v (rows where `ok`) into the running softmax (m_i, l_i)
@@ -69,9 +77,13 @@ def build_kernels():
 
     @triton.jit
     def qk_norm_rope_kernel(QKV, QW, KW, C, S, Q, KV, kv_row, hq, hkv, eps,
-                            D: tl.constexpr, HALF: tl.constexpr, IB: tl.constexpr):  # fmt: skip
+                            D: tl.constexpr, HALF: tl.constexpr, IB: tl.constexpr,
+                            PDL: tl.constexpr):  # fmt: skip
         # One (row, head) per program: heads < hq are queries, then keys, then values; a row's
         # k|v (2, Hkv, D) lands kv_row elements after the previous row's.
+        if PDL:  # models/pdl.py: wait for the kernel before, then let the next one start
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, D)
@@ -108,7 +120,7 @@ def build_kernels():
         Q, RING, BLK, COUNTS, ENDS, SLOTS, OPART, LPART,
         rows, width, ring_slot_stride, ring_row_stride, layer_off, hkv, sm_scale,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
-        BN: tl.constexpr, NS: tl.constexpr, IB: tl.constexpr,
+        BN: tl.constexpr, NS: tl.constexpr, IB: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # Program (request b, KV head kh) x split s: its query rows are m = t * G + gi (block
         # row t, query head kh * G + gi); split s walks its share of the request's held rows
@@ -116,6 +128,9 @@ def build_kernels():
         # every split instead of the one or two its ring positions fall in (a walk by ring
         # position left one split 3 tiles of a 300-row context); rows at positions >= `rows`
         # are not read. The last split also takes the block's own T keys (always visible).
+        if PDL:  # as in qk_norm_rope_kernel
+            gdc_wait()
+            gdc_launch_dependents()
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // hkv
@@ -161,9 +176,12 @@ def build_kernels():
     @triton.jit
     def ring_merge_kernel(OPART, LPART, OUT, hkv,
                           T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                          NS: tl.constexpr, IB: tl.constexpr):  # fmt: skip
+                          NS: tl.constexpr, IB: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         # Program (request b, KV head kh): the NS splits' partial outputs weighted by their
         # log-sum-exp (the last split always holds the block's keys, so the max is finite).
+        if PDL:  # as in qk_norm_rope_kernel
+            gdc_wait()
+            gdc_launch_dependents()
         bh = tl.program_id(0)
         b = bh // hkv
         kh = bh % hkv
@@ -197,13 +215,18 @@ def _block_kernel():
     except ImportError:
         return None
 
+    gdc_wait, gdc_launch_dependents = pdl.gdc()
+
     @triton.jit
     def block_rows_kernel(ROOTS, ENDS, EMB, TC, TS, X, C, S, mask_id, hidden, limit,
                           T: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
-                          BD: tl.constexpr):  # fmt: skip
+                          BD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         # Program i = (request b, block row j): the embedding row of the root (j = 0) or the
         # mask token into X's row i, and the rotary tables' rows at position end + j (clamped
         # to the tables, as rope_rows reads them) into C and S: the block's glue in one launch.
+        if PDL:  # models/pdl.py: the roots and ends come from the kernels before
+            gdc_wait()
+            gdc_launch_dependents()
         i = tl.program_id(0).to(tl.int64)
         b = i // T
         j = i % T
@@ -243,7 +266,8 @@ def block_rows(
                                     mask_token, hidden, limit, T=t, D=d,
                                     BH=triton.next_power_of_2(hidden),
                                     BD=triton.next_power_of_2(d),
-                                    num_warps=1 if hidden <= 1024 else 4)  # fmt: skip
+                                    num_warps=1 if hidden <= 1024 else 4,
+                                    **pdl.flags(roots))  # fmt: skip
     return x, cos2, sin2
 
 
@@ -285,7 +309,7 @@ def qk_norm_rope(
     q, kv = out
     _kernels()[0][(rows, heads)](qkv, q_norm.weight, k_norm.weight, cos2, sin2, q, kv,
                                  2 * hkv * d, hq, hkv, q_norm.eps, D=d, HALF=d // 2,
-                                 IB=_interp_bf16(qkv), num_warps=1)  # fmt: skip
+                                 IB=_interp_bf16(qkv), num_warps=1, **pdl.flags(qkv))  # fmt: skip
     return q, kv
 
 
@@ -310,7 +334,7 @@ def context_keys_values(
         kv = linear(ctx, kv_w, None if bias is None else bias[hq * d :]).view(r, 2 * hkv, d)
         kernel[(r, 2 * hkv)](kv, a.k_norm.weight, a.k_norm.weight, cos2, sin2, kv, out[:, i],
                              len(layers) * 2 * hkv * d, 0, hkv, a.k_norm.eps, D=d, HALF=d // 2,
-                             IB=_interp_bf16(ctx), num_warps=1)  # fmt: skip
+                             IB=_interp_bf16(ctx), num_warps=1, **pdl.flags(ctx))  # fmt: skip
     return out
 
 
@@ -342,7 +366,8 @@ def ring_attention(
         q, store, block_kv, counts, ends, slots, o_part, l_part,
         rows, store.shape[1], store.stride(0), row_stride, layer * store.stride(2), hkv, sm_scale,
         T=t, G=g, D=d, BM=bm, BT=bt, BN=BLOCK_N, NS=SPLITS, IB=_interp_bf16(q), num_warps=4,
+        **pdl.flags(q),
     )  # fmt: skip
     merge[(bsz * hkv,)](o_part, l_part, out, hkv, T=t, G=g, D=d, BM=bm, NS=SPLITS,
-                        IB=_interp_bf16(q), num_warps=4)  # fmt: skip
+                        IB=_interp_bf16(q), num_warps=4, **pdl.flags(q))  # fmt: skip
     return out
