@@ -278,13 +278,14 @@ def test_walk_kernel_equals_walk_tree() -> None:
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("warp", ["0", "1"], ids=["block-rounds", "warps-first"])
+@pytest.mark.parametrize("warp", ["0", "1"], ids=["threshold", "warps-first"])
 def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
     """The one-launch draft table (kernels/cuda/ddtree_topk.cu) against fp32 log_softmax +
     torch.topk: the same values (to fp32 rounding of the log-sum-exp) and ids on distinct logits;
     on integer logits (ties) the same values, distinct ids naming entries of those values, the
-    smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K. By block-wide
-    rounds, or (TREEVERIFY_DDTREE_WARP_TOPK=1, vocabularies <= 8192) by warps first."""
+    smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K. By threshold
+    selection (k block-wide rounds where it cannot), or (TREEVERIFY_DDTREE_WARP_TOPK=1,
+    vocabularies <= 8192) by warps first."""
     pytest.importorskip("cuda.bindings.driver")
     monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_TOPK", warp)
     from treeverify.spec.topk_cuda import MAX_K, draft_topk_cuda
@@ -293,8 +294,9 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     # V <= 8192 holds each thread's entries in registers, larger V rescans memory: both sides
+    # past 8192: 4-entry pieces (V a multiple of 4) or single entries (50001, 8193)
     cases = ((1, 15, 8192, 16), (3, 4, 50, 32), (2, 1, 2, 2), (1, 7, 50000, 8), (4, 15, 8192, 1),
-             (2, 3, 8191, 32), (1, 2, 8193, 16))  # fmt: skip
+             (2, 3, 8191, 32), (1, 2, 8193, 16), (2, 3, 128256, 16), (1, 3, 50001, 16))  # fmt: skip
     for bsz, n_depth, vocab, k in cases:
         for ties in (False, True):
             if ties:
@@ -322,10 +324,10 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
         lp, ids = draft_topk_cuda(b16, k, LOGPROB_FLOOR)
         want_lp, want_ids = draft_topk_cuda(b16.float(), k, LOGPROB_FLOOR)
         assert torch.equal(lp, want_lp) and torch.equal(ids, want_ids), (bsz, n_depth, vocab, k)
-    # The register path selects by rank among the entries at or above the k-th best of its 256
-    # threads' maxima: one thread holding all the winners (every 256th entry raised: the
+    # The kernel selects by rank among the entries at or after the k-th best of its 256
+    # threads' best entries: one thread holding all the winners (every 256th entry raised: the
     # candidate bound, k x 32) and masked (-inf) vocabularies; a row holding a NaN takes the
-    # rescanning path and leaves its neighbours' rows exact.
+    # k rounds (no order) and leaves its neighbours' rows exact.
     for k in (1, 16, MAX_K):
         logits = torch.randn(2, 3, 8192, generator=gen) * 4
         logits[0, :, ::256] += 100.0
@@ -341,3 +343,15 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
             finite = want_lp[b, d] > float("-inf")
             assert torch.equal(ids[b, d][finite], want_ids[b, d][finite]), (k, b, d)
         assert ((ids[0, 1] >= 0) & (ids[0, 1] < 8192)).all()  # the NaN row: ids in range
+    # Past 8192, one thread holding the winners: every 256th entry raised gives thread 0 ~196
+    # of 50000 (gathered with the other threads' bests) and 1172 of 300000, more than the
+    # gathering holds (1024): that row takes the k rounds.
+    for vocab in (50000, 300000):
+        logits = torch.randn(1, 2, vocab, generator=gen) * 4
+        logits[0, 0, ::256] += 100.0
+        logits = logits.to(dev)
+        for k in (1, 16, MAX_K):
+            lp, ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR)
+            want_lp, want_ids = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+            torch.testing.assert_close(lp, want_lp.clamp(LOGPROB_FLOOR, 0.0), rtol=0, atol=2e-6)
+            assert torch.equal(ids, want_ids), (vocab, k)

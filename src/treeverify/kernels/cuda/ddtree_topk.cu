@@ -1,19 +1,28 @@
 // DDTree's draft table (spec/tree.py `draft_topk`) for small k, one CTA per (request, depth) row:
 // fp32 log-softmax over the vocabulary and its k largest entries, sorted descending, clamped to
 // [floor, 0]. One launch instead of log_softmax + torch.topk (whose radix select took 49 us of a
-// 0.65 ms round on the H200 for 15 rows of 8192 and k = 16). The k winners are found in k rounds
-// (rank: larger value first, then smaller index); each round the block reduces every thread's
-// best entry ranked after the previous winner.
+// 0.65 ms round on the H200 for 15 rows of 8192 and k = 16). Rank: larger value first, then the
+// smaller index (a strict total order on a row's entries when none is NaN).
+//
+// Selection by threshold (`ddtree_topk`, since the fifty-first session): every thread's best
+// entry; T = the k-th best of those 256 (found by counting, in shared memory); the row's top k
+// all rank at or before T (the k thread bests at or before T are k distinct entries), so the
+// entries at or before T, usually a few more than k, are gathered in shared memory and each one's
+// place among them is counted. Two barriers for T and one for the gathering, where the k
+// block-wide rounds it replaces took two each (k = 16: 12.3 us against 2.9 at k = 1 for 15 rows
+// of 8192 on the H100), and one pass over the row in place of k rescans past 8192 entries (1.65
+// ms for 15 rows of 128256 at k = 16: a Llama-3-vocabulary target's tree build). The rounds stay
+// as the fallback, taken by a whole row when it holds a NaN (no order) or when more entries tie
+// at or before T than shared memory holds (kCandCap: impossible for V <= 8192 and k <= 32, at
+// most k x 32 there).
 //   * V <= threads * kTopkPer (tiny-code's 8192): each thread holds its strided entries in
-//     registers, and after a round only the winner's owner looks for its next best (the others'
-//     candidates still rank after the winner): a round is a block reduction plus one register
-//     scan. (The loop below re-read the row from L1/L2 every round: 44 us for 15 rows of 8192,
-//     k = 16, ~7% of a whole round.)
-//   * larger vocabularies: every thread rescans its entries from memory each round (the row
-//     stays in L1/L2 across the rounds; k is bounded by the caller: the scans are k x V / threads).
+//     registers (one read of the row).
+//   * larger vocabularies: three passes from memory (max, sum of exponentials, the gathering),
+//     each thread reading 4-entry pieces, several in flight (the loads of the old rounds' scans
+//     were one at a time: ~100 us a pass over 128256 entries).
 // The logits come as fp32 or as bf16 bits (`In` = unsigned short: the drafter's lm_head output
-// as it is, each entry widened exactly, so the table equals the fp32 upcast's; the upcast was a
-// copy kernel of its own and twice the bytes read here).
+// as it is, each entry widened exactly; pieces of 4 entries for both, so the same entries meet
+// the same sums in the same order: the table equals the fp32 upcast's bit for bit).
 
 namespace treeverify {
 
@@ -23,11 +32,73 @@ static_assert(sizeof(int64_t) == 8, "fixed-width types");
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kTopkPer = 32;  // entries per thread held in registers (V <= 8192)
+constexpr int kCandCap = 1024;  // gathered entries at or before T (k x kTopkPer for k <= 32)
+constexpr int kPieceUnroll = 4;  // 4-entry pieces in flight per thread in a memory pass
 
 // Entry i of a row: fp32 as is, bf16 bits widened (exact).
 __device__ __forceinline__ float logit_at(const float* __restrict__ x, int i) { return x[i]; }
 __device__ __forceinline__ float logit_at(const unsigned short* __restrict__ x, int i) {
   return __uint_as_float(static_cast<unsigned>(x[i]) << 16);
+}
+
+// Four entries 4c .. 4c + 3 of a row (16 bytes of fp32, 8 of bf16), widened to fp32.
+__device__ __forceinline__ void piece_at(const float* __restrict__ x, int c, float (&e)[4]) {
+  const float4 f = reinterpret_cast<const float4*>(x)[c];
+  e[0] = f.x;
+  e[1] = f.y;
+  e[2] = f.z;
+  e[3] = f.w;
+}
+__device__ __forceinline__ void piece_at(const unsigned short* __restrict__ x, int c,
+                                         float (&e)[4]) {
+  const uint2 u = reinterpret_cast<const uint2*>(x)[c];  // entry 4c: u.x's low half
+  e[0] = __uint_as_float(u.x << 16);
+  e[1] = __uint_as_float(u.x & 0xffff0000u);
+  e[2] = __uint_as_float(u.y << 16);
+  e[3] = __uint_as_float(u.y & 0xffff0000u);
+}
+
+// f(value, index) for every entry of this thread's share of a row of V, in a fixed order: 4-entry
+// pieces c = threadIdx.x, + 256, ... (kPieceUnroll in flight) when V is a multiple of 4 and the
+// row is aligned to a piece, else single entries i = threadIdx.x, + 256, ... (8 in flight).
+template <typename In, typename F>
+__device__ __forceinline__ void for_each_entry(const In* __restrict__ x, int V, F f) {
+  const bool pieces = (V & 3) == 0 &&
+                      (reinterpret_cast<unsigned long long>(x) & (4 * sizeof(In) - 1)) == 0;
+  if (pieces) {
+    const int C = V >> 2;
+    for (int c0 = threadIdx.x; c0 < C; c0 += kTopkThreads * kPieceUnroll) {
+      float e[kPieceUnroll][4];
+#pragma unroll
+      for (int u = 0; u < kPieceUnroll; ++u) {
+        const int c = c0 + u * kTopkThreads;
+        if (c < C) piece_at(x, c, e[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kPieceUnroll; ++u) {
+        const int c = c0 + u * kTopkThreads;
+        if (c < C) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) f(e[u][q], 4 * c + q);
+        }
+      }
+    }
+    return;
+  }
+  constexpr int kUnroll = 8;
+  for (int i0 = threadIdx.x; i0 < V; i0 += kTopkThreads * kUnroll) {
+    float e[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kTopkThreads;
+      e[u] = i < V ? logit_at(x, i) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kTopkThreads;
+      if (i < V) f(e[u], i);
+    }
+  }
 }
 
 // Does (va, ia) rank before (vb, ib)?
@@ -192,20 +263,109 @@ __global__ void ddtree_topk_warp(const In* __restrict__ logits, int V, int k, fl
       });
 }
 
+// ddtree_topk's shared memory: the reductions' slots, every thread's best entry, the gathering.
+struct TopkShared {
+  float red[kTopkWarps];
+  float win_v[kTopkWarps];
+  int win_i[kTopkWarps];
+  float best_v[kTopkThreads];
+  int best_i[kTopkThreads];
+  float cand_v[kCandCap];
+  int cand_i[kCandCap];
+  float t_v;
+  int t_i;
+  int count;
+};
+
+// T = (tv, ti): the k-th best of the threads' best entries (bv, bi); a thread without entries
+// holds (-inf, INT_MAX), which ranks after every entry of the row (a row has >= k entries, so
+// the k-th best is one). Also empties the gathering. Two barriers.
+__device__ __forceinline__ void threshold(float bv, int bi, int k, TopkShared& sh, float& tv,
+                                          int& ti) {
+  sh.best_v[threadIdx.x] = bv;
+  sh.best_i[threadIdx.x] = bi;
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  int r = 0;  // this thread's best's place among the 256 (a strict total order without NaN)
+  for (int u = 0; u < kTopkThreads; ++u) r += ranks_before(sh.best_v[u], sh.best_i[u], bv, bi);
+  if (r == k - 1) {
+    sh.t_v = bv;
+    sh.t_i = bi;
+  }
+  __syncthreads();
+  tv = sh.t_v;
+  ti = sh.t_i;
+}
+
+// Entry (v, i) into the gathering when it ranks at or before T.
+__device__ __forceinline__ void gather(float v, int i, float tv, int ti, TopkShared& sh) {
+  if (i == ti || ranks_before(v, i, tv, ti)) {
+    const int at = atomicAdd(&sh.count, 1);
+    if (at < kCandCap) {
+      sh.cand_v[at] = v;
+      sh.cand_i[at] = i;
+    }
+  }
+}
+
+// After the gathering's barrier: each gathered entry's place among them (a strict total order:
+// distinct indices, no NaN), the first k written as the table's row. False, with nothing
+// written, when the gathering overflowed kCandCap (block-uniform: the count is shared).
+__device__ __forceinline__ bool place(int k, float m, float logz, float floor_lp,
+                                      float* __restrict__ lp, int64_t* __restrict__ ids,
+                                      int64_t row, const TopkShared& sh) {
+  const int n = sh.count;
+  if (n < k || n > kCandCap) return false;
+  for (int c = threadIdx.x; c < n; c += kTopkThreads) {
+    const float v = sh.cand_v[c];
+    const int i = sh.cand_i[c];
+    int r = 0;
+    for (int j = 0; j < n; ++j) r += ranks_before(sh.cand_v[j], sh.cand_i[j], v, i);
+    if (r < k) {
+      lp[row * k + r] = fminf(fmaxf((v - m) - logz, floor_lp), 0.0f);
+      ids[row * k + r] = i;
+    }
+  }
+  return true;
+}
+
 // logits (R, V) fp32 or bf16 rows; lp (R, k) fp32, ids (R, k) int64.
 template <typename In>
 __global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float floor_lp,
                             float* __restrict__ lp, int64_t* __restrict__ ids) {
-  __shared__ float red[kTopkWarps];
-  __shared__ float win_v[kTopkWarps];
-  __shared__ int win_i[kTopkWarps];
+  __shared__ TopkShared sh;
   const int64_t row = blockIdx.x;
   const In* x = logits + row * V;
   const float inf = __int_as_float(0x7f800000);
 
-  if (V <= kTopkThreads * kTopkPer) {  // registers: a round is a reduction + one scan
+  if (V <= kTopkThreads * kTopkPer) {  // registers: one read of the row
     float vals[kTopkPer], m, logz;
-    row_in_registers(x, V, red, vals, m, logz);
+    row_in_registers(x, V, sh.red, vals, m, logz);
+    bool nan = false;
+    float bv = -inf;  // this thread's best entry
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < kTopkPer; ++j) {
+      const int i = threadIdx.x + j * kTopkThreads;
+      nan |= vals[j] != vals[j];
+      if (i < V && ranks_before(vals[j], i, bv, bi)) {
+        bv = vals[j];
+        bi = i;
+      }
+    }
+    if (!__syncthreads_or(nan)) {
+      float tv;
+      int ti;
+      threshold(bv, bi, k, sh, tv, ti);
+#pragma unroll
+      for (int j = 0; j < kTopkPer; ++j) {
+        const int i = threadIdx.x + j * kTopkThreads;
+        if (i < V) gather(vals[j], i, tv, ti, sh);
+      }
+      __syncthreads();
+      if (place(k, m, logz, floor_lp, lp, ids, row, sh)) return;
+    }
+    // The fallback: k block-wide rounds; after a round only the winner's owner rescans.
     float pv = inf;  // the previous winner: every entry ranks after it at first
     int pi = -1;
     float cv = -inf;  // this thread's best entry ranked after the previous winner
@@ -224,46 +384,65 @@ __global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float f
           }
         }
       }
-      float bv = cv;
-      int bi = ci;
-      block_best(bv, bi, win_v, win_i);
-      mine = bi == ci;
-      pv = bv;
-      pi = bi;
+      float wv = cv;
+      int wi = ci;
+      block_best(wv, wi, sh.win_v, sh.win_i);
+      mine = wi == ci;
+      pv = wv;
+      pi = wi;
       if (threadIdx.x == 0) {
-        lp[row * k + r] = fminf(fmaxf((bv - m) - logz, floor_lp), 0.0f);
-        ids[row * k + r] = bi;
+        lp[row * k + r] = fminf(fmaxf((wv - m) - logz, floor_lp), 0.0f);
+        ids[row * k + r] = wi;
       }
     }
     return;
   }
 
-  float m = -inf;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, logit_at(x, i));
-  m = block_max(m, red);
+  // From memory: max (with each thread's best and whether a NaN is there), then the sum of
+  // exponentials, then the gathering: three passes in one order (for_each_entry).
+  float m = -inf, bv = -inf;
+  int bi = 0x7fffffff;
+  bool nan = false;
+  for_each_entry(x, V, [&](float v, int i) {
+    m = fmaxf(m, v);
+    nan |= v != v;
+    if (ranks_before(v, i, bv, bi)) {
+      bv = v;
+      bi = i;
+    }
+  });
+  m = block_max(m, sh.red);
   float s = 0.0f;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(logit_at(x, i) - m);
-  const float logz = logf(block_sum(s, red));
-
+  for_each_entry(x, V, [&](float v, int) { s += expf(v - m); });
+  const float logz = logf(block_sum(s, sh.red));
+  if (!__syncthreads_or(nan)) {
+    float tv;
+    int ti;
+    threshold(bv, bi, k, sh, tv, ti);
+    for_each_entry(x, V, [&](float v, int i) { gather(v, i, tv, ti, sh); });
+    __syncthreads();
+    if (place(k, m, logz, floor_lp, lp, ids, row, sh)) return;
+  }
+  // The fallback: k block-wide rounds, each rescanning the row (from L1/L2).
   float pv = inf;  // the previous winner: every entry ranks after it at first
   int pi = -1;
   for (int r = 0; r < k; ++r) {
-    float bv = -inf;
-    int bi = 0x7fffffff;
+    float wv = -inf;
+    int wi = 0x7fffffff;
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
       const float v = logit_at(x, i);
-      if (ranks_before(pv, pi, v, i) && ranks_before(v, i, bv, bi)) {
-        bv = v;
-        bi = i;
+      if (ranks_before(pv, pi, v, i) && ranks_before(v, i, wv, wi)) {
+        wv = v;
+        wi = i;
       }
     }
-    block_best(bv, bi, win_v, win_i);
-    pv = bv;
-    pi = bi;
+    block_best(wv, wi, sh.win_v, sh.win_i);
+    pv = wv;
+    pi = wi;
     if (threadIdx.x == 0) {
-      const float v = (bv - m) - logz;
+      const float v = (wv - m) - logz;
       lp[row * k + r] = fminf(fmaxf(v, floor_lp), 0.0f);
-      ids[row * k + r] = bi;
+      ids[row * k + r] = wi;
     }
   }
 }
