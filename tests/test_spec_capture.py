@@ -284,8 +284,8 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
     torch.topk: the same values (to fp32 rounding of the log-sum-exp) and ids on distinct logits;
     on integer logits (ties) the same values, distinct ids naming entries of those values, the
     smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K. By threshold
-    selection (k block-wide rounds where it cannot), or (TREEVERIFY_DDTREE_WARP_TOPK=1,
-    vocabularies <= 8192) by warps first."""
+    selection (k block-wide rounds at k <= 12 up to 8192 entries, and where it cannot), or
+    (TREEVERIFY_DDTREE_WARP_TOPK=1, vocabularies <= 8192) by warps first."""
     pytest.importorskip("cuda.bindings.driver")
     monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_TOPK", warp)
     from treeverify.spec.topk_cuda import MAX_K, draft_topk_cuda

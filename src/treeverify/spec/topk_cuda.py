@@ -4,11 +4,12 @@
 49 us for 15 rows of 8192 and k = 16, the largest single kernel of a whole round after the target
 forward's. The kernel computes the same table in one CTA per row: the row's max and log-sum-exp,
 then the k best entries by a threshold (the k-th best of the 256 threads' best entries: every
-entry at or before it is gathered and ranked among them; k block-wide rounds only for a row with
-a NaN, or with more such entries than shared memory holds, which k <= MAX_K rules out up to
-8192). One read of a row up to 8192 entries, three passes beyond (the k rounds' rescans took 1.65
-ms for 15 rows of Llama 3's 128256 on the H100). Ties rank the smaller token id first.
-Capture-safe: no host sync.
+entry at or before it is gathered and ranked among them; k block-wide rounds for a row with a
+NaN, or with more such entries than shared memory holds, which k <= MAX_K rules out up to 8192,
+and for rows up to 8192 entries at k <= 12, where ~0.6 us a round is cheaper). One read of a
+row up to 8192 entries, three passes beyond (the k rounds' rescans took 1.65 ms for 15 rows of
+Llama 3's 128256 on the H100). Ties rank the smaller token id first. Capture-safe: no host
+sync.
 bf16 logits (the DFlash drafter's lm_head output on CUDA) are read as they are, each entry
 widened exactly: the same table as from their fp32 upcast, without that copy (one launch and
 15 x V x 6 bytes a request: ~2-3 us of a b=1 round at V = 8192, more at larger vocabularies);

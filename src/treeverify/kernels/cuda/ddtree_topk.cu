@@ -15,7 +15,7 @@
 // ms for 15 rows of 128256 at k = 16: a Llama-3-vocabulary target's tree build). The rounds stay
 // as the fallback, taken by a whole row when it holds a NaN (no order) or when more entries tie
 // at or before T than shared memory holds (kCandCap: impossible for V <= 8192 and k <= 32, at
-// most k x 32 there).
+// most k x 32 there), and by rows held in registers at k <= kRoundsMaxK, where they are cheaper.
 //   * V <= threads * kTopkPer (tiny-code's 8192): each thread holds its strided entries in
 //     registers (one read of the row).
 //   * larger vocabularies: three passes from memory (max, sum of exponentials, the gathering),
@@ -35,6 +35,10 @@ constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kTopkPer = 32;  // entries per thread held in registers (V <= 8192)
 constexpr int kCandCap = 1024;  // gathered entries at or before T (k x kTopkPer for k <= 32)
 constexpr int kPieceUnroll = 4;  // 4-entry pieces in flight per thread in a memory pass
+// Up to this k, a row held in registers takes the k rounds: each costs ~0.62 us (15 x 8192 on
+// the H100: 2.94 us at k = 1, 12.27 at k = 16) against the threshold's ~10.3 at any k (10.06 /
+// 10.56), so budgets 4 and 8 stay on the rounds, 16 and 32 take the threshold.
+constexpr int kRoundsMaxK = 12;
 
 // Entry i of a row: fp32 as is, bf16 bits widened (exact).
 __device__ __forceinline__ float logit_at(const float* __restrict__ x, int i) { return x[i]; }
@@ -375,19 +379,19 @@ __global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float f
   if (V <= kTopkThreads * kTopkPer) {  // registers: one read of the row
     float vals[kTopkPer], m, logz;
     row_in_registers(x, V, sh.red, vals, m, logz);
-    bool nan = false;
+    bool rounds = k <= kRoundsMaxK;  // small k: the rounds are cheaper
     float bv = -inf;  // this thread's best entry
     int bi = 0x7fffffff;
 #pragma unroll
     for (int j = 0; j < kTopkPer; ++j) {
       const int i = threadIdx.x + j * kTopkThreads;
-      nan |= vals[j] != vals[j];
+      rounds |= vals[j] != vals[j];  // a NaN: no order to select by
       if (i < V && ranks_before(vals[j], i, bv, bi)) {
         bv = vals[j];
         bi = i;
       }
     }
-    if (!__syncthreads_or(nan)) {
+    if (!__syncthreads_or(rounds)) {
       float tv;
       int ti;
       threshold(bv, bi, k, sh, tv, ti);
@@ -399,7 +403,8 @@ __global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float f
       __syncthreads();
       if (place(k, m, logz, floor_lp, lp, ids, row, sh)) return;
     }
-    // The fallback: k block-wide rounds; after a round only the winner's owner rescans.
+    // Small k, a NaN or an overflow: k block-wide rounds; after a round only the winner's
+    // owner rescans.
     float pv = inf;  // the previous winner: every entry ranks after it at first
     int pi = -1;
     float cv = -inf;  // this thread's best entry ranked after the previous winner
