@@ -53,7 +53,11 @@ def main() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for bsz, depth, vocab, k in [(1, 15, 8192, 16), (1, 15, 8192, 1), (1, 15, 512, 16),
+    # k 1 / 4 / 8 / 12 take the k rounds up to 8192 entries, 13 / 16 / 32 the threshold
+    # (kRoundsMaxK in ddtree_topk.cu: the crossover, interpolated from k = 1 and 16)
+    for bsz, depth, vocab, k in [(1, 15, 8192, 16), (1, 15, 8192, 1), (1, 15, 8192, 4),
+                                 (1, 15, 8192, 8), (1, 15, 8192, 12), (1, 15, 8192, 13),
+                                 (1, 15, 8192, 32), (1, 15, 512, 16),
                                  (1, 1, 8192, 16), (8, 15, 8192, 16), (1, 15, 128256, 16),
                                  (8, 15, 128256, 16), (1, 15, 151936, 16)]:  # fmt: skip
         b16 = (torch.randn(bsz, depth, vocab, device=dev, generator=g) * 4).bfloat16()
