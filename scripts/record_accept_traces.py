@@ -86,7 +86,7 @@ def trace_prompt(llm: LLM, prompt: str, tokens: int, budget: int, chunk: int = 3
         roots = torch.tensor([ids[p] for p in ps])  # (b,)
         tree = build_tree(logits, budget, roots)
         if keep is not None:
-            keep.setdefault("logits", []).append(logits)
+            keep.setdefault("logits", []).append(logits.float())  # fp32 (bf16 on CUDA)
             keep.setdefault("roots", []).append(roots)
         for i, p in enumerate(ps):
             cont = ids[p + 1 : p + 1 + depth]

@@ -100,9 +100,11 @@ def _replay(graphs: DraftGraphs, rids, tokens, depth) -> torch.Tensor:
 def _check(context, graphs, rids, tokens, depth, got, msg):
     b = len(rids)
     drafter = context.drafter
-    # bf16 engines draft in the lm_head's own bf16 (spec/dflash.py `_logits`), fp32 ones in fp32
+    # the drafter's own rule: bf16 engines draft in the lm_head's bf16, fp32 ones in fp32
     assert got.shape == (b, depth, drafter.config.vocab_size)
-    assert got.dtype == drafter.fc.weight.dtype, (got.dtype, msg)
+    assert got.dtype == drafter.logits_dtype(), (got.dtype, msg)
+    assert got.dtype == (torch.bfloat16 if drafter.fc.weight.dtype == torch.bfloat16
+                         else torch.float32), (got.dtype, msg)  # fmt: skip
     assert torch.isfinite(got).all(), msg  # every row written (the outputs were NaN)
     # Same kernels over the same shapes: bit-identical (rows masked out add exact 0s).
     want = _eager(context, rids, tokens, depth, bucket=graphs.bucket_for(b))

@@ -343,15 +343,27 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
             finite = want_lp[b, d] > float("-inf")
             assert torch.equal(ids[b, d][finite], want_ids[b, d][finite]), (k, b, d)
         assert ((ids[0, 1] >= 0) & (ids[0, 1] < 8192)).all()  # the NaN row: ids in range
-    # Past 8192, one thread holding the winners: every 256th entry raised gives thread 0 ~196
-    # of 50000 (gathered with the other threads' bests) and 1172 of 300000, more than the
-    # gathering holds (1024): that row takes the k rounds.
+    # Past 8192 a thread reads 4-entry pieces c = t, t + 256, ...: raising every entry of
+    # thread 0's pieces ((i // 4) % 256 == 0) puts all the winners in one thread, ~196 of 50000
+    # (gathered with the other threads' bests) and ~1172 of 300000, more than the gathering
+    # holds (1024): that row takes the k rounds. A NaN past 8192 takes them too.
     for vocab in (50000, 300000):
-        logits = torch.randn(1, 2, vocab, generator=gen) * 4
-        logits[0, 0, ::256] += 100.0
+        logits = torch.randn(2, 2, vocab, generator=gen) * 4
+        logits[0, 0, (torch.arange(vocab) // 4) % 256 == 0] += 100.0
+        logits[1, 1, 4321] = float("nan")
         logits = logits.to(dev)
         for k in (1, 16, MAX_K):
             lp, ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR)
             want_lp, want_ids = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
-            torch.testing.assert_close(lp, want_lp.clamp(LOGPROB_FLOOR, 0.0), rtol=0, atol=2e-6)
-            assert torch.equal(ids, want_ids), (vocab, k)
+            for b, d in [(0, 0), (0, 1), (1, 0)]:
+                torch.testing.assert_close(lp[b, d], want_lp[b, d].clamp(LOGPROB_FLOOR, 0.0),
+                                           rtol=0, atol=2e-6)  # fmt: skip
+                assert torch.equal(ids[b, d], want_ids[b, d]), (vocab, k, b, d)
+            assert ((ids[1, 1] >= 0) & (ids[1, 1] < vocab)).all()  # the NaN row: ids in range
+    # k == V on the threshold path (rows in registers take it past k = 12)
+    for vocab in (13, 16, 32):
+        logits = (torch.randn(2, 3, vocab, generator=gen) * 4).to(dev)
+        lp, ids = draft_topk_cuda(logits, vocab, LOGPROB_FLOOR)
+        want_lp, want_ids = torch.topk(torch.log_softmax(logits, -1), vocab, dim=-1)
+        torch.testing.assert_close(lp, want_lp.clamp(LOGPROB_FLOOR, 0.0), rtol=0, atol=2e-6)
+        assert torch.equal(ids, want_ids), vocab

@@ -123,8 +123,8 @@ class DraftGraphs:
 
     def propose(self, request_ids: list[str], last_tokens: Sequence[int],
                 depth: int) -> torch.Tensor | None:  # fmt: skip
-        """(B, L, V) fp32 draft logits, a view of the graph's output; None: not captured for
-        this batch or depth."""
+        """(B, L, V) draft logits (the drafter's `logits_dtype()`), a view of the graph's
+        output; None: not captured for this batch or depth."""
         b = len(request_ids)
         bucket = self.bucket_for(b)
         if bucket is None or (depth, bucket) not in self.graphs:

@@ -45,6 +45,10 @@ class NgramSource:
         """Fix the token rings (one per request) for captured whole rounds."""
         self.context.fix(max_requests, device)
 
+    def logits_dtype(self) -> torch.dtype:
+        """The n-gram drafter's distributions are fp32."""
+        return torch.float32
+
     def propose_batch(self, seqs: list[Sequence], depth: int, device) -> torch.Tensor:
         """(B, L, V) on `device`: the votes are found on the host and sent as (b, d, token)
         triples (a few hundred bytes), the distributions are built on the device."""
@@ -82,6 +86,10 @@ class DFlashSource:
         self.graphs = DraftGraphs(self.context, batch_sizes, depths, device)
         self.context.capture_projection(device, max_rows=max(batch_sizes) * (max(depths) + 1))
         return self.graphs.report
+
+    def logits_dtype(self) -> torch.dtype:
+        """The drafter's (bf16 on CUDA when nothing rescales them, else fp32)."""
+        return self.drafter.logits_dtype()
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """Rows for cache positions start.. (earlier rows past `start` were recomputed or

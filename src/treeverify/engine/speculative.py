@@ -142,8 +142,10 @@ class SpeculativeDecoder:
             def build(logits, roots):
                 return self.trees(logits, roots, budget)
 
+            dtype = self.source.logits_dtype()  # the draft's own: no widening copy into it
+
             def example(b: int):
-                return (torch.zeros(b, depth, v, device=device),
+                return (torch.zeros(b, depth, v, dtype=dtype, device=device),
                         torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
 
             self._build[budget] = CapturedFn(build, example, batch_sizes,

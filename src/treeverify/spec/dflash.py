@@ -263,7 +263,7 @@ class DFlashDrafter(nn.Module):
         last_tokens: torch.Tensor,  # (B,) int64: the last committed token (block position 0)
         depth: int,  # L, 1 <= L <= block_size - 1
         context_start: torch.Tensor | None = None,  # (B,) int: position of context row 0
-    ) -> torch.Tensor:  # (B, L, V) fp32 logits for the next L positions
+    ) -> torch.Tensor:  # (B, L, V) logits for the next L positions (dtype: logits_dtype())
         """Draft logits for the L positions after each sequence's last committed token.
 
         context_hidden[b, :context_lens[b]] are the target's hidden states (the outputs of the
@@ -331,7 +331,7 @@ class DFlashDrafter(nn.Module):
         block_start: torch.Tensor,  # (B,) int: the position of the block's first row
         depth: int,  # L, 1 <= L <= block_size - 1
         context_valid: torch.Tensor | None = None,  # (B, C) bool: rows to attend (else < lens)
-    ) -> torch.Tensor:  # (B, L, V) fp32 logits for the next L positions
+    ) -> torch.Tensor:  # (B, L, V) logits for the next L positions (dtype: logits_dtype())
         """`propose` from context keys/values already computed by `context_kv`; rows past
         context_lens[b] are masked out of attention (they must be finite), or, given
         `context_valid`, the rows it leaves out (a ring of rows in any order: each key carries
@@ -384,7 +384,7 @@ class DFlashDrafter(nn.Module):
         rows: int,  # the first `rows` ring rows are read (rows older than a ring's end wrap)
         depth: int,  # L
         interpret: bool = False,  # the Triton CPU interpreter (tests)
-    ) -> torch.Tensor:  # (B, L, V) fp32 logits
+    ) -> torch.Tensor:  # (B, L, V) logits (dtype: logits_dtype())
         """`propose_from_kv` over each request's ring, read in place: row r of ring `slots[b]`
         is visible when its age (ends[b] - 1 - r) mod W is below counts[b]. On a GPU after
         `fuse_for_inference` (see `ring_fused`): three Triton kernels per layer; elsewhere the
@@ -452,6 +452,17 @@ class DFlashDrafter(nn.Module):
         cos2, sin2 = self.rope.rotate_half_tables(blk_pos.reshape(-1), dtype)  # (B*T, D) each
         return x, cos2, sin2
 
+    def logits_dtype(self) -> torch.dtype:
+        """The dtype of the draft logits `propose*` return: the lm_head's bf16 on CUDA when
+        nothing rescales them (no output multiplier, no softcap), else fp32. Captured consumers
+        (the general path's tree build) size their input buffers by it."""
+        _, lm_head = self._target
+        w, cfg = lm_head.weight, self.config
+        if (w.is_cuda and w.dtype == torch.bfloat16 and cfg.output_multiplier == 1.0
+                and not cfg.final_logit_softcapping):  # fmt: skip
+            return torch.bfloat16
+        return torch.float32
+
     def _logits(self, x: torch.Tensor, depth: int,
                 normed: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, L, V)  # fmt: skip
         """Final norm (unless `normed`: x has had it) and the target's lm_head on block
@@ -462,8 +473,7 @@ class DFlashDrafter(nn.Module):
         cfg = self.config
         h = x[:, 1 : 1 + depth] if normed else self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
         logits = lm_head(h.to(lm_head.weight.dtype))  # (B, L, V)
-        if (logits.is_cuda and logits.dtype == torch.bfloat16 and cfg.output_multiplier == 1.0
-                and not cfg.final_logit_softcapping):  # fmt: skip
+        if logits.dtype == self.logits_dtype():
             return logits
         logits = logits.float()
         if cfg.output_multiplier != 1.0:

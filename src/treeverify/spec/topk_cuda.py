@@ -29,15 +29,17 @@ import torch
 from torch import Tensor
 
 MAX_K = 32  # beyond, torch.topk: the gathering's bound (k x 32 entries up to V = 8192) grows
+MAX_VOCAB = 2**31 - 4096  # ddtree_topk's int indices (a pass steps 2048 entries past V)
 # ddtree_topk_warp (TREEVERIFY_DDTREE_WARP_TOPK): rows held in registers, 256 threads x 32
 WARP_MAX_VOCAB = 8192
 
 
 def usable(draft_logits: Tensor, k: int) -> bool:
-    """CUDA tensors, cuda-python present, k small enough for the kernel's rounds."""
+    """CUDA tensors, cuda-python present, k and the vocabulary within the kernel's bounds."""
     from .tree_heap import available
 
-    return draft_logits.is_cuda and 1 <= k <= MAX_K and available(draft_logits.device)
+    return (draft_logits.is_cuda and 1 <= k <= MAX_K and draft_logits.shape[-1] <= MAX_VOCAB
+            and available(draft_logits.device))  # fmt: skip
 
 
 def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]:
@@ -48,7 +50,9 @@ def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor,
     from treeverify.kernels.cuda.variants import DDTreeTopkVariant, DDTreeTopkWarpVariant
 
     bsz, n_depth, vocab = draft_logits.shape
-    if vocab >= 2**31 or not 1 <= k <= min(MAX_K, vocab):
+    if vocab > MAX_VOCAB:  # the kernel's int indices run a few thousand past V
+        raise ValueError(f"draft_logits: a vocabulary of at most {MAX_VOCAB}, got {vocab}")
+    if not 1 <= k <= min(MAX_K, vocab):
         raise ValueError(f"k: expected 1..{min(MAX_K, vocab)}, got {k}")
     dev = draft_logits.device
     bf16 = draft_logits.dtype == torch.bfloat16  # read as is: exact, no upcast copy

@@ -23,7 +23,8 @@
 //     were one at a time: ~100 us a pass over 128256 entries).
 // The logits come as fp32 or as bf16 bits (`In` = unsigned short: the drafter's lm_head output
 // as it is, each entry widened exactly; pieces of 4 entries for both, so the same entries meet
-// the same sums in the same order: the table equals the fp32 upcast's bit for bit).
+// the same sums in the same order: the table equals the fp32 upcast's bit for bit, as long as
+// both rows are aligned to a piece, as every tensor torch allocates is).
 
 namespace treeverify {
 
