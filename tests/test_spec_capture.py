@@ -360,6 +360,14 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
                                            rtol=0, atol=2e-6)  # fmt: skip
                 assert torch.equal(ids[b, d], want_ids[b, d]), (vocab, k, b, d)
             assert ((ids[1, 1] >= 0) & (ids[1, 1] < vocab)).all()  # the NaN row: ids in range
+    # The passes-only variant (a measurement kernel: no row held in registers) gives the same
+    # table on rows that would have been held in registers
+    for vocab, k in ((8192, 16), (8192, 4), (50, 32), (300, 13)):
+        logits = (torch.randn(2, 3, vocab, generator=gen) * 4).to(dev)
+        lp, ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR, passes_only=True)
+        want_lp, want_ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR)
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+        assert torch.equal(ids, want_ids), (vocab, k)
     # k == V on the threshold path (rows in registers take it past k = 12)
     for vocab in (13, 16, 32):
         logits = (torch.randn(2, 3, vocab, generator=gen) * 4).to(dev)

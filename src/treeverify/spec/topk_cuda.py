@@ -42,9 +42,12 @@ def usable(draft_logits: Tensor, k: int) -> bool:
             and available(draft_logits.device))  # fmt: skip
 
 
-def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]:
+def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float, *,
+                    passes_only: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(B, L, V) fp32 or bf16 logits (others upcast) -> (lp (B, L, k) fp32 sorted
-    descending, clamped to [floor, 0], ids (B, L, k) int64): `draft_topk`'s table."""
+    descending, clamped to [floor, 0], ids (B, L, k) int64): `draft_topk`'s table.
+    `passes_only`: the measurement variant that reads every row from memory (no rows in
+    registers; scripts/tree_kernels_gpu.py), the same table."""
     from treeverify import env
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DDTreeTopkVariant, DDTreeTopkWarpVariant
@@ -61,9 +64,10 @@ def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor,
     ids = torch.empty(bsz, n_depth, k, dtype=torch.int64, device=dev)
     rows = bsz * n_depth
     if rows:
-        warp = env.ddtree_warp_topk() and vocab <= WARP_MAX_VOCAB  # read when captured
+        warp = env.ddtree_warp_topk() and vocab <= WARP_MAX_VOCAB and not passes_only
         dtype = "bf16" if bf16 else "fp32"
-        kernel = load(DDTreeTopkWarpVariant(dtype) if warp else DDTreeTopkVariant(dtype), dev)
+        variant = DDTreeTopkWarpVariant(dtype) if warp else DDTreeTopkVariant(dtype, passes_only)
+        kernel = load(variant, dev)
         ptr = ctypes.c_void_p
         args = [ptr(x.data_ptr()), ctypes.c_int(vocab), ctypes.c_int(k), ctypes.c_float(floor),
                 ptr(lp.data_ptr()), ptr(ids.data_ptr())]  # fmt: skip

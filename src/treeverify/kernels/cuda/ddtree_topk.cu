@@ -377,6 +377,7 @@ __global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float f
   const In* x = logits + row * V;
   const float inf = __int_as_float(0x7f800000);
 
+#ifndef TV_TOPK_PASSES_ONLY  // (a measurement variant: every row from memory)
   if (V <= kTopkThreads * kTopkPer) {  // registers: one read of the row
     float vals[kTopkPer], m, logz;
     row_in_registers(x, V, sh.red, vals, m, logz);
@@ -437,6 +438,7 @@ __global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float f
     }
     return;
   }
+#endif
 
   // From memory: max (with each thread's best and whether a NaN is there), then the sum of
   // exponentials, then the gathering: three passes in one order (for_each_entry).
