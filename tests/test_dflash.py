@@ -306,6 +306,22 @@ def test_attach_target_checks_shapes(target):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_propose_applies_output_multiplier_and_softcap(drafter):
+    """An fp32 drafter with an output multiplier and a final softcap rescales its logits
+    (logits_dtype() is fp32 there too: the early return kept for bf16 on CUDA only)."""
+    hidden, lens, last = _inputs(drafter, [5, 3], seed=7)
+    plain = drafter.propose(hidden, lens, last, depth=6)
+    cfg = drafter.config
+    try:
+        cfg.output_multiplier, cfg.final_logit_softcapping = 2.0, 3.0
+        assert drafter.logits_dtype() == torch.float32
+        got = drafter.propose(hidden, lens, last, depth=6)
+    finally:
+        cfg.output_multiplier, cfg.final_logit_softcapping = 1.0, None
+    torch.testing.assert_close(got, torch.tanh(plain * 2.0 / 3.0) * 3.0)
+    assert got.abs().max() < 3.0
+
+
 def test_propose_shapes_dtype_finite(drafter):
     hidden, lens, last = _inputs(drafter, [4, 1, 7], pad_to=10, seed=5)
     out = drafter.propose(hidden, lens, last, depth=15)

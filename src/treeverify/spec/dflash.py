@@ -473,7 +473,7 @@ class DFlashDrafter(nn.Module):
         cfg = self.config
         h = x[:, 1 : 1 + depth] if normed else self.norm(x[:, 1 : 1 + depth])  # (B, L, H)
         logits = lm_head(h.to(lm_head.weight.dtype))  # (B, L, V)
-        if logits.dtype == self.logits_dtype():
+        if self.logits_dtype() == torch.bfloat16:  # kept as is: nothing rescales them
             return logits
         logits = logits.float()
         if cfg.output_multiplier != 1.0:
