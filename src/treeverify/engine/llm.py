@@ -150,7 +150,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             self.model, self.cache, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_forward_tokens, max_chunk=config.max_chunk,
             attention_backend=config.attention_backend,
-            max_context=getattr(self.model_config, "max_position_embeddings", None),
+            max_context=self.model_config.max_position_embeddings,
         )  # fmt: skip
         self.spec = None
         if config.speculating:
@@ -215,7 +215,7 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
                 bs, budgets = list(config.graph_batch_sizes), list(config.spec_budgets)
                 self.spec.capture(bs, self.device, budgets)
                 if isinstance(source := self.spec.source, DFlashSource):  # contexts <= max ctx
-                    ctx = min(config.capacity_tokens, self.model_config.max_position_embeddings)
+                    ctx = min(config.capacity_tokens, self.runner.max_context)
                     depths = [self.spec.draft_depth(b) for b in budgets]
                     self.startup["draft_graphs"] = source.capture(
                         bs, depths, ctx, self.device, max_requests=config.max_num_seqs + 1
@@ -371,8 +371,8 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary "
                              f"(0..{self.vocab_size - 1})")  # fmt: skip
         self.check_params(params)
-        ctx = getattr(self.model_config, "max_position_embeddings", None)
-        if ctx is not None and len(ids) + params.max_tokens > ctx:
+        ctx = self.runner.max_context  # the model's positions
+        if len(ids) + params.max_tokens > ctx:
             raise ValueError(f"max_tokens: {params.max_tokens} + the prompt's {len(ids)} tokens "
                              f"exceed the model's context of {ctx} positions")  # fmt: skip
         return ids, params
