@@ -82,5 +82,16 @@ def test_every_module_has_its_line():
     assert not missing, "modules without a line in docs/architecture.md: " + ", ".join(missing)
 
 
+def test_every_kernel_source_and_script_is_named():
+    """The CUDA sources (the jit builds them by name) and the scripts a later session re-runs
+    are part of the map too: each named somewhere in the document (two scripts had gone
+    missing by the fifty-second session)."""
+    doc = DOC.read_text()
+    named = sorted(PKG.rglob("*.cu")) + sorted(PKG.rglob("*.cuh"))
+    named += sorted(p for p in (ROOT / "scripts").iterdir() if p.is_file())
+    missing = [p.relative_to(ROOT).as_posix() for p in named if f"{p.name}`" not in doc]
+    assert not missing, "without a mention in docs/architecture.md: " + ", ".join(missing)
+
+
 def test_no_references_outside_the_repository():
     assert "shared/design" not in DOC.read_text(), "docs/architecture.md must stand alone"
