@@ -161,7 +161,7 @@ def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig) -> 
 
 def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int,
                  cls: str | None = None, switch_seconds: float = 0.0,
-                 lag: int = 0) -> dict:  # fmt: skip
+                 lag: int = 0, queue: bool = False) -> dict:  # fmt: skip
     """`replay` with `batch` requests decoding together, as bench_pair's b=8 rows: prompts in
     groups of `batch` starting together; each step one budget for every live request (the
     controller's `choose` over all of them), costing costs.estimate(live, budget); a request
@@ -171,16 +171,31 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
     before it, as `replay` does (a round entered from plain decoding, and the plain step after
     a round, run read first; at b=8 they also project the context rows pending). `lag`: the
     controller observes each round that many decisions late, as the engine does (it chooses
-    the next step's budget, and launches it, before reading this step's round: lag 1)."""
+    the next step's budget, and launches it, before reading this step's round: lag 1).
+    `queue`: continuous batching, as bench_pair's --queue: `batch` slots, each refilled by the
+    next prompt at the step after its request finished (that step also pays one plain step at
+    the new batch size: the newcomers' prefill), instead of groups that start together."""
     seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
     unseen: list[list[tuple[str, int, list[int]]]] = []  # per decision, its rounds not yet seen
     ctl = policy if isinstance(policy, BudgetController) else None
     last = None  # the previous step's budget
-    for g in range(0, len(traces), batch):
-        live = {f"r{g + i}": [t["paths"], 0, 0] for i, t in enumerate(traces[g : g + batch])}
+    waiting = list(enumerate(traces))  # (prompt index, trace) not yet admitted
+    live: dict[str, list] = {}
+
+    def admit() -> float:
+        """Fill free slots from the waiting prompts; the prefill's seconds (queue only)."""
+        new = []
+        while waiting and len(live) < batch:
+            k, t = waiting.pop(0)
+            live[f"r{k}"] = [t["paths"], 0, 0]
+            new.append(f"r{k}")
         if ctl is not None and cls is not None:
-            for rid in live:
+            for rid in new:
                 ctl.note_request(rid, cls)
+        return costs.estimate(len(live), 0) if queue and new and steps else 0.0
+
+    while waiting:
+        admit()
         while live:
             rids = list(live)
             budget = ctl.choose(rids) if ctl else policy
@@ -221,6 +236,8 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
                         ctl.forget(rid)
             if lag:
                 unseen.append(now)
+            if queue:  # the freed slots taken before the next step
+                seconds += admit()
     return {"tokens": committed_total, "seconds": round(seconds, 6),
             "tokens_per_s": round(committed_total / seconds, 1), "rounds": rounds,
             "steps_by_budget": dict(sorted(steps.items()))}  # fmt: skip

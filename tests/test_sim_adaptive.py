@@ -79,6 +79,23 @@ def test_batched_replay_accounting_and_the_batch8_table(sim):
         assert got["tokens_per_s"] >= 0.95 * plain["tokens_per_s"], text
 
 
+def test_queue_replay_refills_slots_and_charges_the_prefill(sim):
+    """queue=True (bench_pair --queue): a finished request's slot goes to the next prompt at
+    the next step, which pays one plain step at the new batch size (its prefill); groups
+    (queue=False) wait for the whole group and charge no prefill."""
+    traces = [{"paths": [[0, 1, 2]] * 100}, {"paths": [[0]] * 100}, {"paths": [[0, 1, 2]] * 100}]
+    model = sim.table({1: {0: 1.0, 4: 2.0}, 2: {0: 1.5, 4: 3.0}})
+    got = sim.replay_batch(traces, 6, model, 4, batch=2, queue=True)
+    # steps 1-2: r0 (3 a round) and r1 (1): r0 done after 2 steps, r2 joins (prefill 1.5 s);
+    # steps 3-4: r1 and r2, r2 done after 2; steps 5-6: r1 alone (2.0 s each), done at 6
+    assert got["steps_by_budget"] == {4: 6} and got["tokens"] == 18
+    assert got["seconds"] == pytest.approx(4 * 3.0 + 1.5 + 2 * 2.0)
+    grouped = sim.replay_batch(traces, 6, model, 4, batch=2)
+    # group 1: r0 and r1 for 6 steps (r0 done after 2); group 2: r2 alone, 2 steps
+    assert grouped["steps_by_budget"] == {4: 8}
+    assert grouped["seconds"] == pytest.approx(2 * 3.0 + 4 * 2.0 + 2 * 2.0)
+
+
 def test_ceilings_bound_the_fixed_budgets_and_see_the_future(sim):
     """The ceilings' oracles: per request at its best fixed budget, at least every fixed budget
     (on these traces, whose requests commit ~128 tokens each); per step at the round's best
