@@ -312,27 +312,31 @@ class BudgetController:
         """A(B): the curve at the largest bucket <= B (the gains of every bucket up to B)."""
         return self._curve(own, engine)[bisect.bisect_right(self.buckets, budget) - 1]
 
-    def _gain(self, mine: DecayedMean | None, g: DecayedMean | None) -> float | None:
-        """A request's decayed mean of one bucket's gain, shrunk toward the engine-wide one."""
-        if mine is None or not mine.den:
-            return g.value if g is not None else None
-        if g is None or not g.den:
-            return mine.value
-        k = self.cfg.prior_rounds
-        return (mine.num + k * g.value) / (mine.den + k)
-
     def _curve(self, own: _Request | None,
                engine: dict[int, DecayedMean]) -> list[float | None]:  # fmt: skip
-        """A_r(B) for every bucket in order (bucket 0: 0), in one pass over the gains (the
-        request's own, shrunk toward its class's `engine` curve); None from the first
-        never-measured bucket on."""
+        """A_r(B) for every bucket in order (bucket 0: 0), in one pass over the gains: a
+        bucket's gain is the request's own decayed mean shrunk toward its class's `engine`
+        curve, (own num + prior_rounds x engine mean) / (own den + prior_rounds), or the
+        engine's mean where the request has no rounds there; None from the first
+        never-measured bucket on. Inlined (no call a bucket): this runs per request per step
+        (8 requests at rounds: `choose` 31 -> 25 us on the CPU, the same floats)."""
         out: list[float | None] = [0.0]
-        total: float | None = 0.0
+        total = 0.0
+        k = self.cfg.prior_rounds
+        mine_curve = own.curve if own else None
         for b in self.buckets[1:]:
-            if total is not None:
-                gain = self._gain(own.curve.get(b) if own else None, engine.get(b))
-                total = None if gain is None else total + gain
+            g = engine.get(b)
+            mine = mine_curve.get(b) if mine_curve is not None else None
+            if mine is None or not mine.den:
+                if g is None or not g.den:
+                    break
+                total += g.num / g.den
+            elif g is None or not g.den:
+                total += mine.num / mine.den
+            else:
+                total += (mine.num + k * (g.num / g.den)) / (mine.den + k)
             out.append(total)
+        out += [None] * (len(self.buckets) - len(out))
         return out
 
     def rate(self, request_ids: list[str], budget: int, cost: float | None = None) -> float | None:
