@@ -284,7 +284,7 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
     torch.topk: the same values (to fp32 rounding of the log-sum-exp) and ids on distinct logits;
     on integer logits (ties) the same values, distinct ids naming entries of those values, the
     smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K. By threshold
-    selection (k block-wide rounds at k <= 12 up to 8192 entries, and where it cannot), or
+    selection (k block-wide rounds where it cannot: a NaN, an overflowing gathering), or
     (TREEVERIFY_DDTREE_WARP_TOPK=1, vocabularies <= 8192) by warps first."""
     pytest.importorskip("cuda.bindings.driver")
     monkeypatch.setenv("TREEVERIFY_DDTREE_WARP_TOPK", warp)
@@ -293,8 +293,8 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    # V <= 8192 holds each thread's entries in registers, larger V rescans memory: both sides
-    # past 8192: 4-entry pieces (V a multiple of 4) or single entries (50001, 8193)
+    # rows read in 4-entry pieces (V a multiple of 4) or single entries (8191, 50001, 8193),
+    # up to 8192 entries (32 a thread at most: the gathering's bound) and past it
     cases = ((1, 15, 8192, 16), (3, 4, 50, 32), (2, 1, 2, 2), (1, 7, 50000, 8), (4, 15, 8192, 1),
              (2, 3, 8191, 32), (1, 2, 8193, 16), (2, 3, 128256, 16), (1, 3, 50001, 16))  # fmt: skip
     for bsz, n_depth, vocab, k in cases:
@@ -318,7 +318,7 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
     via = spec.draft_topk(logits, MAX_K)
     assert torch.equal(via[1], draft_topk_cuda(logits, MAX_K, LOGPROB_FLOOR)[1])
     # bf16 logits (the DFlash drafter's own, on CUDA) are read as they are: the same table as
-    # their fp32 upcast, bit for bit, on both paths (registers up to 8192, rescans past it)
+    # their fp32 upcast, bit for bit (the same pieces, the same sums in the same order)
     for bsz, n_depth, vocab, k in ((2, 15, 8192, 16), (1, 3, 50000, 32), (3, 2, 100, 5)):
         b16 = (torch.randn(bsz, n_depth, vocab, generator=gen) * 4).to(dev, torch.bfloat16)
         lp, ids = draft_topk_cuda(b16, k, LOGPROB_FLOOR)
@@ -360,15 +360,14 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
                                            rtol=0, atol=2e-6)  # fmt: skip
                 assert torch.equal(ids[b, d], want_ids[b, d]), (vocab, k, b, d)
             assert ((ids[1, 1] >= 0) & (ids[1, 1] < vocab)).all()  # the NaN row: ids in range
-    # The passes-only variant (a measurement kernel: no row held in registers) gives the same
-    # table on rows that would have been held in registers
-    for vocab, k in ((8192, 16), (8192, 4), (50, 32), (300, 13)):
+    # small vocabularies at every k the budgets use, one that is not a multiple of 4 (single
+    # entries), and k == V
+    for vocab, k in ((8192, 4), (8192, 8), (8192, 12), (300, 13), (301, 8), (2048, 32)):
         logits = (torch.randn(2, 3, vocab, generator=gen) * 4).to(dev)
-        lp, ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR, passes_only=True)
-        want_lp, want_ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR)
-        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+        lp, ids = draft_topk_cuda(logits, k, LOGPROB_FLOOR)
+        want_lp, want_ids = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+        torch.testing.assert_close(lp, want_lp.clamp(LOGPROB_FLOOR, 0.0), rtol=0, atol=2e-6)
         assert torch.equal(ids, want_ids), (vocab, k)
-    # k == V on the threshold path (rows in registers take it past k = 12)
     for vocab in (13, 16, 32):
         logits = (torch.randn(2, 3, vocab, generator=gen) * 4).to(dev)
         lp, ids = draft_topk_cuda(logits, vocab, LOGPROB_FLOOR)

@@ -5,11 +5,10 @@
 forward's. The kernel computes the same table in one CTA per row: the row's max and log-sum-exp,
 then the k best entries by a threshold (the k-th best of the 256 threads' best entries: every
 entry at or before it is gathered and ranked among them; k block-wide rounds for a row with a
-NaN, or with more such entries than shared memory holds, which k <= MAX_K rules out up to 8192,
-and for rows up to 8192 entries at k <= 12, where ~0.6 us a round is cheaper). One read of a
-row up to 8192 entries, three passes beyond (the k rounds' rescans took 1.65 ms for 15 rows of
-Llama 3's 128256 on the H100). Ties rank the smaller token id first. Capture-safe: no host
-sync.
+NaN, or with more such entries than shared memory holds, which k <= MAX_K rules out up to 8192).
+Three passes over each row from memory (k rounds' rescans took 1.65 ms for 15 rows of Llama 3's
+128256 on the H100; rows up to 8192 held in registers were slower at every k: 10.5 against
+7.4 us at k = 16). Ties rank the smaller token id first. Capture-safe: no host sync.
 bf16 logits (the DFlash drafter's lm_head output on CUDA) are read as they are, each entry
 widened exactly: the same table as from their fp32 upcast, without that copy (one launch and
 15 x V x 6 bytes a request: ~2-3 us of a b=1 round at V = 8192, more at larger vocabularies);
@@ -17,8 +16,8 @@ other dtypes are upcast first.
 
 With TREEVERIFY_DDTREE_WARP_TOPK=1 (vocabularies <= 8192) the same table by warps first:
 each warp's k best by shuffle-only rounds, then warp 0 over the 8 x k candidates
-(`ddtree_topk_warp`): no block barrier a round; the block-wide rounds took ~12.6 us for 15 rows
-of 8192 at k = 16 (H200). Default off until measured.
+(`ddtree_topk_warp`): no block barrier a round (an A/B variant: refuted in the forty-eighth
+session against the block-wide rounds that `ddtree_topk` has since replaced).
 """
 
 from __future__ import annotations
@@ -42,12 +41,9 @@ def usable(draft_logits: Tensor, k: int) -> bool:
             and available(draft_logits.device))  # fmt: skip
 
 
-def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float, *,
-                    passes_only: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
+def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]:
     """(B, L, V) fp32 or bf16 logits (others upcast) -> (lp (B, L, k) fp32 sorted
-    descending, clamped to [floor, 0], ids (B, L, k) int64): `draft_topk`'s table.
-    `passes_only`: the measurement variant that reads every row from memory (no rows in
-    registers; scripts/tree_kernels_gpu.py), the same table."""
+    descending, clamped to [floor, 0], ids (B, L, k) int64): `draft_topk`'s table."""
     from treeverify import env
     from treeverify.kernels.cuda.launch import load
     from treeverify.kernels.cuda.variants import DDTreeTopkVariant, DDTreeTopkWarpVariant
@@ -64,9 +60,9 @@ def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float, *,
     ids = torch.empty(bsz, n_depth, k, dtype=torch.int64, device=dev)
     rows = bsz * n_depth
     if rows:
-        warp = env.ddtree_warp_topk() and vocab <= WARP_MAX_VOCAB and not passes_only
+        warp = env.ddtree_warp_topk() and vocab <= WARP_MAX_VOCAB
         dtype = "bf16" if bf16 else "fp32"
-        variant = DDTreeTopkWarpVariant(dtype) if warp else DDTreeTopkVariant(dtype, passes_only)
+        variant = DDTreeTopkWarpVariant(dtype) if warp else DDTreeTopkVariant(dtype)
         kernel = load(variant, dev)
         ptr = ctypes.c_void_p
         args = [ptr(x.data_ptr()), ctypes.c_int(vocab), ctypes.c_int(k), ctypes.c_float(floor),

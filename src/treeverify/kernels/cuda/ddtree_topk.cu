@@ -6,21 +6,21 @@
 //
 // Selection by threshold (`ddtree_topk`, since the fifty-first session): every thread's best
 // entry; T = the k-th best of those 256 (each warp's 32 sorted by shuffles, then binary
-// searches in the other warps' lists: `threshold`); the row's top k
-// all rank at or before T (the k thread bests at or before T are k distinct entries), so the
-// entries at or before T, usually a few more than k, are gathered in shared memory and each one's
-// place among them is counted. Two barriers for T and one for the gathering, where the k
-// block-wide rounds it replaces took two each (k = 16: 12.3 us against 2.9 at k = 1 for 15 rows
-// of 8192 on the H100), and one pass over the row in place of k rescans past 8192 entries (1.65
-// ms for 15 rows of 128256 at k = 16: a Llama-3-vocabulary target's tree build). The rounds stay
-// as the fallback, taken by a whole row when it holds a NaN (no order) or when more entries tie
-// at or before T than shared memory holds (kCandCap: impossible for V <= 8192 and k <= 32, at
-// most k x 32 there), and by rows held in registers at k <= kRoundsMaxK, where they are cheaper.
-//   * V <= threads * kTopkPer (tiny-code's 8192): each thread holds its strided entries in
-//     registers (one read of the row).
-//   * larger vocabularies: three passes from memory (max, sum of exponentials, the gathering),
-//     each thread reading 4-entry pieces, several in flight (the loads of the old rounds' scans
-//     were one at a time: ~100 us a pass over 128256 entries).
+// searches in the other warps' lists: `threshold`); the row's top k all rank at or before T
+// (the k thread bests at or before T are k distinct entries), so the entries at or before T,
+// usually a few more than k, are gathered in shared memory and each one's place among them is
+// counted. Every row takes three passes from memory (max with each thread's best, sum of
+// exponentials, the gathering; the second and third hit L1/L2), each thread reading 4-entry
+// pieces, several in flight. k block-wide rounds (each rescanning the row) are the fallback,
+// taken by a whole row that holds a NaN (no order) or whose entries at or before T overflow
+// shared memory (kCandCap: impossible for V <= 8192 and k <= 32, where a thread reads at most
+// 32 entries, so at most k x 32 gather).
+// Measured (15 rows, H100, scripts/tree_kernels_gpu.py): the k rounds rescanned 128256 entries
+// once a round, one load in flight a thread: 1648 us at k = 16, 53 us by threshold. Up to 8192
+// entries the rows were held in registers until the fifty-second session (one read, then the
+// threshold, or the k rounds at k <= 12): the passes from memory beat them at every k (8192
+// entries: k = 1 6.94 against 6.96 us, 4: 7.10 / 9.84, 8: 7.22 / 13.67, 12: 7.33 / 17.53, 16:
+// 7.41 / 10.54, 32: 7.63 / 10.80; 512 entries at k = 16: 5.46 / 6.94), with half the code.
 // The logits come as fp32 or as bf16 bits (`In` = unsigned short: the drafter's lm_head output
 // as it is, each entry widened exactly; pieces of 4 entries for both, so the same entries meet
 // the same sums in the same order: the table equals the fp32 upcast's bit for bit, as long as
@@ -33,13 +33,9 @@ static_assert(sizeof(int64_t) == 8, "fixed-width types");
 
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
-constexpr int kTopkPer = 32;  // entries per thread held in registers (V <= 8192)
-constexpr int kCandCap = 1024;  // gathered entries at or before T (k x kTopkPer for k <= 32)
+constexpr int kTopkPer = 32;  // ddtree_topk_warp: entries a thread holds in registers
+constexpr int kCandCap = 1024;  // gathered entries at or before T (k x 32 for k <= 32)
 constexpr int kPieceUnroll = 4;  // 4-entry pieces in flight per thread in a memory pass
-// Up to this k, a row held in registers takes the k rounds: each costs ~0.62 us (15 x 8192 on
-// the H100: 2.94 us at k = 1, 12.27 at k = 16) against the threshold's ~10.3 at any k (10.06 /
-// 10.56), so budgets 4 and 8 stay on the rounds, 16 and 32 take the threshold.
-constexpr int kRoundsMaxK = 12;
 
 // Entry i of a row: fp32 as is, bf16 bits widened (exact).
 __device__ __forceinline__ float logit_at(const float* __restrict__ x, int i) { return x[i]; }
@@ -218,11 +214,11 @@ __device__ __forceinline__ void warp_rounds(const float (&vals)[N], Index idx, i
   }
 }
 
-// ddtree_topk's register path by warps first (TREEVERIFY_DDTREE_WARP_TOPK; V <= kTopkThreads x
-// kTopkPer, k <= kTopkMaxK): each warp takes its own 1024 entries' k best in k shuffle-only
-// rounds (no barrier), then warp 0 takes the k best of the warps' k x 8 candidates the same
-// way. The block-wide rounds above cost two barriers each: ~12.6 us for 15 rows of 8192, k = 16,
-// on the H200 (61224e3's kernel lists), the tree build's larger half. The same table: every
+// The same table by warps first, each row held in registers (an A/B variant,
+// TREEVERIFY_DDTREE_WARP_TOPK; V <= kTopkThreads x kTopkPer, k <= kTopkMaxK): each warp takes
+// its own 1024 entries' k best in k shuffle-only rounds (no barrier), then warp 0 takes the k
+// best of the warps' k x 8 candidates the same way (refuted against block-wide rounds in the
+// forty-eighth session; ddtree_topk is faster still). The same table: every
 // entry of the row's top k is among its warp's top k, and ranks (value, then the smaller id)
 // are total, so the two stages pick what the block-wide rounds pick.
 constexpr int kTopkMaxK = 32;  // spec/topk_cuda.py MAX_K (the launcher checks 1 <= k <= it, V)
@@ -377,71 +373,8 @@ __global__ void ddtree_topk(const In* __restrict__ logits, int V, int k, float f
   const In* x = logits + row * V;
   const float inf = __int_as_float(0x7f800000);
 
-#ifndef TV_TOPK_PASSES_ONLY  // (a measurement variant: every row from memory)
-  if (V <= kTopkThreads * kTopkPer) {  // registers: one read of the row
-    float vals[kTopkPer], m, logz;
-    row_in_registers(x, V, sh.red, vals, m, logz);
-    bool rounds = k <= kRoundsMaxK;  // small k: the rounds are cheaper
-    float bv = -inf;  // this thread's best entry
-    int bi = 0x7fffffff;
-#pragma unroll
-    for (int j = 0; j < kTopkPer; ++j) {
-      const int i = threadIdx.x + j * kTopkThreads;
-      rounds |= vals[j] != vals[j];  // a NaN: no order to select by
-      if (i < V && ranks_before(vals[j], i, bv, bi)) {
-        bv = vals[j];
-        bi = i;
-      }
-    }
-    if (!__syncthreads_or(rounds)) {
-      float tv;
-      int ti;
-      threshold(bv, bi, k, sh, tv, ti);
-#pragma unroll
-      for (int j = 0; j < kTopkPer; ++j) {
-        const int i = threadIdx.x + j * kTopkThreads;
-        if (i < V) gather(vals[j], i, tv, ti, sh);
-      }
-      __syncthreads();
-      if (place(k, m, logz, floor_lp, lp, ids, row, sh)) return;
-    }
-    // Small k, a NaN or an overflow: k block-wide rounds; after a round only the winner's
-    // owner rescans.
-    float pv = inf;  // the previous winner: every entry ranks after it at first
-    int pi = -1;
-    float cv = -inf;  // this thread's best entry ranked after the previous winner
-    int ci = 0x7fffffff;
-    bool mine = true;  // whether this thread's candidate was the winner (or none yet)
-    for (int r = 0; r < k; ++r) {
-      if (mine) {
-        cv = -inf;
-        ci = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < kTopkPer; ++j) {
-          const int i = threadIdx.x + j * kTopkThreads;
-          if (i < V && ranks_before(pv, pi, vals[j], i) && ranks_before(vals[j], i, cv, ci)) {
-            cv = vals[j];
-            ci = i;
-          }
-        }
-      }
-      float wv = cv;
-      int wi = ci;
-      block_best(wv, wi, sh.win_v, sh.win_i);
-      mine = wi == ci;
-      pv = wv;
-      pi = wi;
-      if (threadIdx.x == 0) {
-        lp[row * k + r] = fminf(fmaxf((wv - m) - logz, floor_lp), 0.0f);
-        ids[row * k + r] = wi;
-      }
-    }
-    return;
-  }
-#endif
-
-  // From memory: max (with each thread's best and whether a NaN is there), then the sum of
-  // exponentials, then the gathering: three passes in one order (for_each_entry).
+  // Max (with each thread's best and whether a NaN is there), then the sum of exponentials,
+  // then the gathering: three passes in one order (for_each_entry).
   float m = -inf, bv = -inf;
   int bi = 0x7fffffff;
   bool nan = false;

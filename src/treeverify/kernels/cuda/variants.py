@@ -444,31 +444,23 @@ class KvMoveVariant(_OneKernel):
 class DDTreeTopkVariant:
     """ddtree_topk (ddtree_topk.cu): the draft table (log-softmax + top-k) for small k, one CTA
     per (request, depth) row, on fp32 or bf16 logits (`dtype` "fp32" / "bf16": the drafter's
-    lm_head output read as it is). No fast math: expf/logf as precise as torch's.
-    `passes_only`: rows of every length take the passes from memory, none held in registers
-    (TV_TOPK_PASSES_ONLY; scripts/tree_kernels_gpu.py times it: is the register path's long
-    unrolled code, run once a CTA, what its ~10 us at 8192 entries is made of?)."""
+    lm_head output read as it is). No fast math: expf/logf as precise as torch's."""
 
     dtype: str = "fp32"
-    passes_only: bool = False
     kernel: str = "ddtree_topk"
     threads: int = 256  # kTopkThreads
     source_file: str = "ddtree_topk.cu"
     smem_bytes: int = 0
     fast_math: bool = False
+    defines: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
 
     @property
-    def defines(self) -> tuple[str, ...]:
-        return ("TV_TOPK_PASSES_ONLY",) if self.passes_only else ()
-
-    @property
     def name(self) -> str:
-        name = self.kernel if self.dtype == "fp32" else f"{self.kernel}_bf16"
-        return f"{name}_passes" if self.passes_only else name
+        return self.kernel if self.dtype == "fp32" else f"{self.kernel}_bf16"
 
     @property
     def expr(self) -> str:
