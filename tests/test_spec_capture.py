@@ -325,12 +325,12 @@ def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
         want_lp, want_ids = draft_topk_cuda(b16.float(), k, LOGPROB_FLOOR)
         assert torch.equal(lp, want_lp) and torch.equal(ids, want_ids), (bsz, n_depth, vocab, k)
     # The kernel selects by rank among the entries at or after the k-th best of its 256
-    # threads' best entries: one thread holding all the winners (every 256th entry raised: the
-    # candidate bound, k x 32) and masked (-inf) vocabularies; a row holding a NaN takes the
-    # k rounds (no order) and leaves its neighbours' rows exact.
+    # threads' best entries: one thread holding all the winners (thread 0's 4-entry pieces
+    # raised, 32 entries: the candidate bound, k x 32) and masked (-inf) vocabularies; a row
+    # holding a NaN takes the k rounds (no order) and leaves its neighbours' rows exact.
     for k in (1, 16, MAX_K):
         logits = torch.randn(2, 3, 8192, generator=gen) * 4
-        logits[0, :, ::256] += 100.0
+        logits[0, :, (torch.arange(8192) // 4) % 256 == 0] += 100.0
         logits[1, :, 4096:] = float("-inf")
         logits[1, 2, : 4096 - 16] = float("-inf")  # 16 finite entries left (k up to 32)
         logits[0, 1, 77] = float("nan")

@@ -281,8 +281,9 @@ struct TopkShared {
 
 // T = (tv, ti): the k-th best of the threads' best entries (bv, bi); a thread without entries
 // holds (-inf, INT_MAX), which ranks after every entry of the row. Where fewer than k threads
-// hold entries (a row of under 4k entries read in 4-entry pieces: k == V = 16 takes 4 threads)
-// no best is the k-th, and T stays that padding: every entry is gathered. Each warp sorts its 32 bests (bitonic, shuffles only) into shared
+// hold entries (a row of under 4k entries read in 4-entry pieces: k == V = 16 takes 4 threads,
+// all in warp 0) T is that padding (the one at place k - 1 of warp 0's list; set first too):
+// every entry is gathered. Each warp sorts its 32 bests (bitonic, shuffles only) into shared
 // memory; a best at place p < k of its warp's list then finds its place among all 256 as p plus
 // a binary search in each other list (one best at place >= k of its own list cannot be the k-th).
 // Counting every best against all 256 took ~4 us a row (11.5 us at k = 1, against 2.9 for the
@@ -308,7 +309,7 @@ __device__ __forceinline__ void threshold(float bv, int bi, int k, TopkShared& s
   sh.best_i[threadIdx.x] = bi;
   if (threadIdx.x == 0) {
     sh.count = 0;
-    sh.t_v = -__int_as_float(0x7f800000);  // the padding, unless a best is the k-th
+    sh.t_v = -__int_as_float(0x7f800000);  // the padding (defensive: the search sets T)
     sh.t_i = 0x7fffffff;
   }
   __syncthreads();
