@@ -60,10 +60,9 @@ def draft_topk_cuda(draft_logits: Tensor, k: int, floor: float) -> tuple[Tensor,
     ids = torch.empty(bsz, n_depth, k, dtype=torch.int64, device=dev)
     rows = bsz * n_depth
     if rows:
-        warp = env.ddtree_warp_topk() and vocab <= WARP_MAX_VOCAB
+        warp = env.ddtree_warp_topk() and vocab <= WARP_MAX_VOCAB  # read when captured
         dtype = "bf16" if bf16 else "fp32"
-        variant = DDTreeTopkWarpVariant(dtype) if warp else DDTreeTopkVariant(dtype)
-        kernel = load(variant, dev)
+        kernel = load(DDTreeTopkWarpVariant(dtype) if warp else DDTreeTopkVariant(dtype), dev)
         ptr = ctypes.c_void_p
         args = [ptr(x.data_ptr()), ctypes.c_int(vocab), ctypes.c_int(k), ctypes.c_float(floor),
                 ptr(lp.data_ptr()), ptr(ids.data_ptr())]  # fmt: skip

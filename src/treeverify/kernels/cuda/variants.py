@@ -451,8 +451,8 @@ class DDTreeTopkVariant:
     threads: int = 256  # kTopkThreads
     source_file: str = "ddtree_topk.cu"
     smem_bytes: int = 0
-    fast_math: bool = False
     defines: tuple[str, ...] = ()
+    fast_math: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp32", "bf16"):
