@@ -282,10 +282,11 @@ struct TopkShared {
 // T = (tv, ti): the k-th best of the threads' best entries (bv, bi); a thread without entries
 // holds (-inf, INT_MAX), which ranks after every entry of the row. Where fewer than k threads
 // hold entries (a row of under 4k entries read in 4-entry pieces: k == V = 16 takes 4 threads,
-// all in warp 0) T is that padding (the one at place k - 1 of warp 0's list; set first too):
-// every entry is gathered. Each warp sorts its 32 bests (bitonic, shuffles only) into shared
-// memory; a best at place p < k of its warp's list then finds its place among all 256 as p plus
-// a binary search in each other list (one best at place >= k of its own list cannot be the k-th).
+// all in warp 0) T is that padding: the one at place k - 1 of warp 0's list counts k - 1 before
+// it (none in other warps), so the search always sets T; every entry is then gathered. Each
+// warp sorts its 32 bests (bitonic, shuffles only) into shared memory; a best at place p < k
+// of its warp's list then finds its place among all 256 as p plus a binary search in each
+// other list (one best at place >= k of its own list cannot be the k-th).
 // Counting every best against all 256 took ~4 us a row (11.5 us at k = 1, against 2.9 for the
 // rounds). Also empties the gathering. Two barriers.
 __device__ __forceinline__ void threshold(float bv, int bi, int k, TopkShared& sh, float& tv,
@@ -307,11 +308,7 @@ __device__ __forceinline__ void threshold(float bv, int bi, int k, TopkShared& s
   }
   sh.best_v[threadIdx.x] = bv;  // warp w's list: best_v[32 w ..], best first
   sh.best_i[threadIdx.x] = bi;
-  if (threadIdx.x == 0) {
-    sh.count = 0;
-    sh.t_v = -__int_as_float(0x7f800000);  // the padding (defensive: the search sets T)
-    sh.t_i = 0x7fffffff;
-  }
+  if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
   if (lane < k) {
     int r = lane;  // the entries before it in its own list
