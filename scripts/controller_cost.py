@@ -1,10 +1,12 @@
 """Host time of the adaptive controller's per-step work at plain decoding (`choose` and
 `observe_step`), no engine: n requests of low acceptance (sampled text) held at budget 0, step
 costs from the H200's b=8 table, rounds at the probes. At b=8 a step is host-bound on the GPU,
-so every microsecond here is one of the step's.
+so every microsecond here is one of the step's. `--rounds`: greedy requests of code-like
+acceptance (2-7 drafts a round), held at a round budget, every step a round observed per
+request (`choose` + `observe_round` x n + `observe_step`).
 
     PYTHONPATH=src python3 scripts/controller_cost.py [--requests 1,8] [--steps 20000]
-        [--repeat 2] [--json F] [--label L]  (L: whose controller PYTHONPATH holds, for the rows)
+        [--repeat 2] [--rounds] [--json F] [--label L]  (L: whose controller PYTHONPATH holds)
 """
 
 from __future__ import annotations
@@ -18,15 +20,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from raw_json import write_rows  # noqa: E402
 
-from treeverify.engine.budget_controller import SAMPLED, BudgetController, budget_buckets  # noqa: E402
+from treeverify.engine.budget_controller import (  # noqa: E402
+    GREEDY,
+    SAMPLED,
+    BudgetController,
+    budget_buckets,
+)
 
 # H200 (45a5d34, thirty-eighth session): the DFlash engine's step costs at 8 requests, seconds
 COSTS = {0: 224e-6, 4: 441e-6, 8: 537e-6, 16: 589e-6, 32: 586e-6, 64: 739e-6}
 
 
-def run(n: int, steps: int, accept: float) -> tuple[float, dict[int, int]]:
-    """us a step (choose + observe_step) for n requests held at plain decoding, and the budgets
-    chosen."""
+def run(n: int, steps: int, accept: float,
+        rounds: bool = False) -> tuple[float, dict[int, int]]:  # fmt: skip
+    """us a step (choose + observe_step) for n requests held at plain decoding (`rounds`: at a
+    round budget, code-like acceptance), and the budgets chosen."""
     rng = random.Random(0)
     ctl = BudgetController(budget_buckets(max(COSTS)))
     for b, c in COSTS.items():
@@ -36,10 +44,14 @@ def run(n: int, steps: int, accept: float) -> tuple[float, dict[int, int]]:
 
     def a_round(budget: int) -> None:
         for rid in ids:
-            ctl.observe_round(rid, budget, [0, 1] if rng.random() < accept else [0])
+            if rounds:  # 2-7 drafts along the first nodes of a best-first tree
+                nodes = [i for i in (1, 2, 4, 6, 9, 12, 15, 20) if i <= budget]
+                ctl.observe_round(rid, budget, [0] + nodes[: rng.randint(2, 7)])
+            else:
+                ctl.observe_round(rid, budget, [0, 1] if rng.random() < accept else [0])
 
     for rid in ids:
-        ctl.note_request(rid, SAMPLED)
+        ctl.note_request(rid, GREEDY if rounds else SAMPLED)
     for _ in range(3):
         a_round(max(COSTS))
     budgets: dict[int, int] = {}
@@ -59,17 +71,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--repeat", type=int, default=2, help="runs per batch size")
     ap.add_argument("--accept", type=float, default=0.3, help="chance a round accepts a draft")
+    ap.add_argument("--rounds", action="store_true", help="held at rounds (code-like text)")
     ap.add_argument("--label", default="", help="whose controller this is (kept in the rows)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
     for n in (int(x) for x in args.requests.split(",")):
         for _ in range(args.repeat):
-            us, budgets = run(n, args.steps, args.accept)
-            rows.append({"label": args.label, "requests": n, "us_per_step": round(us, 2),
-                         "steps_by_budget": budgets})  # fmt: skip
+            us, budgets = run(n, args.steps, args.accept, args.rounds)
+            rows.append({"label": args.label, "requests": n, "rounds": args.rounds,
+                         "us_per_step": round(us, 2), "steps_by_budget": budgets})  # fmt: skip
             print(
-                f"{n} requests: {us:.1f} us a step (choose + observe_step); "
+                f"{n} requests: {us:.1f} us a step (choose, observe_step, rounds seen); "
                 f"steps by budget {budgets}"
             )
     if args.json:
