@@ -64,6 +64,10 @@ class ControllerConfig:
     plain_trials_per_batch: bool = False  # True: every batch size spaces its own plain trials
     # (before the forty-third session); False: a size with no plain cost of its own (derived
     # from other sizes') waits out the engine's last trial (engine/plain_trials.py)
+    engine_decay_per_step: bool = False  # the engine-wide curve's memory counted in steps, not
+    # request-rounds: at n requests each of a step's n rounds decays it by decay ** (1 / n)
+    # (False: by decay, as a request's own: at b=8 ~2.5 steps of memory, every request's
+    # shrunk estimate moving together on the last few rounds)
     plain_halflife: float = 16.0  # ... halving every this many decisions plain keeps winning,
     # down to switch_margin (CPU replay over 3 trace sets: docs/ddtree.md, "Leaving the rounds")
 

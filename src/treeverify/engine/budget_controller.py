@@ -664,6 +664,9 @@ class BudgetController:
         # accepted_at_budgets in one walk (node indices grow along a path), each bucket's gain
         # over the one below added to both curves in place: this runs per request per round
         decay, mine, engine = self.cfg.decay, req.curve, self._class_curve(request_id)
+        decay_e = decay
+        if self.cfg.engine_decay_per_step and self._batch_size > 1:
+            decay_e = decay ** (1.0 / self._batch_size)  # n rounds a step: decay a step
         nodes, k, prev = path[1:], 0, 0
         for b in self.buckets[1:]:
             if b > budget:
@@ -671,12 +674,12 @@ class BudgetController:
             while k < len(nodes) and nodes[k] <= b:
                 k += 1
             gain, prev = k - prev, k
-            for curve in (mine, engine):
+            for curve, d in ((mine, decay), (engine, decay_e)):
                 mean = curve.get(b)
                 if mean is None:
                     mean = curve[b] = DecayedMean()
-                mean.num = mean.num * decay + gain
-                mean.den = mean.den * decay + 1.0
+                mean.num = mean.num * d + gain
+                mean.den = mean.den * d + 1.0
 
     def observe_step(self, n: int, budget: int, seconds: float, path: str = FAST) -> None:
         """Wall seconds of one decode-only step of n requests at `budget`, on step `path`
