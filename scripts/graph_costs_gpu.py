@@ -3,7 +3,9 @@ replay (back-to-back replays between two CUDA events: kernels plus the gaps betw
 bench.kernel.median_replay_seconds, no sync between replays) and host time of the replay call
 (queue drained first, so the call is not waiting for room).
 tiny-code + its DFlash drafter, DDTREE budget 16, batch 1 by default; the whole-round graph
-(engine/round_graphs.py) last, against the sum of its parts.
+(engine/round_graphs.py) last, against the sum of its parts. Each graph also timed with its
+inputs restored before every replay (`gpu_ms_per_replay_fixed_inputs`: a whole round advances
+its own inputs, so back to back it runs at a growing context; the fixed figures compare).
 Usage (repo root): PYTHONPATH=src python3 scripts/graph_costs_gpu.py --json F"""
 
 from __future__ import annotations
@@ -22,6 +24,24 @@ from treeverify.engine.llm import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_decode_gpu import _kernels, _table  # noqa: E402
+
+
+def fixed_inputs_ms(graph: torch.cuda.CUDAGraph, restore, reps: int = 100) -> float:
+    """Median GPU ms of one replay, its inputs restored before each (outside the timed span).
+    A whole-round replay writes the next round's inputs (ring end, prefix + accepted): back to
+    back, `cost`'s 200+ replays run at an ever longer context, its attention with it, so its
+    figure did not compare with its parts' (which read their inputs, never advance them)."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        restore()
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends, strict=True))
+    restore()
+    return times[len(times) // 2]
 
 
 def cost(graph: torch.cuda.CUDAGraph, reps: int = 200) -> dict:
@@ -78,6 +98,15 @@ def _drop_unpack() -> None:
 DROPS = {"norm": _drop_norms, "unpack": _drop_unpack}
 
 
+def _round_inputs(llm: LLM, b: int, n: int) -> list[torch.Tensor]:
+    """The device buffers a round's graphs read and a whole round rewrites for the next one:
+    the draft meta (rows read, roots, ring ends) and the verify stage (prefix lengths, ...)."""
+    out = [llm.runner.graphs.stages[(b, n)].dev]
+    if llm.rounds is not None:
+        out.append(llm.rounds.meta.dev)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, required=True)
@@ -107,11 +136,21 @@ def main() -> int:
     }
     if llm.rounds is not None:  # all of the above (but the decode) in one graph
         graphs["whole round (draft .. context rows)"] = llm.rounds.rounds[(b, args.budget)][0]
+    # the rounds' inputs as they are now (every graph reads them; a whole round advances them)
+    saved = [(t, t.clone()) for t in _round_inputs(llm, b, n)]
+
+    def restore() -> None:
+        for t, copy in saved:
+            t.copy_(copy)
+
     rows = []
     for name, g in graphs.items():
-        r = {"graph": name, **cost(g)}
+        fixed = fixed_inputs_ms(g, restore)
+        r = {"graph": name, **cost(g), "gpu_ms_per_replay_fixed_inputs": round(fixed, 4)}
+        restore()
         rows.append(r)
         print(f"{name:32s} GPU {r['gpu_ms_per_replay']:.4f} ms/replay"
+              f" ({fixed:.4f} inputs fixed)"
               f"  host {r['host_ms_per_launch_median']:.4f} ms/launch"
               f" ({r['host_ms_per_launch_behind_itself']:.4f} behind itself)")  # fmt: skip
         if args.kernels:
