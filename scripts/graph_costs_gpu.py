@@ -139,6 +139,7 @@ def main() -> int:
     # the rounds' inputs as they are now (every graph reads them; a whole round advances them)
     saved = [(t, t.clone()) for t in _round_inputs(llm, b, n)]
 
+    @torch.inference_mode()  # (the engine's buffers are inference tensors)
     def restore() -> None:
         for t, copy in saved:
             t.copy_(copy)
