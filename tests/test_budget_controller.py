@@ -755,3 +755,24 @@ def test_an_unknown_rate_is_probed_once_while_its_round_is_awaited(await_rounds)
                 ctl.observe_round(rid, done, [0])
     assert chosen[0] == 16  # the probe
     assert chosen[1] == (8 if await_rounds else 16), chosen
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_engine_decay_per_step_counts_the_engine_curves_memory_in_steps(per_step):
+    """engine_decay_per_step: at n requests each of a step's n rounds decays the engine-wide
+    curve by decay ** (1 / n) (a step's worth of decay a step); a request's own curve decays
+    by `decay` a round either way. Off: both by `decay` a round."""
+    d, n = 0.9, 4
+    ctl = synthetic({0: 1e-4, 4: 2e-4}, decay=d, engine_decay_per_step=per_step)
+    ids = [f"r{i}" for i in range(n)]
+    steps = random.Random().randint(2, 5)
+    for _ in range(steps):  # a decision, then every request's round
+        ctl.choose(ids)
+        for rid in ids:
+            ctl.observe_round(rid, 4, [0, 1, 2])
+    engine = ctl.global_estimate(4)  # 2 drafts accepted in every round: the mean is exact
+    assert engine == pytest.approx(2.0)
+    den = ctl.class_curves["greedy"][4].den
+    e = d ** (1 / n) if per_step else d
+    assert den == pytest.approx(sum(e**i for i in range(n * steps)))
+    assert ctl.requests["r0"].curve[4].den == pytest.approx(sum(d**i for i in range(steps)))
