@@ -332,6 +332,13 @@ def describe(llm: LLM, name: str, outs, secs: float, plain, b: int, text: str,
             p: c.cost.curve(b) for p, c in llm.controller.paths.items()
         }
         r["controller"]["calibrated_medians"] = llm.startup.get("budget_cost_seconds_measured")
+    if llm.rounds is not None:  # whole rounds over every pass: how many were launched ahead
+        # and taken (ahead_used), dropped, taken with rows dropped, or launched at a switched
+        # budget, of all replays (the b=8 adaptive engine stepped slower than fixed 16 at the
+        # same budget, fifty-third session: a lost lookahead would show here)
+        info = llm.rounds.info
+        keys = ("replays", "ahead_used", "ahead_discarded", "ahead_partial", "ahead_switched")
+        r["round_graphs"] = {k: info[k] for k in keys}
     if r.get("diverged_requests") and judge is not None:
         r["divergence_gaps"] = judge.gaps(prompts, plain, outs)
     return r

@@ -68,6 +68,16 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
             )  # the last pass's: the row's own
         else:
             assert "passes_decisions" not in r
+    for r in rows:  # whole rounds' counters (every DFlash engine has them; plain decoding
+        # none): every round a replay, each launched ahead either taken or dropped
+        if "dflash" in r["config"]:
+            assert "round_graphs" in r, r["config"]
+        if r["config"] == "none":
+            assert "round_graphs" not in r
+        if "round_graphs" in r:
+            g = r["round_graphs"]
+            assert g["replays"] >= 1, r["config"]
+            assert 0 <= g["ahead_used"] + g["ahead_discarded"] <= g["replays"], g
     sampled_dd = next(r for r in rows if r["text"] == "prose-sampled"
                       and r["config"] == "DDTREE(dflash) b=8")  # fmt: skip
     # T=1 on prose: the tiny drafter accepts little (it does predict greedy prose: ~4 tokens)
