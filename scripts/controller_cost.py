@@ -6,7 +6,8 @@ acceptance (2-7 drafts a round), held at a round budget, every step a round obse
 request (`choose` + `observe_round` x n + `observe_step`).
 
     PYTHONPATH=src python3 scripts/controller_cost.py [--requests 1,8] [--steps 20000]
-        [--repeat 2] [--rounds] [--json F] [--label L]  (L: whose controller PYTHONPATH holds)
+        [--repeat 2] [--rounds] [--set KNOB=VALUE ...] [--json F] [--label L]
+        (L: whose controller PYTHONPATH holds; --set: ControllerConfig knobs)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from treeverify.engine.budget_controller import (  # noqa: E402
     GREEDY,
     SAMPLED,
     BudgetController,
+    ControllerConfig,
     budget_buckets,
 )
 
@@ -31,12 +33,12 @@ from treeverify.engine.budget_controller import (  # noqa: E402
 COSTS = {0: 224e-6, 4: 441e-6, 8: 537e-6, 16: 589e-6, 32: 586e-6, 64: 739e-6}
 
 
-def run(n: int, steps: int, accept: float,
-        rounds: bool = False) -> tuple[float, dict[int, int]]:  # fmt: skip
+def run(n: int, steps: int, accept: float, rounds: bool = False,
+        cfg: ControllerConfig | None = None) -> tuple[float, dict[int, int]]:  # fmt: skip
     """us a step (choose + observe_step) for n requests held at plain decoding (`rounds`: at a
     round budget, code-like acceptance), and the budgets chosen."""
     rng = random.Random(0)
-    ctl = BudgetController(budget_buckets(max(COSTS)))
+    ctl = BudgetController(budget_buckets(max(COSTS)), config=cfg)
     for b, c in COSTS.items():
         for _ in range(ctl.cfg.cost_window):
             ctl.cost.observe(n, b, c * rng.uniform(0.95, 1.05), at=0)
@@ -73,13 +75,15 @@ def main() -> int:
     ap.add_argument("--accept", type=float, default=0.3, help="chance a round accepts a draft")
     ap.add_argument("--rounds", action="store_true", help="held at rounds (code-like text)")
     ap.add_argument("--label", default="", help="whose controller this is (kept in the rows)")
+    ap.add_argument("--set", action="append", default=[], help="ControllerConfig KNOB=VALUE")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
     for n in (int(x) for x in args.requests.split(",")):
         for _ in range(args.repeat):
-            us, budgets = run(n, args.steps, args.accept, args.rounds)
-            rows.append({"label": args.label, "requests": n, "rounds": args.rounds,
+            cfg = ControllerConfig().with_settings(args.set)
+            us, budgets = run(n, args.steps, args.accept, args.rounds, cfg)
+            rows.append({"label": args.label, "requests": n, "rounds": args.rounds, "set": args.set,
                          "us_per_step": round(us, 2), "steps_by_budget": budgets})  # fmt: skip
             print(
                 f"{n} requests: {us:.1f} us a step (choose, observe_step, rounds seen); "

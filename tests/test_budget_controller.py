@@ -776,3 +776,36 @@ def test_engine_decay_per_step_counts_the_engine_curves_memory_in_steps(per_step
     e = d ** (1 / n) if per_step else d
     assert den == pytest.approx(sum(e**i for i in range(n * steps)))
     assert ctl.requests["r0"].curve[4].den == pytest.approx(sum(d**i for i in range(steps)))
+
+
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_decide_every_runs_the_rules_at_rounds_every_that_many_decisions(every):
+    """decide_every: at a round budget with the same requests, `_decide` (every bucket's rate,
+    the switch and trial rules) runs on one decision in `every`, the others reuse its rates;
+    a new request (other ids) decides at once. 1: every decision, as before."""
+    ctl = synthetic({0: 4e-4, 4: 5e-4, 8: 5.5e-4, 16: 6e-4}, decide_every=every, min_dwell=10**6,
+                    explore_every=10**6, explore_max=10**6)  # fmt: skip
+    ids = ["a", "b"]
+    for rid in ids:
+        ctl.observe_round(rid, 16, [0, 1, 2, 3])
+    first = ctl.choose(ids)  # the start's one switch, made at once; then held by the dwell
+    assert first in (4, 8, 16)
+    calls = []
+    real = ctl._decide
+    ctl._decide = lambda rids: calls.append(ctl.step_index) or real(rids)
+    budgets = set()
+    for _ in range(12):
+        budgets.add(ctl.choose(ids))
+        for rid in ids:
+            ctl.observe_round(rid, first, [0, 1, 2, 3])
+    assert budgets == {first}
+    assert len(calls) == 12 // every, calls
+    assert all(i % every == 0 for i in calls)
+    before = len(calls)
+    ctl.choose(ids + ["c"])  # other requests: decided now, whatever the count
+    assert len(calls) == before + 1
+
+
+def test_decide_every_names_itself_when_wrong():
+    with pytest.raises(ValueError, match="decide_every"):
+        ControllerConfig(decide_every=3)

@@ -64,6 +64,10 @@ class ControllerConfig:
     plain_trials_per_batch: bool = False  # True: every batch size spaces its own plain trials
     # (before the forty-third session); False: a size with no plain cost of its own (derived
     # from other sizes') waits out the engine's last trial (engine/plain_trials.py)
+    decide_every: int = 1  # at a round budget with the same requests, the rates and the
+    # switch rules every this many decisions (1, 2 or 4: a divisor of the trials' period),
+    # the last rates reused between (a round observed moves them a little): the rates' sums
+    # over the requests are most of `choose`'s Python at b=8, on a step that may be host-bound
     engine_decay_per_step: bool = False  # the engine-wide curve's memory counted in steps, not
     # request-rounds: at n requests each of a step's n rounds decays it by decay ** (1 / n)
     # (False: by decay, as a request's own: at b=8 ~2.5 steps of memory, every request's
@@ -94,6 +98,8 @@ class ControllerConfig:
             )
         if self.excursion_min_batch < 0:
             raise ValueError(f"excursion_min_batch: expected >= 0, got {self.excursion_min_batch}")
+        if self.decide_every not in (1, 2, 4):
+            raise ValueError(f"decide_every: expected 1, 2 or 4, got {self.decide_every}")
         if self.cost_fresh_steps < 1:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.trial_steady_batch < 0:

@@ -234,6 +234,10 @@ class BudgetController:
         # came near plain's rate (`Probes.near_plain`; no round is observed at plain decoding, so
         # none of these moves until the requests change)
         self._plain_rates: tuple[tuple[str, ...], dict[int, float | None], bool, bool] | None = None
+        # (request ids, budget, rates, whether some bucket came near plain's) of the last full
+        # decision at a round budget: reused by the decisions between full ones when
+        # `decide_every` > 1 (the rounds observed since move them a little: read a step late)
+        self._round_rates: tuple[tuple[str, ...], int, dict[int, float | None], bool] | None = None
         # sum over a step's requests of (1 + A_r(B)) per budget: unchanged until a round is
         # observed (plain steps at budget 0 observe none), so kept and read every step
         self._accept_sums: dict[tuple[str, ...], list[float | None]] = {}
@@ -287,7 +291,7 @@ class BudgetController:
         # it to the requests in flight
         self.classes[request_id] = cls
         self._accept_sums.clear()
-        self._plain_rates = None
+        self._plain_rates = self._round_rates = None
 
     def _class_curve(self, request_id: str) -> dict[int, DecayedMean]:
         cls = self.classes.get(request_id, GREEDY)
@@ -382,10 +386,17 @@ class BudgetController:
         if self.plain_trials.step(self):
             return self._count(0)
         ids = (path, *request_ids)
-        cached = self._plain_rates
+        cached, at_rounds = self._plain_rates, self._round_rates
         if (cached is not None and self.current == 0 and self._pending is None
                 and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
             _, rates, arrived, pays = cached  # at plain decoding, nothing but plain's cost moved
+        elif (at_rounds is not None and self._pending is None
+              and at_rounds[:2] == (ids, self.current)
+              and self.step_index % self.cfg.decide_every):  # fmt: skip
+            # at a round budget between full decisions: the last rates (an arrival they saw
+            # was acted on then; its round is awaited now)
+            _, _, rates, pays = at_rounds
+            arrived = False
         else:
             rates = self._decide(request_ids)
             arrived = any(rid not in self.requests and not self._awaited(rid)
@@ -393,6 +404,8 @@ class BudgetController:
             # some bucket near plain's rate (read on arrivals, and at plain decoding: `far`)
             pays = Probes.near_plain(self, rates) if arrived or self.current == 0 else True
             self._plain_rates = (ids, rates, arrived, pays) if self.current == 0 else None
+            keep = self.current != 0 and self.cfg.decide_every > 1
+            self._round_rates = (ids, self.current, rates, pays) if keep else None
         self.since_switch += 1
         self.probes.since += 1
         if arrived and pays and self.probes.restart(self):
@@ -699,7 +712,7 @@ class BudgetController:
         self._awaiting.pop(request_id, None)
         self.classes.pop(request_id, None)
         self._accept_sums.clear()
-        self._plain_rates = None
+        self._plain_rates = self._round_rates = None
 
     def info(self) -> dict:
         """For /server_info."""
