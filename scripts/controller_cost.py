@@ -78,10 +78,10 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="ControllerConfig KNOB=VALUE")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    cfg = ControllerConfig().with_settings(args.set)  # (a bad knob: its ValueError first)
     rows = []
     for n in (int(x) for x in args.requests.split(",")):
         for _ in range(args.repeat):
-            cfg = ControllerConfig().with_settings(args.set)
             us, budgets = run(n, args.steps, args.accept, args.rounds, cfg)
             rows.append({"label": args.label, "requests": n, "rounds": args.rounds, "set": args.set,
                          "us_per_step": round(us, 2), "steps_by_budget": budgets})  # fmt: skip

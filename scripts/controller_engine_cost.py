@@ -2,9 +2,9 @@
 every controller call and the engine's own step-path check timed by wrappers, per step, at a
 b=8 queue of code prompts, the controller's costs frozen at the H100's b=8 table so its
 decisions resemble the GPU's (on the CPU's own costs it decodes plainly). What
-scripts/controller_cost.py's synthetic loop leaves out: the decisions remade when a request
-joins or leaves (the plan made for the next step no longer matches), the step-path check,
-observe_step / observe_wall. At b=8 the GPU's step may be host-bound, so this is step time.
+scripts/controller_cost.py's synthetic loop leaves out: the engine's batches as requests join
+and leave, its calls as it makes them, the step-path check, observe_step / observe_wall. At
+b=8 the GPU's step may be host-bound, so this is step time.
 
     PYTHONPATH=src python3 scripts/controller_engine_cost.py [--set KNOB=VALUE ...]
         [--requests 16] [--tokens 64] [--json F]
@@ -23,10 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pair import code_prompts  # noqa: E402
 from raw_json import write_rows  # noqa: E402
-from sim_adaptive import table  # noqa: E402
+from sim_adaptive import controller  # noqa: E402
 from sim_adaptive_suite import H100_BATCH  # noqa: E402
 
-from treeverify.engine import budget_controller as bc  # noqa: E402
 from treeverify.engine.llm import LLM  # noqa: E402
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -62,9 +61,9 @@ def main() -> int:
     llm = LLM("tiny-code", device="cpu", num_pages=4096, max_num_seqs=8,
               speculative_algorithm="DDTREE", speculative_ddtree_budget=64,
               speculative_adaptive=True, speculative_controller=tuple(args.set))  # fmt: skip
-    ctl = llm.controller
-    ctl.paths[bc.FAST] = bc._PathCosts(table(H100_BATCH))  # frozen: the H100's b=1 / b=8 costs
-    ctl._bind(bc.FAST)
+    # the engine's own controller swapped for one on the H100's b=1 / b=8 costs, frozen (the
+    # replay's: scripts/sim_adaptive.py), its knobs kept
+    ctl = llm.controller = controller(llm.controller.buckets, H100_BATCH, llm.controller.cfg)
     acc, calls = collections.Counter(), collections.Counter()
     for name in CALLS:
         timed(ctl, name, f"controller.{name}", acc, calls)

@@ -165,20 +165,14 @@ def accepted_at_budgets(path: list[int], buckets: tuple[int, ...]) -> dict[int, 
 
 
 class DecayedMean:
-    """sum(w_i x_i) / sum(w_i), older observations down-weighted by `decay` per new one."""
+    """sum(w_i x_i) / sum(w_i) as (num, den), older observations down-weighted by `decay` per
+    new one: updated and read in place where that runs per request per step (`observe_round`,
+    `_curve`, `_fade`), with no call an entry."""
 
     __slots__ = ("num", "den")
 
     def __init__(self) -> None:
         self.num = self.den = 0.0
-
-    def add(self, x: float, decay: float) -> None:
-        self.num = self.num * decay + x
-        self.den = self.den * decay + 1.0
-
-    @property
-    def value(self) -> float | None:
-        return self.num / self.den if self.den else None
 
 
 @dataclass
