@@ -238,8 +238,17 @@ class DivergenceJudge:
         return found
 
 
+def freeze_startup() -> None:
+    """What the engines' startup made (models, graphs, tables) out of the cyclic collector's
+    reach, as `treeverify serve` does (server/main.py): a full collection over it is a pause
+    of 100+ ms inside some timed step (one pass's 131 ms step, 2026-12-07, run 2)."""
+    gc.collect()
+    gc.freeze()
+
+
 def free(llm) -> None:
     del llm
+    gc.unfreeze()  # (a freed engine's cycles collectable again)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -357,6 +366,7 @@ def run_speed(args, block: int) -> list[dict]:
     judge = None if args.no_judge else DivergenceJudge(args)
     for name, algo, drafter, budget, depth, adaptive in cfgs:
         llm = engine(args, algo, drafter, budget, depth, max(batches), adaptive)
+        freeze_startup()
         for text, (prompts, temp) in texts.items():
             for b in batches:
                 outs, secs, occupancy = timed(llm, prompts, b, args.tokens, args.repeat,
@@ -443,6 +453,7 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
     engines = [engine(args, algo, drafter, budget, depth, max(batches), adaptive)
                for _, algo, drafter, budget, depth, adaptive in cfgs]  # fmt: skip
     judge = None if args.no_judge else DivergenceJudge(args)
+    freeze_startup()
     rows = []
     for text, (prompts, temp) in texts.items():
         for b in batches:
