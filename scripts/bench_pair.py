@@ -345,9 +345,7 @@ def describe(llm: LLM, name: str, outs, secs: float, plain, b: int, text: str,
         # and taken (ahead_used), dropped, taken with rows dropped, or launched at a switched
         # budget, of all replays (the b=8 adaptive engine stepped slower than fixed 16 at the
         # same budget, fifty-third session: a lost lookahead would show here)
-        info = llm.rounds.info
-        keys = ("replays", "ahead_used", "ahead_discarded", "ahead_partial", "ahead_switched")
-        r["round_graphs"] = {k: info[k] for k in keys}
+        r["round_graphs"] = _round_counts(llm)
     if r.get("diverged_requests") and judge is not None:
         r["divergence_gaps"] = judge.gaps(prompts, plain, outs)
     return r
@@ -392,6 +390,15 @@ def run_speed(args, block: int) -> list[dict]:
 
 
 _COUNTERS = ("switches", "explorations", "cost_trials", "accept_trials", "step_index")
+
+
+def _round_counts(llm: LLM) -> dict[str, int] | None:
+    """The whole rounds' cumulative replays and lookahead counters (None: no round graphs)."""
+    if llm.rounds is None:
+        return None
+    info = llm.rounds.info
+    keys = ("replays", "ahead_used", "ahead_discarded", "ahead_partial", "ahead_switched")
+    return {k: info[k] for k in keys}
 
 
 def _decision_counts(llm: LLM) -> dict[str, int] | None:
@@ -466,9 +473,11 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
                 k = p % len(pairs)  # each pass starts one config later
                 for (name, *_), llm in pairs[k:] + pairs[:k]:
                     before: dict[str, int] = {}  # the controller's counters at the pass's start
+                    rounds0: dict[str, int] = {}  # ... and the whole rounds' (after the warm-up)
 
-                    def mark(llm=llm, before=before) -> None:
+                    def mark(llm=llm, before=before, rounds0=rounds0) -> None:
                         before.update(_decision_counts(llm) or {})
+                        rounds0.update(_round_counts(llm) or {})
 
                     walls[name].append({})
                     outs, s_, occupancy = timed(llm, prompts, b, args.tokens, 1,
@@ -477,6 +486,10 @@ def run_speed_interleaved(args, block: int) -> list[dict]:
                                                 walls[name][-1])  # fmt: skip
                     secs[name].append(s_)
                     last[name] = (outs, occupancy)
+                    if rounds0:  # this pass's rounds: an adaptive engine's first pass stepped
+                        # 0.1-0.2 ms slower than its later ones (2026-12-07): lookahead lost?
+                        now = _round_counts(llm)
+                        walls[name][-1]["round_graphs"] = {k: now[k] - rounds0[k] for k in now}
                     if before:
                         passes[name].append(_pass_decisions(llm, before))
             plain_name = cfgs[0][0]

@@ -78,6 +78,14 @@ def test_speed_rows_for_greedy_and_sampled_texts(tmp_path: Path) -> None:
             g = r["round_graphs"]
             assert g["replays"] >= 1, r["config"]
             assert 0 <= g["ahead_used"] + g["ahead_discarded"] <= g["replays"], g
+            # and each pass's own (after its warm-up): never negative, within the total
+            per_pass = [w["round_graphs"] for w in r["passes_step_walls"]]
+            assert all(min(p.values()) >= 0 for p in per_pass), per_pass
+            if r["config"] == "DDTREE(dflash) b=8":  # (an adaptive pass may stay plain)
+                assert all(p["replays"] >= 1 for p in per_pass), per_pass
+            assert sum(p["replays"] for p in per_pass) <= g["replays"], (per_pass, g)
+        else:
+            assert all("round_graphs" not in w for w in r["passes_step_walls"])
     sampled_dd = next(r for r in rows if r["text"] == "prose-sampled"
                       and r["config"] == "DDTREE(dflash) b=8")  # fmt: skip
     # T=1 on prose: the tiny drafter accepts little (it does predict greedy prose: ~4 tokens)
