@@ -1,0 +1,142 @@
+"""Where a plain step's host time goes at batch 8: plain decoding's engine against the adaptive
+DDTree engine held at budget 0 and left to its controller (which sits at 0 on text its drafter
+cannot predict). At b=8 on the H100 the adaptive engine's plain step took 0.265 ms against plain
+decoding's 0.190 at the same GPU time (profile_round_gpu.py, 2026-12-07): host-bound, so its
+extra host work is step time, and a slow stretch of the host machine doubled it (bench_pair's
+b=8 queue on prose sampled at T=1: 0.18 ms a step in five passes, 0.35 in four).
+
+Every engine call a plain step makes is timed by a wrapper (inclusive: a call's time holds the
+calls inside it, e.g. `_plain_ahead` holds `ahead.step` and `_observe_ring`), and two torch
+calls at class level: `CUDAGraph.replay` (the launch) and `Event.synchronize` (the wait for the
+step launched before). Per config: the unprofiled wall a step, then each call's us a step and
+calls a step, over `--steps` steps after a warm-up.
+
+    PYTHONPATH=src python3 scripts/plain_step_host.py [--steps 300] [--batch 8] --json F
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pair import PROSE, prose_prompts  # noqa: E402
+from profile_round_gpu import FREE, build, prompts  # noqa: E402
+from raw_json import write_rows  # noqa: E402
+
+from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
+
+# name: (algorithm, budget, pinned, text, temperature)
+CONFIGS = {
+    "none code T=0": (None, 0, None, "code", 0.0),
+    "adaptive@0 code T=0": ("DDTREE", 64, 0, "code", 0.0),
+    "none prose T=1": (None, 0, None, "prose", 1.0),
+    "adaptive prose T=1": ("DDTREE", 64, FREE, "prose", 1.0),
+}
+ENGINE_CALLS = ("_speculative_step", "_plain_ahead", "_observe_ring", "_cost_path", "_forward")
+CONTROLLER_CALLS = ("choose", "observe_step", "observe_wall", "observe_round", "forget")
+
+
+def wrap(obj, name: str, key: str, acc: collections.Counter, calls: collections.Counter):
+    """obj.name timed into acc[key] (inclusive); returns an undo."""
+    f = getattr(obj, name)
+    own = name in vars(obj)  # an instance attribute (restore it) or a class one (delete ours)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            acc[key] += time.perf_counter() - t0
+            calls[key] += 1
+
+    setattr(obj, name, wrapper)
+    return (lambda: setattr(obj, name, f)) if own else (lambda: delattr(obj, name))
+
+
+def run_config(name: str, batch: int, steps: int) -> dict:
+    algo, budget, pinned, text, temp = CONFIGS[name]
+    llm = build(algo, batch, budget, pinned)
+    texts = prompts(batch) if text == "code" else prose_prompts(PROSE, batch)
+    for p in texts:  # as long as the context allows: no request finishes inside the steps
+        room = llm.model_config.max_position_embeddings - len(llm.tokenizer.encode(p)) - 64
+        llm.add_request(p, SamplingParams(temperature=temp, max_tokens=room, ignore_eos=True,
+                                          seed=2026 if temp else None))  # fmt: skip
+    for _ in range(30):  # prefill, warm steps
+        llm.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6 / steps
+    acc, calls, undo = collections.Counter(), collections.Counter(), []
+    undo.append(wrap(llm, "step", "step (all)", acc, calls))
+    for obj, names, prefix in ((llm, ENGINE_CALLS, "engine."),
+                               (llm.scheduler, ("schedule", "postprocess"), "scheduler."),
+                               (llm.processor, ("commit",), "processor."),
+                               (llm.ahead, ("step",), "ahead."),
+                               (llm.controller, CONTROLLER_CALLS, "controller."),
+                               (llm.spec.source.context if llm.spec else None,
+                                ("observe_ring",), "context.")):  # fmt: skip
+        for n in names if obj is not None else ():
+            if hasattr(obj, n):
+                undo.append(wrap(obj, n, prefix + n, acc, calls))
+    undo.append(wrap(torch.cuda.CUDAGraph, "replay", "torch.CUDAGraph.replay", acc, calls))
+    undo.append(wrap(torch.cuda.Event, "synchronize", "torch.Event.synchronize", acc, calls))
+    torch.cuda.synchronize()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    for u in reversed(undo):
+        u()
+    budgets = None
+    if llm.controller is not None:
+        budgets = {b: c for b, c in llm.controller.steps_by_budget.items() if c}
+    out = {"config": name, "batch": batch, "steps": steps, "wall_us_per_step": round(wall_us, 1),
+           "steps_by_budget": budgets,
+           "calls": [{"call": k, "us_per_step": round(v * 1e6 / steps, 1),
+                      "calls_per_step": round(calls[k] / steps, 2)}
+                     for k, v in acc.most_common()]}  # fmt: skip
+    del llm
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS)
+    )
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "plain_step_host.py: needs a GPU (the step's host time beside its launches)"
+        )
+    rows = []
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            raise SystemExit(f"--configs: unknown {name!r}; known: {', '.join(CONFIGS)}")
+        r = run_config(name, args.batch, args.steps)
+        rows.append(r)
+        print(f"--- {name} b={args.batch}: {r['wall_us_per_step']} us a step unwrapped, "
+              f"budgets {r['steps_by_budget']}")  # fmt: skip
+        for c in r["calls"]:
+            print(f"    {c['call']:32s} {c['us_per_step']:8.1f} us a step  x{c['calls_per_step']}")
+    if args.json:
+        write_rows(args.json, "plain_step_host.py", None, rows)
+    print(json.dumps([{k: r[k] for k in ("config", "wall_us_per_step")} for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
