@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_round_gpu  # noqa: E402
 from bench_pair import PROSE, prose_prompts  # noqa: E402
 from profile_round_gpu import FREE, build, prompts  # noqa: E402
 from raw_json import write_rows  # noqa: E402
@@ -60,7 +61,7 @@ def wrap(obj, name: str, key: str, acc: collections.Counter, calls: collections.
     return (lambda: setattr(obj, name, f)) if own else (lambda: delattr(obj, name))
 
 
-def run_config(name: str, batch: int, steps: int) -> dict:
+def run_config(name: str, batch: int, steps: int, warm: int = 30) -> dict:
     algo, budget, pinned, text, temp = CONFIGS[name]
     llm = build(algo, batch, budget, pinned)
     texts = prompts(batch) if text == "code" else prose_prompts(PROSE, batch)
@@ -68,13 +69,14 @@ def run_config(name: str, batch: int, steps: int) -> dict:
         room = llm.model_config.max_position_embeddings - len(llm.tokenizer.encode(p)) - 64
         llm.add_request(p, SamplingParams(temperature=temp, max_tokens=room, ignore_eos=True,
                                           seed=2026 if temp else None))  # fmt: skip
-    for _ in range(30):  # prefill, warm steps
+    for _ in range(warm):  # prefill, warm steps
         llm.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if profile_round_gpu.DEVICE == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         llm.step()
-    torch.cuda.synchronize()
+    sync()
     wall_us = (time.perf_counter() - t0) * 1e6 / steps
     acc, calls, undo = collections.Counter(), collections.Counter(), []
     undo.append(wrap(llm, "step", "step (all)", acc, calls))
@@ -88,12 +90,13 @@ def run_config(name: str, batch: int, steps: int) -> dict:
         for n in names if obj is not None else ():
             if hasattr(obj, n):
                 undo.append(wrap(obj, n, prefix + n, acc, calls))
-    undo.append(wrap(torch.cuda.CUDAGraph, "replay", "torch.CUDAGraph.replay", acc, calls))
-    undo.append(wrap(torch.cuda.Event, "synchronize", "torch.Event.synchronize", acc, calls))
-    torch.cuda.synchronize()
+    if profile_round_gpu.DEVICE == "cuda":
+        undo.append(wrap(torch.cuda.CUDAGraph, "replay", "torch.CUDAGraph.replay", acc, calls))
+        undo.append(wrap(torch.cuda.Event, "synchronize", "torch.Event.synchronize", acc, calls))
+    sync()
     for _ in range(steps):
         llm.step()
-    torch.cuda.synchronize()
+    sync()
     for u in reversed(undo):
         u()
     budgets = None
@@ -105,7 +108,8 @@ def run_config(name: str, batch: int, steps: int) -> dict:
                       "calls_per_step": round(calls[k] / steps, 2)}
                      for k, v in acc.most_common()]}  # fmt: skip
     del llm
-    torch.cuda.empty_cache()
+    if profile_round_gpu.DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -116,17 +120,23 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS)
     )
+    ap.add_argument("--warm", type=int, default=30, help="steps before the timed ones")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the CPU engine (a smoke run: its forward is the step, no launches)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            "plain_step_host.py: needs a GPU (the step's host time beside its launches)"
-        )
+    if args.cpu:
+        profile_round_gpu.DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("plain_step_host.py: no GPU (--cpu: the CPU engine's smoke run)")
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS:
             raise SystemExit(f"--configs: unknown {name!r}; known: {', '.join(CONFIGS)}")
-        r = run_config(name, args.batch, args.steps)
+        r = run_config(name, args.batch, args.steps, args.warm)
         rows.append(r)
         print(f"--- {name} b={args.batch}: {r['wall_us_per_step']} us a step unwrapped, "
               f"budgets {r['steps_by_budget']}")  # fmt: skip

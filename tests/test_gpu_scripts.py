@@ -126,3 +126,33 @@ def test_engine_flag_table_compares_each_value_with_the_baseline(tmp_path):
     assert "verify m 1 16 | 2.300 ms | -" in lines
     with pytest.raises(ValueError, match="out_dir"):
         eft.table(str(tmp_path / "none"), ["A=0"])
+
+
+def test_plain_step_host_times_each_call_of_a_plain_step(tmp_path):
+    """scripts/plain_step_host.py on the CPU engine (--cpu; its GPU run times launches and
+    waits too): plain decoding and the adaptive engine held at 0 each time their steps, every
+    wrapped call's time within the step's, the controller's calls only in the adaptive one, and
+    the wrappers taken off again (the engine steps unwrapped afterwards)."""
+    import json
+    import os
+    import sys
+
+    out = tmp_path / "psh.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "plain_step_host.py"), "--cpu", "--steps", "3",
+         "--warm", "2", "--configs", "none code T=0,adaptive@0 code T=0", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+        env=os.environ | {"PYTHONPATH": str(SCRIPTS.parent / "src")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"none code T=0", "adaptive@0 code T=0"}
+    for name, r in rows.items():
+        calls = {c["call"]: c for c in r["calls"]}
+        step = calls["step (all)"]["us_per_step"]
+        assert r["wall_us_per_step"] > 0 and step > 0
+        assert calls["step (all)"]["calls_per_step"] == 1.0
+        assert all(c["us_per_step"] <= step for c in r["calls"]), name
+        has_controller = any(k.startswith("controller.") for k in calls)
+        assert has_controller == name.startswith("adaptive"), (name, sorted(calls))
+    assert set(rows["adaptive@0 code T=0"]["steps_by_budget"]) == {"0"}  # held at plain
