@@ -61,9 +61,10 @@ def wrap(obj, name: str, key: str, acc: collections.Counter, calls: collections.
     return (lambda: setattr(obj, name, f)) if own else (lambda: delattr(obj, name))
 
 
-def run_config(name: str, batch: int, steps: int, warm: int = 30) -> dict:
+def run_config(name: str, batch: int, steps: int, warm: int = 30,
+               controller: tuple[str, ...] = ()) -> dict:  # fmt: skip
     algo, budget, pinned, text, temp = CONFIGS[name]
-    llm = build(algo, batch, budget, pinned)
+    llm = build(algo, batch, budget, pinned, controller)
     texts = prompts(batch) if text == "code" else prose_prompts(PROSE, batch)
     for p in texts:  # as long as the context allows: no request finishes inside the steps
         room = llm.model_config.max_position_embeddings - len(llm.tokenizer.encode(p)) - 64
@@ -102,6 +103,8 @@ def run_config(name: str, batch: int, steps: int, warm: int = 30) -> dict:
     budgets = None
     if llm.controller is not None:
         budgets = {b: c for b, c in llm.controller.steps_by_budget.items() if c}
+    if controller and llm.controller is not None:
+        name += " [" + ",".join(controller) + "]"
     out = {"config": name, "batch": batch, "steps": steps, "wall_us_per_step": round(wall_us, 1),
            "steps_by_budget": budgets,
            "calls": [{"call": k, "us_per_step": round(v * 1e6 / steps, 1),
@@ -122,6 +125,18 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--warm", type=int, default=30, help="steps before the timed ones")
     ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="ControllerConfig settings for the adaptive configs (repeatable)",
+    )
+    ap.add_argument(
+        "--ab",
+        action="store_true",
+        help="with --set: every adaptive config also without them (in turns)",
+    )
+    ap.add_argument(
         "--cpu",
         action="store_true",
         help="the CPU engine (a smoke run: its forward is the step, no launches)",
@@ -136,12 +151,17 @@ def main(argv=None) -> int:
     for name in args.configs.split(","):
         if name not in CONFIGS:
             raise SystemExit(f"--configs: unknown {name!r}; known: {', '.join(CONFIGS)}")
-        r = run_config(name, args.batch, args.steps, args.warm)
-        rows.append(r)
-        print(f"--- {name} b={args.batch}: {r['wall_us_per_step']} us a step unwrapped, "
-              f"budgets {r['steps_by_budget']}")  # fmt: skip
-        for c in r["calls"]:
-            print(f"    {c['call']:32s} {c['us_per_step']:8.1f} us a step  x{c['calls_per_step']}")
+        sets = [tuple(args.set)]
+        if args.ab and args.set and CONFIGS[name][2] is not None:
+            sets = [(), tuple(args.set)]
+        for controller in sets:
+            r = run_config(name, args.batch, args.steps, args.warm, controller)
+            rows.append(r)
+            print(f"--- {r['config']} b={args.batch}: {r['wall_us_per_step']} us a step "
+                  f"unwrapped, budgets {r['steps_by_budget']}")  # fmt: skip
+            for c in r["calls"]:
+                print(f"    {c['call']:32s} {c['us_per_step']:8.1f} us a step  "
+                      f"x{c['calls_per_step']}")  # fmt: skip
     if args.json:
         write_rows(args.json, "plain_step_host.py", None, rows)
     print(json.dumps([{k: r[k] for k in ("config", "wall_us_per_step")} for r in rows]))

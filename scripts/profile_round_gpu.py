@@ -39,11 +39,13 @@ def prompts(n: int) -> list[str]:
 FREE = -1  # `pinned` for an adaptive engine left to its controller (not held)
 
 
-def build(algo: str | None, batch: int, budget: int, pinned: int | None = None) -> LLM:
+def build(algo: str | None, batch: int, budget: int, pinned: int | None = None,
+          controller: tuple[str, ...] = ()) -> LLM:  # fmt: skip
     """`pinned`: an adaptive DDTREE engine (calibrated, controller on) held at that budget
     (FREE: not held; its controller chooses every step, as served).
     An algorithm "DDTREE-general": DDTREE with whole-round graphs off (the general path);
-    "DDTREE-read-first": whole rounds without lookahead (each read before the next launch)."""
+    "DDTREE-read-first": whole rounds without lookahead (each read before the next launch).
+    `controller`: ControllerConfig KNOB=VALUE settings for an adaptive engine."""
     kw = {}
     if algo == "DDTREE-general":
         algo, kw["disable_round_graphs"] = "DDTREE", True
@@ -53,6 +55,8 @@ def build(algo: str | None, batch: int, budget: int, pinned: int | None = None) 
         kw |= dict(speculative_algorithm=algo, speculative_ddtree_budget=budget)
         if algo == "DDTREE":
             kw["speculative_adaptive"] = pinned is not None
+            if pinned is not None and controller:
+                kw["speculative_controller"] = controller
     llm = LLM("tiny-code", device=DEVICE, num_pages=4096, max_num_seqs=batch,
               cuda_graph_max_bs=batch, **kw)  # fmt: skip
     if pinned is not None and pinned != FREE:

@@ -68,6 +68,13 @@ class ControllerConfig:
     # switch rules every this many decisions (1, 2 or 4: a divisor of the trials' period),
     # the last rates reused between (a round observed moves them a little): the rates' sums
     # over the requests are most of `choose`'s Python at b=8, on a step that may be host-bound
+    plain_quiet: int = 0  # at plain decoding with the same requests, a decision opens a quiet
+    # stretch of up to this many - 1 decisions that return 0 on counters alone (no rates, no
+    # trial or probe tests), ended before a probe could fall due at today's costs and before
+    # the next fade; the decision after it is a full one (0: off, the rates reused on 3
+    # decisions in 4; else 5..64). A call costs several times more inside a step than
+    # alone (cold caches), and the DFlash engine's plain step at b=8 is host-bound (H100,
+    # fifty-fourth session)
     engine_decay_per_step: bool = False  # the engine-wide curve's memory counted in steps, not
     # request-rounds: at n requests each of a step's n rounds decays it by decay ** (1 / n)
     # (False: by decay, as a request's own: at b=8 ~2.5 steps of memory, every request's
@@ -100,6 +107,10 @@ class ControllerConfig:
             raise ValueError(f"excursion_min_batch: expected >= 0, got {self.excursion_min_batch}")
         if self.decide_every not in (1, 2, 4):
             raise ValueError(f"decide_every: expected 1, 2 or 4, got {self.decide_every}")
+        if not (self.plain_quiet == 0 or 5 <= self.plain_quiet <= 64):
+            raise ValueError(  # (1-4: full decisions as often as without it, or more)
+                f"plain_quiet: expected 0 (off) or 5..64, got {self.plain_quiet}"
+            )
         if self.cost_fresh_steps < 1:
             raise ValueError(f"cost_fresh_steps: expected >= 1, got {self.cost_fresh_steps}")
         if self.trial_steady_batch < 0:

@@ -242,6 +242,9 @@ class BudgetController:
         self._plain_wins = 0
         self._hold = BurstHold()  # plain decoding held through a burst of its own cost
         self._plain_unfaded = 0  # plain steps since the last fade
+        # `plain_quiet`: decisions left in plain decoding's quiet stretch, and whether the
+        # decision after it must be a full one (not the reused rates)
+        self._quiet_left, self._quiet_full = 0, False
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
         self.events = ev.DecisionEvents()  # probes, switches, trials: when and why
@@ -381,8 +384,13 @@ class BudgetController:
             return self._count(0)
         ids = (path, *request_ids)
         cached, at_rounds = self._plain_rates, self._round_rates
+        if (self._quiet_left and cached is not None and cached[0] == ids
+                and self.current == 0 and self._pending is None):  # fmt: skip
+            return self._quiet_decision()
+        self._quiet_left = 0
         if (cached is not None and self.current == 0 and self._pending is None
-                and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
+                and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY
+                and not self._quiet_full):  # fmt: skip
             _, rates, arrived, pays = cached  # at plain decoding, nothing but plain's cost moved
         elif (at_rounds is not None and self._pending is None
               and at_rounds[:2] == (ids, self.current)
@@ -392,6 +400,7 @@ class BudgetController:
             _, _, rates, pays = at_rounds
             arrived = False
         else:
+            self._quiet_full = False
             rates = self._decide(request_ids)
             arrived = any(rid not in self.requests and not self._awaited(rid)
                           for rid in request_ids)  # fmt: skip
@@ -427,7 +436,36 @@ class BudgetController:
         elif self.current:  # a stretch at plain ended: its last steps' fade now, before the
             self._fade_pending(request_ids)  # rounds' newer acceptance is observed
             self._await_round(request_ids)
+        if self.current == 0 and self.cfg.plain_quiet > 1:
+            self._open_quiet(len(request_ids), up, far, rates)
         return self._count(self.current)
+
+    def _open_quiet(self, n: int, up: int | None, far: bool,
+                    rates: dict[int, float | None]) -> None:  # fmt: skip
+        """`plain_quiet`: after a decision at plain decoding, the next decisions with the same
+        requests return 0 on counters alone while nothing can fall due: up to plain_quiet - 1 of
+        them, fewer when a probe would be due sooner at today's costs (the costs its steps
+        observe move that a little) or the fade's count would reach FADE_EVERY; none while the
+        probe's rate is unknown (its await expires) or the rates are not kept (a fade voided
+        them). The decision after the stretch is a full one (`_decide`): the trials' checks
+        and the rates come every plain_quiet decisions instead of on 1 in TRIAL_CHECK_EVERY."""
+        if self._plain_rates is None or up is None or rates.get(up) is None:
+            return
+        k = min(self.cfg.plain_quiet - 1, self.probes.quiet(self, n, up, far))
+        if self.cfg.plain_decay < 1.0:
+            k = min(k, FADE_EVERY - 1 - self._plain_unfaded)
+        if k > 0:
+            self._quiet_left, self._quiet_full = k, True
+
+    def _quiet_decision(self) -> int:
+        """One decision of the quiet stretch: what a decision at plain decoding that reuses
+        its rates and finds nothing due changes (the counters), nothing else."""
+        self._quiet_left -= 1
+        self.since_switch += 1
+        self.probes.since += 1
+        if self.cfg.plain_decay < 1.0:
+            self._plain_unfaded += 1  # (the stretch ends before a fade falls due)
+        return self._count(0)
 
     def _await_round(self, request_ids: list[str]) -> None:
         """A round was chosen for these requests: those without rounds of their own are no

@@ -12,6 +12,7 @@ bucket may pay (`near_plain`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -78,12 +79,22 @@ class Probes:
         probe from plain decoding really costs more (engine/budget_excursions.py), and from
         `excursion_min_batch` requests up (2 by default) the measured excursion's extra is
         added to it (spacing b=1 by it too lost predictable text in the replay: docs/ddtree.md)."""
+        return self.since >= self._threshold(c, n, up, far)
+
+    def quiet(self, c: BudgetController, n: int, up: int, far: bool = False) -> int:
+        """How many decisions after this one cannot find a probe at `up` due, at today's costs
+        (each adds one to `since` before `due` is asked): the controller's quiet stretch at plain
+        decoding (`plain_quiet`) ends before it."""
+        return max(0, math.ceil(self._threshold(c, n, up, far) - self.since) - 1)
+
+    def _threshold(self, c: BudgetController, n: int, up: int, far: bool) -> float:
+        """The decisions since the last probe at which one at `up` is due."""
         here, there = c.cost.estimate(n, c.current), c.cost.estimate(n, up)
         gate = c.cfg.excursion_min_batch
         if there and c.current == 0 and gate and n >= gate:
             there += c.excursions.extra(n) or 0.0
         ratio = max(1.0, there / here) if here and there else 1.0
-        return self.since >= min(self.cap(c, far), self.interval * ratio)
+        return min(self.cap(c, far), self.interval * ratio)
 
     @staticmethod
     def cap(c: BudgetController, far: bool) -> float:
