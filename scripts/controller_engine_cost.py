@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pair import code_prompts  # noqa: E402
+from call_timer import wrap  # noqa: E402
 from raw_json import write_rows  # noqa: E402
 from sim_adaptive import controller  # noqa: E402
 from sim_adaptive_suite import H100_BATCH  # noqa: E402
@@ -33,21 +33,6 @@ HELDOUT = (
     Path(__file__).resolve().parent.parent / "src/treeverify/models/data/tiny-code/heldout.json"
 )
 CALLS = ("choose", "observe_round", "observe_step", "observe_wall", "forget", "note_request")
-
-
-def timed(obj, name: str, key: str, acc: collections.Counter, calls: collections.Counter) -> None:
-    """Wrap obj.name (an instance attribute shadowing the method): its wall time into acc."""
-    f = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            acc[key] += time.perf_counter() - t0
-            calls[key] += 1
-
-    setattr(obj, name, wrapper)
 
 
 def main() -> int:
@@ -66,8 +51,8 @@ def main() -> int:
     ctl = llm.controller = controller(llm.controller.buckets, H100_BATCH, llm.controller.cfg)
     acc, calls = collections.Counter(), collections.Counter()
     for name in CALLS:
-        timed(ctl, name, f"controller.{name}", acc, calls)
-    timed(llm, "_cost_path", "engine._cost_path", acc, calls)
+        wrap(ctl, name, f"controller.{name}", acc, calls)
+    wrap(llm, "_cost_path", "engine._cost_path", acc, calls)
     for p in code_prompts(HELDOUT, args.requests):
         llm.add_request(p, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
     steps = 0

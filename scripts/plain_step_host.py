@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_round_gpu  # noqa: E402
 from bench_pair import PROSE, prose_prompts  # noqa: E402
+from call_timer import wrap  # noqa: E402
 from profile_round_gpu import FREE, build, prompts  # noqa: E402
 from raw_json import write_rows  # noqa: E402
 
@@ -42,23 +43,6 @@ CONFIGS = {
 }
 ENGINE_CALLS = ("_speculative_step", "_plain_ahead", "_observe_ring", "_cost_path", "_forward")
 CONTROLLER_CALLS = ("choose", "observe_step", "observe_wall", "observe_round", "forget")
-
-
-def wrap(obj, name: str, key: str, acc: collections.Counter, calls: collections.Counter):
-    """obj.name timed into acc[key] (inclusive); returns an undo."""
-    f = getattr(obj, name)
-    own = name in vars(obj)  # an instance attribute (restore it) or a class one (delete ours)
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            acc[key] += time.perf_counter() - t0
-            calls[key] += 1
-
-    setattr(obj, name, wrapper)
-    return (lambda: setattr(obj, name, f)) if own else (lambda: delattr(obj, name))
 
 
 def run_config(name: str, batch: int, steps: int, warm: int = 30,
