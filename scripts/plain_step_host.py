@@ -20,7 +20,6 @@ import argparse
 import collections
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_round_gpu  # noqa: E402
 from bench_pair import PROSE, prose_prompts  # noqa: E402
 from call_timer import wrap  # noqa: E402
-from profile_round_gpu import FREE, build, prompts  # noqa: E402
+from profile_round_gpu import FREE, build, prompts, unprofiled  # noqa: E402
 from raw_json import write_rows  # noqa: E402
 
 from treeverify.engine.sampling_params import SamplingParams  # noqa: E402
@@ -57,12 +56,8 @@ def run_config(name: str, batch: int, steps: int, warm: int = 30,
     for _ in range(warm):  # prefill, warm steps
         llm.step()
     sync = torch.cuda.synchronize if profile_round_gpu.DEVICE == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    sync()
-    wall_us = (time.perf_counter() - t0) * 1e6 / steps
+    wall_ms, _ = unprofiled(llm, steps, sync)
+    wall_us = wall_ms * 1e3
     acc, calls, undo = collections.Counter(), collections.Counter(), []
     undo.append(wrap(llm, "step", "step (all)", acc, calls))
     for obj, names, prefix in ((llm, ENGINE_CALLS, "engine."),

@@ -242,9 +242,7 @@ class BudgetController:
         self._plain_wins = 0
         self._hold = BurstHold()  # plain decoding held through a burst of its own cost
         self._plain_unfaded = 0  # plain steps since the last fade
-        # `plain_quiet`: decisions left in plain decoding's quiet stretch, and whether the
-        # decision after it must be a full one (not the reused rates)
-        self._quiet_left, self._quiet_full = 0, False
+        self._quiet_left = 0  # `plain_quiet`: decisions left in plain decoding's quiet stretch
         self.steps_by_budget: dict[int, int] = dict.fromkeys(self.buckets, 0)
         self.switches = 0
         self.events = ev.DecisionEvents()  # probes, switches, trials: when and why
@@ -389,8 +387,7 @@ class BudgetController:
             return self._quiet_decision()
         self._quiet_left = 0
         if (cached is not None and self.current == 0 and self._pending is None
-                and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY
-                and not self._quiet_full):  # fmt: skip
+                and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
             _, rates, arrived, pays = cached  # at plain decoding, nothing but plain's cost moved
         elif (at_rounds is not None and self._pending is None
               and at_rounds[:2] == (ids, self.current)
@@ -400,7 +397,6 @@ class BudgetController:
             _, _, rates, pays = at_rounds
             arrived = False
         else:
-            self._quiet_full = False
             rates = self._decide(request_ids)
             arrived = any(rid not in self.requests and not self._awaited(rid)
                           for rid in request_ids)  # fmt: skip
@@ -436,7 +432,7 @@ class BudgetController:
         elif self.current:  # a stretch at plain ended: its last steps' fade now, before the
             self._fade_pending(request_ids)  # rounds' newer acceptance is observed
             self._await_round(request_ids)
-        if self.current == 0 and self.cfg.plain_quiet > 1:
+        if self.current == 0 and self.cfg.plain_quiet:
             self._open_quiet(len(request_ids), up, far, rates)
         return self._count(self.current)
 
@@ -455,12 +451,15 @@ class BudgetController:
         if self.cfg.plain_decay < 1.0:
             k = min(k, FADE_EVERY - 1 - self._plain_unfaded)
         if k > 0:
-            self._quiet_left, self._quiet_full = k, True
+            self._quiet_left = k
 
     def _quiet_decision(self) -> int:
         """One decision of the quiet stretch: what a decision at plain decoding that reuses
-        its rates and finds nothing due changes (the counters), nothing else."""
+        its rates and finds nothing due changes (the counters), nothing else. Its last one lets
+        the rates go, so the decision after the stretch is a full one."""
         self._quiet_left -= 1
+        if not self._quiet_left:
+            self._plain_rates = None
         self.since_switch += 1
         self.probes.since += 1
         if self.cfg.plain_decay < 1.0:
