@@ -112,6 +112,66 @@ def test_an_accurate_cost_costs_one_short_trial_per_window():
     assert chosen.count(16) <= 1 + ctl.cost_trials * 12  # a trial lasts about one dwell
 
 
+def trial_starts(ctl: BudgetController) -> list[int]:
+    """The decisions cost trials started at (the decision log)."""
+    return [e["step"] for e in ctl.events.since(0) if e["kind"] == "cost_trial"]
+
+
+def test_trials_that_confirm_an_accurate_cost_come_ever_less_often():
+    """`cost_trial_backoff`: each trial of 16 finds the cost the table held (1.9), so the gap
+    to the next doubles (100, 200, 400, ... decisions, as plain trials' gaps do), where without
+    it a trial came every ~100 decisions for as long as 16 looked near 8's rate. The budget
+    served is the same either way."""
+    steps = 1600
+    plain = calibrated(min_dwell=4, cost_fresh_steps=100)
+    chosen_plain = serve(plain, CALIBRATED, steps)
+    ctl = calibrated(min_dwell=4, cost_fresh_steps=100, cost_trial_backoff=True)
+    chosen = serve(ctl, CALIBRATED, steps)
+    assert plain.current == ctl.current == 8
+    assert plain.cost_trials >= 10  # ~ one per window
+    starts = trial_starts(ctl)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) == ctl.cost_trials <= 5
+    assert all(g2 >= 1.9 * g1 for g1, g2 in itertools.pairwise(gaps))  # doubling
+    assert chosen.count(16) < chosen_plain.count(16) / 2
+    assert ctl.info()["cost_trial_waits"]["1:16"] >= 4
+
+
+def test_a_trial_that_finds_the_cost_moved_starts_the_gaps_over():
+    """Confirmed trials back off; one that finds the cost moved (a cheaper 16 after the device
+    sped up: 1.9 -> 1.32, so 16 now wins) is judged at the next trial's check: the gaps start
+    over from `cost_fresh_steps` and the controller serves 16 once measured."""
+    ctl = calibrated(min_dwell=4, cost_fresh_steps=100, cost_trial_backoff=True)
+    serve(ctl, CALIBRATED, 800)
+    waits = ctl._trial_gaps.factor(ctl.cost, 1, 16)
+    assert waits >= 4 and ctl.current == 8
+    fast = {**CALIBRATED, 16: 1.32}
+    chosen = serve(ctl, fast, 100 * (waits + 2))
+    assert ctl.current == 16 and chosen[-100:].count(16) >= 90
+    assert ctl.cost.estimate(1, 16) == pytest.approx(1.32)
+    assert ctl._trial_gaps.factor(ctl.cost, 1, 16) == 1  # moved by more than 15%: over
+
+
+def test_cost_trial_waits_compare_own_medians_only():
+    """An entry with no median of its own (interpolated or borrowed) never counts as
+    confirmed; the factor doubles at most to PLAIN_TRIAL_MAX_GAP."""
+    from treeverify.engine.cost_trial_gaps import CostTrialGaps
+    from treeverify.engine.plain_trials import PLAIN_TRIAL_MAX_GAP
+
+    cost, gaps = CostModel(window=9), CostTrialGaps()
+    gaps.tried(cost, 2, 16)  # nothing measured at (2, 16)
+    cost.observe(2, 16, 1.0)
+    assert gaps.factor(cost, 2, 16) == 1
+    for _ in range(8):
+        gaps.tried(cost, 2, 16)  # each trial finds the same median
+    assert gaps.factor(cost, 2, 16) == PLAIN_TRIAL_MAX_GAP
+    cost.observe(2, 16, 1.2)  # median of (1.0, 1.2): 1.1, within 15%: still confirmed
+    assert gaps.factor(cost, 2, 16) == PLAIN_TRIAL_MAX_GAP
+    for _ in range(3):
+        cost.observe(2, 16, 2.0)  # median 2.0: moved
+    assert gaps.factor(cost, 2, 16) == 1
+
+
 NOTHING = {4: 0, 8: 0, 16: 0}  # text no drafter predicts: rounds commit their bonus token only
 
 

@@ -49,6 +49,9 @@ class ControllerConfig:
     # not yet measured on a GPU (PAIR_AB="trial_steady_batch=8")
     cost_fresh_steps: int = 256  # a cost measured this many steps ago or less is fresh; a cost
     # trial per (batch size, budget) at most once per this many steps
+    cost_trial_backoff: bool = False  # ... that many times 2, 4, ... 16 while trials confirm
+    # the entry's cost (within 15%), as plain trials already wait (engine/cost_trial_gaps.py;
+    # the H100's b=8 code passes spent 8-25 of ~143 steps at 64 on repeated trials)
     accept_trials: bool = True  # a dwell one bucket up when its gain lacks evidence (False: A/B)
     accept_evidence: float = 2.0  # rounds of a request's own below which a gain lacks evidence
     accept_optimism: float = 0.35  # a trial's bucket assumed to add this x the current one's gain

@@ -98,6 +98,7 @@ from treeverify.engine.budget_costs import CostModel
 from treeverify.engine.budget_excursions import Excursions
 from treeverify.engine.budget_probes import Probes
 from treeverify.engine.cost_bursts import BurstGaps, BurstHold
+from treeverify.engine.cost_trial_gaps import CostTrialGaps
 from treeverify.engine.plain_trials import PlainTrials
 
 # "wall": elapsed time (serving). "process": CPU seconds of this process, for a benchmark on a CPU
@@ -135,6 +136,7 @@ class _PathCosts:
     cost: CostModel
     tried: dict[tuple[int, int], int] = field(default_factory=dict)
     bursts: BurstGaps = field(default_factory=BurstGaps)  # trials of overstated costs
+    trial_gaps: CostTrialGaps = field(default_factory=CostTrialGaps)  # `cost_trial_backoff`
     plain_trials: PlainTrials = field(default_factory=PlainTrials)
 
 
@@ -266,7 +268,7 @@ class BudgetController:
         costs = self._costs_of(path)
         self.path = path
         self.cost, self._tried, self.plain_trials = costs.cost, costs.tried, costs.plain_trials
-        self._bursts = costs.bursts
+        self._bursts, self._trial_gaps = costs.bursts, costs.trial_gaps
 
     def _costs_of(self, path: str) -> _PathCosts:
         """`path`'s table and trials; a path first seen: a stale copy of the fast path's."""
@@ -616,7 +618,8 @@ class BudgetController:
             stale = [b for b in side
                      if (not held if over[b] else not self.cost.is_fresh(n, b, now, fresh))
                      and now - self._tried.get((n, b), -fresh - 1)
-                     > (self._bursts.gap(n, b) if over[b] else fresh)]  # fmt: skip
+                     > (self._bursts.gap(n, b) if over[b]
+                        else fresh * self._trial_wait(n, b))]  # fmt: skip
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
                 if over[b]:  # weighed at its lowest median: below the
@@ -628,6 +631,8 @@ class BudgetController:
                     nearest = stale[0]  # its fresh cost will bound the ones beyond it
                     self._tried[(n, nearest)] = now
                     self._bursts.tried(self.cost, n, nearest, fresh)
+                    if self.cfg.cost_trial_backoff:  # (before the window is cut)
+                        self._trial_gaps.tried(self.cost, n, nearest)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
                     self._move(ev.COST_TRIAL, nearest, n,
                                f"{b} at cost >= {low:.3g} s beats {bar:.4g}")  # fmt: skip
@@ -635,6 +640,14 @@ class BudgetController:
                     self.cost_trials += 1
                     return
         self.plain_trials.maybe_start(self, n, bar)
+
+    def _trial_wait(self, n: int, budget: int) -> int:
+        """Times `cost_fresh_steps` a cost trial of (n, budget) waits after its last one: 1, or
+        with `cost_trial_backoff` doubling while trials confirm the entry's cost
+        (engine/cost_trial_gaps.py)."""
+        if not self.cfg.cost_trial_backoff:
+            return 1
+        return self._trial_gaps.factor(self.cost, n, budget)
 
     def _accept_trial(self, request_ids: list[str], cur_rate: float) -> None:
         """While the controller stays below a bucket, only the rare probes measure that bucket's
@@ -787,6 +800,7 @@ class BudgetController:
             "plain_ahead_decisions": self._plain_wins,
             # decisions between plain trials, by batch size (doubling while they confirm)
             "plain_trial_gaps": self.plain_trials.gaps(),
+            "cost_trial_waits": self._trial_gaps.factors(),  # x cost_fresh_steps, by "n:budget"
             # the last probes, switches and trials: at which decision, from where, and why
             "decision_index": self.step_index,
             "recent_decisions": self.events.recent(),

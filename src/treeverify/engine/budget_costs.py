@@ -82,6 +82,10 @@ class CostModel:
             if med < self.best.get((n, budget), float("inf")):
                 self.best[(n, budget)] = med
 
+    def median(self, n: int, budget: int) -> float | None:
+        """The entry's own median (None: never measured at n; no interpolation nor borrowing)."""
+        return self._median.get((n, budget))
+
     def overstated(self, n: int, budget: int) -> bool:
         """Whether the entry's median is BURST_FACTOR or more times the lowest it has held."""
         key = (n, budget)

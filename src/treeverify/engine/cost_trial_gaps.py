@@ -1,0 +1,58 @@
+"""Gaps between cost trials of one (batch size, budget) that keep confirming its cost (a helper
+of engine/budget_controller.py, `ControllerConfig.cost_trial_backoff`).
+
+A cost trial moves the controller to a bucket whose stale cost hides a better rate, for a dwell
+that re-measures it (docs/ddtree.md, "Stale costs"). An entry goes stale `cost_fresh_steps`
+(256) decisions after it was last measured, so on a device whose costs do not move, the same
+trial comes back every ~256 decisions for as long as acceptance keeps the bucket near the
+current rate, each one a dwell of 8 steps at a larger tree: on the H100 at b=8 on code (fifty-
+fifth session's decision log) 2-3 trials a 512-decision pass, 8-25 of its ~143 steps at budget 64
+against the ~130 at 16 that a fixed budget of 16 runs 0.91x faster.
+
+Plain trials already space themselves this way (engine/plain_trials.py): a trial that found the
+cost within PLAIN_TRIAL_CONFIRMED of what the table held confirmed it, and the gap to the next
+doubles, up to PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`; one that moved it starts the gaps over.
+This is the same rule for round budgets, judged lazily: the median a trial started from is kept,
+and compared with the entry's median when the next trial of that entry is considered.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from treeverify.engine.plain_trials import PLAIN_TRIAL_CONFIRMED, PLAIN_TRIAL_MAX_GAP
+
+if TYPE_CHECKING:
+    from treeverify.engine.budget_costs import CostModel
+
+
+class CostTrialGaps:
+    """One step path's cost trials by (batch size, budget): the median each last trial started
+    from and the gap factor it waited with."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, int], tuple[float | None, int]] = {}
+
+    def factor(self, cost: CostModel, n: int, budget: int) -> int:
+        """Times `cost_fresh_steps` the next trial of (n, budget) waits after the last one: 1
+        after none, or after one whose entry's median now differs from the one it started from
+        by more than PLAIN_TRIAL_CONFIRMED (or has none of its own to compare); else twice the
+        last trial's factor, at most PLAIN_TRIAL_MAX_GAP."""
+        last = self._last.get((n, budget))
+        if last is None:
+            return 1
+        before, waited = last
+        now = cost.median(n, budget)
+        if before is None or now is None or abs(now - before) > PLAIN_TRIAL_CONFIRMED * before:
+            return 1
+        return min(2 * waited, PLAIN_TRIAL_MAX_GAP)
+
+    def tried(self, cost: CostModel, n: int, budget: int) -> None:
+        """A trial of (n, budget) starts (before its entry's window is cut): keep the median it
+        starts from and the factor it waited with."""
+        self._last[(n, budget)] = (cost.median(n, budget), self.factor(cost, n, budget))
+
+    def factors(self) -> dict[str, int]:
+        """By "n:budget": the factor each entry's last trial waited with (/server_info)."""
+        return {f"{n}:{b}": f for (n, b), (_, f) in sorted(self._last.items())}
