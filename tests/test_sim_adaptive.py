@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_controller import BudgetController, CostModel, budget_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,3 +188,25 @@ def test_the_controller_recovers_from_bursts_of_slow_host_steps(tmp_path):
     assert calm["unpredictable"] >= 0.9 and calm["min"] >= 0.93
     assert bursts["unpredictable"] >= 0.85  # 0.40 before
     assert bursts["min"] >= 0.93 and bursts["mean"] >= 0.97
+
+
+def test_the_b8_sampled_queue_replays_the_h100s_probe_cycle():
+    """scripts/sim_probe_cycle.py: bench_pair's b=8 queue on sampled text, one controller over
+    passes. With budget 4 accepting ~0.5 drafts (the H100's sampled class at T=1: its prior at
+    ~0.65 of plain decoding's rate, over `arrival_probe_factor`) every group of arrivals restarts
+    the probes' interval, the probes come every `explore_max` decisions (two a 512-decision pass,
+    each ~2.3 ms at b=8) and a restart follows a probe at once, as on the H100 (fifty-fifth
+    session); at ~0.3 (under the factor) one probe a pass. Each probe costs ~3% of a pass."""
+    spec = importlib.util.spec_from_file_location(
+        "_cycle", ROOT / "scripts" / "sim_probe_cycle.py"
+    )  # fmt: skip
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    traces = mod.sampled_traces(0.5, n=4, tokens=64)
+    assert all(len(t["paths"]) == 128 for t in traces)
+    near = mod.run(ControllerConfig(), passes=3, first=0.5)[1:]  # after the first pass
+    far = mod.run(ControllerConfig(), passes=3, first=0.3)[1:]
+    assert all(r["probes"] == 2 and r["restarts"] >= 1 for r in near)
+    assert any(r["restarts_after_a_probe"] for r in near)
+    assert all(r["probes"] == 1 and r["restarts"] == 0 for r in far)
+    assert max(r["x_plain"] for r in near) < min(r["x_plain"] for r in far) - 0.02
