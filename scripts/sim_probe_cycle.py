@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_adaptive import controller, replay_batch, table  # noqa: E402
-from sim_adaptive_suite import SWITCH_SECONDS_B8  # noqa: E402
+from sim_adaptive_suite import SWITCH_SECONDS_B8, texts  # noqa: E402
 
 from treeverify.engine.budget_controller import ControllerConfig, budget_buckets  # noqa: E402
 
@@ -62,12 +62,28 @@ def sampled_traces(first: float = 0.5, n: int = REQUESTS, tokens: int = TOKENS,
     return out
 
 
-def run(cfg: ControllerConfig, passes: int = 4, first: float = 0.5) -> list[dict]:
+def run(cfg: ControllerConfig, passes: int = 4, first: float = 0.5,
+        code_after: bool = False) -> list[dict]:  # fmt: skip
     """`passes` passes of the queue with one controller: each pass's x plain, probes,
-    interval restarts, and probes on the last two decisions before a group finished."""
+    interval restarts, and restarts right after a probe. `code_after`: then one more pass of
+    32 recorded code traces (set 3) also sampling (code at a low temperature: a sampled request
+    the drafter predicts), its x plain and x the best fixed budget: does a stricter bar for
+    sampled arrivals leave such requests at plain decoding?"""
     costs, traces = table(COSTS), sampled_traces(first)
     plain = replay_batch(traces, TOKENS, costs, 0, SLOTS, queue=True)["tokens_per_s"]
     ctl = controller(budget_buckets(64), COSTS, cfg)
+    out = _passes(ctl, costs, traces, plain, passes)
+    if code_after:
+        code = texts()["set3 code"][:REQUESTS]
+        fixed = {b: replay_batch(code, TOKENS, costs, b, SLOTS, queue=True)["tokens_per_s"]
+                 for b in budget_buckets(64)}  # fmt: skip
+        row = _passes(ctl, costs, code, fixed[0], 1)[0]
+        row["x_best_fixed"] = round(row["x_plain"] * fixed[0] / max(fixed.values()), 3)
+        out.append(row | {"text": "code, sampled"})
+    return out
+
+
+def _passes(ctl, costs, traces: list[dict], plain: float, passes: int) -> list[dict]:
     out = []
     for _ in range(passes):
         start, probes = ctl.step_index, ctl.explorations
@@ -91,11 +107,14 @@ def main(argv: list[str]) -> int:
     for knobs in [{}, *(json.loads(a) for a in argv)]:
         cfg = ControllerConfig(**knobs)
         for first in (0.3, 0.5):
-            rows = run(cfg, first=first)
+            rows = run(cfg, first=first, code_after=True)
             cells = " | ".join(f"{r['x_plain']:.3f} ({r['probes']} probes, {r['restarts']} "
                                f"restarts, {r['restarts_after_a_probe']} after a probe)"
-                               for r in rows)  # fmt: skip
-            print(f"{knobs or 'defaults'} A(4)={first}: {cells}")
+                               for r in rows[:-1])  # fmt: skip
+            code = rows[-1]
+            print(f"{knobs or 'defaults'} A(4)={first}: {cells}; then code, sampled: "
+                  f"{code['x_plain']:.3f}x plain, {code['x_best_fixed']:.3f} of the best "
+                  f"fixed ({code['probes']} probes)")  # fmt: skip
     return 0
 
 

@@ -210,3 +210,46 @@ def test_the_b8_sampled_queue_replays_the_h100s_probe_cycle():
     assert any(r["restarts_after_a_probe"] for r in near)
     assert all(r["probes"] == 1 and r["restarts"] == 0 for r in far)
     assert max(r["x_plain"] for r in near) < min(r["x_plain"] for r in far) - 0.02
+
+
+def test_a_stricter_bar_for_sampled_arrivals_trades_the_cycle_for_sampled_code():
+    """`sampled_arrival_factor` 0.8 (off by default): steps whose requests all sample weigh the
+    prior against plain decoding at 0.8 instead of 0.6. The cycle is gone (one probe a pass on
+    the sampled text, ~0.97x plain against ~0.94x), but sampled code arriving after it (a
+    sampled request the drafter predicts) is left at plain decoding far longer: a smaller share
+    of the best fixed budget than with the default bar. Why the default stays off."""
+    spec = importlib.util.spec_from_file_location(
+        "_cycle2", ROOT / "scripts" / "sim_probe_cycle.py"
+    )  # fmt: skip
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    default = mod.run(ControllerConfig(), passes=3, code_after=True)
+    strict = mod.run(ControllerConfig(sampled_arrival_factor=0.8), passes=3, code_after=True)
+    assert all(r["probes"] == 1 and r["restarts"] == 0 for r in strict[1:3])
+    assert min(r["x_plain"] for r in strict[1:3]) > max(r["x_plain"] for r in default[1:3])
+    assert strict[-1]["x_best_fixed"] < default[-1]["x_best_fixed"] - 0.05
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
+def test_bad_sampled_arrival_factor_is_a_value_error_naming_it(bad):
+    with pytest.raises(ValueError, match="sampled_arrival_factor"):
+        ControllerConfig(sampled_arrival_factor=bad)
+
+
+def test_the_sampled_bar_applies_only_where_every_request_samples():
+    """`near_plain` with `sampled_arrival_factor`: a step of sampled requests only is weighed at
+    it; one greedy request among them keeps `arrival_probe_factor` (a greedy arrival's chance
+    of predictable text is what the default bar is for)."""
+    from treeverify.engine.budget_controller import GREEDY, SAMPLED
+    from treeverify.engine.budget_probes import Probes
+
+    ctl = BudgetController((0, 4, 8), CostModel(), ControllerConfig(sampled_arrival_factor=0.8))
+    rates = {0: 100.0, 4: 70.0, 8: 65.0}  # budget 4 at 0.7 of plain decoding's rate
+    for rid, cls in (("a", SAMPLED), ("b", SAMPLED), ("c", GREEDY)):
+        ctl.note_request(rid, cls)
+    assert ctl._all_sampled(["a", "b"]) and not ctl._all_sampled(["a", "c"])
+    assert not Probes.near_plain(ctl, rates, ctl._all_sampled(["a", "b"]))  # 0.7 < 0.8
+    assert Probes.near_plain(ctl, rates, ctl._all_sampled(["a", "c"]))  # 0.7 >= 0.6
+    off = BudgetController((0, 4, 8), CostModel(), ControllerConfig())
+    off.note_request("a", SAMPLED)
+    assert not off._all_sampled(["a"]) and Probes.near_plain(off, rates, False)

@@ -32,6 +32,10 @@ class ControllerConfig:
     arrival_probe_factor: float = 0.6  # a request without rounds of its own restarts the probe
     # interval only when some bucket's rate on its class's prior is within this factor of plain
     # decoding's (0: always, as before)
+    sampled_arrival_factor: float = 0.0  # ... this factor instead where every request of the
+    # step samples (the sampled class's prior; also the far test at plain decoding); 0: the same
+    # (H100 b=8 queue, prose at T=1: budget 4 on the prior at ~0.65 of plain's rate restarted the
+    # interval on each group, two probes a pass at ~2 ms each; scripts/sim_probe_cycle.py)
     new_batch_at_once: bool = True  # a step whose requests have no rounds of their own (a new
     # group) switches on its class's prior with no dwell nor confirmation: after greedy groups
     # the H200 ran a new sampled group of 8 at budget 32 for 6 of its 131 steps (2026-12-05)
@@ -99,6 +103,10 @@ class ControllerConfig:
         if not 0.0 <= self.arrival_probe_factor <= 1.0:
             raise ValueError(
                 f"arrival_probe_factor: expected in [0, 1], got {self.arrival_probe_factor}"
+            )
+        if not 0.0 <= self.sampled_arrival_factor <= 1.0:  # (nan fails too)
+            raise ValueError(
+                f"sampled_arrival_factor: expected in [0, 1], got {self.sampled_arrival_factor}"
             )
         if self.explore_max < self.explore_every:
             raise ValueError("explore_max: expected >= explore_every")

@@ -290,6 +290,13 @@ class BudgetController:
         self._accept_sums.clear()
         self._plain_rates = self._round_rates = None
 
+    def _all_sampled(self, request_ids: list[str]) -> bool:
+        """Whether every request of the step samples (`sampled_arrival_factor`'s batches)."""
+        if not self.cfg.sampled_arrival_factor:
+            return False
+        classes = self.classes
+        return all(classes.get(rid) == SAMPLED for rid in request_ids)
+
     def _class_curve(self, request_id: str) -> dict[int, DecayedMean]:
         cls = self.classes.get(request_id, GREEDY)
         curve = self.class_curves.get(cls)
@@ -403,7 +410,8 @@ class BudgetController:
             arrived = any(rid not in self.requests and not self._awaited(rid)
                           for rid in request_ids)  # fmt: skip
             # some bucket near plain's rate (read on arrivals, and at plain decoding: `far`)
-            pays = Probes.near_plain(self, rates) if arrived or self.current == 0 else True
+            pays = (Probes.near_plain(self, rates, self._all_sampled(request_ids))
+                    if arrived or self.current == 0 else True)  # fmt: skip
             self._plain_rates = (ids, rates, arrived, pays) if self.current == 0 else None
             keep = self.current != 0 and self.cfg.decide_every > 1
             self._round_rates = (ids, self.current, rates, pays) if keep else None

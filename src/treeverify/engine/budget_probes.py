@@ -40,12 +40,16 @@ class Probes:
         self._switches_at_probe += 1
 
     @staticmethod
-    def near_plain(c: BudgetController, rates: dict[int, float | None]) -> bool:
+    def near_plain(c: BudgetController, rates: dict[int, float | None],
+                   sampled: bool = False) -> bool:  # fmt: skip
         """Whether some bucket's rate comes within `arrival_probe_factor` of plain decoding's,
         or is unknown (always, at factor 0): requests without rounds of their own restart the
         interval only then (their rates are their class's prior), and far from it, at plain
-        decoding, the interval backs off further."""
+        decoding, the interval backs off further. `sampled` (every request of the step samples):
+        within `sampled_arrival_factor` instead, when set."""
         factor = c.cfg.arrival_probe_factor
+        if sampled and c.cfg.sampled_arrival_factor:
+            factor = c.cfg.sampled_arrival_factor
         plain = rates.get(0)
         if not factor or plain is None:
             return True
