@@ -6,8 +6,8 @@ that re-measures it (docs/ddtree.md, "Stale costs"). An entry goes stale `cost_f
 (256) decisions after it was last measured, so on a device whose costs do not move, the same
 trial comes back every ~256 decisions for as long as acceptance keeps the bucket near the
 current rate, each one a dwell of 8 steps at a larger tree: on the H100 at b=8 on code (fifty-
-fifth session's decision log) 2-3 trials a 512-decision pass, 8-25 of its ~143 steps at budget 64
-against the ~130 at 16 that a fixed budget of 16 runs 0.91x faster.
+fifth session's decision log) 31 trials in nine 512-decision passes, 8-25 of a pass's ~143 steps
+at budget 64, and the adaptive engine at 0.911 of fixed 16's tokens/s.
 
 Plain trials already space themselves this way (engine/plain_trials.py): a trial that found the
 cost within PLAIN_TRIAL_CONFIRMED of what the table held confirmed it, and the gap to the next
