@@ -161,7 +161,7 @@ def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig) -> 
 
 def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batch: int,
                  cls: str | None = None, switch_seconds: float = 0.0,
-                 lag: int = 0, queue: bool = False) -> dict:  # fmt: skip
+                 lag: int = 0, queue: bool = False, feedback: bool = False) -> dict:  # fmt: skip
     """`replay` with `batch` requests decoding together, as bench_pair's b=8 rows: prompts in
     groups of `batch` starting together; each step one budget for every live request (the
     controller's `choose` over all of them), costing costs.estimate(live, budget); a request
@@ -174,11 +174,15 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
     the next step's budget, and launches it, before reading this step's round: lag 1).
     `queue`: continuous batching, as bench_pair's --queue: `batch` slots, each refilled by the
     next prompt at the step after its request finished (that step also pays one plain step at
-    the new batch size: the newcomers' prefill), instead of groups that start together."""
+    the new batch size: the newcomers' prefill), instead of groups that start together.
+    `feedback`: the controller observes each steady step's cost (the third and later in a row
+    at one batch size and budget), as `replay` does: a calibrated start's stale entries are
+    re-measured by serving, and cost trials happen."""
     seconds, steps, committed_total, rounds = 0.0, {}, 0, 0
     unseen: list[list[tuple[str, int, list[int]]]] = []  # per decision, its rounds not yet seen
     ctl = policy if isinstance(policy, BudgetController) else None
     last = None  # the previous step's budget
+    run, run_key = 0, None  # steps in a row at one (batch size, budget): `feedback`
     waiting = list(enumerate(traces))  # (prompt index, trace) not yet admitted
     live: dict[str, list] = {}
 
@@ -211,6 +215,10 @@ def replay_batch(traces: list[dict], tokens: int, costs: CostModel, policy, batc
             seconds += wall
             if ctl:  # every step's wall, as the engine's controller sees it
                 ctl.observe_wall(len(rids), budget, wall)
+            key = (len(rids), budget)
+            run, run_key = (run + 1 if key == run_key else 1), key
+            if ctl and feedback and run >= 3:  # a steady step's own cost
+                ctl.observe_step(len(rids), budget, costs.estimate(len(rids), budget))
             last = budget
             for rid in rids:
                 state = live[rid]

@@ -89,6 +89,8 @@ def _passes(ctl, costs, traces: list[dict], plain: float, passes: int) -> list[d
         start, probes = ctl.step_index, ctl.explorations
         got = replay_batch(traces, TOKENS, costs, ctl, SLOTS, "sampled", SWITCH_SECONDS_B8, 1,
                            queue=True)  # fmt: skip
+        if not ctl.events.complete_since(start):  # (the log keeps its last 128 events)
+            raise RuntimeError("the decision log lost events of this pass: count them otherwise")
         events = ctl.events.since(start)
         restarts = [e["step"] for e in events if e["kind"] == "interval_restart"]
         probed = [e["step"] for e in events if e["kind"] == "probe"]

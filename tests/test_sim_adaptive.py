@@ -253,3 +253,55 @@ def test_the_sampled_bar_applies_only_where_every_request_samples():
     off = BudgetController((0, 4, 8), CostModel(), ControllerConfig())
     off.note_request("a", SAMPLED)
     assert not off._all_sampled(["a"]) and Probes.near_plain(off, rates, False)
+
+
+def _trial_backoff_module():
+    spec = importlib.util.spec_from_file_location(
+        "_backoff", ROOT / "scripts" / "sim_trial_backoff.py"
+    )  # fmt: skip
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_probe_soon_after_leaving_the_rounds_brings_b8_code_back():
+    """scripts/sim_trial_backoff.py (bench_pair's b=8 queue of code, a calibrated start,
+    steady steps fed back, nine passes): the controller leaves the rounds on a dip (or a new
+    group's tail-dragged prior) and, with probes from plain decoding spaced by their price
+    (~100 decisions at b=8), stayed plain ~100 decisions a pass. `plain_probe_after=16` probes
+    within 16 decisions of such a switch: fewer plain steps, more of the best fixed budget."""
+    mod = _trial_backoff_module()
+    code = mod.code_sets()["sets 1, 4, 5, 2"]
+    base = mod.run(ControllerConfig(), code)
+    soon = mod.run(ControllerConfig(plain_probe_after=16), code)
+    assert soon["steps_by_budget"][0] < 0.7 * base["steps_by_budget"][0]
+    mean = lambda r: sum(r["x_best_fixed"][1:]) / (len(r["x_best_fixed"]) - 1)  # noqa: E731
+    assert mean(soon) > mean(base) + 0.03
+
+
+def test_the_probe_soon_waits_for_two_requests_and_a_switch_of_their_own():
+    """`plain_probe_after` applies from `excursion_min_batch` requests up, where a probe from
+    plain decoding is spaced by its excursion's price (a single request's probes keep their
+    spacing: the b=1 rows of the replay suite are unchanged by it), and to a switch the
+    requests' own rounds made (a new group moved on its class's prior keeps the usual spacing:
+    the suite's unpredictable group after code paid a probe it did not need)."""
+    from treeverify.engine.budget_probes import Probes
+
+    ctl = BudgetController((0, 4, 8), CostModel(), ControllerConfig(plain_probe_after=16))
+    for n, at_once, soon in ((1, False, False), (8, True, False), (8, False, True)):
+        ctl.current, ctl.switches, ctl.probes.soon = 8, 3, None  # not the first switch
+        ctl.probes.since, ctl.since_switch, ctl._pending = 40, 100, (0, 1)  # confirmed next
+        ctl._consider(0, 2.0, 1.0, 2.0, n, at_once=at_once)
+        assert ctl.current == 0
+        assert ctl.probes.soon == (56 if soon else None), (n, at_once)
+    ctl.cost.observe(8, 0, 1e-4)
+    ctl.cost.observe(8, 8, 8e-4)  # a probe at 8 prices ~8 plain steps: 16 x 8 decisions
+    assert Probes._threshold(ctl.probes, ctl, 8, 8, False) == 56
+    ctl.probes.probed(ctl, False)  # the probe: the next ones spaced as before
+    assert ctl.probes.soon is None and Probes._threshold(ctl.probes, ctl, 8, 8, False) > 100
+
+
+@pytest.mark.parametrize("bad", [-1])
+def test_bad_plain_probe_after_is_a_value_error_naming_it(bad):
+    with pytest.raises(ValueError, match="plain_probe_after"):
+        ControllerConfig(plain_probe_after=bad)

@@ -592,6 +592,13 @@ class BudgetController:
             self._move(kind, best, n, why)
             if at_once and not first and not self.cfg.new_batch_restarts_probes:
                 self.probes.not_a_change()  # the class's prior moved it, not what a probe saw
+            gate = self.cfg.excursion_min_batch
+            if (best == 0 and not first and not at_once and self.cfg.plain_probe_after
+                    and gate and n >= gate):  # fmt: skip
+                # plain steps measure no acceptance: only a probe can show the dip (or the
+                # prior) that moved it is over, and from plain decoding with `gate` requests or
+                # more a probe is spaced by its excursion's price (~100 decisions at b=8)
+                self.probes.soon = self.probes.since + self.cfg.plain_probe_after
 
     def _move(self, kind: str, to: int, n: int, why: str) -> None:
         """`current` to `to` (a switch or a trial, `kind` in the decision log): the pending
@@ -628,8 +635,14 @@ class BudgetController:
                      and now - self._tried.get((n, b), -fresh - 1)
                      > (self._bursts.gap(n, b) if over[b]
                         else fresh * self._trial_wait(n, b))]  # fmt: skip
+            confirmed = self._confirmed_costs(n, side, over) if self.cfg.cost_trial_backoff else {}
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
+                # a bucket waiting out its back-off still bounds the ones beyond it: its trials
+                # confirmed that cost (else a farther, dearer bucket took its place: a review)
+                bound = [m for w, m in confirmed.items() if w < b]
+                if bound:
+                    low = max(bound) if low is None else max(low, *bound)
                 if over[b]:  # weighed at its lowest median: below the
                     # current bucket no fresh smaller cost bounds it, so without this a bucket
                     # a burst hit was never measured again
@@ -640,7 +653,7 @@ class BudgetController:
                     self._tried[(n, nearest)] = now
                     self._bursts.tried(self.cost, n, nearest, fresh)
                     if self.cfg.cost_trial_backoff:  # (before the window is cut)
-                        self._trial_gaps.tried(self.cost, n, nearest)
+                        self._trial_gaps.tried(self.cost, n, nearest, now)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
                     self._move(ev.COST_TRIAL, nearest, n,
                                f"{b} at cost >= {low:.3g} s beats {bar:.4g}")  # fmt: skip
@@ -648,6 +661,20 @@ class BudgetController:
                     self.cost_trials += 1
                     return
         self.plain_trials.maybe_start(self, n, bar)
+
+    def _confirmed_costs(self, n: int, side: tuple[int, ...], over: dict) -> dict[int, float]:
+        """`cost_trial_backoff`: the buckets of `side` whose stale costs wait out a back-off
+        (their trials confirmed them: past `cost_fresh_steps` since the last, not past its
+        wait), by their own medians."""
+        now, fresh = self.step_index, self.cfg.cost_fresh_steps
+        out = {}
+        for w in side:
+            since = now - self._tried.get((n, w), -fresh - 1)
+            median = self.cost.median(n, w)
+            if (not over[w] and median is not None and not self.cost.is_fresh(n, w, now, fresh)
+                    and fresh < since <= fresh * self._trial_wait(n, w)):  # fmt: skip
+                out[w] = median
+        return out
 
     def _trial_wait(self, n: int, budget: int) -> int:
         """Times `cost_fresh_steps` a cost trial of (n, budget) waits after its last one: 1, or

@@ -25,6 +25,9 @@ class Probes:
         self.interval = float(explore_every)  # decisions between probes, before the cost ratio
         self.count = 0  # probes made (/server_info's `explorations`)
         self.from_plain = 0  # probes made from plain decoding (hybrid alternates their target)
+        # `plain_probe_after`: the `since` at which a probe is due whatever the interval
+        # (a new group moved to plain decoding on its class's prior), until the next probe
+        self.soon: int | None = None
         self._switches_at_probe = 0
 
     def restart(self, c: BudgetController) -> bool:
@@ -98,7 +101,8 @@ class Probes:
         if there and c.current == 0 and gate and n >= gate:
             there += c.excursions.extra(n) or 0.0
         ratio = max(1.0, there / here) if here and there else 1.0
-        return min(self.cap(c, far), self.interval * ratio)
+        due = min(self.cap(c, far), self.interval * ratio)
+        return due if self.soon is None else min(due, self.soon)
 
     @staticmethod
     def cap(c: BudgetController, far: bool) -> float:
@@ -119,7 +123,7 @@ class Probes:
             since_last = c.switches - self._switches_at_probe
             why = f"restarted ({since_last} switches since the last)" if self.count else "first"
         self._switches_at_probe = c.switches
-        self.since = 0
+        self.since, self.soon = 0, None
         self.count += 1
         self.from_plain += c.current == 0
         return f"after {waited} decisions; interval {why} -> {self.interval:g}" + (

@@ -12,8 +12,12 @@ at budget 64, and the adaptive engine at 0.911 of fixed 16's tokens/s.
 Plain trials already space themselves this way (engine/plain_trials.py): a trial that found the
 cost within PLAIN_TRIAL_CONFIRMED of what the table held confirmed it, and the gap to the next
 doubles, up to PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`; one that moved it starts the gaps over.
-This is the same rule for round budgets, judged lazily: the median a trial started from is kept,
-and compared with the entry's median when the next trial of that entry is considered.
+Cost trials take the same tolerance and cap, judged differently: lazily, when the next trial of
+the entry is considered, the entry's own median (not an interpolated or borrowed estimate)
+against the one the trial started from; a trial whose entry no step measured since it started
+keeps the last wait (neither doubled nor reset). While a bucket waits out its back-off, its own
+median still bounds the buckets beyond it in the controller's search (else a farther, dearer
+bucket is tried in its place).
 Torch-free.
 """
 
@@ -32,27 +36,33 @@ class CostTrialGaps:
     from and the gap factor it waited with."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[int, int], tuple[float | None, int]] = {}
+        # (n, budget) -> (the median its last trial started from, the factor that trial waited
+        # with, the decision it started at)
+        self._last: dict[tuple[int, int], tuple[float | None, int, int]] = {}
 
     def factor(self, cost: CostModel, n: int, budget: int) -> int:
         """Times `cost_fresh_steps` the next trial of (n, budget) waits after the last one: 1
         after none, or after one whose entry's median now differs from the one it started from
-        by more than PLAIN_TRIAL_CONFIRMED (or has none of its own to compare); else twice the
+        by more than PLAIN_TRIAL_CONFIRMED (or has none of its own to compare); the last
+        trial's factor again when no step measured the entry since that trial started (the
+        batch size or the step path changed in its dwell: nothing was judged); else twice the
         last trial's factor, at most PLAIN_TRIAL_MAX_GAP."""
         last = self._last.get((n, budget))
         if last is None:
             return 1
-        before, waited = last
+        before, waited, started = last
+        if cost.seen_at.get((n, budget), -1) <= started:
+            return waited
         now = cost.median(n, budget)
         if before is None or now is None or abs(now - before) > PLAIN_TRIAL_CONFIRMED * before:
             return 1
         return min(2 * waited, PLAIN_TRIAL_MAX_GAP)
 
-    def tried(self, cost: CostModel, n: int, budget: int) -> None:
-        """A trial of (n, budget) starts (before its entry's window is cut): keep the median it
-        starts from and the factor it waited with."""
-        self._last[(n, budget)] = (cost.median(n, budget), self.factor(cost, n, budget))
+    def tried(self, cost: CostModel, n: int, budget: int, step: int) -> None:
+        """A trial of (n, budget) starts at decision `step` (before its entry's window is cut):
+        keep the median it starts from, the factor it waited with, and `step`."""
+        self._last[(n, budget)] = (cost.median(n, budget), self.factor(cost, n, budget), step)
 
     def factors(self) -> dict[str, int]:
         """By "n:budget": the factor each entry's last trial waited with (/server_info)."""
-        return {f"{n}:{b}": f for (n, b), (_, f) in sorted(self._last.items())}
+        return {f"{n}:{b}": f for (n, b), (_, f, _) in sorted(self._last.items())}
