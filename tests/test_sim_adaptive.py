@@ -299,6 +299,9 @@ def test_the_probe_soon_waits_for_two_requests_and_a_switch_of_their_own():
     assert Probes._threshold(ctl.probes, ctl, 8, 8, False) == 56
     ctl.probes.probed(ctl, False)  # the probe: the next ones spaced as before
     assert ctl.probes.soon is None and Probes._threshold(ctl.probes, ctl, 8, 8, False) > 100
+    ctl.probes.soon = 60
+    ctl._move("switch", 8, 8, "back to the rounds before the probe")
+    assert ctl.probes.soon is None  # moot at a round budget
 
 
 @pytest.mark.parametrize("bad", [-1])

@@ -602,10 +602,13 @@ class BudgetController:
 
     def _move(self, kind: str, to: int, n: int, why: str) -> None:
         """`current` to `to` (a switch or a trial, `kind` in the decision log): the pending
-        switch is dropped and the dwell starts over."""
+        switch is dropped and the dwell starts over; a probe made due soon by a switch to
+        plain decoding (`plain_probe_after`) is moot once the rounds are back."""
         self.events.add(self.step_index, kind, self.current, to, n, why)
         self.current, self._pending, self.since_switch = to, None, 0
         self.switches += 1
+        if to:
+            self.probes.soon = None
 
     def _cost_trial(self, request_ids: list[str], cur_rate: float, held: bool = False) -> None:
         """When some bucket's rate at its least possible cost (the largest fresh cost below it)
