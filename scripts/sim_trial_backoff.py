@@ -12,13 +12,14 @@ costs do not move.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_adaptive import replay_batch, table  # noqa: E402
-from sim_adaptive_suite import texts  # noqa: E402
+from sim_adaptive_suite import SWITCH_SECONDS_B8, texts  # noqa: E402
 
 from treeverify.engine.budget_controller import (  # noqa: E402
     BudgetController,
@@ -61,16 +62,18 @@ def code_sets() -> dict[str, list[dict]]:
     }
 
 
-def run(cfg: ControllerConfig, code: list[dict], passes: int = PASSES) -> dict:
+def run(cfg: ControllerConfig, code: list[dict], passes: int = PASSES,
+        switch: float = SWITCH_SECONDS_B8) -> dict:  # fmt: skip
     """`passes` passes of the queue with one controller: x the best fixed budget each pass,
-    cost trials and the steps at each budget over all of them."""
+    cost trials and the steps at each budget over all of them. `switch`: seconds a plain <->
+    rounds switch adds (as measured at b=8, as the suite's charged rows; 0: free)."""
     costs = table(SERVED)
     best = max(replay_batch(code, TOKENS, costs, b, SLOTS, queue=True)["tokens_per_s"]
                for b in budget_buckets(64))  # fmt: skip
     ctl = calibrated(cfg)
     xs, steps = [], {}
     for _ in range(passes):
-        got = replay_batch(code, TOKENS, costs, ctl, SLOTS, "greedy", 0.0, 1, queue=True,
+        got = replay_batch(code, TOKENS, costs, ctl, SLOTS, "greedy", switch, 1, queue=True,
                            feedback=True)  # fmt: skip
         xs.append(round(got["tokens_per_s"] / best, 3))
         for b, k in got["steps_by_budget"].items():
@@ -80,11 +83,12 @@ def run(cfg: ControllerConfig, code: list[dict], passes: int = PASSES) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    for name, code in code_sets().items():
+    for (name, code), switch in itertools.product(code_sets().items(), (SWITCH_SECONDS_B8, 0.0)):
         for knobs in [{}, {"cost_trial_backoff": True}, *(json.loads(a) for a in argv)]:
-            r = run(ControllerConfig(**knobs), code)
+            r = run(ControllerConfig(**knobs), code, switch=switch)
             xs = r["x_best_fixed"]
-            print(f"{name}, {knobs or 'defaults'}: x best fixed, passes 2-{len(xs)}: "
+            print(f"{name}, switches {'charged' if switch else 'free'}, {knobs or 'defaults'}: "
+                  f"x best fixed, passes 2-{len(xs)}: "
                   f"{sum(xs[1:]) / (len(xs) - 1):.3f} (pass 1 {xs[0]:.3f}); cost trials "
                   f"{r['cost_trials']}; steps {r['steps_by_budget']}")  # fmt: skip
     return 0

@@ -269,14 +269,16 @@ def test_a_probe_soon_after_leaving_the_rounds_brings_b8_code_back():
     steady steps fed back, nine passes): the controller leaves the rounds on a dip (or a new
     group's tail-dragged prior) and, with probes from plain decoding spaced by their price
     (~100 decisions at b=8), stayed plain ~100 decisions a pass. `plain_probe_after=16` probes
-    within 16 decisions of such a switch: fewer plain steps, more of the best fixed budget."""
+    on the 16th decision after such a switch: on this mix (switches charged as measured at b=8)
+    839 -> 368 plain steps, 0.927 -> 0.954 of the best fixed budget. (Over the four mixes the
+    mean moves less, 0.915 -> 0.922: docs/ddtree.md.)"""
     mod = _trial_backoff_module()
     code = mod.code_sets()["sets 1, 4, 5, 2"]
     base = mod.run(ControllerConfig(), code)
     soon = mod.run(ControllerConfig(plain_probe_after=16), code)
-    assert soon["steps_by_budget"][0] < 0.7 * base["steps_by_budget"][0]
+    assert soon["steps_by_budget"][0] < 0.6 * base["steps_by_budget"][0]
     mean = lambda r: sum(r["x_best_fixed"][1:]) / (len(r["x_best_fixed"]) - 1)  # noqa: E731
-    assert mean(soon) > mean(base) + 0.03
+    assert mean(soon) > mean(base) + 0.015
 
 
 def test_the_probe_soon_waits_for_two_requests_and_a_switch_of_their_own():
@@ -293,10 +295,10 @@ def test_the_probe_soon_waits_for_two_requests_and_a_switch_of_their_own():
         ctl.probes.since, ctl.since_switch, ctl._pending = 40, 100, (0, 1)  # confirmed next
         ctl._consider(0, 2.0, 1.0, 2.0, n, at_once=at_once)
         assert ctl.current == 0
-        assert ctl.probes.soon == (56 if soon else None), (n, at_once)
+        assert ctl.probes.soon == (57 if soon else None), (n, at_once)
     ctl.cost.observe(8, 0, 1e-4)
     ctl.cost.observe(8, 8, 8e-4)  # a probe at 8 prices ~8 plain steps: 16 x 8 decisions
-    assert Probes._threshold(ctl.probes, ctl, 8, 8, False) == 56
+    assert Probes._threshold(ctl.probes, ctl, 8, 8, False) == 57  # the 16th decision after
     ctl.probes.probed(ctl, False)  # the probe: the next ones spaced as before
     assert ctl.probes.soon is None and Probes._threshold(ctl.probes, ctl, 8, 8, False) > 100
     ctl.probes.soon = 60

@@ -39,11 +39,12 @@ class ControllerConfig:
     new_batch_at_once: bool = True  # a step whose requests have no rounds of their own (a new
     # group) switches on its class's prior with no dwell nor confirmation: after greedy groups
     # the H200 ran a new sampled group of 8 at budget 32 for 6 of its 131 steps (2026-12-05)
-    plain_probe_after: int = 0  # after a switch to plain decoding (a new group's on its prior
-    # included), a probe within this many decisions whatever the probes' interval (0: off).
-    # The replayed b=8 queues of code left the rounds on a dip (or a group's tail's prior: the
-    # engine-wide curve remembers ~2.5 steps at b=8) and ran ~100 plain decisions before the
-    # next probe found the rounds again (scripts/sim_trial_backoff.py)
+    plain_probe_after: int = 0  # after a switch to plain decoding that the requests' own
+    # rounds made (not a new group's on its prior) with `excursion_min_batch` requests or more,
+    # a probe on the Nth decision after it, whatever the probes' interval (0: off). The replayed
+    # b=8 queues of code left the rounds on a dip (the engine-wide curve remembers ~2.5 steps
+    # at b=8) and ran ~100 plain decisions before the next probe found the rounds again
+    # (scripts/sim_trial_backoff.py)
     await_rounds: bool = True  # a request whose first round is chosen but not yet observed (a
     # step launched ahead) is no arrival meanwhile; False: as before, for A/B (the decision
     # after each probe of a new group restarted the probes' interval on the GPU)

@@ -598,7 +598,8 @@ class BudgetController:
                 # plain steps measure no acceptance: only a probe can show the dip (or the
                 # prior) that moved it is over, and from plain decoding with `gate` requests or
                 # more a probe is spaced by its excursion's price (~100 decisions at b=8)
-                self.probes.soon = self.probes.since + self.cfg.plain_probe_after
+                # (`since` counts this decision after it: the probe comes on the Nth after)
+                self.probes.soon = self.probes.since + 1 + self.cfg.plain_probe_after
 
     def _move(self, kind: str, to: int, n: int, why: str) -> None:
         """`current` to `to` (a switch or a trial, `kind` in the decision log): the pending
@@ -638,11 +639,14 @@ class BudgetController:
                      and now - self._tried.get((n, b), -fresh - 1)
                      > (self._bursts.gap(n, b) if over[b]
                         else fresh * self._trial_wait(n, b))]  # fmt: skip
-            confirmed = self._confirmed_costs(n, side, over) if self.cfg.cost_trial_backoff else {}
+            above = side and side[0] > self.current
+            confirmed = (self._confirmed_costs(n, side, over)
+                         if self.cfg.cost_trial_backoff and above else {})  # fmt: skip
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
-                # a bucket waiting out its back-off still bounds the ones beyond it: its trials
-                # confirmed that cost (else a farther, dearer bucket took its place: a review)
+                # above the current bucket, one waiting out its back-off still bounds the ones
+                # beyond it: its trials confirmed that cost (else a farther, dearer bucket took
+                # its place: a review)
                 bound = [m for w, m in confirmed.items() if w < b]
                 if bound:
                     low = max(bound) if low is None else max(low, *bound)
@@ -666,16 +670,17 @@ class BudgetController:
         self.plain_trials.maybe_start(self, n, bar)
 
     def _confirmed_costs(self, n: int, side: tuple[int, ...], over: dict) -> dict[int, float]:
-        """`cost_trial_backoff`: the buckets of `side` whose stale costs wait out a back-off
-        (their trials confirmed them: past `cost_fresh_steps` since the last, not past its
-        wait), by their own medians."""
+        """`cost_trial_backoff`: the buckets of `side` whose stale costs wait for their next
+        trial (tried within their wait: `cost_fresh_steps` times their back-off factor), by
+        their own medians."""
         now, fresh = self.step_index, self.cfg.cost_fresh_steps
         out = {}
         for w in side:
-            since = now - self._tried.get((n, w), -fresh - 1)
+            at = self._tried.get((n, w))
             median = self.cost.median(n, w)
-            if (not over[w] and median is not None and not self.cost.is_fresh(n, w, now, fresh)
-                    and fresh < since <= fresh * self._trial_wait(n, w)):  # fmt: skip
+            if (at is not None and not over[w] and median is not None
+                    and not self.cost.is_fresh(n, w, now, fresh)
+                    and now - at <= fresh * self._trial_wait(n, w)):  # fmt: skip
                 out[w] = median
         return out
 

@@ -7,7 +7,8 @@ The interval is `explore_every` decisions times cost(probe) / cost(current), dou
 probe that changed nothing, up to `explore_max` (times `explore_far_factor` at plain decoding
 while no bucket's rate comes within `arrival_probe_factor` of plain decoding's), and back to
 `explore_every` when a request without rounds of its own joins and its class's prior says a
-bucket may pay (`near_plain`).
+bucket may pay (`near_plain`). `soon` (`plain_probe_after`): after a switch to plain decoding,
+one probe due within a few decisions whatever the interval.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class Probes:
         self.interval = float(explore_every)  # decisions between probes, before the cost ratio
         self.count = 0  # probes made (/server_info's `explorations`)
         self.from_plain = 0  # probes made from plain decoding (hybrid alternates their target)
-        # `plain_probe_after`: the `since` at which a probe is due whatever the interval
-        # (a new group moved to plain decoding on its class's prior), until the next probe
+        # `plain_probe_after`: the `since` at which a probe is due whatever the interval (a
+        # switch to plain decoding the requests' own rounds made), until the next probe or a
+        # move back to a round budget
         self.soon: int | None = None
         self._switches_at_probe = 0
 

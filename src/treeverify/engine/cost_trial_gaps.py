@@ -15,9 +15,9 @@ doubles, up to PLAIN_TRIAL_MAX_GAP x `cost_fresh_steps`; one that moved it start
 Cost trials take the same tolerance and cap, judged differently: lazily, when the next trial of
 the entry is considered, the entry's own median (not an interpolated or borrowed estimate)
 against the one the trial started from; a trial whose entry no step measured since it started
-keeps the last wait (neither doubled nor reset). While a bucket waits out its back-off, its own
-median still bounds the buckets beyond it in the controller's search (else a farther, dearer
-bucket is tried in its place).
+keeps the last wait (neither doubled nor reset). While a bucket above the current one waits for
+its next trial, its own median still bounds the buckets beyond it in the controller's search
+(else a farther, dearer bucket is tried in its place).
 Torch-free.
 """
 
