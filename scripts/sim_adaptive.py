@@ -146,15 +146,18 @@ def table(costs_by_batch: dict[int, dict[int, float]]) -> CostModel:
     return m
 
 
-def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig) -> BudgetController:
+def controller(buckets: tuple[int, ...], costs: dict, cfg: ControllerConfig,
+               calibrated: bool = False) -> BudgetController:  # fmt: skip
     """A controller on `costs`: {batch: {budget: s}} frozen (a given table), or {budget: s}
-    as a calibrated start that steady steps then update (every entry stale, as after
-    calibration)."""
-    if all(isinstance(v, dict) for v in costs.values()):
+    (batch 1), or {batch: {budget: s}} with `calibrated`, as a calibrated start that steady
+    steps then update (every entry stale, as after calibration)."""
+    nested = all(isinstance(v, dict) for v in costs.values())
+    if nested and not calibrated:
         return BudgetController(buckets, table(costs), cfg)
     ctl = BudgetController(buckets, CostModel(cfg.cost_window), cfg)
-    for b, sec in costs.items():
-        ctl.observe_step(1, b, sec)
+    for n, curve in costs.items() if nested else [(1, costs)]:
+        for b, sec in curve.items():
+            ctl.observe_step(n, b, sec)
     ctl.reset()
     return ctl
 

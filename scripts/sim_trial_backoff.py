@@ -18,13 +18,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_adaptive import replay_batch, table  # noqa: E402
+from sim_adaptive import controller, replay_batch, table  # noqa: E402
 from sim_adaptive_suite import SWITCH_SECONDS_B8, texts  # noqa: E402
 
 from treeverify.engine.budget_controller import (  # noqa: E402
     BudgetController,
     ControllerConfig,
-    CostModel,
     budget_buckets,
 )
 
@@ -43,12 +42,7 @@ TOKENS, REQUESTS, SLOTS, PASSES = 128, 32, 8, 9
 
 def calibrated(cfg: ControllerConfig) -> BudgetController:
     """A controller as calibrate() leaves it: the table filled at 1 and 8, every entry stale."""
-    ctl = BudgetController(budget_buckets(64), CostModel(cfg.cost_window), cfg)
-    for n, curve in CALIBRATED.items():
-        for b, sec in curve.items():
-            ctl.observe_step(n, b, sec)
-    ctl.reset()
-    return ctl
+    return controller(budget_buckets(64), CALIBRATED, cfg, calibrated=True)
 
 
 def code_sets() -> dict[str, list[dict]]:

@@ -592,12 +592,11 @@ class BudgetController:
             self._move(kind, best, n, why)
             if at_once and not first and not self.cfg.new_batch_restarts_probes:
                 self.probes.not_a_change()  # the class's prior moved it, not what a probe saw
-            gate = self.cfg.excursion_min_batch
             if (best == 0 and not first and not at_once and self.cfg.plain_probe_after
-                    and gate and n >= gate):  # fmt: skip
-                # plain steps measure no acceptance: only a probe can show the dip (or the
-                # prior) that moved it is over, and from plain decoding with `gate` requests or
-                # more a probe is spaced by its excursion's price (~100 decisions at b=8)
+                    and Probes.excursion_priced(self, n)):  # fmt: skip
+                # plain steps measure no acceptance: only a probe can show the dip that moved
+                # it is over, and a probe from plain decoding priced by its excursion is spaced
+                # ~100 decisions at b=8
                 # (`since` counts this decision after it: the probe comes on the Nth after)
                 self.probes.soon = self.probes.since + 1 + self.cfg.plain_probe_after
 
@@ -634,13 +633,13 @@ class BudgetController:
         bar = (1 + self.cfg.switch_margin) * cur_rate
         for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
             # overstated by a burst (fresh as its samples are; none while held), or stale
+            waits = {b: self._bursts.gap(n, b) if over[b] else fresh * self._trial_wait(n, b)
+                     for b in side}  # fmt: skip
             stale = [b for b in side
                      if (not held if over[b] else not self.cost.is_fresh(n, b, now, fresh))
-                     and now - self._tried.get((n, b), -fresh - 1)
-                     > (self._bursts.gap(n, b) if over[b]
-                        else fresh * self._trial_wait(n, b))]  # fmt: skip
+                     and now - self._tried.get((n, b), -fresh - 1) > waits[b]]  # fmt: skip
             above = side and side[0] > self.current
-            confirmed = (self._confirmed_costs(n, side, over)
+            confirmed = (self._confirmed_costs(n, side, over, waits)
                          if self.cfg.cost_trial_backoff and above else {})  # fmt: skip
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
@@ -669,10 +668,11 @@ class BudgetController:
                     return
         self.plain_trials.maybe_start(self, n, bar)
 
-    def _confirmed_costs(self, n: int, side: tuple[int, ...], over: dict) -> dict[int, float]:
+    def _confirmed_costs(self, n: int, side: tuple[int, ...], over: dict,
+                         waits: dict[int, int]) -> dict[int, float]:  # fmt: skip
         """`cost_trial_backoff`: the buckets of `side` whose stale costs wait for their next
-        trial (tried within their wait: `cost_fresh_steps` times their back-off factor), by
-        their own medians."""
+        trial (tried within their wait, `waits`: `cost_fresh_steps` times their back-off
+        factor), by their own medians."""
         now, fresh = self.step_index, self.cfg.cost_fresh_steps
         out = {}
         for w in side:
@@ -680,7 +680,7 @@ class BudgetController:
             median = self.cost.median(n, w)
             if (at is not None and not over[w] and median is not None
                     and not self.cost.is_fresh(n, w, now, fresh)
-                    and now - at <= fresh * self._trial_wait(n, w)):  # fmt: skip
+                    and now - at <= waits[w]):  # fmt: skip
                 out[w] = median
         return out
 

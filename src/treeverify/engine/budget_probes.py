@@ -99,12 +99,18 @@ class Probes:
     def _threshold(self, c: BudgetController, n: int, up: int, far: bool) -> float:
         """The decisions since the last probe at which one at `up` is due."""
         here, there = c.cost.estimate(n, c.current), c.cost.estimate(n, up)
-        gate = c.cfg.excursion_min_batch
-        if there and c.current == 0 and gate and n >= gate:
+        if there and c.current == 0 and Probes.excursion_priced(c, n):
             there += c.excursions.extra(n) or 0.0
         ratio = max(1.0, there / here) if here and there else 1.0
         due = min(self.cap(c, far), self.interval * ratio)
         return due if self.soon is None else min(due, self.soon)
+
+    @staticmethod
+    def excursion_priced(c: BudgetController, n: int) -> bool:
+        """Whether a probe from plain decoding with n requests is spaced by its excursion's
+        measured price (`excursion_min_batch` requests or more), not the steady table's."""
+        gate = c.cfg.excursion_min_batch
+        return bool(gate) and n >= gate
 
     @staticmethod
     def cap(c: BudgetController, far: bool) -> float:
