@@ -43,13 +43,26 @@ from treeverify.engine.budget_controller import (
 H200_COSTS = {0: 0.63e-3, 4: 1.58e-3, 8: 1.58e-3, 16: 1.61e-3, 32: 1.63e-3, 64: 1.65e-3}
 
 
-def unpredictable(tokens: int, n: int = 8, lucky: float = 0.1) -> list[dict]:
+def unpredictable(tokens: int, n: int = 8, lucky: float = 0.1,
+                  deeper: tuple[tuple[int, float], ...] = ()) -> list[dict]:  # fmt: skip
     """Traces of text no drafter predicts: n requests whose rounds accept the root alone, a
     lucky draft in 1 / `lucky` (seeded: every replay sees the same ones). lucky 0.3: accept
-    length ~1.3, the DFlash drafter's on prose sampled at T=1 (H100, fixed budgets 16-32)."""
+    length ~1.3, the DFlash drafter's on prose sampled at T=1 (H100, fixed budgets 16-32).
+    `deeper`: after a lucky draft, (node, probability) steps down the tree, each taken with its
+    probability after the one before (node 9 needs a budget-16 tree, 40 a budget-64 one)."""
     rng = random.Random(0)
-    return [{"paths": [[0] if rng.random() > lucky else [0, 1] for _ in range(2 * tokens)]}
-            for _ in range(n)]  # fmt: skip
+
+    def walk() -> list[int]:
+        if rng.random() > lucky:
+            return [0]
+        out = [0, 1]
+        for node, p in deeper:
+            if rng.random() >= p:
+                break
+            out.append(node)
+        return out
+
+    return [{"paths": [walk() for _ in range(2 * tokens)]} for _ in range(n)]
 
 
 def cut(path: list[int], budget: int) -> list[int]:

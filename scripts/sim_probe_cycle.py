@@ -20,12 +20,11 @@ after it. The replay suite cannot show this: its sampled traces sit under the fa
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_adaptive import controller, replay_batch, table  # noqa: E402
+from sim_adaptive import controller, replay_batch, table, unpredictable  # noqa: E402
 from sim_adaptive_suite import SWITCH_SECONDS_B8, texts  # noqa: E402
 
 from treeverify.engine.budget_controller import ControllerConfig, budget_buckets  # noqa: E402
@@ -39,27 +38,12 @@ COSTS = {
 TOKENS, REQUESTS, SLOTS = 128, 32, 8
 
 
-def sampled_traces(first: float = 0.5, n: int = REQUESTS, tokens: int = TOKENS,
-                   seed: int = 0) -> list[dict]:  # fmt: skip
+def sampled_traces(first: float = 0.5, n: int = REQUESTS, tokens: int = TOKENS) -> list[dict]:
     """Rounds that accept the first draft with probability `first`; after it, 0.4 of them one
     more inside a budget-16 tree (node 9) and 0.3 of those one more inside 64 (node 40): the
     class curve A(4) = A(8) = first, A(16) = A(32) = 1.4 first, A(64) ~1.5 first. The H100's
     sampled class at T=1: 0.52 / 0.63 / 0.91 / 0.95 / 1.09 at 4 / 8 / 16 / 32 / 64."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        paths = []
-        for _ in range(2 * tokens):
-            walk = [0]
-            if rng.random() < first:
-                walk.append(1)
-                if rng.random() < 0.4:
-                    walk.append(9)
-                    if rng.random() < 0.3:
-                        walk.append(40)
-            paths.append(walk)
-        out.append({"paths": paths})
-    return out
+    return unpredictable(tokens, n, first, deeper=((9, 0.4), (40, 0.3)))
 
 
 def run(cfg: ControllerConfig, passes: int = 4, first: float = 0.5,
