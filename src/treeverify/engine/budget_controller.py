@@ -633,14 +633,14 @@ class BudgetController:
         bar = (1 + self.cfg.switch_margin) * cur_rate
         for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
             # overstated by a burst (fresh as its samples are; none while held), or stale
-            waits = {b: self._bursts.gap(n, b) if over[b] else fresh * self._trial_wait(n, b)
+            gaps = self._trial_gaps
+            waits = {b: self._bursts.gap(n, b) if over[b] else fresh * gaps.wait(self, n, b)
                      for b in side}  # fmt: skip
             stale = [b for b in side
                      if (not held if over[b] else not self.cost.is_fresh(n, b, now, fresh))
                      and now - self._tried.get((n, b), -fresh - 1) > waits[b]]  # fmt: skip
             above = side and side[0] > self.current
-            confirmed = (self._confirmed_costs(n, side, over, waits)
-                         if self.cfg.cost_trial_backoff and above else {})  # fmt: skip
+            confirmed = gaps.confirmed(self, n, side, over, waits) if above else {}
             for b in stale:
                 low = self.cost.lower_bound(n, b, now, fresh)
                 # above the current bucket, one waiting out its back-off still bounds the ones
@@ -659,7 +659,7 @@ class BudgetController:
                     self._tried[(n, nearest)] = now
                     self._bursts.tried(self.cost, n, nearest, fresh)
                     if self.cfg.cost_trial_backoff:  # (before the window is cut)
-                        self._trial_gaps.tried(self.cost, n, nearest, now)
+                        gaps.tried(self.cost, n, nearest, now)
                     self.cost.restart(n, nearest)  # its dwell's steps set the median
                     self._move(ev.COST_TRIAL, nearest, n,
                                f"{b} at cost >= {low:.3g} s beats {bar:.4g}")  # fmt: skip
@@ -667,30 +667,6 @@ class BudgetController:
                     self.cost_trials += 1
                     return
         self.plain_trials.maybe_start(self, n, bar)
-
-    def _confirmed_costs(self, n: int, side: tuple[int, ...], over: dict,
-                         waits: dict[int, int]) -> dict[int, float]:  # fmt: skip
-        """`cost_trial_backoff`: the buckets of `side` whose stale costs wait for their next
-        trial (tried within their wait, `waits`: `cost_fresh_steps` times their back-off
-        factor), by their own medians."""
-        now, fresh = self.step_index, self.cfg.cost_fresh_steps
-        out = {}
-        for w in side:
-            at = self._tried.get((n, w))
-            median = self.cost.median(n, w)
-            if (at is not None and not over[w] and median is not None
-                    and not self.cost.is_fresh(n, w, now, fresh)
-                    and now - at <= waits[w]):  # fmt: skip
-                out[w] = median
-        return out
-
-    def _trial_wait(self, n: int, budget: int) -> int:
-        """Times `cost_fresh_steps` a cost trial of (n, budget) waits after its last one: 1, or
-        with `cost_trial_backoff` doubling while trials confirm the entry's cost
-        (engine/cost_trial_gaps.py)."""
-        if not self.cfg.cost_trial_backoff:
-            return 1
-        return self._trial_gaps.factor(self.cost, n, budget)
 
     def _accept_trial(self, request_ids: list[str], cur_rate: float) -> None:
         """While the controller stays below a bucket, only the rare probes measure that bucket's

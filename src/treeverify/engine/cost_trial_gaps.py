@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from treeverify.engine.plain_trials import PLAIN_TRIAL_CONFIRMED, PLAIN_TRIAL_MAX_GAP
 
 if TYPE_CHECKING:
+    from treeverify.engine.budget_controller import BudgetController
     from treeverify.engine.budget_costs import CostModel
 
 
@@ -62,6 +63,29 @@ class CostTrialGaps:
         """A trial of (n, budget) starts at decision `step` (before its entry's window is cut):
         keep the median it starts from, the factor it waited with, and `step`."""
         self._last[(n, budget)] = (cost.median(n, budget), self.factor(cost, n, budget), step)
+
+    def wait(self, c: BudgetController, n: int, budget: int) -> int:
+        """Times `cost_fresh_steps` a cost trial of (n, budget) waits after its last one: 1, or
+        with `cost_trial_backoff` the entry's `factor`."""
+        return self.factor(c.cost, n, budget) if c.cfg.cost_trial_backoff else 1
+
+    def confirmed(self, c: BudgetController, n: int, side: tuple[int, ...],
+                  over: dict[int, bool], waits: dict[int, int]) -> dict[int, float]:  # fmt: skip
+        """With `cost_trial_backoff` (else none): the buckets of `side` whose stale costs wait
+        for their next trial (tried within `waits`, not overstated by a burst: `over`), by their
+        own medians; they bound the buckets beyond them in the controller's search."""
+        if not c.cfg.cost_trial_backoff:
+            return {}
+        now, fresh = c.step_index, c.cfg.cost_fresh_steps
+        out = {}
+        for w in side:
+            at = c._tried.get((n, w))
+            median = c.cost.median(n, w)
+            if (at is not None and not over[w] and median is not None
+                    and not c.cost.is_fresh(n, w, now, fresh)
+                    and now - at <= waits[w]):  # fmt: skip
+                out[w] = median
+        return out
 
     def factors(self) -> dict[str, int]:
         """By "n:budget": the factor each entry's last trial waited with (/server_info)."""
