@@ -92,6 +92,11 @@ class ControllerConfig:
     # request-rounds: at n requests each of a step's n rounds decays it by decay ** (1 / n)
     # (False: by decay, as a request's own: at b=8 ~2.5 steps of memory, every request's
     # shrunk estimate moving together on the last few rounds)
+    age_prior_tokens: int = 0  # a request's estimate shrinks toward its class's curve at its
+    # age: bins of generated tokens [0, t), [t, 2t), [2t, 4t), [4t, ...) for t = this (0: one
+    # curve a class): tiny-code's acceptance climbs with a request's age, and a group arriving
+    # at once made the curve young, holding matured requests at plain decoding until a probe
+    # (engine/age_prior.py)
     plain_halflife: float = 16.0  # ... halving every this many decisions plain keeps winning,
     # down to switch_margin (CPU replay over 3 trace sets: docs/ddtree.md, "Leaving the rounds")
 
@@ -142,6 +147,8 @@ class ControllerConfig:
             raise ValueError(f"stale_plain_floor: expected in (0, 1], got {self.stale_plain_floor}")
         if self.plain_halflife <= 0:
             raise ValueError(f"plain_halflife: expected > 0, got {self.plain_halflife}")
+        if self.age_prior_tokens < 0:
+            raise ValueError(f"age_prior_tokens: expected >= 0, got {self.age_prior_tokens}")
         if not 0.0 < self.plain_decay <= 1.0:
             raise ValueError(f"plain_decay: expected in (0, 1], got {self.plain_decay}")
 

@@ -93,6 +93,7 @@ import time
 from dataclasses import dataclass, field
 
 from treeverify.engine import budget_events as ev
+from treeverify.engine.age_prior import AgePrior
 from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_costs import CostModel
 from treeverify.engine.budget_excursions import Excursions
@@ -199,6 +200,9 @@ class BudgetController:
         # what a round entered from plain decoding and left at once costs beyond two plain
         # steps (a measurement, like the cost table: it outlives `reset`)
         self.excursions = Excursions()
+        # `age_prior_tokens`: the classes' curves by request age (the ages outlive `reset`)
+        self.age = AgePrior(self.cfg.age_prior_tokens) if self.cfg.age_prior_tokens else None
+        self._step_ids: list[str] = []  # the requests of the decision under way
         self.reset()
 
     def reset(self) -> None:
@@ -224,6 +228,8 @@ class BudgetController:
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
         # it is the request's, not something learnt)
         self.class_curves: dict[str, dict[int, DecayedMean]] = {GREEDY: {}}
+        if self.age is not None:
+            self.age.reset()
         # (request ids, rates) of the last full decision while at plain decoding: reused by
         # the decisions between full ones (`_decide`); None after anything that moves them
         # whether some of those requests had no rounds of their own, and whether some bucket
@@ -304,11 +310,19 @@ class BudgetController:
             curve = self.class_curves[cls] = {}
         return curve
 
+    def _prior_curve(self, request_id: str) -> dict[int, DecayedMean]:
+        """The curve the request's own estimate shrinks toward: its class's, at its age with
+        `age_prior_tokens`."""
+        flat = self._class_curve(request_id)
+        if self.age is None:
+            return flat
+        return self.age.prior(self.classes.get(request_id, GREEDY), request_id, flat)
+
     def accept_estimate(self, request_id: str, budget: int) -> float | None:
         """A_r(B) = the sum of the estimated gains of each bucket up to B over the one below;
         None when some bucket up to B was never measured."""
         own = self.requests.get(request_id)
-        return self._sum_gains(own, budget, self._class_curve(request_id))
+        return self._sum_gains(own, budget, self._prior_curve(request_id))
 
     def global_estimate(self, budget: int, cls: str = GREEDY) -> float | None:
         """The engine-wide A(B) of a class (what its requests with no rounds of their own start
@@ -365,7 +379,7 @@ class BudgetController:
             sums = [0.0] * len(self.buckets)
             for rid in request_ids:  # 1 + A_r(B): the bonus token and the accepted drafts
                 own = self.requests.get(rid)
-                for j, a in enumerate(self._curve(own, self._class_curve(rid))):
+                for j, a in enumerate(self._curve(own, self._prior_curve(rid))):
                     sums[j] = None if a is None or sums[j] is None else sums[j] + (1.0 + a)
             self._accept_sums[key] = sums
         total = sums[bisect.bisect_right(self.buckets, budget) - 1]  # the bucket B falls in
@@ -383,6 +397,7 @@ class BudgetController:
         if path != self.path:
             self.use_path(path)
         self.step_index += 1
+        self._step_ids = request_ids
         if len(request_ids) != self._batch_size:
             self._batch_size, self._batch_since = len(request_ids), self.step_index
         if self.pinned is not None:
@@ -697,7 +712,7 @@ class BudgetController:
             return
         total = 0.0
         for rid, r in zip(request_ids, reqs, strict=True):
-            curve = self._curve(r, self._class_curve(rid))  # A_r at every bucket; the current
+            curve = self._curve(r, self._prior_curve(rid))  # A_r at every bucket; the current
             # bucket's gain: i - (i - 1)
             if curve[i] is None or curve[i - 1] is None:
                 return
@@ -726,6 +741,11 @@ class BudgetController:
 
     def _count(self, budget: int) -> int:
         self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
+        if budget == 0 and self.age is not None:  # a plain step: a token a request older
+            crossed = [self.age.grow(rid, 1) for rid in self._step_ids]
+            if any(crossed):  # an older bin's prior: the cached rates are stale
+                self._accept_sums.clear()
+                self._plain_rates = None
         return budget
 
     # ---- feedback ------------------------------------------------------------------------------
@@ -743,6 +763,10 @@ class BudgetController:
         decay_e = decay
         if self.cfg.engine_decay_per_step and self._batch_size > 1:
             decay_e = decay ** (1.0 / self._batch_size)  # n rounds a step: decay a step
+        fed = [(mine, decay), (engine, decay_e)]
+        if self.age is not None:  # the class's curve at the request's age, then it ages
+            fed.append((self.age.curve(self.classes.get(request_id, GREEDY), request_id), decay_e))
+            self.age.grow(request_id, len(path))
         nodes, k, prev = path[1:], 0, 0
         for b in self.buckets[1:]:
             if b > budget:
@@ -750,7 +774,7 @@ class BudgetController:
             while k < len(nodes) and nodes[k] <= b:
                 k += 1
             gain, prev = k - prev, k
-            for curve, d in ((mine, decay), (engine, decay_e)):
+            for curve, d in fed:
                 mean = curve.get(b)
                 if mean is None:
                     mean = curve[b] = DecayedMean()
@@ -774,6 +798,8 @@ class BudgetController:
         self.requests.pop(request_id, None)
         self._awaiting.pop(request_id, None)
         self.classes.pop(request_id, None)
+        if self.age is not None:
+            self.age.forget(request_id)
         self._accept_sums.clear()
         self._plain_rates = self._round_rates = None
 
@@ -805,6 +831,9 @@ class BudgetController:
                 }
                 for cls in self.class_curves
             },  # fmt: skip
+            # `age_prior_tokens`: by class and age bin (its first age, tokens), each bucket's
+            # gain over the one below
+            "accept_gains_by_age": self.age.info() if self.age is not None else {},
             "cost_seconds_batch1": {str(b): s for b, s in self.cost.curve(1).items()},
             # batch size -> what a round entered from plain decoding and left at once cost
             # beyond two plain steps (median of the last few): a probe's real price
