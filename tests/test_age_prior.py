@@ -22,7 +22,7 @@ def test_bins_double_from_the_first_width_and_crossing_is_reported():
     assert age.ages == {}
 
 
-def test_prior_takes_the_age_bins_mean_only_where_it_holds_enough_rounds():
+def test_prior_takes_the_age_bins_mean_where_it_holds_enough_rounds_and_exceeds_the_flat():
     age = AgePrior(8)
     flat = {4: DecayedMean(), 8: DecayedMean()}
     for m, v in zip(flat.values(), (0.5, 0.25), strict=True):
@@ -30,11 +30,13 @@ def test_prior_takes_the_age_bins_mean_only_where_it_holds_enough_rounds():
     assert age.prior("greedy", "r", flat) is flat  # no bin measured yet
     young = age.curve("greedy", "r")
     young[4] = DecayedMean()
-    young[4].num, young[4].den = 0.1 * (AGE_MIN_ROUNDS - 1), AGE_MIN_ROUNDS - 1
+    young[4].num, young[4].den = 0.9 * (AGE_MIN_ROUNDS - 1), AGE_MIN_ROUNDS - 1
     assert age.prior("greedy", "r", flat)[4] is flat[4]  # too few rounds in the bin
-    young[4].num, young[4].den = 0.1 * AGE_MIN_ROUNDS, AGE_MIN_ROUNDS
+    young[4].num, young[4].den = 0.9 * AGE_MIN_ROUNDS, AGE_MIN_ROUNDS
     prior = age.prior("greedy", "r", flat)
     assert prior[4] is young[4] and prior[8] is flat[8]  # per bucket: 8 stays known
+    young[4].num = 0.1 * AGE_MIN_ROUNDS  # below the flat curve: not taken
+    assert age.prior("greedy", "r", flat)[4] is flat[4]
     age.grow("r", 8)  # an older bin, unmeasured: the flat curve again
     assert age.prior("greedy", "r", flat) is flat
 

@@ -75,7 +75,9 @@ class AgePrior:
         out = dict(flat)
         for b, mean in aged.items():
             if mean.den >= AGE_MIN_ROUNDS:
-                out[b] = mean
+                g = flat.get(b)
+                if g is None or not g.den or mean.num / mean.den > g.num / g.den:
+                    out[b] = mean  # only above the flat curve (below: a trade, replayed)
         return out
 
     def forget(self, request_id: str) -> None:
