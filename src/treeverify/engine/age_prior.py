@@ -14,10 +14,12 @@ while the requests mature: the next probe, 100-256 decisions later, finds budget
 -> 0 at n = 8; `scripts/sim_trial_backoff.py`'s set 3: three such stretches in nine passes).
 Here each class keeps one curve per age bin (tokens generated: [0, t), [t, 2t), [2t, 4t),
 [4t, ...) for t = `age_prior_tokens`), fed by the rounds of requests in that bin; a request's
-prior is its bin's curve where that holds AGE_MIN_ROUNDS (decayed) rounds at a bucket, else the
-class's flat curve. As a request ages at plain decoding (plain steps fade its own rounds toward
-the prior, `plain_decay`), its prior moves to the older bins' curves: the controller returns
-to the rounds when the requests mature, without waiting for a probe.
+prior is its bin's curve where that holds AGE_MIN_ROUNDS (decayed) rounds at a bucket and is
+above the class's flat curve, else the flat curve (a bin below it, taken too, was a trade in the
+replay: young groups sent to plain decoding and back, sampled code after sampled prose held at
+the prose's acceptance; docs/ddtree.md). As a request ages at plain decoding (plain steps fade
+its own rounds toward the prior, `plain_decay`), its prior moves to the older bins' curves: the
+controller returns to the rounds when the requests mature, without waiting for a probe.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ class AgePrior:
     def prior(self, cls: str, request_id: str,
               flat: dict[int, DecayedMean]) -> dict[int, DecayedMean]:  # fmt: skip
         """The curve the request's estimate shrinks toward: by bucket, its age bin's mean
-        where that bin holds AGE_MIN_ROUNDS rounds there, else the class's `flat` one (a bucket
-        no bin measured stays known: an unknown rate would call a probe at once)."""
+        where that bin holds AGE_MIN_ROUNDS rounds there and the mean is above the class's
+        `flat` one, else the flat one (a bucket no bin measured stays known: an unknown rate
+        would call a probe at once)."""
         aged = self.curve(cls, request_id)
         if not aged:
             return flat
