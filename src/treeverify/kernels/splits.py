@@ -192,8 +192,10 @@ def plan_merge_limit(
     """The forward-merge byte limit a plan launches with: `fused_merge_limit(mode)`, raised under
     `auto` to the plan's largest tile merge when that is at most SMALL_PLAN_MERGE_BYTES (a GQA
     plan of small tiles: every tile merges in the forward, no merge kernel). Batch-1 plans only:
-    the rule was measured at b=1; at b=8 the eighth session once measured a forward merge of 34
-    rows x up to 16 splits at 2x the attention time (an earlier merge code, not re-measured)."""
+    the rule was measured at b=1; at b=8 the forward merge doubles the attention kernel (tiny-
+    code's DDTREE 16 round on an H100, fifty-sixth session: 0.051 -> 0.105 ms a step where the
+    merge kernel took 0.059; the round's GPU time -1.3%, inside the noise), as the eighth
+    session had measured with older merge code."""
     limit = fused_merge_limit(mode)
     worst = merge_bytes(max_splits, tile_rows, dv)
     small = not mla and batch == 1 and max_splits > 1 and worst <= SMALL_PLAN_MERGE_BYTES
