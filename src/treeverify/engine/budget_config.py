@@ -88,10 +88,11 @@ class ControllerConfig:
     # decisions in 4; else 5..64). A call costs several times more inside a step than
     # alone (cold caches), and the DFlash engine's plain step at b=8 is host-bound (H100,
     # fifty-fourth session)
-    engine_decay_per_step: bool = False  # the engine-wide curve's memory counted in steps, not
+    engine_decay_per_step: bool = True  # the engine-wide curve's memory counted in steps, not
     # request-rounds: at n requests each of a step's n rounds decays it by decay ** (1 / n)
-    # (False: by decay, as a request's own: at b=8 ~2.5 steps of memory, every request's
-    # shrunk estimate moving together on the last few rounds)
+    # (False, the default until the fifty-sixth session: by decay, as a request's own: at b=8
+    # ~2.5 steps of memory, every request's shrunk estimate moving together on the last few
+    # rounds). Every GPU A/B at b=8 favoured it (docs/ddtree.md); b=1 is unchanged
     age_prior_tokens: int = 0  # a request's estimate shrinks toward its class's curve at its
     # age: bins of generated tokens [0, t), [t, 2t), [2t, 4t), [4t, ...) for t = this (0: one
     # curve a class): tiny-code's acceptance climbs with a request's age, and a group arriving
