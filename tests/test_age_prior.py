@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from treeverify.engine.age_prior import AGE_MIN_ROUNDS, MAX_AGES, AgePrior
+from treeverify.engine.age_prior import AGE_MIN_ROUNDS, AgePrior
 from treeverify.engine.budget_controller import BudgetController, ControllerConfig, DecayedMean
 from treeverify.engine.budget_costs import CostModel
 
@@ -24,12 +24,12 @@ def test_bins_double_from_the_first_width_and_crossing_is_reported():
 
 def test_ages_of_requests_never_forgotten_stay_bounded():
     """A caller that never forgets its requests (the engine forgets every finished one) keeps
-    the newest MAX_AGES ages, not every id it ever passed (a review's repro: 20000 ids)."""
+    the newest `keep` ages, not every id it ever passed (a review's repro: 20000 ids)."""
     age = AgePrior(32)
-    for i in range(MAX_AGES + 50):
+    for i in range(age.keep + 50):
         age.grow(f"r{i}", 1)
-    assert len(age.ages) == MAX_AGES
-    assert "r0" not in age.ages and age.ages[f"r{MAX_AGES + 49}"] == 1
+    assert len(age.ages) == age.keep
+    assert "r0" not in age.ages and age.ages[f"r{age.keep + 49}"] == 1
 
 
 def test_prior_takes_the_age_bins_mean_where_it_holds_enough_rounds_and_exceeds_the_flat():

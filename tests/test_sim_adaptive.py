@@ -20,12 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "bench_results" / "2026-12-01-cpu-accept_traces-tiny-code.json"
 
 
-@pytest.fixture(scope="module")
-def sim():
-    spec = importlib.util.spec_from_file_location("_sim", ROOT / "scripts" / "sim_adaptive.py")
+def _script(name: str):
+    """scripts/<name>.py loaded as a module (the replay scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_{name}", ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return _script("sim_adaptive")
 
 
 def test_cut_and_fixed_budget_accounting(sim):
@@ -141,11 +146,7 @@ def test_suite_of_trace_sets_at_the_defaults():
     best fixed budget (0.990 / 0.989 when recorded); groups of 8 in turns at the H200's b=1 / b=8
     costs: an unpredictable group after a code group at plain decoding's speed (1.000x when
     new_batch_at_once was chosen)."""
-    spec = importlib.util.spec_from_file_location(
-        "_suite", ROOT / "scripts" / "sim_adaptive_suite.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("sim_adaptive_suite")
     from treeverify.engine.budget_config import ControllerConfig
 
     res = mod.evaluate(ControllerConfig())
@@ -178,9 +179,7 @@ def test_the_controller_recovers_from_bursts_of_slow_host_steps(tmp_path):
     Before aecf875 a burst at plain decoding locked it out: 0.40x plain on the unpredictable text
     (0.915x without bursts); now plain decoding holds through a burst and an overstated cost
     is tried at once: 0.91x. Without bursts the rows are unchanged (the suite's own guard)."""
-    spec = importlib.util.spec_from_file_location("_bursts", ROOT / "scripts" / "sim_bursts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("sim_bursts")
     out = tmp_path / "bursts.json"
     assert mod.main(["--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -197,11 +196,7 @@ def test_the_b8_sampled_queue_replays_the_h100s_probe_cycle():
     the probes' interval, the probes come every `explore_max` decisions (two a 512-decision pass,
     each ~2.3 ms at b=8) and a restart follows a probe at once, as on the H100 (fifty-fifth
     session); at ~0.3 (under the factor) one probe a pass. Each probe costs ~3% of a pass."""
-    spec = importlib.util.spec_from_file_location(
-        "_cycle", ROOT / "scripts" / "sim_probe_cycle.py"
-    )  # fmt: skip
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("sim_probe_cycle")
     traces = mod.sampled_traces(0.5, n=4, tokens=64)
     assert all(len(t["paths"]) == 128 for t in traces)
     near = mod.run(ControllerConfig(), passes=3, first=0.5)[1:]  # after the first pass
@@ -218,11 +213,7 @@ def test_a_stricter_bar_for_sampled_arrivals_trades_the_cycle_for_sampled_code()
     the sampled text, ~0.97x plain against ~0.94x), but sampled code arriving after it (a
     sampled request the drafter predicts) is left at plain decoding far longer: a smaller share
     of the best fixed budget than with the default bar. Why the default stays off."""
-    spec = importlib.util.spec_from_file_location(
-        "_cycle2", ROOT / "scripts" / "sim_probe_cycle.py"
-    )  # fmt: skip
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("sim_probe_cycle")
     # the trade as measured before `engine_decay_per_step` became the default (with it, the
     # default bar leaves sampled code at plain decoding as long: the next test)
     old = {"engine_decay_per_step": False}
@@ -241,11 +232,7 @@ def test_the_engine_curve_decayed_per_step_is_slower_to_take_sampled_code_after_
     the way, so the code stays at plain decoding longer (replay: ~0.91 -> ~0.80 of the best
     fixed budget on that pass). The price of the steadier prior that b=8 queues ran faster with
     (docs/ddtree.md); the sampled text itself is no worse."""
-    spec = importlib.util.spec_from_file_location(
-        "_cycle3", ROOT / "scripts" / "sim_probe_cycle.py"
-    )  # fmt: skip
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("sim_probe_cycle")
     per_step = mod.run(ControllerConfig(), passes=3, code_after=True)
     per_round = mod.run(ControllerConfig(engine_decay_per_step=False), passes=3, code_after=True)
     assert per_step[-1]["x_best_fixed"] < per_round[-1]["x_best_fixed"] - 0.05
@@ -277,15 +264,6 @@ def test_the_sampled_bar_applies_only_where_every_request_samples():
     assert not off._all_sampled(["a"]) and Probes.near_plain(off, rates, False)
 
 
-def _trial_backoff_module():
-    spec = importlib.util.spec_from_file_location(
-        "_backoff", ROOT / "scripts" / "sim_trial_backoff.py"
-    )  # fmt: skip
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_probe_soon_after_leaving_the_rounds_brings_b8_code_back():
     """scripts/sim_trial_backoff.py (bench_pair's b=8 queue of code, a calibrated start,
     steady steps fed back, nine passes): the controller leaves the rounds on a dip (or a new
@@ -294,7 +272,7 @@ def test_a_probe_soon_after_leaving_the_rounds_brings_b8_code_back():
     on the 16th decision after such a switch: on this mix (switches charged as measured at b=8)
     839 -> 368 plain steps, 0.927 -> 0.954 of the best fixed budget. (Over the four mixes the
     mean moves less, 0.915 -> 0.922: docs/ddtree.md.)"""
-    mod = _trial_backoff_module()
+    mod = _script("sim_trial_backoff")
     code = mod.code_sets()["sets 1, 4, 5, 2"]
     old = {"engine_decay_per_step": False}  # as measured before it became the default (with
     # it this mix's plain stretches are gone already: 320 plain steps, none to save)

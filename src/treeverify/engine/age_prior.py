@@ -30,14 +30,15 @@ if TYPE_CHECKING:
     from treeverify.engine.budget_controller import DecayedMean
 
 AGE_BINS = 4  # [0, t), [t, 2t), [2t, 4t), [4t, ...)
-MAX_AGES = 4096  # requests whose ages are kept (the controller's MAX_TRACKED_REQUESTS): the
-# engine forgets every finished or aborted one; a caller that never does loses the oldest
 AGE_MIN_ROUNDS = 4.0  # decayed rounds at a bucket before a bin's curve replaces the flat one
 
 
 class AgePrior:
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, keep: int = 4096) -> None:
         self.tokens = tokens  # t: the first bin's width in generated tokens
+        # requests whose ages are kept (the controller passes its MAX_TRACKED_REQUESTS): the
+        # engine forgets every finished or aborted one; a caller that never does loses the oldest
+        self.keep = keep
         self.ages: dict[str, int] = {}  # request -> tokens generated (the request's: outlives
         # a reset, as its class does; dropped by `forget`)
         self.reset()
@@ -59,7 +60,7 @@ class AgePrior:
         age = self.ages.get(request_id)
         if age is None:
             age = 0
-            if len(self.ages) >= MAX_AGES:  # bounded (a review): the oldest goes
+            if len(self.ages) >= self.keep:  # bounded (a review): the oldest goes
                 del self.ages[next(iter(self.ages))]
         self.ages[request_id] = age + tokens
         return self.bin(age + tokens) != self.bin(age)

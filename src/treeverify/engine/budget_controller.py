@@ -201,7 +201,8 @@ class BudgetController:
         # steps (a measurement, like the cost table: it outlives `reset`)
         self.excursions = Excursions()
         # `age_prior_tokens`: the classes' curves by request age (the ages outlive `reset`)
-        self.age = AgePrior(self.cfg.age_prior_tokens) if self.cfg.age_prior_tokens else None
+        self.age = (AgePrior(self.cfg.age_prior_tokens, keep=MAX_TRACKED_REQUESTS)
+                    if self.cfg.age_prior_tokens else None)  # fmt: skip
         self._step_ids: list[str] = []  # the requests of the decision under way
         self.reset()
 
@@ -646,9 +647,9 @@ class BudgetController:
         over = {b: self.cost.overstated(n, b) for b in self.buckets[1:]}  # a burst's
         i = self.buckets.index(self.current)
         bar = (1 + self.cfg.switch_margin) * cur_rate
+        gaps = self._trial_gaps
         for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
             # overstated by a burst (fresh as its samples are; none while held), or stale
-            gaps = self._trial_gaps
             waits = {b: self._bursts.gap(n, b) if over[b] else fresh * gaps.wait(self, n, b)
                      for b in side}  # fmt: skip
             stale = [b for b in side
