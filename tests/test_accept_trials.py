@@ -1,4 +1,4 @@
-"""Acceptance trials (BudgetController._accept_trial): while the controller stays below a
+"""Acceptance trials (engine/budget_trials.py, accept_trial): while the controller stays below a
 bucket, only the rare probes at the top measure that bucket's gain, so one unlucky probe can
 hold the estimate near zero for a whole generation (replayed on tiny-code's recorded traces:
 8 where a fixed 16 is 10% faster). A request whose bucket above lacks its own evidence gets one

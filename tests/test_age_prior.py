@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from treeverify.engine.acceptance_curves import DecayedMean
 from treeverify.engine.age_prior import AGE_MIN_ROUNDS, AgePrior
-from treeverify.engine.budget_controller import BudgetController, ControllerConfig, DecayedMean
+from treeverify.engine.budget_controller import BudgetController, ControllerConfig
 from treeverify.engine.budget_costs import CostModel
 
 

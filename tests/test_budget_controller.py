@@ -8,11 +8,11 @@ import random
 import pytest
 
 from treeverify.engine import budget_events
+from treeverify.engine.acceptance_curves import accepted_at_budgets
 from treeverify.engine.budget_controller import (
     BudgetController,
     ControllerConfig,
     CostModel,
-    accepted_at_budgets,
     budget_buckets,
 )
 
@@ -408,7 +408,7 @@ def test_plain_decoding_decides_every_fourth_step_and_a_round_or_a_new_request_a
     """At budget 0 the rates are computed on every TRIAL_CHECK_EVERY-th decision only (a plain
     step observes no round; the rules' Python was ~25 us of a plain step), but a probe's round
     and a change of requests are decided on at once."""
-    from treeverify.engine.budget_controller import TRIAL_CHECK_EVERY
+    from treeverify.engine.budget_trials import TRIAL_CHECK_EVERY
 
     costs = {0: 1e-4, 4: 1.0, 8: 1.0, 16: 1.0}
     ctl = synthetic(costs, explore_every=10_000, explore_max=10_000)

@@ -1,4 +1,4 @@
-"""Stale step costs and cost trials (engine/budget_costs.py, BudgetController._cost_trial): a
+"""Stale step costs and cost trials (engine/budget_costs.py, budget_trials.cost_trial): a
 calibration that overstated a budget's cost must not hold the controller below it forever (on
 the H200 a calibrated budget 16 at 0.52 ms kept it at 8 while a fixed 16 outran it), and an
 accurate calibration must cost at most one short trial per bucket per freshness window.
@@ -14,6 +14,7 @@ import pytest
 from test_budget_controller import path_for
 from treeverify.engine.budget_controller import BudgetController, ControllerConfig
 from treeverify.engine.budget_costs import CostModel
+from treeverify.engine.budget_trials import cost_trial
 from treeverify.engine.plain_trials import PLAIN_TRIAL_PATIENCE, PLAIN_TRIAL_STEPS
 
 BUCKETS = (0, 4, 8, 16)
@@ -193,10 +194,10 @@ def test_no_trial_without_a_fresh_smaller_cost_nor_for_a_fresh_bucket():
     ctl.current = 16
     ctl.observe_round("r", 16, path_for(ACCEPTED, 16))
     ctl.observe_step(1, 0, 1.0)  # plain decoding's cost fresh: no plain trial either
-    ctl._cost_trial(["r"], 0.1)  # nothing fresh yet: no lower bound, no trial
+    cost_trial(ctl, ["r"], 0.1)  # nothing fresh yet: no lower bound, no trial
     assert ctl.current == 16 and ctl.cost_trials == 0
     ctl.observe_step(1, 16, 1.9)  # 16 fresh; 4 and 8 stale but no fresh cost below them
-    ctl._cost_trial(["r"], 0.1)
+    cost_trial(ctl, ["r"], 0.1)
     assert ctl.current == 16 and ctl.cost_trials == 0
 
 

@@ -207,25 +207,38 @@ def test_norm_then_few_row_chain_by_pdl_in_a_graph_reads_the_finished_norm(skinn
 
 def test_tiny_code_forward_with_the_few_row_kernel_matches_cublas(skinny_on, monkeypatch):
     """tiny-code's 17-row forward (a budget-16 verify's row count), fused as the engine runs it,
-    with every linear on the few-row kernel against the same forward on cuBLAS: logits within
-    bf16 rounding, the same argmax where cuBLAS's top two logits are apart."""
+    with every linear on the few-row kernel against the same forward on cuBLAS, both measured
+    against the fp32 forward: the few-row kernel's logits no farther from it than cuBLAS's
+    (bf16 rounding of the activations through every layer puts single logits 0.1-0.2 apart
+    between two correct bf16 forwards: an absolute bound between them failed 4 of 4 random
+    inputs on an H100), and the same argmax where the fp32 top two logits are apart."""
     from treeverify.models import load_model
 
     _, model, _ = load_model("tiny-code", dtype=torch.bfloat16, device="cuda")
+    _, ref_model, _ = load_model("tiny-code", dtype=torch.float32, device="cuda")
     model.fuse_for_inference()
+    ref_model.fuse_for_inference()
     ids = torch.randint(3, model.config.vocab_size, (17,), device="cuda")
     pos = torch.arange(17, device="cuda")
     with torch.no_grad():
+        ref = ref_model(ids, pos).float()  # [17, vocab]
         assert gemv_mod.skinny_enabled()
-        got = model(ids, pos)
+        got = model(ids, pos).float()
         monkeypatch.setenv("TREEVERIFY_SKINNY_GEMM", "0")
         gemv_mod.skinny_enabled.cache_clear()
-        want = model(ids, pos)
-    torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)
-    top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+        want = model(ids, pos).float()
+    err_got, err_want = (got - ref).abs(), (want - ref).abs()
+    print(
+        f"max |err| few-row {err_got.max():.4f} cuBLAS {err_want.max():.4f}; "
+        f"mean {err_got.mean():.5f} / {err_want.mean():.5f}"
+    )
+    assert err_got.mean() <= 1.25 * err_want.mean() + 1e-3
+    assert err_got.max() <= 2.0 * err_want.max() + 0.02
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.25
     assert clear.any()
-    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+    assert torch.equal(want.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("n,i", [(256, 640), (2048, 2048), (1008, 1024)])

@@ -24,10 +24,7 @@ controller returns to the rounds when the requests mature, without waiting for a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from treeverify.engine.budget_controller import DecayedMean
+from treeverify.engine.acceptance_curves import Curve
 
 AGE_BINS = 4  # [0, t), [t, 2t), [2t, 4t), [4t, ...)
 AGE_MIN_ROUNDS = 4.0  # decayed rounds at a bucket before a bin's curve replaces the flat one
@@ -45,7 +42,7 @@ class AgePrior:
 
     def reset(self) -> None:
         """Forget the learnt curves (the requests' ages stay)."""
-        self.curves: dict[str, list[dict[int, DecayedMean]]] = {}  # class -> a curve a bin
+        self.curves: dict[str, list[Curve]] = {}  # class -> a curve a bin
 
     def bin(self, age: int) -> int:
         """The age bin of `age` generated tokens."""
@@ -65,7 +62,7 @@ class AgePrior:
         self.ages[request_id] = age + tokens
         return self.bin(age + tokens) != self.bin(age)
 
-    def curve(self, cls: str, request_id: str) -> dict[int, DecayedMean]:
+    def curve(self, cls: str, request_id: str) -> Curve:
         """The class's curve for the request's age bin now (created empty): what its next
         round feeds."""
         bins = self.curves.get(cls)
@@ -74,7 +71,7 @@ class AgePrior:
         return bins[self.bin(self.ages.get(request_id, 0))]
 
     def prior(self, cls: str, request_id: str,
-              flat: dict[int, DecayedMean]) -> dict[int, DecayedMean]:  # fmt: skip
+              flat: Curve) -> Curve:  # fmt: skip
         """The curve the request's estimate shrinks toward: by bucket, its age bin's mean
         where that bin holds AGE_MIN_ROUNDS rounds there and the mean is above the class's
         `flat` one, else the flat one (a bucket no bin measured stays known: an unknown rate

@@ -9,16 +9,9 @@ budget B per step drawn from a few graph buckets (0, 4, 8, 16, ..., the configur
 expected committed tokens per second. A_r(B) is request r's expected accepted drafts in a budget-B
 tree; cost(n, B) the measured seconds of one step at that batch size and budget.
 
-A_r(B) is the sum, over the buckets up to B, of each bucket's gain over the bucket below (accepted
-drafts it adds), each an exponentially decayed mean over r's rounds. Every round measures the
-gains of every bucket at or below the one used, for free: the budget-B' tree is exactly the first
-B' nodes of the larger tree (spec/tree.py), node indices grow along a path, so the walk in the
-smaller tree is the accepted path cut at its first node index > B' (exact at T=0; for sampled
-walks the same per-node samples give the same cut, so the estimate is unbiased). Requests start
-from the engine-wide curve (a prior worth `prior_rounds` rounds) and move to their own. Keeping
-gains, not levels, matters: a bucket above the current one is not measured while the controller
-stays below it, and a stale level there would outlive a drop in predictability that the fresh
-levels below show (and pull the budget up); a stale gain rides on the fresh levels below it.
+A_r(B) comes from the free curve of every round, a decayed mean per bucket of its gain over
+the bucket below, per request, shrunk toward its class's engine-wide curve (a prior worth
+`prior_rounds` rounds): engine/acceptance_curves.py.
 
 Hysteresis: a switch needs R(best) > (1 + switch_margin) R(current) on `confirm` consecutive
 decisions and at least `min_dwell` steps at the current budget. Leaving the rounds for plain
@@ -47,19 +40,10 @@ plain steps comes 4x less often), doubled after each probe that changed nothing,
 `explore_max` steps, and back to the start when a request without its own measurements joins
 (new text, maybe predictable): engine/budget_probes.py.
 
-Stale costs: a cost the controller does not run is not re-measured (a probe is one step, never a
-steady overlapped one), so a calibration that overstated it would hold forever: on the H200 the
-calibrated budget 16 (0.52 ms) kept the controller at 8 (0.43) while a fixed 16 outran it. A
-budget's cost is at least the fresh cost of any smaller budget (a larger tree is never cheaper),
-so when that lower bound, in place of the stale cost, would beat the current rate by the switch
-margin, the controller moves there for a dwell (a "cost trial"), which measures it; each (batch
-size, budget) at most once per `cost_fresh_steps` steps; a trial's steps replace the entry's
-window (`CostModel.restart`), and a cost at BURST_FACTOR x the lowest median its entry held (a
-burst of slow host steps) is tried, fresh or not, weighed at that median. Plain decoding's cost
-bounds nothing (another path): when its stale cost at `stale_plain_floor` of itself would win, a
-"plain trial" runs a few plain steps to measure it and resumes where it was (a calibration
-during a stall held a CPU engine in rounds on unpredictable text at 0.64-0.66x plain;
-engine/plain_trials.py).
+Stale costs and thin evidence: cost trials (a bucket whose stale cost, at the least it could
+be, would win: a dwell there measures it), acceptance trials (a bucket above with too few rounds
+whose optimistic rate would win) and plain trials (plain decoding's stale cost re-measured):
+engine/budget_trials.py, engine/plain_trials.py.
 
 Step paths: what a step costs depends on more than (batch size, budget). Steps whose tokens
 are picked inside their graph (greedy or fused-sampled: plain steps launched ahead, whole rounds)
@@ -93,11 +77,24 @@ import time
 from dataclasses import dataclass, field
 
 from treeverify.engine import budget_events as ev
+from treeverify.engine.acceptance_curves import (
+    Curve,
+    RequestCurve,
+    estimate_curve,
+    fade,
+    feed_round,
+)
 from treeverify.engine.age_prior import AgePrior
 from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_costs import CostModel
 from treeverify.engine.budget_excursions import Excursions
 from treeverify.engine.budget_probes import Probes
+from treeverify.engine.budget_trials import (
+    TRIAL_CHECK_EVERY,
+    accept_trial,
+    cost_trial,
+    judge_accept_trial,
+)
 from treeverify.engine.cost_bursts import BurstGaps, BurstHold
 from treeverify.engine.cost_trial_gaps import CostTrialGaps
 from treeverify.engine.plain_trials import PlainTrials
@@ -106,9 +103,6 @@ from treeverify.engine.plain_trials import PlainTrials
 # shared with other work, where wall time measures the neighbours (use one torch thread).
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 MAX_TRACKED_REQUESTS = 4096  # per-request curves kept; finished requests are forgotten anyway
-# Cost and acceptance trials are looked for every this many decisions: a search costs ~5 us
-# of Python, a step at batch 1 on the H200 ~450 us of which the host's share overlaps the GPU.
-TRIAL_CHECK_EVERY = 4
 # Plain steps between fades of the requests' own acceptance (plain_decay each): a fade voids
 # every request's cached sums, which the next full decision recomputes (at 8 requests ~2/3 of
 # the controller's Python a plain step with 4); the replay suite's every row is the same at 4,
@@ -153,37 +147,6 @@ def budget_buckets(max_budget: int, smallest: int = 4) -> tuple[int, ...]:
     return tuple(out)
 
 
-def accepted_at_budgets(path: list[int], buckets: tuple[int, ...]) -> dict[int, int]:
-    """Accepted drafts each (smaller) budget would have had: path = node indices along the
-    accepted path, root (0) first; the budget-B tree holds nodes 0..B."""
-    out = {}
-    for b in buckets:
-        n = 0
-        for node in path[1:]:
-            if node > b:
-                break
-            n += 1
-        out[b] = n
-    return out
-
-
-class DecayedMean:
-    """sum(w_i x_i) / sum(w_i) as (num, den), older observations down-weighted by `decay` per
-    new one: updated and read in place where that runs per request per step (`observe_round`,
-    `_curve`, `_fade`), with no call an entry."""
-
-    __slots__ = ("num", "den")
-
-    def __init__(self) -> None:
-        self.num = self.den = 0.0
-
-
-@dataclass
-class _Request:
-    curve: dict[int, DecayedMean] = field(default_factory=dict)
-    tried_up: set[int] = field(default_factory=set)  # buckets of its acceptance trials
-
-
 class BudgetController:
     def __init__(self, buckets: tuple[int, ...], cost: CostModel | None = None,
                  config: ControllerConfig | None = None):  # fmt: skip
@@ -218,7 +181,7 @@ class BudgetController:
         self.accept_trials = 0
         self._trial_from: int | None = None  # the bucket an acceptance trial left, until judged
         self._cost_trial_at: int | None = None  # the decision a cost trial started at
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestCurve] = {}
         # request -> the decision that chose its first round, not yet observed: the engine
         # launches a step ahead, so the decision after a probe comes before its round is read,
         # and counted as arrivals there its requests restarted the probes' interval (the H100's
@@ -228,7 +191,7 @@ class BudgetController:
         self._awaiting: dict[str, int] = {}
         # the engine-wide curve per acceptance class (each request's class outlives a reset:
         # it is the request's, not something learnt)
-        self.class_curves: dict[str, dict[int, DecayedMean]] = {GREEDY: {}}
+        self.class_curves: dict[str, Curve] = {GREEDY: {}}
         if self.age is not None:
             self.age.reset()
         # (request ids, rates) of the last full decision while at plain decoding: reused by
@@ -304,14 +267,14 @@ class BudgetController:
         classes = self.classes
         return all(classes.get(rid) == SAMPLED for rid in request_ids)
 
-    def _class_curve(self, request_id: str) -> dict[int, DecayedMean]:
+    def _class_curve(self, request_id: str) -> Curve:
         cls = self.classes.get(request_id, GREEDY)
         curve = self.class_curves.get(cls)
         if curve is None:
             curve = self.class_curves[cls] = {}
         return curve
 
-    def _prior_curve(self, request_id: str) -> dict[int, DecayedMean]:
+    def _prior_curve(self, request_id: str) -> Curve:
         """The curve the request's own estimate shrinks toward: its class's, at its age with
         `age_prior_tokens`."""
         flat = self._class_curve(request_id)
@@ -330,37 +293,11 @@ class BudgetController:
         from)."""
         return self._sum_gains(None, budget, self.class_curves.get(cls, {}))
 
-    def _sum_gains(self, own: _Request | None, budget: int,
-                   engine: dict[int, DecayedMean]) -> float | None:  # fmt: skip
+    def _sum_gains(self, own: RequestCurve | None, budget: int,
+                   engine: Curve) -> float | None:  # fmt: skip
         """A(B): the curve at the largest bucket <= B (the gains of every bucket up to B)."""
-        return self._curve(own, engine)[bisect.bisect_right(self.buckets, budget) - 1]
-
-    def _curve(self, own: _Request | None,
-               engine: dict[int, DecayedMean]) -> list[float | None]:  # fmt: skip
-        """A_r(B) for every bucket in order (bucket 0: 0), in one pass over the gains: a
-        bucket's gain is the request's own decayed mean shrunk toward its class's `engine`
-        curve, (own num + prior_rounds x engine mean) / (own den + prior_rounds), or the
-        engine's mean where the request has no rounds there; None from the first
-        never-measured bucket on. Inlined (no call a bucket; the same floats): this runs per
-        request per step (scripts/controller_cost.py --rounds, 8 requests: 51-56 -> 48 us)."""
-        out: list[float | None] = [0.0]
-        total = 0.0
-        k = self.cfg.prior_rounds
-        mine_curve = own.curve if own else None
-        for b in self.buckets[1:]:
-            g = engine.get(b)
-            mine = mine_curve.get(b) if mine_curve is not None else None
-            if mine is None or not mine.den:
-                if g is None or not g.den:
-                    break
-                total += g.num / g.den
-            elif g is None or not g.den:
-                total += mine.num / mine.den
-            else:
-                total += (mine.num + k * (g.num / g.den)) / (mine.den + k)
-            out.append(total)
-        out += [None] * (len(self.buckets) - len(out))
-        return out
+        curve = estimate_curve(self.buckets, own, engine, self.cfg.prior_rounds)
+        return curve[bisect.bisect_right(self.buckets, budget) - 1]
 
     def rate(self, request_ids: list[str], budget: int, cost: float | None = None) -> float | None:
         """R(B) in committed tokens per second for these requests in one step; None when the
@@ -378,9 +315,10 @@ class BudgetController:
         sums = self._accept_sums.get(key)
         if sums is None:
             sums = [0.0] * len(self.buckets)
+            k = self.cfg.prior_rounds
             for rid in request_ids:  # 1 + A_r(B): the bonus token and the accepted drafts
                 own = self.requests.get(rid)
-                for j, a in enumerate(self._curve(own, self._prior_curve(rid))):
+                for j, a in enumerate(estimate_curve(self.buckets, own, self._prior_curve(rid), k)):
                     sums[j] = None if a is None or sums[j] is None else sums[j] + (1.0 + a)
             self._accept_sums[key] = sums
         total = sums[bisect.bisect_right(self.buckets, budget) - 1]  # the bucket B falls in
@@ -533,7 +471,7 @@ class BudgetController:
         known = {b: r for b, r in rates.items() if r is not None}
         cur = self.current
         if known and rates.get(cur) is not None:
-            self._judge_accept_trial(rates, len(request_ids))
+            judge_accept_trial(self, rates, len(request_ids))
             cur = self.current
             # at plain decoding in a burst of its cost: no switch (engine/cost_bursts.py)
             held = self._hold.held(self.cost, cur, len(request_ids), self.step_index)
@@ -551,11 +489,11 @@ class BudgetController:
                 self._consider(best, known[best], rates[cur], rates.get(0), len(request_ids),
                                at_once)  # fmt: skip
             if self.current == cur:
-                self._cost_trial(request_ids, rates[cur], held)
+                cost_trial(self, request_ids, rates[cur], held)
             if self.current == cur and not self.plain_trials.running:  # one trial at a time: a
                 # plain trial restores the dwell it found, which would cut an acceptance
                 # trial's dwell to one round
-                self._accept_trial(request_ids, rates[cur])
+                accept_trial(self, request_ids, rates[cur])
         return rates
 
     def _cost_trial_dwell(self) -> bool:
@@ -573,9 +511,7 @@ class BudgetController:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                for mean in req.curve.values():
-                    mean.num *= d
-                    mean.den *= d
+                fade(req.curve, d)
         self._accept_sums.clear()
 
     def _consider(self, best: int, best_rate: float, cur_rate: float, plain_rate: float | None,
@@ -626,120 +562,6 @@ class BudgetController:
         if to:
             self.probes.soon = None
 
-    def _cost_trial(self, request_ids: list[str], cur_rate: float, held: bool = False) -> None:
-        """When some bucket's rate at its least possible cost (the largest fresh cost below it)
-        beats the current rate by the switch margin while its own cost is stale, move to the
-        nearest stale bucket on that side of the current one: its steps there measure it (and
-        its fresh cost then bounds the buckets beyond it: on accurate costs one trial, not a
-        climb to the top), and the usual rule (margin, dwell) decides after. A stale cost at
-        BURST_FACTOR or more times the lowest median its entry held is weighed at that median
-        too (on either side: a burst of slow host steps overstated it), and is tried even when
-        its samples are fresh (the burst's are)."""
-        n, now, fresh = len(request_ids), self.step_index, self.cfg.cost_fresh_steps
-        if not self.cfg.cost_trials or self.since_switch < self.cfg.min_dwell:
-            return
-        steady = self.cfg.trial_steady_batch
-        if steady and now - self._batch_since < steady:  # a batch size passing by (a draining
-            return  # group's tail): no trial, plain trials included, until it holds
-        if now % TRIAL_CHECK_EVERY:
-            return
-        self._bursts.calm(self.cost, n, self.buckets[1:])  # calm again: gaps forgotten
-        over = {b: self.cost.overstated(n, b) for b in self.buckets[1:]}  # a burst's
-        i = self.buckets.index(self.current)
-        bar = (1 + self.cfg.switch_margin) * cur_rate
-        gaps = self._trial_gaps
-        for side in (self.buckets[i + 1 :], self.buckets[1:i][::-1]):  # above, then below
-            # overstated by a burst (fresh as its samples are; none while held), or stale
-            waits = {b: self._bursts.gap(n, b) if over[b] else fresh * gaps.wait(self, n, b)
-                     for b in side}  # fmt: skip
-            stale = [b for b in side
-                     if (not held if over[b] else not self.cost.is_fresh(n, b, now, fresh))
-                     and now - self._tried.get((n, b), -fresh - 1) > waits[b]]  # fmt: skip
-            above = side and side[0] > self.current
-            confirmed = gaps.confirmed(self, n, side, over, waits) if above else {}
-            for b in stale:
-                low = self.cost.lower_bound(n, b, now, fresh)
-                # above the current bucket, one waiting out its back-off still bounds the ones
-                # beyond it: its trials confirmed that cost (else a farther, dearer bucket took
-                # its place: a review)
-                bound = [m for w, m in confirmed.items() if w < b]
-                if bound:
-                    low = max(bound) if low is None else max(low, *bound)
-                if over[b]:  # weighed at its lowest median: below the
-                    # current bucket no fresh smaller cost bounds it, so without this a bucket
-                    # a burst hit was never measured again
-                    seen = self.cost.best[(n, b)]
-                    low = seen if low is None else min(low, seen)
-                if low is not None and (r := self.rate(request_ids, b, cost=low)) and r > bar:
-                    nearest = stale[0]  # its fresh cost will bound the ones beyond it
-                    self._tried[(n, nearest)] = now
-                    self._bursts.tried(self.cost, n, nearest, fresh)
-                    if self.cfg.cost_trial_backoff:  # (before the window is cut)
-                        gaps.tried(self.cost, n, nearest, now)
-                    self.cost.restart(n, nearest)  # its dwell's steps set the median
-                    self._move(ev.COST_TRIAL, nearest, n,
-                               f"{b} at cost >= {low:.3g} s beats {bar:.4g}")  # fmt: skip
-                    self._cost_trial_at = self.step_index
-                    self.cost_trials += 1
-                    return
-        self.plain_trials.maybe_start(self, n, bar)
-
-    def _accept_trial(self, request_ids: list[str], cur_rate: float) -> None:
-        """While the controller stays below a bucket, only the rare probes measure that bucket's
-        gain, so one unlucky probe can hold its estimate near zero for a whole generation (the
-        replay on tiny-code: 8 where 16 is 10% faster). When the bucket just above has fewer
-        than `accept_evidence` rounds of some request's own, and an optimistic rate there (its
-        gain `accept_optimism` (0.35, chosen on the replay: docs/ddtree.md) times the current
-        bucket's own gain) beats the current rate by the switch margin, move up for a dwell:
-        its rounds measure its gain for every request; `_judge_accept_trial` decides after.
-        Once per request and bucket; never from 0 (plain steps measure nothing)."""
-        if not self.cfg.accept_trials or self.since_switch < self.cfg.min_dwell:
-            return
-        i = self.buckets.index(self.current)
-        if i == 0 or i + 1 >= len(self.buckets) or self.step_index % TRIAL_CHECK_EVERY:
-            return
-        up, cur = self.buckets[i + 1], self.current
-        reqs = [self.requests.get(rid) for rid in request_ids]
-        if any(r is None for r in reqs):
-            return  # a request with no rounds yet: the probes' curve is all there is
-
-        def lacks(r: _Request) -> bool:  # no trial of its own yet, and too few rounds at `up`
-            mean = r.curve.get(up)
-            return up not in r.tried_up and (mean.den if mean else 0.0) < self.cfg.accept_evidence
-
-        lacking = [r for r in reqs if lacks(r)]
-        cost_up = self.cost.estimate(len(request_ids), up)
-        if not lacking or cost_up is None:
-            return
-        total = 0.0
-        for rid, r in zip(request_ids, reqs, strict=True):
-            curve = self._curve(r, self._prior_curve(rid))  # A_r at every bucket; the current
-            # bucket's gain: i - (i - 1)
-            if curve[i] is None or curve[i - 1] is None:
-                return
-            total += 1.0 + curve[i] + self.cfg.accept_optimism * (curve[i] - curve[i - 1])
-        if total / cost_up <= (1 + self.cfg.switch_margin) * cur_rate:
-            return
-        for r in reqs:
-            r.tried_up.add(up)
-        self._trial_from = cur
-        self._move(ev.ACCEPT_TRIAL, up, len(request_ids),
-                   f"{len(lacking)} request(s) lack rounds at {up}")  # fmt: skip
-        self.accept_trials += 1
-
-    def _judge_accept_trial(self, rates: dict[int, float | None], n: int) -> None:
-        """After its dwell, an acceptance trial stays only if it beats the bucket it left by
-        the switch margin, as a switch up must; otherwise back (a trial within the margin would
-        otherwise stay by hysteresis: replayed at b=8, a trial at 32 costing 2% more than 16)."""
-        came_from, here = self._trial_from, self.current
-        if came_from is None or self.since_switch < self.cfg.min_dwell:
-            return
-        self._trial_from = None
-        r_here, r_from = rates.get(here), rates.get(came_from)
-        known = r_here is not None and r_from is not None
-        if known and r_here <= (1 + self.cfg.switch_margin) * r_from:
-            self._move(ev.TRIAL_BACK, came_from, n, f"rate {r_here:.4g} vs {r_from:.4g}")
-
     def _count(self, budget: int) -> int:
         self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
         if budget == 0 and self.age is not None:  # a plain step: a token a request older
@@ -754,12 +576,11 @@ class BudgetController:
         """A verified round at `budget`: path = accepted node indices, root (0) first."""
         if request_id not in self.requests and len(self.requests) >= MAX_TRACKED_REQUESTS:
             del self.requests[next(iter(self.requests))]  # the oldest (an aborted one, likely)
-        req = self.requests.setdefault(request_id, _Request())
+        req = self.requests.setdefault(request_id, RequestCurve())
         self._awaiting.pop(request_id, None)
         self._accept_sums.clear()  # every estimate may move (the engine-wide curve does)
         self._plain_rates = None
-        # accepted_at_budgets in one walk (node indices grow along a path), each bucket's gain
-        # over the one below added to both curves in place: this runs per request per round
+        # every bucket's gain over the one below added to each curve in place (feed_round)
         decay, mine, engine = self.cfg.decay, req.curve, self._class_curve(request_id)
         decay_e = decay
         if self.cfg.engine_decay_per_step and self._batch_size > 1:
@@ -768,19 +589,7 @@ class BudgetController:
         if self.age is not None:  # the class's curve at the request's age, then it ages
             fed.append((self.age.curve(self.classes.get(request_id, GREEDY), request_id), decay_e))
             self.age.grow(request_id, len(path))
-        nodes, k, prev = path[1:], 0, 0
-        for b in self.buckets[1:]:
-            if b > budget:
-                break
-            while k < len(nodes) and nodes[k] <= b:
-                k += 1
-            gain, prev = k - prev, k
-            for curve, d in fed:
-                mean = curve.get(b)
-                if mean is None:
-                    mean = curve[b] = DecayedMean()
-                mean.num = mean.num * d + gain
-                mean.den = mean.den * d + 1.0
+        feed_round(self.buckets, path, budget, fed)
 
     def observe_step(self, n: int, budget: int, seconds: float, path: str = FAST) -> None:
         """Wall seconds of one decode-only step of n requests at `budget`, on step `path`
