@@ -809,3 +809,14 @@ def test_decide_every_runs_the_rules_at_rounds_every_that_many_decisions(every):
 def test_decide_every_names_itself_when_wrong():
     with pytest.raises(ValueError, match="decide_every"):
         ControllerConfig(decide_every=3)
+
+
+def test_choose_without_requests_names_the_argument():
+    """A step with no speculating requests has no rate to weigh: a clear error naming the
+    argument (dividing the margin by sqrt(0) raised ZeroDivisionError deep in the rule)."""
+    ctl = BudgetController(budget_buckets(16))
+    for b in ctl.buckets:
+        ctl.observe_step(1, b, 1e-3 * (1 + b / 16))
+    with pytest.raises(ValueError, match="request_ids"):
+        ctl.choose([])
+    assert ctl.choose(["r"]) in ctl.buckets  # the controller still decides afterwards

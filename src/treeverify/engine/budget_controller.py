@@ -333,6 +333,8 @@ class BudgetController:
     def choose(self, request_ids: list[str], path: str = FAST) -> int:
         """The budget for this step's speculating requests (0: decode them plainly); `path`:
         the step path they take (FAST or GENERAL: whose costs to read)."""
+        if not request_ids:  # R(B) is per request: a step without any has no rate to weigh
+            raise ValueError("request_ids: expected at least one speculating request, got none")
         if path != self.path:
             self.use_path(path)
         self.step_index += 1
