@@ -687,7 +687,9 @@ def test_a_round_not_yet_observed_is_no_arrival(monkeypatch):
     costs = {0: 0.28, 4: 0.5, 8: 0.52, 16: 0.56, 32: 0.65, 64: 0.85}
 
     def group_events(lag: int, **knobs) -> list[tuple[int, str]]:
-        ctl = synthetic(costs, **knobs)
+        # the arrival bar of sampled and greedy requests alike (`sampled_arrival_factor` 0, the
+        # default until the fifty-seventh session): this sampled prior restarts the interval
+        ctl = synthetic(costs, sampled_arrival_factor=0.0, **knobs)
         for i in range(8):  # the sampled class's prior: a lucky draft in 3 (rate(4) ~0.73 x
             ctl.note_request(f"old{i}", "sampled")  # plain's: arrivals restart the interval)
             for k in range(12):
