@@ -1,14 +1,15 @@
-"""The adaptive budget controller's math on synthetic acceptance and cost (no engine, no timing):
-the free acceptance curve, the decayed means, R(B), hysteresis, exploration, cost borrowing."""
+"""The adaptive budget controller's decision on synthetic acceptance and cost (no engine, no
+timing): R(B), hysteresis and the margin to leave the rounds, dwell and confirmation, cost
+borrowing, step paths, new groups on their class's prior, the decision log, the knobs'
+validation. Its acceptance curves: tests/test_acceptance_curves.py; its probes:
+tests/test_budget_probes.py; cost trials: tests/test_budget_costs.py; acceptance trials:
+tests/test_accept_trials.py. The helpers below (`synthetic`, `feed`, `path_for`) serve them all."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
 from treeverify.engine import budget_events
-from treeverify.engine.acceptance_curves import accepted_at_budgets
 from treeverify.engine.budget_controller import (
     BudgetController,
     ControllerConfig,
@@ -23,22 +24,6 @@ def test_buckets():
     assert budget_buckets(3) == (0, 3)
     with pytest.raises(ValueError, match="max_budget"):
         budget_buckets(0)
-
-
-def test_free_curve_cuts_the_path_at_the_first_node_outside_the_smaller_tree():
-    rng = random.Random()
-    for _ in range(200):
-        path = [0]
-        for _ in range(rng.randint(0, 8)):
-            path.append(path[-1] + rng.randint(1, 9))  # indices grow along a path
-        buckets = (0, 4, 8, 16, 32, 64)
-        got = accepted_at_budgets(path, buckets)
-        for b in buckets:
-            want = 0
-            while want + 1 < len(path) and path[want + 1] <= b:
-                want += 1
-            assert got[b] == want
-        assert all(got[a] <= got[b] for a, b in zip(buckets[:-1], buckets[1:], strict=True))
 
 
 def synthetic(costs: dict[int, float], **cfg) -> BudgetController:
@@ -67,62 +52,6 @@ def path_for(accepted: dict[int, int], budget: int) -> list[int]:
         path += list(range(lo + 1, lo + 1 + need))
         lo = b
     return path
-
-
-@pytest.mark.parametrize(("probe", "probed"), [("top", {16}), ("up", {4}), ("hybrid", {4, 16})])
-def test_falls_back_to_plain_when_drafts_are_never_accepted(probe, probed):
-    ctl = synthetic({0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}, min_dwell=4, explore_every=10, probe=probe)
-    chosen = feed(ctl, "r", {4: 0, 8: 0, 16: 0}, 60)
-    assert ctl.current == 0
-    tail = chosen[20:]
-    assert tail.count(0) >= 0.85 * len(tail)  # plain, with a probe now and then ...
-    # ... at the largest bucket, one bucket up, or (hybrid) in turns the best-rated one (with
-    # nothing accepted, the cheapest: 4) and the largest
-    assert set(tail) - {0} <= probed and (probe != "hybrid" or set(tail) - {0} == probed)
-    assert ctl.rate(["r"], 0) > ctl.rate(["r"], 4)
-
-
-def test_hybrid_probes_from_plain_alternate_the_best_rated_bucket_and_the_top():
-    """From plain decoding hybrid probes in turns the speculating bucket of best estimated rate
-    (cheaper than the top, and the one a switch would go to) and the largest; from a
-    speculating budget one bucket up."""
-    costs = {0: 1.0, 4: 2.0, 8: 2.1, 16: 3.0}  # 8 accepts as much as 16 here, for less
-    ctl = synthetic(costs, min_dwell=1, explore_every=1, explore_max=1)
-    ctl.current, ctl.switches = 0, 1
-    ctl.observe_round("r", 16, path_for({4: 0, 8: 1, 16: 1}, 16))  # R(8) = 2 / 2.1 best of 4-16
-    probes = [b for b in (ctl.choose(["r"]) for _ in range(40)) if b]
-    assert probes[:4] == [8, 16, 8, 16], probes
-    ctl = synthetic(costs, min_dwell=1, explore_every=1, explore_max=1)
-    ctl.current, ctl.switches = 4, 1
-    ctl.observe_round("r", 16, path_for({4: 3, 8: 3, 16: 3}, 16))
-    assert {ctl.probes.target(ctl, {b: 1.0 for b in costs})} == {8}  # one up from 4
-
-
-@pytest.mark.parametrize(("probe", "ends_at"), [("top", 16), ("up", 0), ("hybrid", 16)])
-def test_a_probe_at_the_top_sees_what_only_a_large_tree_accepts(probe, ends_at):
-    """After a stretch at 0, the text turns predictable for a large tree only (a budget-4 or -8
-    tree still accepts nothing): a probe at the largest bucket measures that in one round and
-    the controller goes there; probes one bucket up measure nothing new and it stays plain."""
-    costs = {0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}  # R(16) = 7 / 1.6 = 4.4 tokens per unit vs 1
-    ctl = synthetic(costs, min_dwell=4, explore_every=10, explore_max=40, probe=probe)
-    feed(ctl, "r", {4: 0, 8: 0, 16: 0}, 60)
-    assert ctl.current == 0
-    feed(ctl, "r", {4: 0, 8: 0, 16: 6}, 120)
-    assert ctl.current == ends_at
-
-
-@pytest.mark.parametrize(("probe", "probed"), [("top", 16), ("up", 8), ("hybrid", 8)])
-def test_probes_from_a_speculating_budget(probe, probed):
-    """Speculating at 4 with nothing to gain above it: "top" probes the largest bucket, "up"
-    and "hybrid" (the default) one bucket up, a cheaper step (hybrid probes the top only from
-    plain decoding, where a large tree may see what a small one does not)."""
-    costs = {0: 1.0, 4: 1.1, 8: 1.5, 16: 2.0}
-    ctl = synthetic(costs, min_dwell=2, explore_every=10, probe=probe)
-    ctl.current = 4
-    chosen = feed(ctl, "r", {4: 3, 8: 3, 16: 3}, 80)  # R(4) = 4 / 1.1 beats 8 and 16
-    assert ctl.current == 4
-    assert set(chosen[20:]) == {4, probed}
-    assert ControllerConfig().probe == "hybrid"
 
 
 def test_grows_to_the_best_budget_when_acceptance_is_high():
@@ -201,36 +130,6 @@ def test_the_first_choice_needs_no_dwell_nor_confirmation():
     assert ctl.choose(["r"]) == 8  # nothing measured yet: the top, which measures every budget
     ctl.observe_round("r", 8, [0, 1, 2, 3, 9])  # 3 accepted at 4, 4 at 8
     assert ctl.choose(["r"]) == 4  # R: 1.0, 3.64, 3.33
-
-
-def test_requests_start_from_the_engine_wide_curve_and_move_to_their_own():
-    ctl = synthetic({0: 1.0, 8: 1.0}, prior_rounds=2.0)
-    for _ in range(20):
-        ctl.observe_round("old", 8, [0, 1, 2, 3, 4])  # 4 accepted
-    assert ctl.accept_estimate("new", 8) == pytest.approx(4.0)
-    ctl.observe_round("new", 8, [0])  # the new request accepts nothing
-    est = ctl.accept_estimate("new", 8)
-    assert 0 < est < 4.0
-    ctl.forget("new")
-    assert ctl.accept_estimate("new", 8) == pytest.approx(ctl.global_estimate(8))
-
-
-def test_a_stale_larger_bucket_follows_a_drop_below_it():
-    ctl = synthetic({0: 1.0, 4: 1.0, 8: 1.0}, decay=0.5, prior_rounds=0.0)
-    ctl.observe_round("r", 8, [0, 1, 2, 3, 6])  # A(4) 3, A(8) 4: the gain of 8 is 1
-    for _ in range(10):
-        ctl.observe_round("r", 4, [0])  # then at 4 only, nothing accepted
-    assert ctl.accept_estimate("r", 4) < 0.01
-    assert ctl.accept_estimate("r", 8) == pytest.approx(1.0 + ctl.accept_estimate("r", 4))
-
-
-def test_decayed_mean_forgets_old_rounds():
-    ctl = synthetic({0: 1.0, 4: 1.0}, decay=0.5, prior_rounds=0.0)
-    for _ in range(10):
-        ctl.observe_round("r", 4, [0, 1, 2, 3, 4])
-    for _ in range(10):
-        ctl.observe_round("r", 4, [0])
-    assert ctl.accept_estimate("r", 4) < 0.01
 
 
 def test_batch_rate_sums_requests_over_the_batch_cost():
@@ -318,82 +217,6 @@ def test_per_request_state_is_bounded(monkeypatch):
     assert list(ctl.requests) == ["r2", "r3", "r4"]
 
 
-@pytest.mark.parametrize(
-    ("factor", "far", "restarts", "gap"),
-    [(0.0, 2.0, True, 32), (0.6, 2.0, False, 64), (0.6, 1.0, False, 32)],
-)
-def test_probes_back_off_scale_with_cost_and_restart_for_new_requests(factor, far, restarts,
-                                                                      gap):  # fmt: skip
-    """Probes back off while they change nothing, to `explore_max` steps apart, or that times
-    `explore_far_factor` while every bucket's rate is under `arrival_probe_factor` of plain
-    decoding's (here 0.5 of it: a round accepts nothing at twice a plain step's cost); a
-    request without rounds of its own restarts the interval (new text, maybe predictable),
-    unless its class's engine-wide curve says no bucket comes within that factor. Replayed at
-    the H100's costs, the restart's probes cost text no drafter predicts 0.915 -> 0.962x plain
-    (2 probes a 128-token request), the far cap 0.962 -> 0.968x, the recorded code and prose
-    rows nothing (docs/ddtree.md)."""
-    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=32, min_dwell=0,
-                    arrival_probe_factor=factor, explore_far_factor=far)  # fmt: skip
-    feed(ctl, "r", {4: 0}, 400)  # never accepted: at 0, probing less and less often
-    probes = [i for i, b in enumerate(feed(ctl, "r", {4: 0}, 400)) if b == 4]
-    gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
-    assert gaps and all(g == gap for g in gaps), gaps  # backed off to the cap
-    ctl.observe_round("r", 4, [0])
-    ctl.probes.since = 0  # as right after a probe
-    chosen = feed(ctl, "new", {4: 0}, 12)  # a new request: back to 4 steps x cost ratio 2?
-    assert (4 in chosen[:9]) == restarts
-    # a request of a class never measured has no prior: the interval restarts
-    ctl.note_request("s", "sampled")
-    ctl.probes.since = 0
-    assert 4 in feed(ctl, "s", {4: 0}, 12)[:9]
-
-
-def test_kept_rate_sums_follow_every_round_and_forget():
-    """R(B)'s per-request sums are kept between steps (plain steps read them every step): a new
-    round, a forgotten request and a new cost all show in the next rate; fresh random paths."""
-    rng = random.Random()
-    c = BudgetController((0, 4, 8), CostModel.given({0: 1.0, 4: 1.5, 8: 2.0}))
-    ids = ["a", "b"]
-
-    def fresh(budget: int) -> float:  # the same sum computed from scratch
-        return sum(1.0 + c.accept_estimate(r, budget) for r in ids) / c.cost.estimate(2, budget)
-
-    for rid in ids:
-        c.observe_round(rid, 8, [0, 1, 5])
-    for _ in range(20):
-        before = c.rate(ids, 8)
-        assert before == pytest.approx(fresh(8))
-        path = [0]
-        for _ in range(rng.randint(0, 3)):
-            path.append(path[-1] + rng.randint(1, 3))
-        c.observe_round(rng.choice(ids), 8, path)
-        assert c.rate(ids, 8) == pytest.approx(fresh(8))
-    c.forget("b")
-    assert c.rate(ids, 8) == pytest.approx(fresh(8))
-    c.cost.frozen = False
-    c.cost.observe(2, 8, 10.0)  # a measured cost at this batch size replaces the borrowed one
-    assert c.rate(ids, 8) == pytest.approx(fresh(8))
-
-
-@pytest.mark.parametrize(("plain_decay", "comes_back"), [(0.9, True), (1.0, False)])
-def test_plain_steps_fade_a_dip_toward_the_engine_wide_curve(plain_decay, comes_back):
-    """A request whose rounds accepted nothing went plain; then the engine's other requests'
-    rounds accept 6 drafts again; no probe comes (explore_every huge). With `plain_decay` the
-    request's own estimate fades step by step toward the engine-wide one and it speculates
-    again; without, it stays plain."""
-    ctl = synthetic({0: 1.0, 16: 1.6}, plain_decay=plain_decay, prior_rounds=1.0, min_dwell=2,
-                    explore_every=10_000, explore_max=10_000)  # fmt: skip
-    for _ in range(60):  # the dip, long enough to weigh ~20 rounds (decay 0.95)
-        ctl.observe_round("r", 16, [0])
-    while ctl.choose(["r"]):
-        pass  # to plain decoding (after the dwell and confirmation)
-    for _ in range(40):
-        ctl.observe_round("other", 16, [0, 1, 2, 3, 4, 5, 6])  # the engine's rounds recover
-    chosen = [ctl.choose(["r"]) for _ in range(80)]
-    assert chosen[0] == 0
-    assert (chosen[-1] == 16) == comes_back
-
-
 def test_settings_from_the_command_line_are_parsed_and_validated():
     cfg = ControllerConfig().with_settings(["prior_rounds=128", "min_dwell=32", "cost_trials=0"])
     assert (cfg.prior_rounds, cfg.min_dwell, cfg.cost_trials) == (128.0, 32, False)
@@ -471,62 +294,6 @@ def test_each_step_path_keeps_its_own_costs_and_a_new_one_starts_from_the_fast_o
     assert set(ctl.info()["cost_seconds_batch1_by_path"]) == {FAST, GENERAL}
 
 
-def test_sampled_requests_start_from_their_own_classs_curve():
-    """Greedy requests accept deep trees, sampled ones almost nothing (T=1). With one
-    engine-wide curve every sampled request that followed greedy ones started from the greedy
-    prior and ran rounds until its own evidence outweighed it (after greedy passes on the same
-    engine: budget 32 on 267 of 910 steps of sampled prose, 0.60x plain, H100). Per class, a
-    sampled request starts from what sampled requests accepted, a greedy one from what greedy
-    ones did: mixed traffic, greedy and sampled requests in turns."""
-    costs = {0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6}
-    high, none = {4: 4, 8: 7, 16: 10}, {4: 0, 8: 0, 16: 0}
-
-    def rounds_per_request(classes: bool) -> dict[str, list[int]]:
-        ctl = synthetic(costs, min_dwell=4)
-        out: dict[str, list[int]] = {"g": [], "s": []}
-        for i in range(6):  # in turns: a greedy request, then a sampled one
-            for kind, accepted in (("g", high), ("s", none)):
-                rid = f"{kind}{i}"
-                if classes:
-                    ctl.note_request(rid, "sampled" if kind == "s" else "greedy")
-                out[kind].append(sum(1 for b in feed(ctl, rid, accepted, 40) if b))
-                ctl.forget(rid)
-        return out
-
-    one_curve, per_class = rounds_per_request(False), rounds_per_request(True)
-    assert min(one_curve["s"]) >= 35  # each sampled request held in rounds by the greedy prior
-    # per class: out of the rounds once the wide margin to leave them narrows (plain_margin;
-    # the greedy request before left the controller at 16), ~14 rounds of 40
-    assert max(per_class["s"][1:]) <= 16
-    assert min(per_class["g"]) >= 38  # greedy requests lose at most the step to come back up
-
-
-def test_acceptance_classes_are_kept_per_request_and_checked():
-    ctl = synthetic({0: 1.0, 4: 1.3, 8: 1.4, 16: 1.6})
-    ctl.note_request("s", "sampled")
-    ctl.note_request("g", "greedy")
-    feed(ctl, "g", {4: 4, 8: 4, 16: 4}, 3)
-    assert ctl.global_estimate(16) == pytest.approx(4.0)
-    assert ctl.global_estimate(16, "sampled") is None  # never measured: no prior
-    assert ctl.accept_estimate("s", 16) is None and ctl.rate(["s"], 16) is None
-    assert ctl.accept_estimate("unnamed", 16) == pytest.approx(4.0)  # unnamed: greedy
-    assert set(ctl.info()["accept_curve_by_class"]) == {"greedy", "sampled"}
-    ctl.reset()  # forgets acceptance, not what each request is
-    assert ctl.classes == {"s": "sampled", "g": "greedy"}
-    assert ctl.global_estimate(16) is None
-    ctl.forget("s")
-    assert "s" not in ctl.classes
-    with pytest.raises(ValueError, match="cls"):
-        ctl.note_request("x", "beam")
-    assert "x" not in ctl.classes
-    # not capped: a long queue of requests noted when queued kept the oldest (running) ones'
-    # classes only up to 4096, then sent them to the greedy curve (a helper's review)
-    ctl.note_request("running", "sampled")
-    for i in range(5000):
-        ctl.note_request(f"queued{i}", "greedy")
-    assert ctl.classes["running"] == "sampled"
-
-
 def test_a_new_group_switches_on_its_classs_prior_at_once():
     """A step whose requests have no rounds of their own (a new group) is judged on its class's
     prior with no dwell nor confirmation: after greedy groups ran at 16, a new group of sampled
@@ -570,27 +337,6 @@ def test_a_new_group_switches_on_its_classs_prior_at_once():
     assert after_greedy(True) == [0] * 8
     slow = after_greedy(False)
     assert slow[0] == 16 and slow[-1] == 0, slow  # the dwell and the confirmations first
-
-
-def test_a_probe_from_plain_decoding_fades_first():
-    """The fade of the plain steps since the last one (every FADE_EVERY) is applied before a
-    probe's round is observed (and before the first round after a stretch at plain decoding):
-    none lands on acceptance newer than the steps it stands for (a helper's review, with the
-    fade every 16 plain steps instead of 4)."""
-    ctl = synthetic({0: 1.0, 4: 2.0}, explore_every=4, explore_max=40, min_dwell=0)
-    probes = 0
-    for _ in range(400):
-        before = ctl._plain_unfaded
-        mean = ctl.requests["r"].curve[4] if "r" in ctl.requests else None
-        den = mean.den if mean is not None else None
-        b = ctl.choose(["r"])
-        if b and ctl.current == 0 and den is not None:  # a probe from plain decoding
-            probes += 1
-            assert ctl._plain_unfaded == 0
-            assert mean.den == pytest.approx(den * ctl.cfg.plain_decay**before)
-        if b:
-            ctl.observe_round("r", b, [0])  # nothing accepted: plain decoding stays best
-    assert probes >= 5
 
 
 def _groups_in_turns(ctl: BudgetController, passes: int) -> list[list[dict]]:
@@ -673,111 +419,6 @@ def test_the_decision_log_keeps_the_last_events_only():
     assert log.complete_since(1) and not log.complete_since(0)  # events 0 and 1 are gone
     assert log.recent(1) == [{"step": 4, "kind": "probe", "from": 0, "to": 64, "n": 8,
                               "note": "p4"}]  # fmt: skip
-
-
-def test_a_round_not_yet_observed_is_no_arrival(monkeypatch):
-    """The engine launches each step ahead, so the decision after a round comes before that
-    round is observed. A group whose class's prior comes near plain decoding's rate restarts
-    the probes' interval on arrival; its first probe's requests must not count as arrivals
-    again at the next decision, which undid the probe's back-off: on the H100 each sampled
-    group of 8 then probed again ~50 decisions after the first (the fortieth session's
-    decision log). With the round awaited, decisions lagged by one make the same probes as
-    decisions that see every round at once; without (the helper stubbed out), the lagged ones
-    restart the interval after the first probe and probe sooner."""
-    costs = {0: 0.28, 4: 0.5, 8: 0.52, 16: 0.56, 32: 0.65, 64: 0.85}
-
-    def group_events(lag: int, **knobs) -> list[tuple[int, str]]:
-        # the arrival bar of sampled and greedy requests alike (`sampled_arrival_factor` 0, the
-        # default until the fifty-seventh session): this sampled prior restarts the interval
-        ctl = synthetic(costs, sampled_arrival_factor=0.0, **knobs)
-        for i in range(8):  # the sampled class's prior: a lucky draft in 3 (rate(4) ~0.73 x
-            ctl.note_request(f"old{i}", "sampled")  # plain's: arrivals restart the interval)
-            for k in range(12):
-                ctl.observe_round(f"old{i}", 64, [0, 1] if k % 3 == 0 else [0])
-            ctl.forget(f"old{i}")
-        ctl.current, ctl.switches = 0, 1  # at plain decoding, probes backed off before
-        ctl.probes.count, ctl.probes.interval, ctl.probes._switches_at_probe = 5, 256.0, 1
-        ids = [f"s{i}" for i in range(8)]
-        for rid in ids:
-            ctl.note_request(rid, "sampled")
-        start, waiting = ctl.step_index, []
-        for k in range(128):
-            waiting.append(ctl.choose(ids))
-            if len(waiting) > lag:  # observed `lag` decisions late
-                done = waiting.pop(0)
-                for rid in ids:
-                    if done:
-                        ctl.observe_round(rid, done, [0, 1] if k % 3 == 0 else [0])
-        return [(e["step"] - start, e["kind"]) for e in ctl.events.since(start)]
-
-    at_once = group_events(0)
-    assert [k for _, k in at_once][:2] == ["interval_restart", "probe"], at_once
-    # a decision the engine planned and dropped (the batch changed before its step ran): its
-    # round never comes back, and past AWAIT_DECISIONS its requests are arrivals again
-    ctl = synthetic(costs)
-    ctl._await_round(["x"])
-    ctl.step_index += 2
-    assert ctl._awaited("x")
-    ctl.step_index += 1
-    assert not ctl._awaited("x")
-    ctl.observe_round("x", 4, [0])
-    assert "x" not in ctl._awaiting
-    assert group_events(1) == at_once
-    monkeypatch.setattr(BudgetController, "_await_round", lambda self, ids: None)
-    lagged = group_events(1)
-    monkeypatch.undo()
-    assert group_events(1, await_rounds=False) == lagged  # the knob, for A/B
-    first = at_once[1][0]
-    assert (first + 1, "interval_restart") in lagged, lagged  # the restart right after it
-    probes = [s for s, k in lagged if k == "probe"]
-    assert probes[1] < next(s for s, k in at_once[2:] if k == "probe"), (lagged, at_once)
-
-
-@pytest.mark.parametrize("await_rounds", [True, False])
-def test_an_unknown_rate_is_probed_once_while_its_round_is_awaited(await_rounds):
-    """A class never measured has no rate above the current bucket: its first decision probes
-    there. With decisions lagged by one (steps launched ahead), the next decision still sees no
-    rate; with the probe's round awaited it does not probe again (the lagged replay's first
-    sampled group probed twice in a row)."""
-    costs = {0: 0.28, 4: 0.5, 8: 0.52, 16: 0.56}
-    ctl = synthetic(costs, await_rounds=await_rounds)
-    for i in range(4):  # the greedy class is known up to 8 only (rounds at 8)
-        ctl.observe_round(f"g{i}", 8, [0, 1, 2])
-    ctl.current, ctl.switches = 8, 1
-    ids = [f"s{i}" for i in range(4)]
-    for rid in ids:
-        ctl.note_request(rid, "sampled")  # no prior at all
-    chosen, waiting = [], []
-    for _ in range(4):
-        chosen.append(ctl.choose(ids))
-        waiting.append(chosen[-1])
-        if len(waiting) > 1:  # observed a decision late
-            done = waiting.pop(0)
-            for rid in ids:
-                ctl.observe_round(rid, done, [0])
-    assert chosen[0] == 16  # the probe
-    assert chosen[1] == (8 if await_rounds else 16), chosen
-
-
-@pytest.mark.parametrize("per_step", [False, True])
-def test_engine_decay_per_step_counts_the_engine_curves_memory_in_steps(per_step):
-    """engine_decay_per_step: at n requests each of a step's n rounds decays the engine-wide
-    curve by decay ** (1 / n) (a step's worth of decay a step); a request's own curve decays
-    by `decay` a round either way. Off: both by `decay` a round."""
-    d, n = 0.9, 4
-    ctl = synthetic({0: 1e-4, 4: 2e-4}, decay=d, engine_decay_per_step=per_step)
-    ids = [f"r{i}" for i in range(n)]
-    steps = random.Random().randint(2, 5)
-    for _ in range(steps):  # a decision, then every request's round
-        ctl.choose(ids)
-        for rid in ids:
-            ctl.observe_round(rid, 4, [0, 1, 2])
-    engine = ctl.global_estimate(4)  # 2 drafts accepted in every round: the mean is exact
-    assert engine == pytest.approx(2.0)
-    den = ctl.class_curves["greedy"][4].den
-    e = d ** (1 / n) if per_step else d
-    assert den == pytest.approx(sum(e**i for i in range(n * steps)))
-    assert ctl.requests["r0"].curve[4].den == pytest.approx(sum(d**i for i in range(steps)))
 
 
 @pytest.mark.parametrize("every", [1, 2, 4])
