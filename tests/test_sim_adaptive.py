@@ -222,12 +222,12 @@ def test_a_stricter_bar_for_sampled_arrivals_trades_the_cycle_for_sampled_code()
     # the trade as measured before `engine_decay_per_step` became the default (with it, the
     # old bar leaves sampled code at plain decoding as long: the next test)
     old = {"engine_decay_per_step": False, "sampled_arrival_factor": 0.0}
-    default = mod.run(ControllerConfig(**old), passes=3, code_after=True)
+    old_bar = mod.run(ControllerConfig(**old), passes=3, code_after=True)
     strict = mod.run(ControllerConfig(**(old | {"sampled_arrival_factor": 0.8})), passes=3,
                      code_after=True)  # fmt: skip
     assert all(r["probes"] == 1 and r["restarts"] == 0 for r in strict[1:3])
-    assert min(r["x_plain"] for r in strict[1:3]) > max(r["x_plain"] for r in default[1:3])
-    assert strict[-1]["x_best_fixed"] < default[-1]["x_best_fixed"] - 0.05
+    assert min(r["x_plain"] for r in strict[1:3]) > max(r["x_plain"] for r in old_bar[1:3])
+    assert strict[-1]["x_best_fixed"] < old_bar[-1]["x_best_fixed"] - 0.05
 
 
 def test_the_engine_curve_decayed_per_step_is_slower_to_take_sampled_code_after_prose():
@@ -236,7 +236,9 @@ def test_the_engine_curve_decayed_per_step_is_slower_to_take_sampled_code_after_
     rounds of sampled code after sampled prose move the class's curve a twentieth, not most of
     the way, so the code stays at plain decoding longer (replay: ~0.91 -> ~0.80 of the best
     fixed budget on that pass). The price of the steadier prior that b=8 queues ran faster with
-    (docs/ddtree.md); the sampled text itself is no worse."""
+    (docs/ddtree.md); the sampled text itself is no worse. Under the old 0.6 arrival bar, as
+    measured then: with the 0.8 bar (the default since the fifty-seventh session) the code after
+    prose reads ~0.82 of the best fixed either way (the next test)."""
     mod = _script("sim_probe_cycle")
     bar = {"sampled_arrival_factor": 0.0}  # the arrival bar of the time (measured under it)
     per_step = mod.run(ControllerConfig(**bar), passes=3, code_after=True)

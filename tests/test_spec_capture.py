@@ -290,8 +290,9 @@ def _exact_log_softmax(logits: torch.Tensor) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("warp", ["0", "1"], ids=["threshold", "warps-first"])
 def test_topk_kernel_equals_log_softmax_topk(monkeypatch, warp) -> None:
-    """The one-launch draft table (kernels/cuda/ddtree_topk.cu) against fp32 log_softmax +
-    torch.topk: the same values (to fp32 rounding of the log-sum-exp) and ids on distinct logits;
+    """The one-launch draft table (kernels/cuda/ddtree_topk.cu) against the exact (fp64)
+    log_softmax rounded to fp32 + torch.topk: the same values (within LSE_ATOL, the kernel's fp32
+    log-sum-exp) and ids on distinct logits;
     on integer logits (ties) the same values, distinct ids naming entries of those values, the
     smaller id first within a tie; `draft_topk` on CUDA takes it for k <= MAX_K. By threshold
     selection (k block-wide rounds where it cannot: a NaN, an overflowing gathering), or

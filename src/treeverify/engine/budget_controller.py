@@ -77,6 +77,7 @@ import time
 from dataclasses import dataclass, field
 
 from treeverify.engine import budget_events as ev
+from treeverify.engine import budget_trials
 from treeverify.engine.acceptance_curves import (
     Curve,
     RequestCurve,
@@ -89,12 +90,7 @@ from treeverify.engine.budget_config import ControllerConfig
 from treeverify.engine.budget_costs import CostModel
 from treeverify.engine.budget_excursions import Excursions
 from treeverify.engine.budget_probes import Probes
-from treeverify.engine.budget_trials import (
-    TRIAL_CHECK_EVERY,
-    accept_trial,
-    cost_trial,
-    judge_accept_trial,
-)
+from treeverify.engine.budget_trials import accept_trial, cost_trial, judge_accept_trial
 from treeverify.engine.cost_bursts import BurstGaps, BurstHold
 from treeverify.engine.cost_trial_gaps import CostTrialGaps
 from treeverify.engine.plain_trials import PlainTrials
@@ -351,8 +347,9 @@ class BudgetController:
                 and self.current == 0 and self._pending is None):  # fmt: skip
             return self._quiet_decision()
         self._quiet_left = 0
+        every = budget_trials.TRIAL_CHECK_EVERY  # (one binding: the trials read it there too)
         if (cached is not None and self.current == 0 and self._pending is None
-                and cached[0] == ids and self.step_index % TRIAL_CHECK_EVERY):  # fmt: skip
+                and cached[0] == ids and self.step_index % every):  # fmt: skip
             _, rates, arrived, pays = cached  # at plain decoding, nothing but plain's cost moved
         elif (at_rounds is not None and self._pending is None
               and at_rounds[:2] == (ids, self.current)
