@@ -186,6 +186,30 @@ BAD = [
     ("lone surrogate in a list", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
     ("lone surrogate in a message", None, 400, "messages"),
     ("negative token id", {"prompt": [5, -1]}, 400, "prompt.1"),
+    # past int64: overflowed in the sampler's tensor, a step error that failed every request
+    # in flight with a 500 (a new user's audit, fifty-seventh session)
+    ("top_k past int64", {"prompt": "x", "top_k": 2**63}, 400, "top_k"),
+    # field names that begin like pydantic's union tags ("str...", "int...") were dropped
+    ("stream wrong type", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    (
+        "stream_options wrong type",
+        {"prompt": "x", "stream": True, "stream_options": "x"},
+        400,
+        "stream_options",
+    ),  # fmt: skip
+    (
+        "stream_options unknown field",
+        {"prompt": "x", "stream": True, "stream_options": {"foo": 1}},
+        400,
+        "stream_options.foo",
+    ),  # fmt: skip
+    (
+        "stop lone surrogate",
+        b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 2}',
+        400,
+        "stop",
+    ),  # fmt: skip
+    ("prompt far past the context", {"prompt": "y" * (CTX * 64)}, 400, "prompt"),
 ]
 
 
@@ -231,6 +255,26 @@ BAD_CHAT = [
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": CTX},
         "max_tokens",
     ),
+    (  # the field the request sent, not max_tokens (a new user's audit)
+        "max_completion_tokens over context",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": CTX},
+        "max_completion_tokens",
+    ),
+    (  # both sent and different: one was silently dropped before
+        "max_tokens and max_completion_tokens disagree",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            "max_completion_tokens": 5,
+        },
+        "max_completion_tokens",
+    ),  # fmt: skip
+    ("user message without content", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    (
+        "tool_choice",
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+        "tool_choice",
+    ),  # fmt: skip
 ]
 
 
@@ -241,6 +285,36 @@ def test_bad_chat_input(server, name, body, param):
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].startswith(param), err
     _good(server)
+
+
+def test_chat_accepts_openai_message_fields(client, server):
+    """An assistant turn without content, and max_completion_tokens equal to max_tokens:
+    accepted as OpenAI accepts them."""
+    r = client.chat.completions.create(
+        model="tiny-llama", max_tokens=3, max_completion_tokens=3, temperature=0,
+        messages=[{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": None},
+                  {"role": "user", "content": "again"}],
+    )  # fmt: skip
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 3
+    assert httpx.head(server.url + "/health", timeout=10).status_code == 200  # load balancers
+
+
+def test_a_refused_request_leaves_the_requests_in_flight_alone(server):
+    """A bad sampling field is refused before the engine sees it: a long request already
+    running finishes normally (top_k past int64 once failed every request in flight)."""
+    body = {"prompt": "abc", "max_tokens": CTX - 10, "ignore_eos": True, "temperature": 0}
+    out = {}
+    long = threading.Thread(target=lambda: out.setdefault(
+        "r", httpx.post(server.url + "/v1/completions", json=body, timeout=120)))  # fmt: skip
+    long.start()
+    time.sleep(0.2)
+    bad = httpx.post(server.url + "/v1/completions",
+                     json={"prompt": "x", "top_k": 2**63}, timeout=30)  # fmt: skip
+    long.join(120)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+    assert out["r"].status_code == 200, out["r"].text
+    assert out["r"].json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_openai_client_raises_bad_request(client):

@@ -62,8 +62,12 @@ def test_unimplemented_fields_are_400_naming_them(server, path, extra, param):
 
 
 def test_message_fields_we_ignore_are_refused(server):
+    """A participant `name` where the model's chat template has no place for one (tiny-llama's
+    built-in format): a 400 naming it, not a name silently dropped (templates that read
+    message['name'] get it: tests/test_server_text_bound.py)."""
     r = _post(server, "/v1/chat/completions", {"messages": [{**MSG[0], "name": "bob"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.name", r.text
+    assert "template" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

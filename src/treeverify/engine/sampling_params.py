@@ -6,6 +6,10 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# top_k at or above the vocabulary keeps every token; the cap keeps it a 32-bit int for the
+# sampler's tensors (2**63 overflowed there: one request's step error failed every request in
+# flight, a new user's audit)
+MAX_TOP_K = 2**31 - 1
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 MAX_BIAS = 100.0  # |logit_bias value| (OpenAI's range; -100 bans a token)
@@ -75,8 +79,9 @@ class SamplingParams:
                              f"{self.temperature!r}")  # fmt: skip
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an int in 0..{MAX_TOP_K} (0 = off), got "
+                             f"{self.top_k!r}")  # fmt: skip
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {self.max_tokens!r}")
         for s in self.stop:

@@ -75,6 +75,11 @@ class ByteTokenizer:
         """The bytes token ``tid`` stands for (a special token: its name's UTF-8)."""
         return bytes([tid]) if tid < 256 else self._specials[tid].encode()
 
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (a bound: the server refuses
+        text too long for the context before encoding it)."""
+        return max(1, *(len(s) for s in self._specials.values()))
+
     @property
     def eos_token_ids(self) -> list[int]:
         return [self.eos_token_id]
@@ -192,6 +197,13 @@ class HFTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for, from its longest piece (a
+        byte-level piece has one character per byte, a SentencePiece one per character, added
+        tokens their text): a bound, so the server refuses text too long for the context
+        before encoding it."""
+        return max(1, *(len(p) for p in self._tok.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         # UnicodeEncodeError for a lone surrogate, as the byte tokenizer raises (`tokenizers`

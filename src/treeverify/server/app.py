@@ -99,8 +99,17 @@ def create_app(
             raise RequestError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
         prompts = [await asyncio.to_thread(serving.chat_prompt, req)]  # tokenizing: off the loop
         lp = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        items = serving.make_params(req, prompts, lp, max_tokens, "messages")
+        max_tokens, limit_field = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:  # OpenAI's newer name for it
+            if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+                raise RequestError(
+                    400,
+                    f"max_completion_tokens: {req.max_completion_tokens} and max_tokens: "
+                    f"{req.max_tokens} disagree (send one)",
+                    "max_completion_tokens",
+                )
+            max_tokens, limit_field = req.max_completion_tokens, "max_completion_tokens"
+        items = serving.make_params(req, prompts, lp, max_tokens, "messages", limit_field)
         return await _run(
             req, request, prompts, items, "chatcmpl", chat=True, want_logprobs=req.logprobs
         )
@@ -143,6 +152,7 @@ def create_app(
 
     # ---- health ----------------------------------------------------------------------------------
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # load balancers' checks
     async def health():
         age = engine.heartbeat_age()
         if not engine.accepting:
@@ -277,6 +287,15 @@ def _error(message: str, param: str | None, *, status: int) -> JSONResponse:
     return JSONResponse(P.error_body(message, status, param), status_code=status)
 
 
+def _union_tag(part: str) -> bool:
+    """Whether a pydantic error location part names a union branch, not a field."""
+    return (
+        part in ("str", "int", "float", "bool", "none")
+        or "[" in part
+        or part.startswith(("function-", "constrained-"))
+    )
+
+
 def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """(message, param) for the first pydantic error: the field path and what was wrong.
     A union field (prompt: a string, strings, token ids or lists of them) fails once per
@@ -295,15 +314,10 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]
     if e.get("type") == "json_invalid":
         detail = (e.get("ctx") or {}).get("error", e.get("msg", ""))
         return f"malformed JSON body: {detail}", None
-    # drop pydantic's union-branch tags (e.g. 'str', 'list[int]') from the path
-    fields = [
-        x
-        for x in loc
-        if not (
-            x.startswith(("list[", "str", "int", "function-"))
-            or x in ("str", "int", "float", "bool")
-        )
-    ]
+    # drop pydantic's union-branch tags ('str', 'list[str]', 'list[constrained-int]',
+    # 'function-after[...]') from the path; a field name is never one ("stream",
+    # "stream_options" and "int..." names were dropped by a prefix test: a new user's audit)
+    fields = [x for x in loc if not _union_tag(x)]
     param = ".".join(fields) if fields else None
     if param is None and e.get("type") == "missing":
         return "request body is required", None

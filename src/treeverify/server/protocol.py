@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from treeverify.engine.sampling_params import MAX_TOP_K
 from treeverify.server.unsupported import ChatUnsupported, CompletionUnsupported, StopBounds
 
 MAX_LOGPROBS = 20  # as engine.sampling_params.MAX_LOGPROBS
@@ -37,7 +38,7 @@ class _SamplingFields(_Request, StopBounds):
     max_tokens: int | None = Field(default=None, ge=0, description="0: only with echo")
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1, description="extension; 0 or -1: off")
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K, description="extension; 0 or -1: off")
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
@@ -76,7 +77,19 @@ class ContentPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # None: an assistant turn only (OpenAI's rule); checked when absent too (validate_default)
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+    # a participant's name: handed to the chat template where it has a place for one (else a
+    # 400 naming it: serving.chat_prompt; nothing is dropped unsaid)
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"required for a {role!r} message")
+        return v
 
     def text(self) -> str:
         if self.content is None:

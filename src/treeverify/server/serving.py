@@ -9,6 +9,7 @@ incomplete UTF-8 character is held back, so the concatenated stream equals the n
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +25,12 @@ from treeverify.server.metrics import Metrics
 
 MAX_CHOICES = 64  # prompts x n per HTTP request
 DISCONNECT_POLL_S = 0.25
+# Text longer than context x (the most characters one token stands for) x TEXT_SLACK is refused
+# before it is encoded: it cannot fit the context (the slack covers normalizers that shorten
+# text), and encoding it holds the GIL throughout (a 7.7 MB prompt under the 8 MiB body limit
+# took 18.7 s on tiny-code's tokenizer, /health unanswered meanwhile: a new user's audit).
+TEXT_SLACK = 2
+NAME_IN_TEMPLATE = re.compile(r"""\[\s*['"]name['"]\s*\]|\.name\b""")  # message['name'], .name
 
 
 class RequestError(Exception):
@@ -67,6 +74,13 @@ class Serving:
         self.context_length = context_length
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        # whether the chat template reads a message's `name` (message['name'] / message.name)
+        template = getattr(self.tok, "chat_template", None) or ""
+        self.template_takes_names = bool(NAME_IN_TEMPLATE.search(template))
+        per_token = getattr(self.tok, "max_token_chars", None)
+        self.max_text_chars: int | None = (
+            context_length * per_token() * TEXT_SLACK if per_token is not None else None
+        )
 
     # ---- preparation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -78,7 +92,19 @@ class Serving:
                 "model",
             )
 
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context whatever it encodes to (TEXT_SLACK)."""
+        limit = self.max_text_chars
+        if limit is not None and chars > limit:
+            raise RequestError(
+                400,
+                f"{param}: {chars} characters of text cannot fit the context length "
+                f"{self.context_length} tokens (at most {limit} characters are read)",
+                param,
+            )
+
     def encode(self, text: str, param: str = "prompt") -> list[int]:
+        self.check_text_length(len(text), param)
         try:  # every tokenizer raises UnicodeError for text UTF-8 cannot encode
             return self.tok.encode(text, add_bos=bool(getattr(self.tok, "add_bos", False)))
         except UnicodeError as exc:  # e.g. a lone surrogate from a "\udxxx" JSON escape
@@ -109,7 +135,17 @@ class Serving:
         return prompts
 
     def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        for i, m in enumerate(req.messages):
+            if m.name is not None and not self.template_takes_names:
+                raise RequestError(
+                    400,
+                    f"messages.{i}.name: this model's chat template has no place for a "
+                    "participant name (it would be dropped)",
+                    f"messages.{i}.name",
+                )
+        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                    for m in req.messages]  # fmt: skip
+        self.check_text_length(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:
@@ -126,8 +162,10 @@ class Serving:
         logprobs: int | None,
         max_tokens: int | None,
         prompt_field: str,
+        limit_field: str = "max_tokens",
     ) -> list[tuple[list[int], SamplingParams]]:
-        """One (ids, SamplingParams) per choice, after the context-length checks."""
+        """One (ids, SamplingParams) per choice, after the context-length checks;
+        `limit_field`: the name the request gave max_tokens (chat: max_completion_tokens)."""
         if len(prompts) * req.n > MAX_CHOICES:
             raise RequestError(
                 400,
@@ -174,9 +212,9 @@ class Serving:
             if len(ids) + mt > ctx:
                 raise RequestError(
                     400,
-                    f"max_tokens: {mt} + the prompt's {len(ids)} tokens = {len(ids) + mt} "
+                    f"{limit_field}: {mt} + the prompt's {len(ids)} tokens = {len(ids) + mt} "
                     f"exceeds the context length {ctx}",
-                    "max_tokens",
+                    limit_field,
                 )
             for j in range(req.n):
                 try:

@@ -35,6 +35,10 @@ class StopBounds(BaseModel):
             if len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"each stop string has at most {MAX_STOP_CHARS} characters, "
                                  f"got one of {len(s)}")  # fmt: skip
+            try:  # as prompts are: a lone surrogate ("\ud800") is no text and never matches
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"stop strings must be encodable text ({exc})") from exc
         return v
 
 
@@ -76,7 +80,9 @@ class ChatUnsupported(BaseModel):
     @classmethod
     def _no_tool_choice(cls, v: Any, info):
         if v is not None and v != "none":
-            raise _refuse(info.field_name, "(tool / function calling); only 'none'")
+            raise ValueError(  # (the error names the field already)
+                "only 'none' is accepted: tool / function calling is not supported by this server"
+            )
         return v
 
     @field_validator("parallel_tool_calls")
