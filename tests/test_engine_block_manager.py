@@ -316,12 +316,14 @@ def test_commit_leaves_exactly_the_pages_of_prefix_plus_kept(prefix, tree, kept,
 
 def test_sampling_params_validation():
     SamplingParams(temperature=0, top_p=1, top_k=0, max_tokens=1, logprobs=20, seed=3)
+    SamplingParams(temperature=1, top_k=2**31 - 1)  # past any vocabulary: every token kept
     for kwargs, name in [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),  # past 2**63 it overflowed in the sampler: a step error
         ({"max_tokens": -1}, "max_tokens"),  # 0 is allowed: echo with prompt logprobs only
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
