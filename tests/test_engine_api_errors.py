@@ -64,3 +64,28 @@ def test_logprobs_has_one_entry_per_token_with_or_without_speculation(llm):
 def test_sampling_params_name_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_generate_queues_nothing_when_a_later_prompt_cannot_fit_the_kv_pool():
+    """Every prompt is checked before any is queued, the KV pool's bound included: a prompt
+    the pool cannot hold, after one that fits, left the first queued (run by the next call)."""
+    llm = LLM("tiny-llama", num_pages=64, page_size=16)  # 1024 KV slots
+    with pytest.raises(ValueError, match=r"max_tokens: 4 \+ the prompt's 2000 tokens"):
+        llm.generate(["def f(", [1] * 2000], SamplingParams(temperature=0, max_tokens=4))
+    assert not llm.has_unfinished()
+    out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=3))
+    assert len(out) == 1 and len(out[0].token_ids) == 3
+
+
+def test_sampling_params_changed_after_construction_are_checked_again():
+    """SamplingParams is a mutable dataclass: a field set after construction is checked when
+    the engine takes the request (a temperature of -1 ran silently greedy; a top_k of 2**63
+    failed the engine's step)."""
+    llm = LLM("tiny-llama", num_pages=32, page_size=16)
+    for name, value in (("temperature", -1.0), ("top_k", 2**63), ("max_tokens", "5")):
+        sp = SamplingParams(max_tokens=3)
+        setattr(sp, name, value)
+        with pytest.raises(ValueError, match=name):
+            llm.generate(["x"], sp)
+        assert not llm.has_unfinished()
+    assert len(llm.generate(["x"], SamplingParams(max_tokens=2))[0].token_ids) == 2

@@ -375,12 +375,22 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         if len(ids) + params.max_tokens > ctx:
             raise ValueError(f"max_tokens: {params.max_tokens} + the prompt's {len(ids)} tokens "
                              f"exceed the model's context of {ctx} positions")  # fmt: skip
+        # the KV pool's bound too (the scheduler's, checked here before anything is queued:
+        # generate() left the prompts before a too-long one queued, run by the next call)
+        need = len(ids) + params.max_tokens - 1  # the last token never needs KV
+        cap = self.scheduler.block_manager.capacity_tokens
+        if need > cap:
+            raise ValueError(f"max_tokens: {params.max_tokens} + the prompt's {len(ids)} tokens "
+                             f"need {need} KV slots; the KV pool holds {cap} (num_pages x "
+                             f"page_size)")  # fmt: skip
         return ids, params
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request may ask of this engine beyond SamplingParams' own checks: logit_bias
-        ids in the vocabulary, a speculative_budget among the budgets it captured. Raises
-        ValueError naming the field (the server turns it into a 400)."""
+        ids in the vocabulary, a speculative_budget among the budgets it captured; SamplingParams'
+        own checks again first (a field set after construction). Raises ValueError naming the
+        field (the server turns it into a 400)."""
+        params.validate()
         vocab = self.vocab_size
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "

@@ -56,6 +56,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check (and normalize: stop as a list, logit_bias keys as ints) every field; a
+        ValueError names the field. Run at construction and again by the engine on every request
+        it takes: the dataclass is mutable (a temperature set to -1 after construction ran
+        silently greedy, a top_k of 2**63 failed the step)."""
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         if self.speculative_budget is not None:
