@@ -89,3 +89,16 @@ def test_sampling_params_changed_after_construction_are_checked_again():
             llm.generate(["x"], sp)
         assert not llm.has_unfinished()
     assert len(llm.generate(["x"], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "knobs,name",
+    [({"num_pages": 10**9}, "num_pages"), ({"num_pages": 4, "page_size": 10**12}, "num_pages"),
+     ({"max_num_seqs": 10**9}, "max_num_seqs")],
+)  # fmt: skip
+def test_a_pool_or_batch_too_big_for_memory_is_a_value_error_before_allocating(knobs, name):
+    """num_pages = 10**9 got the process OOM-killed (22 GB of page lists before the cache was
+    tried); the pool's bytes are now checked against the free memory first, and max_num_seqs
+    (tables allocated at startup) has a cap."""
+    with pytest.raises(ValueError, match=name):
+        LLM("tiny-llama", **knobs)

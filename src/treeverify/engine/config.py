@@ -44,6 +44,11 @@ def tree_nodes(algorithm: str, budget: int, depth: int) -> int:
     return 1 + budget
 
 
+# Requests decoding at once: each has a row in tables allocated at startup (penalties and
+# logit_bias: max_num_seqs x vocab); 10**9 failed deep in torch's allocator (a new user's audit).
+MAX_NUM_SEQS = 1 << 16
+
+
 def _positive_int(name: str, v: object, *, allow_none: bool = False) -> None:
     if v is None and allow_none:
         return
@@ -129,6 +134,9 @@ class EngineConfig:
         _positive_int("num_pages", self.num_pages, allow_none=True)
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive_int(name, getattr(self, name))
+        if self.max_num_seqs > MAX_NUM_SEQS:  # its per-request tables are allocated at startup
+            raise ValueError(f"max_num_seqs: expected at most {MAX_NUM_SEQS}, got "
+                             f"{self.max_num_seqs}")  # fmt: skip
         _positive_int("chunked_prefill_size", self.chunked_prefill_size, allow_none=True)
         _positive_int("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=True)
         if self.attention_backend not in BACKENDS:

@@ -42,7 +42,7 @@ from treeverify.engine.drafters import DFlashSource, default_depth, make_source,
 from treeverify.engine.introspection import Introspection
 from treeverify.engine.kv_cache import KVCache
 from treeverify.engine.logits_processor import LogitsProcessor
-from treeverify.engine.memory import check_headroom, size_kv_pool
+from treeverify.engine.memory import check_given_pool, check_headroom, size_kv_pool
 from treeverify.engine.model_runner import ModelRunner
 from treeverify.engine.ring_put import graphs_write_ring
 from treeverify.engine.round_graphs import RoundGraphs
@@ -115,6 +115,8 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
             self.config = config = config.resolved(num_pages=sizing.num_pages)
             self.startup["kv"] = sizing.describe()
         num_pages, page_size = config.num_pages, config.page_size
+        if "kv" not in self.startup:  # given, not sized: it must fit before it is allocated
+            check_given_pool(spec, dtype, num_pages, page_size, self.device)
         self.block_manager = BlockManager(num_pages, page_size)
         self.cache = KVCache(num_pages, page_size, self.device, spec=spec, dtype=dtype)
         self.startup.setdefault(

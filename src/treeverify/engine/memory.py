@@ -69,6 +69,36 @@ def size_kv_pool(
                     mem_fraction_static)  # fmt: skip
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for a new allocation on `device`: the GPU's free memory, or the host's
+    available memory (Linux's MemAvailable); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_given_pool(spec: KVSpec, dtype: torch.dtype, num_pages: int, page_size: int,
+                     device: torch.device) -> None:  # fmt: skip
+    """A pool given by num_pages must fit the device's free memory: a ValueError naming
+    num_pages / page_size before anything is allocated (num_pages=10**9 got the process
+    OOM-killed at 22 GB building the page lists; a new user's audit)."""
+    need = (num_pages + 1) * page_size * bytes_per_token(spec, dtype)  # + the scratch page
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(
+            f"num_pages: {num_pages} pages x page_size {page_size} need {need / GIB:.2f} GiB of "
+            f"KV cache; {device.type} has {free / GIB:.2f} GiB free (lower num_pages, or leave "
+            f"it unset on a GPU to size the pool from mem_fraction_static)"
+        )
+
+
 def check_headroom(device: torch.device, reserve_bytes: int = 256 * 1024**2) -> dict:
     """After warmup and capture: how much is free; a warning when under `reserve_bytes`."""
     free, total = torch.cuda.mem_get_info(device)
