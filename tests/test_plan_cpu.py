@@ -147,3 +147,25 @@ def test_split_arena_only_for_the_cuda_backend():
     case = Case("t", 3, 500, 40, 8, 2, 64, 64, False)
     with pytest.raises(ValueError, match="split_arena"):
         _plan(case, 16, split_arena=SplitArena("cpu"))
+
+
+def test_plan_refuses_a_block_table_without_every_page_and_run_a_cache_of_another_page_size():
+    """A request whose prefix + tree needs more pages than its block-table row holds: a
+    ValueError naming block_table at plan() (the fixed buffer is zero-padded: the missing page
+    read page 0, maybe another request's KV, and validate() passed); a cache whose page size
+    is not the plan's: a ValueError naming k_cache at run() (a shape: no sync)."""
+    from treeverify.kernels.plan import TreeAttentionPlan
+
+    q, k, v = torch.randn(3, 4, 64), torch.randn(8, 16, 2, 64), torch.randn(8, 16, 2, 64)
+    pl, qo = torch.tensor([20], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    mask = torch.tensor([[1], [3], [7]], dtype=torch.int32)
+    plan = TreeAttentionPlan(num_qo_heads=4, num_kv_heads=2, head_dim_qk=64, page_size=16,
+                             max_batch=2, max_tree=8, max_pages_per_request=4, sm_scale=0.125,
+                             dtype=torch.float32, device="cpu", backend="torch")  # fmt: skip
+    with pytest.raises(ValueError, match="block_table: request 0 needs 2 pages"):
+        plan.plan(torch.tensor([[3]], dtype=torch.int32), pl, qo, mask)
+    plan.plan(torch.tensor([[3, 5]], dtype=torch.int32), pl, qo, mask)
+    with pytest.raises(ValueError, match="k_cache"):
+        plan.run(q, torch.randn(8, 8, 2, 64), torch.randn(8, 8, 2, 64), torch.empty(3, 4, 64))
+    out = plan.run(q, k, v, torch.full((3, 4, 64), float("nan")))
+    assert torch.isfinite(out).all()

@@ -232,6 +232,16 @@ class TreeAttentionPlan:
             raise ValueError(
                 f"tree_mask: expected >= {total_q} rows (total_q), got {tree_mask.shape[0]}"
             )
+        # every request's pages in its row (host ints: free); the fixed buffer is zero-padded,
+        # so a missing column read page 0, another request's KV maybe (a new user's audit)
+        pages = -(-(pl.astype(np.int64) + np.diff(qo)) // self.page_size)  # (B,)
+        short = int(np.argmax(pages - block_table.shape[1]))
+        if pages[short] > block_table.shape[1]:
+            raise ValueError(
+                f"block_table: request {short} needs {int(pages[short])} pages (prefix "
+                f"{int(pl[short])} + tree {int(qo[short + 1] - qo[short])} at page_size "
+                f"{self.page_size}), the table has {block_table.shape[1]} columns"
+            )
         self.batch = batch
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if on_host and not capturing:
@@ -277,6 +287,11 @@ class TreeAttentionPlan:
             )
         if q.shape[0] > self.max_total_q:
             raise ValueError(f"q: {q.shape[0]} rows exceed max_total_q {self.max_total_q}")
+        if k_cache.dim() != 4 or k_cache.shape[1] != self.page_size:  # (a shape: no sync)
+            raise ValueError(
+                f"k_cache: expected (pages, {self.page_size}, heads, dim) for the plan's "
+                f"page_size {self.page_size}, got {tuple(k_cache.shape)}"
+            )
         if self._triton is not None:
             self._triton.launch(
                 q, k_cache, v_cache, out, self.block_table, self.prefix_lens, self.qo_indptr,
