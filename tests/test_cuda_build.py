@@ -310,3 +310,22 @@ def test_cta_trace_build_is_a_variant_of_its_own(tmp_path, monkeypatch):
         # ranking, TREEVERIFY_CUDA_SPLIT_ORDER, sits at the kernel's start).
         assert compiled.spill_bytes <= (32 if has_trace else 0), variant.name
         assert (b"tv_cta_trace" in compiled.cubin) == has_trace, variant.name
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [(["--arch", ""], "(empty)"), (["--arch", "sm_80,,"], "(empty)"),
+     (["--json", "/nonexistent-dir/x.json"], "--json"), (["--arch", "sm_999"], "sm_999")],
+)  # fmt: skip
+def test_kernels_build_refuses_bad_arguments_before_building(argv, says):
+    """`--arch ""` built nothing and exited 0; a --json path in a missing directory failed with
+    a traceback after every variant was built: both refused first, naming the flag."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "treeverify", "kernels", "build", *argv],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert proc.returncode in (2, 64), proc.stdout + proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert "built," not in proc.stdout  # refused before any variant was compiled

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from treeverify import env
 from treeverify.engine import faults
 from treeverify.engine.llm import LLM
 from treeverify.engine.sampling_params import SamplingParams
@@ -92,3 +93,11 @@ def test_bad_fault_spec_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TREEVERIFY_FAULT", "attn_past:lots")
     with pytest.raises(ValueError, match="TREEVERIFY_FAULT"):
         faults.active("attn_past")
+    # a name not in the table planted nothing, silently: a typo let a fault test believe it
+    # had planted one
+    monkeypatch.setenv("TREEVERIFY_FAULT", "attn_pst:64")
+    with pytest.raises(ValueError, match="TREEVERIFY_FAULT: unknown fault 'attn_pst'"):
+        faults.active("attn_past")
+    for name in env.FAULT_NAMES:  # the table and the names the code acts on agree
+        assert name in faults.__doc__
+    assert set(faults.ENGINE_FAULTS) <= set(env.FAULT_NAMES)

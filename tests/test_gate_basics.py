@@ -385,3 +385,14 @@ def test_report_write_failure_keeps_the_verdict(monkeypatch, tmp_path, capsys):
     )
     assert rc == 5
     assert "--json: cannot write" in capsys.readouterr().err
+
+
+def test_an_empty_api_key_is_a_usage_error(monkeypatch, capsys):
+    """An empty --api-key or a blank TREEVERIFY_API_KEY would check (or launch) a server with
+    no key at all: a usage error naming them."""
+    parser = cli.configure(__import__("argparse").ArgumentParser())
+    monkeypatch.delenv("TREEVERIFY_API_KEY", raising=False)
+    assert cli.run(parser.parse_args(["--api-key", ""])) == 64
+    monkeypatch.setenv("TREEVERIFY_API_KEY", " ")
+    assert cli.run(cli.configure(__import__("argparse").ArgumentParser()).parse_args([])) == 64
+    assert "TREEVERIFY_API_KEY: empty" in capsys.readouterr().err

@@ -96,6 +96,7 @@ def test_serve_accepts_sglang_flags():
         (["--log-level", "loud"], "--log-level"),
         (["--dtype", "int8"], "--dtype"),
         (["--max-request-bytes", "0"], "--max-request-bytes"),
+        (["--port", "70000"], "--port"),  # was an OverflowError traceback after the model loaded
     ],
 )
 def test_serve_rejects_bad_values(capsys, argv, flag):
@@ -104,6 +105,17 @@ def test_serve_rejects_bad_values(capsys, argv, flag):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and " serve [-h]" in err  # serve's usage, not the top level's
+
+
+def test_an_empty_api_key_is_refused_not_auth_off(capsys, monkeypatch):
+    """--api-key "" (or a blank TREEVERIFY_API_KEY: a secret that failed to render) turned
+    authentication off, said only at INFO; now exit 2 naming it, before the model loads."""
+    monkeypatch.delenv("TREEVERIFY_API_KEY", raising=False)
+    assert cli.run(_parse(cli, ["serve", "--api-key", " "])) == 2
+    assert "--api-key: empty" in capsys.readouterr().err
+    monkeypatch.setenv("TREEVERIFY_API_KEY", "  ")
+    assert cli.run(_parse(cli, ["serve"])) == 2
+    assert "TREEVERIFY_API_KEY: set but empty" in capsys.readouterr().err
 
 
 def test_serve_adaptive_needs_ddtree(capsys):

@@ -255,6 +255,13 @@ VARIABLES: dict[str, str] = {
     "uniform batch's splits, taken by the long requests of a mixed batch (default 2; 1: off).",
     "TREEVERIFY_CUDA_PDL": "The CUDA split-merge kernel by programmatic dependent launch on "
     "sm_90+: auto (default; where the forward grid fits in one wave), 1 (always) or 0 (never).",
+    "TREEVERIFY_CUDA_MAX_SPLITS": "The CUDA backend's split-KV count forced for every plan, "
+    "1..64 (A/B, scripts/split_sweep.py); unset: kernels/splits.py's policy decides.",
+    "TREEVERIFY_CUDA_SPLIT_SHARE": "In balanced plans whose requests take one split each, no "
+    "split shorter than this multiple (1..4) of the batch's mean keys (1: the v12 rule); unset: "
+    "the policy's own value.",
+    "TREEVERIFY_DECODE_GEMV": "0: the decode GEMV (models/gemv.py) off, every linear layer on "
+    "cuBLAS (an A/B, or an escape hatch); default 1.",
     "TREEVERIFY_SKINNY_GEMM": "1 (default): linear layers of 2..32 rows on weights <= 2 MB (a "
     "batch-1 verify forward, a drafter's block) by the few-row tensor-core kernel instead of "
     "cuBLAS; 0: cuBLAS.",
@@ -369,14 +376,26 @@ VARIABLES: dict[str, str] = {
 }
 
 
+# engine/faults.py's table: a name not in it planted nothing, silently (a typo such as
+# "attn_pst" let a fault test believe it had planted one; a new user's audit)
+FAULT_NAMES = (
+    "attn_past", "merge_bug", "batch_over", "garbage_after", "spec_diverge",
+    "spec_greedy_sampled", "capture_crash", "capture_hang", "first_request_crash",
+)  # fmt: skip
+
+
 def planted_fault() -> tuple[str, int] | None:
-    """TREEVERIFY_FAULT (TEST ONLY, engine/faults.py): (name, parameter) of the planted fault."""
+    """TREEVERIFY_FAULT (TEST ONLY, engine/faults.py): (name, parameter) of the planted fault;
+    ValueError naming the variable for a name not in FAULT_NAMES or a parameter not an int."""
     value = os.environ.get("TREEVERIFY_FAULT", "").strip()
     if not value:
         return None
     name, _, param = value.partition(":")
     if param and not param.isdigit():
         raise ValueError(f"TREEVERIFY_FAULT: expected NAME or NAME:INT, got {value!r}")
+    if name not in FAULT_NAMES:
+        raise ValueError(f"TREEVERIFY_FAULT: unknown fault {name!r}; expected one of "
+                         f"{', '.join(FAULT_NAMES)}")  # fmt: skip
     return name, int(param or 0)
 
 
@@ -390,9 +409,23 @@ def test_hooks_enabled() -> bool:
     return os.environ.get("TREEVERIFY_TEST_HOOKS", "").strip() == "1"
 
 
+def api_key_as_set() -> str | None:
+    """TREEVERIFY_API_KEY stripped ("" when set but blank), None when unset: for a parser's
+    default, whose caller refuses "" as it refuses an empty --api-key."""
+    value = os.environ.get("TREEVERIFY_API_KEY")
+    return None if value is None else value.strip()
+
+
 def api_key() -> str | None:
-    """TREEVERIFY_API_KEY: the server's bearer key (and the gate's), or None when unset/empty."""
-    return os.environ.get("TREEVERIFY_API_KEY", "").strip() or None
+    """TREEVERIFY_API_KEY: the server's bearer key (and the gate's), or None when unset; set but
+    blank is a ValueError naming it (a secret that failed to render served with no key at all:
+    a new user's audit)."""
+    value = os.environ.get("TREEVERIFY_API_KEY")
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError("TREEVERIFY_API_KEY: set but empty; unset it to serve without a key")
+    return value.strip()
 
 
 def commit_override() -> str | None:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections import Counter
 
+from treeverify.strict_args import output_file
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmarks against the roofline")
@@ -25,15 +27,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="equal: the grid; mixed: the B > 1 cases with prefixes drawn from 1..L per request",
     )  # fmt: skip
     k.add_argument("--no-verify", action="store_true", help="skip the reference comparison")
-    k.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    k.add_argument("--plot", metavar="PNG", help="write a roofline plot")
+    k.add_argument("--json", metavar="FILE", type=output_file, help="write the results as JSON")
+    k.add_argument("--plot", metavar="PNG", type=output_file, help="write a roofline plot")
     e = sub.add_parser("engine", help="engine suites on a GPU: graphs, decode, verify, spec")
     e.add_argument("--suites", default="graphs,decode,verify,spec", help="comma list")
     e.add_argument("--graphs-models", default="tiny-llama,tiny-kimi,random:llama-1b,random:mla-moe")
     e.add_argument("--decode-models", default="random:llama-1b,random:mla-moe")
     e.add_argument("--verify-models", default="random:llama-8b,random:mla-moe")
     e.add_argument("--spec-models", default="tiny-llama,random:llama-1b")
-    e.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    e.add_argument("--json", metavar="FILE", type=output_file, help="write the results as JSON")
     try:  # `bench serve` needs the server extra's httpx; leave it out where that is missing
         from treeverify.server import bench_serve
     except ImportError:

@@ -84,7 +84,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--model", help="model name for requests (default: the first /v1/models)")
     t.add_argument(
         "--api-key",
-        default=env.api_key(),
+        # $TREEVERIFY_API_KEY ("" when set but blank: run() refuses it, as an empty --api-key)
+        default=env.api_key_as_set(),
         help="sent as 'Authorization: Bearer KEY' on every request and given to a server the "
         "gate launches (default: $TREEVERIFY_API_KEY)",
     )
@@ -328,6 +329,9 @@ def _child_env(a: argparse.Namespace) -> dict | None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.api_key is not None and not args.api_key.strip():  # auth off by an empty value
+            raise UsageError("--api-key / TREEVERIFY_API_KEY: empty; unset it to check a server "
+                             "without a key")  # fmt: skip
         opts = _options(args)
         target = _target(args)
     except UsageError as exc:

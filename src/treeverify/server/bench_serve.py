@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from treeverify import env
+from treeverify.strict_args import output_file
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -32,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (SGLang/vLLM)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
@@ -167,7 +168,11 @@ def run(args: argparse.Namespace) -> int:
         print("--concurrency, --num-requests and --max-tokens must be >= 1", file=sys.stderr)
         return 64
     url = args.url.rstrip("/")
-    key = env.api_key()  # a server started with a key wants it on every request
+    try:
+        key = env.api_key()  # a server started with a key wants it on every request
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 64
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     model = args.model
     if model is None:

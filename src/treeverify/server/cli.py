@@ -94,7 +94,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     own_unknown_flags(p)  # serve's usage, exit 2
-    pos, at_least_0 = int_at_least(1), int_at_least(0)
+    pos = int_at_least(1)
     positive_s, at_least_0_s = _seconds(0.0, inclusive=False), _seconds(0.0, inclusive=True)
     p.add_argument(
         "--model",
@@ -107,7 +107,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "downloaded)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=at_least_0, default=30000, help="TCP port")
+    p.add_argument("--port", type=int_at_least(0, 65535), default=30000, help="TCP port")
     p.add_argument("--served-model-name", help="model id clients use (default: --model)")
     p.add_argument("--context-length", type=pos, help="max prompt + output tokens per request")
     p.add_argument(
@@ -297,8 +297,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"treeverify serve: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("treeverify.server").setLevel(args.log_level.upper())
+    if args.api_key is not None and not args.api_key.strip():  # auth off by an empty value
+        print("treeverify serve: --api-key: empty; omit it to serve without a key",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.api_key is None:
-        args.api_key = env.api_key()
+        try:
+            args.api_key = env.api_key()
+        except ValueError as exc:
+            print(f"treeverify serve: {exc}", file=sys.stderr)
+            return 2
     if args.speculative_adaptive and args.speculative_algorithm != "DDTREE":
         print("treeverify serve: --speculative-adaptive: needs --speculative-algorithm DDTREE",
               file=sys.stderr)  # fmt: skip

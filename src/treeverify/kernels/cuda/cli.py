@@ -8,6 +8,7 @@ import sys
 import time
 
 from treeverify.kernels.cuda.variants import ALL_ARCHES, SMEM_LIMIT, all_variants
+from treeverify.strict_args import output_file
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -20,15 +21,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"comma-separated archs (default: {','.join(ALL_ARCHES)})",
     )
     b.add_argument("--no-cache", action="store_true", help="recompile even if cached")
-    b.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    b.add_argument("--json", metavar="FILE", type=output_file,
+                   help="also write the table as JSON")  # fmt: skip
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from treeverify.kernels.cuda.jit import CompileError, compile_variant, nvrtc_version
 
-    arches = [a.strip() for a in args.arch.split(",") if a.strip()]
+    parts = [a.strip() for a in args.arch.split(",")]
+    arches = [a for a in parts if a]
     bad = [a for a in arches if a not in SMEM_LIMIT]
+    if len(arches) < len(parts):  # "" or "sm_80,,": built nothing (or less) and exited 0
+        bad.append("(empty)")
     if bad:
         print(f"--arch: unknown {bad}; choose from {', '.join(ALL_ARCHES)}", file=sys.stderr)
         return 64
