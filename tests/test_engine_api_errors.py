@@ -102,3 +102,13 @@ def test_a_pool_or_batch_too_big_for_memory_is_a_value_error_before_allocating(k
     (tables allocated at startup) has a cap."""
     with pytest.raises(ValueError, match=name):
         LLM("tiny-llama", **knobs)
+
+
+def test_speculative_knobs_without_an_algorithm_are_refused_through_config_too():
+    """Refused as keywords of LLM(), they were silently dropped when given in an EngineConfig
+    (LLM(config=...)): the config refuses them itself now."""
+    from treeverify.engine.config import EngineConfig
+
+    for knobs in ({"speculative_ddtree_budget": 8}, {"speculative_draft_model_path": "ngram"}):
+        with pytest.raises(ValueError, match=next(iter(knobs))):
+            LLM(config=EngineConfig("tiny-llama", **knobs))

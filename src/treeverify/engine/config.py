@@ -173,6 +173,13 @@ class EngineConfig:
         if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm: expected one of "
                              f"{list(SPECULATIVE_ALGORITHMS)} or None, got {algo!r}")  # fmt: skip
+        if algo is None:  # set without it, a speculative knob was silently dropped
+            for f in dataclasses.fields(self):
+                if f.name.startswith("speculative_") and f.name != "speculative_algorithm":
+                    value = getattr(self, f.name)
+                    if value is not None and value != f.default:
+                        raise ValueError(f"{f.name}: set without speculative_algorithm (DDTREE "
+                                         f"or CHAIN): no speculation would use it")  # fmt: skip
         b = self.speculative_ddtree_budget
         if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_TREE_BUDGET:
             raise ValueError(f"speculative_ddtree_budget: expected an int in 1..{MAX_TREE_BUDGET}"

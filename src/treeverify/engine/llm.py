@@ -75,25 +75,25 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
                  **knobs) -> None:  # fmt: skip
         """`LLM("tiny-llama", speculative_algorithm="DDTREE", ...)` or `LLM(config=cfg)`: every
         knob is an `EngineConfig` field (same names and defaults); knobs given with a config
-        override its values. Bad values: ValueError naming the knob, before anything loads."""
+        override its values (`speculative_algorithm=None` over a speculative config turns
+        speculation off, its speculative knobs reset). Bad values: ValueError naming the knob,
+        before anything loads."""
         from treeverify.models import load_model
 
         if unknown := sorted(set(knobs) - {f.name for f in dataclasses.fields(EngineConfig)}):
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
         if model is not None:
             knobs["model"] = model
+        # (EngineConfig refuses speculative knobs set without speculative_algorithm)
+        if (
+            config is not None
+            and "speculative_algorithm" in knobs
+            and (knobs["speculative_algorithm"] is None)
+        ):  # speculation turned off over a config that has it: its knobs go with it
+            for f in dataclasses.fields(EngineConfig):
+                if f.name.startswith("speculative_") and f.name not in knobs:
+                    knobs[f.name] = f.default
         config = EngineConfig(**knobs) if config is None else dataclasses.replace(config, **knobs)
-        if config.speculative_algorithm is None:  # given here, they were silently dropped
-            unused = {
-                n: v
-                for n, v in knobs.items()
-                if n.startswith("speculative_")
-                and v is not None
-                and v != EngineConfig.__dataclass_fields__[n].default
-            }
-            if unused:  # fmt: skip
-                raise ValueError(f"{next(iter(unused))}: set without speculative_algorithm "
-                                 f"(DDTREE or CHAIN): no speculation would use it")  # fmt: skip
         self.config = config  # resolved below: num_pages (GPU sizing), draft depth (drafter)
         if config.device.type == "cuda" and not torch.cuda.is_available():  # (a config may
             # describe a GPU engine anywhere; building one needs the GPU)
