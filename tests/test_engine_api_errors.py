@@ -112,3 +112,17 @@ def test_speculative_knobs_without_an_algorithm_are_refused_through_config_too()
     for knobs in ({"speculative_ddtree_budget": 8}, {"speculative_draft_model_path": "ngram"}):
         with pytest.raises(ValueError, match=next(iter(knobs))):
             LLM(config=EngineConfig("tiny-llama", **knobs))
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, exc, says",
+    [("tiny-llama", {"dtype": "fp16"}, ValueError, "dtype"),  # was "Invalid device string"
+     ("", {}, ValueError, "name_or_path"),  # was the current directory
+     ("tiny-llama", {"device": "xpu9"}, ValueError, "device"),
+     (__file__, {}, FileNotFoundError, "is a file")],  # was "not found"
+)  # fmt: skip
+def test_load_model_names_the_bad_argument(name, kwargs, exc, says):
+    from treeverify.models import load_model
+
+    with pytest.raises(exc, match=says):
+        load_model(name, **kwargs)

