@@ -169,3 +169,18 @@ def test_plan_refuses_a_block_table_without_every_page_and_run_a_cache_of_anothe
         plan.run(q, torch.randn(8, 8, 2, 64), torch.randn(8, 8, 2, 64), torch.empty(3, 4, 64))
     out = plan.run(q, k, v, torch.full((3, 4, 64), float("nan")))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("head_dim_v", -1), ("dtype", torch.int32), ("dtype", "bf16"), ("max_kv_len", -5),
+     ("max_total_q", 0), ("split_balance", -3), ("sm_scale", "abc"), ("sm_scale", float("nan")),
+     ("device", "gpu"), ("num_qo_heads", True)],
+)  # fmt: skip
+def test_plan_constructor_refuses_nonsense_naming_the_argument(field, value):
+    """Each was accepted (or failed later, or in torch's words): a ValueError naming it."""
+    base = dict(num_qo_heads=4, num_kv_heads=2, head_dim_qk=64, page_size=16, max_batch=2,
+                max_tree=8, max_pages_per_request=4, sm_scale=0.125, dtype=torch.float32,
+                device="cpu", backend="torch")  # fmt: skip
+    with pytest.raises(ValueError, match=field):
+        TreeAttentionPlan(**{**base, field: value})

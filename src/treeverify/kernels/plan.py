@@ -84,9 +84,36 @@ class TreeAttentionPlan:
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
             ("head_dim_qk", head_dim_qk), ("page_size", page_size), ("max_batch", max_batch),
             ("max_tree", max_tree), ("max_pages_per_request", max_pages_per_request),
+            ("head_dim_v", head_dim_qk if head_dim_v is None else head_dim_v),
+            ("max_kv_len", 1 if max_kv_len is None else max_kv_len),
+            ("max_total_q", 1 if max_total_q is None else max_total_q),
+            ("split_balance", 1 if split_balance is None else split_balance),
         ):  # fmt: skip
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if mla and head_dim_v is not None and head_dim_v > head_dim_qk:  # V is K's first columns
+            raise ValueError(f"head_dim_v: MLA's V is the first head_dim_v columns of K, so at "
+                             f"most head_dim_qk={head_dim_qk}, got {head_dim_v}")  # fmt: skip
+        if not isinstance(dtype, torch.dtype) or dtype not in (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+        ):
+            raise ValueError(f"dtype: expected torch.float16, torch.bfloat16 or torch.float32, "
+                             f"got {dtype!r}")  # fmt: skip
+        if (
+            isinstance(sm_scale, bool)
+            or not isinstance(sm_scale, (int, float))
+            or not (math.isfinite(sm_scale) and sm_scale > 0)
+        ):
+            raise ValueError(f"sm_scale: expected a finite number > 0, got {sm_scale!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: {device!r} is not a device ({exc})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {str(device)!r}, but this torch sees no CUDA GPU; use "
+                             f"device='cpu' with backend='torch'")  # fmt: skip
         if num_qo_heads % num_kv_heads:
             raise ValueError(
                 f"num_qo_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
