@@ -126,3 +126,14 @@ def test_load_model_names_the_bad_argument(name, kwargs, exc, says):
 
     with pytest.raises(exc, match=says):
         load_model(name, **kwargs)
+
+
+def test_stop_token_ids_outside_the_vocabulary_and_undecodable_text_name_their_argument():
+    """A stop id past the vocabulary never matches (silently); a lone surrogate raised a
+    UnicodeEncodeError naming nothing."""
+    llm = LLM("tiny-llama", num_pages=32, page_size=16)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["x"], SamplingParams(max_tokens=2, stop_token_ids=[10**12]))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["\ud800"], SamplingParams(max_tokens=2))
+    assert not llm.has_unfinished()

@@ -357,7 +357,10 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)  # UnicodeError (a ValueError) for bad text
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except UnicodeError as exc:  # a lone surrogate: no text (the error named no argument)
+                raise ValueError(f"prompt: not encodable text ({exc})") from exc
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             for t in ids:
@@ -394,6 +397,9 @@ class LLM(SpeculativeSteps, DrafterFeed, Introspection):
         field (the server turns it into a 400)."""
         params.validate()
         vocab = self.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # could never match: a typo, surely
+            raise ValueError(f"stop_token_ids: token id {max(params.stop_token_ids)} is outside "
+                             f"the vocabulary (0..{vocab - 1})")  # fmt: skip
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the "
                              f"vocabulary (0..{vocab - 1})")  # fmt: skip
