@@ -97,6 +97,8 @@ def test_serve_accepts_sglang_flags():
         (["--dtype", "int8"], "--dtype"),
         (["--max-request-bytes", "0"], "--max-request-bytes"),
         (["--port", "70000"], "--port"),  # was an OverflowError traceback after the model loaded
+        (["--speculative-ddtree-budget", "5000"], "--speculative-ddtree-budget"),  # (after load)
+        (["--speculative-num-draft-tokens", "-3"], "--speculative-num-draft-tokens"),
     ],
 )
 def test_serve_rejects_bad_values(capsys, argv, flag):

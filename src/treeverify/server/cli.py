@@ -183,7 +183,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--speculative-ddtree-budget",
-        type=int,
+        type=int_at_least(1, 1024),  # engine.config.MAX_TREE_BUDGET: refused before the load
         default=16,
         help="tree nodes besides the root (up to 1024)",
     )
@@ -205,7 +205,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--speculative-num-draft-tokens",
-        type=int,
+        type=pos,
         help="draft depth L (positions proposed per round; default: a DFlash drafter's block "
         "size - 1, the n-gram drafter's 4)",
     )
