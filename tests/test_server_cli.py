@@ -317,6 +317,7 @@ def test_serve_levels_and_seconds_accepted():
         (["--timeout-stop-sec", "-1"], "--timeout-stop-sec"),
         (["--restart-sec", "-1"], "--restart-sec"),
         (["--working-directory", "/srv\nUser=root"], "--working-directory"),
+        (["--working-directory", "relative/dir"], "--working-directory"),  # systemd refuses it
         (["--exec", "/bin/tv\rx"], "--exec"),
         (["--user", "tv\nGroup=root"], "--user"),
         (["--env", "A=1\nExecStartPre=/bin/true"], "--env"),

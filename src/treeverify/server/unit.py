@@ -29,6 +29,15 @@ def _one_line(value: str) -> str:
     return value
 
 
+def _absolute_dir(value: str) -> str:
+    """WorkingDirectory=: systemd takes an absolute path only (a relative one was written and
+    the unit refused at start; a new user's audit)."""
+    value = _one_line(value)
+    if not value.startswith("/"):
+        raise argparse.ArgumentTypeError(f"{value!r}: systemd needs an absolute path")
+    return value
+
+
 def _name(value: str) -> str:
     if not _NAME.fullmatch(value):
         raise argparse.ArgumentTypeError(
@@ -50,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="the treeverify executable (default: found on PATH, else python -m)",
     )
     p.add_argument("--user", type=_one_line, help="User= to run as")
-    p.add_argument("--working-directory", type=_one_line, help="WorkingDirectory=")
+    p.add_argument("--working-directory", type=_absolute_dir, help="WorkingDirectory= (absolute)")
     p.add_argument(
         "--env",
         action="append",
