@@ -186,6 +186,19 @@ def test_bench_serve_reports_unreachable_server(capsys):
     assert bench_serve.run(args) == 3
 
 
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(["--concurrency", "0"], "--concurrency"), (["--num-requests", "0"], "--num-requests"),
+     (["--temperature", "-5"], "--temperature"), (["--timeout", "-1"], "--timeout")],
+)  # fmt: skip
+def test_bench_serve_names_the_bad_flag_before_sending(capsys, argv, flag):
+    """One message for three flags named none of them, and a bad temperature or timeout ran
+    the benchmark to "1 fail" with no reason: each flag named with its value, up front."""
+    args = _parse(bench_serve, ["serve", "--url", "http://127.0.0.1:9", "--quiet", *argv])
+    assert bench_serve.run(args) == 64
+    assert flag in capsys.readouterr().err
+
+
 def _serve_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The real ``treeverify serve`` command line in a subprocess (no server is started)."""
     src = str(Path(__file__).resolve().parents[1] / "src")

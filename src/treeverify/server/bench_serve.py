@@ -164,8 +164,20 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 64
-    if not levels or min(levels) < 1 or args.num_requests < 1 or args.max_tokens < 1:
-        print("--concurrency, --num-requests and --max-tokens must be >= 1", file=sys.stderr)
+    bad = [  # each flag named with its value (one message for three hid which)
+        (flag, value, want)
+        for flag, value, ok, want in (
+            ("--concurrency", args.concurrency, levels and min(levels) >= 1, "ints >= 1"),
+            ("--num-requests", args.num_requests, args.num_requests >= 1, ">= 1"),
+            ("--max-tokens", args.max_tokens, args.max_tokens >= 1, ">= 1"),
+            ("--temperature", args.temperature, 0 <= args.temperature <= 2, "in 0..2"),
+            ("--timeout", args.timeout, args.timeout > 0 and math.isfinite(args.timeout), "> 0"),
+        )
+        if not ok
+    ]
+    if bad:
+        flag, value, want = bad[0]
+        print(f"{flag}: expected {want}, got {value!r}", file=sys.stderr)
         return 64
     url = args.url.rstrip("/")
     try:
@@ -225,4 +237,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    for r in rows:  # why they failed (the table said only how many)
+        for error in r["errors"]:
+            print(f"concurrency {r['concurrency']}: failed: {error}", file=sys.stderr)
     return 1 if any(r["failures"] for r in rows) else 0
